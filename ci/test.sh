@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one test command (README names it; .ci/run calls it). Installs what it needs,
+# then runs every test: Rust, C, Python. Safe to run on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found: install Rust (rustup) first" >&2
+  exit 1
+fi
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+step "format"
+cargo fmt --all -- --check
+
+step "clippy"
+cargo clippy --workspace --all-targets --release --features marconi-core/strict-checks -- -D warnings
+
+step "rust tests"
+cargo test --workspace --release --features marconi-core/strict-checks
+
+# Later steps (C ABI tests, Python shim tests) are added below by their crates.
+for extra in ci/test.d/*.sh; do
+  [ -e "$extra" ] || continue
+  step "$extra"
+  bash "$extra"
+done
+echo
+echo "ci/test.sh: all green"

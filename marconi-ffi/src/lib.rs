@@ -1,0 +1,1 @@
+//! marconi-ffi: see ARCHITECTURE.md.

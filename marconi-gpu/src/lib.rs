@@ -1,0 +1,1 @@
+//! marconi-gpu: see ARCHITECTURE.md.

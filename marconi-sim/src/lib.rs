@@ -1,0 +1,1 @@
+//! marconi-sim: see ARCHITECTURE.md.

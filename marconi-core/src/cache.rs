@@ -1,0 +1,1278 @@
+//! The prefix cache: lookup, plan, admit, release, eviction, stats.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use serde::Serialize;
+
+use crate::config::{AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy};
+use crate::error::CacheError;
+use crate::index::Index;
+use crate::log::{Decision, DecisionLog, EvictKind, PlanReason};
+use crate::tree::{NodeId, StateRef, Tree, NIL};
+use crate::tuner::Tuner;
+
+/// Identifies a lease: the pin a lookup puts on the nodes a request reuses.
+/// Ids are never reused, so a released lease cannot reach a later one.
+pub type LeaseId = u64;
+
+/// What a lookup found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Lookup {
+    /// The lease pinning what this request reuses; release it when done.
+    pub lease: LeaseId,
+    /// Leading tokens the engine may skip: the deepest matched position that
+    /// has a recurrent state (any page-aligned matched position for
+    /// attention-only models), and always less than the input length, so the
+    /// last input token is recomputed to produce the first output's logits.
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached (page-aligned). `kv_matched_tokens −
+    /// hit_tokens` is KV that matched but cannot be used: the silent miss.
+    pub kv_matched_tokens: u32,
+    /// The state slot to resume from (copy it into the request's own slot),
+    /// when a state-based hit has an engine slot id.
+    pub state_slot: Option<u32>,
+    /// KV page ids of the first `hit_tokens` tokens, when the engine tracks pages.
+    pub kv_pages: Vec<u32>,
+    /// Positions at which the engine should save recurrent states during
+    /// this prefill (ascending). The final state (after the last decoded
+    /// token) is always admissible and is not listed.
+    pub plan: Vec<u32>,
+}
+
+/// A state the engine saved, offered to the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SavedState {
+    /// Tokens the state covers.
+    pub position: u32,
+    /// The engine's slot holding it, if the engine tracks slots.
+    pub slot: Option<u32>,
+}
+
+/// What an admission did. Ownership of the slots in `states_taken` and of
+/// the pages `kv_pages_taken` passed to the cache; everything else stays the
+/// engine's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AdmitOutcome {
+    /// Positions whose states the cache now holds (their slots are the cache's).
+    pub states_taken: Vec<u32>,
+    /// Slots the cache did not take (already cached there, or rejected).
+    pub slots_returned: Vec<u32>,
+    /// Indices into the admitted page list of the pages the cache took
+    /// (a range: `start..end`).
+    pub kv_pages_taken: std::ops::Range<u32>,
+    /// Tokens of KV newly cached.
+    pub new_kv_tokens: u32,
+    /// Set when nothing could be cached (the sequence does not fit even after
+    /// evicting every unleased entry).
+    pub rejected: Option<String>,
+}
+
+/// Engine ids freed by evictions since the last drain: the engine may reuse them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Freed {
+    /// KV page ids.
+    pub kv_pages: Vec<u32>,
+    /// State slot ids.
+    pub state_slots: Vec<u32>,
+}
+
+/// Counters and gauges.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Stats {
+    /// Lookups served.
+    pub requests: u64,
+    /// Lookups with a non-zero hit.
+    pub hit_requests: u64,
+    /// Input tokens looked up.
+    pub input_tokens: u64,
+    /// Tokens skipped thanks to the cache (usable hits).
+    pub hit_tokens: u64,
+    /// Tokens whose KV matched but could not be used because no state
+    /// existed there (the "silent miss"; excludes each request's last token,
+    /// which is always recomputed).
+    pub kv_matched_unusable_tokens: u64,
+    /// Prefill FLOPs saved by hits.
+    pub flops_saved: f64,
+    /// Prefill FLOPs the inputs would cost with no cache.
+    pub flops_total: f64,
+    /// Bytes of cached KV.
+    pub kv_bytes: u64,
+    /// Bytes of cached states.
+    pub state_bytes: u64,
+    /// The byte budget.
+    pub capacity_bytes: u64,
+    /// Cached states.
+    pub states: u64,
+    /// Tree nodes (roots excluded).
+    pub nodes: u64,
+    /// Nodes evicted.
+    pub evictions: u64,
+    /// States admitted.
+    pub states_admitted: u64,
+    /// Admissions refused for lack of space.
+    pub admissions_rejected: u64,
+    /// Leases outstanding.
+    pub leases: u64,
+    /// The α in force.
+    pub alpha: f64,
+    /// α tuning rounds run.
+    pub tuning_rounds: u32,
+}
+
+impl Stats {
+    /// Hit tokens / input tokens.
+    pub fn token_hit_rate(&self) -> f64 {
+        ratio(self.hit_tokens as f64, self.input_tokens as f64)
+    }
+    /// Requests with a hit / requests.
+    pub fn request_hit_rate(&self) -> f64 {
+        ratio(self.hit_requests as f64, self.requests as f64)
+    }
+    /// FLOPs saved / FLOPs with no cache.
+    pub fn flop_savings_rate(&self) -> f64 {
+        ratio(self.flops_saved, self.flops_total)
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// One request's outcome through [`PrefixCache::serve`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Served {
+    /// Tokens skipped.
+    pub hit_tokens: u32,
+    /// Tokens whose KV matched.
+    pub kv_matched_tokens: u32,
+    /// Checkpoints planned.
+    pub planned: Vec<u32>,
+    /// Whether the admission was refused for lack of space.
+    pub rejected: bool,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseInfo {
+    ns: u64,
+    /// Deepest pinned node (its ancestors are pinned too); NIL if none.
+    pinned: NodeId,
+    input_len: u32,
+    input_fingerprint: u64,
+    plan: Vec<u32>,
+    /// The longest sequence admitted under this lease (kept only while the
+    /// tuner records a window).
+    admitted: Option<Vec<u32>>,
+}
+
+/// Everything but the tuner: the state a tuning replay clones.
+#[derive(Clone, Debug)]
+pub(crate) struct Core {
+    pub(crate) cfg: CacheConfig,
+    kv_bpt: u64,
+    state_b: u64,
+    tree: Tree,
+    index: Index,
+    pub(crate) alpha: f64,
+    clock: u64,
+    next_lease: LeaseId,
+    leases: BTreeMap<LeaseId, LeaseInfo>,
+    /// Total tokens on edges and total states, for byte accounting.
+    kv_tokens: u64,
+    states: u64,
+    slot_owner: HashSet<u32>,
+    page_owner: HashSet<u32>,
+    /// Whether admitted sequences carry page ids (fixed by the first admission).
+    tracks_pages: Option<bool>,
+    freed: Freed,
+    pub(crate) stats: Stats,
+    pub(crate) log: DecisionLog,
+}
+
+/// Fingerprint of a token sequence: checks that an admission extends the
+/// looked-up input without keeping a copy of it.
+fn fingerprint(tokens: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ tokens.len() as u64;
+    for &t in tokens {
+        h = (h ^ u64::from(t)).wrapping_mul(0x0000_0100_0000_01b3);
+        h ^= h >> 29;
+    }
+    h
+}
+
+fn round_down(x: u32, grid: u32) -> u32 {
+    x - x % grid
+}
+
+impl Core {
+    fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
+        cfg.validate()?;
+        let oracle = cfg.admission == AdmissionPolicy::Oracle;
+        let alpha = match &cfg.alpha {
+            AlphaMode::Fixed(a) => *a,
+            AlphaMode::Auto(_) => 0.0,
+        };
+        Ok(Core {
+            kv_bpt: cfg.model.kv_bytes_per_token(),
+            state_b: if oracle { 0 } else { cfg.model.state_bytes() },
+            stats: Stats {
+                capacity_bytes: cfg.capacity_bytes,
+                alpha,
+                ..Stats::default()
+            },
+            log: DecisionLog::new(cfg.decision_log),
+            cfg,
+            tree: Tree::default(),
+            index: Index::default(),
+            alpha,
+            clock: 0,
+            next_lease: 1,
+            leases: BTreeMap::new(),
+            kv_tokens: 0,
+            states: 0,
+            slot_owner: HashSet::new(),
+            page_owner: HashSet::new(),
+            tracks_pages: None,
+            freed: Freed::default(),
+        })
+    }
+
+    pub(crate) fn used_bytes(&self) -> u64 {
+        self.kv_tokens * self.kv_bpt + self.states * self.state_b
+    }
+
+    /// Whether every matched position is usable without a state.
+    fn stateless_hits(&self) -> bool {
+        self.cfg.admission == AdmissionPolicy::Oracle || self.cfg.model.ssm_layers == 0
+    }
+
+    /// The cut for a checkpoint inside the prefill: page and checkpoint grid.
+    fn inner_grid(&self) -> u32 {
+        let (a, b) = (self.cfg.page_size, self.cfg.checkpoint_grid);
+        let g = gcd(a, b);
+        (a / g).saturating_mul(b)
+    }
+
+    // ---- eviction index -------------------------------------------------
+
+    fn eligible(&self, id: NodeId) -> bool {
+        let n = self.tree.node(id);
+        if n.parent == NIL || n.leases > 0 || !n.live {
+            return false;
+        }
+        match self.cfg.eviction {
+            EvictionPolicy::Lru => n.children.is_empty(),
+            EvictionPolicy::FlopAware => {
+                n.children.is_empty() || (n.children.len() == 1 && n.state.is_some())
+            }
+        }
+    }
+
+    /// FLOP efficiency: prefill FLOPs lost by evicting the node (its edge,
+    /// given its parent's prefix; zero when nothing could resume at its end)
+    /// per byte freed.
+    fn efficiency(&self, id: NodeId) -> f64 {
+        let n = self.tree.node(id);
+        let parent_depth = self.tree.node(n.parent).depth;
+        let freed = self.freed_bytes(id);
+        let usable_end = n.state.is_some() || self.stateless_hits();
+        if freed == 0 || !usable_end {
+            return 0.0;
+        }
+        self.cfg
+            .model
+            .prefill_flops(u64::from(parent_depth), u64::from(n.depth))
+            / freed as f64
+    }
+
+    fn freed_bytes(&self, id: NodeId) -> u64 {
+        let n = self.tree.node(id);
+        let state = if n.state.is_some() { self.state_b } else { 0 };
+        if n.children.is_empty() {
+            n.tokens.len() as u64 * self.kv_bpt + state
+        } else {
+            state
+        }
+    }
+
+    /// Re-derives `id`'s place in the eviction index after any change to it.
+    fn refresh(&mut self, id: NodeId) {
+        if let Some((t, e)) = self.tree.node_mut(id).cand.take() {
+            self.index.remove(id, t, e);
+        }
+        if self.eligible(id) {
+            let t = self.tree.node(id).last_access;
+            let e = self.efficiency(id);
+            self.index.insert(id, t, e);
+            self.tree.node_mut(id).cand = Some((t, e));
+        }
+    }
+
+    fn touch(&mut self, id: NodeId) {
+        self.tree.node_mut(id).last_access = self.clock;
+        self.refresh(id);
+    }
+
+    // ---- pins ---------------------------------------------------------
+
+    fn pin(&mut self, id: NodeId) {
+        let mut cur = id;
+        while cur != NIL {
+            let n = self.tree.node_mut(cur);
+            n.leases += 1;
+            let first = n.leases == 1;
+            let parent = n.parent;
+            if first {
+                self.refresh(cur);
+            }
+            cur = parent;
+        }
+    }
+
+    fn unpin(&mut self, id: NodeId) {
+        let mut cur = id;
+        while cur != NIL {
+            let n = self.tree.node_mut(cur);
+            debug_assert!(n.leases > 0);
+            n.leases -= 1;
+            let last = n.leases == 0;
+            let parent = n.parent;
+            if last {
+                self.refresh(cur);
+            }
+            cur = parent;
+        }
+    }
+
+    // ---- lookup ---------------------------------------------------------
+
+    fn check_tokens(tokens: &[u32]) -> Result<(), CacheError> {
+        if tokens.is_empty() {
+            return Err(CacheError::EmptyTokens);
+        }
+        if tokens.len() >= u32::MAX as usize {
+            return Err(CacheError::TooManyTokens { len: tokens.len() });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
+        Self::check_tokens(input)?;
+        self.clock += 1;
+        let len = input.len() as u32;
+        let page = self.cfg.page_size;
+        let root = self.tree.root(ns);
+        let walk = root.map(|r| self.tree.walk(r, input, page));
+        let matched = walk.as_ref().map_or(0, |w| w.matched);
+        let kv_matched = round_down(matched, page);
+        // The last input token is always recomputed: its logits start decoding.
+        let limit = len - 1;
+
+        // The usable hit and the node that carries it.
+        let mut hit = 0u32;
+        let mut hit_node = NIL;
+        let mut state_depths = BTreeSet::new();
+        if let Some(w) = &walk {
+            if self.stateless_hits() {
+                let h = round_down(matched.min(limit), page);
+                if h > 0 {
+                    hit = h;
+                    // The node whose edge contains position h.
+                    hit_node = w
+                        .path
+                        .iter()
+                        .copied()
+                        .find(|&id| self.tree.node(id).depth >= h)
+                        .or(w.partial.map(|(id, _)| id))
+                        .unwrap_or(NIL);
+                }
+            } else {
+                for &id in &w.path {
+                    let n = self.tree.node(id);
+                    if n.state.is_some() {
+                        state_depths.insert(n.depth);
+                        if n.depth <= limit {
+                            hit = n.depth;
+                            hit_node = id;
+                        }
+                    }
+                }
+            }
+        }
+
+        let plan = match (self.cfg.admission, &walk) {
+            (AdmissionPolicy::Marconi, Some(w)) => self.plan_marconi(w, len, hit, &state_depths),
+            (AdmissionPolicy::AllBlocks { block_size }, _) => {
+                let first = hit / block_size + 1;
+                let plan: Vec<u32> = (first..)
+                    .map(|k| k * block_size)
+                    .take_while(|&p| p <= len)
+                    .filter(|p| !state_depths.contains(p))
+                    .collect();
+                (!plan.is_empty()).then_some((plan, PlanReason::Blocks))
+            }
+            _ => None,
+        };
+
+        let mut state_slot = None;
+        let mut kv_pages = Vec::new();
+        if hit_node != NIL {
+            if self.cfg.eviction == EvictionPolicy::Lru {
+                // SGLang's radix cache refreshes the whole matched path.
+                let mut cur = hit_node;
+                while cur != NIL && !self.tree.is_root(cur) {
+                    self.touch(cur);
+                    cur = self.tree.node(cur).parent;
+                }
+            } else {
+                // Paper §4.3: only the node actually used is refreshed.
+                self.touch(hit_node);
+            }
+            self.pin(hit_node);
+            if !self.stateless_hits() {
+                state_slot = self.tree.node(hit_node).state.and_then(|s| s.slot);
+            }
+            if self.tracks_pages == Some(true) {
+                kv_pages = self.pages_up_to(hit_node, hit);
+            }
+        }
+
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        let (plan, reason) = match plan {
+            Some((p, r)) => (p, Some(r)),
+            None => (Vec::new(), None),
+        };
+        self.leases.insert(
+            lease,
+            LeaseInfo {
+                ns,
+                pinned: hit_node,
+                input_len: len,
+                input_fingerprint: fingerprint(input),
+                plan: plan.clone(),
+                admitted: None,
+            },
+        );
+
+        let model = &self.cfg.model;
+        let s = &mut self.stats;
+        s.requests += 1;
+        s.input_tokens += u64::from(len);
+        s.hit_tokens += u64::from(hit);
+        s.hit_requests += u64::from(hit > 0);
+        s.kv_matched_unusable_tokens += u64::from(kv_matched.min(limit).saturating_sub(hit));
+        s.flops_saved += model.prefill_flops(0, u64::from(hit));
+        s.flops_total += model.prefill_flops(0, u64::from(len));
+        self.log.push(|| Decision::Lookup {
+            lease,
+            namespace: ns,
+            input: len,
+            kv_matched,
+            hit,
+        });
+        if let Some(reason) = reason {
+            let positions = plan.clone();
+            self.log.push(|| Decision::Plan {
+                lease,
+                positions,
+                reason,
+            });
+        }
+        Ok(Lookup {
+            lease,
+            hit_tokens: hit,
+            kv_matched_tokens: kv_matched,
+            state_slot,
+            kv_pages,
+            plan,
+        })
+    }
+
+    /// Marconi's speculative insertion (paper §4.1): would inserting the
+    /// input create a branch node? If so, plan one checkpoint there.
+    fn plan_marconi(
+        &self,
+        w: &crate::tree::Walk,
+        len: u32,
+        hit: u32,
+        state_depths: &BTreeSet<u32>,
+    ) -> Option<(Vec<u32>, PlanReason)> {
+        let m = w.matched;
+        if m == 0 {
+            return None;
+        }
+        let (pos, reason) = match w.partial {
+            // The input ends inside a cached edge: the branch is the end of
+            // the prompt, where the state after prefill is exact even for
+            // chunked-state kernels.
+            Some(_) if m == len => (round_down(len, self.cfg.page_size), PlanReason::PromptEnd),
+            // The input diverges inside an edge: a new branch node at m.
+            Some(_) => (round_down(m, self.inner_grid()), PlanReason::NewBranch),
+            None => {
+                let &last = w.path.last()?;
+                let n = self.tree.node(last);
+                if m == len || n.children.is_empty() || n.state.is_some() {
+                    // Input fully cached as a node, or a plain extension of a
+                    // leaf (a conversation's next turn: the final state covers it).
+                    return None;
+                }
+                (round_down(m, self.inner_grid()), PlanReason::ExistingBranch)
+            }
+        };
+        (pos > hit && pos > 0 && !state_depths.contains(&pos)).then(|| (vec![pos], reason))
+    }
+
+    /// Page ids of the first `upto` tokens along the path ending at `node`.
+    fn pages_up_to(&self, node: NodeId, upto: u32) -> Vec<u32> {
+        let mut chain = Vec::new();
+        let mut cur = node;
+        while cur != NIL && !self.tree.is_root(cur) {
+            chain.push(cur);
+            cur = self.tree.node(cur).parent;
+        }
+        let page = self.cfg.page_size;
+        let mut out = Vec::with_capacity((upto / page) as usize);
+        for &id in chain.iter().rev() {
+            let n = self.tree.node(id);
+            let start = n.depth - n.tokens.len() as u32;
+            let take = (upto.min(n.depth) - start) / page;
+            out.extend_from_slice(&n.pages[..take as usize]);
+        }
+        out
+    }
+
+    // ---- admission ------------------------------------------------------
+
+    fn check_admit(
+        &self,
+        lease: LeaseId,
+        tokens: &[u32],
+        states: &[SavedState],
+        kv_pages: &[u32],
+        verify_prefix: bool,
+    ) -> Result<(), CacheError> {
+        let info = self
+            .leases
+            .get(&lease)
+            .ok_or(CacheError::UnknownLease(lease))?;
+        Self::check_tokens(tokens)?;
+        let input_len = info.input_len as usize;
+        if tokens.len() < input_len
+            || (verify_prefix && fingerprint(&tokens[..input_len]) != info.input_fingerprint)
+        {
+            return Err(CacheError::PrefixMismatch { input_len });
+        }
+        let page = self.cfg.page_size;
+        let aligned = round_down(tokens.len() as u32, page);
+        let full_pages = (aligned / page) as usize;
+        if !kv_pages.is_empty() && kv_pages.len() != full_pages {
+            return Err(CacheError::BadPageList {
+                expected: full_pages,
+                got: kv_pages.len(),
+            });
+        }
+        if let Some(tracks) = self.tracks_pages {
+            if tracks == kv_pages.is_empty() && full_pages > 0 {
+                return Err(CacheError::BadPageList {
+                    expected: if tracks { full_pages } else { 0 },
+                    got: kv_pages.len(),
+                });
+            }
+        }
+        let mut seen_pages = HashSet::new();
+        for &p in kv_pages {
+            if !seen_pages.insert(p) {
+                return Err(CacheError::DuplicatePage(p));
+            }
+        }
+        let mut positions = HashSet::new();
+        let mut slots = HashSet::new();
+        for s in states {
+            if s.position == 0 || s.position as usize > tokens.len() {
+                return Err(CacheError::PositionOutOfRange {
+                    position: s.position,
+                    len: tokens.len(),
+                });
+            }
+            let allowed = match self.cfg.admission {
+                AdmissionPolicy::Marconi => {
+                    info.plan.contains(&s.position) || s.position == aligned
+                }
+                AdmissionPolicy::AllBlocks { block_size } => s.position % block_size == 0,
+                AdmissionPolicy::Oracle => false,
+            };
+            if !allowed {
+                let allowed = match self.cfg.admission {
+                    AdmissionPolicy::Marconi => {
+                        format!("planned {:?} or the final position {aligned}", info.plan)
+                    }
+                    AdmissionPolicy::AllBlocks { block_size } => {
+                        format!("multiples of the block size {block_size}")
+                    }
+                    AdmissionPolicy::Oracle => "none: the oracle keeps no states".into(),
+                };
+                return Err(CacheError::NotPlanned {
+                    position: s.position,
+                    allowed,
+                });
+            }
+            if !positions.insert(s.position) {
+                return Err(CacheError::DuplicatePosition(s.position));
+            }
+            if let Some(slot) = s.slot {
+                if !slots.insert(slot) || self.slot_owner.contains(&slot) {
+                    return Err(CacheError::DuplicateSlot(slot));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn admit(
+        &mut self,
+        lease: LeaseId,
+        tokens: &[u32],
+        states: &[SavedState],
+        kv_pages: &[u32],
+        verify_prefix: bool,
+    ) -> Result<AdmitOutcome, CacheError> {
+        self.check_admit(lease, tokens, states, kv_pages, verify_prefix)?;
+        self.clock += 1;
+        let ns = self.leases[&lease].ns;
+        let page = self.cfg.page_size;
+        let aligned = round_down(tokens.len() as u32, page);
+        let seq = &tokens[..aligned as usize];
+        if aligned > 0 && self.tracks_pages.is_none() {
+            self.tracks_pages = Some(!kv_pages.is_empty());
+        }
+        let root = self.tree.root_or_insert(ns);
+        let walk = self.tree.walk(root, seq, page);
+        // Splits happen on page boundaries only.
+        let m = round_down(walk.matched, page);
+
+        // Which offered states are new.
+        let mut existing = BTreeSet::new();
+        for &id in &walk.path {
+            let n = self.tree.node(id);
+            if n.state.is_some() {
+                existing.insert(n.depth);
+            }
+        }
+        let mut states: Vec<SavedState> = states.to_vec();
+        states.sort_by_key(|s| s.position);
+        let mut outcome = AdmitOutcome {
+            kv_pages_taken: 0..0,
+            ..AdmitOutcome::default()
+        };
+        // Models without recurrent layers need no states: any offered are returned.
+        let keep_states = !self.stateless_hits();
+        let (new_states, dup_states): (Vec<SavedState>, Vec<SavedState>) =
+            states.iter().partition(|s| {
+                keep_states && s.position <= aligned && !existing.contains(&s.position)
+            });
+        outcome
+            .slots_returned
+            .extend(dup_states.iter().filter_map(|s| s.slot));
+        let new_kv = aligned - m;
+        let needed = u64::from(new_kv) * self.kv_bpt + new_states.len() as u64 * self.state_b;
+
+        // Pin what we extend so eviction cannot pull it from under us.
+        let anchor = match walk.partial {
+            Some((id, _)) => Some(id),
+            None => walk.path.last().copied(),
+        };
+        if let Some(a) = anchor {
+            self.pin(a);
+        }
+        let fits = needed <= self.cfg.capacity_bytes && self.make_room(needed);
+        if !fits {
+            if let Some(a) = anchor {
+                self.unpin(a);
+            }
+            outcome
+                .slots_returned
+                .extend(new_states.iter().filter_map(|s| s.slot));
+            let reason = format!(
+                "needs {needed} bytes; {} of {} in use are leased",
+                self.used_bytes(),
+                self.cfg.capacity_bytes
+            );
+            self.stats.admissions_rejected += 1;
+            outcome.rejected = Some(reason.clone());
+            self.log.push(|| Decision::Admit {
+                lease,
+                tokens: tokens.len() as u32,
+                new_kv: 0,
+                states: Vec::new(),
+                rejected: Some(reason),
+            });
+            self.finish_admit(lease, tokens);
+            return Ok(outcome);
+        }
+
+        // Insert the new KV.
+        if new_kv > 0 {
+            let parent = match walk.partial {
+                Some((id, on_edge)) => {
+                    let cut = round_down(on_edge, page);
+                    if cut > 0 {
+                        let s = self.tree.split(id, cut, page);
+                        self.refresh(s);
+                        self.refresh(id);
+                        s
+                    } else {
+                        self.tree.node(id).parent
+                    }
+                }
+                None => walk.path.last().copied().unwrap_or(root),
+            };
+            let pages = if kv_pages.is_empty() {
+                Vec::new()
+            } else {
+                kv_pages[(m / page) as usize..].to_vec()
+            };
+            self.page_owner.extend(pages.iter().copied());
+            let leaf = self
+                .tree
+                .add_leaf(parent, seq[m as usize..].to_vec(), pages, self.clock);
+            self.kv_tokens += u64::from(new_kv);
+            self.refresh(leaf);
+            self.refresh(parent);
+            outcome.kv_pages_taken = m / page..aligned / page;
+            outcome.new_kv_tokens = new_kv;
+        }
+
+        // Place the states, splitting edges where a position falls inside one.
+        for s in &new_states {
+            let id = self.node_ending_at(root, seq, s.position);
+            let n = self.tree.node_mut(id);
+            debug_assert!(n.state.is_none());
+            n.state = Some(StateRef { slot: s.slot });
+            self.states += 1;
+            self.stats.states_admitted += 1;
+            if let Some(slot) = s.slot {
+                self.slot_owner.insert(slot);
+            }
+            outcome.states_taken.push(s.position);
+            self.touch(id);
+        }
+        if let Some(a) = anchor {
+            self.unpin(a);
+        }
+        let positions = outcome.states_taken.clone();
+        self.log.push(|| Decision::Admit {
+            lease,
+            tokens: tokens.len() as u32,
+            new_kv,
+            states: positions,
+            rejected: None,
+        });
+        self.finish_admit(lease, tokens);
+        #[cfg(feature = "strict-checks")]
+        self.check_invariants();
+        Ok(outcome)
+    }
+
+    fn finish_admit(&mut self, lease: LeaseId, tokens: &[u32]) {
+        let info = self.leases.get_mut(&lease).expect("checked");
+        if let Some(prev) = &mut info.admitted {
+            if prev.len() < tokens.len() {
+                *prev = tokens.to_vec();
+            }
+        }
+    }
+
+    /// The node whose edge ends exactly at `pos` on `seq`'s path, splitting
+    /// an edge if needed. The path to `pos` must exist.
+    fn node_ending_at(&mut self, root: NodeId, seq: &[u32], pos: u32) -> NodeId {
+        let walk = self.tree.walk(root, &seq[..pos as usize], self.cfg.page_size);
+        debug_assert_eq!(walk.matched, pos);
+        match walk.partial {
+            Some((id, on_edge)) => {
+                let s = self.tree.split(id, on_edge, self.cfg.page_size);
+                self.refresh(id);
+                self.refresh(s);
+                s
+            }
+            None => *walk.path.last().expect("pos > 0"),
+        }
+    }
+
+    pub(crate) fn release(&mut self, lease: LeaseId) -> Result<LeaseInfoOut, CacheError> {
+        let info = self
+            .leases
+            .remove(&lease)
+            .ok_or(CacheError::UnknownLease(lease))?;
+        if info.pinned != NIL {
+            self.unpin(info.pinned);
+        }
+        self.log.push(|| Decision::Release { lease });
+        Ok(LeaseInfoOut {
+            ns: info.ns,
+            input_len: info.input_len,
+            admitted: info.admitted,
+        })
+    }
+
+    pub(crate) fn set_recording(&mut self, lease: LeaseId) {
+        if let Some(i) = self.leases.get_mut(&lease) {
+            i.admitted = Some(Vec::new());
+        }
+    }
+
+    // ---- eviction -------------------------------------------------------
+
+    /// Evicts until `needed` more bytes fit; false if they cannot.
+    pub(crate) fn make_room(&mut self, needed: u64) -> bool {
+        while self.used_bytes() + needed > self.cfg.capacity_bytes {
+            if !self.evict_one() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Evicts the lowest-utility candidate; false if there is none.
+    pub(crate) fn evict_one(&mut self) -> bool {
+        let alpha = match self.cfg.eviction {
+            EvictionPolicy::Lru => 0.0,
+            EvictionPolicy::FlopAware => self.alpha,
+        };
+        let tree = &self.tree;
+        let Some(choice) = self.index.lowest(
+            alpha,
+            |id| tree.node(id).last_access,
+            |id| tree.node(id).cand.map_or(0.0, |c| c.1),
+        ) else {
+            return false;
+        };
+        let id = choice.node;
+        let freed_bytes = self.freed_bytes(id);
+        let (depth, edge, leaf) = {
+            let n = self.tree.node(id);
+            (n.depth, n.tokens.len() as u32, n.children.is_empty())
+        };
+        if let Some((t, e)) = self.tree.node_mut(id).cand.take() {
+            self.index.remove(id, t, e);
+        }
+        if let Some(st) = self.tree.node_mut(id).state.take() {
+            self.states -= 1;
+            if let Some(slot) = st.slot {
+                self.slot_owner.remove(&slot);
+                self.freed.state_slots.push(slot);
+            }
+        }
+        self.stats.evictions += 1;
+        if leaf {
+            let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
+            for p in &pages {
+                self.page_owner.remove(p);
+            }
+            self.freed.kv_pages.extend(pages);
+            self.kv_tokens -= u64::from(edge);
+            let parent = self.tree.remove_leaf(id);
+            self.after_child_removed(parent);
+        } else {
+            let child = self.tree.merge_into_child(id);
+            self.refresh(child);
+        }
+        self.log.push(|| Decision::Evict {
+            depth,
+            edge,
+            how: if leaf {
+                EvictKind::Leaf
+            } else {
+                EvictKind::Merge
+            },
+            recency: choice.recency,
+            efficiency: choice.efficiency,
+            utility: choice.utility,
+            freed_bytes,
+        });
+        true
+    }
+
+    /// Keeps the tree compressed after a child went away: a stateless,
+    /// unleased inner node left with one child merges into it.
+    fn after_child_removed(&mut self, parent: NodeId) {
+        let n = self.tree.node(parent);
+        if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
+            if let Some((t, e)) = self.tree.node_mut(parent).cand.take() {
+                self.index.remove(parent, t, e);
+            }
+            let child = self.tree.merge_into_child(parent);
+            self.refresh(child);
+        } else {
+            self.refresh(parent);
+        }
+    }
+
+    pub(crate) fn drain_freed(&mut self) -> Freed {
+        std::mem::take(&mut self.freed)
+    }
+
+    pub(crate) fn stats(&self) -> Stats {
+        let mut s = self.stats.clone();
+        s.kv_bytes = self.kv_tokens * self.kv_bpt;
+        s.state_bytes = self.states * self.state_b;
+        s.states = self.states;
+        s.nodes = (self.tree.live_count() - self.tree.roots.len()) as u64;
+        s.leases = self.leases.len() as u64;
+        s.alpha = self.alpha;
+        s
+    }
+
+    /// A copy for replaying a tuning window: no leases, no log, nothing
+    /// pending for the engine, fresh counters.
+    pub(crate) fn clone_for_replay(&self) -> Core {
+        let mut c = self.clone();
+        c.leases.clear();
+        c.log = DecisionLog::new(false);
+        c.freed = Freed::default();
+        c.index.clear();
+        for id in 0..c.tree.nodes.len() as NodeId {
+            let n = c.tree.node_mut(id);
+            n.leases = 0;
+            n.cand = None;
+        }
+        for id in 0..c.tree.nodes.len() as NodeId {
+            if c.tree.node(id).live {
+                c.refresh(id);
+            }
+        }
+        c.stats = Stats::default();
+        c
+    }
+
+    /// Lookup, admission of every planned state and the final state, release:
+    /// a request that runs to completion before the next one arrives.
+    pub(crate) fn serve(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        full: &[u32],
+    ) -> Result<(Served, LeaseInfoOut), CacheError> {
+        let l = self.lookup(ns, input)?;
+        let outcome = self.admit(l.lease, full, &self.states_for(&l, full.len()), &[], false)?;
+        let info = self.release(l.lease)?;
+        Ok((
+            Served {
+                hit_tokens: l.hit_tokens,
+                kv_matched_tokens: l.kv_matched_tokens,
+                planned: l.plan,
+                rejected: outcome.rejected.is_some(),
+            },
+            info,
+        ))
+    }
+
+    /// The states an engine following the plan saves for `full`.
+    fn states_for(&self, l: &Lookup, full_len: usize) -> Vec<SavedState> {
+        let state = |position| SavedState {
+            position,
+            slot: None,
+        };
+        let aligned = round_down(full_len as u32, self.cfg.page_size);
+        if self.stateless_hits() {
+            return Vec::new();
+        }
+        match self.cfg.admission {
+            AdmissionPolicy::Marconi => {
+                let mut v: Vec<SavedState> = l.plan.iter().map(|&p| state(p)).collect();
+                if aligned > 0 && !l.plan.contains(&aligned) {
+                    v.push(state(aligned));
+                }
+                v
+            }
+            AdmissionPolicy::AllBlocks { block_size } => {
+                let first = l.hit_tokens / block_size + 1;
+                (first..)
+                    .map(|k| k * block_size)
+                    .take_while(|&p| p as usize <= full_len)
+                    .map(state)
+                    .collect()
+            }
+            AdmissionPolicy::Oracle => Vec::new(),
+        }
+    }
+
+    // ---- invariants -----------------------------------------------------
+
+    /// Checks every structural and accounting invariant; panics with a
+    /// description on the first violation. Cost: O(nodes + tokens).
+    pub(crate) fn check_invariants(&self) {
+        let mut kv = 0u64;
+        let mut states = 0u64;
+        let mut cands = 0usize;
+        let mut pins: Vec<u32> = vec![0; self.tree.nodes.len()];
+        for (lease, info) in &self.leases {
+            assert!(
+                info.pinned == NIL || self.tree.node(info.pinned).live,
+                "lease {lease} pins an evicted node"
+            );
+            let mut cur = info.pinned;
+            while cur != NIL {
+                pins[cur as usize] += 1;
+                cur = self.tree.node(cur).parent;
+            }
+        }
+        for (id, n) in self.tree.nodes.iter().enumerate() {
+            let id = id as NodeId;
+            if !n.live {
+                continue;
+            }
+            assert_eq!(n.leases, pins[id as usize], "node {id} lease count");
+            if n.parent == NIL {
+                assert!(n.tokens.is_empty() && n.state.is_none() && n.depth == 0);
+            } else {
+                let p = self.tree.node(n.parent);
+                assert!(p.live, "node {id} has a dead parent");
+                assert!(!n.tokens.is_empty(), "node {id} has an empty edge");
+                assert!(
+                    p.children.contains(&(n.tokens[0], id)),
+                    "parent link of {id}"
+                );
+                assert_eq!(p.depth + n.tokens.len() as u32, n.depth, "depth of {id}");
+                assert_eq!(
+                    n.tokens.len() as u32 % self.cfg.page_size,
+                    0,
+                    "edge of {id} not page aligned"
+                );
+                if !n.pages.is_empty() {
+                    assert_eq!(
+                        n.pages.len() as u32 * self.cfg.page_size,
+                        n.tokens.len() as u32
+                    );
+                }
+                kv += n.tokens.len() as u64;
+                // Every state's prefix KV is present: the path to a live node
+                // is made of live nodes, checked by the parent link above.
+            }
+            states += u64::from(n.state.is_some());
+            assert!(n.children.windows(2).all(|w| w[0].0 <= w[1].0));
+            let page = self.cfg.page_size as usize;
+            for w in n.children.windows(2) {
+                let (a, b) = (&self.tree.node(w[0].1).tokens, &self.tree.node(w[1].1).tokens);
+                assert!(
+                    crate::tree::common_prefix(a, b) < page,
+                    "children of {id} share a whole page"
+                );
+            }
+            for &(t, c) in &n.children {
+                let cn = self.tree.node(c);
+                assert!(cn.live && cn.parent == id && cn.tokens[0] == t);
+            }
+            assert_eq!(n.cand.is_some(), self.eligible(id), "index membership of {id}");
+            cands += usize::from(n.cand.is_some());
+        }
+        assert_eq!(kv, self.kv_tokens, "kv token recount");
+        assert_eq!(states, self.states, "state recount");
+        assert_eq!(cands, self.index.len(), "index size");
+        assert!(
+            self.used_bytes() <= self.cfg.capacity_bytes,
+            "over capacity: {} > {}",
+            self.used_bytes(),
+            self.cfg.capacity_bytes
+        );
+    }
+}
+
+/// What a released lease leaves for the tuner.
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseInfoOut {
+    pub(crate) ns: u64,
+    pub(crate) input_len: u32,
+    pub(crate) admitted: Option<Vec<u32>>,
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// A prefix cache for one model: the radix tree of KV and recurrent states
+/// with its admission and eviction policies and α tuning.
+///
+/// The request cycle (see `DESIGN.md`): [`lookup`](Self::lookup) the input,
+/// prefill saving states at the planned positions, decode,
+/// [`admit`](Self::admit) the sequence with its saved states and final state,
+/// [`release`](Self::release) the lease. Freed engine ids are collected with
+/// [`drain_freed`](Self::drain_freed).
+///
+/// Deterministic: the same calls give the same results and the same log.
+/// Not internally synchronised: wrap it in a lock to share it between threads
+/// (the C ABI does).
+#[derive(Clone, Debug)]
+pub struct PrefixCache {
+    core: Core,
+    tuner: Option<Tuner>,
+}
+
+impl PrefixCache {
+    /// A cache built from `cfg`; fails on an invalid configuration.
+    pub fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
+        let tuner = match (&cfg.alpha, cfg.eviction) {
+            (AlphaMode::Auto(t), EvictionPolicy::FlopAware) => Some(Tuner::new(t.clone())),
+            _ => None,
+        };
+        Ok(PrefixCache {
+            core: Core::new(cfg)?,
+            tuner,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.core.cfg
+    }
+
+    /// Looks up `input` in namespace `ns` (a LoRA id, a cache salt; 0 by
+    /// default): what can be reused, a lease pinning it, and the checkpoints
+    /// to save during prefill. Errors on an empty or oversized input.
+    pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
+        let l = self.core.lookup(ns, input)?;
+        if self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease);
+        }
+        Ok(l)
+    }
+
+    /// The checkpoint positions planned for `lease` (as in its [`Lookup`]).
+    pub fn plan(&self, lease: LeaseId) -> Result<&[u32], CacheError> {
+        self.core
+            .leases
+            .get(&lease)
+            .map(|i| i.plan.as_slice())
+            .ok_or(CacheError::UnknownLease(lease))
+    }
+
+    /// Admits `tokens` (the looked-up input, optionally followed by decoded
+    /// output) with the states the engine saved: planned positions, and the
+    /// final position (`tokens.len()` rounded down to the page size). May be
+    /// called more than once per lease (after prefill, after decode).
+    ///
+    /// `kv_pages` is empty or holds one engine page id per full page of
+    /// `tokens`; the cache takes the pages it caches (see
+    /// [`AdmitOutcome::kv_pages_taken`]) and the slots of the states it caches.
+    /// Evicts as needed. On error nothing changes.
+    pub fn admit(
+        &mut self,
+        lease: LeaseId,
+        tokens: &[u32],
+        states: &[SavedState],
+        kv_pages: &[u32],
+    ) -> Result<AdmitOutcome, CacheError> {
+        self.core.admit(lease, tokens, states, kv_pages, true)
+    }
+
+    /// Releases `lease`: what it pinned becomes evictable again. Errors on an
+    /// unknown or already released lease.
+    pub fn release(&mut self, lease: LeaseId) -> Result<(), CacheError> {
+        let out = self.core.release(lease)?;
+        self.after_request(out);
+        Ok(())
+    }
+
+    /// One whole request, as a sequential simulator runs it: lookup, admit
+    /// `input + output` with every planned state and the final state, release.
+    pub fn serve(&mut self, ns: u64, input: &[u32], output: &[u32]) -> Result<Served, CacheError> {
+        let mut full = Vec::with_capacity(input.len() + output.len());
+        full.extend_from_slice(input);
+        full.extend_from_slice(output);
+        self.serve_full(ns, input.len(), &full)
+    }
+
+    /// [`serve`](Self::serve) for a sequence already concatenated:
+    /// `full[..input_len]` is the input.
+    pub fn serve_full(
+        &mut self,
+        ns: u64,
+        input_len: usize,
+        full: &[u32],
+    ) -> Result<Served, CacheError> {
+        if input_len > full.len() {
+            return Err(CacheError::PrefixMismatch { input_len });
+        }
+        let recording = self.tuner.as_ref().is_some_and(Tuner::recording);
+        let (served, mut out) = self.core.serve(ns, &full[..input_len], full)?;
+        if recording {
+            out.admitted = Some(full.to_vec());
+        }
+        self.after_request(out);
+        Ok(served)
+    }
+
+    fn after_request(&mut self, out: LeaseInfoOut) {
+        if let Some(t) = &mut self.tuner {
+            t.after_request(&mut self.core, out);
+        }
+    }
+
+    /// Evicts until at least `bytes` are free (or nothing evictable is left);
+    /// returns the bytes now free. Freed ids go to [`drain_freed`](Self::drain_freed).
+    pub fn evict(&mut self, bytes: u64) -> u64 {
+        let want = bytes.min(self.core.cfg.capacity_bytes);
+        self.core.make_room(want);
+        self.core.cfg.capacity_bytes - self.core.used_bytes()
+    }
+
+    /// Bytes held by unleased entries that eviction could free now.
+    pub fn evictable_bytes(&self) -> u64 {
+        self.core.used_bytes()
+            - self
+                .core
+                .tree
+                .nodes
+                .iter()
+                .filter(|n| n.live && n.leases > 0 && n.parent != NIL)
+                .map(|n| {
+                    n.tokens.len() as u64 * self.core.kv_bpt
+                        + if n.state.is_some() {
+                            self.core.state_b
+                        } else {
+                            0
+                        }
+                })
+                .sum::<u64>()
+    }
+
+    /// Engine ids freed since the last call.
+    pub fn drain_freed(&mut self) -> Freed {
+        self.core.drain_freed()
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> Stats {
+        self.core.stats()
+    }
+
+    /// Decision records since the last call (empty unless
+    /// [`CacheConfig::decision_log`] is set).
+    pub fn drain_log(&mut self) -> Vec<Decision> {
+        self.core.log.drain()
+    }
+
+    /// The α in force.
+    pub fn alpha(&self) -> f64 {
+        self.core.alpha
+    }
+
+    /// Bytes in use (KV + states).
+    pub fn used_bytes(&self) -> u64 {
+        self.core.used_bytes()
+    }
+
+    /// Panics if an internal invariant is broken (byte accounting, parent
+    /// links, lease counts, index membership, capacity). O(nodes + tokens);
+    /// for tests and debugging.
+    pub fn check_invariants(&self) {
+        self.core.check_invariants();
+    }
+}

@@ -1,0 +1,214 @@
+//! Cache configuration: budget, page and checkpoint grids, and the policies.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CacheError;
+use crate::model::ModelSpec;
+
+/// Which recurrent states the cache asks the engine to save and accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdmissionPolicy {
+    /// Marconi's judicious admission (paper §4.1): before prefill, a
+    /// speculative insertion of the input finds whether it would create a
+    /// branch node; if so one checkpoint is planned at the branch position
+    /// (rounded down to the checkpoint grid when the branch lies inside the
+    /// prefill). The state after the last decoded token is always admitted.
+    /// At most two new states per request.
+    ///
+    /// Use it for hybrid models. Not useful for attention-only models, where
+    /// every prefix of the KV is reusable and no states exist.
+    Marconi,
+    /// A state at every block boundary (the vLLM+ baseline of paper §5.1).
+    /// Floods the cache with large, rarely hit states: a baseline, not a
+    /// policy to deploy.
+    AllBlocks {
+        /// Tokens per block (default 32); a multiple of the page size.
+        block_size: u32,
+    },
+    /// The ceiling: every position counts as having a state (no state bytes
+    /// are charged). Only meaningful with an unbounded capacity, to measure
+    /// the best hit rate any policy could reach on a trace.
+    Oracle,
+}
+
+/// Which cached entries are evicted first when space is needed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EvictionPolicy {
+    /// Least recently used leaf first (the SGLang+ baseline): a hit refreshes
+    /// the whole matched path, as SGLang's radix cache does.
+    Lru,
+    /// Marconi's FLOP-aware eviction (paper §4.2–4.3): candidates are unleased
+    /// nodes with at most one child; the lowest
+    /// `recency + α · flop_efficiency` (both min-max normalised over the
+    /// candidates) goes first. A hit refreshes only the node used.
+    FlopAware,
+}
+
+/// What α tuning maximises when it replays a window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TuningObjective {
+    /// Prefill FLOPs saved (the default: what the cache is for).
+    FlopsSaved,
+    /// Tokens hit.
+    TokenHits,
+}
+
+/// The α weight of FLOP efficiency in [`EvictionPolicy::FlopAware`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum AlphaMode {
+    /// A fixed α.
+    Fixed(f64),
+    /// α tuned online by replaying recent windows (paper §4.2 "Managing the
+    /// balance"), see [`TunerConfig`].
+    Auto(TunerConfig),
+}
+
+/// Online α tuning.
+///
+/// α is 0 until the first eviction. The first window holds
+/// `bootstrap_factor ×` the requests seen before that eviction (at least
+/// `min_window`); at its end every α of `grid` is replayed from a snapshot of
+/// the tree taken at the window's start, in parallel threads, and the best is
+/// adopted (smallest α on ties). With `retune`, later windows of the same
+/// length are tuned again, so α follows a drifting workload. An α other than
+/// 0 is adopted only if it beats α = 0 on the window by `min_gain`
+/// (relative), so tuning never picks an α that did worse than LRU.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TunerConfig {
+    /// Candidate α values.
+    pub grid: Vec<f64>,
+    /// Window length as a multiple of the requests seen before the first eviction.
+    pub bootstrap_factor: u32,
+    /// Smallest window, in requests.
+    pub min_window: u32,
+    /// Keep tuning on later windows.
+    pub retune: bool,
+    /// What the replay maximises.
+    pub objective: TuningObjective,
+    /// Relative gain over α = 0 that a non-zero α must reach to be adopted.
+    pub min_gain: f64,
+    /// Threads for the grid search (0: one per available core).
+    pub threads: u32,
+}
+
+impl Default for TunerConfig {
+    fn default() -> Self {
+        TunerConfig {
+            grid: (0..=20).map(|i| f64::from(i) / 10.0).collect(),
+            bootstrap_factor: 5,
+            min_window: 16,
+            retune: true,
+            objective: TuningObjective::FlopsSaved,
+            min_gain: 0.001,
+            threads: 0,
+        }
+    }
+}
+
+/// Everything a [`crate::PrefixCache`] is built from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheConfig {
+    /// The model whose states are cached.
+    pub model: ModelSpec,
+    /// Byte budget for KV and states together.
+    pub capacity_bytes: u64,
+    /// Tokens per KV page: cached lengths and split points are multiples of it.
+    pub page_size: u32,
+    /// Chunk size of chunked state passing: a checkpoint inside a prefill is
+    /// rounded down to a multiple of it (1 = exact positions).
+    pub checkpoint_grid: u32,
+    /// Which states are saved.
+    pub admission: AdmissionPolicy,
+    /// What is evicted first.
+    pub eviction: EvictionPolicy,
+    /// α for [`EvictionPolicy::FlopAware`] (ignored by LRU).
+    pub alpha: AlphaMode,
+    /// Keep a decision log (drained with [`crate::PrefixCache::drain_log`]).
+    pub decision_log: bool,
+}
+
+impl CacheConfig {
+    /// Marconi's configuration (judicious admission, FLOP-aware eviction, α
+    /// tuned online) for `model` under `capacity_bytes`, exact positions, page
+    /// size 1.
+    pub fn marconi(model: ModelSpec, capacity_bytes: u64) -> Self {
+        CacheConfig {
+            model,
+            capacity_bytes,
+            page_size: 1,
+            checkpoint_grid: 1,
+            admission: AdmissionPolicy::Marconi,
+            eviction: EvictionPolicy::FlopAware,
+            alpha: AlphaMode::Auto(TunerConfig::default()),
+            decision_log: false,
+        }
+    }
+
+    /// The SGLang+ baseline: Marconi admission with LRU eviction.
+    pub fn sglang_plus(model: ModelSpec, capacity_bytes: u64) -> Self {
+        CacheConfig {
+            eviction: EvictionPolicy::Lru,
+            alpha: AlphaMode::Fixed(0.0),
+            ..Self::marconi(model, capacity_bytes)
+        }
+    }
+
+    /// The vLLM+ baseline: a state every `block_size` tokens, LRU eviction.
+    pub fn vllm_plus(model: ModelSpec, capacity_bytes: u64, block_size: u32) -> Self {
+        CacheConfig {
+            admission: AdmissionPolicy::AllBlocks { block_size },
+            ..Self::sglang_plus(model, capacity_bytes)
+        }
+    }
+
+    /// The ceiling: unbounded capacity and a usable state at every token.
+    pub fn oracle(model: ModelSpec) -> Self {
+        CacheConfig {
+            admission: AdmissionPolicy::Oracle,
+            ..Self::sglang_plus(model, u64::MAX)
+        }
+    }
+
+    /// Checks the configuration; every [`crate::PrefixCache`] constructor calls it.
+    pub fn validate(&self) -> Result<(), CacheError> {
+        let bad = |s: String| Err(CacheError::InvalidConfig(s));
+        if let Err(e) = self.model.validate() {
+            return bad(format!("model {:?}: {e}", self.model.name));
+        }
+        if self.capacity_bytes == 0 {
+            return bad("capacity_bytes is 0".into());
+        }
+        if self.page_size == 0 {
+            return bad("page_size is 0".into());
+        }
+        if self.checkpoint_grid == 0 {
+            return bad("checkpoint_grid is 0 (use 1 for exact positions)".into());
+        }
+        if let AdmissionPolicy::AllBlocks { block_size } = self.admission {
+            if block_size == 0 || block_size % self.page_size != 0 {
+                return bad(format!(
+                    "block_size {block_size} must be a positive multiple of page_size {}",
+                    self.page_size
+                ));
+            }
+        }
+        match &self.alpha {
+            AlphaMode::Fixed(a) if !a.is_finite() || *a < 0.0 => {
+                bad(format!("alpha {a} must be finite and >= 0"))
+            }
+            AlphaMode::Auto(t) => {
+                if t.grid.is_empty() || t.grid.iter().any(|a| !a.is_finite() || *a < 0.0) {
+                    return bad("tuner grid must be non-empty, finite and >= 0".into());
+                }
+                if t.bootstrap_factor == 0 || t.min_window == 0 {
+                    return bad("tuner windows must be > 0".into());
+                }
+                if !t.min_gain.is_finite() || t.min_gain < 0.0 {
+                    return bad("tuner min_gain must be finite and >= 0".into());
+                }
+                Ok(())
+            }
+            AlphaMode::Fixed(_) => Ok(()),
+        }
+    }
+}

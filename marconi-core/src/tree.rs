@@ -1,0 +1,282 @@
+//! The arena radix tree over token ids. Structure only: splitting, merging,
+//! walking. Byte accounting and policies live in `cache`.
+
+use std::collections::BTreeMap;
+
+/// Index of a node in the arena.
+pub(crate) type NodeId = u32;
+
+/// Marks "no node" (the parent of a root).
+pub(crate) const NIL: NodeId = u32::MAX;
+
+/// A recurrent-state checkpoint at the end of a node's edge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StateRef {
+    /// The engine's slot id, if the engine tracks slots.
+    pub(crate) slot: Option<u32>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Node {
+    pub(crate) parent: NodeId,
+    /// The edge label: tokens from the parent's end to this node's end.
+    pub(crate) tokens: Vec<u32>,
+    /// Prefix length at the end of the edge.
+    pub(crate) depth: u32,
+    /// Children keyed by their edge's first token, sorted.
+    pub(crate) children: Vec<(u32, NodeId)>,
+    /// The checkpoint at `depth`, if cached.
+    pub(crate) state: Option<StateRef>,
+    /// The engine's KV page ids for this edge (`tokens.len() / page_size`),
+    /// or empty when the engine does not track pages.
+    pub(crate) pages: Vec<u32>,
+    /// Logical time of the last access.
+    pub(crate) last_access: u64,
+    /// Leases whose pinned path runs through this node.
+    pub(crate) leases: u32,
+    /// Key under which the node sits in the eviction index, if it does.
+    pub(crate) cand: Option<(u64, f64)>,
+    pub(crate) live: bool,
+}
+
+impl Node {
+    /// Children whose edge starts with `token` (one when pages hold one
+    /// token; with larger pages, siblings may share a first token but never
+    /// a whole first page).
+    pub(crate) fn children_starting(&self, token: u32) -> &[(u32, NodeId)] {
+        let lo = self.children.partition_point(|&(t, _)| t < token);
+        let hi = self.children.partition_point(|&(t, _)| t <= token);
+        &self.children[lo..hi]
+    }
+
+    fn add_child(&mut self, token: u32, id: NodeId) {
+        let i = self.children.partition_point(|&(t, _)| t <= token);
+        self.children.insert(i, (token, id));
+    }
+
+    fn replace_child(&mut self, old: NodeId, new: NodeId) {
+        let e = self
+            .children
+            .iter_mut()
+            .find(|(_, c)| *c == old)
+            .expect("child link");
+        e.1 = new;
+    }
+
+    fn remove_child(&mut self, id: NodeId) {
+        self.children.retain(|&(_, c)| c != id);
+    }
+}
+
+/// Where a walk along a token sequence stopped.
+#[derive(Clone, Debug)]
+pub(crate) struct Walk {
+    /// Fully matched nodes from the root's first child down (root excluded).
+    pub(crate) path: Vec<NodeId>,
+    /// Tokens matched, token-exact (may end inside `partial`'s edge).
+    pub(crate) matched: u32,
+    /// The node whose edge the match ended inside, with the tokens matched on it.
+    pub(crate) partial: Option<(NodeId, u32)>,
+}
+
+/// The arena of nodes, with one root per namespace.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Tree {
+    pub(crate) nodes: Vec<Node>,
+    free: Vec<NodeId>,
+    pub(crate) roots: BTreeMap<u64, NodeId>,
+}
+
+/// Length of the common prefix of two slices.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Tree {
+    pub(crate) fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id as usize]
+    }
+
+    pub(crate) fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.nodes[id as usize]
+    }
+
+    pub(crate) fn live_count(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+
+    fn alloc(&mut self, node: Node) -> NodeId {
+        if let Some(id) = self.free.pop() {
+            self.nodes[id as usize] = node;
+            id
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as NodeId
+        }
+    }
+
+    fn release(&mut self, id: NodeId) {
+        self.nodes[id as usize] = Node::default();
+        self.free.push(id);
+    }
+
+    pub(crate) fn root(&self, ns: u64) -> Option<NodeId> {
+        self.roots.get(&ns).copied()
+    }
+
+    pub(crate) fn root_or_insert(&mut self, ns: u64) -> NodeId {
+        if let Some(r) = self.root(ns) {
+            return r;
+        }
+        let id = self.alloc(Node {
+            parent: NIL,
+            live: true,
+            ..Node::default()
+        });
+        self.roots.insert(ns, id);
+        id
+    }
+
+    pub(crate) fn is_root(&self, id: NodeId) -> bool {
+        self.node(id).parent == NIL
+    }
+
+    /// Walks `tokens` from `root`.
+    pub(crate) fn walk(&self, root: NodeId, tokens: &[u32], page_size: u32) -> Walk {
+        let mut walk = Walk {
+            path: Vec::new(),
+            matched: 0,
+            partial: None,
+        };
+        let mut cur = root;
+        loop {
+            let pos = walk.matched as usize;
+            let Some(&first) = tokens.get(pos) else {
+                return walk;
+            };
+            // The child sharing the most tokens (at most one shares a whole page).
+            let best = self
+                .node(cur)
+                .children_starting(first)
+                .iter()
+                .map(|&(_, c)| (common_prefix(&self.node(c).tokens, &tokens[pos..]), c))
+                .max_by_key(|&(n, c)| (n, std::cmp::Reverse(c)));
+            let Some((n, child)) = best else {
+                return walk;
+            };
+            let edge = &self.node(child).tokens;
+            if n < edge.len() && (n as u32) < page_size {
+                // Less than a page in common: nothing reusable on this edge.
+                return walk;
+            }
+            walk.matched += n as u32;
+            if n < edge.len() {
+                walk.partial = Some((child, n as u32));
+                return walk;
+            }
+            walk.path.push(child);
+            cur = child;
+        }
+    }
+
+    /// Splits `id`'s edge after `at` tokens (`0 < at < edge length`): a new
+    /// node takes the first `at` tokens (and their pages) and becomes `id`'s
+    /// parent. Returns the new node. The new node inherits `id`'s lease count
+    /// (every lease pinning `id` runs through it) and last access.
+    pub(crate) fn split(&mut self, id: NodeId, at: u32, page_size: u32) -> NodeId {
+        let (parent, head, head_pages, depth, leases, last_access) = {
+            let n = self.node_mut(id);
+            debug_assert!(at > 0 && (at as usize) < n.tokens.len());
+            let tail = n.tokens.split_off(at as usize);
+            let head = std::mem::replace(&mut n.tokens, tail);
+            let head_pages = if n.pages.is_empty() {
+                Vec::new()
+            } else {
+                let tail_pages = n.pages.split_off((at / page_size) as usize);
+                std::mem::replace(&mut n.pages, tail_pages)
+            };
+            let depth = n.depth - (n.tokens.len() as u32);
+            (n.parent, head, head_pages, depth, n.leases, n.last_access)
+        };
+        let second = self.node(id).tokens[0];
+        let new = self.alloc(Node {
+            parent,
+            tokens: head,
+            depth,
+            children: vec![(second, id)],
+            state: None,
+            pages: head_pages,
+            last_access,
+            leases,
+            cand: None,
+            live: true,
+        });
+        self.node_mut(id).parent = new;
+        self.node_mut(parent).replace_child(id, new);
+        new
+    }
+
+    /// Adds a leaf under `parent` with the given edge.
+    pub(crate) fn add_leaf(
+        &mut self,
+        parent: NodeId,
+        tokens: Vec<u32>,
+        pages: Vec<u32>,
+        now: u64,
+    ) -> NodeId {
+        let depth = self.node(parent).depth + tokens.len() as u32;
+        let first = tokens[0];
+        let id = self.alloc(Node {
+            parent,
+            tokens,
+            depth,
+            children: Vec::new(),
+            state: None,
+            pages,
+            last_access: now,
+            leases: 0,
+            cand: None,
+            live: true,
+        });
+        self.node_mut(parent).add_child(first, id);
+        id
+    }
+
+    /// Removes leaf `id` (not a root); returns its parent.
+    pub(crate) fn remove_leaf(&mut self, id: NodeId) -> NodeId {
+        let parent = self.node(id).parent;
+        debug_assert!(self.node(id).children.is_empty() && parent != NIL);
+        self.node_mut(parent).remove_child(id);
+        self.release(id);
+        parent
+    }
+
+    /// Merges one-child node `id` (not a root) into its child: the child's
+    /// edge is prefixed with `id`'s edge and takes `id`'s place under its
+    /// parent. Returns the child.
+    pub(crate) fn merge_into_child(&mut self, id: NodeId) -> NodeId {
+        let (parent, child, mut tokens, mut pages) = {
+            let n = self.node_mut(id);
+            debug_assert!(n.children.len() == 1 && n.parent != NIL);
+            (
+                n.parent,
+                n.children[0].1,
+                std::mem::take(&mut n.tokens),
+                std::mem::take(&mut n.pages),
+            )
+        };
+        {
+            let c = self.node_mut(child);
+            tokens.append(&mut c.tokens);
+            c.tokens = tokens;
+            if !c.pages.is_empty() || !pages.is_empty() {
+                pages.append(&mut c.pages);
+                c.pages = pages;
+            }
+            c.parent = parent;
+        }
+        self.node_mut(parent).replace_child(id, child);
+        self.release(id);
+        child
+    }
+}

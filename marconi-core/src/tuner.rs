@@ -1,0 +1,172 @@
+//! Online α tuning (paper §4.2 "Managing the balance"), extended to keep
+//! re-tuning on later windows.
+
+use crate::cache::{Core, LeaseInfoOut};
+use crate::config::{TunerConfig, TuningObjective};
+use crate::log::Decision;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Before the first eviction: α stays at its initial value (0).
+    Warmup,
+    /// Recording a window of requests from a snapshot.
+    Recording,
+    /// One-shot tuning finished.
+    Done,
+}
+
+#[derive(Clone, Debug)]
+struct Recorded {
+    ns: u64,
+    input_len: u32,
+    full: Vec<u32>,
+}
+
+/// The tuner: watches requests, and at the end of each window replays it
+/// for every α of the grid.
+#[derive(Clone, Debug)]
+pub(crate) struct Tuner {
+    cfg: TunerConfig,
+    phase: Phase,
+    requests: u64,
+    window_len: usize,
+    snapshot: Option<Core>,
+    window: Vec<Recorded>,
+    round: u32,
+}
+
+impl Tuner {
+    pub(crate) fn new(cfg: TunerConfig) -> Self {
+        Tuner {
+            cfg,
+            phase: Phase::Warmup,
+            requests: 0,
+            window_len: 0,
+            snapshot: None,
+            window: Vec::new(),
+            round: 0,
+        }
+    }
+
+    /// Whether requests are being recorded for a window.
+    pub(crate) fn recording(&self) -> bool {
+        self.phase == Phase::Recording
+    }
+
+    /// Called once per finished request (lease released).
+    pub(crate) fn after_request(&mut self, core: &mut Core, out: LeaseInfoOut) {
+        self.requests += 1;
+        match self.phase {
+            Phase::Warmup => {
+                if core.stats.evictions > 0 {
+                    let factor = u64::from(self.cfg.bootstrap_factor);
+                    self.window_len = (self.requests * factor).max(u64::from(self.cfg.min_window))
+                        as usize;
+                    self.snapshot = Some(core.clone_for_replay());
+                    self.phase = Phase::Recording;
+                }
+            }
+            Phase::Recording => {
+                if let Some(full) = out.admitted.filter(|f| !f.is_empty()) {
+                    self.window.push(Recorded {
+                        ns: out.ns,
+                        input_len: out.input_len,
+                        full,
+                    });
+                }
+                if self.window.len() >= self.window_len {
+                    self.tune(core);
+                }
+            }
+            Phase::Done => {}
+        }
+    }
+
+    fn tune(&mut self, core: &mut Core) {
+        let snapshot = self.snapshot.take().expect("recording has a snapshot");
+        let mut grid = self.cfg.grid.clone();
+        if !grid.contains(&0.0) {
+            grid.push(0.0);
+        }
+        grid.sort_by(f64::total_cmp);
+        grid.dedup();
+        let results = grid_search(&snapshot, &grid, &self.window, &self.cfg);
+        let at_zero = results[0];
+        // Best objective; the smallest α wins ties (grid is ascending).
+        let (mut best, mut best_obj) = (0usize, at_zero);
+        for (i, &r) in results.iter().enumerate() {
+            if r > best_obj {
+                best = i;
+                best_obj = r;
+            }
+        }
+        // Never adopt an α that does not clearly beat plain LRU on the window.
+        if best != 0 && best_obj < at_zero * (1.0 + self.cfg.min_gain) {
+            best = 0;
+            best_obj = at_zero;
+        }
+        let old = core.alpha;
+        let new = grid[best];
+        core.alpha = new;
+        // α changed: every candidate's utility ordering changes, but the index
+        // keys (time, efficiency) do not, so nothing needs rebuilding.
+        self.round += 1;
+        core.stats.tuning_rounds = self.round;
+        let (round, requests) = (self.round, self.window.len() as u32);
+        core.log.push(|| Decision::Alpha {
+            round,
+            requests,
+            old,
+            new,
+            objective_at_zero: at_zero,
+            objective_at_new: best_obj,
+        });
+        self.window.clear();
+        if self.cfg.retune {
+            self.snapshot = Some(core.clone_for_replay());
+        } else {
+            self.phase = Phase::Done;
+        }
+    }
+}
+
+/// Replays `window` from `snapshot` once per α, in parallel threads; the
+/// result is in grid order and does not depend on the thread count.
+fn grid_search(snapshot: &Core, grid: &[f64], window: &[Recorded], cfg: &TunerConfig) -> Vec<f64> {
+    let threads = match cfg.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n as usize,
+    }
+    .clamp(1, grid.len());
+    let mut results = vec![0.0; grid.len()];
+    if threads == 1 {
+        for (r, &a) in results.iter_mut().zip(grid) {
+            *r = replay(snapshot, a, window, cfg.objective);
+        }
+        return results;
+    }
+    std::thread::scope(|s| {
+        let chunk = grid.len().div_ceil(threads);
+        for (rs, alphas) in results.chunks_mut(chunk).zip(grid.chunks(chunk)) {
+            s.spawn(move || {
+                for (r, &a) in rs.iter_mut().zip(alphas) {
+                    *r = replay(snapshot, a, window, cfg.objective);
+                }
+            });
+        }
+    });
+    results
+}
+
+fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObjective) -> f64 {
+    let mut c = snapshot.clone();
+    c.alpha = alpha;
+    for r in window {
+        // Recorded requests were valid when they ran; a replay cannot fail.
+        let _ = c.serve(r.ns, &r.full[..r.input_len as usize], &r.full);
+    }
+    match objective {
+        TuningObjective::FlopsSaved => c.stats.flops_saved,
+        TuningObjective::TokenHits => c.stats.hit_tokens as f64,
+    }
+}

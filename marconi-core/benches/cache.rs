@@ -4,6 +4,11 @@
 //! sessions that share a system prompt and grow turn by turn (the agentic
 //! shape of the paper), so it has the branching of a real cache.
 
+#![expect(
+    missing_docs,
+    reason = "criterion_group! generates an undocumented function"
+)]
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use marconi_core::{AlphaMode, CacheConfig, ModelSpec, PrefixCache};
 

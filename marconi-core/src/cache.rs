@@ -670,10 +670,9 @@ impl Core {
         };
         // Models without recurrent layers need no states: any offered are returned.
         let keep_states = !self.stateless_hits();
-        let (new_states, dup_states): (Vec<SavedState>, Vec<SavedState>) =
-            states.iter().partition(|s| {
-                keep_states && s.position <= aligned && !existing.contains(&s.position)
-            });
+        let (new_states, dup_states): (Vec<SavedState>, Vec<SavedState>) = states
+            .iter()
+            .partition(|s| keep_states && s.position <= aligned && !existing.contains(&s.position));
         outcome
             .slots_returned
             .extend(dup_states.iter().filter_map(|s| s.slot));
@@ -789,7 +788,9 @@ impl Core {
     /// The node whose edge ends exactly at `pos` on `seq`'s path, splitting
     /// an edge if needed. The path to `pos` must exist.
     fn node_ending_at(&mut self, root: NodeId, seq: &[u32], pos: u32) -> NodeId {
-        let walk = self.tree.walk(root, &seq[..pos as usize], self.cfg.page_size);
+        let walk = self
+            .tree
+            .walk(root, &seq[..pos as usize], self.cfg.page_size);
         debug_assert_eq!(walk.matched, pos);
         match walk.partial {
             Some((id, on_edge)) => {
@@ -1056,7 +1057,10 @@ impl Core {
             assert!(n.children.windows(2).all(|w| w[0].0 <= w[1].0));
             let page = self.cfg.page_size as usize;
             for w in n.children.windows(2) {
-                let (a, b) = (&self.tree.node(w[0].1).tokens, &self.tree.node(w[1].1).tokens);
+                let (a, b) = (
+                    &self.tree.node(w[0].1).tokens,
+                    &self.tree.node(w[1].1).tokens,
+                );
                 assert!(
                     crate::tree::common_prefix(a, b) < page,
                     "children of {id} share a whole page"
@@ -1066,7 +1070,11 @@ impl Core {
                 let cn = self.tree.node(c);
                 assert!(cn.live && cn.parent == id && cn.tokens[0] == t);
             }
-            assert_eq!(n.cand.is_some(), self.eligible(id), "index membership of {id}");
+            assert_eq!(
+                n.cand.is_some(),
+                self.eligible(id),
+                "index membership of {id}"
+            );
             cands += usize::from(n.cand.is_some());
         }
         assert_eq!(kv, self.kv_tokens, "kv token recount");

@@ -169,8 +169,7 @@ impl ModelSpec {
         if self.d_model == 0 {
             return Err("d_model is 0".into());
         }
-        if self.attn_layers > 0 && (self.kv_heads == 0 || self.head_dim == 0 || self.n_heads == 0)
-        {
+        if self.attn_layers > 0 && (self.kv_heads == 0 || self.head_dim == 0 || self.n_heads == 0) {
             return Err("attention layers need n_heads, kv_heads and head_dim > 0".into());
         }
         if self.ssm_layers > 0 && (self.d_state == 0 || self.ssm_state_channels == 0) {
@@ -345,7 +344,9 @@ mod tests {
     fn siblings_and_validation() {
         assert_eq!(ModelSpec::preset("paper-7b-attn").unwrap().state_bytes(), 0);
         assert_eq!(
-            ModelSpec::preset("paper-7b-ssm").unwrap().kv_bytes_per_token(),
+            ModelSpec::preset("paper-7b-ssm")
+                .unwrap()
+                .kv_bytes_per_token(),
             0
         );
         assert!(ModelSpec::preset("gpt-9").is_none());

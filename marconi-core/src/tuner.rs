@@ -60,8 +60,8 @@ impl Tuner {
             Phase::Warmup => {
                 if core.stats.evictions > 0 {
                     let factor = u64::from(self.cfg.bootstrap_factor);
-                    self.window_len = (self.requests * factor).max(u64::from(self.cfg.min_window))
-                        as usize;
+                    self.window_len =
+                        (self.requests * factor).max(u64::from(self.cfg.min_window)) as usize;
                     self.snapshot = Some(core.clone_for_replay());
                     self.phase = Phase::Recording;
                 }

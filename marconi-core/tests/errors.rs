@@ -1,0 +1,182 @@
+//! Every refused call names its reason and leaves the cache unchanged.
+
+use marconi_core::{CacheConfig, CacheError, ModelSpec, PrefixCache, SavedState, Stats};
+
+fn cache() -> PrefixCache {
+    PrefixCache::new(CacheConfig::marconi(
+        ModelSpec::preset("paper-7b").unwrap(),
+        1_000_000_000,
+    ))
+    .unwrap()
+}
+
+fn st(position: u32, slot: u32) -> SavedState {
+    SavedState {
+        position,
+        slot: Some(slot),
+    }
+}
+
+/// Observable state: stats (minus the request counters a failed call may not
+/// touch either) and bytes.
+fn snapshot(c: &PrefixCache) -> (Stats, u64) {
+    (c.stats(), c.used_bytes())
+}
+
+#[test]
+fn bad_configs_are_refused() {
+    let m = ModelSpec::preset("paper-7b").unwrap();
+    let err = |cfg: CacheConfig| PrefixCache::new(cfg).unwrap_err().to_string();
+    assert!(err(CacheConfig::marconi(m.clone(), 0)).contains("capacity_bytes is 0"));
+    let c = CacheConfig {
+        page_size: 0,
+        ..CacheConfig::marconi(m.clone(), 1)
+    };
+    assert!(err(c).contains("page_size is 0"));
+    let c = CacheConfig {
+        checkpoint_grid: 0,
+        ..CacheConfig::marconi(m.clone(), 1)
+    };
+    assert!(err(c).contains("checkpoint_grid"));
+    let c = CacheConfig {
+        alpha: marconi_core::AlphaMode::Fixed(f64::NAN),
+        ..CacheConfig::marconi(m.clone(), 1)
+    };
+    assert!(err(c).contains("alpha"));
+    let mut bad = m;
+    bad.ssm_layers = 0;
+    bad.attn_layers = 0;
+    assert!(err(CacheConfig::marconi(bad, 1)).contains("neither attention nor SSM"));
+}
+
+#[test]
+fn bad_calls_change_nothing() {
+    let mut c = cache();
+    c.serve(0, &(0..20).collect::<Vec<_>>(), &[]).unwrap();
+    let input: Vec<u32> = (0..8).chain(100..112).collect();
+    let l = c.lookup(0, &input).unwrap();
+    assert_eq!(l.plan, vec![8]);
+    let before = snapshot(&c);
+
+    let cases: Vec<(
+        CacheError,
+        Box<dyn Fn(&mut PrefixCache) -> Result<(), CacheError>>,
+    )> = vec![
+        (
+            CacheError::EmptyTokens,
+            Box::new(|c| c.lookup(0, &[]).map(drop)),
+        ),
+        (
+            CacheError::UnknownLease(999),
+            Box::new(|c| c.admit(999, &[1], &[], &[]).map(drop)),
+        ),
+        (CacheError::UnknownLease(999), Box::new(|c| c.release(999))),
+        (
+            CacheError::PrefixMismatch { input_len: 20 },
+            Box::new(move |c| c.admit(l.lease, &[1, 2, 3], &[], &[]).map(drop)),
+        ),
+        (
+            CacheError::PrefixMismatch { input_len: 20 },
+            Box::new(move |c| {
+                let mut other: Vec<u32> = (0..8).chain(100..112).collect();
+                other[3] = 77;
+                c.admit(l.lease, &other, &[], &[]).map(drop)
+            }),
+        ),
+        (
+            CacheError::NotPlanned {
+                position: 5,
+                allowed: "planned [8] or the final position 20".into(),
+            },
+            Box::new({
+                let input = input.clone();
+                move |c| c.admit(l.lease, &input, &[st(5, 1)], &[]).map(drop)
+            }),
+        ),
+        (
+            CacheError::PositionOutOfRange {
+                position: 21,
+                len: 20,
+            },
+            Box::new({
+                let input = input.clone();
+                move |c| c.admit(l.lease, &input, &[st(21, 1)], &[]).map(drop)
+            }),
+        ),
+        (
+            CacheError::DuplicatePosition(8),
+            Box::new({
+                let input = input.clone();
+                move |c| {
+                    let s = [st(8, 1), st(8, 2)];
+                    c.admit(l.lease, &input, &s, &[]).map(drop)
+                }
+            }),
+        ),
+        (
+            CacheError::DuplicateSlot(1),
+            Box::new({
+                let input = input.clone();
+                move |c| {
+                    let s = [st(8, 1), st(20, 1)];
+                    c.admit(l.lease, &input, &s, &[]).map(drop)
+                }
+            }),
+        ),
+        (
+            CacheError::BadPageList {
+                expected: 20,
+                got: 3,
+            },
+            Box::new({
+                let input = input.clone();
+                move |c| c.admit(l.lease, &input, &[], &[1, 2, 3]).map(drop)
+            }),
+        ),
+    ];
+    for (want, call) in cases {
+        assert_eq!(call(&mut c).unwrap_err(), want);
+        assert_eq!(snapshot(&c), before, "after {want}");
+        c.check_invariants();
+    }
+    // The valid admission still works, and then the slot is the cache's:
+    // offering it again is refused.
+    c.admit(l.lease, &input, &[st(8, 1), st(20, 2)], &[])
+        .unwrap();
+    c.release(l.lease).unwrap();
+    assert_eq!(c.release(l.lease), Err(CacheError::UnknownLease(l.lease)));
+    let l2 = c.lookup(0, &[500, 501]).unwrap();
+    assert_eq!(
+        c.admit(l2.lease, &[500, 501], &[st(2, 1)], &[]),
+        Err(CacheError::DuplicateSlot(1))
+    );
+    c.release(l2.lease).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn stale_leases_never_reach_new_requests() {
+    let mut c = cache();
+    let a = c.lookup(0, &[1, 2, 3]).unwrap().lease;
+    c.release(a).unwrap();
+    let b = c.lookup(0, &[1, 2, 3]).unwrap().lease;
+    assert_ne!(a, b);
+    assert_eq!(c.release(a), Err(CacheError::UnknownLease(a)));
+    c.release(b).unwrap();
+}
+
+#[test]
+fn messages_are_sentences_with_the_numbers() {
+    assert_eq!(
+        CacheError::BadPageList {
+            expected: 4,
+            got: 2
+        }
+        .to_string(),
+        "kv page list has 2 ids, expected 0 or 4 (one per full page)"
+    );
+    assert_eq!(
+        CacheError::UnknownLease(7).to_string(),
+        "lease 7 is unknown or already released"
+    );
+}

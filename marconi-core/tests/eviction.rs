@@ -1,0 +1,198 @@
+//! Eviction order on small trees, engine ids reported on eviction, leases.
+
+use insta::assert_snapshot;
+use marconi_core::{
+    AlphaMode, CacheConfig, EvictionPolicy, Freed, ModelSpec, PrefixCache, SavedState,
+};
+
+fn range(a: u32, b: u32) -> Vec<u32> {
+    (a..b).collect()
+}
+
+fn cat(parts: &[Vec<u32>]) -> Vec<u32> {
+    parts.concat()
+}
+
+fn paper() -> ModelSpec {
+    ModelSpec::preset("paper-7b").unwrap()
+}
+
+const KV: u64 = 65_536;
+const STATE: u64 = 26_787_840;
+
+fn cache(eviction: EvictionPolicy, alpha: f64, capacity: u64) -> PrefixCache {
+    PrefixCache::new(CacheConfig {
+        eviction,
+        alpha: AlphaMode::Fixed(alpha),
+        decision_log: true,
+        ..CacheConfig::marconi(paper(), capacity)
+    })
+    .unwrap()
+}
+
+/// Serves the requests and renders only the eviction records.
+fn evictions(mut c: PrefixCache, reqs: &[Vec<u32>]) -> String {
+    let mut out = String::new();
+    for r in reqs {
+        c.serve(0, r, &[]).unwrap();
+        c.check_invariants();
+        for d in c.drain_log() {
+            let line = d.to_string();
+            if line.starts_with("evict") {
+                out += &line;
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// A (0..100, state at 100) extended by B (to 150), then an unrelated C:
+/// A is a one-child node with a state, B and C are leaves.
+fn three_entries() -> Vec<Vec<u32>> {
+    vec![
+        range(0, 100),
+        cat(&[range(0, 100), range(1000, 1050)]),
+        range(5000, 5100),
+    ]
+}
+
+/// Room for the three entries and a fourth that needs one state's worth more.
+fn tight() -> u64 {
+    250 * KV + 3 * STATE + (100 * KV + STATE) - 1
+}
+
+#[test]
+fn alpha_zero_is_lru_over_nodes_with_at_most_one_child() {
+    // The oldest candidate is A, whose state is superseded by B: FLOP-aware
+    // eviction with α = 0 drops A's state and merges its edge into B; nothing
+    // else goes.
+    let mut reqs = three_entries();
+    reqs.push(range(9000, 9100));
+    assert_snapshot!(evictions(cache(EvictionPolicy::FlopAware, 0.0, tight()), &reqs), @"evict   Merge depth=100 edge=100 recency=0.000 eff=1.000 utility=0.000 freed=26787840");
+}
+
+#[test]
+fn lru_baseline_evicts_leaves_only() {
+    // SGLang+ cannot touch A (not a leaf): it evicts the oldest leaf, B,
+    // losing the conversation's latest state.
+    let mut reqs = three_entries();
+    reqs.push(range(9000, 9100));
+    assert_snapshot!(evictions(cache(EvictionPolicy::Lru, 0.0, tight()), &reqs), @"evict   Leaf depth=150 edge=50 recency=0.000 eff=0.000 utility=0.000 freed=30064640");
+}
+
+/// An old long sequence and a recent short one; a third needs room for one.
+fn long_and_short() -> (Vec<Vec<u32>>, u64) {
+    let reqs = vec![range(0, 4000), range(10_000, 10_050), range(20_000, 20_050)];
+    let cap = 4050 * KV + 2 * STATE + (50 * KV + STATE) - 1;
+    (reqs, cap)
+}
+
+#[test]
+fn small_alpha_evicts_the_old_long_prefix() {
+    let (reqs, cap) = long_and_short();
+    assert_snapshot!(evictions(cache(EvictionPolicy::FlopAware, 0.5, cap), &reqs), @"evict   Leaf depth=4000 edge=4000 recency=0.000 eff=1.000 utility=0.500 freed=288931840");
+}
+
+#[test]
+fn large_alpha_keeps_the_long_expensive_prefix() {
+    // With α = 5 the long prefix's FLOP efficiency outweighs its age: the
+    // recent short entry goes instead.
+    let (reqs, cap) = long_and_short();
+    assert_snapshot!(evictions(cache(EvictionPolicy::FlopAware, 5.0, cap), &reqs), @"evict   Leaf depth=50 edge=50 recency=1.000 eff=0.000 utility=1.000 freed=30064640");
+}
+
+#[test]
+fn evictions_report_engine_ids_and_merge_edges() {
+    // Engine-level cycle with slot and page ids (page size 1).
+    let mut c = cache(EvictionPolicy::FlopAware, 0.0, tight());
+    let mut next_page = 0u32;
+    let mut run = |c: &mut PrefixCache, input: &[u32], slot: u32| {
+        let l = c.lookup(0, input).unwrap();
+        let pages: Vec<u32> = (next_page..next_page + input.len() as u32).collect();
+        next_page += input.len() as u32;
+        let final_state = SavedState {
+            position: input.len() as u32,
+            slot: Some(slot),
+        };
+        let out = c.admit(l.lease, input, &[final_state], &pages).unwrap();
+        c.release(l.lease).unwrap();
+        (l, out)
+    };
+    let reqs = three_entries();
+    let (_, a) = run(&mut c, &reqs[0], 10);
+    assert_eq!(a.kv_pages_taken, 0..100);
+    let (l, b) = run(&mut c, &reqs[1], 11);
+    assert_eq!((l.hit_tokens, l.state_slot), (100, Some(10)));
+    assert_eq!(l.kv_pages, (0..100).collect::<Vec<_>>());
+    // B's first 100 pages duplicate A's: the cache keeps only the new 50.
+    assert_eq!(b.kv_pages_taken, 100..150);
+    run(&mut c, &reqs[2], 12);
+    assert_eq!(c.drain_freed(), Freed::default());
+    run(&mut c, &range(9000, 9100), 13);
+    // A's state (slot 10) was freed; its KV merged into B, so no page is freed.
+    assert_eq!(
+        c.drain_freed(),
+        Freed {
+            kv_pages: vec![],
+            state_slots: vec![10]
+        }
+    );
+    // B still resumes from its own state with all 150 tokens of KV:
+    // 100 of A's pages (merged) then B's own 50.
+    let mut next = reqs[1].clone();
+    next.push(1);
+    let l = c.lookup(0, &next).unwrap();
+    assert_eq!((l.hit_tokens, l.state_slot), (150, Some(11)));
+    let mut want: Vec<u32> = (0..100).collect();
+    want.extend(200..250);
+    assert_eq!(l.kv_pages, want);
+    c.release(l.lease).unwrap();
+    c.check_invariants();
+}
+
+#[test]
+fn leased_entries_are_never_evicted() {
+    let mut c = cache(EvictionPolicy::FlopAware, 1.0, 100 * KV + STATE);
+    c.serve(0, &range(0, 100), &[]).unwrap();
+    let mut held = range(0, 100);
+    held.push(7);
+    let l = c.lookup(0, &held).unwrap();
+    assert_eq!(l.hit_tokens, 100);
+    // Everything is pinned: a new sequence cannot be admitted.
+    let s = c.serve(0, &range(500, 600), &[]).unwrap();
+    assert!(s.rejected);
+    assert_eq!(c.stats().evictions, 0);
+    assert_eq!(c.stats().admissions_rejected, 1);
+    c.check_invariants();
+    c.release(l.lease).unwrap();
+    // Released: the old entry can now make way.
+    let s = c.serve(0, &range(500, 600), &[]).unwrap();
+    assert!(!s.rejected);
+    assert_eq!(c.stats().evictions, 1);
+    c.check_invariants();
+}
+
+#[test]
+fn a_sequence_larger_than_the_cache_is_rejected_whole() {
+    let mut c = cache(EvictionPolicy::FlopAware, 1.0, 10 * KV);
+    let s = c.serve(0, &range(0, 100), &[]).unwrap();
+    assert!(s.rejected);
+    assert_eq!(c.used_bytes(), 0);
+    c.check_invariants();
+}
+
+#[test]
+fn explicit_evict_frees_what_is_asked() {
+    let mut c = cache(EvictionPolicy::FlopAware, 1.0, u64::MAX / 4);
+    for i in 0..10 {
+        c.serve(0, &range(i * 1000, i * 1000 + 100), &[]).unwrap();
+    }
+    let used = c.used_bytes();
+    assert_eq!(used, 10 * (100 * KV + STATE));
+    assert_eq!(c.evictable_bytes(), used);
+    let free = c.evict(c.config().capacity_bytes - used + 3 * (100 * KV + STATE));
+    assert_eq!(c.used_bytes(), 7 * (100 * KV + STATE));
+    assert_eq!(free, c.config().capacity_bytes - c.used_bytes());
+    c.check_invariants();
+}

@@ -10,6 +10,9 @@ fn cache() -> PrefixCache {
     .unwrap()
 }
 
+/// A call that is expected to fail.
+type Call = Box<dyn Fn(&mut PrefixCache) -> Result<(), CacheError>>;
+
 fn st(position: u32, slot: u32) -> SavedState {
     SavedState {
         position,
@@ -58,10 +61,7 @@ fn bad_calls_change_nothing() {
     assert_eq!(l.plan, vec![8]);
     let before = snapshot(&c);
 
-    let cases: Vec<(
-        CacheError,
-        Box<dyn Fn(&mut PrefixCache) -> Result<(), CacheError>>,
-    )> = vec![
+    let cases: Vec<(CacheError, Call)> = vec![
         (
             CacheError::EmptyTokens,
             Box::new(|c| c.lookup(0, &[]).map(drop)),

@@ -58,7 +58,9 @@ fn bench(c: &mut Criterion) {
     for sessions in [100u32, 1000, 4000] {
         let reqs = workload(sessions, 4);
         let big = CacheConfig {
-            alpha: AlphaMode::Fixed(1.0),
+            alpha: AlphaMode::Fixed(
+                std::env::var("BENCH_ALPHA").map_or(1.0, |a| a.parse().unwrap()),
+            ),
             ..CacheConfig::marconi(model.clone(), u64::MAX / 2)
         };
         let used = filled(big.clone(), &reqs).used_bytes();
@@ -103,7 +105,10 @@ fn bench(c: &mut Criterion) {
         g.bench_function(format!("evict_64_states/{nodes}_nodes"), |b| {
             b.iter_batched(
                 || cache.clone(),
-                |mut c| c.evict(64 * state),
+                |mut c| {
+                    c.evict(64 * state);
+                    c
+                },
                 BatchSize::LargeInput,
             )
         });

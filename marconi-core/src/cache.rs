@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use crate::config::{AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy};
 use crate::error::CacheError;
-use crate::index::Index;
+use crate::index::{CandKey, Index};
 use crate::log::{Decision, DecisionLog, EvictKind, PlanReason};
 use crate::tree::{NodeId, StateRef, Tree, NIL};
 use crate::tuner::Tuner;
@@ -241,7 +241,8 @@ impl Core {
     }
 
     pub(crate) fn used_bytes(&self) -> u64 {
-        self.kv_tokens * self.kv_bpt + self.states * self.state_b
+        (self.kv_tokens.saturating_mul(self.kv_bpt))
+            .saturating_add(self.states.saturating_mul(self.state_b))
     }
 
     /// Whether every matched position is usable without a state.
@@ -300,14 +301,18 @@ impl Core {
 
     /// Re-derives `id`'s place in the eviction index after any change to it.
     fn refresh(&mut self, id: NodeId) {
-        if let Some((t, e)) = self.tree.node_mut(id).cand.take() {
-            self.index.remove(id, t, e);
+        if let Some(k) = self.tree.node_mut(id).cand.take() {
+            self.index.remove(id, k);
         }
         if self.eligible(id) {
-            let t = self.tree.node(id).last_access;
-            let e = self.efficiency(id);
-            self.index.insert(id, t, e);
-            self.tree.node_mut(id).cand = Some((t, e));
+            let n = self.tree.node(id);
+            let k = CandKey {
+                time: n.last_access,
+                eff: self.efficiency(id),
+                class: u8::from(!n.children.is_empty()),
+            };
+            self.index.insert(id, k);
+            self.tree.node_mut(id).cand = Some(k);
         }
     }
 
@@ -829,7 +834,7 @@ impl Core {
 
     /// Evicts until `needed` more bytes fit; false if they cannot.
     pub(crate) fn make_room(&mut self, needed: u64) -> bool {
-        while self.used_bytes() + needed > self.cfg.capacity_bytes {
+        while self.used_bytes().saturating_add(needed) > self.cfg.capacity_bytes {
             if !self.evict_one() {
                 return false;
             }
@@ -844,11 +849,10 @@ impl Core {
             EvictionPolicy::FlopAware => self.alpha,
         };
         let tree = &self.tree;
-        let Some(choice) = self.index.lowest(
-            alpha,
-            |id| tree.node(id).last_access,
-            |id| tree.node(id).cand.map_or(0.0, |c| c.1),
-        ) else {
+        let Some(choice) = self
+            .index
+            .lowest(alpha, |id| tree.node(id).cand.expect("indexed"))
+        else {
             return false;
         };
         let id = choice.node;
@@ -857,8 +861,8 @@ impl Core {
             let n = self.tree.node(id);
             (n.depth, n.tokens.len() as u32, n.children.is_empty())
         };
-        if let Some((t, e)) = self.tree.node_mut(id).cand.take() {
-            self.index.remove(id, t, e);
+        if let Some(k) = self.tree.node_mut(id).cand.take() {
+            self.index.remove(id, k);
         }
         if let Some(st) = self.tree.node_mut(id).state.take() {
             self.states -= 1;
@@ -902,8 +906,8 @@ impl Core {
     fn after_child_removed(&mut self, parent: NodeId) {
         let n = self.tree.node(parent);
         if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
-            if let Some((t, e)) = self.tree.node_mut(parent).cand.take() {
-                self.index.remove(parent, t, e);
+            if let Some(k) = self.tree.node_mut(parent).cand.take() {
+                self.index.remove(parent, k);
             }
             let child = self.tree.merge_into_child(parent);
             self.refresh(child);

@@ -35,7 +35,7 @@ pub(crate) struct Node {
     /// Leases whose pinned path runs through this node.
     pub(crate) leases: u32,
     /// Key under which the node sits in the eviction index, if it does.
-    pub(crate) cand: Option<(u64, f64)>,
+    pub(crate) cand: Option<crate::index::CandKey>,
     pub(crate) live: bool,
 }
 

@@ -1,1 +1,23 @@
-//! marconi-sim: see ARCHITECTURE.md.
+//! # marconi-sim
+//!
+//! Replays request traces through libmarconi's caching policies and reports
+//! hit rates, FLOPs saved and estimated time to first token; generates
+//! workloads (real ShareGPT conversations, synthetic agentic and chat
+//! sessions); compares policies side by side and plots the paper's figures.
+//!
+//! * [`trace`]: the JSON-lines trace format, a streaming reader and a writer.
+//! * [`synth`] and [`sharegpt`]: workload generators.
+//! * [`replay`]: one policy over one trace, sequential or concurrent.
+//! * [`compare`]: every policy over one trace in parallel, sweeps, tables.
+//! * [`plot`]: SVG figures.
+
+pub mod compare;
+pub mod plot;
+pub mod progress;
+pub mod replay;
+pub mod rng;
+pub mod sharegpt;
+pub mod synth;
+pub mod trace;
+pub mod ttft;
+pub mod units;

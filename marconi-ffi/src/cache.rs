@@ -1,0 +1,876 @@
+//! The cache handle and the request cycle: lookup, plan, admit, release,
+//! eviction reports, stats and the decision log.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ffi::c_char;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use marconi_core::{PrefixCache, SavedState};
+
+use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::status::{
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, FfiError, FfiResult,
+};
+
+/// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
+/// no engine slot, or there is no hit), in marconi_saved_state.slot (the
+/// engine does not track slots), and as the dst_slot of marconi_cache_lookup
+/// (no copy order wanted). UINT32_MAX is therefore never a valid slot id.
+pub const MARCONI_NO_SLOT: u32 = u32::MAX;
+
+/// Bits of a C lease id that carry the core's lease number; the bits above
+/// carry the cache's generation, so a lease of one cache (or of a freed
+/// cache) is never valid in another.
+const LEASE_BITS: u32 = 40;
+const LEASE_MASK: u64 = (1 << LEASE_BITS) - 1;
+/// Generations live in the top 24 bits.
+const GEN_MASK: u64 = (1 << (64 - LEASE_BITS)) - 1;
+
+/// Process-wide generation counter for cache handles.
+static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
+
+/// A prefix cache handle: opaque to C. Create with marconi_cache_new, free
+/// with marconi_cache_free.
+pub struct marconi_cache {
+    generation: u64,
+    inner: Mutex<Inner>,
+}
+
+/// What the lock protects: the core cache and the outputs waiting to be
+/// drained by the engine.
+struct Inner {
+    cache: PrefixCache,
+    /// KV page ids of each outstanding lease's hit (core lease number).
+    lease_pages: HashMap<u64, Vec<u32>>,
+    /// State slots the cache owns (taken by admissions, not yet freed).
+    owned_slots: HashSet<u32>,
+    freed_pages: Vec<u32>,
+    freed_slots: Vec<u32>,
+    /// Decision records as JSON lines, each ending in '\n'.
+    log: VecDeque<String>,
+    log_bytes: usize,
+}
+
+impl Inner {
+    /// Moves what the core freed since the last call into the pending lists.
+    fn collect_freed(&mut self) {
+        let f = self.cache.drain_freed();
+        for s in &f.state_slots {
+            self.owned_slots.remove(s);
+        }
+        self.freed_pages.extend(f.kv_pages);
+        self.freed_slots.extend(f.state_slots);
+    }
+
+    fn collect_log(&mut self) -> FfiResult {
+        for d in self.cache.drain_log() {
+            let mut line = serde_json::to_string(&d).map_err(|e| {
+                FfiError::new(marconi_status::InvalidArgument, format!("log record: {e}"))
+            })?;
+            line.push('\n');
+            self.log_bytes += line.len();
+            self.log.push_back(line);
+        }
+        Ok(())
+    }
+}
+
+/// The result of marconi_cache_lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_lookup {
+    /// The lease pinning what this request reuses: pass it to
+    /// marconi_cache_admit and release it with marconi_cache_release. Never 0,
+    /// never reused, and never valid in another cache.
+    pub lease: u64,
+    /// Leading tokens the engine may skip. Always less than the input length:
+    /// the last input token is recomputed to produce the first logits.
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached (page-aligned). kv_matched_tokens -
+    /// hit_tokens is KV that matched but cannot be used (no state there).
+    pub kv_matched_tokens: u32,
+    /// The cached state slot to resume from, or MARCONI_NO_SLOT.
+    pub state_slot: u32,
+    /// KV page ids of the first hit_tokens tokens (fetch them with
+    /// marconi_cache_lease_kv_pages); 0 when the engine does not pass pages.
+    pub n_kv_pages: u32,
+    /// Checkpoint positions for this prefill (fetch them with
+    /// marconi_cache_lease_plan).
+    pub n_plan: u32,
+    /// 1 when copy_order holds an order, else 0.
+    pub n_copy_orders: u32,
+    /// When n_copy_orders is 1: copy the cached state in src_slot into the
+    /// request's slot dst_slot before resuming (the cache keeps src_slot).
+    pub copy_order: marconi_copy_order,
+}
+
+/// An order to copy a recurrent state from one engine slot to another, run
+/// by the engine on its own stream.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct marconi_copy_order {
+    /// The slot to read (owned by the cache).
+    pub src_slot: u32,
+    /// The slot to write (owned by the request).
+    pub dst_slot: u32,
+}
+
+impl Default for marconi_copy_order {
+    fn default() -> Self {
+        marconi_copy_order {
+            src_slot: MARCONI_NO_SLOT,
+            dst_slot: MARCONI_NO_SLOT,
+        }
+    }
+}
+
+/// A recurrent state the engine saved, offered to marconi_cache_admit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct marconi_saved_state {
+    /// Tokens the state covers (a planned position, or the final position:
+    /// the admitted length rounded down to the page size).
+    pub position: u32,
+    /// The engine slot holding it, or MARCONI_NO_SLOT.
+    pub slot: u32,
+}
+
+/// The result of marconi_cache_admit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_admit_result {
+    /// States the cache took (their slots are now the cache's).
+    pub states_taken: u32,
+    /// Offered states with a slot that the cache did not take (already
+    /// cached there, or rejected): those slots stay the engine's.
+    pub slots_returned: u32,
+    /// The cache took the KV pages kv_pages[kv_pages_taken_start ..
+    /// kv_pages_taken_end) of the admitted page list; the others stay the
+    /// engine's.
+    pub kv_pages_taken_start: u32,
+    /// End (exclusive) of the taken page range.
+    pub kv_pages_taken_end: u32,
+    /// Tokens of KV newly cached.
+    pub new_kv_tokens: u32,
+    /// True when nothing was cached: the sequence does not fit even after
+    /// evicting every unleased entry (see the decision log for the reason).
+    pub rejected: bool,
+}
+
+/// Counters and gauges of a cache. Versioned by size: set struct_size to
+/// sizeof(marconi_stats) before calling marconi_cache_stats; the library
+/// writes only that many bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct marconi_stats {
+    /// sizeof(marconi_stats) as the caller compiled it.
+    pub struct_size: u32,
+    /// alpha tuning rounds run.
+    pub tuning_rounds: u32,
+    /// Lookups served.
+    pub requests: u64,
+    /// Lookups with a non-zero hit.
+    pub hit_requests: u64,
+    /// Input tokens looked up.
+    pub input_tokens: u64,
+    /// Tokens skipped thanks to the cache (usable hits).
+    pub hit_tokens: u64,
+    /// Tokens whose KV matched but could not be used because no state existed
+    /// there (the silent miss).
+    pub kv_matched_unusable_tokens: u64,
+    /// Prefill FLOPs saved by hits.
+    pub flops_saved: f64,
+    /// Prefill FLOPs the inputs would cost with no cache.
+    pub flops_total: f64,
+    /// Bytes of cached KV.
+    pub kv_bytes: u64,
+    /// Bytes of cached states.
+    pub state_bytes: u64,
+    /// The byte budget.
+    pub capacity_bytes: u64,
+    /// Cached states.
+    pub states: u64,
+    /// Tree nodes.
+    pub nodes: u64,
+    /// Nodes evicted.
+    pub evictions: u64,
+    /// States admitted.
+    pub states_admitted: u64,
+    /// Admissions refused for lack of space.
+    pub admissions_rejected: u64,
+    /// Leases outstanding.
+    pub leases: u64,
+    /// The alpha in force.
+    pub alpha: f64,
+    /// Bytes in use (KV + states).
+    pub used_bytes: u64,
+    /// Bytes unleased entries hold, which eviction could free now.
+    pub evictable_bytes: u64,
+    /// KV bytes per cached token (the model's).
+    pub kv_bytes_per_token: u64,
+    /// Bytes of one cached recurrent state (all recurrent layers).
+    pub state_bytes_per_entry: u64,
+}
+
+/// Smallest struct_size accepted by marconi_cache_stats (up to `requests`).
+const STATS_MIN_SIZE: usize = 16;
+
+impl marconi_cache {
+    fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
+        self.inner.lock().map_err(|_| {
+            FfiError::new(
+                marconi_status::Poisoned,
+                "the cache is unusable after an earlier internal panic",
+            )
+        })
+    }
+
+    fn c_lease(&self, core: u64) -> u64 {
+        (self.generation << LEASE_BITS) | core
+    }
+
+    /// The core lease number of a C lease id of this cache.
+    fn core_lease(&self, lease: u64) -> FfiResult<u64> {
+        if lease >> LEASE_BITS != self.generation || lease & LEASE_MASK == 0 {
+            return Err(FfiError::new(
+                marconi_status::UnknownLease,
+                format!("lease {lease} was not issued by this cache"),
+            ));
+        }
+        Ok(lease & LEASE_MASK)
+    }
+}
+
+/// Checks the cache pointer and borrows the handle.
+///
+/// # Safety
+///
+/// `cache` is NULL or a live handle from marconi_cache_new.
+unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
+    check_ptr!(cache);
+    // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
+    // only shared references are formed (the handle is Sync via its Mutex).
+    Ok(unsafe { &*cache })
+}
+
+fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
+    if n >= u32::MAX as usize {
+        return Err(FfiError::new(
+            marconi_status::TooManyTokens,
+            format!("{what} has {n} tokens, more than the 4294967295 a sequence may hold"),
+        ));
+    }
+    Ok(())
+}
+
+/// Creates a cache from `*cfg` and writes the handle to `*out` (caller frees
+/// it with marconi_cache_free). MARCONI_STATUS_INVALID_CONFIG (with the
+/// reason in marconi_last_error) for a configuration that cannot drive a
+/// cache, e.g. capacity_bytes 0.
+///
+/// Thread safety: may run concurrently with anything.
+///
+/// # Safety
+///
+/// `cfg` is NULL or points to struct_size readable bytes initialised by
+/// marconi_cache_config_init; `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_new(
+    cfg: *const marconi_cache_config,
+    out: *mut *mut marconi_cache,
+) -> marconi_status {
+    boundary("marconi_cache_new", || {
+        check_ptr!(cfg);
+        check_ptr!(out);
+        // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
+        let c = unsafe { read_config(cfg) }?;
+        // SAFETY: the pointers inside c follow the documented contracts.
+        let core_cfg = unsafe { to_core_config(&c) }?;
+        let cache = PrefixCache::new(core_cfg)?;
+        let generation = NEXT_GEN.fetch_add(1, Ordering::Relaxed) & GEN_MASK;
+        let handle = Box::new(marconi_cache {
+            generation: generation.max(1),
+            inner: Mutex::new(Inner {
+                cache,
+                lease_pages: HashMap::new(),
+                owned_slots: HashSet::new(),
+                freed_pages: Vec::new(),
+                freed_slots: Vec::new(),
+                log: VecDeque::new(),
+                log_bytes: 0,
+            }),
+        });
+        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
+        unsafe { out.write(Box::into_raw(handle)) };
+        Ok(())
+    })
+}
+
+/// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
+/// cache becomes invalid; a stale lease passed to another cache is refused
+/// with MARCONI_STATUS_UNKNOWN_LEASE (lease ids carry their cache's identity).
+///
+/// Thread safety: must not run concurrently with any other call on this
+/// cache; the handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `cache` is NULL or a handle from marconi_cache_new not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
+    boundary_or("marconi_cache_free", (), || {
+        if !cache.is_null() {
+            // SAFETY: cache came from Box::into_raw in marconi_cache_new and is
+            // freed once (caller contract).
+            drop(unsafe { Box::from_raw(cache) });
+        }
+    })
+}
+
+/// Looks up `tokens[0..n_tokens]` in namespace `ns` (a LoRA id or cache
+/// salt; 0 by default) and writes what can be reused to `*out`: the usable
+/// hit, the KV-matched length, the state slot to resume from, the counts of
+/// KV pages and planned checkpoints, and a lease that pins what is reused
+/// until marconi_cache_release.
+///
+/// `dst_slot` is the request's own state slot, or MARCONI_NO_SLOT. When the
+/// hit resumes from a cached slot and dst_slot is given, `out->copy_order`
+/// is {state_slot, dst_slot}: the engine copies the cached state before
+/// resuming. dst_slot equal to the cached slot is MARCONI_STATUS_INVALID_ARGUMENT
+/// (the cache owns that slot; nothing changes).
+///
+/// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
+/// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `tokens` points to n_tokens readable
+/// u32 (or is NULL); `out` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lookup(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    dst_slot: u32,
+    out: *mut marconi_lookup,
+) -> marconi_status {
+    boundary("marconi_cache_lookup", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        tokens_len_ok(n_tokens, "tokens")?;
+        // SAFETY: buffer contract of the header.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        check_ptr!(out);
+        let mut g = h.lock()?;
+        if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                format!("dst_slot {dst_slot} holds a cached state owned by the cache"),
+            ));
+        }
+        let l = g.cache.lookup(ns, tokens)?;
+        let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
+        let core_lease = l.lease;
+        if core_lease > LEASE_MASK {
+            g.cache.release(core_lease)?;
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                "this cache has issued 2^40 leases; create a new cache",
+            ));
+        }
+        let (n_copy, copy) = if dst_slot != MARCONI_NO_SLOT && state_slot != MARCONI_NO_SLOT {
+            (
+                1,
+                marconi_copy_order {
+                    src_slot: state_slot,
+                    dst_slot,
+                },
+            )
+        } else {
+            (0, marconi_copy_order::default())
+        };
+        let res = marconi_lookup {
+            lease: h.c_lease(core_lease),
+            hit_tokens: l.hit_tokens,
+            kv_matched_tokens: l.kv_matched_tokens,
+            state_slot,
+            n_kv_pages: l.kv_pages.len() as u32,
+            n_plan: l.plan.len() as u32,
+            n_copy_orders: n_copy,
+            copy_order: copy,
+        };
+        g.lease_pages.insert(core_lease, l.kv_pages);
+        // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+/// Copies a lease's list into `buf`, or reports the needed size.
+fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {
+    // SAFETY: out_len was checked non-NULL and aligned by the caller of this
+    // helper, and is writable by contract.
+    unsafe { out_len.write(list.len()) };
+    if buf.len() < list.len() {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
+        ));
+    }
+    buf[..list.len()].copy_from_slice(list);
+    Ok(())
+}
+
+/// Writes the KV page ids of a lease's hit (the engine's pages holding the
+/// first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
+/// `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
+/// MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
+/// `*out_len`.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
+/// `out_len` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
+    cache: *const marconi_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_cache_lease_kv_pages", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        // SAFETY: buffer contract of the header.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let core_lease = h.core_lease(lease)?;
+        let g = h.lock()?;
+        let pages = g
+            .lease_pages
+            .get(&core_lease)
+            .ok_or(marconi_core::CacheError::UnknownLease(lease))?;
+        copy_list(pages, buf, out_len)
+    })
+}
+
+/// Writes the checkpoint positions planned for a lease (ascending: save the
+/// recurrent state after each of these many tokens during prefill) into
+/// `buf[0..cap]` and their number to `*out_len`. The final state is always
+/// admissible and is not listed. A buffer too small behaves as in
+/// marconi_cache_lease_kv_pages.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_cache_lease_kv_pages.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lease_plan(
+    cache: *const marconi_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_cache_lease_plan", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        // SAFETY: buffer contract of the header.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let core_lease = h.core_lease(lease)?;
+        let g = h.lock()?;
+        let plan = g
+            .cache
+            .plan(core_lease)
+            .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
+        copy_list(plan, buf, out_len)
+    })
+}
+
+/// Admits `tokens[0..n_tokens]` (the looked-up input, optionally followed by
+/// decoded output) under `lease`, with the states the engine saved
+/// (`states[0..n_states]`: planned positions and the final position) and,
+/// when the engine tracks KV pages, one page id per full page of tokens
+/// (`kv_pages[0..n_kv_pages]`, or none at all). Evicts as needed. May be
+/// called more than once per lease (after prefill, after decode).
+///
+/// Ownership: the slots of the states the cache takes and the pages
+/// `kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end)` pass to the
+/// cache (they come back through marconi_cache_drain_freed); the rest stay
+/// the engine's. When `taken` is not NULL it has n_states bytes and taken[i]
+/// is set to 1 if states[i] was taken, else 0.
+///
+/// Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
+/// _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot
+/// given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
+/// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; each input buffer has its length in
+/// readable elements (or is NULL); `taken` has n_states writable bytes or is
+/// NULL; `out` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_admit(
+    cache: *const marconi_cache,
+    lease: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    states: *const marconi_saved_state,
+    n_states: usize,
+    kv_pages: *const u32,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    boundary("marconi_cache_admit", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        tokens_len_ok(n_tokens, "tokens")?;
+        // SAFETY: buffer contracts of the header.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let states = unsafe { in_slice(states, n_states, "states") }?;
+        // SAFETY: as above.
+        let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
+        let taken = if taken.is_null() {
+            None
+        } else {
+            // SAFETY: taken has n_states writable bytes (contract).
+            Some(unsafe { out_slice(taken, n_states, "taken") }?)
+        };
+        check_ptr!(out);
+        let core_lease = h.core_lease(lease)?;
+        let saved: Vec<SavedState> = states
+            .iter()
+            .map(|s| SavedState {
+                position: s.position,
+                slot: (s.slot != MARCONI_NO_SLOT).then_some(s.slot),
+            })
+            .collect();
+        let mut g = h.lock()?;
+        let o = g
+            .cache
+            .admit(core_lease, tokens, &saved, kv_pages)
+            .map_err(|e| match e {
+                marconi_core::CacheError::UnknownLease(_) => {
+                    FfiError::from(marconi_core::CacheError::UnknownLease(lease))
+                }
+                e => FfiError::from(e),
+            })?;
+        for s in &saved {
+            if let (Some(slot), true) = (s.slot, o.states_taken.contains(&s.position)) {
+                g.owned_slots.insert(slot);
+            }
+        }
+        // Evictions during the admission may have freed slots.
+        g.collect_freed();
+        if let Some(t) = taken {
+            for (flag, s) in t.iter_mut().zip(states) {
+                *flag = u8::from(o.states_taken.contains(&s.position));
+            }
+        }
+        let res = marconi_admit_result {
+            states_taken: o.states_taken.len() as u32,
+            slots_returned: o.slots_returned.len() as u32,
+            kv_pages_taken_start: o.kv_pages_taken.start,
+            kv_pages_taken_end: o.kv_pages_taken.end,
+            new_kv_tokens: o.new_kv_tokens,
+            rejected: o.rejected.is_some(),
+        };
+        // SAFETY: out is non-NULL and aligned (checked) and writable.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+/// Releases `lease`: what it pinned becomes evictable again.
+/// MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this cache or
+/// already released.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_release(
+    cache: *const marconi_cache,
+    lease: u64,
+) -> marconi_status {
+    boundary("marconi_cache_release", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        let core_lease = h.core_lease(lease)?;
+        let mut g = h.lock()?;
+        g.cache
+            .release(core_lease)
+            .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
+        g.lease_pages.remove(&core_lease);
+        Ok(())
+    })
+}
+
+/// Drains the engine ids freed by evictions since the last drain: KV page
+/// ids into `pages[0..pages_cap]` and state slot ids into
+/// `slots[0..slots_cap]`, with their counts in `*n_pages` and `*n_slots`.
+/// The engine may reuse them. All or nothing: when either buffer is too
+/// small (NULL with capacity 0 is a size query), returns
+/// MARCONI_STATUS_BUFFER_TOO_SMALL, writes the needed counts to `*n_pages`
+/// and `*n_slots`, and drains nothing.
+///
+/// Thread safety: safe to call concurrently on the same cache; each freed id
+/// is delivered to exactly one caller.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; each buffer has its capacity in writable
+/// u32 (or is NULL); n_pages and n_slots are writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_drain_freed(
+    cache: *const marconi_cache,
+    pages: *mut u32,
+    pages_cap: usize,
+    n_pages: *mut usize,
+    slots: *mut u32,
+    slots_cap: usize,
+    n_slots: *mut usize,
+) -> marconi_status {
+    boundary("marconi_cache_drain_freed", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        // SAFETY: buffer contracts of the header.
+        let pages = unsafe { out_slice(pages, pages_cap, "pages") }?;
+        // SAFETY: as above.
+        let slots = unsafe { out_slice(slots, slots_cap, "slots") }?;
+        check_ptr!(n_pages);
+        check_ptr!(n_slots);
+        let mut g = h.lock()?;
+        g.collect_freed();
+        let (np, ns) = (g.freed_pages.len(), g.freed_slots.len());
+        // SAFETY: n_pages and n_slots are non-NULL, aligned and writable.
+        unsafe {
+            n_pages.write(np);
+            n_slots.write(ns);
+        }
+        if pages.len() < np || slots.len() < ns {
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!(
+                    "{np} page ids and {ns} slot ids are pending; buffers hold {} and {}",
+                    pages.len(),
+                    slots.len()
+                ),
+            ));
+        }
+        pages[..np].copy_from_slice(&g.freed_pages);
+        slots[..ns].copy_from_slice(&g.freed_slots);
+        g.freed_pages.clear();
+        g.freed_slots.clear();
+        Ok(())
+    })
+}
+
+/// Evicts until at least `bytes` are free (or nothing evictable is left) and
+/// writes the bytes now free to `*free_bytes`. Freed ids are reported by
+/// marconi_cache_drain_freed.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `free_bytes` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_evict(
+    cache: *const marconi_cache,
+    bytes: u64,
+    free_bytes: *mut u64,
+) -> marconi_status {
+    boundary("marconi_cache_evict", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        check_ptr!(free_bytes);
+        let mut g = h.lock()?;
+        let free = g.cache.evict(bytes);
+        g.collect_freed();
+        // SAFETY: free_bytes is non-NULL, aligned and writable.
+        unsafe { free_bytes.write(free) };
+        Ok(())
+    })
+}
+
+/// Writes the cache's counters and gauges to `*out`. Set out->struct_size to
+/// sizeof(marconi_stats) first: only that many bytes are written (at least
+/// 16), so callers compiled against an older header keep working.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `out` is NULL or points to
+/// out->struct_size writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_stats(
+    cache: *const marconi_cache,
+    out: *mut marconi_stats,
+) -> marconi_status {
+    boundary("marconi_cache_stats", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        check_ptr!(out);
+        // SAFETY: out is non-NULL and aligned; its first field is struct_size.
+        let size = unsafe { out.cast::<u32>().read() } as usize;
+        if size < STATS_MIN_SIZE {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("stats struct_size is {size}; set it to sizeof(marconi_stats)"),
+            ));
+        }
+        let g = h.lock()?;
+        let s = g.cache.stats();
+        let model = &g.cache.config().model;
+        let st = marconi_stats {
+            struct_size: size as u32,
+            tuning_rounds: s.tuning_rounds,
+            requests: s.requests,
+            hit_requests: s.hit_requests,
+            input_tokens: s.input_tokens,
+            hit_tokens: s.hit_tokens,
+            kv_matched_unusable_tokens: s.kv_matched_unusable_tokens,
+            flops_saved: s.flops_saved,
+            flops_total: s.flops_total,
+            kv_bytes: s.kv_bytes,
+            state_bytes: s.state_bytes,
+            capacity_bytes: s.capacity_bytes,
+            states: s.states,
+            nodes: s.nodes,
+            evictions: s.evictions,
+            states_admitted: s.states_admitted,
+            admissions_rejected: s.admissions_rejected,
+            leases: s.leases,
+            alpha: s.alpha,
+            used_bytes: g.cache.used_bytes(),
+            evictable_bytes: g.cache.evictable_bytes(),
+            kv_bytes_per_token: model.kv_bytes_per_token(),
+            state_bytes_per_entry: s
+                .state_bytes
+                .checked_div(s.states)
+                .unwrap_or_else(|| model.state_bytes()),
+        };
+        let n = size.min(std::mem::size_of::<marconi_stats>());
+        // SAFETY: out has `size` >= n writable bytes (contract); st is a local.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&raw const st).cast::<u8>(), out.cast::<u8>(), n);
+        }
+        Ok(())
+    })
+}
+
+/// Drains decision-log records (enable with marconi_cache_config.decision_log)
+/// as JSON lines, one object per line ending in '\n', into `buf[0..cap]`, and
+/// writes the bytes written to `*out_len`. The text is not NUL-terminated.
+/// Writes as many whole lines as fit and keeps the rest for the next call;
+/// when lines are pending but not even the first fits (NULL with cap 0 is a
+/// size query), returns MARCONI_STATUS_BUFFER_TOO_SMALL and writes the bytes
+/// of all pending lines to `*out_len`. 0 bytes with MARCONI_STATUS_OK: nothing
+/// pending.
+///
+/// Thread safety: safe to call concurrently on the same cache; each record is
+/// delivered to exactly one caller.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `buf` has cap writable bytes or is NULL;
+/// `out_len` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_drain_log(
+    cache: *const marconi_cache,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_cache_drain_log", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        // SAFETY: buffer contract of the header.
+        let buf = unsafe { out_slice(buf.cast::<u8>(), cap, "buf") }?;
+        check_ptr!(out_len);
+        let mut g = h.lock()?;
+        g.collect_log()?;
+        let mut written = 0usize;
+        while let Some(line) = g.log.front() {
+            if written + line.len() > buf.len() {
+                break;
+            }
+            buf[written..written + line.len()].copy_from_slice(line.as_bytes());
+            written += line.len();
+            g.log_bytes -= line.len();
+            g.log.pop_front();
+        }
+        if written == 0 && !g.log.is_empty() {
+            let needed = g.log_bytes;
+            // SAFETY: out_len is non-NULL, aligned and writable.
+            unsafe { out_len.write(needed) };
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!("{needed} bytes of log lines are pending; the buffer holds {cap}"),
+            ));
+        }
+        // SAFETY: as above.
+        unsafe { out_len.write(written) };
+        Ok(())
+    })
+}
+
+/// Checks every internal invariant of the cache (byte accounting, tree
+/// links, lease counts, capacity). MARCONI_STATUS_INVARIANT_VIOLATED with
+/// the violation in marconi_last_error if one is broken, after which the
+/// cache answers MARCONI_STATUS_POISONED. O(cached tokens): for tests.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_check(cache: *const marconi_cache) -> marconi_status {
+    boundary("marconi_cache_check", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        let g = h.lock()?;
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            g.cache.check_invariants();
+        }));
+        match res {
+            Ok(()) => Ok(()),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                // Poison the lock: a cache with a broken invariant must not be
+                // used again.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                    let _g = g;
+                    panic!("invariant violated");
+                }));
+                Err(FfiError::new(
+                    marconi_status::InvariantViolated,
+                    format!("invariant violated: {msg}"),
+                ))
+            }
+        }
+    })
+}

@@ -1,0 +1,331 @@
+//! Status codes, the thread-local last-error detail, and the boundary
+//! machinery every exported function goes through (panic catching, NULL and
+//! length checks, output writes).
+
+use std::cell::RefCell;
+use std::ffi::c_char;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use marconi_core::CacheError;
+
+/// The result of every fallible call. Values are explicit and never reused
+/// once released; new values are only appended. The numeric value is part of
+/// the ABI.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_status {
+    /// Success.
+    Ok = 0,
+    /// A required pointer was NULL, or a buffer was NULL with a length > 0.
+    NullArgument = 1,
+    /// An argument is out of range (unknown enum value, absurd length,
+    /// misaligned pointer, a destination slot that is the cached one, ...).
+    InvalidArgument = 2,
+    /// An output buffer is too small; the needed size was written where the
+    /// function documents it, and nothing else changed.
+    BufferTooSmall = 3,
+    /// A Rust panic was caught at the boundary (a bug in libmarconi); the
+    /// cache it happened in is unusable from now on (MARCONI_STATUS_POISONED).
+    Panic = 4,
+    /// The cache's lock was poisoned by an earlier panic; the cache refuses
+    /// every call except marconi_cache_free.
+    Poisoned = 5,
+    /// The configuration cannot drive a cache (zero capacity, zero page size,
+    /// block size not a multiple of the page size, bad model dimensions, ...).
+    InvalidConfig = 6,
+    /// The model preset name is not known.
+    UnknownPreset = 7,
+    /// A token array was empty where at least one token is needed.
+    EmptyTokens = 8,
+    /// A token array has 2^32 - 1 tokens or more.
+    TooManyTokens = 9,
+    /// The lease is unknown: never issued by this cache, or already released.
+    UnknownLease = 10,
+    /// The admitted tokens do not start with the input the lease looked up.
+    PrefixMismatch = 11,
+    /// The KV page list has the wrong length (0 or one id per full page).
+    BadPageList = 12,
+    /// A state was offered at a position the cache did not plan.
+    NotPlanned = 13,
+    /// A state position outside 1..=number of admitted tokens.
+    PositionOutOfRange = 14,
+    /// The same state position was given twice in one call.
+    DuplicatePosition = 15,
+    /// A state slot was given twice, or is already owned by the cache.
+    DuplicateSlot = 16,
+    /// A KV page id was given twice, or is already owned by the cache.
+    DuplicatePage = 17,
+    /// marconi_cache_check found a broken internal invariant (a bug).
+    InvariantViolated = 18,
+    /// A versioned struct's struct_size is smaller than its first version, or
+    /// larger with non-zero bytes this library does not know.
+    UnsupportedStructSize = 19,
+}
+
+impl marconi_status {
+    /// Every status, in value order.
+    pub const ALL: [marconi_status; 20] = [
+        marconi_status::Ok,
+        marconi_status::NullArgument,
+        marconi_status::InvalidArgument,
+        marconi_status::BufferTooSmall,
+        marconi_status::Panic,
+        marconi_status::Poisoned,
+        marconi_status::InvalidConfig,
+        marconi_status::UnknownPreset,
+        marconi_status::EmptyTokens,
+        marconi_status::TooManyTokens,
+        marconi_status::UnknownLease,
+        marconi_status::PrefixMismatch,
+        marconi_status::BadPageList,
+        marconi_status::NotPlanned,
+        marconi_status::PositionOutOfRange,
+        marconi_status::DuplicatePosition,
+        marconi_status::DuplicateSlot,
+        marconi_status::DuplicatePage,
+        marconi_status::InvariantViolated,
+        marconi_status::UnsupportedStructSize,
+    ];
+
+    /// The status with value `v`; unknown values map to `InvalidArgument`.
+    pub fn from_u32(v: u32) -> marconi_status {
+        Self::ALL
+            .get(v as usize)
+            .copied()
+            .unwrap_or(marconi_status::InvalidArgument)
+    }
+
+    /// The fixed text of the status.
+    pub fn message(self) -> &'static str {
+        match self {
+            marconi_status::Ok => "ok",
+            marconi_status::NullArgument => "a required pointer is NULL",
+            marconi_status::InvalidArgument => "invalid argument",
+            marconi_status::BufferTooSmall => "output buffer too small",
+            marconi_status::Panic => "internal panic caught at the C boundary (a libmarconi bug)",
+            marconi_status::Poisoned => "cache unusable after an earlier internal panic",
+            marconi_status::InvalidConfig => "invalid configuration",
+            marconi_status::UnknownPreset => "unknown model preset",
+            marconi_status::EmptyTokens => "token array is empty",
+            marconi_status::TooManyTokens => "token array too long",
+            marconi_status::UnknownLease => "lease is unknown or already released",
+            marconi_status::PrefixMismatch => "admitted tokens do not extend the looked-up input",
+            marconi_status::BadPageList => "kv page list has the wrong length",
+            marconi_status::NotPlanned => "state position was not planned",
+            marconi_status::PositionOutOfRange => "state position out of range",
+            marconi_status::DuplicatePosition => "state position given twice",
+            marconi_status::DuplicateSlot => "state slot given twice or already owned by the cache",
+            marconi_status::DuplicatePage => "kv page given twice or already owned by the cache",
+            marconi_status::InvariantViolated => "internal invariant violated (a libmarconi bug)",
+            marconi_status::UnsupportedStructSize => "unsupported struct_size",
+        }
+    }
+}
+
+/// A refused call: the status and the detail for `marconi_last_error`.
+#[derive(Debug)]
+pub(crate) struct FfiError {
+    pub(crate) status: marconi_status,
+    pub(crate) detail: String,
+}
+
+impl FfiError {
+    pub(crate) fn new(status: marconi_status, detail: impl Into<String>) -> Self {
+        FfiError {
+            status,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl From<CacheError> for FfiError {
+    fn from(e: CacheError) -> Self {
+        let status = match &e {
+            CacheError::InvalidConfig(_) => marconi_status::InvalidConfig,
+            CacheError::EmptyTokens => marconi_status::EmptyTokens,
+            CacheError::TooManyTokens { .. } => marconi_status::TooManyTokens,
+            CacheError::UnknownLease(_) => marconi_status::UnknownLease,
+            CacheError::PrefixMismatch { .. } => marconi_status::PrefixMismatch,
+            CacheError::BadPageList { .. } => marconi_status::BadPageList,
+            CacheError::NotPlanned { .. } => marconi_status::NotPlanned,
+            CacheError::PositionOutOfRange { .. } => marconi_status::PositionOutOfRange,
+            CacheError::DuplicatePosition(_) => marconi_status::DuplicatePosition,
+            CacheError::DuplicateSlot(_) => marconi_status::DuplicateSlot,
+            CacheError::DuplicatePage(_) => marconi_status::DuplicatePage,
+        };
+        FfiError::new(status, e.to_string())
+    }
+}
+
+/// The result type of every boundary body.
+pub(crate) type FfiResult<T = ()> = Result<T, FfiError>;
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Records `detail` as this thread's last error.
+pub(crate) fn set_last_error(detail: &str) {
+    LAST_ERROR.with(|e| {
+        let mut e = e.borrow_mut();
+        e.clear();
+        e.push_str(detail);
+    });
+}
+
+/// This thread's last error detail.
+pub(crate) fn last_error() -> String {
+    LAST_ERROR.with(|e| e.borrow().clone())
+}
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_owned()
+    }
+}
+
+/// Runs the body of an exported function that returns a status: catches
+/// panics (which become `Panic`), records the detail of a failure as the
+/// thread's last error, and returns the status.
+pub(crate) fn boundary(name: &str, body: impl FnOnce() -> FfiResult) -> marconi_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => marconi_status::Ok,
+        Ok(Err(e)) => {
+            set_last_error(&format!("{name}: {}", e.detail));
+            e.status
+        }
+        Err(payload) => {
+            set_last_error(&format!("{name}: panic: {}", panic_text(&*payload)));
+            marconi_status::Panic
+        }
+    }
+}
+
+/// Runs the body of an exported function that cannot fail in a status:
+/// a panic returns `default` (documented per function) instead of unwinding.
+pub(crate) fn boundary_or<T>(name: &str, default: T, body: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(v) => v,
+        Err(payload) => {
+            set_last_error(&format!("{name}: panic: {}", panic_text(&*payload)));
+            default
+        }
+    }
+}
+
+/// Fails with `NullArgument` when a pointer argument is NULL, and with
+/// `InvalidArgument` when it is not aligned for its type. Use it on every
+/// pointer before dereferencing it.
+macro_rules! check_ptr {
+    ($ptr:ident) => {
+        if $ptr.is_null() {
+            return Err($crate::status::FfiError::new(
+                $crate::status::marconi_status::NullArgument,
+                concat!(stringify!($ptr), " is NULL"),
+            ));
+        } else if !$ptr.is_aligned() {
+            return Err($crate::status::FfiError::new(
+                $crate::status::marconi_status::InvalidArgument,
+                concat!(stringify!($ptr), " is not aligned for its type"),
+            ));
+        }
+    };
+}
+pub(crate) use check_ptr;
+
+/// The slice `ptr[..len]` after the checks: NULL is allowed only with
+/// `len == 0`, the pointer must be aligned, and `len` elements must fit in
+/// `isize::MAX` bytes.
+///
+/// # Safety
+///
+/// When `ptr` is not NULL, it must point to `len` readable, initialised
+/// elements that nothing writes during the returned lifetime.
+pub(crate) unsafe fn in_slice<'a, T>(ptr: *const T, len: usize, what: &str) -> FfiResult<&'a [T]> {
+    if ptr.is_null() {
+        if len == 0 {
+            return Ok(&[]);
+        }
+        return Err(FfiError::new(
+            marconi_status::NullArgument,
+            format!("{what} is NULL but length is {len}"),
+        ));
+    }
+    if !ptr.is_aligned() {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} is not aligned"),
+        ));
+    }
+    if len > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} length {len} is absurd"),
+        ));
+    }
+    // SAFETY: ptr is non-NULL and aligned, the byte size fits in isize, and
+    // the caller guarantees `len` readable elements (the header's contract).
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// Checks an output buffer `ptr[..cap]` (NULL allowed with `cap == 0`) and
+/// returns it as a mutable slice.
+///
+/// # Safety
+///
+/// When `ptr` is not NULL it must point to `cap` writable elements that
+/// nothing else accesses during the returned lifetime.
+pub(crate) unsafe fn out_slice<'a, T>(
+    ptr: *mut T,
+    cap: usize,
+    what: &str,
+) -> FfiResult<&'a mut [T]> {
+    if ptr.is_null() {
+        if cap == 0 {
+            return Ok(&mut []);
+        }
+        return Err(FfiError::new(
+            marconi_status::NullArgument,
+            format!("{what} is NULL but its capacity is {cap}"),
+        ));
+    }
+    if !ptr.is_aligned() {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} is not aligned"),
+        ));
+    }
+    if cap > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} capacity {cap} is absurd"),
+        ));
+    }
+    // SAFETY: ptr is non-NULL and aligned, the byte size fits in isize, and
+    // the caller guarantees `cap` writable elements (the header's contract).
+    Ok(unsafe { std::slice::from_raw_parts_mut(ptr, cap) })
+}
+
+/// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
+/// `cap - 1` bytes (nothing is written when `cap` is 0 or `buf` is NULL), and
+/// returns the full length of `text` without the NUL, as `snprintf` does.
+///
+/// # Safety
+///
+/// When `buf` is not NULL it must point to `cap` writable bytes.
+pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) -> usize {
+    if !buf.is_null() && cap > 0 {
+        let n = text.len().min(cap - 1);
+        // SAFETY: buf has `cap` writable bytes (caller contract) and n + 1 <= cap;
+        // text and buf cannot overlap (text is Rust-owned).
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buf, n);
+            buf.add(n).write(0);
+        }
+    }
+    text.len()
+}

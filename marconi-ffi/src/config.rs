@@ -356,7 +356,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
             let default = TunerConfig::default();
             AlphaMode::Auto(TunerConfig {
                 grid: if grid.is_empty() {
-                    default.grid
+                    default.grid.clone()
                 } else {
                     grid.to_vec()
                 },
@@ -366,6 +366,8 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
                 objective,
                 min_gain: c.tuner_min_gain,
                 threads: c.tuner_threads,
+                // Fields this ABI version does not expose keep the core's defaults.
+                ..default
             })
         }
         v => {

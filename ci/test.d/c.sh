@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# C ABI tests: builds libmarconi, checks the committed header is fresh, then
+# compiles the C tests (two translation units, the header included twice) and
+# a C++ program against include/marconi.h, with AddressSanitizer and
+# UndefinedBehaviorSanitizer, linked once against libmarconi.so and once
+# against libmarconi.a, and runs them. Runs from the repository root.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+target="${CARGO_TARGET_DIR:-target}"
+lib="$target/release"
+out="$target/c-tests"
+mkdir -p "$out"
+
+echo "--- cargo build --release -p marconi-ffi"
+cargo build --release -p marconi-ffi
+test -f "$lib/libmarconi.so" && test -f "$lib/libmarconi.a"
+lib="$(cd "$lib" && pwd)"
+
+echo "--- header is fresh (cbindgen, pinned)"
+cargo test --release -p marconi-ffi --test header
+
+san=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+cflags=(-std=c11 -Wall -Wextra -Wpedantic -Werror -g -O1 -Iinclude)
+src=(marconi-ffi/tests/c/test_cache.c marconi-ffi/tests/c/test_include_twice.c)
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+
+echo "--- C tests against libmarconi.so (ASan + UBSan)"
+gcc "${cflags[@]}" "${san[@]}" "${src[@]}" -L"$lib" -Wl,-rpath,"$lib" -lmarconi -lpthread \
+  -o "$out/test_cache_shared"
+"$out/test_cache_shared"
+
+echo "--- C tests against libmarconi.a (ASan + UBSan)"
+gcc "${cflags[@]}" "${san[@]}" "${src[@]}" "$lib/libmarconi.a" -lpthread -ldl -lm \
+  -o "$out/test_cache_static"
+"$out/test_cache_static"
+
+echo "--- C++ compile of the header"
+g++ -std=c++17 -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \
+  marconi-ffi/tests/c/test_cxx.cpp -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/test_cxx"
+"$out/test_cxx"

@@ -223,7 +223,8 @@ impl LineParser {
             line: self.line,
             reason,
         };
-        let raw: RawLine = serde_json::from_str(text).map_err(|e| err(json_reason(&e)))?;
+        let raw: RawLine =
+            serde_json::from_str(text.trim_end()).map_err(|e| err(json_reason(&e)))?;
         let id = raw.id.ok_or_else(|| err("missing `id`".into()))?;
         let session = raw.session.ok_or_else(|| err("missing `session`".into()))?;
         let arrival_s = raw
@@ -285,7 +286,7 @@ impl LineParser {
 fn json_reason(e: &serde_json::Error) -> String {
     // serde_json appends " at line 1 column N"; the column helps, the line is ours.
     let s = e.to_string();
-    match s.rfind(" at line 1 column ") {
+    match s.rfind(" at line ") {
         Some(i) => format!("{} (column {})", &s[..i], e.column()),
         None => s,
     }

@@ -211,14 +211,8 @@ pub fn replay(
     let mut outcomes = Vec::with_capacity(trace.len());
     let mut flops_total = 0.0;
     let mut input_tokens = 0u64;
-    if cfg.concurrent && cache.is_some() {
-        concurrent(
-            trace,
-            cfg,
-            cache.as_mut().expect("checked"),
-            &mut outcomes,
-            progress,
-        )?;
+    if let (true, Some(c)) = (cfg.concurrent, cache.as_mut()) {
+        concurrent(trace, cfg, c, &mut outcomes, progress)?;
         trace.for_each(|r| {
             flops_total += cfg.model.prefill_flops(0, r.input_len as u64);
             input_tokens += r.input_len as u64;

@@ -3,9 +3,11 @@
 
 use marconi_sim::trace::{Base, Trace, TraceReader};
 
-/// Reads `text` with the streaming reader: `(id, session, input, output)`
-/// per request, or the error message.
-fn read(text: &str) -> Result<Vec<(u64, u64, Vec<u32>, Vec<u32>)>, String> {
+/// `(id, session, input, output)` of a request.
+type Expanded = (u64, u64, Vec<u32>, Vec<u32>);
+
+/// Reads `text` with the streaming reader, or the error message.
+fn read(text: &str) -> Result<Vec<Expanded>, String> {
     let mut r = TraceReader::new(text.as_bytes());
     let mut out = Vec::new();
     loop {

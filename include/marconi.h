@@ -544,7 +544,7 @@ typedef struct marconi_admit_result {
   /**
    * The cache took the KV pages kv_pages[kv_pages_taken_start ..
    * kv_pages_taken_end) of the admitted page list; the others stay the
-   * engine's.
+   * engine's. Both 0 when no page list was given.
    */
   uint32_t kv_pages_taken_start;
   /**
@@ -915,7 +915,8 @@ marconi_status marconi_cache_stats(const struct marconi_cache *cache, struct mar
 
 /**
  * Drains decision-log records (enable with marconi_cache_config.decision_log)
- * as JSON lines, one object per line ending in '\n', into `buf[0..cap]`, and
+ * as JSON lines (lease fields carry the lease ids marconi_cache_lookup
+ * returned), one object per line ending in '\n', into `buf[0..cap]`, and
  * writes the bytes written to `*out_len`. The text is not NUL-terminated.
  * Writes as many whole lines as fit and keeps the rest for the next call;
  * when lines are pending but not even the first fits (NULL with cap 0 is a

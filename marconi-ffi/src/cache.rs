@@ -6,7 +6,7 @@ use std::ffi::c_char;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use marconi_core::{PrefixCache, SavedState};
+use marconi_core::{Decision, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
@@ -63,8 +63,16 @@ impl Inner {
         self.freed_slots.extend(f.state_slots);
     }
 
-    fn collect_log(&mut self) -> FfiResult {
-        for d in self.cache.drain_log() {
+    fn collect_log(&mut self, generation: u64) -> FfiResult {
+        for mut d in self.cache.drain_log() {
+            // Records name leases by the ids the engine sees.
+            match &mut d {
+                Decision::Lookup { lease, .. }
+                | Decision::Plan { lease, .. }
+                | Decision::Admit { lease, .. }
+                | Decision::Release { lease } => *lease |= generation << LEASE_BITS,
+                _ => {}
+            }
             let mut line = serde_json::to_string(&d).map_err(|e| {
                 FfiError::new(marconi_status::InvalidArgument, format!("log record: {e}"))
             })?;
@@ -147,7 +155,7 @@ pub struct marconi_admit_result {
     pub slots_returned: u32,
     /// The cache took the KV pages kv_pages[kv_pages_taken_start ..
     /// kv_pages_taken_end) of the admitted page list; the others stay the
-    /// engine's.
+    /// engine's. Both 0 when no page list was given.
     pub kv_pages_taken_start: u32,
     /// End (exclusive) of the taken page range.
     pub kv_pages_taken_end: u32,
@@ -584,8 +592,17 @@ pub unsafe extern "C" fn marconi_cache_admit(
         let res = marconi_admit_result {
             states_taken: o.states_taken.len() as u32,
             slots_returned: o.slots_returned.len() as u32,
-            kv_pages_taken_start: o.kv_pages_taken.start,
-            kv_pages_taken_end: o.kv_pages_taken.end,
+            // Without a page list there is nothing to index.
+            kv_pages_taken_start: if kv_pages.is_empty() {
+                0
+            } else {
+                o.kv_pages_taken.start
+            },
+            kv_pages_taken_end: if kv_pages.is_empty() {
+                0
+            } else {
+                o.kv_pages_taken.end
+            },
             new_kv_tokens: o.new_kv_tokens,
             rejected: o.rejected.is_some(),
         };
@@ -778,7 +795,8 @@ pub unsafe extern "C" fn marconi_cache_stats(
 }
 
 /// Drains decision-log records (enable with marconi_cache_config.decision_log)
-/// as JSON lines, one object per line ending in '\n', into `buf[0..cap]`, and
+/// as JSON lines (lease fields carry the lease ids marconi_cache_lookup
+/// returned), one object per line ending in '\n', into `buf[0..cap]`, and
 /// writes the bytes written to `*out_len`. The text is not NUL-terminated.
 /// Writes as many whole lines as fit and keeps the rest for the next call;
 /// when lines are pending but not even the first fits (NULL with cap 0 is a
@@ -807,7 +825,7 @@ pub unsafe extern "C" fn marconi_cache_drain_log(
         let buf = unsafe { out_slice(buf.cast::<u8>(), cap, "buf") }?;
         check_ptr!(out_len);
         let mut g = h.lock()?;
-        g.collect_log()?;
+        g.collect_log(h.generation)?;
         let mut written = 0usize;
         while let Some(line) = g.log.front() {
             if written + line.len() > buf.len() {

@@ -353,22 +353,21 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
                     )))
                 }
             };
-            let default = TunerConfig::default();
-            AlphaMode::Auto(TunerConfig {
-                grid: if grid.is_empty() {
-                    default.grid.clone()
-                } else {
-                    grid.to_vec()
-                },
+            // Built from the core's defaults so that tuner fields this ABI
+            // version does not expose keep them.
+            let mut tuner = TunerConfig {
                 bootstrap_factor: c.tuner_bootstrap_factor,
                 min_window: c.tuner_min_window,
                 retune: c.tuner_retune != 0,
                 objective,
                 min_gain: c.tuner_min_gain,
-                threads: c.tuner_threads,
-                // Fields this ABI version does not expose keep the core's defaults.
-                ..default
-            })
+                ..TunerConfig::default()
+            };
+            if !grid.is_empty() {
+                tuner.grid = grid.to_vec();
+            }
+            tuner.threads = c.tuner_threads;
+            AlphaMode::Auto(tuner)
         }
         v => {
             return Err(bad_config(format!(
@@ -376,16 +375,15 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
             )))
         }
     };
-    let cfg = CacheConfig {
-        model,
-        capacity_bytes: c.capacity_bytes,
-        page_size: c.page_size,
-        checkpoint_grid: c.checkpoint_grid,
-        admission,
-        eviction,
-        alpha,
-        decision_log: c.decision_log != 0,
-    };
+    // Built from Marconi's configuration so that fields this ABI version does
+    // not expose keep the core's defaults.
+    let mut cfg = CacheConfig::marconi(model, c.capacity_bytes);
+    cfg.page_size = c.page_size;
+    cfg.checkpoint_grid = c.checkpoint_grid;
+    cfg.admission = admission;
+    cfg.eviction = eviction;
+    cfg.alpha = alpha;
+    cfg.decision_log = c.decision_log != 0;
     cfg.validate()?;
     Ok(cfg)
 }

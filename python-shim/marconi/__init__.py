@@ -1,0 +1,41 @@
+"""marconi: Python bindings of libmarconi, a prefix cache for hybrid
+(attention + Mamba/SSM) LLMs, through its C ABI (ctypes, no numpy).
+
+    import marconi
+    with marconi.PrefixCache(capacity_bytes=2 << 30, model="paper-7b") as cache:
+        with cache.lookup(prompt) as lease:        # released on exit
+            ...  # prefill from lease.hit_tokens, saving states at lease.plan
+            lease.admit(prompt + output, [(len(prompt + output), slot)])
+
+The library is found through $MARCONI_LIBRARY, else the package directory,
+else the cargo target dir (see marconi._lib.library_path). MarconiPrefixCache
+is an adapter with the method names of a Python engine's radix cache.
+"""
+
+from ._lib import NO_SLOT, library_path
+from .adapter import MarconiNode, MarconiPrefixCache, MatchResult
+from .cache import (
+    AdmitResult,
+    Lease,
+    MarconiError,
+    PrefixCache,
+    last_error,
+    status_message,
+    version,
+)
+
+__all__ = [
+    "NO_SLOT",
+    "AdmitResult",
+    "Lease",
+    "MarconiError",
+    "MarconiNode",
+    "MarconiPrefixCache",
+    "MatchResult",
+    "PrefixCache",
+    "last_error",
+    "library_path",
+    "status_message",
+    "version",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,270 @@
+"""Loads libmarconi and declares every C function and struct of marconi.h.
+
+The declarations here are checked against include/marconi.h by
+tests/test_signatures.py (argument counts and types, struct fields), so the
+two cannot drift.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_double,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+
+LIB_ENV = "MARCONI_LIBRARY"
+"""Environment variable naming the shared library to load (a file path)."""
+
+_LIB_NAME = {"darwin": "libmarconi.dylib", "win32": "marconi.dll"}.get(sys.platform, "libmarconi.so")
+
+NO_SLOT = 0xFFFF_FFFF
+"""MARCONI_NO_SLOT: "no slot" in lookups, saved states and dst_slot."""
+
+status_t = c_uint32
+
+
+class marconi_model_spec(Structure):
+    """struct marconi_model_spec."""
+
+    _fields_ = [
+        ("attn_layers", c_uint32),
+        ("ssm_layers", c_uint32),
+        ("mlp_layers", c_uint32),
+        ("moe_layers", c_uint32),
+        ("moe_top_k", c_uint32),
+        ("reserved", c_uint32),
+        ("d_model", c_uint64),
+        ("n_heads", c_uint64),
+        ("kv_heads", c_uint64),
+        ("head_dim", c_uint64),
+        ("ffn_dim", c_uint64),
+        ("ffn_matrices", c_uint64),
+        ("ssm_inner", c_uint64),
+        ("d_state", c_uint64),
+        ("ssm_state_channels", c_uint64),
+        ("conv_channels", c_uint64),
+        ("conv_kernel", c_uint64),
+        ("dtype_bytes", c_uint64),
+        ("state_dtype_bytes", c_uint64),
+    ]
+
+
+class marconi_cache_config(Structure):
+    """struct marconi_cache_config (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("page_size", c_uint32),
+        ("model_preset", c_char_p),
+        ("model", marconi_model_spec),
+        ("capacity_bytes", c_uint64),
+        ("checkpoint_grid", c_uint32),
+        ("admission", c_uint32),
+        ("block_size", c_uint32),
+        ("eviction", c_uint32),
+        ("alpha_mode", c_uint32),
+        ("decision_log", c_uint32),
+        ("alpha", c_double),
+        ("tuner_grid", POINTER(c_double)),
+        ("tuner_grid_len", c_size_t),
+        ("tuner_bootstrap_factor", c_uint32),
+        ("tuner_min_window", c_uint32),
+        ("tuner_retune", c_uint32),
+        ("tuner_objective", c_uint32),
+        ("tuner_threads", c_uint32),
+        ("reserved", c_uint32),
+        ("tuner_min_gain", c_double),
+    ]
+
+
+class marconi_copy_order(Structure):
+    """struct marconi_copy_order."""
+
+    _fields_ = [("src_slot", c_uint32), ("dst_slot", c_uint32)]
+
+
+class marconi_lookup(Structure):
+    """struct marconi_lookup."""
+
+    _fields_ = [
+        ("lease", c_uint64),
+        ("hit_tokens", c_uint32),
+        ("kv_matched_tokens", c_uint32),
+        ("state_slot", c_uint32),
+        ("n_kv_pages", c_uint32),
+        ("n_plan", c_uint32),
+        ("n_copy_orders", c_uint32),
+        ("copy_order", marconi_copy_order),
+    ]
+
+
+class marconi_saved_state(Structure):
+    """struct marconi_saved_state."""
+
+    _fields_ = [("position", c_uint32), ("slot", c_uint32)]
+
+
+class marconi_admit_result(Structure):
+    """struct marconi_admit_result."""
+
+    _fields_ = [
+        ("states_taken", c_uint32),
+        ("slots_returned", c_uint32),
+        ("kv_pages_taken_start", c_uint32),
+        ("kv_pages_taken_end", c_uint32),
+        ("new_kv_tokens", c_uint32),
+        ("rejected", ctypes.c_bool),
+    ]
+
+
+class marconi_stats(Structure):
+    """struct marconi_stats (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("tuning_rounds", c_uint32),
+        ("requests", c_uint64),
+        ("hit_requests", c_uint64),
+        ("input_tokens", c_uint64),
+        ("hit_tokens", c_uint64),
+        ("kv_matched_unusable_tokens", c_uint64),
+        ("flops_saved", c_double),
+        ("flops_total", c_double),
+        ("kv_bytes", c_uint64),
+        ("state_bytes", c_uint64),
+        ("capacity_bytes", c_uint64),
+        ("states", c_uint64),
+        ("nodes", c_uint64),
+        ("evictions", c_uint64),
+        ("states_admitted", c_uint64),
+        ("admissions_rejected", c_uint64),
+        ("leases", c_uint64),
+        ("alpha", c_double),
+        ("used_bytes", c_uint64),
+        ("evictable_bytes", c_uint64),
+        ("kv_bytes_per_token", c_uint64),
+        ("state_bytes_per_entry", c_uint64),
+    ]
+
+
+STRUCTS = {
+    cls.__name__: cls
+    for cls in (
+        marconi_model_spec,
+        marconi_cache_config,
+        marconi_copy_order,
+        marconi_lookup,
+        marconi_saved_state,
+        marconi_admit_result,
+        marconi_stats,
+    )
+}
+"""Every struct of the header, by its C name."""
+
+_cache_p = c_void_p
+_u32_p = POINTER(c_uint32)
+_size_p = POINTER(c_size_t)
+
+SIGNATURES = {
+    "marconi_version": (c_char_p, []),
+    "marconi_status_message": (c_size_t, [c_uint32, c_char_p, c_size_t]),
+    "marconi_last_error": (c_size_t, [c_char_p, c_size_t]),
+    "marconi_cache_config_init": (status_t, [POINTER(marconi_cache_config), c_size_t]),
+    "marconi_model_spec_preset": (status_t, [c_char_p, POINTER(marconi_model_spec)]),
+    "marconi_cache_new": (status_t, [POINTER(marconi_cache_config), POINTER(_cache_p)]),
+    "marconi_cache_free": (None, [_cache_p]),
+    "marconi_cache_lookup": (
+        status_t,
+        [_cache_p, c_uint64, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
+    ),
+    "marconi_cache_lease_kv_pages": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_cache_lease_plan": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_cache_admit": (
+        status_t,
+        [
+            _cache_p,
+            c_uint64,
+            _u32_p,
+            c_size_t,
+            POINTER(marconi_saved_state),
+            c_size_t,
+            _u32_p,
+            c_size_t,
+            POINTER(c_uint8),
+            POINTER(marconi_admit_result),
+        ],
+    ),
+    "marconi_cache_release": (status_t, [_cache_p, c_uint64]),
+    "marconi_cache_drain_freed": (
+        status_t,
+        [_cache_p, _u32_p, c_size_t, _size_p, _u32_p, c_size_t, _size_p],
+    ),
+    "marconi_cache_evict": (status_t, [_cache_p, c_uint64, POINTER(c_uint64)]),
+    "marconi_cache_stats": (status_t, [_cache_p, POINTER(marconi_stats)]),
+    "marconi_cache_drain_log": (status_t, [_cache_p, c_char_p, c_size_t, _size_p]),
+    "marconi_cache_check": (status_t, [_cache_p]),
+}
+"""Every function of the header: name -> (restype, argtypes)."""
+
+
+def _candidates() -> list[Path]:
+    out = []
+    env = os.environ.get(LIB_ENV)
+    if env:
+        out.append(Path(env))
+    out.append(Path(__file__).resolve().parent / _LIB_NAME)
+    target = os.environ.get("CARGO_TARGET_DIR")
+    if target:
+        out.append(Path(target) / "release" / _LIB_NAME)
+    # A source checkout: the cargo target dir above this file or the cwd.
+    for start in (Path(__file__).resolve().parent, Path.cwd()):
+        for d in (start, *start.parents):
+            out.append(d / "target" / "release" / _LIB_NAME)
+    return out
+
+
+def library_path() -> Path:
+    """The library that load() opens: $MARCONI_LIBRARY, else the package
+    directory, else $CARGO_TARGET_DIR/release, else target/release in a
+    directory above the package or the current directory."""
+    tried = _candidates()
+    if os.environ.get(LIB_ENV):
+        # An explicit path must exist: never silently fall back.
+        p = tried[0]
+        if not p.is_file():
+            raise OSError(f"{LIB_ENV}={p} does not exist")
+        return p
+    for p in tried:
+        if p.is_file():
+            return p
+    raise OSError(
+        f"{_LIB_NAME} not found; build it with `cargo build --release -p marconi-ffi` "
+        f"or set {LIB_ENV}. Tried: " + ", ".join(str(p) for p in tried[:4]) + ", ..."
+    )
+
+
+_lib = None
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library, with every signature declared (loaded once)."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(str(library_path()))
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        _lib = lib
+    return _lib

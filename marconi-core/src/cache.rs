@@ -65,6 +65,8 @@ pub struct AdmitOutcome {
     /// Set when nothing could be cached (the sequence does not fit even after
     /// evicting every unleased entry).
     pub rejected: Option<String>,
+    /// Set when only a prefix could be cached: its length.
+    pub truncated_to: Option<u32>,
 }
 
 /// Engine ids freed by evictions since the last drain: the engine may reuse them.
@@ -111,6 +113,8 @@ pub struct Stats {
     pub states_admitted: u64,
     /// Admissions refused for lack of space.
     pub admissions_rejected: u64,
+    /// Admissions cut to a prefix for lack of space.
+    pub admissions_truncated: u64,
     /// Leases outstanding.
     pub leases: u64,
     /// The α in force.
@@ -267,7 +271,10 @@ impl Core {
         match self.cfg.eviction {
             EvictionPolicy::Lru => n.children.is_empty(),
             EvictionPolicy::FlopAware => {
-                n.children.is_empty() || (n.children.len() == 1 && n.state.is_some())
+                n.children.is_empty()
+                    || (n.children.len() == 1
+                        && n.state.is_some()
+                        && !(self.cfg.protect_branch_states && n.was_branch))
             }
         }
     }
@@ -675,14 +682,14 @@ impl Core {
         };
         // Models without recurrent layers need no states: any offered are returned.
         let keep_states = !self.stateless_hits();
-        let (new_states, dup_states): (Vec<SavedState>, Vec<SavedState>) = states
+        let (mut new_states, dup_states): (Vec<SavedState>, Vec<SavedState>) = states
             .iter()
             .partition(|s| keep_states && s.position <= aligned && !existing.contains(&s.position));
         outcome
             .slots_returned
             .extend(dup_states.iter().filter_map(|s| s.slot));
-        let new_kv = aligned - m;
-        let needed = u64::from(new_kv) * self.kv_bpt + new_states.len() as u64 * self.state_b;
+        let mut aligned = aligned;
+        let needed = u64::from(aligned - m) * self.kv_bpt + new_states.len() as u64 * self.state_b;
 
         // Pin what we extend so eviction cannot pull it from under us.
         let anchor = match walk.partial {
@@ -692,31 +699,43 @@ impl Core {
         if let Some(a) = anchor {
             self.pin(a);
         }
-        let fits = needed <= self.cfg.capacity_bytes && self.make_room(needed);
-        if !fits {
-            if let Some(a) = anchor {
-                self.unpin(a);
-            }
+        if !self.make_room(needed) {
+            // Everything evictable is gone and the whole still does not fit:
+            // cache the longest prefix that does, ending at a state (any page
+            // for models without states), as a paged cache would.
+            let avail = self.cfg.capacity_bytes - self.used_bytes();
+            let (cut, fit) = self.longest_fitting_prefix(m, aligned, &new_states, avail);
+            let dropped = new_states.split_off(fit);
             outcome
                 .slots_returned
-                .extend(new_states.iter().filter_map(|s| s.slot));
-            let reason = format!(
-                "needs {needed} bytes; {} of {} in use are leased",
-                self.used_bytes(),
-                self.cfg.capacity_bytes
-            );
-            self.stats.admissions_rejected += 1;
-            outcome.rejected = Some(reason.clone());
-            self.log.push(|| Decision::Admit {
-                lease,
-                tokens: tokens.len() as u32,
-                new_kv: 0,
-                states: Vec::new(),
-                rejected: Some(reason),
-            });
-            self.finish_admit(lease, tokens);
-            return Ok(outcome);
+                .extend(dropped.iter().filter_map(|s| s.slot));
+            if cut == m && new_states.is_empty() {
+                if let Some(a) = anchor {
+                    self.unpin(a);
+                }
+                let reason = format!(
+                    "needs {needed} bytes; {} of {} in use are leased",
+                    self.used_bytes(),
+                    self.cfg.capacity_bytes
+                );
+                self.stats.admissions_rejected += 1;
+                outcome.rejected = Some(reason.clone());
+                self.log.push(|| Decision::Admit {
+                    lease,
+                    tokens: tokens.len() as u32,
+                    new_kv: 0,
+                    states: Vec::new(),
+                    rejected: Some(reason),
+                });
+                self.finish_admit(lease, tokens);
+                return Ok(outcome);
+            }
+            self.stats.admissions_truncated += 1;
+            outcome.truncated_to = Some(cut);
+            aligned = cut;
         }
+        let new_kv = aligned - m;
+        let seq = &seq[..aligned as usize];
 
         // Insert the new KV.
         if new_kv > 0 {
@@ -734,25 +753,41 @@ impl Core {
                 }
                 None => walk.path.last().copied().unwrap_or(root),
             };
-            let pages = if kv_pages.is_empty() {
-                Vec::new()
-            } else {
-                kv_pages[(m / page) as usize..].to_vec()
-            };
-            self.page_owner.extend(pages.iter().copied());
-            let leaf = self
-                .tree
-                .add_leaf(parent, seq[m as usize..].to_vec(), pages, self.clock);
+            // The new part goes in as a chain cut at the new states' positions,
+            // so that no long edge is split again and again.
+            let mut cuts: Vec<u32> = new_states
+                .iter()
+                .map(|s| s.position)
+                .filter(|&p| p > m && p < aligned)
+                .collect();
+            cuts.push(aligned);
+            let (mut parent, mut start) = (parent, m);
+            for end in cuts {
+                let pages = if kv_pages.is_empty() {
+                    Vec::new()
+                } else {
+                    kv_pages[(start / page) as usize..(end / page) as usize].to_vec()
+                };
+                self.page_owner.extend(pages.iter().copied());
+                let node = self.tree.add_leaf(
+                    parent,
+                    seq[start as usize..end as usize].to_vec(),
+                    pages,
+                    self.clock,
+                );
+                self.refresh(node);
+                self.refresh(parent);
+                (parent, start) = (node, end);
+            }
             self.kv_tokens += u64::from(new_kv);
-            self.refresh(leaf);
-            self.refresh(parent);
             outcome.kv_pages_taken = m / page..aligned / page;
             outcome.new_kv_tokens = new_kv;
         }
 
         // Place the states, splitting edges where a position falls inside one.
-        for s in &new_states {
-            let id = self.node_ending_at(root, seq, s.position);
+        let positions: Vec<u32> = new_states.iter().map(|s| s.position).collect();
+        let nodes = self.nodes_ending_at(root, seq, &positions);
+        for (s, id) in new_states.iter().zip(nodes) {
             let n = self.tree.node_mut(id);
             debug_assert!(n.state.is_none());
             n.state = Some(StateRef { slot: s.slot });
@@ -790,22 +825,57 @@ impl Core {
         }
     }
 
-    /// The node whose edge ends exactly at `pos` on `seq`'s path, splitting
-    /// an edge if needed. The path to `pos` must exist.
-    fn node_ending_at(&mut self, root: NodeId, seq: &[u32], pos: u32) -> NodeId {
-        let walk = self
-            .tree
-            .walk(root, &seq[..pos as usize], self.cfg.page_size);
-        debug_assert_eq!(walk.matched, pos);
-        match walk.partial {
-            Some((id, on_edge)) => {
-                let s = self.tree.split(id, on_edge, self.cfg.page_size);
-                self.refresh(id);
-                self.refresh(s);
-                s
-            }
-            None => *walk.path.last().expect("pos > 0"),
+    /// The longest prefix `cut` (`m <= cut <= aligned`) whose new KV and new
+    /// states fit in `avail` bytes, ending at a new state (or at any page for
+    /// models that need no states), and how many of the (ascending)
+    /// `new_states` it keeps.
+    fn longest_fitting_prefix(
+        &self,
+        m: u32,
+        aligned: u32,
+        new_states: &[SavedState],
+        avail: u64,
+    ) -> (u32, usize) {
+        let page = self.cfg.page_size;
+        if self.stateless_hits() {
+            let tokens = (avail / self.kv_bpt.max(1)).min(u64::from(aligned - m)) as u32;
+            return (m + round_down(tokens, page), 0);
         }
+        let (mut cut, mut fit) = (m, 0);
+        for (i, s) in new_states.iter().enumerate() {
+            let kv = u64::from(s.position.saturating_sub(m)) * self.kv_bpt;
+            if kv + (i as u64 + 1) * self.state_b > avail {
+                break;
+            }
+            (cut, fit) = (cut.max(s.position), i + 1);
+        }
+        (cut, fit)
+    }
+
+    /// The nodes whose edges end exactly at `positions` (ascending) on
+    /// `seq`'s path, splitting edges where needed, in one walk down the path.
+    /// The path must exist.
+    fn nodes_ending_at(&mut self, root: NodeId, seq: &[u32], positions: &[u32]) -> Vec<NodeId> {
+        let page = self.cfg.page_size;
+        let mut out = Vec::with_capacity(positions.len());
+        let (mut cur, mut depth) = (root, 0u32);
+        for &p in positions {
+            while depth < p {
+                let rest = &seq[depth as usize..];
+                let child = self.tree.child_on_path(cur, rest, page);
+                let child_depth = self.tree.node(child).depth;
+                if child_depth <= p {
+                    (cur, depth) = (child, child_depth);
+                } else {
+                    let s = self.tree.split(child, p - depth, page);
+                    self.refresh(child);
+                    self.refresh(s);
+                    (cur, depth) = (s, p);
+                }
+            }
+            out.push(cur);
+        }
+        out
     }
 
     pub(crate) fn release(&mut self, lease: LeaseId) -> Result<LeaseInfoOut, CacheError> {

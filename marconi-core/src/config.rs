@@ -83,6 +83,10 @@ pub struct TunerConfig {
     pub min_window: u32,
     /// Keep tuning on later windows.
     pub retune: bool,
+    /// On windows after the first, replay only α = 0, the current α and its
+    /// `retune_neighbours` nearest grid values on each side (0: the whole
+    /// grid every window). Bounds the replay cost of continuous tuning.
+    pub retune_neighbours: u32,
     /// What the replay maximises.
     pub objective: TuningObjective,
     /// Relative gain over α = 0 that a non-zero α must reach to be adopted.
@@ -98,8 +102,9 @@ impl Default for TunerConfig {
             bootstrap_factor: 5,
             min_window: 16,
             retune: true,
+            retune_neighbours: 2,
             objective: TuningObjective::FlopsSaved,
-            min_gain: 0.001,
+            min_gain: 0.02,
             threads: 0,
         }
     }
@@ -125,6 +130,14 @@ pub struct CacheConfig {
     pub alpha: AlphaMode,
     /// Keep a decision log (drained with [`crate::PrefixCache::drain_log`]).
     pub decision_log: bool,
+    /// FLOP-aware eviction only: a node that has ever had two children (a
+    /// prefix shared by several requests) loses its state only once it is a
+    /// leaf, instead of as soon as it is down to one child (paper §4.3). The
+    /// paper's rule lets a shared system prompt's state be merged away when
+    /// the eviction of its other branches leaves it one child; on chat traces
+    /// with a few popular system prompts that cost FLOP-aware eviction its
+    /// edge over plain LRU. Default on; off reproduces the paper exactly.
+    pub protect_branch_states: bool,
 }
 
 impl CacheConfig {
@@ -141,6 +154,7 @@ impl CacheConfig {
             eviction: EvictionPolicy::FlopAware,
             alpha: AlphaMode::Auto(TunerConfig::default()),
             decision_log: false,
+            protect_branch_states: true,
         }
     }
 

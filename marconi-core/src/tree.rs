@@ -36,6 +36,9 @@ pub(crate) struct Node {
     pub(crate) leases: u32,
     /// Key under which the node sits in the eviction index, if it does.
     pub(crate) cand: Option<crate::index::CandKey>,
+    /// Whether the node has ever had two children: a prefix shared by
+    /// several requests (paper §4.1's "purely input" reuse).
+    pub(crate) was_branch: bool,
     pub(crate) live: bool,
 }
 
@@ -141,6 +144,33 @@ impl Tree {
         self.node(id).parent == NIL
     }
 
+    /// The child of `cur` sharing the most tokens with `rest` (whose first
+    /// token is `first`), with the count; at most one child shares a whole page.
+    pub(crate) fn best_child(
+        &self,
+        cur: NodeId,
+        first: u32,
+        rest: &[u32],
+    ) -> Option<(usize, NodeId)> {
+        self.node(cur)
+            .children_starting(first)
+            .iter()
+            .map(|&(_, c)| (common_prefix(&self.node(c).tokens, rest), c))
+            .max_by_key(|&(n, c)| (n, std::cmp::Reverse(c)))
+    }
+
+    /// The child of `cur` on the path of `rest`, known to exist: the one
+    /// whose first page matches (only that much is compared).
+    pub(crate) fn child_on_path(&self, cur: NodeId, rest: &[u32], page_size: u32) -> NodeId {
+        let probe = &rest[..rest.len().min(page_size as usize)];
+        self.node(cur)
+            .children_starting(rest[0])
+            .iter()
+            .map(|&(_, c)| c)
+            .find(|&c| self.node(c).tokens.starts_with(probe))
+            .expect("path exists")
+    }
+
     /// Walks `tokens` from `root`.
     pub(crate) fn walk(&self, root: NodeId, tokens: &[u32], page_size: u32) -> Walk {
         let mut walk = Walk {
@@ -154,14 +184,7 @@ impl Tree {
             let Some(&first) = tokens.get(pos) else {
                 return walk;
             };
-            // The child sharing the most tokens (at most one shares a whole page).
-            let best = self
-                .node(cur)
-                .children_starting(first)
-                .iter()
-                .map(|&(_, c)| (common_prefix(&self.node(c).tokens, &tokens[pos..]), c))
-                .max_by_key(|&(n, c)| (n, std::cmp::Reverse(c)));
-            let Some((n, child)) = best else {
+            let Some((n, child)) = self.best_child(cur, first, &tokens[pos..]) else {
                 return walk;
             };
             let edge = &self.node(child).tokens;
@@ -209,6 +232,7 @@ impl Tree {
             last_access,
             leases,
             cand: None,
+            was_branch: false,
             live: true,
         });
         self.node_mut(id).parent = new;
@@ -236,9 +260,12 @@ impl Tree {
             last_access: now,
             leases: 0,
             cand: None,
+            was_branch: false,
             live: true,
         });
-        self.node_mut(parent).add_child(first, id);
+        let p = self.node_mut(parent);
+        p.add_child(first, id);
+        p.was_branch |= p.children.len() >= 2;
         id
     }
 

@@ -84,12 +84,25 @@ impl Tuner {
 
     fn tune(&mut self, core: &mut Core) {
         let snapshot = self.snapshot.take().expect("recording has a snapshot");
-        let mut grid = self.cfg.grid.clone();
-        if !grid.contains(&0.0) {
-            grid.push(0.0);
-        }
-        grid.sort_by(f64::total_cmp);
-        grid.dedup();
+        let mut full = self.cfg.grid.clone();
+        full.push(0.0);
+        full.sort_by(f64::total_cmp);
+        full.dedup();
+        let grid = if self.round == 0 || self.cfg.retune_neighbours == 0 {
+            full
+        } else {
+            // Later windows: 0, the current α and its neighbours on the grid.
+            let k = self.cfg.retune_neighbours as usize;
+            let at = full
+                .partition_point(|&a| a < core.alpha)
+                .min(full.len() - 1);
+            let mut g: Vec<f64> = full[at.saturating_sub(k)..(at + k + 1).min(full.len())].to_vec();
+            g.push(0.0);
+            g.push(core.alpha);
+            g.sort_by(f64::total_cmp);
+            g.dedup();
+            g
+        };
         let results = grid_search(&snapshot, &grid, &self.window, &self.cfg);
         let at_zero = results[0];
         // Best objective; the smallest α wins ties (grid is ascending).

@@ -196,3 +196,68 @@ fn explicit_evict_frees_what_is_asked() {
     assert_eq!(free, c.config().capacity_bytes - c.used_bytes());
     c.check_invariants();
 }
+
+#[test]
+fn a_sequence_that_does_not_fit_whole_is_cached_up_to_the_last_state_that_fits() {
+    // All-blocks (every 32 tokens) with room for 2 states and 200 tokens: a
+    // 320-token sequence offers 10 states; the cache keeps the prefix up to
+    // the deepest state that fits (64) and returns the other slots.
+    let cfg = CacheConfig::vllm_plus(paper(), 2 * STATE + 200 * KV, 32);
+    let mut c = PrefixCache::new(cfg).unwrap();
+    let seq = range(0, 320);
+    let l = c.lookup(0, &seq).unwrap();
+    let states: Vec<SavedState> = (1..=10)
+        .map(|k| SavedState {
+            position: 32 * k,
+            slot: Some(k),
+        })
+        .collect();
+    let out = c.admit(l.lease, &seq, &states, &[]).unwrap();
+    c.release(l.lease).unwrap();
+    assert_eq!(out.truncated_to, Some(64));
+    assert_eq!(out.states_taken, vec![32, 64]);
+    assert_eq!(out.slots_returned, (3..=10).collect::<Vec<_>>());
+    assert_eq!(out.new_kv_tokens, 64);
+    assert_eq!(c.used_bytes(), 2 * STATE + 64 * KV);
+    assert_eq!(c.stats().admissions_truncated, 1);
+    c.check_invariants();
+    let mut again = range(0, 320);
+    again.push(1);
+    assert_eq!(c.lookup(0, &again).unwrap().hit_tokens, 64);
+}
+
+#[test]
+fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
+    // S = 0..100 is shared by two requests (a branch with a state at 100);
+    // the older branch is evicted, leaving S one child. With branch
+    // protection (the default) S's state survives the next eviction, which
+    // takes the unrelated old entry instead; with the paper's rule, S's
+    // state is merged away first (it is the oldest candidate).
+    let reqs = vec![
+        cat(&[range(0, 100), range(1000, 1100)]),
+        cat(&[range(0, 100), range(2000, 2100)]),
+        range(5000, 5100),
+        cat(&[range(0, 100), range(2000, 2100), range(3000, 3010)]),
+        range(7000, 7100),
+    ];
+    let run = |protect: bool| {
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Fixed(0.0),
+            protect_branch_states: protect,
+            decision_log: true,
+            // Room for what the first three requests leave, so that the
+            // fourth (10 new tokens and a state) evicts.
+            ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
+        };
+        evictions(PrefixCache::new(cfg).unwrap(), &reqs)
+    };
+    assert_snapshot!(run(true), @r"
+    evict   Leaf depth=200 edge=100 recency=0.000 eff=1.000 utility=0.000 freed=33341440
+    evict   Leaf depth=100 edge=100 recency=0.000 eff=0.781 utility=0.000 freed=33341440
+    ");
+    assert_snapshot!(run(false), @r"
+    evict   Leaf depth=200 edge=100 recency=0.000 eff=1.000 utility=0.000 freed=33341440
+    evict   Merge depth=100 edge=100 recency=0.000 eff=0.999 utility=0.000 freed=26787840
+    evict   Leaf depth=100 edge=100 recency=0.000 eff=0.371 utility=0.000 freed=33341440
+    ");
+}

@@ -70,7 +70,7 @@ pub fn table(replays: &[Replay]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>6} {:>8} {:>9}",
+        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9}",
         "policy",
         "capacity",
         "tok hit%",
@@ -79,15 +79,17 @@ pub fn table(replays: &[Replay]) -> String {
         "TTFT p50",
         "TTFT p95",
         "evictions",
+        "rejected",
         "alpha",
         "wall s",
-        "req/s"
+        "req/s",
+        "Mtok/s"
     );
     for r in replays {
         let p = &r.report;
         let _ = writeln!(
             s,
-            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>6.2} {:>8.3} {:>9.0}",
+            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>8} {:>6.2} {:>8.3} {:>9.0} {:>9.1}",
             p.policy,
             if p.policy == "no-cache" {
                 "-".into()
@@ -100,9 +102,11 @@ pub fn table(replays: &[Replay]) -> String {
             p.ttft_p50_ms,
             p.ttft_p95_ms,
             p.evictions,
+            p.admissions_rejected,
             p.alpha,
             p.wall_s,
             p.requests as f64 / p.wall_s.max(1e-9),
+            p.input_tokens as f64 / p.wall_s.max(1e-9) / 1e6,
         );
     }
     s

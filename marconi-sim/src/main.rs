@@ -69,7 +69,7 @@ enum TraceCmd {
         /// Workload shape.
         #[arg(long, value_enum)]
         kind: SynthKind,
-        /// Sessions (default per kind: agentic 200, chat 400, longout 400).
+        /// Sessions (default per kind: agentic 207, chat 400, longout 400).
         #[arg(long)]
         sessions: Option<u32>,
         /// Session arrivals per second (default per kind).
@@ -172,8 +172,8 @@ struct CompareArgs {
     /// Trace file; default: the built-in synthetic agentic workload (seed 0).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Cache capacity (default: 40GB, contended for the built-in workload).
-    #[arg(long, value_parser = parse_bytes, default_value = "40GB")]
+    /// Cache capacity (default: 10GB, contended for the built-in workload).
+    #[arg(long, value_parser = parse_bytes, default_value = "10GB")]
     capacity: u64,
     /// Policies (comma-separated; default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -209,7 +209,7 @@ struct SweepArgs {
     /// Trace file; default: the built-in synthetic agentic workload.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Capacities for `capacity` (default 10GB..80GB); the fixed capacity otherwise.
+    /// Capacities for `capacity` (default 5GB..40GB); the fixed capacity otherwise.
     #[arg(long, value_parser = parse_bytes, value_delimiter = ',')]
     capacities: Vec<u64>,
     /// SSM layers per attention layer for `ratio`.
@@ -424,10 +424,10 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     } else {
         a.policies.clone()
     };
-    let fixed = a.capacities.first().copied().unwrap_or(40_000_000_000);
+    let fixed = a.capacities.first().copied().unwrap_or(10_000_000_000);
     let axis = match a.axis {
         Axis::Capacity => SweepAxis::Capacity(if a.capacities.is_empty() {
-            [10u64, 20, 30, 40, 60, 80]
+            [5u64, 7, 10, 15, 20, 30, 40]
                 .iter()
                 .map(|g| g * 1_000_000_000)
                 .collect()

@@ -166,6 +166,9 @@ pub struct Report {
     pub evictions: u64,
     /// States admitted.
     pub states_admitted: u64,
+    /// Admissions refused whole for lack of space (the sequence's new KV
+    /// and states did not fit even after evicting every unleased entry).
+    pub admissions_rejected: u64,
     /// α in force at the end.
     pub alpha: f64,
     /// α tuning rounds.
@@ -284,6 +287,7 @@ pub fn replay(
         },
         evictions: stats.evictions,
         states_admitted: stats.states_admitted,
+        admissions_rejected: stats.admissions_rejected,
         alpha: stats.alpha,
         tuning_rounds: stats.tuning_rounds,
         used_bytes: cache.as_ref().map_or(0, PrefixCache::used_bytes),

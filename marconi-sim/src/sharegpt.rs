@@ -216,13 +216,21 @@ pub fn trace_from_reader(
             let (system, pairs) = pairs(c);
             let mut turns = Vec::new();
             let mut len = 0usize;
+            // The first user message starts the prompt bare (after the
+            // system prompt, if any), so that hits come from shared content,
+            // not from a role marker every conversation starts with.
             let mut prefix = if system.is_empty() {
                 String::new()
             } else {
                 format!("System: {system}\n")
             };
-            for (u, r) in pairs {
-                let append = bpe.encode_ordinary(&format!("{prefix}User: {u}\nAssistant: "));
+            for (k, (u, r)) in pairs.into_iter().enumerate() {
+                let role = if k == 0 && system.is_empty() {
+                    ""
+                } else {
+                    "User: "
+                };
+                let append = bpe.encode_ordinary(&format!("{prefix}{role}{u}\nAssistant: "));
                 let output = bpe.encode_ordinary(&r);
                 if append.is_empty() || output.is_empty() || len + append.len() > max {
                     break;

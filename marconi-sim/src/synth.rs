@@ -59,7 +59,7 @@ impl SynthConfig {
     /// 7,000 requests with inputs up to 60 K tokens.
     pub fn new(kind: SynthKind) -> Self {
         let (sessions, session_rate) = match kind {
-            SynthKind::Agentic => (200, 0.05),
+            SynthKind::Agentic => (207, 0.05),
             SynthKind::Chat => (400, 0.5),
             SynthKind::Longout => (400, 0.25),
         };
@@ -239,7 +239,7 @@ fn agentic(cfg: &SynthConfig, rng: &mut Rng) -> Vec<Session> {
                     output,
                     think_s: r.lognormal(3_000.0, 0.8, 200, 60_000) as f64 / 1000.0,
                 });
-                let obs = r.lognormal(350.0, 1.1, 5, 12_000);
+                let obs = r.lognormal(260.0, 1.1, 5, 12_000);
                 append = r.tokens(obs, VOCAB);
             }
             Session { start_s, turns }

@@ -297,7 +297,11 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
                 ..ShareGptConfig::default()
             };
             let t0 = Instant::now();
-            let (trace, summary) = sharegpt::trace_from_file(&file, &cfg)?;
+            let f = File::open(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            let len = f.metadata().map_or(0, |m| m.len());
+            let pb = progress::bar(len, "reading", false);
+            let (trace, summary) = sharegpt::trace_from_reader(pb.wrap_read(f), &cfg)?;
+            pb.finish_and_clear();
             eprintln!(
                 "read {} complete records from {} in {:.1}s{}",
                 summary.records,

@@ -39,7 +39,7 @@ pub fn bars(path: &Path, title: &str, y_label: &str, items: &[(String, f64)]) ->
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((0..n).into_segmented(), 0.0..ymax)
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..ymax)
         .map_err(err)?;
     chart
         .configure_mesh()

@@ -410,6 +410,16 @@ typedef struct marconi_cache_config {
    */
   uint32_t decision_log;
   /**
+   * Non-zero (FLOP-aware eviction): a node that has ever had two children
+   * loses its state only once it is a leaf, not as soon as it is down to
+   * one child; 0 reproduces the paper's rule exactly. Default 1.
+   */
+  uint32_t protect_branch_states;
+  /**
+   * Reserved, must be 0.
+   */
+  uint32_t reserved;
+  /**
    * alpha for MARCONI_ALPHA_MODE_FIXED (finite, >= 0). Default 0.
    */
   double alpha;
@@ -444,9 +454,11 @@ typedef struct marconi_cache_config {
    */
   uint32_t tuner_threads;
   /**
-   * Reserved, must be 0.
+   * On windows after the first, replay only alpha = 0, the current alpha
+   * and this many nearest grid values on each side (0: the whole grid
+   * every window). Default 2.
    */
-  uint32_t reserved;
+  uint32_t tuner_retune_neighbours;
   /**
    * Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
    */
@@ -556,8 +568,14 @@ typedef struct marconi_admit_result {
    */
   uint32_t new_kv_tokens;
   /**
-   * True when nothing was cached: the sequence does not fit even after
-   * evicting every unleased entry (see the decision log for the reason).
+   * When only a prefix of the sequence fitted (after evicting every
+   * unleased entry): the length of the prefix cached; 0 when the whole
+   * sequence was cached or nothing was (see `rejected`).
+   */
+  uint32_t truncated_to;
+  /**
+   * True when nothing was cached: not even a prefix fits after evicting
+   * every unleased entry (see the decision log for the reason).
    */
   bool rejected;
 } marconi_admit_result;
@@ -637,6 +655,10 @@ typedef struct marconi_stats {
    * Admissions refused for lack of space.
    */
   uint64_t admissions_rejected;
+  /**
+   * Admissions cut to a prefix for lack of space.
+   */
+  uint64_t admissions_truncated;
   /**
    * Leases outstanding.
    */

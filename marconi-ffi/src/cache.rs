@@ -161,8 +161,12 @@ pub struct marconi_admit_result {
     pub kv_pages_taken_end: u32,
     /// Tokens of KV newly cached.
     pub new_kv_tokens: u32,
-    /// True when nothing was cached: the sequence does not fit even after
-    /// evicting every unleased entry (see the decision log for the reason).
+    /// When only a prefix of the sequence fitted (after evicting every
+    /// unleased entry): the length of the prefix cached; 0 when the whole
+    /// sequence was cached or nothing was (see `rejected`).
+    pub truncated_to: u32,
+    /// True when nothing was cached: not even a prefix fits after evicting
+    /// every unleased entry (see the decision log for the reason).
     pub rejected: bool,
 }
 
@@ -207,6 +211,8 @@ pub struct marconi_stats {
     pub states_admitted: u64,
     /// Admissions refused for lack of space.
     pub admissions_rejected: u64,
+    /// Admissions cut to a prefix for lack of space.
+    pub admissions_truncated: u64,
     /// Leases outstanding.
     pub leases: u64,
     /// The alpha in force.
@@ -604,6 +610,7 @@ pub unsafe extern "C" fn marconi_cache_admit(
                 o.kv_pages_taken.end
             },
             new_kv_tokens: o.new_kv_tokens,
+            truncated_to: o.truncated_to.unwrap_or(0),
             rejected: o.rejected.is_some(),
         };
         // SAFETY: out is non-NULL and aligned (checked) and writable.
@@ -775,6 +782,7 @@ pub unsafe extern "C" fn marconi_cache_stats(
             evictions: s.evictions,
             states_admitted: s.states_admitted,
             admissions_rejected: s.admissions_rejected,
+            admissions_truncated: s.admissions_truncated,
             leases: s.leases,
             alpha: s.alpha,
             used_bytes: g.cache.used_bytes(),

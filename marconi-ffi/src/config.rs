@@ -188,6 +188,12 @@ pub struct marconi_cache_config {
     pub alpha_mode: u32,
     /// Non-zero: keep a decision log (marconi_cache_drain_log). Default 0.
     pub decision_log: u32,
+    /// Non-zero (FLOP-aware eviction): a node that has ever had two children
+    /// loses its state only once it is a leaf, not as soon as it is down to
+    /// one child; 0 reproduces the paper's rule exactly. Default 1.
+    pub protect_branch_states: u32,
+    /// Reserved, must be 0.
+    pub reserved: u32,
     /// alpha for MARCONI_ALPHA_MODE_FIXED (finite, >= 0). Default 0.
     pub alpha: f64,
     /// Candidate alphas for auto tuning, or NULL for the default grid
@@ -206,8 +212,10 @@ pub struct marconi_cache_config {
     pub tuner_objective: u32,
     /// Threads for the grid search (0: one per core). Default 0.
     pub tuner_threads: u32,
-    /// Reserved, must be 0.
-    pub reserved: u32,
+    /// On windows after the first, replay only alpha = 0, the current alpha
+    /// and this many nearest grid values on each side (0: the whole grid
+    /// every window). Default 2.
+    pub tuner_retune_neighbours: u32,
     /// Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
     pub tuner_min_gain: f64,
 }
@@ -220,6 +228,7 @@ impl marconi_cache_config {
     fn defaults() -> Self {
         let tuner = TunerConfig::default();
         let model = ModelSpec::preset("paper-7b").expect("built-in preset");
+        let base = CacheConfig::marconi(model.clone(), 1);
         marconi_cache_config {
             struct_size: std::mem::size_of::<marconi_cache_config>() as u32,
             page_size: 1,
@@ -232,6 +241,8 @@ impl marconi_cache_config {
             eviction: marconi_eviction::FlopAware as u32,
             alpha_mode: marconi_alpha_mode::Auto as u32,
             decision_log: 0,
+            protect_branch_states: u32::from(base.protect_branch_states),
+            reserved: 0,
             alpha: 0.0,
             tuner_grid: std::ptr::null(),
             tuner_grid_len: 0,
@@ -240,7 +251,7 @@ impl marconi_cache_config {
             tuner_retune: u32::from(tuner.retune),
             tuner_objective: marconi_tuning_objective::FlopsSaved as u32,
             tuner_threads: tuner.threads,
-            reserved: 0,
+            tuner_retune_neighbours: tuner.retune_neighbours,
             tuner_min_gain: tuner.min_gain,
         }
     }
@@ -361,6 +372,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
                 retune: c.tuner_retune != 0,
                 objective,
                 min_gain: c.tuner_min_gain,
+                retune_neighbours: c.tuner_retune_neighbours,
                 ..TunerConfig::default()
             };
             if !grid.is_empty() {
@@ -384,6 +396,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
     cfg.eviction = eviction;
     cfg.alpha = alpha;
     cfg.decision_log = c.decision_log != 0;
+    cfg.protect_branch_states = c.protect_branch_states != 0;
     cfg.validate()?;
     Ok(cfg)
 }

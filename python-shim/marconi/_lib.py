@@ -75,6 +75,8 @@ class marconi_cache_config(Structure):
         ("eviction", c_uint32),
         ("alpha_mode", c_uint32),
         ("decision_log", c_uint32),
+        ("protect_branch_states", c_uint32),
+        ("reserved", c_uint32),
         ("alpha", c_double),
         ("tuner_grid", POINTER(c_double)),
         ("tuner_grid_len", c_size_t),
@@ -83,7 +85,7 @@ class marconi_cache_config(Structure):
         ("tuner_retune", c_uint32),
         ("tuner_objective", c_uint32),
         ("tuner_threads", c_uint32),
-        ("reserved", c_uint32),
+        ("tuner_retune_neighbours", c_uint32),
         ("tuner_min_gain", c_double),
     ]
 
@@ -124,6 +126,7 @@ class marconi_admit_result(Structure):
         ("kv_pages_taken_start", c_uint32),
         ("kv_pages_taken_end", c_uint32),
         ("new_kv_tokens", c_uint32),
+        ("truncated_to", c_uint32),
         ("rejected", ctypes.c_bool),
     ]
 
@@ -149,6 +152,7 @@ class marconi_stats(Structure):
         ("evictions", c_uint64),
         ("states_admitted", c_uint64),
         ("admissions_rejected", c_uint64),
+        ("admissions_truncated", c_uint64),
         ("leases", c_uint64),
         ("alpha", c_double),
         ("used_bytes", c_uint64),

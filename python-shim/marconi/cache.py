@@ -126,8 +126,10 @@ class AdmitResult:
     """Indices into the admitted page list of the pages the cache took."""
     new_kv_tokens: int
     """Tokens of KV newly cached."""
+    truncated_to: Optional[int]
+    """Only this many leading tokens were cached (lack of space), or None."""
     rejected: bool
-    """Nothing was cached: the sequence does not fit."""
+    """Nothing was cached: not even a prefix fits."""
     taken: list[bool]
     """taken[i]: the i-th offered state was taken."""
 
@@ -205,6 +207,7 @@ class PrefixCache:
         tuner_objective: str = "flops_saved",
         tuner_threads: int = 0,
         decision_log: bool = False,
+        protect_branch_states: bool = True,
     ):
         lib = _lib.load()
         cfg = _lib.marconi_cache_config()
@@ -226,6 +229,7 @@ class PrefixCache:
         cfg.block_size = block_size
         cfg.eviction = EVICTION[eviction]
         cfg.decision_log = int(decision_log)
+        cfg.protect_branch_states = int(protect_branch_states)
         cfg.tuner_objective = OBJECTIVE[tuner_objective]
         cfg.tuner_threads = tuner_threads
         if alpha is None:
@@ -336,6 +340,7 @@ class PrefixCache:
             slots_returned=raw.slots_returned,
             kv_pages_taken=range(raw.kv_pages_taken_start, raw.kv_pages_taken_end),
             new_kv_tokens=raw.new_kv_tokens,
+            truncated_to=raw.truncated_to or None,
             rejected=bool(raw.rejected),
             taken=[bool(t) for t in taken] if taken is not None else [],
         )

@@ -1,1 +1,28 @@
-//! marconi-gpu: see ARCHITECTURE.md.
+//! marconi-gpu: memory for hybrid-model prefix caches.
+//!
+//! - [`handle`]: 32-bit generational [`VirtualHandle`]s tagged by pool.
+//! - [`alloc`]: the [`PoolAllocator`] trait and its layouts: AVMP [`DualPool`]
+//!   (static split or dynamic capacity migration, paper §3.1–3.2) and vLLM's
+//!   [`PaddedUnified`] baseline.
+//! - [`phys`]: a physical-memory trait shaped like the CUDA virtual memory API, a
+//!   Linux memfd host backend, and [`phys::PhysicalPools`] which backs the two pools
+//!   with real chunks and moves them on migration (never more than the budget).
+//! - [`avmp`]: the replay harness that reproduces the AVMP paper's Table 1.
+//! - [`policy`]: a migration policy beyond the paper.
+//!
+//! See ARCHITECTURE.md at the repository root.
+
+pub mod alloc;
+pub mod avmp;
+mod error;
+pub mod handle;
+pub mod phys;
+pub mod policy;
+mod table;
+
+pub use alloc::{
+    AllocStats, DualPool, DualPoolConfig, Location, Migration, MigrationPolicy, ModelShape, PaddedUnified,
+    PoolAllocator,
+};
+pub use error::{AllocError, MigrationRefusal};
+pub use handle::{HandleLayout, PoolKind, VirtualHandle};

@@ -1,0 +1,78 @@
+//! Reproduces the AVMP paper's Table 1: all 240 runs of the authors' prototype
+//! (`shared/avmp/golden.jsonl`) from its 12 traces, to the integer.
+
+use std::path::PathBuf;
+
+use marconi_gpu::avmp::{self, RunResult};
+
+fn data_dir() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/avmp");
+    assert!(
+        dir.join("traces.json").is_file() && dir.join("golden.jsonl").is_file(),
+        "AVMP conformance data not found at {}: clone the `shared/` folder beside the \
+         repository (<repo>/../shared/avmp with traces.json and golden.jsonl)",
+        dir.display()
+    );
+    dir
+}
+
+fn key(r: &RunResult) -> (String, String, String, u64, u64) {
+    (
+        r.variant.clone(),
+        r.workload.clone(),
+        r.model.clone(),
+        r.tb_gib,
+        r.seed,
+    )
+}
+
+#[test]
+fn table1_reproduces_all_240_runs() {
+    let dir = data_dir();
+    let golden = avmp::load_golden(&dir.join("golden.jsonl")).unwrap();
+    assert_eq!(golden.len(), 240);
+    let ours = avmp::run_sweep(&dir).unwrap();
+    assert_eq!(ours.len(), 240);
+
+    let by_key: std::collections::HashMap<_, _> = ours.iter().map(|r| (key(r), r)).collect();
+    let (mut oom, mut reb, mut mib, mut ratio) = (0, 0, 0, 0);
+    let mut diffs = Vec::new();
+    for g in &golden {
+        let o = by_key
+            .get(&key(g))
+            .unwrap_or_else(|| panic!("run {:?} not in the grid", key(g)));
+        oom += usize::from(o.oom == g.oom);
+        reb += usize::from(o.rebalance_count == g.rebalance_count);
+        mib += usize::from(o.bytes_migrated_mib == g.bytes_migrated_mib);
+        ratio += usize::from((o.completion_ratio - g.completion_ratio).abs() < 1e-9);
+        if *o != g {
+            diffs.push(format!("ours {o:?}\n gold {g:?}"));
+        }
+    }
+    eprintln!("matches of 240: oom {oom}, rebalance_count {reb}, bytes_migrated_MiB {mib}, completion_ratio {ratio}");
+    assert!(
+        diffs.is_empty(),
+        "{} runs differ:\n{}",
+        diffs.len(),
+        diffs.join("\n")
+    );
+
+    // The paper's headline numbers follow from the rows.
+    let total = |v: &str| {
+        ["uniform_short", "mixed_long", "agentic_burst"]
+            .iter()
+            .map(|w| avmp::table_value(&ours, v, w))
+            .sum::<f64>()
+    };
+    assert_eq!(total("avmp_dynamic_b128"), 510.0);
+    assert_eq!(total("fixed_dual_mr05"), 552.0);
+    let table = avmp::render_table(&ours);
+    assert!(
+        table.contains("| avmp_dynamic_b128 | 9.0 | 364.3 | 136.7 | 510.0 | 9.3 |"),
+        "{table}"
+    );
+    assert!(
+        table.contains("| padded_unified | 482.7 | 573.0 | 512.0 | 1567.7 | 313.7 |"),
+        "{table}"
+    );
+}

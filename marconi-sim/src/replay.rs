@@ -169,6 +169,8 @@ pub struct Report {
     /// Admissions refused whole for lack of space (the sequence's new KV
     /// and states did not fit even after evicting every unleased entry).
     pub admissions_rejected: u64,
+    /// Admissions cut to the longest prefix that fit.
+    pub admissions_truncated: u64,
     /// α in force at the end.
     pub alpha: f64,
     /// α tuning rounds.
@@ -288,6 +290,7 @@ pub fn replay(
         evictions: stats.evictions,
         states_admitted: stats.states_admitted,
         admissions_rejected: stats.admissions_rejected,
+        admissions_truncated: stats.admissions_truncated,
         alpha: stats.alpha,
         tuning_rounds: stats.tuning_rounds,
         used_bytes: cache.as_ref().map_or(0, PrefixCache::used_bytes),

@@ -40,3 +40,16 @@ echo "--- C++ compile of the header"
 g++ -std=c++17 -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \
   marconi-ffi/tests/c/test_cxx.cpp -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/test_cxx"
 "$out/test_cxx"
+
+echo "--- the README's C snippet"
+# The first ```c block after "## C ABI", and the ```text block after it (its output).
+awk '/^## C ABI/{s=1} s&&/^```c$/{t=1;next} t&&/^```/{exit} t' README.md >"$out/readme.c"
+expected="$(awk '/^## C ABI/{s=1} s&&/^```text$/{t=1;next} t&&/^```/{exit} t' README.md)"
+test -s "$out/readme.c"
+gcc "${cflags[@]}" "${san[@]}" "$out/readme.c" -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/readme"
+actual="$("$out/readme")"
+if [ "$actual" != "$expected" ]; then
+  printf 'README C snippet output differs.\nexpected:\n%s\nactual:\n%s\n' "$expected" "$actual" >&2
+  exit 1
+fi
+echo "$actual"

@@ -16,7 +16,7 @@ test -f "$lib/libmarconi.so"
 
 venv="${MARCONI_VENV:-.venv}"
 echo "--- $venv: pip install pytest ./python-shim"
-rm -rf "$venv"
+rm -rf "$venv" python-shim/build python-shim/*.egg-info  # no stale setuptools build dir
 "$python" -m venv "$venv"
 venv="$(cd "$venv" && pwd)"
 "$venv/bin/python" -m pip install --quiet --upgrade pip

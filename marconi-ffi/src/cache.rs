@@ -900,3 +900,88 @@ pub unsafe extern "C" fn marconi_cache_check(cache: *const marconi_cache) -> mar
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::marconi_cache_config_init;
+    use crate::status::last_error;
+
+    fn new_cache() -> *mut marconi_cache {
+        let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
+        let size = std::mem::size_of::<marconi_cache_config>();
+        // SAFETY: cfg has `size` writable bytes.
+        let st = unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size) };
+        assert_eq!(st, marconi_status::Ok);
+        // SAFETY: initialised above.
+        let mut cfg = unsafe { cfg.assume_init() };
+        cfg.capacity_bytes = 1 << 40;
+        let mut cache = std::ptr::null_mut();
+        // SAFETY: valid config and out pointer.
+        assert_eq!(
+            unsafe { marconi_cache_new(&cfg, &mut cache) },
+            marconi_status::Ok
+        );
+        cache
+    }
+
+    #[test]
+    fn a_panic_becomes_a_status_and_poisons_only_its_cache() {
+        let cache = new_cache();
+        // SAFETY: live handle from new_cache.
+        let h = unsafe { &*cache };
+        // A bug panicking while the lock is held, as a boundary body would.
+        let st = crate::status::boundary("test", || {
+            let _g = h.lock()?;
+            panic!("simulated bug");
+        });
+        assert_eq!(st, marconi_status::Panic);
+        assert!(
+            last_error().contains("panic: simulated bug"),
+            "{}",
+            last_error()
+        );
+        let tokens = [1u32, 2, 3];
+        let mut out = marconi_lookup::default();
+        // SAFETY: live handle, valid buffers.
+        let st = unsafe {
+            marconi_cache_lookup(cache, 0, tokens.as_ptr(), 3, MARCONI_NO_SLOT, &mut out)
+        };
+        assert_eq!(st, marconi_status::Poisoned);
+        assert_eq!(out, marconi_lookup::default(), "no output on failure");
+        let other = new_cache();
+        // SAFETY: live handle, valid buffers.
+        let st = unsafe {
+            marconi_cache_lookup(other, 0, tokens.as_ptr(), 3, MARCONI_NO_SLOT, &mut out)
+        };
+        assert_eq!(st, marconi_status::Ok);
+        // SAFETY: both handles are live and freed once.
+        unsafe {
+            marconi_cache_free(cache);
+            marconi_cache_free(other);
+        }
+    }
+
+    #[test]
+    fn lease_ids_carry_the_cache_generation() {
+        let (a, b) = (new_cache(), new_cache());
+        // SAFETY: live handles.
+        let (ha, hb) = unsafe { (&*a, &*b) };
+        assert_ne!(ha.generation, hb.generation);
+        let lease = ha.c_lease(5);
+        assert_eq!(ha.core_lease(lease).ok(), Some(5));
+        assert_eq!(
+            hb.core_lease(lease).map_err(|e| e.status).err(),
+            Some(marconi_status::UnknownLease)
+        );
+        assert!(
+            ha.core_lease(ha.c_lease(0)).is_err(),
+            "lease 0 is never issued"
+        );
+        // SAFETY: freed once.
+        unsafe {
+            marconi_cache_free(a);
+            marconi_cache_free(b);
+        }
+    }
+}

@@ -329,3 +329,60 @@ pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) ->
     }
     text.len()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_round_trips_and_unknown_values_are_invalid_argument() {
+        for (i, s) in marconi_status::ALL.iter().enumerate() {
+            assert_eq!(*s as u32, i as u32);
+            assert_eq!(marconi_status::from_u32(i as u32), *s);
+        }
+        assert_eq!(
+            marconi_status::from_u32(9999),
+            marconi_status::InvalidArgument
+        );
+    }
+
+    #[test]
+    fn boundary_turns_errors_and_panics_into_statuses() {
+        let st = boundary("f", || Err(FfiError::from(CacheError::UnknownLease(7))));
+        assert_eq!(st, marconi_status::UnknownLease);
+        assert_eq!(last_error(), "f: lease 7 is unknown or already released");
+        assert_eq!(boundary("g", || Ok(())), marconi_status::Ok);
+        assert_eq!(
+            last_error(),
+            "f: lease 7 is unknown or already released",
+            "success keeps it"
+        );
+        let st = boundary("h", || panic!("boom {}", 1));
+        assert_eq!(st, marconi_status::Panic);
+        assert_eq!(last_error(), "h: panic: boom 1");
+        assert_eq!(boundary_or("i", 42usize, || panic!("x")), 42);
+    }
+
+    #[test]
+    fn null_and_length_checks() {
+        // SAFETY: NULL pointers are never dereferenced by in_slice.
+        let e = unsafe { in_slice::<u32>(std::ptr::null(), 12, "tokens") }.unwrap_err();
+        assert_eq!(e.status, marconi_status::NullArgument);
+        assert_eq!(e.detail, "tokens is NULL but length is 12");
+        // SAFETY: as above.
+        assert!(
+            unsafe { in_slice::<u32>(std::ptr::null(), 0, "tokens") }.is_ok_and(|s| s.is_empty())
+        );
+        let x = [1u32];
+        // SAFETY: the absurd length is refused before a slice is formed.
+        let e = unsafe { in_slice(x.as_ptr(), usize::MAX, "tokens") }.unwrap_err();
+        assert_eq!(e.status, marconi_status::InvalidArgument);
+        let mut buf = [0x55 as c_char; 4];
+        // SAFETY: buf has 4 writable bytes.
+        let n = unsafe { write_c_string("hello", buf.as_mut_ptr(), 4) };
+        assert_eq!(
+            (n, buf),
+            (5, [b'h' as c_char, b'e' as c_char, b'l' as c_char, 0])
+        );
+    }
+}

@@ -8,7 +8,7 @@ use crate::config::{AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy};
 use crate::error::CacheError;
 use crate::index::{CandKey, Index};
 use crate::log::{Decision, DecisionLog, EvictKind, PlanReason};
-use crate::tree::{NodeId, StateRef, Tree, NIL};
+use crate::tree::{NodeId, StateRef, Tree, Walk, NIL};
 use crate::tuner::Tuner;
 
 /// Identifies a lease: the pin a lookup puts on the nodes a request reuses.
@@ -372,6 +372,16 @@ impl Core {
     }
 
     pub(crate) fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
+        self.lookup_walk(ns, input).map(|(l, _)| l)
+    }
+
+    /// [`lookup`](Self::lookup), also returning its walk of the input so that
+    /// an admission right after it (nothing changed in between) can resume it.
+    fn lookup_walk(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+    ) -> Result<(Lookup, Option<Walk>), CacheError> {
         Self::check_tokens(input)?;
         self.clock += 1;
         let len = input.len() as u32;
@@ -494,14 +504,15 @@ impl Core {
                 reason,
             });
         }
-        Ok(Lookup {
+        let lookup = Lookup {
             lease,
             hit_tokens: hit,
             kv_matched_tokens: kv_matched,
             state_slot,
             kv_pages,
             plan,
-        })
+        };
+        Ok((lookup, walk))
     }
 
     /// Marconi's speculative insertion (paper §4.1): would inserting the
@@ -652,6 +663,20 @@ impl Core {
         kv_pages: &[u32],
         verify_prefix: bool,
     ) -> Result<AdmitOutcome, CacheError> {
+        self.admit_with(lease, tokens, states, kv_pages, verify_prefix, None)
+    }
+
+    /// [`admit`](Self::admit), resuming `prior` (the lease's lookup walk on
+    /// the unchanged tree) instead of walking the input again.
+    fn admit_with(
+        &mut self,
+        lease: LeaseId,
+        tokens: &[u32],
+        states: &[SavedState],
+        kv_pages: &[u32],
+        verify_prefix: bool,
+        prior: Option<Walk>,
+    ) -> Result<AdmitOutcome, CacheError> {
         self.check_admit(lease, tokens, states, kv_pages, verify_prefix)?;
         self.clock += 1;
         let ns = self.leases[&lease].ns;
@@ -662,7 +687,23 @@ impl Core {
             self.tracks_pages = Some(!kv_pages.is_empty());
         }
         let root = self.tree.root_or_insert(ns);
-        let walk = self.tree.walk(root, seq, page);
+        let input_len = self.leases[&lease].input_len;
+        let walk = match prior {
+            // A walk that stopped inside the input stops there for any
+            // extension of the input too.
+            Some(w) if w.matched < input_len && w.matched <= aligned => w,
+            Some(w) if w.matched <= aligned => self.tree.walk_from(root, w, seq, page),
+            _ => self.tree.walk(root, seq, page),
+        };
+        #[cfg(feature = "strict-checks")]
+        {
+            let fresh = self.tree.walk(root, seq, page);
+            assert_eq!(
+                (&fresh.path, fresh.matched, fresh.partial),
+                (&walk.path, walk.matched, walk.partial),
+                "resumed walk differs from a fresh one"
+            );
+        }
         // Splits happen on page boundaries only.
         let m = round_down(walk.matched, page);
 
@@ -1031,8 +1072,9 @@ impl Core {
         input: &[u32],
         full: &[u32],
     ) -> Result<(Served, LeaseInfoOut), CacheError> {
-        let l = self.lookup(ns, input)?;
-        let outcome = self.admit(l.lease, full, &self.states_for(&l, full.len()), &[], false)?;
+        let (l, walk) = self.lookup_walk(ns, input)?;
+        let states = self.states_for(&l, full.len());
+        let outcome = self.admit_with(l.lease, full, &states, &[], false, walk)?;
         let info = self.release(l.lease)?;
         Ok((
             Served {

@@ -70,7 +70,8 @@ pub enum AlphaMode {
 /// `min_window`); at its end every α of `grid` is replayed from a snapshot of
 /// the tree taken at the window's start, in parallel threads, and the best is
 /// adopted (smallest α on ties). With `retune`, later windows of the same
-/// length are tuned again, so α follows a drifting workload. An α other than
+/// length (one in `retune_every`) are tuned again over α = 0, the current α
+/// and its grid neighbours, so α follows a drifting workload. An α other than
 /// 0 is adopted only if it beats α = 0 on the window by `min_gain`
 /// (relative), so tuning never picks an α that did worse than LRU.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,6 +88,10 @@ pub struct TunerConfig {
     /// `retune_neighbours` nearest grid values on each side (0: the whole
     /// grid every window). Bounds the replay cost of continuous tuning.
     pub retune_neighbours: u32,
+    /// Re-tune on one window out of this many (1: every window). Replaying
+    /// costs about `grid values × window`; spacing rounds bounds the total
+    /// tuning work to a fraction of serving.
+    pub retune_every: u32,
     /// What the replay maximises.
     pub objective: TuningObjective,
     /// Relative gain over α = 0 that a non-zero α must reach to be adopted.
@@ -103,6 +108,7 @@ impl Default for TunerConfig {
             min_window: 16,
             retune: true,
             retune_neighbours: 2,
+            retune_every: 4,
             objective: TuningObjective::FlopsSaved,
             min_gain: 0.02,
             threads: 0,
@@ -214,7 +220,7 @@ impl CacheConfig {
                 if t.grid.is_empty() || t.grid.iter().any(|a| !a.is_finite() || *a < 0.0) {
                     return bad("tuner grid must be non-empty, finite and >= 0".into());
                 }
-                if t.bootstrap_factor == 0 || t.min_window == 0 {
+                if t.bootstrap_factor == 0 || t.min_window == 0 || t.retune_every == 0 {
                     return bad("tuner windows must be > 0".into());
                 }
                 if !t.min_gain.is_finite() || t.min_gain < 0.0 {

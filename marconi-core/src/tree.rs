@@ -92,7 +92,20 @@ pub(crate) struct Tree {
 
 /// Length of the common prefix of two slices.
 pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+    // Whole chunks compare as slices (memcmp, vectorised); the first
+    // differing chunk is then scanned token by token. Matches run to tens of
+    // thousands of tokens, so this is the hot loop of every lookup.
+    const CHUNK: usize = 32;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
+        i += CHUNK;
+    }
+    i + a[i..n]
+        .iter()
+        .zip(&b[i..n])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 impl Tree {
@@ -173,12 +186,37 @@ impl Tree {
 
     /// Walks `tokens` from `root`.
     pub(crate) fn walk(&self, root: NodeId, tokens: &[u32], page_size: u32) -> Walk {
-        let mut walk = Walk {
+        let start = Walk {
             path: Vec::new(),
             matched: 0,
             partial: None,
         };
-        let mut cur = root;
+        self.walk_from(root, start, tokens, page_size)
+    }
+
+    /// Resumes `walk` (a walk of a prefix of `tokens` from `root`, on the
+    /// unchanged tree) over the rest of `tokens`.
+    pub(crate) fn walk_from(
+        &self,
+        root: NodeId,
+        mut walk: Walk,
+        tokens: &[u32],
+        page_size: u32,
+    ) -> Walk {
+        if let Some((id, on_edge)) = walk.partial {
+            let edge = &self.node(id).tokens;
+            let pos = walk.matched as usize;
+            let n = common_prefix(&edge[on_edge as usize..], &tokens[pos..]);
+            walk.matched += n as u32;
+            let on = on_edge as usize + n;
+            if on < edge.len() {
+                walk.partial = Some((id, on as u32));
+                return walk;
+            }
+            walk.partial = None;
+            walk.path.push(id);
+        }
+        let mut cur = walk.path.last().copied().unwrap_or(root);
         loop {
             let pos = walk.matched as usize;
             let Some(&first) = tokens.get(pos) else {
@@ -305,5 +343,23 @@ impl Tree {
         self.node_mut(parent).replace_child(id, child);
         self.release(id);
         child
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::common_prefix;
+
+    #[test]
+    fn common_prefix_at_every_offset() {
+        let a: Vec<u32> = (0..200).collect();
+        for cut in 0..200 {
+            let mut b = a.clone();
+            b[cut] = 9999;
+            assert_eq!(common_prefix(&a, &b), cut);
+            assert_eq!(common_prefix(&a[..cut], &a), cut);
+        }
+        assert_eq!(common_prefix(&a, &a), 200);
+        assert_eq!(common_prefix(&[], &a), 0);
     }
 }

@@ -11,6 +11,8 @@ enum Phase {
     Warmup,
     /// Recording a window of requests from a snapshot.
     Recording,
+    /// Between re-tuning windows: this many requests to go.
+    Waiting(u64),
     /// One-shot tuning finished.
     Done,
 }
@@ -78,6 +80,14 @@ impl Tuner {
                     self.tune(core);
                 }
             }
+            Phase::Waiting(left) => {
+                if left <= 1 {
+                    self.snapshot = Some(core.clone_for_replay());
+                    self.phase = Phase::Recording;
+                } else {
+                    self.phase = Phase::Waiting(left - 1);
+                }
+            }
             Phase::Done => {}
         }
     }
@@ -135,11 +145,15 @@ impl Tuner {
             objective_at_new: best_obj,
         });
         self.window.clear();
-        if self.cfg.retune {
-            self.snapshot = Some(core.clone_for_replay());
-        } else {
-            self.phase = Phase::Done;
-        }
+        let wait = self.window_len as u64 * u64::from(self.cfg.retune_every.saturating_sub(1));
+        self.phase = match (self.cfg.retune, wait) {
+            (false, _) => Phase::Done,
+            (true, 0) => {
+                self.snapshot = Some(core.clone_for_replay());
+                Phase::Recording
+            }
+            (true, w) => Phase::Waiting(w),
+        };
     }
 }
 

@@ -179,7 +179,7 @@ struct CompareArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
     /// Directory for the SVG figures.
-    #[arg(long, default_value = "marconi-sim-out")]
+    #[arg(long, default_value = "out")]
     out_dir: PathBuf,
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]
@@ -222,7 +222,7 @@ struct SweepArgs {
     #[arg(long, value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
     /// Directory for the SVG figure.
-    #[arg(long, default_value = "marconi-sim-out")]
+    #[arg(long, default_value = "out")]
     out_dir: PathBuf,
     /// Threads (0: one per core).
     #[arg(long, default_value_t = 0)]

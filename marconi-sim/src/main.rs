@@ -36,6 +36,21 @@ enum Cmd {
     Compare(CompareArgs),
     /// Vary capacity (paper Fig. 11) or model composition / state size (Fig. 12).
     Sweep(SweepArgs),
+    /// Replay the AVMP paper's Table 1 grid (240 runs) with marconi-gpu's allocators.
+    Avmp(AvmpArgs),
+}
+
+#[derive(Args)]
+struct AvmpArgs {
+    /// Directory holding `traces.json` (and `golden.jsonl`, checked when present).
+    #[arg(long, default_value = "../shared/avmp")]
+    dir: PathBuf,
+    /// Print every run as JSON (an array) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// No progress display.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -241,6 +256,7 @@ fn main() -> ExitCode {
         Cmd::Replay(a) => replay_cmd(a),
         Cmd::Compare(a) => compare_cmd(a),
         Cmd::Sweep(a) => sweep_cmd(a),
+        Cmd::Avmp(a) => avmp_cmd(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -470,5 +486,42 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     );
     print!("{}", compare::sweep_table(&axis, &points, &policies));
     println!("figure: {}", file.display());
+    Ok(())
+}
+
+fn avmp_cmd(a: AvmpArgs) -> CmdResult {
+    use marconi_gpu::avmp;
+    let t0 = Instant::now();
+    let sp = progress::spinner("replaying the AVMP grid (240 runs)", a.quiet);
+    let results = avmp::run_sweep(&a.dir).map_err(|e| e.to_string());
+    sp.finish_and_clear();
+    let results = results?;
+    let wall = t0.elapsed().as_secs_f64();
+    if a.json {
+        return print_json(&results);
+    }
+    println!(
+        "AVMP Table 1 (OOM count: mean over seeds, summed over models and budgets), {} runs in {wall:.2}s",
+        results.len()
+    );
+    print!("{}", avmp::render_table(&results));
+    let golden = a.dir.join("golden.jsonl");
+    if golden.exists() {
+        let want = avmp::load_golden(&golden).map_err(|e| e.to_string())?;
+        let same = results.iter().filter(|r| want.contains(r)).count();
+        println!(
+            "{same}/{} runs identical to {}",
+            want.len(),
+            golden.display()
+        );
+        if same != want.len() || results.len() != want.len() {
+            return Err(format!(
+                "{} of {} runs differ from {}",
+                want.len() - same.min(want.len()),
+                want.len(),
+                golden.display()
+            ));
+        }
+    }
     Ok(())
 }

@@ -20,3 +20,18 @@ pub fn bar(len: u64, label: &str, quiet: bool) -> ProgressBar {
     pb.set_prefix(label.to_owned());
     pb
 }
+
+/// A spinner with `label` for work without a step count, ticking on its own;
+/// hidden like [`bar`].
+pub fn spinner(label: &str, quiet: bool) -> ProgressBar {
+    let pb = ProgressBar::with_draw_target(None, ProgressDrawTarget::hidden());
+    if !quiet && std::io::stderr().is_terminal() {
+        pb.set_draw_target(ProgressDrawTarget::stderr());
+    }
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    pb.set_message(label.to_owned());
+    pb.enable_steady_tick(std::time::Duration::from_millis(120));
+    pb
+}

@@ -144,3 +144,21 @@ fn bad_input_fails_with_line_and_reason() {
     let o = sim(&["compare", "--trace", s(&trace), "--model", "gpt-9"]);
     assert!(!o.status.success());
 }
+
+#[test]
+fn avmp_table_matches_golden_when_the_data_is_there() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/avmp");
+    let o = sim(&["avmp", "--dir", "/nonexistent/avmp"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8(o.stderr).unwrap().contains("traces.json"));
+    if !dir.join("traces.json").exists() {
+        eprintln!("skipped: no AVMP data at {}", dir.display());
+        return;
+    }
+    let out = ok(&["avmp", "--dir", s(&dir), "--quiet"]);
+    assert!(
+        out.contains("| avmp_dynamic_b128 | 9.0 | 364.3 | 136.7 | 510.0 | 9.3 |"),
+        "{out}"
+    );
+    assert!(out.contains("240/240 runs identical"), "{out}");
+}

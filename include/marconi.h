@@ -68,7 +68,7 @@ enum marconi_status
   MARCONI_STATUS_NULL_ARGUMENT = 1,
   /**
    * An argument is out of range (unknown enum value, absurd length,
-   * misaligned pointer, a destination slot that is the cached one, ...).
+   * misaligned pointer, a destination slot the cache owns, ...).
    */
   MARCONI_STATUS_INVALID_ARGUMENT = 2,
   /**
@@ -771,8 +771,9 @@ void marconi_cache_free(struct marconi_cache *cache);
  * `dst_slot` is the request's own state slot, or MARCONI_NO_SLOT. When the
  * hit resumes from a cached slot and dst_slot is given, `out->copy_order`
  * is {state_slot, dst_slot}: the engine copies the cached state before
- * resuming. dst_slot equal to the cached slot is MARCONI_STATUS_INVALID_ARGUMENT
- * (the cache owns that slot; nothing changes).
+ * resuming. A dst_slot that holds a state owned by the cache (admitted and
+ * not yet freed by an eviction) is MARCONI_STATUS_INVALID_ARGUMENT, and
+ * nothing changes: the engine would overwrite a cached state.
  *
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.

@@ -19,7 +19,7 @@ pub enum marconi_status {
     /// A required pointer was NULL, or a buffer was NULL with a length > 0.
     NullArgument = 1,
     /// An argument is out of range (unknown enum value, absurd length,
-    /// misaligned pointer, a destination slot that is the cached one, ...).
+    /// misaligned pointer, a destination slot the cache owns, ...).
     InvalidArgument = 2,
     /// An output buffer is too small; the needed size was written where the
     /// function documents it, and nothing else changed.

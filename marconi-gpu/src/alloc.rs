@@ -339,47 +339,123 @@ impl DualPool {
     /// of policy (the policy decides *when*; this is *how*). The recipient grows by
     /// `floor(donor_units · donor_unit / recipient_unit)`; the donor's tail must be
     /// free and the recipient must stay within `floor(total / recipient_unit)`.
-    /// On refusal nothing changes (the donor is rolled back).
+    /// On refusal the capacities are unchanged.
     pub fn migrate_units(
         &mut self,
         recipient: PoolKind,
         donor_units: u32,
     ) -> Result<Migration, AllocError> {
-        let refuse = |reason| AllocError::MigrationRefused { recipient, reason };
         let (d, r) = (recipient.other().index(), recipient.index());
-        let donor_bytes = u64::from(donor_units) * self.tables[d].unit_bytes;
-        let grow = donor_bytes / self.tables[r].unit_bytes;
-        let grow =
-            u32::try_from(grow).map_err(|_| refuse(MigrationRefusal::RecipientOverBudget))?;
-        if grow == 0 {
-            return Err(refuse(MigrationRefusal::BatchBelowRecipientUnit));
-        }
-        let old = self.tables[d].capacity();
-        let Some(new) = old.checked_sub(donor_units) else {
-            return Err(refuse(MigrationRefusal::DonorTooSmall));
+        let old_d = self.tables[d].capacity();
+        let old_r = self.tables[r].capacity();
+        let (kv, ssm) = match self.plan_migration(recipient, donor_units) {
+            Ok(p) => p,
+            Err(
+                e @ AllocError::MigrationRefused {
+                    reason: MigrationRefusal::RecipientOverBudget,
+                    ..
+                },
+            ) => {
+                // The prototype shrinks the donor before it checks the recipient and
+                // rolls back by growing again, which moves the donor's tail ids to the
+                // end of its free list (ascending). Replays depend on that order.
+                if self.tables[d].shrink(old_d - donor_units) {
+                    let _ = self.tables[d].grow(old_d);
+                }
+                return Err(e);
+            }
+            Err(e) => return Err(e),
         };
-        if !self.tables[d].shrink(new) {
-            return Err(refuse(MigrationRefusal::DonorTailInUse));
+        let new = [kv, ssm];
+        if !self.tables[d].shrink(new[d]) || !self.tables[r].grow(new[r]) {
+            // Unreachable after a successful plan; restore and report anyway.
+            let _ = self.tables[d].grow(old_d);
+            let _ = self.tables[r].shrink(old_r);
+            return Err(AllocError::MigrationRefused {
+                recipient,
+                reason: MigrationRefusal::DonorTailInUse,
+            });
         }
-        let r_new = u64::from(self.tables[r].capacity()) + u64::from(grow);
-        let r_limit = self.total_bytes / self.tables[r].unit_bytes;
-        if r_new > r_limit || !self.tables[r].grow(r_new as u32) {
-            // Roll the donor back (grow appends its tail ids ascending, as the prototype).
-            let restored = self.tables[d].grow(old);
-            debug_assert!(restored);
-            return Err(refuse(MigrationRefusal::RecipientOverBudget));
-        }
+        let donor_bytes = u64::from(donor_units) * self.tables[d].unit_bytes;
         self.stats.rebalance_count += 1;
         self.stats.bytes_migrated += donor_bytes;
         self.last_migration_op = Some(self.stats.ops);
-        tracing::debug!(%recipient, donor_units, grow, "capacity migrated");
+        tracing::debug!(%recipient, donor_units, grow = new[r] - old_r, "capacity migrated");
         Ok(Migration {
             donor: recipient.other(),
             recipient,
             donor_units,
-            recipient_units: grow,
+            recipient_units: new[r] - old_r,
             donor_bytes,
         })
+    }
+
+    /// Checks a migration without applying it and returns the capacities
+    /// `(kv_units, ssm_units)` it would leave. The checks run in the prototype's
+    /// order: donor large enough, donor tail free, recipient within the budget.
+    pub fn plan_migration(
+        &self,
+        recipient: PoolKind,
+        donor_units: u32,
+    ) -> Result<(u32, u32), AllocError> {
+        let refuse = |reason| AllocError::MigrationRefused { recipient, reason };
+        let (d, r) = (recipient.other().index(), recipient.index());
+        let donor_bytes = u64::from(donor_units) * self.tables[d].unit_bytes;
+        let grow = donor_bytes / self.tables[r].unit_bytes;
+        if grow == 0 {
+            return Err(refuse(MigrationRefusal::BatchBelowRecipientUnit));
+        }
+        let Some(d_new) = self.tables[d].capacity().checked_sub(donor_units) else {
+            return Err(refuse(MigrationRefusal::DonorTooSmall));
+        };
+        if !self.tables[d].tail_is_free(d_new) {
+            return Err(refuse(MigrationRefusal::DonorTailInUse));
+        }
+        let r_new = u64::from(self.tables[r].capacity()) + grow;
+        let r_limit = self.total_bytes / self.tables[r].unit_bytes;
+        if r_new > r_limit {
+            return Err(refuse(MigrationRefusal::RecipientOverBudget));
+        }
+        // Cannot truncate: r_new <= r_limit, which fits u32 (checked at construction).
+        let r_new = r_new as u32;
+        Ok(if recipient == PoolKind::Kv {
+            (r_new, d_new)
+        } else {
+            (d_new, r_new)
+        })
+    }
+
+    /// Applies the policy's trigger conditions (throttle, donor free threshold) and
+    /// returns the batch size to migrate toward `recipient`.
+    pub fn policy_allows(&self, recipient: PoolKind) -> Result<u32, AllocError> {
+        let MigrationPolicy::Dynamic {
+            batch_units,
+            min_interval_ops,
+            donor_free_threshold,
+        } = self.policy
+        else {
+            return Err(AllocError::MigrationRefused {
+                recipient,
+                reason: MigrationRefusal::Unsupported,
+            });
+        };
+        let policy_refused = AllocError::MigrationRefused {
+            recipient,
+            reason: MigrationRefusal::Policy,
+        };
+        if let Some(last) = self.last_migration_op {
+            if self.stats.ops.saturating_sub(last) < min_interval_ops {
+                return Err(policy_refused);
+            }
+        }
+        if let Some(th) = donor_free_threshold {
+            let d = &self.tables[recipient.other().index()];
+            let frac = f64::from(d.free_units()) / f64::from(d.capacity().max(1));
+            if frac <= th {
+                return Err(policy_refused);
+            }
+        }
+        Ok(batch_units)
     }
 }
 
@@ -428,34 +504,8 @@ impl PoolAllocator for DualPool {
     }
 
     fn migrate_toward(&mut self, recipient: PoolKind) -> Result<Migration, AllocError> {
-        let MigrationPolicy::Dynamic {
-            batch_units,
-            min_interval_ops,
-            donor_free_threshold,
-        } = self.policy
-        else {
-            return Err(AllocError::MigrationRefused {
-                recipient,
-                reason: MigrationRefusal::Unsupported,
-            });
-        };
-        let policy_refused = AllocError::MigrationRefused {
-            recipient,
-            reason: MigrationRefusal::Policy,
-        };
-        if let Some(last) = self.last_migration_op {
-            if self.stats.ops.saturating_sub(last) < min_interval_ops {
-                return Err(policy_refused);
-            }
-        }
-        if let Some(th) = donor_free_threshold {
-            let d = &self.tables[recipient.other().index()];
-            let frac = f64::from(d.free_units()) / f64::from(d.capacity().max(1));
-            if frac <= th {
-                return Err(policy_refused);
-            }
-        }
-        self.migrate_units(recipient, batch_units)
+        let batch = self.policy_allows(recipient)?;
+        self.migrate_units(recipient, batch)
     }
 
     fn migrate_units_toward(

@@ -45,6 +45,9 @@ pub enum AllocError {
         /// Why it was refused.
         reason: MigrationRefusal,
     },
+    /// The physical backing failed (see [`crate::phys::PhysError`]).
+    #[error("physical backing: {0}")]
+    Physical(#[from] crate::phys::PhysError),
     /// The layout cannot be built from this configuration.
     #[error("invalid allocator configuration: {0}")]
     InvalidConfig(String),

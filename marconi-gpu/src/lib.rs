@@ -18,6 +18,9 @@ mod error;
 pub mod handle;
 pub mod phys;
 pub mod policy;
+pub mod snapshot;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod table;
 
 pub use alloc::{

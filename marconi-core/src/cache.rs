@@ -58,7 +58,7 @@ pub struct AdmitOutcome {
     /// Slots the cache did not take (already cached there, or rejected).
     pub slots_returned: Vec<u32>,
     /// Indices into the admitted page list of the pages the cache took
-    /// (a range: `start..end`).
+    /// (a range: `start..end`; empty when no page list was given).
     pub kv_pages_taken: std::ops::Range<u32>,
     /// Tokens of KV newly cached.
     pub new_kv_tokens: u32,
@@ -316,7 +316,6 @@ impl Core {
             let k = CandKey {
                 time: n.last_access,
                 eff: self.efficiency(id),
-                class: u8::from(!n.children.is_empty()),
             };
             self.index.insert(id, k);
             self.tree.node_mut(id).cand = Some(k);
@@ -678,25 +677,27 @@ impl Core {
         prior: Option<Walk>,
     ) -> Result<AdmitOutcome, CacheError> {
         self.check_admit(lease, tokens, states, kv_pages, verify_prefix)?;
-        self.clock += 1;
         let ns = self.leases[&lease].ns;
         let page = self.cfg.page_size;
         let aligned = round_down(tokens.len() as u32, page);
         let seq = &tokens[..aligned as usize];
-        if aligned > 0 && self.tracks_pages.is_none() {
-            self.tracks_pages = Some(!kv_pages.is_empty());
-        }
-        let root = self.tree.root_or_insert(ns);
         let input_len = self.leases[&lease].input_len;
-        let walk = match prior {
+        let walk = match (self.tree.root(ns), prior) {
             // A walk that stopped inside the input stops there for any
             // extension of the input too.
-            Some(w) if w.matched < input_len && w.matched <= aligned => w,
-            Some(w) if w.matched <= aligned => self.tree.walk_from(root, w, seq, page),
-            _ => self.tree.walk(root, seq, page),
+            (Some(_), Some(w)) if w.matched < input_len && w.matched <= aligned => w,
+            (Some(root), Some(w)) if w.matched <= aligned => {
+                self.tree.walk_from(root, w, seq, page)
+            }
+            (Some(root), _) => self.tree.walk(root, seq, page),
+            (None, _) => Walk {
+                path: Vec::new(),
+                matched: 0,
+                partial: None,
+            },
         };
         #[cfg(feature = "strict-checks")]
-        {
+        if let Some(root) = self.tree.root(ns) {
             let fresh = self.tree.walk(root, seq, page);
             assert_eq!(
                 (&fresh.path, fresh.matched, fresh.partial),
@@ -706,6 +707,19 @@ impl Core {
         }
         // Splits happen on page boundaries only.
         let m = round_down(walk.matched, page);
+        // The pages the cache would take must not be pages it already owns.
+        if !kv_pages.is_empty() {
+            let taken = &kv_pages[(m / page) as usize..];
+            if let Some(&p) = taken.iter().find(|p| self.page_owner.contains(p)) {
+                return Err(CacheError::DuplicatePage(p));
+            }
+        }
+        // Checks done: from here on the call changes the cache.
+        self.clock += 1;
+        if aligned > 0 && self.tracks_pages.is_none() {
+            self.tracks_pages = Some(!kv_pages.is_empty());
+        }
+        let root = self.tree.root_or_insert(ns);
 
         // Which offered states are new.
         let mut existing = BTreeSet::new();
@@ -821,7 +835,9 @@ impl Core {
                 (parent, start) = (node, end);
             }
             self.kv_tokens += u64::from(new_kv);
-            outcome.kv_pages_taken = m / page..aligned / page;
+            if !kv_pages.is_empty() {
+                outcome.kv_pages_taken = m / page..aligned / page;
+            }
             outcome.new_kv_tokens = new_kv;
         }
 
@@ -959,11 +975,7 @@ impl Core {
             EvictionPolicy::Lru => 0.0,
             EvictionPolicy::FlopAware => self.alpha,
         };
-        let tree = &self.tree;
-        let Some(choice) = self
-            .index
-            .lowest(alpha, |id| tree.node(id).cand.expect("indexed"))
-        else {
+        let Some(choice) = self.index.lowest(alpha) else {
             return false;
         };
         let id = choice.node;

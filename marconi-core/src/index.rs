@@ -1,38 +1,26 @@
-//! The eviction index: candidates sorted by last access and by FLOP
-//! efficiency, so that the lowest utility is found without rescanning.
+//! The eviction index: finds the candidate of lowest utility without
+//! rescanning the candidates.
 //!
 //! Utility (paper §4.2, eq. 2) is `norm(recency) + α · norm(efficiency)`, each
-//! min-max normalised over the current candidates. Because both terms are
-//! monotone in their key, the minimum is found with Fagin's threshold
-//! algorithm over the two sorted orders: walk both from their low ends; once
-//! the score built from the two current keys exceeds the best full score
-//! seen, no unseen candidate can do better. On real trees this stops after a
-//! handful of steps, so one eviction costs `O(log n)` in practice (`O(n)` in
-//! the adversarial worst case), against the prototype's `O(n · depth)`
-//! rescan per evicted node.
-
-use std::collections::BTreeSet;
+//! min-max normalised over the current candidates. Candidates sit in the
+//! leaves of a segment tree (in insertion order, which is close to time
+//! order) whose inner nodes keep the min and max of both keys below them.
+//! The root gives the normalisation bounds in O(1); the minimum is found by
+//! branch and bound: a subtree's utility is at least `norm(min time) +
+//! α · norm(min efficiency)`, so subtrees whose bound exceeds the best leaf
+//! seen are skipped. Inserting and removing cost O(log n); a search visits
+//! O(log n) subtrees when the keys are spread and degrades gracefully (never
+//! beyond O(n)) when they are adversarially interleaved. The public
+//! prototype rescans every candidate, walking to the root for each, for every
+//! evicted node.
 
 use crate::tree::NodeId;
 
-/// A total order over finite non-negative f64 (efficiencies are never NaN).
-#[derive(Clone, Copy, Debug)]
-struct Key(f64);
-impl PartialEq for Key {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.total_cmp(&other.0).is_eq()
-    }
-}
-impl Eq for Key {}
-impl PartialOrd for Key {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Key {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
-    }
+/// Where a candidate sits in the index; stored on the node so it can be removed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct CandKey {
+    pub(crate) time: u64,
+    pub(crate) eff: f64,
 }
 
 /// The victim chosen, with the scores that chose it.
@@ -44,28 +32,50 @@ pub(crate) struct Choice {
     pub(crate) utility: f64,
 }
 
-/// Where a candidate sits in the index; stored on the node so it can be removed.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct CandKey {
-    pub(crate) time: u64,
-    pub(crate) eff: f64,
-    /// 0: leaf, 1: inner node with one child. Leaves and inner nodes form two
-    /// clusters (inner nodes free only a state, so they are FLOP-dense, and
-    /// they are older than the leaf below them); searching each class apart
-    /// keeps the threshold algorithm short where the clusters are
-    /// anti-correlated.
-    pub(crate) class: u8,
+/// Min and max of both keys over a subtree.
+#[derive(Clone, Copy, Debug)]
+struct Agg {
+    t_lo: u64,
+    t_hi: u64,
+    e_lo: f64,
+    e_hi: f64,
 }
 
-#[derive(Clone, Debug, Default)]
-struct Class {
-    by_time: BTreeSet<(u64, NodeId)>,
-    by_eff: BTreeSet<(Key, NodeId)>,
+const EMPTY: Agg = Agg {
+    t_lo: u64::MAX,
+    t_hi: 0,
+    e_lo: f64::INFINITY,
+    e_hi: f64::NEG_INFINITY,
+};
+
+impl Agg {
+    fn join(a: Agg, b: Agg) -> Agg {
+        Agg {
+            t_lo: a.t_lo.min(b.t_lo),
+            t_hi: a.t_hi.max(b.t_hi),
+            e_lo: a.e_lo.min(b.e_lo),
+            e_hi: a.e_hi.max(b.e_hi),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.t_lo > self.t_hi
+    }
 }
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
-    classes: [Class; 2],
+    /// Leaf count of the segment tree (a power of two, or 0).
+    cap: usize,
+    /// Segment tree, 1-based: node `i` has children `2i`, `2i+1`; leaves at `cap..2cap`.
+    agg: Vec<Agg>,
+    /// What each leaf holds.
+    slots: Vec<Option<(NodeId, CandKey)>>,
+    /// Next leaf to fill.
+    next: usize,
+    /// Leaf of each indexed node (by node id), `usize::MAX` if none.
+    pos_of: Vec<usize>,
+    live: usize,
 }
 
 fn norm(x: f64, lo: f64, hi: f64) -> f64 {
@@ -77,119 +87,136 @@ fn norm(x: f64, lo: f64, hi: f64) -> f64 {
 }
 
 impl Index {
+    fn leaf_agg(k: CandKey) -> Agg {
+        Agg {
+            t_lo: k.time,
+            t_hi: k.time,
+            e_lo: k.eff,
+            e_hi: k.eff,
+        }
+    }
+
+    fn set_leaf(&mut self, pos: usize, v: Option<(NodeId, CandKey)>) {
+        self.slots[pos] = v;
+        let mut i = pos + self.cap;
+        self.agg[i] = v.map_or(EMPTY, |(_, k)| Self::leaf_agg(k));
+        while i > 1 {
+            i /= 2;
+            self.agg[i] = Agg::join(self.agg[2 * i], self.agg[2 * i + 1]);
+        }
+    }
+
+    /// Repacks the live entries at the front, growing the tree if more than
+    /// half full. O(n), amortised over the inserts that filled it.
+    fn rebuild(&mut self) {
+        let live: Vec<(NodeId, CandKey)> = self.slots.iter().flatten().copied().collect();
+        self.cap = (2 * live.len()).max(64).next_power_of_two();
+        self.agg = vec![EMPTY; 2 * self.cap];
+        self.slots = vec![None; self.cap];
+        for (pos, &(id, k)) in live.iter().enumerate() {
+            self.slots[pos] = Some((id, k));
+            self.agg[self.cap + pos] = Self::leaf_agg(k);
+            self.pos_of[id as usize] = pos;
+        }
+        for i in (1..self.cap).rev() {
+            self.agg[i] = Agg::join(self.agg[2 * i], self.agg[2 * i + 1]);
+        }
+        self.next = live.len();
+    }
+
     pub(crate) fn insert(&mut self, id: NodeId, k: CandKey) {
-        let c = &mut self.classes[usize::from(k.class)];
-        c.by_time.insert((k.time, id));
-        c.by_eff.insert((Key(k.eff), id));
+        if self.next == self.cap {
+            self.rebuild();
+        }
+        if self.pos_of.len() <= id as usize {
+            self.pos_of.resize(id as usize + 1, usize::MAX);
+        }
+        debug_assert_eq!(
+            self.pos_of[id as usize],
+            usize::MAX,
+            "node {id} indexed twice"
+        );
+        let pos = self.next;
+        self.next += 1;
+        self.pos_of[id as usize] = pos;
+        self.set_leaf(pos, Some((id, k)));
+        self.live += 1;
     }
 
     pub(crate) fn remove(&mut self, id: NodeId, k: CandKey) {
-        let c = &mut self.classes[usize::from(k.class)];
-        c.by_time.remove(&(k.time, id));
-        c.by_eff.remove(&(Key(k.eff), id));
+        let pos = self.pos_of[id as usize];
+        debug_assert_eq!(
+            self.slots[pos].map(|(i, kk)| (i, kk.time)),
+            Some((id, k.time))
+        );
+        self.pos_of[id as usize] = usize::MAX;
+        self.set_leaf(pos, None);
+        self.live -= 1;
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.classes.iter().map(|c| c.by_time.len()).sum()
+        self.live
     }
 
     pub(crate) fn clear(&mut self) {
-        self.classes = Default::default();
+        *self = Index::default();
     }
 
     /// The candidate with the lowest utility; ties go to the older access,
-    /// then the lower node id. `key_of` gives a node's keys.
-    pub(crate) fn lowest(&self, alpha: f64, key_of: impl Fn(NodeId) -> CandKey) -> Option<Choice> {
-        let live = self.classes.iter().filter(|c| !c.by_time.is_empty());
-        let (mut t_lo, mut t_hi, mut e_lo, mut e_hi) = (u64::MAX, 0u64, f64::INFINITY, 0f64);
-        let mut any = false;
-        for c in live {
-            any = true;
-            t_lo = t_lo.min(c.by_time.first()?.0);
-            t_hi = t_hi.max(c.by_time.last()?.0);
-            e_lo = e_lo.min(c.by_eff.first()?.0 .0);
-            e_hi = e_hi.max(c.by_eff.last()?.0 .0);
-        }
-        if !any {
+    /// then the lower node id (as a full rescan would choose).
+    pub(crate) fn lowest(&self, alpha: f64) -> Option<Choice> {
+        if self.live == 0 {
             return None;
         }
-        let (t_lo, t_hi) = (t_lo as f64, t_hi as f64);
+        let root = self.agg[1];
+        let (t_lo, t_hi) = (root.t_lo as f64, root.t_hi as f64);
         let score = |t: u64, e: f64| {
             let r = norm(t as f64, t_lo, t_hi);
-            let f = norm(e, e_lo, e_hi);
+            let f = norm(e, root.e_lo, root.e_hi);
             (r, f, r + alpha * f)
         };
-        let choice = |id: NodeId, t: u64, e: f64| {
-            let (recency, efficiency, utility) = score(t, e);
-            Choice {
-                node: id,
-                recency,
-                efficiency,
-                utility,
+        let bound = |a: &Agg| score(a.t_lo, a.e_lo).2;
+        // Best so far: (utility, time, node id) and its scores.
+        let mut best: Option<(f64, u64, NodeId, Choice)> = None;
+        let mut stack = vec![1usize];
+        while let Some(i) = stack.pop() {
+            let a = self.agg[i];
+            if a.is_empty() || best.is_some_and(|b| bound(&a) > b.0) {
+                continue;
             }
-        };
-        let better = |a: &Choice, b: &Choice| {
-            a.utility
-                .total_cmp(&b.utility)
-                .then_with(|| key_of(a.node).time.cmp(&key_of(b.node).time))
-                .then_with(|| a.node.cmp(&b.node))
-                .is_lt()
-        };
-        let mut best: Option<Choice> = None;
-        let mut offer = |c: Choice| {
-            if best.is_none_or(|b| better(&c, &b)) {
-                best = Some(c);
-            }
-        };
-        for class in &self.classes {
-            if alpha == 0.0 {
-                // Pure LRU: the oldest access wins, exactly.
-                if let Some(&(t, id)) = class.by_time.first() {
-                    offer(choice(id, t, key_of(id).eff));
+            if i >= self.cap {
+                let (id, k) = self.slots[i - self.cap].expect("non-empty leaf");
+                let (recency, efficiency, utility) = score(k.time, k.eff);
+                let better = best.is_none_or(|b| {
+                    utility
+                        .total_cmp(&b.0)
+                        .then(k.time.cmp(&b.1))
+                        .then(id.cmp(&b.2))
+                        .is_lt()
+                });
+                if better {
+                    let c = Choice {
+                        node: id,
+                        recency,
+                        efficiency,
+                        utility,
+                    };
+                    best = Some((utility, k.time, id, c));
                 }
                 continue;
             }
-            // Fagin's threshold algorithm within the class.
-            let mut class_best: Option<Choice> = None;
-            let mut it_t = class.by_time.iter();
-            let mut it_e = class.by_eff.iter();
-            let (mut t_cur, mut e_cur) = (None, None);
-            loop {
-                let nt = it_t.next();
-                let ne = it_e.next();
-                if nt.is_none() && ne.is_none() {
-                    break;
-                }
-                for c in [
-                    nt.map(|&(t, id)| {
-                        t_cur = Some(t);
-                        choice(id, t, key_of(id).eff)
-                    }),
-                    ne.map(|&(Key(e), id)| {
-                        e_cur = Some(e);
-                        choice(id, key_of(id).time, e)
-                    }),
-                ]
-                .into_iter()
-                .flatten()
-                {
-                    if class_best.is_none_or(|b| better(&c, &b)) {
-                        class_best = Some(c);
-                    }
-                }
-                if let (Some(t), Some(e), Some(b)) = (t_cur, e_cur, class_best) {
-                    // Every unseen candidate of the class has time >= t and
-                    // efficiency >= e.
-                    if score(t, e).2 > b.utility {
-                        break;
-                    }
-                }
-            }
-            if let Some(c) = class_best {
-                offer(c);
+            // Visit the child with the lower bound first (pushed last).
+            let (l, r) = (2 * i, 2 * i + 1);
+            let (bl, br) = (bound(&self.agg[l]), bound(&self.agg[r]));
+            if bl <= br {
+                stack.push(r);
+                stack.push(l);
+            } else {
+                stack.push(l);
+                stack.push(r);
             }
         }
-        best
+        best.map(|b| b.3)
     }
 }
 
@@ -225,7 +252,7 @@ mod tests {
             let points: Vec<(u64, f64, u8)> =
                 points.into_iter().map(|(t, e, c)| (t, f64::from(e) * 0.37, c)).collect();
             let mut idx = Index::default();
-            let key = |i: usize| CandKey { time: points[i].0, eff: points[i].1, class: points[i].2 };
+            let key = |i: usize| CandKey { time: points[i].0, eff: points[i].1 };
             for i in 0..points.len() {
                 idx.insert(i as NodeId, key(i));
             }
@@ -237,11 +264,20 @@ mod tests {
                     live[i] = false;
                 }
             }
+            // Refreshed candidates come back later with a newer time.
+            let mut points = points;
+            for (i, p) in points.iter_mut().enumerate() {
+                if !live[i] && i % 2 == 0 {
+                    p.0 += 100;
+                    idx.insert(i as NodeId, CandKey { time: p.0, eff: p.1 });
+                    live[i] = true;
+                }
+            }
             let remaining: Vec<(u64, f64, u8)> =
                 points.iter().zip(&live).filter(|p| *p.1).map(|p| *p.0).collect();
             let ids: Vec<usize> = (0..points.len()).filter(|&i| live[i]).collect();
             let want = brute(&remaining, alpha).map(|k| ids[k as usize] as NodeId);
-            let got = idx.lowest(alpha, |id| key(id as usize)).map(|c| c.node);
+            let got = idx.lowest(alpha).map(|c| c.node);
             prop_assert_eq!(got, want);
         }
     }

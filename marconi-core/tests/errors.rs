@@ -180,3 +180,32 @@ fn messages_are_sentences_with_the_numbers() {
         "lease 7 is unknown or already released"
     );
 }
+
+#[test]
+fn pages_the_cache_owns_cannot_be_handed_over_again() {
+    let mut c = cache();
+    let l = c.lookup(0, &[1, 2, 3, 4]).unwrap();
+    let out = c
+        .admit(l.lease, &[1, 2, 3, 4], &[], &[10, 11, 12, 13])
+        .unwrap();
+    assert_eq!(out.kv_pages_taken, 0..4);
+    c.release(l.lease).unwrap();
+    let before = snapshot(&c);
+    let l = c.lookup(0, &[7, 8]).unwrap();
+    let after_lookup = snapshot(&c);
+    assert_eq!(
+        c.admit(l.lease, &[7, 8], &[], &[20, 12]),
+        Err(CacheError::DuplicatePage(12))
+    );
+    assert_eq!(snapshot(&c), after_lookup);
+    // Pages of the reused prefix are the cache's own and are not taken again.
+    c.release(l.lease).unwrap();
+    let l = c.lookup(0, &[1, 2, 3, 4, 5]).unwrap();
+    let out = c
+        .admit(l.lease, &[1, 2, 3, 4, 5], &[], &[10, 11, 12, 13, 14])
+        .unwrap();
+    assert_eq!(out.kv_pages_taken, 4..5);
+    c.release(l.lease).unwrap();
+    assert_ne!(snapshot(&c), before);
+    c.check_invariants();
+}

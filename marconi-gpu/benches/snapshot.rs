@@ -4,6 +4,11 @@
 //! Run: `cargo bench -p marconi-gpu --bench snapshot`. Throughput is reported in
 //! bytes copied per second.
 
+#![expect(
+    missing_docs,
+    reason = "criterion_group! generates an undocumented function"
+)]
+
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};

@@ -27,6 +27,7 @@ use crate::alloc::{
 };
 use crate::error::AllocError;
 use crate::handle::{PoolKind, VirtualHandle};
+use crate::policy::{self, DemandConfig};
 
 /// Errors of the replay harness.
 #[derive(Debug, thiserror::Error)]
@@ -134,9 +135,10 @@ pub enum Variant {
     AvmpStaticMr05,
     /// AVMP with forced migration of 128 donor units on a second failure.
     AvmpDynamicB128,
-    /// Beyond the paper: see [`crate::avmp`]'s `proactive` policy (migrate before
-    /// evicting when the donor is mostly free, in 2 MiB-chunk steps).
-    AvmpProactive,
+    /// Beyond the paper ([`crate::policy`]): demand-sized migration in 2 MiB-chunk
+    /// steps, before evicting when the donor is mostly free, and after a failed
+    /// eviction before the paper's forced batch (which stays as the last resort).
+    AvmpDemand,
 }
 
 impl Variant {
@@ -158,7 +160,7 @@ impl Variant {
             Variant::FixedDualMr09 => "fixed_dual_mr09",
             Variant::AvmpStaticMr05 => "avmp_static_mr05",
             Variant::AvmpDynamicB128 => "avmp_dynamic_b128",
-            Variant::AvmpProactive => "avmp_proactive",
+            Variant::AvmpDemand => "avmp_demand",
         }
     }
 
@@ -166,7 +168,7 @@ impl Variant {
     pub fn parse(s: &str) -> Result<Self, AvmpError> {
         Variant::TABLE1
             .into_iter()
-            .chain([Variant::AvmpProactive])
+            .chain([Variant::AvmpDemand])
             .find(|v| v.name() == s)
             .ok_or_else(|| AvmpError::Unknown {
                 kind: "variant",
@@ -186,7 +188,7 @@ impl Variant {
     fn reports_rebalances(self) -> bool {
         matches!(
             self,
-            Variant::AvmpStaticMr05 | Variant::AvmpDynamicB128 | Variant::AvmpProactive
+            Variant::AvmpStaticMr05 | Variant::AvmpDynamicB128 | Variant::AvmpDemand
         )
     }
 
@@ -216,7 +218,7 @@ impl Variant {
             Variant::FixedDualMr05 | Variant::AvmpStaticMr05 => dual(0.5, MigrationPolicy::Static),
             Variant::FixedDualMr09 => dual(0.9, MigrationPolicy::Static),
             Variant::AvmpDynamicB128 => dual(0.5, MigrationPolicy::forced(128)),
-            Variant::AvmpProactive => dual(0.5, MigrationPolicy::forced(128)),
+            Variant::AvmpDemand => dual(0.5, MigrationPolicy::forced(128)),
         }
     }
 }
@@ -418,6 +420,8 @@ struct Replay {
     owner: [HashMap<u32, u32>; 2],
     clock: u64,
     buf: Vec<VirtualHandle>,
+    evictions: u64,
+    demand: DemandConfig,
 }
 
 impl Replay {
@@ -452,6 +456,7 @@ impl Replay {
     fn evict_one(&mut self, pool: PoolKind) -> Result<(), AvmpError> {
         let li = self.lru_index(pool);
         if let Some((_, handles)) = self.lrus[li].pop_oldest() {
+            self.evictions += 1;
             for h in handles {
                 self.alloc.free(h)?;
                 let t = self.table_of(h.pool());
@@ -471,14 +476,37 @@ impl Replay {
         held: &mut Vec<VirtualHandle>,
     ) -> Result<bool, AvmpError> {
         self.buf.clear();
-        if self.variant == Variant::AvmpProactive {
-            crate::policy::proactive_before_evict(self.alloc.as_mut(), pool, n);
+        let demand = (self.variant == Variant::AvmpDemand).then_some(self.demand);
+        if let Some(keep) = demand.and_then(|p| p.before_evict_keep_free) {
+            if self.alloc.free_units(pool) < n {
+                policy::migrate_for_demand(self.alloc.as_mut(), pool, n, keep, 0);
+            }
         }
         let ok = match self.alloc.allocate(pool, n, &mut self.buf) {
             Ok(()) => true,
             Err(AllocError::OutOfCapacity { .. }) => {
                 self.evict_one(pool)?;
-                match self.alloc.allocate_or_migrate(pool, n, &mut self.buf) {
+                let mut forced = true;
+                if let Some(p) = demand {
+                    forced = p.forced_fallback;
+                    if p.demand_after_evict && self.alloc.free_units(pool) < n {
+                        policy::migrate_for_demand(
+                            self.alloc.as_mut(),
+                            pool,
+                            n,
+                            0.0,
+                            p.headroom_units,
+                        );
+                    }
+                }
+                let second = if forced {
+                    self.alloc
+                        .allocate_or_migrate(pool, n, &mut self.buf)
+                        .map(|_| ())
+                } else {
+                    self.alloc.allocate(pool, n, &mut self.buf)
+                };
+                match second {
                     Ok(_) => true,
                     Err(AllocError::OutOfCapacity { .. }) => false,
                     Err(e) => return Err(e.into()),
@@ -548,6 +576,18 @@ pub fn run_cell(
     model: Model,
     tb_gib: u64,
 ) -> Result<CellOutcome, AvmpError> {
+    run_cell_with(trace, variant, model, tb_gib, policy::DEMAND)
+}
+
+/// [`run_cell`] with explicit tunables for [`Variant::AvmpDemand`] (ignored by
+/// the other variants).
+pub fn run_cell_with(
+    trace: &[Request],
+    variant: Variant,
+    model: Model,
+    tb_gib: u64,
+    demand: DemandConfig,
+) -> Result<CellOutcome, AvmpError> {
     let alloc = variant.build(model, tb_gib << 30)?;
     let n_lru = if variant == Variant::PaddedUnified {
         1
@@ -562,6 +602,8 @@ pub fn run_cell(
         owner: [HashMap::new(), HashMap::new()],
         clock: 0,
         buf: Vec::new(),
+        evictions: 0,
+        demand,
     };
     let mut held: HashMap<u32, Vec<VirtualHandle>> = HashMap::new();
     let mut failed = vec![false; trace.len()];
@@ -612,6 +654,7 @@ pub fn run_cell(
         requests: trace.len() as u64,
         rebalance_count: stats.rebalance_count,
         bytes_migrated: stats.bytes_migrated,
+        evictions: rp.evictions,
     })
 }
 
@@ -628,6 +671,8 @@ pub struct CellOutcome {
     pub rebalance_count: u64,
     /// Donor bytes migrated.
     pub bytes_migrated: u64,
+    /// Requests evicted from a pool's LRU (not OOMs).
+    pub evictions: u64,
 }
 
 #[expect(clippy::cast_precision_loss, reason = "counts far below 2^52")]

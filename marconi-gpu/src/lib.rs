@@ -14,18 +14,18 @@
 
 pub mod alloc;
 pub mod avmp;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod error;
 pub mod handle;
 pub mod phys;
 pub mod policy;
 pub mod snapshot;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 mod table;
 
 pub use alloc::{
-    AllocStats, DualPool, DualPoolConfig, Location, Migration, MigrationPolicy, ModelShape, PaddedUnified,
-    PoolAllocator,
+    AllocStats, DualPool, DualPoolConfig, Location, Migration, MigrationPolicy, ModelShape,
+    PaddedUnified, PoolAllocator,
 };
 pub use error::{AllocError, MigrationRefusal};
 pub use handle::{HandleLayout, PoolKind, VirtualHandle};

@@ -3,6 +3,11 @@
 //!
 //! Run: `cargo bench -p marconi-gpu --bench snapshot`. Throughput is reported in
 //! bytes copied per second.
+//!
+//! With `--features cuda` on a GPU machine it also measures the copy kernel
+//! against `cuMemcpyDtoDAsync` of the same slots, and the cost of mapping and
+//! unmapping one chunk and of creating one; without a driver those print
+//! `SKIPPED` and measure nothing.
 
 #![expect(
     missing_docs,
@@ -71,5 +76,94 @@ fn fork(c: &mut Criterion) {
     group.finish();
 }
 
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+
+    use criterion::{BenchmarkId, Criterion, Throughput};
+    use cudarc::driver::result;
+    use marconi_gpu::cuda::snapshot::{CudaStateArena, DevicePlane, SnapshotKernels};
+    use marconi_gpu::cuda::vmm::{self, Mapping, PhysicalChunk, Reservation};
+    use marconi_gpu::cuda::{Device, DeviceBuffer, Stream};
+    use marconi_gpu::snapshot::{CopyBatch, SlotPair, SnapshotBackend};
+
+    pub(crate) fn bench(c: &mut Criterion) {
+        let device = match Device::open(0) {
+            Ok(d) => d,
+            Err(e) => {
+                println!("SKIPPED: GPU benchmarks, no libcuda ({e})");
+                return;
+            }
+        };
+        copy_kernel_vs_dtod(c, &device);
+        map_unmap(c, &device);
+    }
+
+    fn copy_kernel_vs_dtod(c: &mut Criterion, device: &Arc<Device>) {
+        let mut group = c.benchmark_group("gpu_snapshot_copy");
+        group.sample_size(20);
+        let (slots, batch) = (16u32, 8u32);
+        for slot_bytes in [256usize << 10, 32 << 20] {
+            let buf =
+                DeviceBuffer::new(device, slot_bytes * slots as usize).expect("device memory");
+            let kernels = SnapshotKernels::load(device).expect("kernel");
+            let stream = Arc::new(Stream::new(device).expect("stream"));
+            let plane = vec![DevicePlane {
+                base: buf.ptr(),
+                slot_bytes,
+            }];
+            // SAFETY: `buf` outlives the arena, nothing else touches it.
+            let mut arena =
+                unsafe { CudaStateArena::new(&kernels, &stream, plane, slots) }.expect("arena");
+            let pairs: Vec<SlotPair> = (0..batch).map(|i| SlotPair::new(i, batch + i)).collect();
+            let copy = CopyBatch::new(pairs.clone(), slots).expect("valid");
+            group.throughput(Throughput::Bytes((slot_bytes * batch as usize) as u64));
+            group.bench_function(BenchmarkId::new("kernel", slot_bytes), |b| {
+                b.iter(|| {
+                    arena.copy(&copy).expect("launch");
+                    arena.synchronize().expect("sync");
+                })
+            });
+            group.bench_function(BenchmarkId::new("memcpy_dtod", slot_bytes), |b| {
+                b.iter(|| {
+                    device.bind().expect("bind");
+                    for p in &pairs {
+                        let (src, dst) = (p.src as u64, p.dst as u64);
+                        let at = |s: u64| buf.ptr() + s * slot_bytes as u64;
+                        // SAFETY: both slots lie inside `buf` and do not overlap.
+                        unsafe {
+                            result::memcpy_dtod_async(at(dst), at(src), slot_bytes, stream.raw())
+                        }
+                        .expect("memcpy");
+                    }
+                    stream.synchronize().expect("sync");
+                })
+            });
+        }
+        group.finish();
+    }
+
+    fn map_unmap(c: &mut Criterion, device: &Arc<Device>) {
+        let mut group = c.benchmark_group("gpu_vmm");
+        group.sample_size(20);
+        let g = vmm::granularity(device).expect("granularity");
+        let res = Reservation::new(device, 4 * g).expect("reserve");
+        let mut chunk = Some(PhysicalChunk::new(device, g).expect("chunk"));
+        group.bench_function("map_set_access_unmap_per_chunk", |b| {
+            b.iter(|| {
+                let m = Mapping::new(&res, g, chunk.take().expect("chunk")).expect("map");
+                chunk = Some(m.unmap().expect("unmap"));
+            })
+        });
+        group.bench_function("create_release_per_chunk", |b| {
+            b.iter(|| drop(PhysicalChunk::new(device, g).expect("chunk")))
+        });
+        group.finish();
+    }
+}
+
+#[cfg(feature = "cuda")]
+criterion_group!(benches, copy_vs_memcpy, fork, gpu::bench);
+#[cfg(not(feature = "cuda"))]
 criterion_group!(benches, copy_vs_memcpy, fork);
 criterion_main!(benches);

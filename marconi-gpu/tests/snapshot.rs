@@ -419,3 +419,65 @@ proptest! {
         }
     }
 }
+
+/// A shared memfd mapped twice, as a memfd-backed pool is: the arena works over
+/// one view, and the other view (same physical pages) sees exactly its copies.
+#[test]
+fn arena_over_a_shared_memfd_mapping() {
+    let (slots, slot_bytes) = (6u32, 64 << 10);
+    let len = slots as usize * slot_bytes;
+    // SAFETY: plain syscalls; every result is checked before use.
+    let fd = unsafe { libc::memfd_create(c"marconi-snapshot-test".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is a fresh memfd owned by this test.
+    assert_eq!(unsafe { libc::ftruncate(fd, len as libc::off_t) }, 0);
+    let map = || {
+        // SAFETY: maps `len` bytes of our memfd, shared; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(
+            p,
+            libc::MAP_FAILED,
+            "mmap: {}",
+            std::io::Error::last_os_error()
+        );
+        p.cast::<u8>()
+    };
+    let (work, view) = (map(), map());
+    {
+        // SAFETY: `work` maps `len` bytes, read-write, until the munmap below, and
+        // only the arena writes them meanwhile (the test reads `view` afterwards).
+        let mut arena =
+            unsafe { StateArena::from_raw_parts(&[(work, slot_bytes)], slots) }.unwrap();
+        arena.set_parallelism(2, 0);
+        let state: Vec<u8> = (0..slot_bytes).map(|i| (i * 13 % 256) as u8).collect();
+        arena.write_state(1, &state).unwrap();
+        arena.fork(1, &[0, 4, 5]).unwrap();
+        // SAFETY: `view` maps the same `len` bytes; no writer runs while we read.
+        let seen = unsafe { std::slice::from_raw_parts(view, len) };
+        for slot in [0usize, 1, 4, 5] {
+            assert!(
+                seen[slot * slot_bytes..(slot + 1) * slot_bytes] == state[..],
+                "slot {slot}"
+            );
+        }
+        assert!(
+            seen[2 * slot_bytes..4 * slot_bytes].iter().all(|&b| b == 0),
+            "untouched slots stay zero"
+        );
+    }
+    // SAFETY: both mappings and the fd were made above and are released once.
+    unsafe {
+        assert_eq!(libc::munmap(work.cast(), len), 0);
+        assert_eq!(libc::munmap(view.cast(), len), 0);
+        libc::close(fd);
+    }
+}

@@ -23,7 +23,7 @@ fn contents_survive_unmap_and_remap_elsewhere() {
     b.map(r1, 2 * MIB, c).unwrap();
     b.write(r1, 2 * MIB + 100, b"state after token 1000")
         .unwrap();
-    assert_eq!(b.map(r2, 0, c), Err(PhysError::ChunkMapped(c_raw(c, &b))));
+    assert_eq!(b.map(r2, 0, c), Err(PhysError::ChunkMapped(c.raw())));
     assert_eq!(b.unmap(r1, 2 * MIB).unwrap(), c);
     assert_eq!(
         b.read(r1, 2 * MIB, &mut [0; 4]),
@@ -34,26 +34,14 @@ fn contents_survive_unmap_and_remap_elsewhere() {
     let mut out = [0u8; 22];
     b.read(r2, 100, &mut out).unwrap();
     assert_eq!(&out, b"state after token 1000");
-    assert_eq!(b.map(r2, 0, c), Err(PhysError::ChunkMapped(c_raw(c, &b))));
-    assert_eq!(
-        b.release_chunk(c),
-        Err(PhysError::ChunkMapped(c_raw(c, &b)))
-    );
-    assert_eq!(b.map(r1, 1, c), Err(PhysError::ChunkMapped(c_raw(c, &b))));
+    assert_eq!(b.map(r2, 0, c), Err(PhysError::ChunkMapped(c.raw())));
+    assert_eq!(b.release_chunk(c), Err(PhysError::ChunkMapped(c.raw())));
+    assert_eq!(b.map(r1, 1, c), Err(PhysError::ChunkMapped(c.raw())));
     assert!(matches!(
         b.unmap(r1, 6 * MIB),
         Err(PhysError::OutOfRange { .. })
     ));
     assert_eq!(b.reserve(MIB), Err(PhysError::Unaligned(MIB)));
-}
-
-fn c_raw(c: ChunkId, _b: &MemfdBackend) -> u32 {
-    // ChunkId is opaque; its Debug form is `ChunkId(n)`.
-    format!("{c:?}")
-        .trim_start_matches("ChunkId(")
-        .trim_end_matches(')')
-        .parse()
-        .unwrap()
 }
 
 #[test]
@@ -231,4 +219,51 @@ fn migration_moves_chunks_and_never_exceeds_the_budget() {
     let b = p.into_backend().unwrap();
     assert_eq!(b.physical_bytes().unwrap(), 0);
     assert!(b.peak.get() <= BUDGET);
+}
+
+#[test]
+fn units_that_straddle_chunks_stay_within_the_budget() {
+    // 3 MiB SSM blocks do not divide 2 MiB chunks: 10 blocks = 30 MiB = 15 chunks.
+    const BUDGET: u64 = 64 << 20;
+    let pool = DualPool::new(
+        "straddle",
+        DualPoolConfig {
+            total_bytes: BUDGET,
+            ssm_ratio: 0.5,
+            kv_unit: 64 << 10,
+            ssm_unit: 3 << 20,
+            policy: MigrationPolicy::forced(64), // 4 MiB of KV per step = 1 block
+        },
+    )
+    .unwrap();
+    let backend = Watched {
+        inner: MemfdBackend::new(32).unwrap(),
+        peak: Cell::new(0),
+    };
+    let mut p = BackedPool::new(pool, backend).unwrap();
+    assert_eq!(p.mapped_chunks(), 16 + 15);
+    let ssm = fill_all(&mut p, PoolKind::Ssm, 0x44);
+    for step in 1..=4u32 {
+        let m = p.migrate_toward(PoolKind::Ssm).unwrap();
+        assert_eq!((m.donor_units, m.recipient_units), (64, 1));
+        assert!(p.mapped_chunks() <= p.budget_chunks(), "step {step}");
+        let more = fill_all(&mut p, PoolKind::Ssm, 0x55);
+        assert_eq!(more.len(), 1);
+    }
+    // 14 blocks = 42 MiB = 21 chunks; KV 16 MiB = 8 chunks; 29 of 32 mapped.
+    assert_eq!(
+        (p.capacity(PoolKind::Ssm), p.capacity(PoolKind::Kv)),
+        (14, 256)
+    );
+    assert_eq!(p.mapped_chunks(), 29);
+    for (i, &h) in ssm.iter().enumerate() {
+        let mut b = [0u8; 9];
+        p.read_unit(h, 0, &mut b).unwrap();
+        assert_eq!(
+            (u64::from_le_bytes(b[..8].try_into().unwrap()), b[8]),
+            (i as u64, 0x44)
+        );
+    }
+    assert!(p.backend().peak.get() <= BUDGET);
+    assert!(p.backend().physical_bytes().unwrap() <= BUDGET);
 }

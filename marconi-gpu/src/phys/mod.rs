@@ -35,6 +35,34 @@ pub struct ReservationId(pub(crate) u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ChunkId(pub(crate) u32);
 
+impl ReservationId {
+    /// Wraps a backend's own index (for backends outside this module).
+    #[must_use]
+    pub fn from_raw(raw: u32) -> Self {
+        ReservationId(raw)
+    }
+
+    /// The backend's index.
+    #[must_use]
+    pub fn raw(self) -> u32 {
+        self.0
+    }
+}
+
+impl ChunkId {
+    /// Wraps a backend's own index (for backends outside this module).
+    #[must_use]
+    pub fn from_raw(raw: u32) -> Self {
+        ChunkId(raw)
+    }
+
+    /// The backend's index.
+    #[must_use]
+    pub fn raw(self) -> u32 {
+        self.0
+    }
+}
+
 /// Failures of the physical layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PhysError {

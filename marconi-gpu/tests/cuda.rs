@@ -258,12 +258,11 @@ fn host_and_device_agree(
         let p_gpu = gpu.promote(3, &[6, 7], 1, PromoteMode::CopyInto).unwrap();
         assert_eq!(p_cpu, p_gpu);
         // Refusals are identical and leave the device untouched.
-        let bad = [SlotPair::new(1, 2), SlotPair::new(2, 3)];
-        assert_eq!(
-            CopyBatch::new(bad.to_vec(), slots).unwrap_err(),
-            CopyBatch::new(bad.to_vec(), slots).unwrap_err()
-        );
-        assert!(matches!(gpu.fork(2, &[2]), Err(CudaError::Snapshot(_))));
+        let e_cpu = cpu.promote(3, &[6, 3], 0, PromoteMode::Swap).unwrap_err();
+        let e_gpu = gpu.promote(3, &[6, 3], 0, PromoteMode::Swap).unwrap_err();
+        assert_eq!(CudaError::Snapshot(e_cpu), e_gpu);
+        let e_cpu = cpu.fork(2, &[2]).unwrap_err();
+        assert_eq!(gpu.fork(2, &[2]).unwrap_err(), CudaError::Snapshot(e_cpu));
     }
     gpu.synchronize().unwrap();
     for (p, (buf, want)) in bufs.iter().zip(&host).enumerate() {
@@ -287,7 +286,12 @@ fn gpu_snapshot_kernel_matches_the_host_byte_for_byte() {
     let mut loaded = vec![SnapshotKernels::load_checked_in(&device).unwrap()];
     if nvrtc_available() {
         let k = SnapshotKernels::load(&device).unwrap();
-        assert!(matches!(k.source(), KernelSource::Nvrtc(_)));
+        match k.source() {
+            KernelSource::Nvrtc(arch) => println!("testing the NVRTC kernel for {arch}"),
+            KernelSource::CheckedInPtx => {
+                println!("NOTE: libnvrtc present but its kernel was unusable with this driver")
+            }
+        }
         loaded.push(k);
     } else {
         println!("no libnvrtc: only the checked-in PTX kernel was tested");

@@ -84,19 +84,26 @@ unsafe impl Sync for SnapshotKernels {}
 
 impl SnapshotKernels {
     /// Loads the kernel: NVRTC for the device's compute capability when libnvrtc
-    /// is present, the checked-in PTX otherwise.
+    /// is present, the checked-in PTX otherwise or when the NVRTC build cannot be
+    /// compiled or loaded ([`SnapshotKernels::source`] says which).
     ///
     /// # Errors
-    /// [`CudaError::Kernel`] when NVRTC fails; driver failures loading the module.
+    /// Driver failures loading the checked-in PTX.
     pub fn load(device: &Arc<Device>) -> Result<Arc<Self>, CudaError> {
-        if nvrtc_available() {
-            let (major, minor) = device.compute_capability()?;
-            let arch = format!("compute_{major}{minor}");
-            let ptx = compile_ptx(&arch)?;
-            Self::load_ptx(device, &ptx, KernelSource::Nvrtc(arch))
-        } else {
-            Self::load_checked_in(device)
+        if !nvrtc_available() {
+            return Self::load_checked_in(device);
         }
+        let (major, minor) = device.compute_capability()?;
+        let arch = format!("compute_{major}{minor}");
+        // An NVRTC newer than the driver emits PTX the driver cannot JIT, and an
+        // older one may not know the architecture: fall back to the checked-in
+        // compute_70 PTX then, rather than failing.
+        let nvrtc = compile_ptx(&arch)
+            .and_then(|ptx| Self::load_ptx(device, &ptx, KernelSource::Nvrtc(arch.clone())));
+        nvrtc.or_else(|e| {
+            tracing::warn!("NVRTC kernel for {arch} unusable ({e}); loading the checked-in PTX");
+            Self::load_checked_in(device)
+        })
     }
 
     /// Loads the checked-in PTX, whether or not NVRTC is present.

@@ -5,7 +5,7 @@
 //!   (static split or dynamic capacity migration, paper §3.1–3.2) and vLLM's
 //!   [`PaddedUnified`] baseline.
 //! - [`phys`]: a physical-memory trait shaped like the CUDA virtual memory API, a
-//!   Linux memfd host backend, and [`phys::PhysicalPools`] which backs the two pools
+//!   Linux memfd host backend, and [`phys::BackedPool`] which backs the two pools
 //!   with real chunks and moves them on migration (never more than the budget).
 //! - [`avmp`]: the replay harness that reproduces the AVMP paper's Table 1.
 //! - [`policy`]: a migration policy beyond the paper.

@@ -218,6 +218,18 @@ impl MigrationPolicy {
     }
 }
 
+/// Pool pressure as in the paper's Figure 2 (the REBALANCING state is the
+/// duration of [`DualPool::migrate_units`], which is synchronous here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Pressure {
+    /// Neither pool is below the low threshold.
+    Balanced,
+    /// The KV pool's free fraction is below the low threshold.
+    KvPressured,
+    /// The SSM pool's free fraction is below the low threshold.
+    SsmPressured,
+}
+
 /// Configuration of a [`DualPool`].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct DualPoolConfig {
@@ -327,6 +339,34 @@ impl DualPool {
     #[must_use]
     pub fn live_units(&self, pool: PoolKind) -> u32 {
         self.tables[pool.index()].live_units()
+    }
+
+    /// Free fraction of `pool` (0 for an empty pool).
+    #[must_use]
+    pub fn free_fraction(&self, pool: PoolKind) -> f64 {
+        let t = &self.tables[pool.index()];
+        if t.capacity() == 0 {
+            0.0
+        } else {
+            f64::from(t.free_units()) / f64::from(t.capacity())
+        }
+    }
+
+    /// The pressure state for thresholds `low` (the paper's `threshold_low`):
+    /// the pool with the lower free fraction is pressured when it is below `low`.
+    #[must_use]
+    pub fn pressure(&self, low: f64) -> Pressure {
+        let (kv, ssm) = (
+            self.free_fraction(PoolKind::Kv),
+            self.free_fraction(PoolKind::Ssm),
+        );
+        if kv < low && kv <= ssm {
+            Pressure::KvPressured
+        } else if ssm < low {
+            Pressure::SsmPressured
+        } else {
+            Pressure::Balanced
+        }
     }
 
     /// The migration policy.

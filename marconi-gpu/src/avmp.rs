@@ -59,6 +59,9 @@ pub enum AvmpError {
         /// The name.
         name: String,
     },
+    /// A replay worker thread stopped without a result.
+    #[error("replay worker lost the result of cell {0}")]
+    Worker(usize),
     /// The allocator refused something the replay semantics guarantee (a bug).
     #[error("allocator invariant broken during replay: {0}")]
     Allocator(#[from] AllocError),
@@ -727,7 +730,8 @@ pub fn run_cells(traces: &Traces, cells: &[Cell]) -> Result<Vec<RunResult>, Avmp
     });
     slots
         .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(AvmpError::MissingTrace("worker did not finish".into()))))
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or(Err(AvmpError::Worker(i))))
         .collect()
 }
 

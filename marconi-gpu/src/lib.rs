@@ -25,7 +25,7 @@ mod table;
 
 pub use alloc::{
     AllocStats, DualPool, DualPoolConfig, Location, Migration, MigrationPolicy, ModelShape,
-    PaddedUnified, PoolAllocator,
+    PaddedUnified, PoolAllocator, Pressure,
 };
 pub use error::{AllocError, MigrationRefusal};
 pub use handle::{HandleLayout, PoolKind, VirtualHandle};

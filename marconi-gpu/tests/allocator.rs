@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use marconi_gpu::{
     AllocError, DualPool, DualPoolConfig, MigrationPolicy, MigrationRefusal, PaddedUnified,
-    PoolAllocator, PoolKind, VirtualHandle,
+    PoolAllocator, PoolKind, Pressure, VirtualHandle,
 };
 use proptest::prelude::*;
 
@@ -59,6 +59,17 @@ fn split_sizes_units_and_offsets() {
         kv.iter().all(|h| h.pool() == PoolKind::Kv)
             && ssm.iter().all(|h| h.pool() == PoolKind::Ssm)
     );
+}
+
+#[test]
+fn pressure_follows_free_fractions() {
+    let mut p = dual(8 << 20, 0.5, MigrationPolicy::Static);
+    assert_eq!(p.pressure(0.1), Pressure::Balanced);
+    let _ssm = alloc(&mut p, PoolKind::Ssm, 15).unwrap();
+    assert_eq!(p.pressure(0.1), Pressure::SsmPressured);
+    let _kv = alloc(&mut p, PoolKind::Kv, 64).unwrap();
+    assert_eq!(p.pressure(0.1), Pressure::KvPressured);
+    assert_eq!(p.free_fraction(PoolKind::Ssm), 1.0 / 16.0);
 }
 
 #[test]

@@ -82,8 +82,8 @@ impl CudaPhysical {
 
     fn reservation(&self, r: ReservationId) -> Result<&Arc<Reservation>, PhysError> {
         self.reservations
-            .get(&r.0)
-            .ok_or(PhysError::UnknownReservation(r.0))
+            .get(&r.raw())
+            .ok_or(PhysError::UnknownReservation(r.raw()))
     }
 
     fn chunk_count(&self) -> usize {
@@ -111,7 +111,7 @@ impl CudaPhysical {
         let mut at = offset;
         while at < offset + len {
             let chunk_start = at - at % g;
-            if !self.mapped.contains_key(&(r.0, chunk_start)) {
+            if !self.mapped.contains_key(&(r.raw(), chunk_start)) {
                 return Err(PhysError::NotMapped(chunk_start));
             }
             let n = (chunk_start + g).min(offset + len) - at;
@@ -134,7 +134,7 @@ impl PhysicalMemory for CudaPhysical {
         let res = Reservation::new(&self.device, bytes).map_err(phys_err)?;
         let id = self.fresh_id();
         self.reservations.insert(id, res);
-        Ok(ReservationId(id))
+        Ok(ReservationId::from_raw(id))
     }
 
     fn free_reservation(&mut self, r: ReservationId) -> Result<(), PhysError> {
@@ -142,14 +142,14 @@ impl PhysicalMemory for CudaPhysical {
         let offsets: Vec<usize> = self
             .mapped
             .keys()
-            .filter(|k| k.0 == r.0)
+            .filter(|k| k.0 == r.raw())
             .map(|k| k.1)
             .collect();
         for offset in offsets {
             self.unmap(r, offset)?;
         }
         // The last Arc: dropping it frees the address range.
-        self.reservations.remove(&r.0);
+        self.reservations.remove(&r.raw());
         Ok(())
     }
 
@@ -160,18 +160,18 @@ impl PhysicalMemory for CudaPhysical {
         let chunk = PhysicalChunk::new(&self.device, self.granularity).map_err(phys_err)?;
         let id = self.fresh_id();
         self.idle.insert(id, chunk);
-        Ok(ChunkId(id))
+        Ok(ChunkId::from_raw(id))
     }
 
     fn release_chunk(&mut self, c: ChunkId) -> Result<(), PhysError> {
-        if self.mapped.values().any(|(id, _)| *id == c.0) {
-            return Err(PhysError::ChunkMapped(c.0));
+        if self.mapped.values().any(|(id, _)| *id == c.raw()) {
+            return Err(PhysError::ChunkMapped(c.raw()));
         }
         // Dropping the chunk calls cuMemRelease.
         self.idle
-            .remove(&c.0)
+            .remove(&c.raw())
             .map(drop)
-            .ok_or(PhysError::UnknownChunk(c.0))
+            .ok_or(PhysError::UnknownChunk(c.raw()))
     }
 
     fn map(&mut self, r: ReservationId, offset: usize, c: ChunkId) -> Result<(), PhysError> {
@@ -179,27 +179,33 @@ impl PhysicalMemory for CudaPhysical {
         if offset % self.granularity != 0 {
             return Err(PhysError::Unaligned(offset));
         }
-        if offset + self.granularity > res.size() {
+        if offset
+            .checked_add(self.granularity)
+            .is_none_or(|end| end > res.size())
+        {
             return Err(PhysError::OutOfRange {
                 offset,
                 len: self.granularity,
                 size: res.size(),
             });
         }
-        if self.mapped.contains_key(&(r.0, offset)) {
+        if self.mapped.contains_key(&(r.raw(), offset)) {
             return Err(PhysError::AlreadyMapped(offset));
         }
-        if self.mapped.values().any(|(id, _)| *id == c.0) {
-            return Err(PhysError::ChunkMapped(c.0));
+        if self.mapped.values().any(|(id, _)| *id == c.raw()) {
+            return Err(PhysError::ChunkMapped(c.raw()));
         }
-        let chunk = self.idle.remove(&c.0).ok_or(PhysError::UnknownChunk(c.0))?;
+        let chunk = self
+            .idle
+            .remove(&c.raw())
+            .ok_or(PhysError::UnknownChunk(c.raw()))?;
         match Mapping::new(&res, offset, chunk) {
             Ok(mapping) => {
-                self.mapped.insert((r.0, offset), (c.0, mapping));
+                self.mapped.insert((r.raw(), offset), (c.raw(), mapping));
                 Ok(())
             }
             Err(failed) => {
-                self.idle.insert(c.0, failed.chunk);
+                self.idle.insert(c.raw(), failed.chunk);
                 Err(phys_err(failed.error))
             }
         }
@@ -209,11 +215,11 @@ impl PhysicalMemory for CudaPhysical {
         self.reservation(r)?;
         let (id, mapping) = self
             .mapped
-            .remove(&(r.0, offset))
+            .remove(&(r.raw(), offset))
             .ok_or(PhysError::NotMapped(offset))?;
         let chunk = mapping.unmap().map_err(phys_err)?;
         self.idle.insert(id, chunk);
-        Ok(ChunkId(id))
+        Ok(ChunkId::from_raw(id))
     }
 
     fn write(&mut self, r: ReservationId, offset: usize, data: &[u8]) -> Result<(), PhysError> {

@@ -17,10 +17,10 @@ step "format"
 cargo fmt --all -- --check
 
 step "clippy"
-cargo clippy --workspace --all-targets --release --features marconi-core/strict-checks -- -D warnings
+cargo clippy --workspace --all-targets --release --features marconi-core/strict-checks,marconi-gpu/strict-checks -- -D warnings
 
 step "rust tests"
-cargo test --workspace --release --features marconi-core/strict-checks
+cargo test --workspace --release --features marconi-core/strict-checks,marconi-gpu/strict-checks
 
 # Later steps (C ABI tests, Python shim tests) are added below by their crates.
 for extra in ci/test.d/*.sh; do

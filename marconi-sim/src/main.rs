@@ -75,6 +75,9 @@ enum TraceCmd {
         /// RNG seed (sampling, arrivals, think times).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write every input in full instead of the compact `extends` form.
+        #[arg(long)]
+        full: bool,
     },
     /// Synthetic workloads shaped like the paper's.
     Synth {
@@ -96,6 +99,9 @@ enum TraceCmd {
         /// RNG seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write every input in full instead of the compact `extends` form.
+        #[arg(long)]
+        full: bool,
     },
 }
 
@@ -269,11 +275,14 @@ fn main() -> ExitCode {
 
 type CmdResult = Result<(), String>;
 
-fn write_trace(trace: &Trace, out: &Path) -> CmdResult {
+fn write_trace(trace: &Trace, out: &Path, full: bool) -> CmdResult {
     let f = File::create(out).map_err(|e| format!("{}: {e}", out.display()))?;
-    trace
-        .write(f)
-        .map_err(|e| format!("{}: {e}", out.display()))?;
+    if full {
+        trace.write_full(f)
+    } else {
+        trace.write(f)
+    }
+    .map_err(|e| format!("{}: {e}", out.display()))?;
     let (mut inputs, mut max_in) = (0u64, 0usize);
     trace.for_each(|r| {
         inputs += r.input_len as u64;
@@ -302,6 +311,7 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             session_rate,
             think_s,
             seed,
+            full,
         } => {
             let file = sharegpt::locate(path.as_deref(), &sharegpt::default_cache_dir())
                 .map_err(|e| e.to_string())?;
@@ -328,7 +338,7 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
                     .map(|c| format!(" (stopped at the cut: {c})"))
                     .unwrap_or_default()
             );
-            write_trace(&trace, &out)
+            write_trace(&trace, &out, full)
         }
         TraceCmd::Synth {
             out,
@@ -337,6 +347,7 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             session_rate,
             max_input,
             seed,
+            full,
         } => {
             let mut cfg = SynthConfig::new(kind);
             cfg.seed = seed;
@@ -347,7 +358,7 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             if let Some(r) = session_rate {
                 cfg.session_rate = r;
             }
-            write_trace(&synth::generate(&cfg), &out)
+            write_trace(&synth::generate(&cfg), &out, full)
         }
     }
 }

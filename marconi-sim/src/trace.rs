@@ -458,8 +458,9 @@ impl Trace {
                 if let Some(&p) = prev.get(&r.session) {
                     if let Some(pf) = ex.retained(p) {
                         if r.tokens.len() > pf.len() && r.tokens.starts_with(pf) {
-                            let n = pf.len();
-                            r.tokens.drain(..n);
+                            // A fresh vector: draining would keep the
+                            // capacity of the full input.
+                            r.tokens = r.tokens[pf.len()..].to_vec();
                             r.base = Base::Extends(p);
                         }
                     }
@@ -524,6 +525,20 @@ impl Trace {
         }
         w.finish()
     }
+
+    /// Writes the trace with every input in full (no `extends`): larger,
+    /// for tools that do not expand the compact form.
+    pub fn write_full(&self, out: impl Write) -> io::Result<()> {
+        let mut w = TraceWriter::new(out);
+        let mut res = Ok(());
+        self.for_each(|r| {
+            if res.is_ok() {
+                res = w.write_full(&r);
+            }
+        });
+        res?;
+        w.finish()
+    }
 }
 
 /// Writes records as JSON lines.
@@ -556,6 +571,23 @@ impl<W: Write> TraceWriter<W> {
                 extends,
                 append,
                 output: &r.output,
+            },
+        )?;
+        self.out.write_all(b"\n")
+    }
+
+    /// Writes an expanded request in the full form (`input` = whole prompt).
+    pub fn write_full(&mut self, r: &Request<'_>) -> io::Result<()> {
+        serde_json::to_writer(
+            &mut self.out,
+            &OutLine {
+                id: r.id,
+                session: r.session,
+                arrival_s: r.arrival_s,
+                input: Some(r.input()),
+                extends: None,
+                append: None,
+                output: r.output(),
             },
         )?;
         self.out.write_all(b"\n")

@@ -70,6 +70,20 @@ fn full_and_compact_forms_expand_alike() {
     t.write(&mut buf).unwrap();
     let back = Trace::read(buf.as_slice()).unwrap();
     assert_eq!(back, t);
+    // The full form reads back to the same compact trace.
+    let mut full = Vec::new();
+    t.write_full(&mut full).unwrap();
+    let text_full = String::from_utf8(full.clone()).unwrap();
+    assert!(!text_full.contains("extends"));
+    // Same requests; compaction finds same-session continuations only, so
+    // the cross-session fork (id 9) is stored in full.
+    let back_full = Trace::read(full.as_slice()).unwrap();
+    let mut expanded = Vec::new();
+    back_full
+        .for_each(|r| expanded.push((r.id, r.session, r.input().to_vec(), r.output().to_vec())));
+    assert_eq!(expanded, got);
+    assert_eq!(back_full.records[..4], t.records[..4]);
+    assert_eq!(back_full.records[4].base, Base::Full);
     let first = String::from_utf8(buf).unwrap();
     assert_eq!(
         first.lines().nth(2).unwrap(),

@@ -22,7 +22,11 @@ cargo clippy --workspace --all-targets --release --features marconi-core/strict-
 step "rust tests"
 cargo test --workspace --release --features marconi-core/strict-checks,marconi-gpu/strict-checks
 
-# Later steps (C ABI tests, Python shim tests) are added below by their crates.
+step "marconi-gpu with the cuda feature (compiles without a CUDA toolkit; GPU tests skip without one)"
+cargo clippy -p marconi-gpu --all-targets --release --features cuda -- -D warnings
+cargo test -p marconi-gpu --release --features cuda
+
+# Crate-specific steps (C ABI tests, Python shim tests).
 for extra in ci/test.d/*.sh; do
   [ -e "$extra" ] || continue
   step "$extra"

@@ -94,7 +94,10 @@ pub struct TunerConfig {
     pub retune_every: u32,
     /// What the replay maximises.
     pub objective: TuningObjective,
-    /// Relative gain over α = 0 that a non-zero α must reach to be adopted.
+    /// Relative gain over α = 0 that a non-zero α must reach to be adopted
+    /// (default 0: the grid includes α = 0, so an adopted α never did worse
+    /// than LRU on its window; a margin trades responsiveness for
+    /// stability).
     pub min_gain: f64,
     /// Threads for the grid search (0: one per available core).
     pub threads: u32,
@@ -110,7 +113,7 @@ impl Default for TunerConfig {
             retune_neighbours: 2,
             retune_every: 4,
             objective: TuningObjective::FlopsSaved,
-            min_gain: 0.02,
+            min_gain: 0.0,
             threads: 0,
         }
     }

@@ -94,6 +94,11 @@ pub struct TunerConfig {
     pub retune_every: u32,
     /// What the replay maximises.
     pub objective: TuningObjective,
+    /// The grid search runs in the background; its α is adopted this many
+    /// requests after its window closed (waiting for it then if needed).
+    /// 0 searches synchronously in the request that closes the window.
+    /// Any value gives deterministic results.
+    pub apply_after: u32,
     /// Relative gain over α = 0 that a non-zero α must reach to be adopted
     /// (default 0: the grid includes α = 0, so an adopted α never did worse
     /// than LRU on its window; a margin trades responsiveness for
@@ -113,6 +118,7 @@ impl Default for TunerConfig {
             retune_neighbours: 2,
             retune_every: 4,
             objective: TuningObjective::FlopsSaved,
+            apply_after: 16,
             min_gain: 0.0,
             threads: 0,
         }

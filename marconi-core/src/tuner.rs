@@ -1,16 +1,29 @@
 //! Online α tuning (paper §4.2 "Managing the balance"), extended to keep
 //! re-tuning on later windows.
+//!
+//! The grid search runs on background threads, as in the paper ("Marconi
+//! asynchronously launches a grid search"), so that the request which closes
+//! a window does not stall the engine for the whole replay. Its result is
+//! adopted at a fixed point, `apply_after` requests after the window closed
+//! (waiting for the search there if it is not done), so replays stay
+//! deterministic: the same trace gives the same α at the same request
+//! whatever the machine's speed or thread count.
+
+use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::{Core, LeaseInfoOut};
 use crate::config::{TunerConfig, TuningObjective};
 use crate::log::Decision;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 enum Phase {
     /// Before the first eviction: α stays at its initial value (0).
     Warmup,
     /// Recording a window of requests from a snapshot.
     Recording,
+    /// A grid search is running; its result is adopted after this many more
+    /// requests.
+    Searching(u64, Search),
     /// Between re-tuning windows: this many requests to go.
     Waiting(u64),
     /// One-shot tuning finished.
@@ -22,6 +35,53 @@ struct Recorded {
     ns: u64,
     input_len: u32,
     full: Vec<u32>,
+}
+
+/// A grid search running on its own thread. Clones share it: the result does
+/// not depend on who waits for it.
+#[derive(Clone, Debug)]
+struct Search {
+    grid: Vec<f64>,
+    requests: u32,
+    result: Arc<(Mutex<Option<Vec<f64>>>, Condvar)>,
+}
+
+impl Search {
+    fn start(snapshot: Core, grid: Vec<f64>, window: Vec<Recorded>, cfg: TunerConfig) -> Search {
+        let result = Arc::new((Mutex::new(None), Condvar::new()));
+        let out = Arc::clone(&result);
+        let g = grid.clone();
+        let requests = window.len() as u32;
+        let job = move || {
+            let r = grid_search(&snapshot, &g, &window, &cfg);
+            let (lock, cv) = &*out;
+            *lock.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            cv.notify_all();
+        };
+        if std::thread::Builder::new()
+            .name("marconi-alpha".into())
+            .spawn(job.clone())
+            .is_err()
+        {
+            // No thread to be had: search here and now, same result.
+            job();
+        }
+        Search {
+            grid,
+            requests,
+            result,
+        }
+    }
+
+    /// The objective per grid value, waiting for the search if needed.
+    fn wait(&self) -> Vec<f64> {
+        let (lock, cv) = &*self.result;
+        let mut r = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while r.is_none() {
+            r = cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+        r.clone().expect("set")
+    }
 }
 
 /// The tuner: watches requests, and at the end of each window replays it
@@ -52,13 +112,13 @@ impl Tuner {
 
     /// Whether requests are being recorded for a window.
     pub(crate) fn recording(&self) -> bool {
-        self.phase == Phase::Recording
+        matches!(self.phase, Phase::Recording)
     }
 
     /// Called once per finished request (lease released).
     pub(crate) fn after_request(&mut self, core: &mut Core, out: LeaseInfoOut) {
         self.requests += 1;
-        match self.phase {
+        match &mut self.phase {
             Phase::Warmup => {
                 if core.stats.evictions > 0 {
                     let factor = u64::from(self.cfg.bootstrap_factor);
@@ -77,45 +137,64 @@ impl Tuner {
                     });
                 }
                 if self.window.len() >= self.window_len {
-                    self.tune(core);
+                    let search = self.start_search(core);
+                    self.phase = Phase::Searching(u64::from(self.cfg.apply_after), search);
+                    self.maybe_adopt(core);
                 }
             }
+            Phase::Searching(left, _) => {
+                *left = left.saturating_sub(1);
+                self.maybe_adopt(core);
+            }
             Phase::Waiting(left) => {
-                if left <= 1 {
+                if *left <= 1 {
                     self.snapshot = Some(core.clone_for_replay());
                     self.phase = Phase::Recording;
                 } else {
-                    self.phase = Phase::Waiting(left - 1);
+                    *left -= 1;
                 }
             }
             Phase::Done => {}
         }
     }
 
-    fn tune(&mut self, core: &mut Core) {
-        let snapshot = self.snapshot.take().expect("recording has a snapshot");
+    /// The grid for this round: the whole grid on the bootstrap window; then
+    /// α = 0, the current α and its neighbours.
+    fn round_grid(&self, current: f64) -> Vec<f64> {
         let mut full = self.cfg.grid.clone();
         full.push(0.0);
         full.sort_by(f64::total_cmp);
         full.dedup();
-        let grid = if self.round == 0 || self.cfg.retune_neighbours == 0 {
-            full
-        } else {
-            // Later windows: 0, the current α and its neighbours on the grid.
-            let k = self.cfg.retune_neighbours as usize;
-            let at = full
-                .partition_point(|&a| a < core.alpha)
-                .min(full.len() - 1);
-            let mut g: Vec<f64> = full[at.saturating_sub(k)..(at + k + 1).min(full.len())].to_vec();
-            g.push(0.0);
-            g.push(core.alpha);
-            g.sort_by(f64::total_cmp);
-            g.dedup();
-            g
+        if self.round == 0 || self.cfg.retune_neighbours == 0 {
+            return full;
+        }
+        let k = self.cfg.retune_neighbours as usize;
+        let at = full.partition_point(|&a| a < current).min(full.len() - 1);
+        let mut g: Vec<f64> = full[at.saturating_sub(k)..(at + k + 1).min(full.len())].to_vec();
+        g.push(0.0);
+        g.push(current);
+        g.sort_by(f64::total_cmp);
+        g.dedup();
+        g
+    }
+
+    fn start_search(&mut self, core: &Core) -> Search {
+        let snapshot = self.snapshot.take().expect("recording has a snapshot");
+        let grid = self.round_grid(core.alpha);
+        let window = std::mem::take(&mut self.window);
+        Search::start(snapshot, grid, window, self.cfg.clone())
+    }
+
+    /// Adopts the search's result once its delay has run out.
+    fn maybe_adopt(&mut self, core: &mut Core) {
+        let Phase::Searching(0, search) = &self.phase else {
+            return;
         };
-        let results = grid_search(&snapshot, &grid, &self.window, &self.cfg);
+        let results = search.wait();
+        let grid = search.grid.clone();
+        let requests = search.requests;
         let at_zero = results[0];
-        // Best objective; the smallest α wins ties (grid is ascending).
+        // Best objective; the smallest α wins ties (grid is ascending, 0 first).
         let (mut best, mut best_obj) = (0usize, at_zero);
         for (i, &r) in results.iter().enumerate() {
             if r > best_obj {
@@ -123,19 +202,19 @@ impl Tuner {
                 best_obj = r;
             }
         }
-        // Never adopt an α that does not clearly beat plain LRU on the window.
+        // Never adopt an α that does not beat plain LRU on the window.
         if best != 0 && best_obj < at_zero * (1.0 + self.cfg.min_gain) {
             best = 0;
             best_obj = at_zero;
         }
         let old = core.alpha;
         let new = grid[best];
+        // α changed: the utility ordering changes, but the index keys (time,
+        // efficiency) do not, so nothing needs rebuilding.
         core.alpha = new;
-        // α changed: every candidate's utility ordering changes, but the index
-        // keys (time, efficiency) do not, so nothing needs rebuilding.
         self.round += 1;
         core.stats.tuning_rounds = self.round;
-        let (round, requests) = (self.round, self.window.len() as u32);
+        let round = self.round;
         core.log.push(|| Decision::Alpha {
             round,
             requests,
@@ -144,7 +223,6 @@ impl Tuner {
             objective_at_zero: at_zero,
             objective_at_new: best_obj,
         });
-        self.window.clear();
         let wait = self.window_len as u64 * u64::from(self.cfg.retune_every.saturating_sub(1));
         self.phase = match (self.cfg.retune, wait) {
             (false, _) => Phase::Done,

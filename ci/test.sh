@@ -22,6 +22,9 @@ cargo clippy --workspace --all-targets --release --features marconi-core/strict-
 step "rust tests"
 cargo test --workspace --release --features marconi-core/strict-checks
 
+step "snapshots"
+bash ci/check-snapshots.sh
+
 step "marconi-gpu allocator tests with its strict checks (free-list recount after every step)"
 # Not on the AVMP replay: a recount per operation makes its 240 runs take minutes.
 cargo test -p marconi-gpu --release --features strict-checks --lib --test allocator --test physical

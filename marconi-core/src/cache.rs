@@ -975,7 +975,11 @@ impl Core {
             EvictionPolicy::Lru => 0.0,
             EvictionPolicy::FlopAware => self.alpha,
         };
-        let Some(choice) = self.index.lowest(alpha) else {
+        let tree = &self.tree;
+        let Some(choice) = self
+            .index
+            .lowest(alpha, |id| tree.node(id).cand.expect("indexed").eff)
+        else {
             return false;
         };
         let id = choice.node;

@@ -2,19 +2,46 @@
 //! rescanning the candidates.
 //!
 //! Utility (paper §4.2, eq. 2) is `norm(recency) + α · norm(efficiency)`, each
-//! min-max normalised over the current candidates. Candidates sit in the
-//! leaves of a segment tree (in insertion order, which is close to time
-//! order) whose inner nodes keep the min and max of both keys below them.
-//! The root gives the normalisation bounds in O(1); the minimum is found by
-//! branch and bound: a subtree's utility is at least `norm(min time) +
-//! α · norm(min efficiency)`, so subtrees whose bound exceeds the best leaf
-//! seen are skipped. Inserting and removing cost O(log n); a search visits
-//! O(log n) subtrees when the keys are spread and degrades gracefully (never
-//! beyond O(n)) when they are adversarially interleaved. The public
-//! prototype rescans every candidate, walking to the root for each, for every
-//! evicted node.
+//! min-max normalised over the current candidates. Candidates are kept in
+//! two global ordered sets (by last access and by efficiency: the
+//! normalisation bounds in O(log n)) and in a few buckets by efficiency
+//! (quantiles fixed at the last rebuild), each ordered by last access.
+//! Within a bucket the efficiency range is narrow, so its oldest entries are
+//! its best: a search walks each bucket from its oldest entry and stops as
+//! soon as `norm(time) + α · norm(bucket's lowest efficiency)` exceeds the
+//! best utility found, which is a lower bound for everything left in the
+//! bucket. The result is exact (the victim a full rescan would pick, checked
+//! by a property test); a search costs about `BUCKETS` ordered-set steps
+//! whatever the number of candidates, inserts and removals O(log n). The
+//! public prototype rescans every candidate, walking to the root for each,
+//! for every evicted node.
+
+use std::collections::BTreeSet;
 
 use crate::tree::NodeId;
+
+/// Efficiency buckets.
+const BUCKETS: usize = 32;
+
+/// A total order over f64 (efficiencies are never NaN).
+#[derive(Clone, Copy, Debug)]
+struct Key(f64);
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.total_cmp(&other.0).is_eq()
+    }
+}
+impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
 
 /// Where a candidate sits in the index; stored on the node so it can be removed.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -32,50 +59,23 @@ pub(crate) struct Choice {
     pub(crate) utility: f64,
 }
 
-/// Min and max of both keys over a subtree.
-#[derive(Clone, Copy, Debug)]
-struct Agg {
-    t_lo: u64,
-    t_hi: u64,
-    e_lo: f64,
-    e_hi: f64,
-}
-
-const EMPTY: Agg = Agg {
-    t_lo: u64::MAX,
-    t_hi: 0,
-    e_lo: f64::INFINITY,
-    e_hi: f64::NEG_INFINITY,
-};
-
-impl Agg {
-    fn join(a: Agg, b: Agg) -> Agg {
-        Agg {
-            t_lo: a.t_lo.min(b.t_lo),
-            t_hi: a.t_hi.max(b.t_hi),
-            e_lo: a.e_lo.min(b.e_lo),
-            e_hi: a.e_hi.max(b.e_hi),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.t_lo > self.t_hi
-    }
+#[derive(Clone, Debug, Default)]
+struct Bucket {
+    by_time: BTreeSet<(u64, NodeId)>,
+    by_eff: BTreeSet<(Key, NodeId)>,
 }
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
-    /// Leaf count of the segment tree (a power of two, or 0).
-    cap: usize,
-    /// Segment tree, 1-based: node `i` has children `2i`, `2i+1`; leaves at `cap..2cap`.
-    agg: Vec<Agg>,
-    /// What each leaf holds.
-    slots: Vec<Option<(NodeId, CandKey)>>,
-    /// Next leaf to fill.
-    next: usize,
-    /// Leaf of each indexed node (by node id), `usize::MAX` if none.
-    pos_of: Vec<usize>,
-    live: usize,
+    by_time: BTreeSet<(u64, NodeId)>,
+    by_eff: BTreeSet<(Key, NodeId)>,
+    /// Upper bounds of the buckets but the last (ascending).
+    cuts: Vec<f64>,
+    buckets: Vec<Bucket>,
+    /// Bucket of each indexed node, by node id.
+    bucket_of: Vec<u8>,
+    /// Candidate count at the last rebuild.
+    built_at: usize,
 }
 
 fn norm(x: f64, lo: f64, hi: f64) -> f64 {
@@ -87,75 +87,70 @@ fn norm(x: f64, lo: f64, hi: f64) -> f64 {
 }
 
 impl Index {
-    fn leaf_agg(k: CandKey) -> Agg {
-        Agg {
-            t_lo: k.time,
-            t_hi: k.time,
-            e_lo: k.eff,
-            e_hi: k.eff,
-        }
-    }
-
-    fn set_leaf(&mut self, pos: usize, v: Option<(NodeId, CandKey)>) {
-        self.slots[pos] = v;
-        let mut i = pos + self.cap;
-        self.agg[i] = v.map_or(EMPTY, |(_, k)| Self::leaf_agg(k));
-        while i > 1 {
-            i /= 2;
-            self.agg[i] = Agg::join(self.agg[2 * i], self.agg[2 * i + 1]);
-        }
-    }
-
-    /// Repacks the live entries at the front, growing the tree if more than
-    /// half full. O(n), amortised over the inserts that filled it.
-    fn rebuild(&mut self) {
-        let live: Vec<(NodeId, CandKey)> = self.slots.iter().flatten().copied().collect();
-        self.cap = (2 * live.len()).max(64).next_power_of_two();
-        self.agg = vec![EMPTY; 2 * self.cap];
-        self.slots = vec![None; self.cap];
-        for (pos, &(id, k)) in live.iter().enumerate() {
-            self.slots[pos] = Some((id, k));
-            self.agg[self.cap + pos] = Self::leaf_agg(k);
-            self.pos_of[id as usize] = pos;
-        }
-        for i in (1..self.cap).rev() {
-            self.agg[i] = Agg::join(self.agg[2 * i], self.agg[2 * i + 1]);
-        }
-        self.next = live.len();
+    fn bucket_for(&self, eff: f64) -> usize {
+        self.cuts.partition_point(|&c| c <= eff)
     }
 
     pub(crate) fn insert(&mut self, id: NodeId, k: CandKey) {
-        if self.next == self.cap {
-            self.rebuild();
+        self.by_time.insert((k.time, id));
+        self.by_eff.insert((Key(k.eff), id));
+        if self.bucket_of.len() <= id as usize {
+            self.bucket_of.resize(id as usize + 1, 0);
         }
-        if self.pos_of.len() <= id as usize {
-            self.pos_of.resize(id as usize + 1, usize::MAX);
+        let n = self.by_time.len();
+        // Re-cut the buckets when the count doubled or fell to a quarter.
+        if self.buckets.is_empty() || n > 2 * self.built_at.max(32) || 4 * n < self.built_at {
+            self.rebuild_with(id, k);
+            return;
         }
-        debug_assert_eq!(
-            self.pos_of[id as usize],
-            usize::MAX,
-            "node {id} indexed twice"
-        );
-        let pos = self.next;
-        self.next += 1;
-        self.pos_of[id as usize] = pos;
-        self.set_leaf(pos, Some((id, k)));
-        self.live += 1;
+        let b = self.bucket_for(k.eff);
+        self.buckets[b].by_time.insert((k.time, id));
+        self.buckets[b].by_eff.insert((Key(k.eff), id));
+        self.bucket_of[id as usize] = b as u8;
+    }
+
+    /// Re-cuts the buckets at the efficiency quantiles of the current
+    /// candidates, knowing the keys of the node just inserted (the others'
+    /// times are read from the buckets they sit in). O(n log n), amortised
+    /// over the inserts since the last rebuild.
+    fn rebuild_with(&mut self, id: NodeId, k: CandKey) {
+        let mut times: Vec<(NodeId, u64)> = Vec::with_capacity(self.by_time.len());
+        for b in &self.buckets {
+            times.extend(b.by_time.iter().map(|&(t, i)| (i, t)));
+        }
+        times.push((id, k.time));
+        times.sort_unstable();
+        let n = self.by_eff.len();
+        self.cuts = self
+            .by_eff
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i > 0 && i * BUCKETS / n != (i - 1) * BUCKETS / n)
+            .map(|(_, (Key(e), _))| *e)
+            .collect();
+        self.cuts.dedup();
+        self.buckets = vec![Bucket::default(); self.cuts.len() + 1];
+        let entries: Vec<(Key, NodeId)> = self.by_eff.iter().copied().collect();
+        for (Key(e), i) in entries {
+            let b = self.bucket_for(e);
+            let t = times[times.binary_search_by_key(&i, |x| x.0).expect("indexed")].1;
+            self.buckets[b].by_time.insert((t, i));
+            self.buckets[b].by_eff.insert((Key(e), i));
+            self.bucket_of[i as usize] = b as u8;
+        }
+        self.built_at = n;
     }
 
     pub(crate) fn remove(&mut self, id: NodeId, k: CandKey) {
-        let pos = self.pos_of[id as usize];
-        debug_assert_eq!(
-            self.slots[pos].map(|(i, kk)| (i, kk.time)),
-            Some((id, k.time))
-        );
-        self.pos_of[id as usize] = usize::MAX;
-        self.set_leaf(pos, None);
-        self.live -= 1;
+        self.by_time.remove(&(k.time, id));
+        self.by_eff.remove(&(Key(k.eff), id));
+        let b = &mut self.buckets[usize::from(self.bucket_of[id as usize])];
+        b.by_time.remove(&(k.time, id));
+        b.by_eff.remove(&(Key(k.eff), id));
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.live
+        self.by_time.len()
     }
 
     pub(crate) fn clear(&mut self) {
@@ -163,57 +158,68 @@ impl Index {
     }
 
     /// The candidate with the lowest utility; ties go to the older access,
-    /// then the lower node id (as a full rescan would choose).
-    pub(crate) fn lowest(&self, alpha: f64) -> Option<Choice> {
-        if self.live == 0 {
-            return None;
-        }
-        let root = self.agg[1];
-        let (t_lo, t_hi) = (root.t_lo as f64, root.t_hi as f64);
+    /// then the lower node id (as a full rescan would choose). `eff_of`
+    /// gives an indexed node's efficiency.
+    pub(crate) fn lowest(&self, alpha: f64, eff_of: impl Fn(NodeId) -> f64) -> Option<Choice> {
+        let &(t_lo, _) = self.by_time.first()?;
+        let &(t_hi, _) = self.by_time.last()?;
+        let &(Key(e_lo), _) = self.by_eff.first()?;
+        let &(Key(e_hi), _) = self.by_eff.last()?;
+        let (t_lo, t_hi) = (t_lo as f64, t_hi as f64);
         let score = |t: u64, e: f64| {
             let r = norm(t as f64, t_lo, t_hi);
-            let f = norm(e, root.e_lo, root.e_hi);
+            let f = norm(e, e_lo, e_hi);
             (r, f, r + alpha * f)
         };
-        let bound = |a: &Agg| score(a.t_lo, a.e_lo).2;
-        // Best so far: (utility, time, node id) and its scores.
-        let mut best: Option<(f64, u64, NodeId, Choice)> = None;
-        let mut stack = vec![1usize];
-        while let Some(i) = stack.pop() {
-            let a = self.agg[i];
-            if a.is_empty() || best.is_some_and(|b| bound(&a) > b.0) {
-                continue;
+        let choose = |id: NodeId, t: u64, e: f64| {
+            let (recency, efficiency, utility) = score(t, e);
+            Choice {
+                node: id,
+                recency,
+                efficiency,
+                utility,
             }
-            if i >= self.cap {
-                let (id, k) = self.slots[i - self.cap].expect("non-empty leaf");
-                let (recency, efficiency, utility) = score(k.time, k.eff);
-                let better = best.is_none_or(|b| {
-                    utility
-                        .total_cmp(&b.0)
-                        .then(k.time.cmp(&b.1))
-                        .then(id.cmp(&b.2))
+        };
+        if alpha == 0.0 {
+            // Pure LRU: the oldest access wins, exactly.
+            let &(t, id) = self.by_time.first()?;
+            return Some(choose(id, t, eff_of(id)));
+        }
+        // Buckets in order of their lower bound, so a good victim is found early.
+        let mut order: Vec<(f64, usize)> = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| {
+                let &(t, _) = b.by_time.first()?;
+                let &(Key(e), _) = b.by_eff.first()?;
+                Some((score(t, e).2, i))
+            })
+            .collect();
+        order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut best: Option<(f64, u64, NodeId, Choice)> = None;
+        for (lower, i) in order {
+            if best.is_some_and(|b| lower > b.0) {
+                break;
+            }
+            let b = &self.buckets[i];
+            let &(Key(e_min), _) = b.by_eff.first().expect("non-empty");
+            for &(t, id) in &b.by_time {
+                // Everything left in the bucket is at least this old.
+                if best.is_some_and(|bb| score(t, e_min).2 > bb.0) {
+                    break;
+                }
+                let c = choose(id, t, eff_of(id));
+                let better = best.is_none_or(|bb| {
+                    c.utility
+                        .total_cmp(&bb.0)
+                        .then(t.cmp(&bb.1))
+                        .then(id.cmp(&bb.2))
                         .is_lt()
                 });
                 if better {
-                    let c = Choice {
-                        node: id,
-                        recency,
-                        efficiency,
-                        utility,
-                    };
-                    best = Some((utility, k.time, id, c));
+                    best = Some((c.utility, t, id, c));
                 }
-                continue;
-            }
-            // Visit the child with the lower bound first (pushed last).
-            let (l, r) = (2 * i, 2 * i + 1);
-            let (bl, br) = (bound(&self.agg[l]), bound(&self.agg[r]));
-            if bl <= br {
-                stack.push(r);
-                stack.push(l);
-            } else {
-                stack.push(l);
-                stack.push(r);
             }
         }
         best.map(|b| b.3)
@@ -245,7 +251,7 @@ mod tests {
     proptest! {
         #[test]
         fn threshold_search_equals_a_full_rescan(
-            points in prop::collection::vec((0u64..50, 0u32..40, 0u8..2), 1..200),
+            points in prop::collection::vec((0u64..50, 0u32..400, 0u8..2), 1..400),
             alpha in prop_oneof![Just(0.0), 0.0f64..3.0, Just(100.0)],
             removed in prop::collection::vec(any::<prop::sample::Index>(), 0..20),
         ) {
@@ -265,7 +271,7 @@ mod tests {
                 }
             }
             // Refreshed candidates come back later with a newer time.
-            let mut points = points;
+            let mut points = points.clone();
             for (i, p) in points.iter_mut().enumerate() {
                 if !live[i] && i % 2 == 0 {
                     p.0 += 100;
@@ -277,7 +283,7 @@ mod tests {
                 points.iter().zip(&live).filter(|p| *p.1).map(|p| *p.0).collect();
             let ids: Vec<usize> = (0..points.len()).filter(|&i| live[i]).collect();
             let want = brute(&remaining, alpha).map(|k| ids[k as usize] as NodeId);
-            let got = idx.lowest(alpha).map(|c| c.node);
+            let got = idx.lowest(alpha, |id| points[id as usize].1).map(|c| c.node);
             prop_assert_eq!(got, want);
         }
     }

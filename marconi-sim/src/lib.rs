@@ -9,9 +9,11 @@
 //! * [`synth`] and [`sharegpt`]: workload generators.
 //! * [`replay`]: one policy over one trace, sequential or concurrent.
 //! * [`compare`]: every policy over one trace in parallel, sweeps, tables.
+//! * [`paper`]: the paper's end-to-end comparison over many traces (Figs. 7–9).
 //! * [`plot`]: SVG figures.
 
 pub mod compare;
+pub mod paper;
 pub mod plot;
 pub mod progress;
 pub mod replay;

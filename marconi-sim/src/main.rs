@@ -16,7 +16,7 @@ use marconi_sim::synth::{self, SynthConfig, SynthKind};
 use marconi_sim::trace::Trace;
 use marconi_sim::ttft::TtftModel;
 use marconi_sim::units::{format_bytes, parse_bytes};
-use marconi_sim::{progress, replay};
+use marconi_sim::{paper, progress, replay};
 
 #[derive(Parser)]
 #[command(name = "marconi-sim", version, about = "Replay request traces through libmarconi's prefix-cache policies", long_about = None)]
@@ -38,6 +38,33 @@ enum Cmd {
     Sweep(SweepArgs),
     /// Replay the AVMP paper's Table 1 grid (240 runs) with marconi-gpu's allocators.
     Avmp(AvmpArgs),
+    /// The paper's end-to-end comparison over many traces per workload (Figs. 7–9 box plots).
+    Paper(PaperArgs),
+}
+
+#[derive(Args)]
+struct PaperArgs {
+    /// Seeds per workload and arrival rate (each a different trace).
+    #[arg(long, default_value_t = 3)]
+    seeds: u32,
+    /// Sessions per trace (0: each generator's default, ~7,000 requests for agentic).
+    #[arg(long, default_value_t = 60)]
+    sessions: u32,
+    /// Model preset.
+    #[arg(long, default_value = "paper-7b")]
+    model: String,
+    /// Directory for the SVG figures.
+    #[arg(long, default_value = "out")]
+    out_dir: PathBuf,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print every trace's reports as JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// No progress display.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 #[derive(Args)]
@@ -263,6 +290,7 @@ fn main() -> ExitCode {
         Cmd::Compare(a) => compare_cmd(a),
         Cmd::Sweep(a) => sweep_cmd(a),
         Cmd::Avmp(a) => avmp_cmd(a),
+        Cmd::Paper(a) => paper_cmd(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -407,6 +435,49 @@ fn run_parallel(
     let r = compare::run_jobs(trace, jobs, threads, &|d| pb.inc(d)).map_err(|e| e.to_string());
     pb.finish_and_clear();
     r
+}
+
+fn paper_cmd(a: PaperArgs) -> CmdResult {
+    let model = ModelSpec::preset(&a.model).ok_or_else(|| {
+        format!(
+            "unknown model {:?} (presets: {})",
+            a.model,
+            PRESET_NAMES.join(", ")
+        )
+    })?;
+    let mut cfg = paper::PaperConfig::new(model);
+    cfg.seeds = a.seeds;
+    cfg.sessions = a.sessions;
+    cfg.threads = a.threads;
+    let pb = progress::spinner("replaying traces", a.quiet);
+    let t0 = Instant::now();
+    let points = paper::run(&cfg, &|_| pb.tick()).map_err(|e| e.to_string())?;
+    pb.finish_and_clear();
+    let files = paper::figures(&a.out_dir, &points)?;
+    if a.json {
+        let rows: Vec<_> = points
+            .iter()
+            .map(|p| {
+                serde_json::json!({
+                    "workload": format!("{:?}", p.kind).to_lowercase(),
+                    "seed": p.seed,
+                    "session_rate": p.session_rate,
+                    "capacity_bytes": p.capacity_bytes,
+                    "reports": p.reports,
+                })
+            })
+            .collect();
+        return print_json(&rows);
+    }
+    print!("{}", paper::table(&points));
+    println!(
+        "{} traces × {} policies in {:.1}s; figures: {}",
+        points.len(),
+        paper::POLICIES.len(),
+        t0.elapsed().as_secs_f64(),
+        files.join(", ")
+    );
+    Ok(())
 }
 
 fn compare_cmd(a: CompareArgs) -> CmdResult {

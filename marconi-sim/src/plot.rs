@@ -174,3 +174,111 @@ pub fn cdf(path: &Path, title: &str, x_label: &str, series: &[(String, Vec<f64>)
         .collect();
     lines(path, title, x_label, "fraction of requests", true, &curves)
 }
+
+/// Quartiles and P5/P95 whiskers of `values` (paper Figs. 7–9 draw these).
+pub fn five_numbers(values: &[f64]) -> Option<[f64; 5]> {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    // Linear interpolation between closest ranks.
+    let q = |p: f64| {
+        let r = p * (v.len() - 1) as f64;
+        let (lo, hi) = (r.floor() as usize, r.ceil() as usize);
+        v[lo] + (v[hi] - v[lo]) * (r - lo as f64)
+    };
+    Some([q(0.05), q(0.25), q(0.5), q(0.75), q(0.95)])
+}
+
+/// Box plots: for each group (x axis) one box per series: the box spans the
+/// quartiles, a line marks the median, whiskers reach P5 and P95.
+pub fn boxes(
+    path: &Path,
+    title: &str,
+    y_label: &str,
+    groups: &[String],
+    series: &[(String, Vec<Vec<f64>>)],
+) -> PlotResult {
+    let root = SVGBackend::new(path, (800, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let stats: Vec<Vec<Option<[f64; 5]>>> = series
+        .iter()
+        .map(|(_, per_group)| per_group.iter().map(|v| five_numbers(v)).collect())
+        .collect();
+    let all = stats.iter().flatten().flatten();
+    let (mut y0, mut y1) = (0.0f64, f64::MIN);
+    for s in all {
+        y0 = y0.min(s[0]);
+        y1 = y1.max(s[4]);
+    }
+    if y1 <= y0 {
+        y1 = y0 + 1.0;
+    }
+    let pad = (y1 - y0) * 0.08;
+    let n = groups.len().max(1);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..n as f64, (y0 - pad.min(y0.abs()))..(y1 + pad))
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 1e-9 {
+                groups.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y_label)
+        .draw()
+        .map_err(err)?;
+    let k = series.len().max(1) as f64;
+    let width = 0.7 / k;
+    for (si, (name, _)) in series.iter().enumerate() {
+        let c = color(si);
+        let mut first = true;
+        for (gi, s) in stats[si].iter().enumerate() {
+            let Some([p5, q1, med, q3, p95]) = *s else {
+                continue;
+            };
+            let left = gi as f64 + 0.15 + si as f64 * width;
+            let (l, r, mid) = (left + width * 0.1, left + width * 0.9, left + width * 0.5);
+            let drawn = chart
+                .draw_series([
+                    Rectangle::new([(l, q1), (r, q3)], c.mix(0.35).filled()),
+                    Rectangle::new([(l, q1), (r, q3)], c.stroke_width(2)),
+                ])
+                .map_err(err)?;
+            if first {
+                drawn.label(name.as_str()).legend(move |(x, y)| {
+                    Rectangle::new([(x, y - 5), (x + 16, y + 5)], c.mix(0.5).filled())
+                });
+                first = false;
+            }
+            chart
+                .draw_series([
+                    PathElement::new([(l, med), (r, med)], BLACK.stroke_width(2)),
+                    PathElement::new([(mid, p5), (mid, q1)], c.stroke_width(1)),
+                    PathElement::new([(mid, q3), (mid, p95)], c.stroke_width(1)),
+                    PathElement::new([(l, p5), (r, p5)], c.stroke_width(1)),
+                    PathElement::new([(l, p95), (r, p95)], c.stroke_width(1)),
+                ])
+                .map_err(err)?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}

@@ -119,7 +119,8 @@ pub const LENGTH_BINS: [u32; 10] = [
 
 /// Writes the comparison figures into `dir`: `hit_rate.svg` (token hit rate
 /// per policy, Figs. 7–8), `ttft_cdf.svg` (TTFT CDF per policy, Fig. 10b)
-/// and `hit_by_length.svg` (hit rate by input-length bin, Fig. 10a).
+/// `hit_by_length.svg` (hit rate by input-length bin) and, when both ran,
+/// `hit_diff_by_length.svg` (Marconi minus SGLang+ per bin, Fig. 10a).
 /// Returns the files written.
 pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -181,6 +182,30 @@ pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String
             .collect::<Vec<_>>(),
     )?;
     written.push(f.display().to_string());
+    // Fig. 10a proper: Marconi's mean hit rate minus SGLang+'s, per bin.
+    let by_policy = |name: &str| replays.iter().find(|r| r.report.policy == name);
+    if let (Some(m), Some(g)) = (by_policy("marconi"), by_policy("sglang-plus")) {
+        let (hm, hg) = (
+            hit_rate_by_length(&m.outcomes, &edges),
+            hit_rate_by_length(&g.outcomes, &edges),
+        );
+        let diff: Vec<(f64, f64)> = hm
+            .iter()
+            .zip(&hg)
+            .filter(|(a, b)| a.2 > 0 && b.2 > 0)
+            .map(|(a, b)| (f64::from(a.0), 100.0 * (a.1 - b.1)))
+            .collect();
+        let f = dir.join("hit_diff_by_length.svg");
+        plot::lines(
+            &f,
+            "Fig. 10a: Marconi minus SGLang+ hit rate by input length",
+            "input length bin start (tokens)",
+            "difference in mean token hit rate (points)",
+            false,
+            &[("marconi - sglang-plus".to_owned(), diff)],
+        )?;
+        written.push(f.display().to_string());
+    }
     Ok(written)
 }
 

@@ -57,3 +57,32 @@ fn a_small_run_has_one_point_per_trace_and_capacity_and_writes_three_figures() {
     assert!(table.contains("win over sglang+ %"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn compare_draws_the_fig_10a_difference_only_when_both_policies_ran() {
+    use marconi_sim::compare::{figures, policy_jobs, run_jobs};
+    use marconi_sim::replay::ReplayConfig;
+    use marconi_sim::synth::{generate, SynthConfig};
+    let mut sc = SynthConfig::new(SynthKind::Chat);
+    sc.sessions = 8;
+    let trace = generate(&sc);
+    let base = ReplayConfig::new(
+        Policy::Marconi,
+        ModelSpec::preset("paper-7b").unwrap(),
+        1_000_000_000,
+    );
+    let dir = std::env::temp_dir().join(format!("marconi-fig10-test-{}", std::process::id()));
+    let both = run_jobs(
+        &trace,
+        &policy_jobs(&base, &[Policy::Marconi, Policy::SglangPlus]),
+        2,
+        &|_| {},
+    )
+    .unwrap();
+    let files = figures(&dir, "t", &both).unwrap();
+    assert_eq!(files.len(), 4);
+    assert!(files[3].ends_with("hit_diff_by_length.svg"));
+    let one = run_jobs(&trace, &policy_jobs(&base, &[Policy::Marconi]), 1, &|_| {}).unwrap();
+    assert_eq!(figures(&dir, "t", &one).unwrap().len(), 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -317,11 +317,16 @@ impl Core {
         }
     }
 
-    /// Re-derives `id`'s place in the eviction index after any change to it.
-    fn refresh(&mut self, id: NodeId) {
+    /// Takes `id` out of the eviction index, if it is there.
+    fn unindex(&mut self, id: NodeId) {
         if let Some(k) = self.tree.node_mut(id).cand.take() {
             self.index.remove(id, k);
         }
+    }
+
+    /// Re-derives `id`'s place in the eviction index after any change to it.
+    fn refresh(&mut self, id: NodeId) {
+        self.unindex(id);
         if self.eligible(id) {
             let n = self.tree.node(id);
             let k = CandKey {
@@ -1006,9 +1011,7 @@ impl Core {
             let n = self.tree.node(id);
             (n.depth, n.tokens.len() as u32, n.children.is_empty())
         };
-        if let Some(k) = self.tree.node_mut(id).cand.take() {
-            self.index.remove(id, k);
-        }
+        self.unindex(id);
         if let Some(st) = self.tree.node_mut(id).state.take() {
             self.states -= 1;
             if let Some(slot) = st.slot {
@@ -1051,9 +1054,7 @@ impl Core {
     fn after_child_removed(&mut self, parent: NodeId) {
         let n = self.tree.node(parent);
         if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
-            if let Some(k) = self.tree.node_mut(parent).cand.take() {
-                self.index.remove(parent, k);
-            }
+            self.unindex(parent);
             let child = self.tree.merge_into_child(parent);
             self.refresh(child);
         } else {
@@ -1108,7 +1109,7 @@ impl Core {
     ) -> Result<(Served, LeaseInfoOut), CacheError> {
         // A whole request admits what it looked up: no fingerprint needed.
         let (l, walk) = self.lookup_walk(ns, input, false)?;
-        let states = self.states_for(&l, full.len());
+        let states = self.states_for(&l.plan, l.hit_tokens, full.len());
         let outcome = self.admit_with(l.lease, full, &states, &[], false, walk)?;
         let info = self.release(l.lease)?;
         Ok((
@@ -1122,8 +1123,9 @@ impl Core {
         ))
     }
 
-    /// The states an engine following the plan saves for `full`.
-    fn states_for(&self, l: &Lookup, full_len: usize) -> Vec<SavedState> {
+    /// The states an engine following the plan saves for a sequence of
+    /// `full_len` tokens, whose lookup planned `plan` and hit `hit`.
+    pub(crate) fn states_for(&self, plan: &[u32], hit: u32, full_len: usize) -> Vec<SavedState> {
         let state = |position| SavedState {
             position,
             slot: None,
@@ -1134,14 +1136,14 @@ impl Core {
         }
         match self.cfg.admission {
             AdmissionPolicy::Marconi => {
-                let mut v: Vec<SavedState> = l.plan.iter().map(|&p| state(p)).collect();
-                if aligned > 0 && !l.plan.contains(&aligned) {
+                let mut v: Vec<SavedState> = plan.iter().map(|&p| state(p)).collect();
+                if aligned > 0 && !plan.contains(&aligned) {
                     v.push(state(aligned));
                 }
                 v
             }
             AdmissionPolicy::AllBlocks { block_size } => {
-                let first = l.hit_tokens / block_size + 1;
+                let first = hit / block_size + 1;
                 (first..)
                     .map(|k| k * block_size)
                     .take_while(|&p| p as usize <= full_len)
@@ -1329,6 +1331,17 @@ impl PrefixCache {
         kv_pages: &[u32],
     ) -> Result<AdmitOutcome, CacheError> {
         self.core.admit(lease, tokens, states, kv_pages, true)
+    }
+
+    /// The states an engine that follows `lookup`'s plan saves for a
+    /// sequence of `full_len` tokens (input and output), without slot ids:
+    /// the planned positions and the final position (Marconi), or every
+    /// block boundary past the hit (all-blocks); none where no states are
+    /// needed. What [`serve`](Self::serve) admits; simulators that drive the
+    /// request cycle themselves use it to behave the same.
+    pub fn states_to_save(&self, lookup: &Lookup, full_len: usize) -> Vec<SavedState> {
+        self.core
+            .states_for(&lookup.plan, lookup.hit_tokens, full_len)
     }
 
     /// Releases `lease`: what it pinned becomes evictable again. Errors on an

@@ -11,9 +11,7 @@ use std::collections::BinaryHeap;
 use std::fmt;
 use std::time::Instant;
 
-use marconi_core::{
-    AdmissionPolicy, CacheConfig, CacheError, ModelSpec, PrefixCache, SavedState, Stats,
-};
+use marconi_core::{CacheConfig, CacheError, Lookup, ModelSpec, PrefixCache, Stats};
 use serde::Serialize;
 
 use crate::trace::{Request, Trace};
@@ -316,31 +314,6 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// The states an engine following the plan saves for a sequence of
-/// `full_len` tokens (mirrors what [`PrefixCache::serve`] offers).
-fn states_for(cfg: &CacheConfig, plan: &[u32], hit: u32, full_len: usize) -> Vec<SavedState> {
-    let state = |position| SavedState {
-        position,
-        slot: None,
-    };
-    let aligned = full_len as u32 / cfg.page_size * cfg.page_size;
-    match cfg.admission {
-        AdmissionPolicy::Marconi => {
-            let mut v: Vec<SavedState> = plan.iter().map(|&p| state(p)).collect();
-            if aligned > 0 && !plan.contains(&aligned) {
-                v.push(state(aligned));
-            }
-            v
-        }
-        AdmissionPolicy::AllBlocks { block_size } => (hit / block_size + 1..)
-            .map(|k| k * block_size)
-            .take_while(|&p| p as usize <= full_len)
-            .map(state)
-            .collect(),
-        AdmissionPolicy::Oracle => Vec::new(),
-    }
-}
-
 /// Requests overlap: each is looked up at its arrival, holds its lease for
 /// its estimated prefill + decode, then is admitted and released.
 fn concurrent(
@@ -352,12 +325,9 @@ fn concurrent(
 ) -> Result<(), ReplayError> {
     struct InFlight {
         id: u64,
-        lease: u64,
-        hit: u32,
-        plan: Vec<u32>,
+        lookup: Lookup,
         full: Vec<u32>,
     }
-    let ccfg = cache.config().clone();
     // Completion events: (time in µs, sequence) -> in-flight index.
     let mut heap: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
     let mut flights: Vec<Option<InFlight>> = Vec::new();
@@ -366,9 +336,11 @@ fn concurrent(
     let mut err = None;
     let finish = |cache: &mut PrefixCache, f: InFlight| -> Result<(), ReplayError> {
         let wrap = |source| ReplayError { id: f.id, source };
-        let states = states_for(&ccfg, &f.plan, f.hit, f.full.len());
-        cache.admit(f.lease, &f.full, &states, &[]).map_err(wrap)?;
-        cache.release(f.lease).map_err(wrap)
+        let states = cache.states_to_save(&f.lookup, f.full.len());
+        cache
+            .admit(f.lookup.lease, &f.full, &states, &[])
+            .map_err(wrap)?;
+        cache.release(f.lookup.lease).map_err(wrap)
     };
     let mut done = 0u64;
     trace.for_each(|r| {
@@ -400,9 +372,7 @@ fn concurrent(
         outcomes.push(o);
         let f = InFlight {
             id: r.id,
-            lease: l.lease,
-            hit: l.hit_tokens,
-            plan: l.plan,
+            lookup: l,
             full: r.full.to_vec(),
         };
         let i = match free.pop() {

@@ -42,6 +42,20 @@ enum Cmd {
     Paper(PaperArgs),
 }
 
+/// Where results go, shared by the commands that run many replays.
+#[derive(Args)]
+struct OutputArgs {
+    /// Directory for the SVG figures.
+    #[arg(long, default_value = "out")]
+    out_dir: PathBuf,
+    /// Threads (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print the reports as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Args)]
 struct PaperArgs {
     /// Seeds per workload and arrival rate (each a different trace).
@@ -53,15 +67,8 @@ struct PaperArgs {
     /// Model preset.
     #[arg(long, default_value = "paper-7b")]
     model: String,
-    /// Directory for the SVG figures.
-    #[arg(long, default_value = "out")]
-    out_dir: PathBuf,
-    /// Threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Print every trace's reports as JSON instead of the table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    out: OutputArgs,
     /// No progress display.
     #[arg(long, short)]
     quiet: bool,
@@ -226,15 +233,8 @@ struct CompareArgs {
     /// Policies (comma-separated; default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
-    /// Directory for the SVG figures.
-    #[arg(long, default_value = "out")]
-    out_dir: PathBuf,
-    /// Threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Print a JSON array of reports instead of a table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    out: OutputArgs,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -269,15 +269,8 @@ struct SweepArgs {
     /// Policies (default: marconi, sglang-plus, vllm-plus).
     #[arg(long, value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
-    /// Directory for the SVG figure.
-    #[arg(long, default_value = "out")]
-    out_dir: PathBuf,
-    /// Threads (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
-    /// Print a JSON array of reports instead of a table.
-    #[arg(long)]
-    json: bool,
+    #[command(flatten)]
+    out: OutputArgs,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -448,13 +441,13 @@ fn paper_cmd(a: PaperArgs) -> CmdResult {
     let mut cfg = paper::PaperConfig::new(model);
     cfg.seeds = a.seeds;
     cfg.sessions = a.sessions;
-    cfg.threads = a.threads;
+    cfg.threads = a.out.threads;
     let pb = progress::spinner("replaying traces", a.quiet);
     let t0 = Instant::now();
     let points = paper::run(&cfg, &|_| pb.tick()).map_err(|e| e.to_string())?;
     pb.finish_and_clear();
-    let files = paper::figures(&a.out_dir, &points)?;
-    if a.json {
+    let files = paper::figures(&a.out.out_dir, &points)?;
+    if a.out.json {
         let rows: Vec<_> = points
             .iter()
             .map(|p| {
@@ -490,7 +483,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
     let base = a.cache.config(Policy::Marconi, a.capacity)?;
     let jobs = compare::policy_jobs(&base, &policies);
     let t0 = Instant::now();
-    let replays = run_parallel(&trace, &jobs, a.threads, a.cache.quiet)?;
+    let replays = run_parallel(&trace, &jobs, a.out.threads, a.cache.quiet)?;
     let wall = t0.elapsed().as_secs_f64();
     let title = format!(
         "{} on {}, {}",
@@ -498,8 +491,8 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         name,
         format_bytes(a.capacity)
     );
-    let files = compare::figures(&a.out_dir, &title, &replays)?;
-    if a.json {
+    let files = compare::figures(&a.out.out_dir, &title, &replays)?;
+    if a.out.json {
         return print_json(&replays.iter().map(|r| &r.report).collect::<Vec<_>>());
     }
     let input: u64 = replays.first().map_or(0, |r| r.report.input_tokens);
@@ -542,11 +535,13 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     let base = a.cache.config(Policy::Marconi, fixed)?;
     let n_jobs = axis.points(&base).len() * policies.len();
     let pb = progress::bar((trace.len() * n_jobs) as u64, "sweeping", a.cache.quiet);
-    let points = compare::sweep(&trace, &base, &axis, &policies, a.threads, &|d| pb.inc(d))
-        .map_err(|e| e.to_string())?;
+    let points = compare::sweep(&trace, &base, &axis, &policies, a.out.threads, &|d| {
+        pb.inc(d)
+    })
+    .map_err(|e| e.to_string())?;
     pb.finish_and_clear();
-    std::fs::create_dir_all(&a.out_dir).map_err(|e| e.to_string())?;
-    let file = a.out_dir.join(match a.axis {
+    std::fs::create_dir_all(&a.out.out_dir).map_err(|e| e.to_string())?;
+    let file = a.out.out_dir.join(match a.axis {
         Axis::Capacity => "sweep_capacity.svg",
         Axis::Ratio => "sweep_ratio.svg",
         Axis::StateDim => "sweep_state_dim.svg",
@@ -558,7 +553,7 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
         &points,
         &policies,
     )?;
-    if a.json {
+    if a.out.json {
         return print_json(&points.iter().map(|p| &p.replay.report).collect::<Vec<_>>());
     }
     println!(

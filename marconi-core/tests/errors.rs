@@ -209,3 +209,23 @@ fn pages_the_cache_owns_cannot_be_handed_over_again() {
     assert_ne!(snapshot(&c), before);
     c.check_invariants();
 }
+
+#[test]
+fn namespaces_never_share_entries() {
+    // The same tokens under another namespace (a LoRA id, a cache salt) are a
+    // different prefix: no hit, no KV match, its own entries.
+    let mut c = cache();
+    let seq: Vec<u32> = (0..50).collect();
+    c.serve(7, &seq, &[]).unwrap();
+    let mut next = seq.clone();
+    next.push(99);
+    let other = c.lookup(8, &next).unwrap();
+    assert_eq!((other.hit_tokens, other.kv_matched_tokens), (0, 0));
+    c.release(other.lease).unwrap();
+    let same = c.lookup(7, &next).unwrap();
+    assert_eq!((same.hit_tokens, same.kv_matched_tokens), (50, 50));
+    c.release(same.lease).unwrap();
+    c.serve(8, &seq, &[]).unwrap();
+    assert_eq!(c.stats().kv_bytes, 2 * 50 * 65_536);
+    c.check_invariants();
+}

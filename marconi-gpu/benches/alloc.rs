@@ -10,7 +10,6 @@
 )]
 
 use std::hint::black_box;
-use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use marconi_gpu::avmp::{self, Model, Variant};
@@ -122,11 +121,7 @@ fn migration(c: &mut Criterion) {
 }
 
 fn replay(c: &mut Criterion) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/avmp");
-    let Ok(traces) = avmp::load_traces(&dir.join("traces.json")) else {
-        eprintln!("skipping replay benchmarks: {} not found", dir.display());
-        return;
-    };
+    let traces = avmp::builtin_traces();
     let mut g = c.benchmark_group("avmp_replay_cell");
     g.sample_size(10);
     for (workload, variant, model, tb) in [

@@ -1,6 +1,7 @@
 //! Replay harness reproducing Table 1 of the AVMP paper (seed 002) from the
 //! authors' 12 request traces, with the prototype's exact replay semantics
-//! (`shared/avmp/README.md`).
+//! (`marconi-gpu/data/avmp/README.md`, built into the crate: [`builtin_traces`],
+//! [`builtin_golden`]).
 //!
 //! Entry points for `marconi-sim avmp`: [`run_sweep`] (all 240 runs of the
 //! paper's grid), [`render_table`] (the Table 1 text), [`RunResult`] (one JSON row
@@ -256,8 +257,29 @@ pub fn load_traces(path: &Path) -> Result<Traces, AvmpError> {
         path: path.into(),
         source,
     })?;
+    parse_traces(&text, path)
+}
+
+/// The conformance data shipped in the crate (`marconi-gpu/data/avmp`,
+/// a copy of the authors' traces and of the 240 golden runs).
+const BUILTIN_TRACES: &str = include_str!("../data/avmp/traces.json");
+const BUILTIN_GOLDEN: &str = include_str!("../data/avmp/golden.jsonl");
+
+/// The paper's 12 traces, built into the crate: no file to find.
+pub fn builtin_traces() -> Traces {
+    parse_traces(BUILTIN_TRACES, Path::new("<builtin>/traces.json"))
+        .expect("the built-in traces parse (checked by a test)")
+}
+
+/// The 240 golden runs of the authors' prototype, built into the crate.
+pub fn builtin_golden() -> Vec<RunResult> {
+    parse_golden(BUILTIN_GOLDEN, Path::new("<builtin>/golden.jsonl"))
+        .expect("the built-in golden runs parse (checked by a test)")
+}
+
+fn parse_traces(text: &str, path: &Path) -> Result<Traces, AvmpError> {
     let raw: BTreeMap<String, Vec<(u64, u64, u64)>> =
-        serde_json::from_str(&text).map_err(|source| AvmpError::Parse {
+        serde_json::from_str(text).map_err(|source| AvmpError::Parse {
             path: path.into(),
             source,
         })?;
@@ -738,7 +760,12 @@ pub fn run_cells(traces: &Traces, cells: &[Cell]) -> Result<Vec<RunResult>, Avmp
 /// Runs the paper's full 240-run grid from `dir` (holding `traces.json`).
 pub fn run_sweep(dir: &Path) -> Result<Vec<RunResult>, AvmpError> {
     let traces = load_traces(&dir.join("traces.json"))?;
-    run_cells(&traces, &grid(&Variant::TABLE1))
+    run_sweep_on(&traces)
+}
+
+/// Runs the paper's full 240-run grid over `traces` (e.g. [`builtin_traces`]).
+pub fn run_sweep_on(traces: &Traces) -> Result<Vec<RunResult>, AvmpError> {
+    run_cells(traces, &grid(&Variant::TABLE1))
 }
 
 /// Loads `golden.jsonl` (one [`RunResult`] per line).
@@ -747,6 +774,10 @@ pub fn load_golden(path: &Path) -> Result<Vec<RunResult>, AvmpError> {
         path: path.into(),
         source,
     })?;
+    parse_golden(&text, path)
+}
+
+fn parse_golden(text: &str, path: &Path) -> Result<Vec<RunResult>, AvmpError> {
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| {

@@ -1,20 +1,7 @@
 //! Reproduces the AVMP paper's Table 1: all 240 runs of the authors' prototype
-//! (`shared/avmp/golden.jsonl`) from its 12 traces, to the integer.
-
-use std::path::PathBuf;
+//! (`marconi-gpu/data/avmp/golden.jsonl`, built into the crate) from its 12 traces, to the integer.
 
 use marconi_gpu::avmp::{self, RunResult};
-
-fn data_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/avmp");
-    assert!(
-        dir.join("traces.json").is_file() && dir.join("golden.jsonl").is_file(),
-        "AVMP conformance data not found at {}: clone the `shared/` folder beside the \
-         repository (<repo>/../shared/avmp with traces.json and golden.jsonl)",
-        dir.display()
-    );
-    dir
-}
 
 fn key(r: &RunResult) -> (String, String, String, u64, u64) {
     (
@@ -28,10 +15,9 @@ fn key(r: &RunResult) -> (String, String, String, u64, u64) {
 
 #[test]
 fn table1_reproduces_all_240_runs() {
-    let dir = data_dir();
-    let golden = avmp::load_golden(&dir.join("golden.jsonl")).unwrap();
+    let golden = avmp::builtin_golden();
     assert_eq!(golden.len(), 240);
-    let ours = avmp::run_sweep(&dir).unwrap();
+    let ours = avmp::run_sweep_on(&avmp::builtin_traces()).unwrap();
     assert_eq!(ours.len(), 240);
 
     let by_key: std::collections::HashMap<_, _> = ours.iter().map(|r| (key(r), r)).collect();
@@ -81,8 +67,7 @@ fn table1_reproduces_all_240_runs() {
 /// eviction ([`marconi_gpu::policy`]), on the same traces with the same 1× budget.
 #[test]
 fn demand_policy_beats_the_paper_trigger() {
-    let dir = data_dir();
-    let traces = avmp::load_traces(&dir.join("traces.json")).unwrap();
+    let traces = avmp::builtin_traces();
     let cells = avmp::grid(&[avmp::Variant::AvmpDynamicB128, avmp::Variant::AvmpDemand]);
     let rows = avmp::run_cells(&traces, &cells).unwrap();
     let total = |v: &str| {
@@ -105,4 +90,19 @@ fn demand_policy_beats_the_paper_trigger() {
     );
     // Same inputs, same numbers.
     assert_eq!(rows, avmp::run_cells(&traces, &cells).unwrap());
+}
+
+/// The files on disk and the copy built into the crate are the same data.
+#[test]
+fn builtin_data_matches_the_files() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/avmp");
+    assert_eq!(
+        avmp::load_traces(&dir.join("traces.json")).unwrap(),
+        avmp::builtin_traces()
+    );
+    assert_eq!(avmp::builtin_traces().len(), 12);
+    assert_eq!(
+        avmp::load_golden(&dir.join("golden.jsonl")).unwrap(),
+        avmp::builtin_golden()
+    );
 }

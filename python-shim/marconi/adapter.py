@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from .cache import AdmitResult, Lease, PrefixCache, Tokens
+from .cache import U64_MAX, AdmitResult, Lease, PrefixCache, Tokens, _uint
 
 
 @dataclass(eq=False)
@@ -103,8 +103,12 @@ class MarconiPrefixCache:
     def match_prefix(self, key: Tokens, namespace: int = 0, dst_slot: Optional[int] = None, **_: Any) -> MatchResult:
         """Looks up `key`; the usable prefix is result.last_device_node.hit_tokens."""
         lease = self.cache.lookup(key, namespace, dst_slot)
-        node = MarconiNode(lease, key_len=len(key))
-        return MatchResult(lease.kv_pages, node, node)
+        try:
+            node = MarconiNode(lease, key_len=lease.input_len)
+            return MatchResult(lease.kv_pages, node, node)
+        except BaseException:
+            lease.release()  # the caller never gets the node that would release it
+            raise
 
     def inc_lock_ref(self, node: MarconiNode) -> int:
         """Marks one more user of the node (its lease stays pinned)."""
@@ -161,9 +165,11 @@ class MarconiPrefixCache:
     # -- eviction and sizes ------------------------------------------------
 
     def evict(self, num_tokens: int, evict_callback: Optional[Callable[[list[int]], Any]] = None):
-        """Frees about `num_tokens` tokens' worth of bytes. Freed KV page ids
-        go to `evict_callback` (if given); returns (page ids, state slots)."""
-        self.cache.evict(num_tokens * self._kv_bpt)
+        """Frees about `num_tokens` tokens' worth of bytes (any
+        number: more than the cache holds frees everything). Freed KV page ids go to
+        `evict_callback` (if given); returns (page ids, state slots)."""
+        # A request beyond what a uint64 of bytes holds is "everything".
+        self.cache.evict(min(_uint(num_tokens, "num_tokens", None) * self._kv_bpt, U64_MAX))
         pages, slots = self.cache.drain_freed()
         if evict_callback is not None and pages:
             evict_callback(pages)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import array
 import ctypes
 import json
+import operator
 import threading
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -46,8 +48,68 @@ EVICTION = {"lru": 0, "flop_aware": 1}
 OBJECTIVE = {"flops_saved": 0, "token_hits": 1}
 
 
+U32_MAX = 0xFFFF_FFFF
+U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+
+
+class OutOfRangeError(ValueError, OverflowError):
+    """An integer that does not fit its C type: both an OverflowError (as
+    Python's own C conversions raise) and a ValueError (as a bad token id
+    always raised here)."""
+
+
+def _uint(value: Any, name: str, hi: Optional[int]) -> int:
+    """`value` as a Python int in [0, hi] (hi None: no upper bound), for a
+    C argument called `name`.
+    ctypes would silently truncate an int that does not fit (2**64 + 1 -> 1,
+    -1 -> UINT64_MAX) and take True as 1, so every integer argument of the
+    public API goes through here: TypeError for bool, float and other
+    non-integers, OutOfRangeError (an OverflowError and a ValueError) outside
+    [0, hi]. Integer-like objects (numpy integers) are accepted via
+    __index__. One comparison for the common case."""
+    if type(value) is int and 0 <= value and (hi is None or value <= hi):
+        return value
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    v = operator.index(value)
+    if hi is None:
+        if v < 0:
+            raise OutOfRangeError(f"{name}: {v} is negative")
+    elif not 0 <= v <= hi:
+        kind = "uint32" if hi == U32_MAX else "uint64" if hi == U64_MAX else f"[0, {hi}]"
+        raise OutOfRangeError(f"{name}: {v} does not fit in {kind} (0 to {hi})")
+    return v
+
+
+def _u32(value: Any, name: str) -> int:
+    return _uint(value, name, U32_MAX)
+
+
+def _u64(value: Any, name: str) -> int:
+    return _uint(value, name, U64_MAX)
+
+
+def _flag(value: Any, name: str) -> int:
+    """A bool argument (True/False, or the ints 0 and 1) as 0 or 1."""
+    if value is True or value is False:
+        return int(value)
+    if type(value) is int:
+        if value in (0, 1):
+            return value
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def _real(value: Any, name: str) -> float:
+    """A float argument: an int or a float, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def status_message(status: int) -> str:
     """The fixed text of a status code (marconi_status_message)."""
+    status = _u32(status, "status")
     lib = _lib.load()
     n = lib.marconi_status_message(status, None, 0)
     buf = ctypes.create_string_buffer(n + 1)
@@ -71,20 +133,31 @@ def version() -> str:
 
 class MarconiError(Exception):
     """A call refused by libmarconi. `status` is the marconi_status value,
-    `name` its name (e.g. "UNKNOWN_LEASE"), `detail` the last-error text
-    (e.g. "marconi_cache_lookup: tokens is NULL but length is 12"). A refused
-    call changed nothing in the cache."""
+    `name` its name (e.g. "UNKNOWN_LEASE"), `function` the C function that
+    refused (e.g. "marconi_cache_lookup", or None), `detail` the library's
+    last-error text for that call (e.g. "marconi_cache_lookup: tokens is NULL
+    but length is 12"; for MARCONI_STATUS_PANIC it carries the panic
+    message). A refused call changed nothing in the cache."""
 
-    def __init__(self, status: int, detail: str):
+    def __init__(self, status: int, detail: str, function: Optional[str] = None):
         self.status = status
         self.name = STATUS_NAMES[status] if status < len(STATUS_NAMES) else f"STATUS_{status}"
         self.detail = detail
+        self.function = function
         super().__init__(f"{self.name}: {status_message(status)} ({detail})")
 
 
-def _check(status: int) -> None:
+def _check(status: int, function: str) -> None:
+    """Raises MarconiError when `function` (just called by this thread)
+    returned a failure. The library records "<function>: <detail>" as the
+    thread's last error on every failure and leaves it alone on success, so
+    a text naming another function is an older failure's: it is not passed
+    off as this one's detail."""
     if status != 0:
-        raise MarconiError(status, last_error())
+        detail = last_error()
+        if not detail.startswith(function + ":"):
+            detail = f"{function}: no detail from the library (status {status})"
+        raise MarconiError(status, detail, function)
 
 
 def _u32_array(tokens: Tokens, what: str = "tokens"):
@@ -108,8 +181,10 @@ def _u32_array(tokens: Tokens, what: str = "tokens"):
         tokens = mv.tolist()
     seq = list(tokens)
     for t in seq:
-        if not isinstance(t, int) or not 0 <= t <= 0xFFFF_FFFF:
-            raise ValueError(f"{what}: {t!r} is not a uint32 token id")
+        if type(t) is not int or not 0 <= t <= U32_MAX:
+            # Rare: name the bad element (or convert numpy integers).
+            seq = [_u32(t, f"{what}[{i}]") for i, t in enumerate(seq)]
+            break
     n = len(seq)
     return ((ctypes.c_uint32 * n)(*seq) if n else None), n
 
@@ -137,12 +212,14 @@ class AdmitResult:
 class Lease:
     """The result of a lookup, pinning what the request reuses until
     released. A context manager: leaving the `with` block releases it (if not
-    released already)."""
+    released already). Not copyable: it is one pin, released once."""
 
-    def __init__(self, cache: "PrefixCache", raw: Any, kv_pages: list[int], plan: list[int]):
+    def __init__(self, cache: "PrefixCache", raw: Any, kv_pages: list[int], plan: list[int], input_len: int = 0):
         self._cache = cache
         self.id: int = raw.lease
         """The lease id (never reused, never valid in another cache)."""
+        self.input_len: int = input_len
+        """Tokens looked up (the input's length)."""
         self.hit_tokens: int = raw.hit_tokens
         """Leading tokens the engine may skip (< input length)."""
         self.kv_matched_tokens: int = raw.kv_matched_tokens
@@ -158,6 +235,8 @@ class Lease:
         self.plan: list[int] = plan
         """Positions at which to save recurrent states during this prefill."""
         self.released = False
+        """True once released, whether through this object, by its id
+        (PrefixCache.release(lease.id)), or by closing the cache."""
 
     def admit(self, tokens: Tokens, states: Iterable = (), kv_pages: Optional[Tokens] = None) -> AdmitResult:
         """PrefixCache.admit under this lease."""
@@ -174,6 +253,15 @@ class Lease:
         if not self.released:
             self.release()
 
+    def __copy__(self):
+        raise TypeError("a Lease cannot be copied: it is one pin of a cache, released once")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a Lease cannot be pickled: it is only valid in the process and cache that made it")
+
     def __repr__(self) -> str:
         return (
             f"Lease(id={self.id}, hit_tokens={self.hit_tokens}, "
@@ -185,11 +273,19 @@ class Lease:
 class PrefixCache:
     """A libmarconi prefix cache (marconi_cache). Safe to share between
     threads (the library locks internally; ctypes releases the GIL during
-    calls). Close it with close() or a `with` block.
+    calls). Close it with close() or a `with` block; close() waits for the
+    calls other threads have in flight, and later calls raise ValueError.
+    Not copyable or picklable (it owns the native cache).
 
     model: a preset name ("paper-7b", "jamba-1.5-mini", "nemotron-h-8b", ...)
     or a dict of marconi_model_spec fields. alpha: None for online tuning,
     or a fixed float.
+
+    Every integer argument is checked against its C type before the call
+    (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace
+    1): TypeError for a bool, float or other non-integer, an OverflowError
+    that is also a ValueError for a value out of range (negative, or above
+    UINT32_MAX / UINT64_MAX), both naming the argument.
     """
 
     def __init__(
@@ -209,55 +305,127 @@ class PrefixCache:
         decision_log: bool = False,
         protect_branch_states: bool = True,
     ):
+        # The lifetime state first, so that close() (from __del__) works on
+        # an object whose __init__ raised.
+        self._handle: Optional[ctypes.c_void_p] = None
+        self._state = threading.Condition()
+        self._inflight = 0
+        """Calls between _begin() and _end() (inside the library, or about to be)."""
+        self._closing = False
+        self._orphaned = False
+        """close() gave up waiting: the last call to end frees the handle."""
+        self._leases: "weakref.WeakValueDictionary[int, Lease]" = weakref.WeakValueDictionary()
         lib = _lib.load()
         cfg = _lib.marconi_cache_config()
-        _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)))
+        _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
         if isinstance(model, str):
+            if "\0" in model:
+                raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
             preset = model.encode()
             cfg.model_preset = preset
-        else:
+        elif isinstance(model, Mapping):
+            fields = dict(_lib.marconi_model_spec._fields_)
             for k, v in model.items():
-                if k not in dict(_lib.marconi_model_spec._fields_):
-                    raise ValueError(f"unknown model field {k!r}")
-                setattr(cfg.model, k, v)
+                if k not in fields:
+                    raise ValueError(f"model: unknown model field {k!r}")
+                hi = U32_MAX if fields[k] is ctypes.c_uint32 else U64_MAX
+                setattr(cfg.model, k, _uint(v, f"model.{k}", hi))
+        else:
+            raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
         if admission not in ADMISSION or eviction not in EVICTION or tuner_objective not in OBJECTIVE:
             raise ValueError("admission, eviction or tuner_objective is not a known policy")
-        cfg.capacity_bytes = capacity_bytes
-        cfg.page_size = page_size
-        cfg.checkpoint_grid = checkpoint_grid
+        cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
+        cfg.page_size = page_size = _u32(page_size, "page_size")
+        cfg.checkpoint_grid = _u32(checkpoint_grid, "checkpoint_grid")
         cfg.admission = ADMISSION[admission]
-        cfg.block_size = block_size
+        cfg.block_size = _u32(block_size, "block_size")
         cfg.eviction = EVICTION[eviction]
-        cfg.decision_log = int(decision_log)
-        cfg.protect_branch_states = int(protect_branch_states)
+        cfg.decision_log = _flag(decision_log, "decision_log")
+        cfg.protect_branch_states = _flag(protect_branch_states, "protect_branch_states")
         cfg.tuner_objective = OBJECTIVE[tuner_objective]
-        cfg.tuner_threads = tuner_threads
+        cfg.tuner_threads = _u32(tuner_threads, "tuner_threads")
         if alpha is None:
             cfg.alpha_mode = 1
         else:
             cfg.alpha_mode = 0
-            cfg.alpha = alpha
+            cfg.alpha = _real(alpha, "alpha")
         grid = None
         if tuner_grid is not None:
-            grid = (ctypes.c_double * len(tuner_grid))(*tuner_grid)
+            values = [_real(x, f"tuner_grid[{i}]") for i, x in enumerate(tuner_grid)]
+            grid = (ctypes.c_double * len(values))(*values)
             cfg.tuner_grid = ctypes.cast(grid, ctypes.POINTER(ctypes.c_double))
-            cfg.tuner_grid_len = len(tuner_grid)
+            cfg.tuner_grid_len = len(values)
         handle = ctypes.c_void_p()
-        _check(lib.marconi_cache_new(ctypes.byref(cfg), ctypes.byref(handle)))
+        _check(lib.marconi_cache_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_cache_new")
         self._lib = lib
-        self._handle: Optional[ctypes.c_void_p] = handle
-        self._close_lock = threading.Lock()
+        self._handle = handle
         self.page_size = page_size
 
     # -- lifetime --------------------------------------------------------
+    #
+    # Every method brackets its native calls with _begin() / _end(), which
+    # count the calls in flight under self._state. close() stops new calls,
+    # waits (on the condition, holding no lock the library or a returning
+    # call needs) until none is in flight, and only then frees the handle:
+    # marconi_cache_free never runs beside another call on the cache, and no
+    # call ever gets a freed handle. The library's own mutex is only taken
+    # inside native calls, never while self._state is held.
 
-    def close(self) -> None:
-        """Frees the cache (marconi_cache_free). Idempotent; no call may run
-        concurrently with it."""
-        with self._close_lock:
+    def _begin(self) -> ctypes.c_void_p:
+        """The handle, for one method's native calls; pair with _end()."""
+        with self._state:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            self._inflight += 1
+            return self._handle
+
+    def _end(self) -> None:
+        with self._state:
+            self._inflight -= 1
+            if self._inflight or not self._closing:
+                return
+            self._state.notify_all()
+            if not self._orphaned:
+                return  # close() is waiting and frees
             h, self._handle = self._handle, None
+        self._free(h)
+
+    def _free(self, h: Optional[ctypes.c_void_p]) -> None:
         if h is not None:
             self._lib.marconi_cache_free(h)
+
+    @property
+    def closed(self) -> bool:
+        """True once close() has begun: every later call raises ValueError."""
+        return self._closing
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Frees the cache (marconi_cache_free). Idempotent and thread-safe.
+        New calls are refused at once (ValueError) and every live Lease is
+        marked released; calls already running on other threads are waited
+        for, for at most `timeout` seconds (None: as long as they take). If
+        some are still running then, raises TimeoutError and leaves the cache
+        closed to new calls: the last of those calls frees it as it returns."""
+        if timeout is not None:
+            timeout = _real(timeout, "timeout")
+            if not timeout >= 0:
+                raise ValueError(f"timeout: {timeout} is negative")
+        with self._state:
+            if not self._closing:
+                self._closing = True
+                leases = list(self._leases.values())
+                self._leases.clear()
+                for lease in leases:  # the library drops them with the cache
+                    lease.released = True
+            if not self._state.wait_for(lambda: self._inflight == 0, timeout):
+                self._orphaned = True
+                n = self._inflight
+                raise TimeoutError(
+                    f"{n} call{' is' if n == 1 else 's are'} still running on the cache; it is closed "
+                    "to new calls and is freed when the last one returns"
+                )
+            h, self._handle = self._handle, None
+        self._free(h)
 
     def __enter__(self) -> "PrefixCache":
         return self
@@ -271,12 +439,23 @@ class PrefixCache:
         except Exception:
             pass
 
+    def __copy__(self):
+        raise TypeError("a PrefixCache cannot be copied: it owns its native cache (share the object instead)")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a PrefixCache cannot be pickled: it owns a native cache of this process")
+
     @property
     def handle(self) -> ctypes.c_void_p:
-        """The raw marconi_cache pointer (for passing to other C code)."""
-        if self._handle is None:
-            raise ValueError("the cache is closed")
-        return self._handle
+        """The raw marconi_cache pointer (for passing to other C code, which
+        must be done with it before close() is called)."""
+        with self._state:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            return self._handle
 
     # -- the request cycle -----------------------------------------------
 
@@ -285,32 +464,54 @@ class PrefixCache:
         lease (release it, or use it as a context manager). With `dst_slot`
         (the request's own state slot) the lease carries the copy order when
         the hit resumes from a cached slot."""
+        ns = _u64(namespace, "namespace")
+        dst = NO_SLOT if dst_slot is None else _u32(dst_slot, "dst_slot")
         arr, n = _u32_array(tokens)
         raw = _lib.marconi_lookup()
-        h = self.handle
-        _check(
-            self._lib.marconi_cache_lookup(
-                h, namespace, arr, n, NO_SLOT if dst_slot is None else dst_slot, ctypes.byref(raw)
-            )
-        )
-        pages = self._lease_list(self._lib.marconi_cache_lease_kv_pages, raw.lease, raw.n_kv_pages)
-        plan = self._lease_list(self._lib.marconi_cache_lease_plan, raw.lease, raw.n_plan)
-        return Lease(self, raw, pages, plan)
+        lib = self._lib
+        h = self._begin()
+        try:
+            _check(lib.marconi_cache_lookup(h, ns, arr, n, dst, ctypes.byref(raw)), "marconi_cache_lookup")
+            try:
+                pages = self._lease_list(h, "marconi_cache_lease_kv_pages", raw.lease, raw.n_kv_pages)
+                plan = self._lease_list(h, "marconi_cache_lease_plan", raw.lease, raw.n_plan)
+                lease = Lease(self, raw, pages, plan, n)
+                with self._state:
+                    if self._closing:  # close() began meanwhile and frees it
+                        lease.released = True
+                    else:
+                        self._leases[lease.id] = lease
+            except BaseException:
+                # Nobody would ever see this lease: release it (the error
+                # raised is the first one, whose detail is already read).
+                lib.marconi_cache_release(h, raw.lease)
+                raise
+        finally:
+            self._end()
+        return lease
 
-    def _lease_list(self, fn, lease: int, n: int) -> list[int]:
+    def _lease_list(self, h: ctypes.c_void_p, fn: str, lease: int, n: int) -> list[int]:
         buf = (ctypes.c_uint32 * max(n, 1))()
         out = ctypes.c_size_t()
-        _check(fn(self.handle, lease, buf, n, ctypes.byref(out)))
+        _check(getattr(self._lib, fn)(h, lease, buf, n, ctypes.byref(out)), fn)
         return list(buf[: out.value])
+
+    def _lease_id(self, lease: Union[Lease, int]) -> int:
+        return lease.id if isinstance(lease, Lease) else _u64(lease, "lease")
 
     def plan(self, lease: Union[Lease, int]) -> list[int]:
         """The checkpoint positions planned for a lease."""
-        lid = lease.id if isinstance(lease, Lease) else lease
+        lid = self._lease_id(lease)
+        fn = "marconi_cache_lease_plan"
         out = ctypes.c_size_t()
-        st = self._lib.marconi_cache_lease_plan(self.handle, lid, None, 0, ctypes.byref(out))
-        if st not in (0, 3):
-            _check(st)
-        return self._lease_list(self._lib.marconi_cache_lease_plan, lid, out.value)
+        h = self._begin()
+        try:
+            st = self._lib.marconi_cache_lease_plan(h, lid, None, 0, ctypes.byref(out))
+            if st not in (0, 3):
+                _check(st, fn)
+            return self._lease_list(h, fn, lid, out.value)
+        finally:
+            self._end()
 
     def admit(
         self,
@@ -323,18 +524,26 @@ class PrefixCache:
         under `lease` with the saved `states`: (position, slot) pairs (slot
         None when slots are not tracked). The slots of taken states and the
         pages in `kv_pages_taken` become the cache's."""
-        lid = lease.id if isinstance(lease, Lease) else lease
+        lid = self._lease_id(lease)
         arr, n = _u32_array(tokens)
-        st_list = [(p, NO_SLOT if s is None else s) for p, s in states]
+        st_list = [
+            (_u32(p, f"states[{i}].position"), NO_SLOT if s is None else _u32(s, f"states[{i}].slot"))
+            for i, (p, s) in enumerate(states)
+        ]
         st_arr = (_lib.marconi_saved_state * len(st_list))(*st_list) if st_list else None
         pages, n_pages = _u32_array(kv_pages if kv_pages is not None else [], "kv_pages")
         taken = (ctypes.c_uint8 * len(st_list))() if st_list else None
         raw = _lib.marconi_admit_result()
-        _check(
-            self._lib.marconi_cache_admit(
-                self.handle, lid, arr, n, st_arr, len(st_list), pages, n_pages, taken, ctypes.byref(raw)
+        h = self._begin()
+        try:
+            _check(
+                self._lib.marconi_cache_admit(
+                    h, lid, arr, n, st_arr, len(st_list), pages, n_pages, taken, ctypes.byref(raw)
+                ),
+                "marconi_cache_admit",
             )
-        )
+        finally:
+            self._end()
         return AdmitResult(
             states_taken=raw.states_taken,
             slots_returned=raw.slots_returned,
@@ -346,9 +555,19 @@ class PrefixCache:
         )
 
     def release(self, lease: Union[Lease, int]) -> None:
-        """Releases a lease; MarconiError(UNKNOWN_LEASE) if already released."""
-        lid = lease.id if isinstance(lease, Lease) else lease
-        _check(self._lib.marconi_cache_release(self.handle, lid))
+        """Releases a lease, given as its Lease or its id (either way the
+        Lease object is marked released); MarconiError(UNKNOWN_LEASE) if
+        already released."""
+        lid = self._lease_id(lease)
+        h = self._begin()
+        try:
+            _check(self._lib.marconi_cache_release(h, lid), "marconi_cache_release")
+        finally:
+            self._end()
+        with self._state:
+            live = self._leases.pop(lid, None)
+        if live is not None:
+            live.released = True
         if isinstance(lease, Lease):
             lease.released = True
 
@@ -373,56 +592,76 @@ class PrefixCache:
     def drain_freed(self) -> tuple[list[int], list[int]]:
         """(kv page ids, state slot ids) freed by evictions since the last
         drain; the engine may reuse them."""
-        h = self.handle
-        while True:
-            np_, ns_ = ctypes.c_size_t(), ctypes.c_size_t()
-            st = self._lib.marconi_cache_drain_freed(h, None, 0, ctypes.byref(np_), None, 0, ctypes.byref(ns_))
-            if st == 0:
-                return [], []
-            if st != 3:
-                _check(st)
-            pages = (ctypes.c_uint32 * max(np_.value, 1))()
-            slots = (ctypes.c_uint32 * max(ns_.value, 1))()
-            st = self._lib.marconi_cache_drain_freed(
-                h, pages, np_.value, ctypes.byref(np_), slots, ns_.value, ctypes.byref(ns_)
-            )
-            if st == 3:  # another thread added ids in between: ask again
-                continue
-            _check(st)
-            return list(pages[: np_.value]), list(slots[: ns_.value])
+        fn = "marconi_cache_drain_freed"
+        drain = self._lib.marconi_cache_drain_freed
+        h = self._begin()
+        try:
+            while True:
+                np_, ns_ = ctypes.c_size_t(), ctypes.c_size_t()
+                st = drain(h, None, 0, ctypes.byref(np_), None, 0, ctypes.byref(ns_))
+                if st == 0:
+                    return [], []
+                if st != 3:
+                    _check(st, fn)
+                pages = (ctypes.c_uint32 * max(np_.value, 1))()
+                slots = (ctypes.c_uint32 * max(ns_.value, 1))()
+                st = drain(h, pages, np_.value, ctypes.byref(np_), slots, ns_.value, ctypes.byref(ns_))
+                if st == 3:  # another thread added ids in between: ask again
+                    continue
+                _check(st, fn)
+                return list(pages[: np_.value]), list(slots[: ns_.value])
+        finally:
+            self._end()
 
     def evict(self, nbytes: int) -> int:
         """Evicts until `nbytes` are free (or nothing evictable is left);
         returns the bytes now free."""
+        nbytes = _u64(nbytes, "nbytes")
         out = ctypes.c_uint64()
-        _check(self._lib.marconi_cache_evict(self.handle, nbytes, ctypes.byref(out)))
+        h = self._begin()
+        try:
+            _check(self._lib.marconi_cache_evict(h, nbytes, ctypes.byref(out)), "marconi_cache_evict")
+        finally:
+            self._end()
         return out.value
 
     def stats(self) -> dict:
         """Counters and gauges (marconi_stats) as a dict."""
         s = _lib.marconi_stats()
         s.struct_size = ctypes.sizeof(s)
-        _check(self._lib.marconi_cache_stats(self.handle, ctypes.byref(s)))
+        h = self._begin()
+        try:
+            _check(self._lib.marconi_cache_stats(h, ctypes.byref(s)), "marconi_cache_stats")
+        finally:
+            self._end()
         return {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
 
     def drain_log(self) -> list[dict]:
         """Decision-log records since the last drain (decision_log=True), as
         dicts parsed from the JSON lines."""
-        h = self.handle
         out = []
         n = ctypes.c_size_t()
         cap = 1 << 16
-        while True:
-            buf = ctypes.create_string_buffer(cap)
-            st = self._lib.marconi_cache_drain_log(h, buf, cap, ctypes.byref(n))
-            if st == 3:
-                cap = max(cap * 2, n.value)
-                continue
-            _check(st)
-            if n.value == 0:
-                return out
-            out.extend(json.loads(line) for line in buf.raw[: n.value].decode().splitlines())
+        h = self._begin()
+        try:
+            while True:
+                buf = ctypes.create_string_buffer(cap)
+                st = self._lib.marconi_cache_drain_log(h, buf, cap, ctypes.byref(n))
+                if st == 3:
+                    cap = max(cap * 2, n.value)
+                    continue
+                _check(st, "marconi_cache_drain_log")
+                if n.value == 0:
+                    break
+                out.append(buf.raw[: n.value])
+        finally:
+            self._end()
+        return [json.loads(line) for chunk in out for line in chunk.decode().splitlines()]
 
     def check(self) -> None:
         """Checks the internal invariants (MarconiError(INVARIANT_VIOLATED))."""
-        _check(self._lib.marconi_cache_check(self.handle))
+        h = self._begin()
+        try:
+            _check(self._lib.marconi_cache_check(h), "marconi_cache_check")
+        finally:
+            self._end()

@@ -10,6 +10,14 @@
 The library is found through $MARCONI_LIBRARY, else the package directory,
 else the cargo target dir (see marconi._lib.library_path). MarconiPrefixCache
 is an adapter with the method names of a Python engine's radix cache.
+
+Misuse is refused rather than passed on to C: a PrefixCache (or Lease)
+cannot be copied or pickled (TypeError); close() waits for calls running on
+other threads (or, with a timeout, raises TimeoutError and lets the last of
+them free the cache) and later calls raise ValueError; every integer
+argument is checked against its C type (TypeError for bool or float,
+OutOfRangeError, an OverflowError and ValueError, when it does not fit);
+a MarconiError carries the failing C function and the library's detail.
 """
 
 from ._lib import NO_SLOT, library_path

@@ -127,7 +127,9 @@ class MarconiPrefixCache:
     def _finish(self, node: MarconiNode) -> None:
         if not node.done:
             node.done = True
-            node.lease.release()
+            # Already released by its id, or with its cache by reset().
+            if not node.lease.released:
+                node.lease.release()
 
     # -- insertion ---------------------------------------------------------
 

@@ -336,3 +336,16 @@ def test_a_stale_last_error_is_not_reported_as_the_detail():
             cache.evict(0)
         assert e.value.name == "PANIC" and e.value.function == "marconi_cache_evict"
         assert "12345" not in str(e.value) and "no detail" in e.value.detail
+
+
+def test_a_node_of_a_reset_cache_finishes_quietly():
+    tree = MarconiPrefixCache(BIG)
+    node = tree.match_prefix([1, 2, 3]).last_device_node
+    tree.inc_lock_ref(node)
+    tree.reset()  # closes the old cache: its leases went with it
+    assert node.lease.released
+    tree.dec_lock_ref(node)
+    req = type("Req", (), {"origin_input_ids": [1, 2, 3], "output_ids": [], "last_node": node})()
+    with pytest.raises(ValueError, match="closed"):
+        tree.cache_finished_req(req)  # admitting into the closed cache is refused
+    assert tree.cache.stats()["leases"] == 0

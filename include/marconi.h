@@ -10,13 +10,20 @@
  *  - a buffer pointer is always followed by its length (in elements);
  *  - a NULL buffer with length 0 is an empty buffer; NULL with a length > 0
  *    is MARCONI_STATUS_NULL_ARGUMENT;
+ *  - NULL is checked first: a call given a NULL required pointer (or a NULL
+ *    buffer with a length > 0) returns MARCONI_STATUS_NULL_ARGUMENT, whatever
+ *    else is wrong with its arguments;
  *  - functions returning marconi_status write their outputs only when they
  *    return MARCONI_STATUS_OK (the documented exception: a "needed size"
  *    output on MARCONI_STATUS_BUFFER_TOO_SMALL); a failing call changes
  *    nothing in the cache, and marconi_last_error() describes it;
  *  - no pointer passed in is kept after the call returns;
  *  - a Rust panic never unwinds into the caller: it becomes
- *    MARCONI_STATUS_PANIC.
+ *    MARCONI_STATUS_PANIC, and its message and location go to
+ *    marconi_last_error() (and a `tracing` event), never to stderr;
+ *  - every function may be called from a thread-exit destructor (a C++
+ *    thread_local object, a pthread key): it behaves as anywhere else,
+ *    except that marconi_last_error() may then keep no text.
  *
  * Thread safety: a marconi_cache may be used from several threads at once
  * (an internal lock serialises calls), except marconi_cache_free, which the
@@ -39,6 +46,11 @@
 /** "MAJOR.MINOR.PATCH". */
 #define MARCONI_VERSION_STRING "0.1.0"
 
+/**
+ * Every marconi_status, in value order, as an array initialiser:
+ * `static const marconi_status all[] = marconi_status_ALL;`
+ */
+#define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE }
 
 /**
  * The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -487,7 +499,8 @@ typedef struct marconi_lookup {
   /**
    * The lease pinning what this request reuses: pass it to
    * marconi_cache_admit and release it with marconi_cache_release. Never 0,
-   * never reused, and never valid in another cache.
+   * never reused, and never valid in another cache (ids come once each
+   * from one process-wide sequence).
    */
   uint64_t lease;
   /**
@@ -685,11 +698,6 @@ typedef struct marconi_stats {
   uint64_t state_bytes_per_entry;
 } marconi_stats;
 
-/**
- * Every status, in value order.
- */
-#define marconi_status_ALL { marconi_status_Ok, marconi_status_NullArgument, marconi_status_InvalidArgument, marconi_status_BufferTooSmall, marconi_status_Panic, marconi_status_Poisoned, marconi_status_InvalidConfig, marconi_status_UnknownPreset, marconi_status_EmptyTokens, marconi_status_TooManyTokens, marconi_status_UnknownLease, marconi_status_PrefixMismatch, marconi_status_BadPageList, marconi_status_NotPlanned, marconi_status_PositionOutOfRange, marconi_status_DuplicatePosition, marconi_status_DuplicateSlot, marconi_status_DuplicatePage, marconi_status_InvariantViolated, marconi_status_UnsupportedStructSize, }
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -750,7 +758,7 @@ marconi_status marconi_cache_new(const struct marconi_cache_config *cfg,
 /**
  * Frees a cache and everything it holds. NULL is a no-op. Every lease of the
  * cache becomes invalid; a stale lease passed to another cache is refused
- * with MARCONI_STATUS_UNKNOWN_LEASE (lease ids carry their cache's identity).
+ * with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
  *
  * Thread safety: must not run concurrently with any other call on this
  * cache; the handle must not be used afterwards.

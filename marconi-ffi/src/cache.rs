@@ -10,7 +10,8 @@ use marconi_core::{Decision, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, FfiError,
+    FfiResult,
 };
 
 /// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -19,30 +20,58 @@ use crate::status::{
 /// (no copy order wanted). UINT32_MAX is therefore never a valid slot id.
 pub const MARCONI_NO_SLOT: u32 = u32::MAX;
 
-/// Bits of a C lease id that carry the core's lease number; the bits above
-/// carry the cache's generation, so a lease of one cache (or of a freed
-/// cache) is never valid in another.
-const LEASE_BITS: u32 = 40;
-const LEASE_MASK: u64 = (1 << LEASE_BITS) - 1;
-/// Generations live in the top 24 bits.
-const GEN_MASK: u64 = (1 << (64 - LEASE_BITS)) - 1;
+/// The sequence C lease ids are drawn from, shared by every cache of the
+/// process. Why: a lease id must never be valid in another cache, live or
+/// freed. An id made of a per-cache tag and a per-cache number repeats once
+/// the tag wraps (a 24-bit generation did after 2^24 caches); an id drawn
+/// once from a process-wide sequence that refuses to wrap is issued at most
+/// once per process, and each cache accepts only the ids it issued and has
+/// not seen released (`Inner::leases`), so no other cache can accept it.
+static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
 
-/// Process-wide generation counter for cache handles.
-static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
+/// The next C lease id from `counter`, or None once the 2^64 − 1 ids are
+/// spent (the counter stays there: it never wraps). Never 0.
+fn next_lease_id(counter: &AtomicU64) -> Option<u64> {
+    let n = counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
+        .ok()?;
+    Some(scramble(n))
+}
+
+/// A bijection of u64 (SplitMix64's finaliser: each xor-shift and each
+/// multiplication by an odd constant is invertible) with scramble(0) == 0.
+/// Ids stay unique and non-zero, and a made-up or off-by-one id (12345, a
+/// valid id + 1) is almost never one a cache issued.
+fn scramble(n: u64) -> u64 {
+    let mut z = n;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
 
 /// A prefix cache handle: opaque to C. Create with marconi_cache_new, free
 /// with marconi_cache_free.
 pub struct marconi_cache {
-    generation: u64,
     inner: Mutex<Inner>,
+}
+
+/// An outstanding lease, by its C id.
+struct Lease {
+    /// The core's lease number.
+    core: u64,
+    /// KV page ids of its hit.
+    pages: Vec<u32>,
 }
 
 /// What the lock protects: the core cache and the outputs waiting to be
 /// drained by the engine.
 struct Inner {
     cache: PrefixCache,
-    /// KV page ids of each outstanding lease's hit (core lease number).
-    lease_pages: HashMap<u64, Vec<u32>>,
+    /// Outstanding leases by C id: the only ids this cache accepts.
+    leases: HashMap<u64, Lease>,
+    /// C id of each outstanding core lease, kept only with the decision log
+    /// on (records name core leases; the engine sees C ids).
+    c_of_core: Option<HashMap<u64, u64>>,
     /// State slots the cache owns (taken by admissions, not yet freed).
     owned_slots: HashSet<u32>,
     freed_pages: Vec<u32>,
@@ -63,24 +92,41 @@ impl Inner {
         self.freed_slots.extend(f.state_slots);
     }
 
-    fn collect_log(&mut self, generation: u64) -> FfiResult {
+    /// Moves the core's decision records into the pending JSON lines. Runs
+    /// after every call that can log a lease while the lease's C id is still
+    /// known, so records keep their order and name the ids the engine saw.
+    fn collect_log(&mut self) {
+        let Some(c_of_core) = &self.c_of_core else {
+            return;
+        };
         for mut d in self.cache.drain_log() {
-            // Records name leases by the ids the engine sees.
             match &mut d {
                 Decision::Lookup { lease, .. }
                 | Decision::Plan { lease, .. }
                 | Decision::Admit { lease, .. }
-                | Decision::Release { lease } => *lease |= generation << LEASE_BITS,
+                | Decision::Release { lease } => {
+                    *lease = c_of_core.get(lease).copied().unwrap_or(0)
+                }
                 _ => {}
             }
-            let mut line = serde_json::to_string(&d).map_err(|e| {
-                FfiError::new(marconi_status::InvalidArgument, format!("log record: {e}"))
-            })?;
+            let mut line = serde_json::to_string(&d).unwrap_or_else(|e| {
+                serde_json::json!({ "kind": "unserialisable", "error": e.to_string() }).to_string()
+            });
             line.push('\n');
             self.log_bytes += line.len();
             self.log.push_back(line);
         }
-        Ok(())
+    }
+
+    /// The core lease number of C lease id `lease`, if this cache issued it
+    /// and it is outstanding.
+    fn core_lease(&self, lease: u64) -> FfiResult<u64> {
+        self.leases.get(&lease).map(|l| l.core).ok_or_else(|| {
+            FfiError::new(
+                marconi_status::UnknownLease,
+                format!("lease {lease} was not issued by this cache or is already released"),
+            )
+        })
     }
 }
 
@@ -90,7 +136,8 @@ impl Inner {
 pub struct marconi_lookup {
     /// The lease pinning what this request reuses: pass it to
     /// marconi_cache_admit and release it with marconi_cache_release. Never 0,
-    /// never reused, and never valid in another cache.
+    /// never reused, and never valid in another cache (ids come once each
+    /// from one process-wide sequence).
     pub lease: u64,
     /// Leading tokens the engine may skip. Always less than the input length:
     /// the last input token is recomputed to produce the first logits.
@@ -239,21 +286,6 @@ impl marconi_cache {
             )
         })
     }
-
-    fn c_lease(&self, core: u64) -> u64 {
-        (self.generation << LEASE_BITS) | core
-    }
-
-    /// The core lease number of a C lease id of this cache.
-    fn core_lease(&self, lease: u64) -> FfiResult<u64> {
-        if lease >> LEASE_BITS != self.generation || lease & LEASE_MASK == 0 {
-            return Err(FfiError::new(
-                marconi_status::UnknownLease,
-                format!("lease {lease} was not issued by this cache"),
-            ));
-        }
-        Ok(lease & LEASE_MASK)
-    }
 }
 
 /// Checks the cache pointer and borrows the handle.
@@ -295,6 +327,8 @@ pub unsafe extern "C" fn marconi_cache_new(
     out: *mut *mut marconi_cache,
 ) -> marconi_status {
     boundary("marconi_cache_new", || {
+        require!(cfg);
+        require!(out);
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
@@ -302,12 +336,12 @@ pub unsafe extern "C" fn marconi_cache_new(
         // SAFETY: the pointers inside c follow the documented contracts.
         let core_cfg = unsafe { to_core_config(&c) }?;
         let cache = PrefixCache::new(core_cfg)?;
-        let generation = NEXT_GEN.fetch_add(1, Ordering::Relaxed) & GEN_MASK;
+        let c_of_core = cache.config().decision_log.then(HashMap::new);
         let handle = Box::new(marconi_cache {
-            generation: generation.max(1),
             inner: Mutex::new(Inner {
                 cache,
-                lease_pages: HashMap::new(),
+                leases: HashMap::new(),
+                c_of_core,
                 owned_slots: HashSet::new(),
                 freed_pages: Vec::new(),
                 freed_slots: Vec::new(),
@@ -323,7 +357,7 @@ pub unsafe extern "C" fn marconi_cache_new(
 
 /// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
 /// cache becomes invalid; a stale lease passed to another cache is refused
-/// with MARCONI_STATUS_UNKNOWN_LEASE (lease ids carry their cache's identity).
+/// with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
 ///
 /// Thread safety: must not run concurrently with any other call on this
 /// cache; the handle must not be used afterwards.
@@ -374,6 +408,9 @@ pub unsafe extern "C" fn marconi_cache_lookup(
     out: *mut marconi_lookup,
 ) -> marconi_status {
     boundary("marconi_cache_lookup", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(out);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         tokens_len_ok(n_tokens, "tokens")?;
@@ -387,16 +424,16 @@ pub unsafe extern "C" fn marconi_cache_lookup(
                 format!("dst_slot {dst_slot} holds a cached state owned by the cache"),
             ));
         }
+        // Drawn first, so that running out changes nothing.
+        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+            FfiError::new(
+                marconi_status::InvalidArgument,
+                "this process has issued 2^64 - 1 lease ids",
+            )
+        })?;
         let l = g.cache.lookup(ns, tokens)?;
         let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
         let core_lease = l.lease;
-        if core_lease > LEASE_MASK {
-            g.cache.release(core_lease)?;
-            return Err(FfiError::new(
-                marconi_status::InvalidArgument,
-                "this cache has issued 2^40 leases; create a new cache",
-            ));
-        }
         let (n_copy, copy) = if dst_slot != MARCONI_NO_SLOT && state_slot != MARCONI_NO_SLOT {
             (
                 1,
@@ -409,7 +446,7 @@ pub unsafe extern "C" fn marconi_cache_lookup(
             (0, marconi_copy_order::default())
         };
         let res = marconi_lookup {
-            lease: h.c_lease(core_lease),
+            lease: id,
             hit_tokens: l.hit_tokens,
             kv_matched_tokens: l.kv_matched_tokens,
             state_slot,
@@ -418,7 +455,17 @@ pub unsafe extern "C" fn marconi_cache_lookup(
             n_copy_orders: n_copy,
             copy_order: copy,
         };
-        g.lease_pages.insert(core_lease, l.kv_pages);
+        g.leases.insert(
+            id,
+            Lease {
+                core: core_lease,
+                pages: l.kv_pages,
+            },
+        );
+        if let Some(m) = &mut g.c_of_core {
+            m.insert(core_lease, id);
+        }
+        g.collect_log();
         // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
         unsafe { out.write(res) };
         Ok(())
@@ -461,18 +508,17 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
     out_len: *mut usize,
 ) -> marconi_status {
     boundary("marconi_cache_lease_kv_pages", || {
+        require!(cache);
+        require!(buf, cap = cap);
+        require!(out_len);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract of the header.
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
-        let core_lease = h.core_lease(lease)?;
         let g = h.lock()?;
-        let pages = g
-            .lease_pages
-            .get(&core_lease)
-            .ok_or(marconi_core::CacheError::UnknownLease(lease))?;
-        copy_list(pages, buf, out_len)
+        g.core_lease(lease)?;
+        copy_list(&g.leases[&lease].pages, buf, out_len)
     })
 }
 
@@ -496,13 +542,16 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
     out_len: *mut usize,
 ) -> marconi_status {
     boundary("marconi_cache_lease_plan", || {
+        require!(cache);
+        require!(buf, cap = cap);
+        require!(out_len);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract of the header.
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
-        let core_lease = h.core_lease(lease)?;
         let g = h.lock()?;
+        let core_lease = g.core_lease(lease)?;
         let plan = g
             .cache
             .plan(core_lease)
@@ -550,6 +599,11 @@ pub unsafe extern "C" fn marconi_cache_admit(
     out: *mut marconi_admit_result,
 ) -> marconi_status {
     boundary("marconi_cache_admit", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(states, len = n_states);
+        require!(kv_pages, len = n_kv_pages);
+        require!(out);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         tokens_len_ok(n_tokens, "tokens")?;
@@ -566,7 +620,6 @@ pub unsafe extern "C" fn marconi_cache_admit(
             Some(unsafe { out_slice(taken, n_states, "taken") }?)
         };
         check_ptr!(out);
-        let core_lease = h.core_lease(lease)?;
         let saved: Vec<SavedState> = states
             .iter()
             .map(|s| SavedState {
@@ -575,6 +628,7 @@ pub unsafe extern "C" fn marconi_cache_admit(
             })
             .collect();
         let mut g = h.lock()?;
+        let core_lease = g.core_lease(lease)?;
         let o = g
             .cache
             .admit(core_lease, tokens, &saved, kv_pages)
@@ -591,6 +645,7 @@ pub unsafe extern "C" fn marconi_cache_admit(
         }
         // Evictions during the admission may have freed slots.
         g.collect_freed();
+        g.collect_log();
         if let Some(t) = taken {
             for (flag, s) in t.iter_mut().zip(states) {
                 *flag = u8::from(o.states_taken.contains(&s.position));
@@ -637,12 +692,16 @@ pub unsafe extern "C" fn marconi_cache_release(
     boundary("marconi_cache_release", || {
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
-        let core_lease = h.core_lease(lease)?;
         let mut g = h.lock()?;
+        let core_lease = g.core_lease(lease)?;
         g.cache
             .release(core_lease)
             .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
-        g.lease_pages.remove(&core_lease);
+        g.collect_log();
+        g.leases.remove(&lease);
+        if let Some(m) = &mut g.c_of_core {
+            m.remove(&core_lease);
+        }
         Ok(())
     })
 }
@@ -673,6 +732,11 @@ pub unsafe extern "C" fn marconi_cache_drain_freed(
     n_slots: *mut usize,
 ) -> marconi_status {
     boundary("marconi_cache_drain_freed", || {
+        require!(cache);
+        require!(pages, cap = pages_cap);
+        require!(n_pages);
+        require!(slots, cap = slots_cap);
+        require!(n_slots);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contracts of the header.
@@ -723,6 +787,8 @@ pub unsafe extern "C" fn marconi_cache_evict(
     free_bytes: *mut u64,
 ) -> marconi_status {
     boundary("marconi_cache_evict", || {
+        require!(cache);
+        require!(free_bytes);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         check_ptr!(free_bytes);
@@ -751,6 +817,8 @@ pub unsafe extern "C" fn marconi_cache_stats(
     out: *mut marconi_stats,
 ) -> marconi_status {
     boundary("marconi_cache_stats", || {
+        require!(cache);
+        require!(out);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         check_ptr!(out);
@@ -828,13 +896,16 @@ pub unsafe extern "C" fn marconi_cache_drain_log(
     out_len: *mut usize,
 ) -> marconi_status {
     boundary("marconi_cache_drain_log", || {
+        require!(cache);
+        require!(buf, cap = cap);
+        require!(out_len);
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract of the header.
         let buf = unsafe { out_slice(buf.cast::<u8>(), cap, "buf") }?;
         check_ptr!(out_len);
         let mut g = h.lock()?;
-        g.collect_log(h.generation)?;
+        g.collect_log();
         let mut written = 0usize;
         while let Some(line) = g.log.front() {
             if written + line.len() > buf.len() {
@@ -963,26 +1034,68 @@ mod tests {
         }
     }
 
+    fn lookup_lease(cache: *const marconi_cache, tokens: &[u32]) -> u64 {
+        let mut out = marconi_lookup::default();
+        // SAFETY: live handle, valid buffers.
+        let st = unsafe {
+            marconi_cache_lookup(
+                cache,
+                0,
+                tokens.as_ptr(),
+                tokens.len(),
+                MARCONI_NO_SLOT,
+                &mut out,
+            )
+        };
+        assert_eq!(st, marconi_status::Ok, "{}", last_error());
+        out.lease
+    }
+
+    /// Regression (issue 9, item 6): lease ids were a 24-bit cache
+    /// generation over a per-cache number, so the 2^24-th cache after A
+    /// accepted A's leases. Ids now come once from a process-wide sequence
+    /// that refuses to wrap: forced to its end, it stops instead of repeating.
     #[test]
-    fn lease_ids_carry_the_cache_generation() {
-        let (a, b) = (new_cache(), new_cache());
-        // SAFETY: live handles.
-        let (ha, hb) = unsafe { (&*a, &*b) };
-        assert_ne!(ha.generation, hb.generation);
-        let lease = ha.c_lease(5);
-        assert_eq!(ha.core_lease(lease).ok(), Some(5));
-        assert_eq!(
-            hb.core_lease(lease).map_err(|e| e.status).err(),
-            Some(marconi_status::UnknownLease)
-        );
-        assert!(
-            ha.core_lease(ha.c_lease(0)).is_err(),
-            "lease 0 is never issued"
-        );
-        // SAFETY: freed once.
+    fn the_lease_id_sequence_never_wraps() {
+        let counter = AtomicU64::new(u64::MAX - 2);
+        let a = next_lease_id(&counter).expect("an id is left");
+        let b = next_lease_id(&counter).expect("the last id");
+        assert_ne!(a, b);
+        assert_eq!(next_lease_id(&counter), None, "spent: refuses, no wrap");
+        assert_eq!(next_lease_id(&counter), None, "and stays spent");
+        assert_eq!(counter.load(Ordering::Relaxed), u64::MAX);
+        let ids: HashSet<u64> = (1..10_000).map(scramble).collect();
+        assert_eq!(ids.len(), 9_999, "scramble is injective");
+        assert!(!ids.contains(&0), "0 is never an id");
+    }
+
+    /// Every cache numbers its core leases from 1, yet no cache accepts
+    /// another's lease, live or freed, nor one it released.
+    #[test]
+    fn a_lease_is_valid_only_in_the_cache_that_issued_it() {
+        let a = new_cache();
+        let la = lookup_lease(a, &[1, 2, 3]);
+        let b = new_cache();
+        let lb = lookup_lease(b, &[1, 2, 3]);
+        assert_ne!(la, lb);
+        // SAFETY: live handles; freed once below.
         unsafe {
+            assert_eq!(marconi_cache_release(b, la), marconi_status::UnknownLease);
+            assert_eq!(marconi_cache_release(a, lb), marconi_status::UnknownLease);
+            assert_eq!(
+                marconi_cache_release(a, la.wrapping_add(1)),
+                marconi_status::UnknownLease
+            );
             marconi_cache_free(a);
+            let c = new_cache();
+            let lc = lookup_lease(c, &[1, 2, 3]);
+            assert_eq!(marconi_cache_release(c, la), marconi_status::UnknownLease);
+            assert_eq!(marconi_cache_release(b, lb), marconi_status::Ok);
+            assert_eq!(marconi_cache_release(b, lb), marconi_status::UnknownLease);
+            assert_eq!(marconi_cache_release(c, lc), marconi_status::Ok);
+            assert_eq!(marconi_cache_release(c, 0), marconi_status::UnknownLease);
             marconi_cache_free(b);
+            marconi_cache_free(c);
         }
     }
 }

@@ -8,7 +8,7 @@ use marconi_core::{
     TuningObjective,
 };
 
-use crate::status::{boundary, check_ptr, in_slice, marconi_status, FfiError, FfiResult};
+use crate::status::{boundary, check_ptr, in_slice, marconi_status, require, FfiError, FfiResult};
 
 /// Which recurrent states the cache asks for and accepts
 /// (values of marconi_cache_config.admission).
@@ -308,6 +308,11 @@ pub(crate) unsafe fn read_config(
 /// The pointers inside `c` (model_preset, tuner_grid) follow their documented
 /// contracts.
 pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<CacheConfig> {
+    // NULL first, as for arguments.
+    let tuner_grid = c.tuner_grid;
+    if c.alpha_mode == marconi_alpha_mode::Auto as u32 {
+        require!(tuner_grid, len = c.tuner_grid_len);
+    }
     if c.reserved != 0 || c.model.reserved != 0 {
         return Err(bad_config("reserved fields must be 0".into()));
     }
@@ -454,6 +459,8 @@ pub unsafe extern "C" fn marconi_model_spec_preset(
     out: *mut marconi_model_spec,
 ) -> marconi_status {
     boundary("marconi_model_spec_preset", || {
+        require!(name);
+        require!(out);
         check_ptr!(name);
         check_ptr!(out);
         // SAFETY: name is non-NULL and NUL-terminated by contract.

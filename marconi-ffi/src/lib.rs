@@ -12,8 +12,9 @@
 //! preamble (`cbindgen.toml`).
 //!
 //! A cache handle holds the core `PrefixCache` behind a `Mutex`, so engine
-//! threads may share it. Lease ids carry the handle's generation in their top
-//! 24 bits, so a lease of a freed or different cache is refused.
+//! threads may share it. Lease ids are drawn once from a process-wide
+//! sequence that never wraps, and a cache accepts only the ids it issued and
+//! has not seen released, so a lease of a freed or different cache is refused.
 #![expect(
     non_camel_case_types,
     reason = "C type names (marconi_cache, marconi_status, ...) are the ABI"

@@ -2,9 +2,10 @@
 //! machinery every exported function goes through (panic catching, NULL and
 //! length checks, output writes).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::c_char;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Once;
 
 use marconi_core::CacheError;
 
@@ -63,7 +64,11 @@ pub enum marconi_status {
 }
 
 impl marconi_status {
-    /// Every status, in value order.
+    /// Every status, in value order. In C: the `marconi_status_ALL`
+    /// initialiser, which `tests/header.rs` writes from this list
+    /// (cbindgen would spell its elements with the Rust variant names).
+    ///
+    /// cbindgen:ignore
     pub const ALL: [marconi_status; 20] = [
         marconi_status::Ok,
         marconi_status::NullArgument,
@@ -161,21 +166,39 @@ impl From<CacheError> for FfiError {
 pub(crate) type FfiResult<T = ()> = Result<T, FfiError>;
 
 thread_local! {
+    /// The detail of this thread's last failing call.
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// Boundary calls running on this thread: a panic while it is non-zero
+    /// is caught by [`boundary`] or [`boundary_or`]. No destructor, so it is
+    /// readable even during thread teardown.
+    static BOUNDARY_DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// The panic hook's description (message and location) of this thread's
+    /// latest panic inside a boundary.
+    static CAUGHT_PANIC: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
-/// Records `detail` as this thread's last error.
+// Thread-locals are reached only through `try_with` and `try_borrow*`: a
+// boundary call can run after this thread's thread-local destructors (from a
+// C++ `thread_local` object's destructor, a pthread key destructor), where
+// `with` would panic outside any `catch_unwind` and abort the host. The text
+// is then dropped; the status is still returned.
+
+/// Records `detail` as this thread's last error (dropped silently when the
+/// thread-local is already destroyed).
 pub(crate) fn set_last_error(detail: &str) {
-    LAST_ERROR.with(|e| {
-        let mut e = e.borrow_mut();
-        e.clear();
-        e.push_str(detail);
+    let _ = LAST_ERROR.try_with(|e| {
+        if let Ok(mut e) = e.try_borrow_mut() {
+            e.clear();
+            e.push_str(detail);
+        }
     });
 }
 
-/// This thread's last error detail.
+/// This thread's last error detail (empty once the thread-local is destroyed).
 pub(crate) fn last_error() -> String {
-    LAST_ERROR.with(|e| e.borrow().clone())
+    LAST_ERROR
+        .try_with(|e| e.try_borrow().map(|e| e.clone()).unwrap_or_default())
+        .unwrap_or_default()
 }
 
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
@@ -188,18 +211,91 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// The panic hook, installed once by the first boundary call.
+///
+/// Why a hook at all: the default hook prints every panic, caught or not, on
+/// the host's stderr, and a library must not write there. Why this one is
+/// safe to install: for a panic outside a boundary call (a host thread, a
+/// panic this library does not catch) it calls the hook that was in place
+/// before, so the host sees exactly what it saw without libmarconi. Only a
+/// panic that a boundary will catch and turn into MARCONI_STATUS_PANIC is
+/// kept quiet: its message and location go to the last-error text and to a
+/// `tracing` error event (target "marconi"). In libmarconi.so and .a the
+/// hook belongs to the library's own copy of std, so a host never sees it;
+/// only a Rust program linking the rlib shares it (and may replace it).
+static HOOK: Once = Once::new();
+
+fn install_panic_hook() {
+    // set_hook panics on a panicking thread; try again on a later call.
+    if std::thread::panicking() {
+        return;
+    }
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let inside = BOUNDARY_DEPTH.try_with(|d| d.get() > 0).unwrap_or(false);
+            if !inside {
+                return previous(info);
+            }
+            let mut text = panic_text(info.payload());
+            if let Some(l) = info.location() {
+                text = format!("{text} (at {}:{}:{})", l.file(), l.line(), l.column());
+            }
+            tracing::error!(target: "marconi", panic = %text, "panic caught at the C boundary");
+            let _ = CAUGHT_PANIC.try_with(|c| {
+                if let Ok(mut c) = c.try_borrow_mut() {
+                    *c = text;
+                }
+            });
+        }));
+    });
+}
+
+/// The last-error text of a caught panic: the hook's description (with the
+/// location) when it describes this payload, else the payload's message.
+fn caught_panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    let message = panic_text(&*payload);
+    // A payload's Drop may itself panic; nothing may unwind from here.
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+    let described = CAUGHT_PANIC
+        .try_with(|c| {
+            c.try_borrow_mut()
+                .map(|mut c| std::mem::take(&mut *c))
+                .unwrap_or_default()
+        })
+        .unwrap_or_default();
+    if described.starts_with(&message) {
+        described
+    } else {
+        message
+    }
+}
+
+/// Runs `body` with panics caught, counting it as a boundary call so that
+/// the panic hook keeps a panic inside quiet. Nothing here can panic outside
+/// the `catch_unwind`.
+fn catch<T>(body: impl FnOnce() -> T) -> Result<T, String> {
+    let _ = BOUNDARY_DEPTH.try_with(|d| d.set(d.get().saturating_add(1)));
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        install_panic_hook();
+        body()
+    }));
+    let _ = BOUNDARY_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    r.map_err(caught_panic_text)
+}
+
 /// Runs the body of an exported function that returns a status: catches
 /// panics (which become `Panic`), records the detail of a failure as the
 /// thread's last error, and returns the status.
 pub(crate) fn boundary(name: &str, body: impl FnOnce() -> FfiResult) -> marconi_status {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    match catch(body) {
         Ok(Ok(())) => marconi_status::Ok,
         Ok(Err(e)) => {
             set_last_error(&format!("{name}: {}", e.detail));
             e.status
         }
-        Err(payload) => {
-            set_last_error(&format!("{name}: panic: {}", panic_text(&*payload)));
+        Err(text) => {
+            set_last_error(&format!("{name}: panic: {text}"));
             marconi_status::Panic
         }
     }
@@ -208,14 +304,50 @@ pub(crate) fn boundary(name: &str, body: impl FnOnce() -> FfiResult) -> marconi_
 /// Runs the body of an exported function that cannot fail in a status:
 /// a panic returns `default` (documented per function) instead of unwinding.
 pub(crate) fn boundary_or<T>(name: &str, default: T, body: impl FnOnce() -> T) -> T {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    match catch(body) {
         Ok(v) => v,
-        Err(payload) => {
-            set_last_error(&format!("{name}: panic: {}", panic_text(&*payload)));
+        Err(text) => {
+            set_last_error(&format!("{name}: panic: {text}"));
             default
         }
     }
 }
+
+/// Fails with `NullArgument` when a required pointer is NULL (`require!(p)`)
+/// or a buffer is NULL with a non-zero length (`require!(p, len = n)`,
+/// `require!(p, cap = n)`). Every exported function runs it on all its
+/// pointers before any other check, so NULL is what a call reports whatever
+/// else is wrong with it (the header's convention).
+macro_rules! require {
+    ($ptr:ident) => {
+        if $ptr.is_null() {
+            return Err($crate::status::FfiError::new(
+                $crate::status::marconi_status::NullArgument,
+                concat!(stringify!($ptr), " is NULL"),
+            ));
+        }
+    };
+    ($ptr:ident, len = $len:expr) => {
+        if $ptr.is_null() && $len > 0 {
+            return Err($crate::status::FfiError::new(
+                $crate::status::marconi_status::NullArgument,
+                format!(concat!(stringify!($ptr), " is NULL but length is {}"), $len),
+            ));
+        }
+    };
+    ($ptr:ident, cap = $cap:expr) => {
+        if $ptr.is_null() && $cap > 0 {
+            return Err($crate::status::FfiError::new(
+                $crate::status::marconi_status::NullArgument,
+                format!(
+                    concat!(stringify!($ptr), " is NULL but its capacity is {}"),
+                    $cap
+                ),
+            ));
+        }
+    };
+}
+pub(crate) use require;
 
 /// Fails with `NullArgument` when a pointer argument is NULL, and with
 /// `InvalidArgument` when it is not aligned for its type. Use it on every
@@ -359,8 +491,44 @@ mod tests {
         );
         let st = boundary("h", || panic!("boom {}", 1));
         assert_eq!(st, marconi_status::Panic);
-        assert_eq!(last_error(), "h: panic: boom 1");
+        let e = last_error();
+        assert!(e.starts_with("h: panic: boom 1 (at "), "{e}");
+        assert!(e.contains("status.rs:"), "the panic's location: {e}");
         assert_eq!(boundary_or("i", 42usize, || panic!("x")), 42);
+        assert!(last_error().starts_with("i: panic: x (at "));
+    }
+
+    /// A panic caught at the boundary prints nothing on the host's stderr (its
+    /// text goes to the last error); a panic elsewhere still reaches the
+    /// hook that was there before. Runs itself in a child process, whose
+    /// stderr is the real one.
+    #[test]
+    fn caught_panics_are_quiet_and_others_are_not() {
+        const NAME: &str = "status::tests::caught_panics_are_quiet_and_others_are_not";
+        if std::env::var_os("MARCONI_PANIC_CHILD").is_some() {
+            assert_eq!(boundary("q", || panic!("SILENT-1")), marconi_status::Panic);
+            assert!(last_error().starts_with("q: panic: SILENT-1 (at "));
+            assert_eq!(boundary_or("r", 1u8, || panic!("SILENT-2")), 1);
+            let loud = std::thread::spawn(|| panic!("loud boom")).join();
+            assert!(loud.is_err());
+            return;
+        }
+        let exe = std::env::current_exe().expect("test binary");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("MARCONI_PANIC_CHILD", "1")
+            .output()
+            .expect("run the child");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "child failed: {stderr}");
+        assert!(
+            !stderr.contains("SILENT"),
+            "a caught panic printed: {stderr}"
+        );
+        assert!(
+            stderr.contains("loud boom"),
+            "the previous hook is chained: {stderr}"
+        );
     }
 
     #[test]

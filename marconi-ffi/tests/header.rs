@@ -31,10 +31,35 @@ fn version_macros() -> String {
     )
 }
 
+/// `marconi_status_ALL`, an initialiser of every status in value order,
+/// from `marconi_status::ALL` (cbindgen would spell the elements with the
+/// Rust variant names, which C does not know).
+fn status_all_macro() -> String {
+    let names: Vec<String> = marconi::marconi_status::ALL
+        .iter()
+        .map(|s| {
+            let mut c = String::from("MARCONI_STATUS");
+            for ch in format!("{s:?}").chars() {
+                if ch.is_ascii_uppercase() {
+                    c.push('_');
+                }
+                c.push(ch.to_ascii_uppercase());
+            }
+            c
+        })
+        .collect();
+    format!(
+        "\n/**\n * Every marconi_status, in value order, as an array initialiser:\n \
+         * `static const marconi_status all[] = marconi_status_ALL;`\n */\n\
+         #define marconi_status_ALL {{ {} }}",
+        names.join(", ")
+    )
+}
+
 fn generate() -> String {
     let mut config =
         cbindgen::Config::from_file(crate_dir().join("cbindgen.toml")).expect("cbindgen.toml");
-    config.after_includes = Some(version_macros());
+    config.after_includes = Some(version_macros() + &status_all_macro());
     let bindings = cbindgen::Builder::new()
         .with_config(config)
         .with_src(crate_dir().join("src/lib.rs"))

@@ -469,7 +469,91 @@ static void test_messages(void) {
   CHECK(second_tu_version_ok());
 }
 
+/* marconi_status_ALL is an initialiser of every status, in value order. */
+static void test_status_all(void) {
+  static const marconi_status all[] = marconi_status_ALL;
+  size_t n = sizeof all / sizeof all[0];
+  CHECK(n >= 20);
+  for (size_t i = 0; i < n; i++) CHECK_EQ(all[i], i);
+  CHECK_EQ(all[MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE], MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+}
+
+/* NULL is refused before anything else is looked at: a NULL buffer with an
+ * oversized length is MARCONI_STATUS_NULL_ARGUMENT, not TOO_MANY_TOKENS. */
+static void test_null_first(void) {
+  marconi_cache *cache = new_cache(UINT64_C(100000000000), 1, 0);
+  marconi_lookup l;
+  marconi_admit_result r;
+  uint32_t t[4] = {1, 2, 3, 4};
+  size_t n = 0;
+  CHECK_EQ(marconi_cache_lookup(cache, 0, NULL, (size_t)UINT32_MAX, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup(cache, 0, NULL, SIZE_MAX, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup(NULL, 0, t, SIZE_MAX, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup(cache, 0, t, SIZE_MAX, MARCONI_NO_SLOT, NULL),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_admit(cache, 12345, NULL, (size_t)UINT32_MAX, NULL, 0, NULL, 0, NULL, &r),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_admit(cache, 12345, t, SIZE_MAX, NULL, 0, NULL, 0, NULL, NULL),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_admit(cache, 12345, t, 4, NULL, 3, NULL, 0, NULL, &r),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lease_plan(cache, 12345, NULL, 4, &n), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lease_kv_pages(cache, 12345, t, 4, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_drain_freed(cache, NULL, SIZE_MAX, &n, NULL, 0, &n),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_drain_log(cache, NULL, SIZE_MAX, &n), MARCONI_STATUS_NULL_ARGUMENT);
+  marconi_cache_config cfg;
+  OK(marconi_cache_config_init(&cfg, sizeof cfg));
+  cfg.alpha_mode = MARCONI_ALPHA_MODE_AUTO;
+  cfg.tuner_grid = NULL;
+  cfg.tuner_grid_len = SIZE_MAX;
+  marconi_cache *c2 = NULL;
+  CHECK_EQ(marconi_cache_new(&cfg, &c2), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK(c2 == NULL);
+  marconi_cache_free(cache);
+}
+
+/* Model dimensions whose byte or FLOP products overflow 64 bits are refused
+ * when the cache is built, not wrapped. */
+static void test_overflowing_models(void) {
+  struct {
+    const char *what;
+    uint64_t *field;
+    uint64_t value;
+  } cases[8];
+  marconi_cache_config cfg;
+  size_t n = 0;
+#define CASE(f, v) cases[n].what = #f " = " #v, cases[n].field = &cfg.model.f, cases[n].value = (v), n++
+  CASE(kv_heads, UINT64_C(1) << 63);
+  CASE(head_dim, UINT64_C(1) << 62);
+  CASE(n_heads, UINT64_C(1) << 63); /* n_heads * head_dim in the FLOP formula */
+  CASE(state_dtype_bytes, UINT64_C(1) << 62);
+  CASE(kv_heads, UINT64_MAX);
+  CASE(d_state, UINT64_C(1) << 60);
+  CASE(conv_kernel, UINT64_C(1) << 61);
+  CASE(dtype_bytes, UINT64_C(1) << 62);
+#undef CASE
+  for (size_t i = 0; i < n; i++) {
+    OK(marconi_cache_config_init(&cfg, sizeof cfg));
+    cfg.capacity_bytes = UINT64_C(100000000000);
+    *cases[i].field = cases[i].value;
+    marconi_cache *c = NULL;
+    marconi_status st = marconi_cache_new(&cfg, &c);
+    if (st != MARCONI_STATUS_INVALID_CONFIG) {
+      fprintf(stderr, "overflowing model %s: status %u\n", cases[i].what, (unsigned)st);
+      failures++;
+    }
+    marconi_cache_free(c);
+  }
+}
+
 int main(void) {
+  test_status_all();
+  test_null_first();
+  test_overflowing_models();
   test_messages();
   test_multi_turn();
   test_eviction_reports();

@@ -704,11 +704,12 @@ impl Core {
         let page = self.cfg.page_size;
         let aligned = round_down(tokens.len() as u32, page);
         let seq = &tokens[..aligned as usize];
-        let input_len = self.leases[&lease].input_len;
         let walk = match (self.tree.root(ns), prior) {
-            // A walk that stopped inside the input stops there for any
-            // extension of the input too.
-            (Some(_), Some(w)) if w.matched < input_len && w.matched <= aligned => w,
+            // A walk that stopped at a mismatch inside the input stops there
+            // for any extension of the input too. One that stopped because
+            // the input ran out (even less than a page into an edge, where
+            // `matched` counts nothing) goes on along the extension.
+            (Some(_), Some(w)) if !w.ran_out && w.matched <= aligned => w,
             (Some(root), Some(w)) if w.matched <= aligned => {
                 self.tree.walk_from(root, w, seq, page)
             }
@@ -717,6 +718,7 @@ impl Core {
                 path: Vec::new(),
                 matched: 0,
                 partial: None,
+                ran_out: true,
             },
         };
         #[cfg(feature = "strict-checks")]

@@ -103,6 +103,16 @@ pub enum Decision {
         /// Objective at the adopted α.
         objective_at_new: f64,
     },
+    /// An α tuning round whose grid search failed (a panic inside a replay,
+    /// which is a bug): α stays as it was.
+    AlphaKept {
+        /// Requests in the window that was to be replayed.
+        requests: u32,
+        /// α, unchanged.
+        alpha: f64,
+        /// What went wrong.
+        reason: String,
+    },
 }
 
 impl fmt::Display for Decision {
@@ -162,6 +172,14 @@ impl fmt::Display for Decision {
             } => write!(
                 f,
                 "alpha   round={round} requests={requests} {old:.1} -> {new:.1} (objective {objective_at_zero:.4e} at 0, {objective_at_new:.4e} at new)"
+            ),
+            Decision::AlphaKept {
+                requests,
+                alpha,
+                reason,
+            } => write!(
+                f,
+                "alpha   kept {alpha:.1}: the search over {requests} requests failed: {reason}"
             ),
         }
     }

@@ -80,6 +80,11 @@ pub(crate) struct Walk {
     pub(crate) matched: u32,
     /// The node whose edge the match ended inside, with the tokens matched on it.
     pub(crate) partial: Option<(NodeId, u32)>,
+    /// Whether the walk stopped because the tokens ran out (at a node, inside
+    /// an edge, or less than a page into an edge, which `matched` does not
+    /// count) rather than at a mismatch: a longer sequence may match further,
+    /// so only such a walk needs resuming for an extension of its tokens.
+    pub(crate) ran_out: bool,
 }
 
 /// The arena of nodes, with one root per namespace.
@@ -190,6 +195,7 @@ impl Tree {
             path: Vec::new(),
             matched: 0,
             partial: None,
+            ran_out: false,
         };
         self.walk_from(root, start, tokens, page_size)
     }
@@ -211,6 +217,7 @@ impl Tree {
             let on = on_edge as usize + n;
             if on < edge.len() {
                 walk.partial = Some((id, on as u32));
+                walk.ran_out = pos + n == tokens.len();
                 return walk;
             }
             walk.partial = None;
@@ -220,12 +227,18 @@ impl Tree {
         loop {
             let pos = walk.matched as usize;
             let Some(&first) = tokens.get(pos) else {
+                walk.ran_out = true;
                 return walk;
             };
             let Some((n, child)) = self.best_child(cur, first, &tokens[pos..]) else {
+                walk.ran_out = false;
                 return walk;
             };
             let edge = &self.node(child).tokens;
+            // Mismatch or end of the tokens on this edge? No child shares
+            // more than `n` with them, so when the tokens went on past `n`
+            // no extension can match further.
+            walk.ran_out = pos + n == tokens.len();
             if n < edge.len() && (n as u32) < page_size {
                 // Less than a page in common: nothing reusable on this edge.
                 return walk;

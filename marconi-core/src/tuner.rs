@@ -8,7 +8,12 @@
 //! (waiting for the search there if it is not done), so replays stay
 //! deterministic: the same trace gives the same α at the same request
 //! whatever the machine's speed or thread count.
+//!
+//! A replay that panics (a bug) or a thread that cannot be had never leaves
+//! the request that adopts the result waiting: every search ends with a
+//! result or a failure, and on failure α stays as it was.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::{Core, LeaseInfoOut};
@@ -37,26 +42,74 @@ struct Recorded {
     full: Vec<u32>,
 }
 
+/// What a grid search gives: the objective per grid value, or why it failed.
+type Outcome = Result<Vec<f64>, String>;
+
+/// Where a search leaves its outcome, and the condition its waiter sleeps on.
+type Slot = Arc<(Mutex<Option<Outcome>>, Condvar)>;
+
 /// A grid search running on its own thread. Clones share it: the result does
 /// not depend on who waits for it.
 #[derive(Clone, Debug)]
 struct Search {
     grid: Vec<f64>,
     requests: u32,
-    result: Arc<(Mutex<Option<Vec<f64>>>, Condvar)>,
+    result: Slot,
+}
+
+/// Delivers a search's outcome when dropped, so that the waiter wakes up
+/// however the search ends (a panic included).
+struct Deliver {
+    slot: Slot,
+    outcome: Option<Outcome>,
+}
+
+impl Drop for Deliver {
+    fn drop(&mut self) {
+        let outcome = self
+            .outcome
+            .take()
+            .unwrap_or_else(|| Err("the search ended without a result".into()));
+        let (lock, cv) = &*self.slot;
+        let mut r = lock.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_none() {
+            *r = Some(outcome);
+        }
+        cv.notify_all();
+    }
+}
+
+/// The text of a caught panic.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Runs `f`, turning a panic into an error naming what panicked.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f))
+        .unwrap_or_else(|p| Err(format!("{what} panicked: {}", panic_text(&*p))))
 }
 
 impl Search {
     fn start(snapshot: Core, grid: Vec<f64>, window: Vec<Recorded>, cfg: TunerConfig) -> Search {
-        let result = Arc::new((Mutex::new(None), Condvar::new()));
+        let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let out = Arc::clone(&result);
         let g = grid.clone();
         let requests = window.len() as u32;
         let job = move || {
-            let r = grid_search(&snapshot, &g, &window, &cfg);
-            let (lock, cv) = &*out;
-            *lock.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-            cv.notify_all();
+            // Created inside the job: a closure that never runs (the thread
+            // could not be spawned) delivers nothing.
+            let mut deliver = Deliver {
+                slot: Arc::clone(&out),
+                outcome: None,
+            };
+            deliver.outcome = Some(guarded("the grid search", || {
+                grid_search(&snapshot, &g, &window, &cfg)
+            }));
         };
         if std::thread::Builder::new()
             .name("marconi-alpha".into())
@@ -73,14 +126,18 @@ impl Search {
         }
     }
 
-    /// The objective per grid value, waiting for the search if needed.
-    fn wait(&self) -> Vec<f64> {
+    /// The objective per grid value, or why the search failed, waiting for
+    /// the search if needed. Every search delivers an outcome (see
+    /// [`Deliver`]), so this returns.
+    fn wait(&self) -> Outcome {
         let (lock, cv) = &*self.result;
         let mut r = lock.lock().unwrap_or_else(|e| e.into_inner());
-        while r.is_none() {
+        loop {
+            if let Some(outcome) = &*r {
+                return outcome.clone();
+            }
             r = cv.wait(r).unwrap_or_else(|e| e.into_inner());
         }
-        r.clone().expect("set")
     }
 }
 
@@ -190,9 +247,26 @@ impl Tuner {
         let Phase::Searching(0, search) = &self.phase else {
             return;
         };
-        let results = search.wait();
-        let grid = search.grid.clone();
         let requests = search.requests;
+        let results = match search.wait() {
+            Ok(r) => r,
+            Err(reason) => {
+                // A bug in a replay: serving goes on with the α in force.
+                let alpha = core.alpha;
+                tracing::warn!(
+                    target: "marconi::tuner",
+                    "alpha tuning failed, keeping alpha {alpha}: {reason}"
+                );
+                core.log.push(|| Decision::AlphaKept {
+                    requests,
+                    alpha,
+                    reason,
+                });
+                self.next_window(core);
+                return;
+            }
+        };
+        let grid = search.grid.clone();
         let at_zero = results[0];
         // Best objective; the smallest α wins ties (grid is ascending, 0 first).
         let (mut best, mut best_obj) = (0usize, at_zero);
@@ -223,7 +297,13 @@ impl Tuner {
             objective_at_zero: at_zero,
             objective_at_new: best_obj,
         });
-        let wait = self.window_len as u64 * u64::from(self.cfg.retune_every.saturating_sub(1));
+        self.next_window(core);
+    }
+
+    /// After a round (adopted or failed): the next window, a wait, or done.
+    fn next_window(&mut self, core: &Core) {
+        let wait = (self.window_len as u64)
+            .saturating_mul(u64::from(self.cfg.retune_every.saturating_sub(1)));
         self.phase = match (self.cfg.retune, wait) {
             (false, _) => Phase::Done,
             (true, 0) => {
@@ -236,34 +316,63 @@ impl Tuner {
 }
 
 /// Replays `window` from `snapshot` once per α, in parallel threads; the
-/// result is in grid order and does not depend on the thread count.
-fn grid_search(snapshot: &Core, grid: &[f64], window: &[Recorded], cfg: &TunerConfig) -> Vec<f64> {
+/// result is in grid order and does not depend on the thread count. A
+/// replay that panics fails the search (the first failure in grid order is
+/// reported); a share whose thread cannot be spawned is replayed here.
+fn grid_search(snapshot: &Core, grid: &[f64], window: &[Recorded], cfg: &TunerConfig) -> Outcome {
     let threads = match cfg.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n as usize,
     }
     .clamp(1, grid.len());
-    let mut results = vec![0.0; grid.len()];
+    let replay_all = |alphas: &[f64]| -> Outcome {
+        alphas
+            .iter()
+            .map(|&a| {
+                guarded(&format!("the replay at alpha {a}"), || {
+                    Ok(replay(snapshot, a, window, cfg.objective))
+                })
+            })
+            .collect()
+    };
     if threads == 1 {
-        for (r, &a) in results.iter_mut().zip(grid) {
-            *r = replay(snapshot, a, window, cfg.objective);
-        }
-        return results;
+        return replay_all(grid);
     }
-    std::thread::scope(|s| {
-        let chunk = grid.len().div_ceil(threads);
-        for (rs, alphas) in results.chunks_mut(chunk).zip(grid.chunks(chunk)) {
-            s.spawn(move || {
-                for (r, &a) in rs.iter_mut().zip(alphas) {
-                    *r = replay(snapshot, a, window, cfg.objective);
-                }
-            });
-        }
+    let chunk = grid.len().div_ceil(threads);
+    let parts: Vec<Outcome> = std::thread::scope(|s| {
+        let running: Vec<_> = grid
+            .chunks(chunk)
+            .map(|alphas| {
+                std::thread::Builder::new()
+                    .name("marconi-alpha-replay".into())
+                    .spawn_scoped(s, move || replay_all(alphas))
+                    .map_err(|_| alphas)
+            })
+            .collect();
+        // Every thread is joined before the scope ends, so none can make
+        // the scope itself panic.
+        running
+            .into_iter()
+            .map(|part| match part {
+                Ok(h) => h.join().unwrap_or_else(|p| {
+                    Err(format!("a replay thread panicked: {}", panic_text(&*p)))
+                }),
+                Err(alphas) => replay_all(alphas),
+            })
+            .collect()
     });
-    results
+    let mut results = Vec::with_capacity(grid.len());
+    for part in parts {
+        results.extend(part?);
+    }
+    Ok(results)
 }
 
 fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObjective) -> f64 {
+    #[cfg(test)]
+    if alpha.to_bits() == tests::FAULT_ALPHA.to_bits() {
+        panic!("injected fault: replay at alpha {alpha}");
+    }
     let mut c = snapshot.clone();
     c.alpha = alpha;
     for r in window {
@@ -273,5 +382,66 @@ fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObj
     match objective {
         TuningObjective::FlopsSaved => c.stats.flops_saved,
         TuningObjective::TokenHits => c.stats.hit_tokens as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, TunerConfig};
+
+    /// A grid value whose replay panics (test builds only): stands for any
+    /// bug or resource failure inside the grid search.
+    pub(super) const FAULT_ALPHA: f64 = 123.25;
+
+    const KV: u64 = 65_536;
+    const STATE: u64 = 26_787_840;
+
+    fn serve_through_a_failing_search(threads: u32, apply_after: u32) {
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                grid: vec![0.5, FAULT_ALPHA],
+                min_window: 2,
+                bootstrap_factor: 1,
+                retune_every: 1,
+                apply_after,
+                threads,
+                ..TunerConfig::default()
+            }),
+            decision_log: true,
+            ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 2 * STATE + 300 * KV)
+        };
+        let mut c = PrefixCache::new(cfg).unwrap();
+        let mut kept = 0;
+        for i in 0..30u32 {
+            let input: Vec<u32> = (i * 1000..i * 1000 + 100).collect();
+            c.serve(0, &input, &[]).unwrap();
+            c.check_invariants();
+            for d in c.drain_log() {
+                match d {
+                    Decision::AlphaKept { alpha, reason, .. } => {
+                        assert_eq!(alpha, 0.0);
+                        assert!(reason.contains("injected fault"), "{reason}");
+                        kept += 1;
+                    }
+                    Decision::Alpha { .. } => panic!("adopted a failed search: {d}"),
+                    _ => {}
+                }
+            }
+        }
+        assert!(kept >= 2, "{kept} failed rounds");
+        assert_eq!(c.alpha(), 0.0);
+        assert_eq!(c.stats().tuning_rounds, 0);
+        // The cache still serves, lookups included.
+        let l = c.lookup(0, &(29_000..29_100).collect::<Vec<_>>()).unwrap();
+        c.release(l.lease).unwrap();
+    }
+
+    #[test]
+    fn a_panicking_grid_search_keeps_alpha_and_the_cache_serving() {
+        for threads in [1, 2] {
+            for apply_after in [0, 3] {
+                serve_through_a_failing_search(threads, apply_after);
+            }
+        }
     }
 }

@@ -4,8 +4,8 @@
 //! `check_invariants`), and a held lease keeps its hit reusable.
 
 use marconi_core::{
-    AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy, ModelSpec, PrefixCache, SavedState,
-    TunerConfig,
+    AdmissionPolicy, AlphaMode, CacheConfig, Decision, EvictionPolicy, ModelSpec, PrefixCache,
+    SavedState, TunerConfig,
 };
 use proptest::prelude::*;
 
@@ -18,6 +18,17 @@ enum Op {
         tail: u8,
         seed: u8,
         out: u8,
+    },
+    /// A whole request whose input is the first `cut`/256 of what a `Serve`
+    /// with the same fields admits and whose output is the rest: inputs
+    /// ending inside cached pages, outputs continuing along cached edges.
+    Continue {
+        family: u8,
+        shared: u16,
+        tail: u8,
+        seed: u8,
+        out: u8,
+        cut: u8,
     },
     /// Look up and keep the lease open.
     Hold {
@@ -38,6 +49,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0u8..3, 0u16..300, 0u8..40, any::<u8>(), 0u8..30)
             .prop_map(|(family, shared, tail, seed, out)| Op::Serve { family, shared, tail, seed, out }),
+        4 => (0u8..3, 0u16..300, 0u8..40, any::<u8>(), 0u8..30, any::<u8>())
+            .prop_map(|(family, shared, tail, seed, out, cut)| Op::Continue { family, shared, tail, seed, out, cut }),
         2 => (0u8..3, 0u16..300, 1u8..40, any::<u8>())
             .prop_map(|(family, shared, tail, seed)| Op::Hold { family, shared, tail, seed }),
         1 => Just(Op::AdmitHeld),
@@ -57,6 +70,12 @@ fn input(family: u8, shared: u16, tail: u8, seed: u8) -> Vec<u32> {
         v.push(base);
     }
     v
+}
+
+fn output(seed: u8, out: u8) -> Vec<u32> {
+    (0..u32::from(out))
+        .map(|k| 90_000 + k * 7 + u32::from(seed))
+        .collect()
 }
 
 fn configs() -> impl Strategy<Value = CacheConfig> {
@@ -82,8 +101,10 @@ fn configs() -> impl Strategy<Value = CacheConfig> {
             };
             if policy == 0 {
                 cfg.alpha = AlphaMode::Auto(TunerConfig {
-                    min_window: 4,
+                    min_window: 2,
                     bootstrap_factor: 1,
+                    apply_after: 2,
+                    retune_every: 1,
                     grid: vec![0.0, 0.5, 2.0],
                     threads: 1,
                     ..TunerConfig::default()
@@ -96,6 +117,8 @@ fn configs() -> impl Strategy<Value = CacheConfig> {
                 };
             }
             cfg.checkpoint_grid = if page == 1 { 8 } else { 1 };
+            // The tuner's replays catch their panics; the log shows them.
+            cfg.decision_log = true;
             cfg
         })
 }
@@ -113,9 +136,17 @@ proptest! {
             match op {
                 Op::Serve { family, shared, tail, seed, out } => {
                     let i = input(family, shared, tail, seed);
-                    let o: Vec<u32> = (0..u32::from(out)).map(|k| 90_000 + k * 7 + u32::from(seed)).collect();
+                    let o = output(seed, out);
                     let s = c.serve(0, &i, &o).unwrap();
                     prop_assert!(s.hit_tokens < i.len() as u32);
+                    prop_assert!(s.hit_tokens <= s.kv_matched_tokens);
+                }
+                Op::Continue { family, shared, tail, seed, out, cut } => {
+                    let mut full = input(family, shared, tail, seed);
+                    full.extend(output(seed, out));
+                    let input_len = (full.len() * usize::from(cut) / 256).max(1);
+                    let s = c.serve_full(0, input_len, &full).unwrap();
+                    prop_assert!(s.hit_tokens < input_len as u32);
                     prop_assert!(s.hit_tokens <= s.kv_matched_tokens);
                 }
                 Op::Hold { family, shared, tail, seed } => {
@@ -150,6 +181,9 @@ proptest! {
                 }
             }
             c.check_invariants();
+            for d in c.drain_log() {
+                prop_assert!(!matches!(d, Decision::AlphaKept { .. }), "{}", d);
+            }
             // A held lease keeps what it hit: looking its input up again
             // finds at least the same hit (LRU refreshes may only add).
             for (_, i, hit, _) in &held {

@@ -15,13 +15,19 @@ use crate::units::format_bytes;
 
 /// Runs every job on `trace` on up to `threads` threads (0: one per core),
 /// returning the replays in job order. `tick` receives request counts as
-/// jobs progress (from any thread).
+/// jobs progress (from any thread). Every job's configuration is checked
+/// before any runs.
 pub fn run_jobs(
     trace: &Trace,
     jobs: &[ReplayConfig],
     threads: usize,
     tick: &(dyn Fn(u64) + Sync),
 ) -> Result<Vec<Replay>, ReplayError> {
+    // Every configuration before any replay: a bad sweep point must not
+    // surface after the others ran.
+    for j in jobs {
+        j.validate()?;
+    }
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {

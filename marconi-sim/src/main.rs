@@ -59,7 +59,7 @@ struct OutputArgs {
 #[derive(Args)]
 struct PaperArgs {
     /// Seeds per workload and arrival rate (each a different trace).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
     seeds: u32,
     /// Sessions per trace (0: each generator's default, ~7,000 requests for agentic).
     #[arg(long, default_value_t = 60)]
@@ -98,13 +98,13 @@ enum TraceCmd {
         #[arg(long)]
         path: Option<PathBuf>,
         /// Conversations to sample.
-        #[arg(long, default_value_t = 400)]
+        #[arg(long, default_value_t = 400, value_parser = clap::value_parser!(u32).range(1..))]
         sessions: u32,
         /// Session arrivals per second (Poisson).
-        #[arg(long, default_value_t = 0.5)]
+        #[arg(long, default_value_t = 0.5, value_parser = positive)]
         session_rate: f64,
         /// Mean think time between turns, seconds.
-        #[arg(long, default_value_t = 30.0)]
+        #[arg(long, default_value_t = 30.0, value_parser = non_negative)]
         think_s: f64,
         /// RNG seed (sampling, arrivals, think times).
         #[arg(long, default_value_t = 0)]
@@ -122,13 +122,13 @@ enum TraceCmd {
         #[arg(long, value_enum)]
         kind: SynthKind,
         /// Sessions (default per kind: agentic 207, chat 400, longout 400).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         sessions: Option<u32>,
         /// Session arrivals per second (default per kind).
-        #[arg(long)]
+        #[arg(long, value_parser = positive)]
         session_rate: Option<f64>,
         /// Longest input in tokens.
-        #[arg(long, default_value_t = 60_000)]
+        #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u32).range(1..))]
         max_input: u32,
         /// RNG seed.
         #[arg(long, default_value_t = 0)]
@@ -153,10 +153,10 @@ struct CacheArgs {
     #[arg(long, default_value = "paper-7b")]
     model: String,
     /// Fixed α for marconi (default: tuned online).
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     alpha: Option<f64>,
     /// Block size of vllm-plus.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     block_size: u32,
     /// Overlap requests by arrival time and estimated duration (leases held in flight).
     #[arg(long)]
@@ -165,20 +165,59 @@ struct CacheArgs {
     #[arg(long, value_enum, default_value_t = TtftKind::Linear)]
     ttft: TtftKind,
     /// Peak FLOP/s of the GPU for `--ttft flops` (default: H100 SXM bf16 dense).
-    #[arg(long, default_value_t = 989e12)]
+    #[arg(long, default_value_t = 989e12, value_parser = positive)]
     gpu_flops: f64,
-    /// Fraction of peak reached by prefill for `--ttft flops`.
-    #[arg(long, default_value_t = 0.4)]
+    /// Fraction of peak reached by prefill for `--ttft flops`, in (0, 1].
+    #[arg(long, default_value_t = 0.4, value_parser = fraction)]
     gpu_efficiency: f64,
     /// Decode time per output token in ms (concurrent mode).
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = 20.0, value_parser = non_negative)]
     decode_ms: f64,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
 }
 
+/// A finite number > 0.
+fn positive(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if x.is_finite() && x > 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("{x} is not a finite number > 0"))
+    }
+}
+
+/// A finite number >= 0.
+fn non_negative(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if x.is_finite() && x >= 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("{x} is not a finite number >= 0"))
+    }
+}
+
+/// A number in (0, 1].
+fn fraction(s: &str) -> Result<f64, String> {
+    let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
+    if x > 0.0 && x <= 1.0 {
+        Ok(x)
+    } else {
+        Err(format!("{x} is not in (0, 1]"))
+    }
+}
+
+/// A capacity of at least one byte.
+fn capacity(s: &str) -> Result<u64, String> {
+    match parse_bytes(s)? {
+        0 => Err(format!("{s:?} is less than one byte")),
+        b => Ok(b),
+    }
+}
+
 impl CacheArgs {
+    /// The replay configuration, checked.
     fn config(&self, policy: Policy, capacity: u64) -> Result<ReplayConfig, String> {
         let model = ModelSpec::preset(&self.model).ok_or_else(|| {
             format!(
@@ -200,6 +239,7 @@ impl CacheArgs {
                 efficiency: self.gpu_efficiency,
             },
         };
+        c.validate().map_err(|e| e.to_string())?;
         Ok(c)
     }
 }
@@ -213,7 +253,7 @@ struct ReplayArgs {
     #[arg(long, value_enum)]
     policy: Policy,
     /// Cache capacity: bytes or with a unit (GB = 10^9, GiB = 2^30).
-    #[arg(long, value_parser = parse_bytes, default_value = "5GB")]
+    #[arg(long, value_parser = capacity, default_value = "5GB")]
     capacity: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -228,7 +268,7 @@ struct CompareArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Cache capacity (default: 10GB, contended for the built-in workload).
-    #[arg(long, value_parser = parse_bytes, default_value = "10GB")]
+    #[arg(long, value_parser = capacity, default_value = "10GB")]
     capacity: u64,
     /// Policies (comma-separated; default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -258,13 +298,14 @@ struct SweepArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Capacities for `capacity` (default 5GB..40GB); the fixed capacity otherwise.
-    #[arg(long, value_parser = parse_bytes, value_delimiter = ',')]
+    #[arg(long, value_parser = capacity, value_delimiter = ',')]
     capacities: Vec<u64>,
     /// SSM layers per attention layer for `ratio`.
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 4, 8])]
     ratios: Vec<u32>,
     /// State dimensions for `state-dim`.
-    #[arg(long, value_delimiter = ',', default_values_t = [16u64, 32, 64, 128])]
+    #[arg(long, value_delimiter = ',', default_values_t = [16u64, 32, 64, 128],
+          value_parser = clap::value_parser!(u64).range(1..))]
     dims: Vec<u64>,
     /// Policies (default: marconi, sglang-plus, vllm-plus).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -297,6 +338,13 @@ fn main() -> ExitCode {
 type CmdResult = Result<(), String>;
 
 fn write_trace(trace: &Trace, out: &Path, full: bool) -> CmdResult {
+    if trace.is_empty() {
+        // Nothing could read it back.
+        return Err(format!(
+            "no request generated; {} not written",
+            out.display()
+        ));
+    }
     let f = File::create(out).map_err(|e| format!("{}: {e}", out.display()))?;
     if full {
         trace.write_full(f)
@@ -397,6 +445,13 @@ fn load(path: Option<&Path>) -> Result<(Trace, String), String> {
     }
 }
 
+/// Checks every configuration before the trace is read.
+fn validate(jobs: &[ReplayConfig]) -> CmdResult {
+    jobs.iter()
+        .try_for_each(ReplayConfig::validate)
+        .map_err(|e| e.to_string())
+}
+
 fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
     let mut out = io::stdout().lock();
     serde_json::to_writer_pretty(&mut out, v).map_err(|e| e.to_string())?;
@@ -404,8 +459,8 @@ fn print_json<T: serde::Serialize>(v: &T) -> CmdResult {
 }
 
 fn replay_cmd(a: ReplayArgs) -> CmdResult {
-    let (trace, name) = load(Some(&a.trace))?;
     let cfg = a.cache.config(a.policy, a.capacity)?;
+    let (trace, name) = load(Some(&a.trace))?;
     let pb = progress::bar(trace.len() as u64, a.policy.name(), a.cache.quiet);
     let r = replay::replay(&trace, &cfg, &mut |n| pb.set_position(n)).map_err(|e| e.to_string())?;
     pb.finish_and_clear();
@@ -474,7 +529,6 @@ fn paper_cmd(a: PaperArgs) -> CmdResult {
 }
 
 fn compare_cmd(a: CompareArgs) -> CmdResult {
-    let (trace, name) = load(a.trace.as_deref())?;
     let policies = if a.policies.is_empty() {
         Policy::ALL.to_vec()
     } else {
@@ -482,6 +536,8 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
     };
     let base = a.cache.config(Policy::Marconi, a.capacity)?;
     let jobs = compare::policy_jobs(&base, &policies);
+    validate(&jobs)?;
+    let (trace, name) = load(a.trace.as_deref())?;
     let t0 = Instant::now();
     let replays = run_parallel(&trace, &jobs, a.out.threads, a.cache.quiet)?;
     let wall = t0.elapsed().as_secs_f64();
@@ -513,7 +569,6 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
 }
 
 fn sweep_cmd(a: SweepArgs) -> CmdResult {
-    let (trace, name) = load(a.trace.as_deref())?;
     let policies = if a.policies.is_empty() {
         vec![Policy::Marconi, Policy::SglangPlus, Policy::VllmPlus]
     } else {
@@ -533,6 +588,10 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
         Axis::StateDim => SweepAxis::StateDim(a.dims.clone()),
     };
     let base = a.cache.config(Policy::Marconi, fixed)?;
+    for (_, point) in axis.points(&base) {
+        validate(&compare::policy_jobs(&point, &policies))?;
+    }
+    let (trace, name) = load(a.trace.as_deref())?;
     let n_jobs = axis.points(&base).len() * policies.len();
     let pb = progress::bar((trace.len() * n_jobs) as u64, "sweeping", a.cache.quiet);
     let points = compare::sweep(&trace, &base, &axis, &policies, a.out.threads, &|d| {

@@ -14,7 +14,7 @@ use std::time::Instant;
 use marconi_core::{CacheConfig, CacheError, Lookup, ModelSpec, PrefixCache, Stats};
 use serde::Serialize;
 
-use crate::trace::{Request, Trace};
+use crate::trace::{Request, SharedSequence, Trace};
 use crate::ttft::TtftModel;
 
 /// A caching policy (paper §5.1).
@@ -96,6 +96,29 @@ impl ReplayConfig {
             ttft: TtftModel::default(),
             decode_ms_per_token: 20.0,
         }
+    }
+
+    /// Checks everything a replay uses: the model (also used by `no-cache`,
+    /// for FLOPs), the core configuration of the policy, the TTFT model and
+    /// the decode time. [`replay`] calls it before any request.
+    pub fn validate(&self) -> Result<(), ReplayError> {
+        let bad = |s: String| Err(ReplayError::Config(CacheError::InvalidConfig(s)));
+        if let Err(e) = self.model.validate() {
+            return bad(format!("model {:?}: {e}", self.model.name));
+        }
+        if let Some(c) = self.cache_config() {
+            c.validate().map_err(ReplayError::Config)?;
+        }
+        if let Err(e) = self.ttft.validate() {
+            return bad(format!("TTFT model: {e}"));
+        }
+        let d = self.decode_ms_per_token;
+        if !(d.is_finite() && d >= 0.0) {
+            return bad(format!(
+                "decode time per token {d} ms is not finite and >= 0"
+            ));
+        }
+        Ok(())
     }
 
     /// The core configuration of the policy (`None` for `no-cache`).
@@ -188,15 +211,22 @@ pub struct Replay {
     pub outcomes: Vec<Outcome>,
 }
 
-/// A replay failure: the core rejected a call.
+/// A replay failure.
 #[derive(Debug, thiserror::Error)]
-#[error("request {id}: {source}")]
-pub struct ReplayError {
-    /// The request being served.
-    pub id: u64,
-    /// The core's error.
-    #[source]
-    pub source: CacheError,
+pub enum ReplayError {
+    /// The configuration cannot drive a replay (always
+    /// [`CacheError::InvalidConfig`]); found before any request.
+    #[error("{0}")]
+    Config(CacheError),
+    /// The core rejected a call while serving a request.
+    #[error("request {id}: {source}")]
+    Request {
+        /// The request being served.
+        id: u64,
+        /// The core's error.
+        #[source]
+        source: CacheError,
+    },
 }
 
 /// Replays `trace` under `cfg`; `progress` is called with the number of
@@ -207,8 +237,9 @@ pub fn replay(
     progress: &mut dyn FnMut(u64),
 ) -> Result<Replay, ReplayError> {
     let start = Instant::now();
+    cfg.validate()?;
     let mut cache = match cfg.cache_config() {
-        Some(c) => Some(PrefixCache::new(c).map_err(|source| ReplayError { id: 0, source })?),
+        Some(c) => Some(PrefixCache::new(c).map_err(ReplayError::Config)?),
         None => None,
     };
     let mut outcomes = Vec::with_capacity(trace.len());
@@ -231,7 +262,7 @@ pub fn replay(
                 Some(c) => match c.serve_full(0, r.input_len, r.full) {
                     Ok(s) => s.hit_tokens as usize,
                     Err(source) => {
-                        err = Some(ReplayError { id: r.id, source });
+                        err = Some(ReplayError::Request { id: r.id, source });
                         return;
                     }
                 },
@@ -326,7 +357,9 @@ fn concurrent(
     struct InFlight {
         id: u64,
         lookup: Lookup,
-        full: Vec<u32>,
+        /// Shared with the trace's expander, not copied: in-flight memory
+        /// follows the distinct tokens, not the number of requests.
+        full: SharedSequence,
     }
     // Completion events: (time in µs, sequence) -> in-flight index.
     let mut heap: BinaryHeap<Reverse<(u64, u64, usize)>> = BinaryHeap::new();
@@ -334,11 +367,14 @@ fn concurrent(
     let mut free: Vec<usize> = Vec::new();
     let mut seq = 0u64;
     let mut err = None;
-    let finish = |cache: &mut PrefixCache, f: InFlight| -> Result<(), ReplayError> {
-        let wrap = |source| ReplayError { id: f.id, source };
-        let states = cache.states_to_save(&f.lookup, f.full.len());
+    // One contiguous copy at a time, for the core's admission.
+    let mut full = Vec::new();
+    let mut finish = |cache: &mut PrefixCache, f: InFlight| -> Result<(), ReplayError> {
+        let wrap = |source| ReplayError::Request { id: f.id, source };
+        f.full.copy_to(&mut full);
+        let states = cache.states_to_save(&f.lookup, full.len());
         cache
-            .admit(f.lookup.lease, &f.full, &states, &[])
+            .admit(f.lookup.lease, &full, &states, &[])
             .map_err(wrap)?;
         cache.release(f.lookup.lease).map_err(wrap)
     };
@@ -363,7 +399,7 @@ fn concurrent(
         let l = match cache.lookup(0, r.input()) {
             Ok(l) => l,
             Err(source) => {
-                err = Some(ReplayError { id: r.id, source });
+                err = Some(ReplayError::Request { id: r.id, source });
                 return;
             }
         };
@@ -373,7 +409,7 @@ fn concurrent(
         let f = InFlight {
             id: r.id,
             lookup: l,
-            full: r.full.to_vec(),
+            full: r.share(),
         };
         let i = match free.pop() {
             Some(i) => {

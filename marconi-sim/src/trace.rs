@@ -7,20 +7,30 @@
 //!
 //! `input` is the full prompt. The compact form means
 //! `input = input(extends) + output(extends) + append`, so multi-turn traces
-//! stay linear in size.
+//! stay linear in size. Ids (`id`, `session`, `extends`) are integers in
+//! 0..2^64, token ids integers in 0..2^32, `arrival_s` a number >= 0.
 //!
 //! **Memory bound.** Reading is streaming: the reader keeps, for every
 //! session, only the full token sequence of that session's latest request,
-//! so memory is the sum over sessions of one context, independent of the
-//! trace's length. The price is a format rule: `extends` must name a request
-//! that is still the latest of its session (in practice, the previous turn
-//! of a conversation, or the latest turn of another session that forks it).
-//! A reference to an older request is rejected as unknown.
+//! so memory is independent of the trace's length. Sequences are shared, not
+//! copied: a request that `extends` another session's request (a fork)
+//! stores only its own `append` and `output` after a link to the sequence it
+//! extends, so memory follows the distinct tokens of the retained sequences,
+//! not the number of forks (2,000 forks of one 200 k-token prompt hold that
+//! prompt once), plus one working copy of the current request. The price is
+//! a format rule: `extends` must name a request that is still the latest of
+//! its session (in practice, the previous turn of a conversation, or the
+//! latest turn of another session that forks it). A reference to an older
+//! request is rejected as unknown.
+//!
+//! A file may start with a UTF-8 byte order mark; a file without any request
+//! (empty, or only blank lines) is an error.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, BufRead, Write};
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -53,7 +63,7 @@ pub struct Record {
 }
 
 /// An expanded request: its full sequence (input then output).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub struct Request<'a> {
     /// Request id.
     pub id: u64,
@@ -65,6 +75,20 @@ pub struct Request<'a> {
     pub full: &'a [u32],
     /// Length of the input within `full`.
     pub input_len: usize,
+    /// Where `full` is stored, for [`share`](Self::share).
+    seg: &'a Arc<Seg>,
+}
+
+impl PartialEq for Request<'_> {
+    fn eq(&self, o: &Self) -> bool {
+        (
+            self.id,
+            self.session,
+            self.arrival_s,
+            self.full,
+            self.input_len,
+        ) == (o.id, o.session, o.arrival_s, o.full, o.input_len)
+    }
 }
 
 impl Request<'_> {
@@ -75,6 +99,106 @@ impl Request<'_> {
     /// The output (decoded) tokens.
     pub fn output(&self) -> &[u32] {
         &self.full[self.input_len..]
+    }
+    /// The full sequence as a handle that outlives the request without
+    /// copying it (e.g. to hold while the request is in flight).
+    pub fn share(&self) -> SharedSequence {
+        SharedSequence(Arc::clone(self.seg))
+    }
+}
+
+/// A request's full sequence, shared with the reader that expanded it: a
+/// reference count, not a copy. While it is held, the session it belongs to
+/// stores its later turns after a link instead of in place.
+#[derive(Clone, Debug)]
+pub struct SharedSequence(Arc<Seg>);
+
+impl SharedSequence {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the sequence has no token (never, for a valid trace).
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// Replaces `out`'s contents with the sequence.
+    pub fn copy_to(&self, out: &mut Vec<u32>) {
+        out.clear();
+        for s in self.0.chain() {
+            out.extend_from_slice(&s.own);
+        }
+    }
+}
+
+/// Stored tokens: the whole sequence of `parent` (if any), then `own`. A
+/// sequence that forks another links to it instead of copying it.
+///
+/// `own` only ever grows, and only while nothing else holds the segment
+/// (`Arc::get_mut`), so a segment that is linked to or shared never changes:
+/// a child's `base` stays its parent's length, and `(serial, len)` names the
+/// same tokens for the segment's whole life.
+struct Seg {
+    /// Unique within the process: names this storage in the working copy.
+    serial: u64,
+    parent: Option<Arc<Seg>>,
+    /// Links above this segment (0 for a root).
+    depth: usize,
+    /// Tokens before `own` (the parent's length).
+    base: usize,
+    own: Vec<u32>,
+}
+
+impl Seg {
+    fn new(parent: Option<Arc<Seg>>, own: Vec<u32>) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static SERIAL: AtomicU64 = AtomicU64::new(0);
+        Seg {
+            serial: SERIAL.fetch_add(1, Ordering::Relaxed),
+            depth: parent.as_ref().map_or(0, |p| p.depth + 1),
+            base: parent.as_ref().map_or(0, |p| p.len()),
+            parent,
+            own,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.base + self.own.len()
+    }
+
+    /// The segments of the sequence, root first.
+    fn chain(&self) -> Vec<&Seg> {
+        let mut v = vec![self];
+        while let Some(p) = v[v.len() - 1].parent.as_deref() {
+            v.push(p);
+        }
+        v.reverse();
+        v
+    }
+}
+
+impl fmt::Debug for Seg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Not the chain: it may be long.
+        f.debug_struct("Seg")
+            .field("serial", &self.serial)
+            .field("depth", &self.depth)
+            .field("base", &self.base)
+            .field("own", &self.own.len())
+            .finish()
+    }
+}
+
+impl Drop for Seg {
+    fn drop(&mut self) {
+        // Unlink iteratively: dropping a long chain of forks must not
+        // recurse once per link.
+        let mut next = self.parent.take();
+        while let Some(p) = next {
+            next = Arc::try_unwrap(p).ok().and_then(|mut s| s.parent.take());
+        }
     }
 }
 
@@ -90,6 +214,8 @@ pub enum TraceError {
         /// Why it was rejected.
         reason: String,
     },
+    /// The trace holds no request: an empty file, or only blank lines.
+    Empty,
 }
 
 impl fmt::Display for TraceError {
@@ -97,6 +223,9 @@ impl fmt::Display for TraceError {
         match self {
             TraceError::Io(e) => write!(f, "reading trace: {e}"),
             TraceError::Line { line, reason } => write!(f, "trace line {line}: {reason}"),
+            TraceError::Empty => {
+                f.write_str("the trace has no request (empty, or only blank lines)")
+            }
         }
     }
 }
@@ -146,9 +275,12 @@ impl<'de> de::DeserializeSeed<'de> for TokSeed {
                 write!(f, "token {} to be an integer in 0..2^32", self.0)
             }
             fn visit_u64<E: de::Error>(self, x: u64) -> Result<Tok, E> {
-                u32::try_from(x)
-                    .map(Tok)
-                    .map_err(|_| E::custom(format!("token {} is {x}, not below 2^32", self.0)))
+                u32::try_from(x).map(Tok).map_err(|_| {
+                    E::custom(format!(
+                        "token {} is {x}, out of range: token ids are integers in 0..2^32",
+                        self.0
+                    ))
+                })
             }
             fn visit_i64<E: de::Error>(self, x: i64) -> Result<Tok, E> {
                 if x < 0 {
@@ -158,10 +290,15 @@ impl<'de> de::DeserializeSeed<'de> for TokSeed {
                 }
             }
             fn visit_f64<E: de::Error>(self, x: f64) -> Result<Tok, E> {
-                Err(E::custom(format!(
-                    "token {} is not an integer ({x})",
-                    self.0
-                )))
+                // serde_json reads an integer beyond 64 bits as a float.
+                Err(E::custom(match float_kind(x, 4_294_967_296.0) {
+                    FloatKind::Negative => format!("token {} is negative ({x})", self.0),
+                    FloatKind::Large => format!(
+                        "token {} is out of range: token ids are integers in 0..2^32",
+                        self.0
+                    ),
+                    FloatKind::Fraction => format!("token {} is not an integer ({x})", self.0),
+                }))
             }
         }
         let idx = self.0;
@@ -169,12 +306,76 @@ impl<'de> de::DeserializeSeed<'de> for TokSeed {
     }
 }
 
+/// What a JSON number that serde_json could only read as a float is.
+enum FloatKind {
+    Negative,
+    /// An integer out of range (too large for 64 bits, or written with an
+    /// exponent).
+    Large,
+    Fraction,
+}
+
+/// `limit`: the first integer out of range.
+fn float_kind(x: f64, limit: f64) -> FloatKind {
+    if x < 0.0 {
+        FloatKind::Negative
+    } else if x.fract() == 0.0 && x >= limit {
+        FloatKind::Large
+    } else {
+        FloatKind::Fraction
+    }
+}
+
+/// Deserializes an id field (`id`, `session`, `extends`), naming the field
+/// in errors.
+fn id_field<'de, D: Deserializer<'de>>(d: D, field: &'static str) -> Result<Option<u64>, D::Error> {
+    struct V(&'static str);
+    impl Visitor<'_> for V {
+        type Value = u64;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "`{}` to be an integer in 0..2^64", self.0)
+        }
+        fn visit_u64<E: de::Error>(self, x: u64) -> Result<u64, E> {
+            Ok(x)
+        }
+        fn visit_i64<E: de::Error>(self, x: i64) -> Result<u64, E> {
+            u64::try_from(x).map_err(|_| E::custom(format!("`{}` is negative ({x})", self.0)))
+        }
+        fn visit_f64<E: de::Error>(self, x: f64) -> Result<u64, E> {
+            // serde_json reads an integer beyond 64 bits as a float.
+            Err(E::custom(
+                match float_kind(x, 18_446_744_073_709_551_616.0) {
+                    FloatKind::Negative => format!("`{}` is negative ({x})", self.0),
+                    FloatKind::Large => {
+                        format!("`{}` is out of range: ids are integers in 0..2^64", self.0)
+                    }
+                    FloatKind::Fraction => format!("`{}` is not an integer ({x})", self.0),
+                },
+            ))
+        }
+    }
+    d.deserialize_any(V(field)).map(Some)
+}
+
+fn de_id<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    id_field(d, "id")
+}
+fn de_session<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    id_field(d, "session")
+}
+fn de_extends<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    id_field(d, "extends")
+}
+
 #[derive(Deserialize)]
 struct RawLine {
+    #[serde(default, deserialize_with = "de_id")]
     id: Option<u64>,
+    #[serde(default, deserialize_with = "de_session")]
     session: Option<u64>,
     arrival_s: Option<f64>,
     input: Option<Tokens>,
+    #[serde(default, deserialize_with = "de_extends")]
     extends: Option<u64>,
     append: Option<Tokens>,
     output: Option<Tokens>,
@@ -213,8 +414,28 @@ impl LineParser {
         self.line
     }
 
-    /// Parses the next line. `Ok(None)` for a blank line.
+    /// Parses the next line, given as bytes: invalid UTF-8 is reported
+    /// with the line. `Ok(None)` for a blank line.
+    pub fn parse_bytes(&mut self, bytes: &[u8]) -> Result<Option<Record>, TraceError> {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => self.parse(text),
+            Err(e) => {
+                self.line += 1;
+                Err(TraceError::Line {
+                    line: self.line,
+                    reason: format!("invalid UTF-8 (column {})", e.valid_up_to() + 1),
+                })
+            }
+        }
+    }
+
+    /// Parses the next line. `Ok(None)` for a blank line. A byte order mark
+    /// is skipped at the start of the first line (and only there).
     pub fn parse(&mut self, text: &str) -> Result<Option<Record>, TraceError> {
+        let text = match self.line {
+            0 => text.strip_prefix('\u{feff}').unwrap_or(text),
+            _ => text,
+        };
         self.line += 1;
         if text.trim().is_empty() {
             return Ok(None);
@@ -293,15 +514,19 @@ fn json_reason(e: &serde_json::Error) -> String {
 }
 
 /// Expands compact records into full sequences, keeping the latest sequence
-/// of each session (see the module's memory bound).
+/// of each session, shared rather than copied (see the module's memory bound).
 #[derive(Debug, Default)]
 pub struct Expander {
     /// session -> (id of its latest request, its full sequence).
-    latest: HashMap<u64, (u64, Vec<u32>)>,
+    latest: HashMap<u64, (u64, Arc<Seg>)>,
     /// retained id -> its session.
     owner: HashMap<u64, u64>,
-    /// The session last expanded, whose buffer [`Request::full`] borrows.
-    current: Option<u64>,
+    /// The last expanded sequence, when it is not stored contiguously (it
+    /// links to another): what [`Request::full`] then borrows.
+    work: Vec<u32>,
+    /// What `work` holds: `(serial, tokens of its own)` of each segment,
+    /// root first, so that the next sequence reuses the common part.
+    work_segs: Vec<(u64, usize)>,
 }
 
 impl Expander {
@@ -310,23 +535,25 @@ impl Expander {
         Self::default()
     }
 
-    /// Expands `r`; the returned request borrows the session's buffer until
-    /// the next call. Errors (as a reason) if `r` extends an unknown or
-    /// superseded request.
+    /// Expands `r`; the returned request borrows the expander until the
+    /// next call. Errors (as a reason, changing nothing) if `r` extends an
+    /// unknown or superseded request, or has an empty input.
     pub fn expand<'a>(&'a mut self, r: &Record) -> Result<Request<'a>, String> {
-        let mut buf = match r.base {
+        let seg = match r.base {
             Base::Full => {
-                let mut b = self
-                    .latest
-                    .remove(&r.session)
-                    .map(|(old, b)| {
-                        self.owner.remove(&old);
-                        b
-                    })
+                if r.tokens.is_empty() {
+                    return Err("empty input".into());
+                }
+                // Reuse the session's storage when nothing else holds it.
+                let mut own = self
+                    .take_latest(r.session)
+                    .and_then(|s| Arc::try_unwrap(s).ok())
+                    .map(|mut s| std::mem::take(&mut s.own))
                     .unwrap_or_default();
-                b.clear();
-                b.extend_from_slice(&r.tokens);
-                b
+                own.clear();
+                own.extend_from_slice(&r.tokens);
+                own.extend_from_slice(&r.output);
+                Arc::new(Seg::new(None, own))
             }
             Base::Extends(x) => {
                 let Some(&xs) = self.owner.get(&x) else {
@@ -335,57 +562,191 @@ impl Expander {
                          the latest request of its session)"
                     ));
                 };
-                let mut b = if xs == r.session {
-                    self.owner.remove(&x);
-                    self.latest.remove(&xs).map(|(_, b)| b).unwrap_or_default()
+                let parent = if xs == r.session {
+                    self.take_latest(xs).expect("an owned id has a sequence")
                 } else {
-                    // Fork from another session: copy, and supersede our own latest.
-                    let b = self.latest[&xs].1.clone();
-                    if let Some((old, _)) = self.latest.remove(&r.session) {
-                        self.owner.remove(&old);
-                    }
-                    b
+                    // A fork of another session: link to its sequence, and
+                    // supersede our own latest.
+                    drop(self.take_latest(r.session));
+                    Arc::clone(&self.latest[&xs].1)
                 };
-                b.extend_from_slice(&r.tokens);
-                b
+                self.extend(parent, &r.tokens, &r.output)
             }
         };
-        let input_len = buf.len();
-        if input_len == 0 {
-            return Err("empty input".into());
-        }
-        buf.extend_from_slice(&r.output);
+        let input_len = seg.len() - r.output.len();
         self.owner.insert(r.id, r.session);
-        self.current = Some(r.session);
-        let slot = self.latest.entry(r.session).or_default();
-        *slot = (r.id, buf);
+        if seg.parent.is_some() {
+            self.fill_work(&seg);
+        }
+        self.latest.insert(r.session, (r.id, seg));
+        let seg = &self.latest[&r.session].1;
+        let full = match seg.parent {
+            None => &seg.own[..],
+            Some(_) => &self.work[..],
+        };
         Ok(Request {
             id: r.id,
             session: r.session,
             arrival_s: r.arrival_s,
-            full: &slot.1,
+            full,
             input_len,
+            seg,
         })
     }
 
-    /// The full sequence of `id` if it is retained (the latest of its session).
-    pub fn retained(&self, id: u64) -> Option<&[u32]> {
-        let s = self.owner.get(&id)?;
-        Some(&self.latest[s].1)
+    /// Removes `session`'s latest sequence (and its id from the retained).
+    fn take_latest(&mut self, session: u64) -> Option<Arc<Seg>> {
+        let (id, seg) = self.latest.remove(&session)?;
+        self.owner.remove(&id);
+        Some(seg)
     }
 
-    /// Tokens held in session buffers (the memory the bound talks about).
+    /// `seq` followed by `append` and `output`: in place when nothing else
+    /// holds `seq` (the usual next turn of a conversation), else linked
+    /// (`seq` itself when nothing follows, so that every link adds a token
+    /// and chains are never deeper than their sequences are long).
+    fn extend(&mut self, mut seq: Arc<Seg>, append: &[u32], output: &[u32]) -> Arc<Seg> {
+        if append.is_empty() && output.is_empty() {
+            return seq;
+        }
+        if let Some(s) = Arc::get_mut(&mut seq) {
+            s.own.extend_from_slice(append);
+            s.own.extend_from_slice(output);
+            return seq;
+        }
+        let mut own = Vec::with_capacity(append.len() + output.len());
+        own.extend_from_slice(append);
+        own.extend_from_slice(output);
+        Arc::new(Seg::new(Some(seq), own))
+    }
+
+    /// Makes `work` hold `seg`'s whole sequence, keeping what it already
+    /// holds of the same segments: the cost is the tokens and links that
+    /// differ, so a chain of forks that each extend the previous request
+    /// costs what each adds, not its depth.
+    fn fill_work(&mut self, seg: &Seg) {
+        // Walk up to the first segment the working copy holds at the same
+        // depth: a segment's ancestors never change, so everything above it
+        // is there too. A segment only grows, so a shorter copy is a prefix.
+        let mut missing = Vec::new();
+        let mut at = Some(seg);
+        let mut kept = None;
+        while let Some(s) = at {
+            if let Some(&(serial, n)) = self.work_segs.get(s.depth) {
+                if serial == s.serial && n <= s.own.len() {
+                    kept = Some((s, n));
+                    break;
+                }
+            }
+            missing.push(s);
+            at = s.parent.as_deref();
+        }
+        match kept {
+            Some((s, n)) => {
+                self.work.truncate(s.base + n);
+                self.work.extend_from_slice(&s.own[n..]);
+                self.work_segs.truncate(s.depth);
+                self.work_segs.push((s.serial, s.own.len()));
+            }
+            None => {
+                self.work.clear();
+                self.work_segs.clear();
+            }
+        }
+        for s in missing.iter().rev() {
+            self.work.extend_from_slice(&s.own);
+            self.work_segs.push((s.serial, s.own.len()));
+        }
+        debug_assert_eq!(self.work.len(), seg.len());
+    }
+
+    /// If `tokens` strictly extends the full sequence of the retained
+    /// request `id`, that sequence's length.
+    pub fn continued_by(&self, id: u64, tokens: &[u32]) -> Option<usize> {
+        let s = self.owner.get(&id)?;
+        let seg = &self.latest[s].1;
+        if tokens.len() <= seg.len() {
+            return None;
+        }
+        let mut at = 0;
+        for s in seg.chain() {
+            if tokens[at..at + s.own.len()] != s.own[..] {
+                return None;
+            }
+            at += s.own.len();
+        }
+        Some(at)
+    }
+
+    /// Tokens the expander holds: each stored token of the retained
+    /// sequences once (however many sequences share it), plus the working
+    /// copy of the last expanded sequence when it was not contiguous.
     pub fn retained_tokens(&self) -> usize {
-        self.latest.values().map(|(_, b)| b.len()).sum()
+        let mut seen = std::collections::HashSet::new();
+        let mut n = self.work.len();
+        for (_, seg) in self.latest.values() {
+            let mut s = Some(&**seg);
+            while let Some(x) = s {
+                if !seen.insert(x.serial) {
+                    break;
+                }
+                n += x.own.len();
+                s = x.parent.as_deref();
+            }
+        }
+        n
+    }
+}
+
+/// Lines of a trace as bytes, decoded one at a time (so that invalid UTF-8
+/// is reported with its line), parsed, and counted (so that a trace without
+/// any request is an error).
+#[derive(Debug)]
+struct Lines<R> {
+    src: R,
+    bytes: Vec<u8>,
+    parser: LineParser,
+    records: u64,
+}
+
+impl<R: BufRead> Lines<R> {
+    fn new(src: R) -> Self {
+        Lines {
+            src,
+            bytes: Vec::new(),
+            parser: LineParser::new(),
+            records: 0,
+        }
+    }
+
+    /// The next record, `Ok(None)` at the end; [`TraceError::Empty`] at the
+    /// end of a trace without any.
+    fn next_record(&mut self) -> Result<Option<Record>, TraceError> {
+        loop {
+            self.bytes.clear();
+            if self.src.read_until(b'\n', &mut self.bytes)? == 0 {
+                return match self.records {
+                    0 => Err(TraceError::Empty),
+                    _ => Ok(None),
+                };
+            }
+            if let Some(r) = self.parser.parse_bytes(&self.bytes)? {
+                self.records += 1;
+                return Ok(Some(r));
+            }
+        }
+    }
+
+    /// The 1-based number of the last line read.
+    fn line(&self) -> u64 {
+        self.parser.line()
     }
 }
 
 /// Streams a trace: one line parsed and expanded at a time.
 #[derive(Debug)]
 pub struct TraceReader<R> {
-    src: R,
-    text: String,
-    parser: LineParser,
+    lines: Lines<R>,
     expander: Expander,
     record: Option<Record>,
 }
@@ -394,35 +755,27 @@ impl<R: BufRead> TraceReader<R> {
     /// A reader over `src`.
     pub fn new(src: R) -> Self {
         TraceReader {
-            src,
-            text: String::new(),
-            parser: LineParser::new(),
+            lines: Lines::new(src),
             expander: Expander::new(),
             record: None,
         }
     }
 
-    /// The next request, `Ok(None)` at the end.
+    /// The next request, `Ok(None)` at the end. A trace without any request
+    /// is an error ([`TraceError::Empty`]).
     pub fn next_request(&mut self) -> Result<Option<Request<'_>>, TraceError> {
-        loop {
-            self.text.clear();
-            if self.src.read_line(&mut self.text)? == 0 {
-                return Ok(None);
-            }
-            if let Some(r) = self.parser.parse(&self.text)? {
-                self.record = Some(r);
-                break;
-            }
-        }
-        let r = self.record.as_ref().expect("set above");
-        let line = self.parser.line();
+        self.record = self.lines.next_record()?;
+        let Some(r) = self.record.as_ref() else {
+            return Ok(None);
+        };
+        let line = self.lines.line();
         self.expander
             .expand(r)
             .map(Some)
             .map_err(|reason| TraceError::Line { line, reason })
     }
 
-    /// Tokens currently retained for `extends` (the streaming memory bound).
+    /// Tokens currently held for `extends` (the streaming memory bound).
     pub fn retained_tokens(&self) -> usize {
         self.expander.retained_tokens()
     }
@@ -440,33 +793,22 @@ pub struct Trace {
 impl Trace {
     /// Reads and validates a trace from `src`.
     pub fn read(src: impl BufRead) -> Result<Self, TraceError> {
-        let mut src = src;
-        let mut text = String::new();
-        let mut parser = LineParser::new();
+        let mut lines = Lines::new(src);
         let mut ex = Expander::new();
         let mut prev: HashMap<u64, u64> = HashMap::new();
         let mut records = Vec::new();
-        loop {
-            text.clear();
-            if src.read_line(&mut text)? == 0 {
-                break;
-            }
-            let Some(mut r) = parser.parse(&text)? else {
-                continue;
-            };
+        while let Some(mut r) = lines.next_record()? {
             if r.base == Base::Full {
                 if let Some(&p) = prev.get(&r.session) {
-                    if let Some(pf) = ex.retained(p) {
-                        if r.tokens.len() > pf.len() && r.tokens.starts_with(pf) {
-                            // A fresh vector: draining would keep the
-                            // capacity of the full input.
-                            r.tokens = r.tokens[pf.len()..].to_vec();
-                            r.base = Base::Extends(p);
-                        }
+                    if let Some(n) = ex.continued_by(p, &r.tokens) {
+                        // A fresh vector: draining would keep the capacity
+                        // of the full input.
+                        r.tokens = r.tokens[n..].to_vec();
+                        r.base = Base::Extends(p);
                     }
                 }
             }
-            let line = parser.line();
+            let line = lines.line();
             ex.expand(&r)
                 .map_err(|reason| TraceError::Line { line, reason })?;
             prev.insert(r.session, r.id);

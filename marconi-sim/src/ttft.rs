@@ -47,6 +47,46 @@ impl TtftModel {
         }
     }
 
+    /// Checks that every parameter is finite, the costs >= 0, the peak
+    /// FLOP/s > 0 and the efficiency in (0, 1].
+    pub fn validate(&self) -> Result<(), String> {
+        let check = |ok: bool, what: &str, x: f64, rule: &str| {
+            if ok && x.is_finite() {
+                Ok(())
+            } else {
+                Err(format!("{what} {x} is not finite and {rule}"))
+            }
+        };
+        match *self {
+            TtftModel::Linear {
+                base_ms,
+                per_token_ms,
+            } => {
+                check(base_ms >= 0.0, "base time (ms)", base_ms, ">= 0")?;
+                check(
+                    per_token_ms >= 0.0,
+                    "time per token (ms)",
+                    per_token_ms,
+                    ">= 0",
+                )
+            }
+            TtftModel::Flops {
+                base_ms,
+                peak_flops,
+                efficiency,
+            } => {
+                check(base_ms >= 0.0, "base time (ms)", base_ms, ">= 0")?;
+                check(peak_flops > 0.0, "peak FLOP/s", peak_flops, "> 0")?;
+                check(
+                    efficiency > 0.0 && efficiency <= 1.0,
+                    "efficiency",
+                    efficiency,
+                    "in (0, 1]",
+                )
+            }
+        }
+    }
+
     /// Estimated TTFT in ms of an `input_len`-token request whose first
     /// `hit` tokens were reused.
     pub fn ttft_ms(&self, model: &ModelSpec, hit: usize, input_len: usize) -> f64 {

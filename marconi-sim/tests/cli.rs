@@ -162,3 +162,195 @@ fn avmp_table_matches_golden_when_the_data_is_there() {
     );
     assert!(out.contains("240/240 runs identical"), "{out}");
 }
+
+/// A valid two-request trace in `dir`.
+fn tiny_trace(dir: &Path) -> std::path::PathBuf {
+    let trace = dir.join("tiny.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"id\":0,\"session\":0,\"arrival_s\":0,\"input\":[1,2,3],\"output\":[4]}\n\
+         {\"id\":1,\"session\":0,\"arrival_s\":1,\"extends\":0,\"append\":[5],\"output\":[6]}\n",
+    )
+    .unwrap();
+    trace
+}
+
+#[track_caller]
+fn fails_with(args: &[&str], expect: &str) {
+    let o = sim(args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{args:?} succeeded");
+    assert!(err.contains(expect), "{args:?}: {err:?} lacks {expect:?}");
+    assert!(o.stdout.is_empty(), "{args:?} printed {:?}", o.stdout);
+}
+
+#[test]
+fn an_empty_or_blank_trace_fails_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    for (name, text) in [("empty", ""), ("blank", "\n  \n\t\n")] {
+        let p = dir.path().join(format!("{name}.jsonl"));
+        std::fs::write(&p, text).unwrap();
+        let want = "the trace has no request";
+        fails_with(&["replay", "--trace", s(&p), "--policy", "oracle"], want);
+        fails_with(
+            &["compare", "--trace", s(&p), "--out-dir", s(&out), "-q"],
+            want,
+        );
+        fails_with(
+            &[
+                "sweep",
+                "capacity",
+                "--trace",
+                s(&p),
+                "--out-dir",
+                s(&out),
+                "-q",
+            ],
+            want,
+        );
+    }
+    assert!(!out.exists(), "figures written for an empty trace");
+}
+
+#[test]
+fn numeric_flags_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tiny_trace(dir.path());
+    let out = dir.path().join("gen.jsonl");
+    // `--flag=value`: clap would take a separate "-1" for a flag.
+    let replay = |flag: &'static str, v: &'static str| {
+        let t = s(&t).to_string();
+        move || {
+            let arg = format!("{flag}={v}");
+            fails_with(
+                &["replay", "--trace", &t, "--policy", "marconi", &arg],
+                flag,
+            );
+        }
+    };
+    for (flag, v) in [
+        ("--gpu-flops", "0"),
+        ("--gpu-flops", "-1"),
+        ("--gpu-flops", "inf"),
+        ("--gpu-efficiency", "0"),
+        ("--gpu-efficiency", "1.5"),
+        ("--gpu-efficiency", "nan"),
+        ("--decode-ms", "nan"),
+        ("--decode-ms", "-1"),
+        ("--alpha", "nan"),
+        ("--alpha", "-0.5"),
+        ("--alpha", "inf"),
+        ("--block-size", "0"),
+        ("--capacity", "0"),
+        ("--capacity", "0.1"),
+    ] {
+        replay(flag, v)();
+    }
+    let o = s(&out);
+    for (args, flag) in [
+        (
+            vec![
+                "trace",
+                "synth",
+                "--kind",
+                "chat",
+                "--out",
+                o,
+                "--sessions",
+                "0",
+            ],
+            "--sessions",
+        ),
+        (
+            vec![
+                "trace",
+                "synth",
+                "--kind",
+                "chat",
+                "--out",
+                o,
+                "--session-rate",
+                "0",
+            ],
+            "--session-rate",
+        ),
+        (
+            vec![
+                "trace",
+                "synth",
+                "--kind",
+                "chat",
+                "--out",
+                o,
+                "--session-rate",
+                "nan",
+            ],
+            "--session-rate",
+        ),
+        (
+            vec![
+                "trace",
+                "synth",
+                "--kind",
+                "chat",
+                "--out",
+                o,
+                "--max-input",
+                "0",
+            ],
+            "--max-input",
+        ),
+        (
+            vec!["trace", "sharegpt", "--out", o, "--sessions", "0"],
+            "--sessions",
+        ),
+        (
+            vec!["trace", "sharegpt", "--out", o, "--session-rate=-2"],
+            "--session-rate",
+        ),
+        (
+            vec!["trace", "sharegpt", "--out", o, "--think-s=-1"],
+            "--think-s",
+        ),
+        (
+            vec!["trace", "sharegpt", "--out", o, "--think-s", "inf"],
+            "--think-s",
+        ),
+        (
+            vec![
+                "sweep",
+                "capacity",
+                "--capacities",
+                "1GB,0",
+                "--trace",
+                s(&t),
+            ],
+            "--capacities",
+        ),
+        (
+            vec!["sweep", "state-dim", "--dims", "0", "--trace", s(&t)],
+            "--dims",
+        ),
+        (vec!["paper", "--seeds", "0"], "--seeds"),
+    ] {
+        fails_with(&args, flag);
+    }
+    assert!(!out.exists());
+}
+
+#[test]
+fn configuration_errors_come_before_the_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.jsonl");
+    // The model is checked before the (missing) trace is read.
+    for cmd in ["replay", "compare"] {
+        let mut args = vec![cmd, "--trace", s(&missing), "--model", "gpt-9"];
+        if cmd == "replay" {
+            args.extend(["--policy", "marconi"]);
+        }
+        fails_with(&args, "unknown model \"gpt-9\"");
+        let err = String::from_utf8(sim(&args).stderr).unwrap();
+        assert!(!err.contains("missing.jsonl"), "{err}");
+    }
+}

@@ -157,3 +157,44 @@ fn exact_hits_on_hand_made_traces() {
     assert_eq!(hits(&text, Policy::Oracle), [0, 64, 110]);
     assert_eq!(hits(&text, Policy::NoCache), [0, 0, 0]);
 }
+
+#[test]
+fn configuration_errors_are_not_request_errors() {
+    let t = small_agentic();
+    let model = ModelSpec::preset("paper-7b").unwrap();
+    let bad = ReplayConfig::new(Policy::Marconi, model.clone(), 0);
+    assert_eq!(
+        bad.validate().unwrap_err().to_string(),
+        "invalid configuration: capacity_bytes is 0"
+    );
+    let mut calls = 0;
+    let e = replay(&t, &bad, &mut |_| calls += 1).unwrap_err();
+    assert_eq!(e.to_string(), "invalid configuration: capacity_bytes is 0");
+    assert_eq!(calls, 0);
+    // Settings the core does not see are checked too.
+    let mut c = ReplayConfig::new(Policy::Oracle, model.clone(), 1);
+    c.decode_ms_per_token = f64::NAN;
+    assert_eq!(
+        c.validate().unwrap_err().to_string(),
+        "invalid configuration: decode time per token NaN ms is not finite and >= 0"
+    );
+    let mut c = ReplayConfig::new(Policy::NoCache, model.clone(), 1);
+    c.ttft = marconi_sim::ttft::TtftModel::Flops {
+        base_ms: 10.0,
+        peak_flops: 0.0,
+        efficiency: 0.4,
+    };
+    assert_eq!(
+        c.validate().unwrap_err().to_string(),
+        "invalid configuration: TTFT model: peak FLOP/s 0 is not finite and > 0"
+    );
+    // A comparison checks every job before running any.
+    let good = ReplayConfig::new(Policy::SglangPlus, model, 1_000_000_000);
+    let ticks = std::sync::atomic::AtomicU64::new(0);
+    let e = run_jobs(&t, &[good, bad], 1, &|n| {
+        ticks.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    })
+    .unwrap_err();
+    assert_eq!(e.to_string(), "invalid configuration: capacity_bytes is 0");
+    assert_eq!(ticks.into_inner(), 0);
+}

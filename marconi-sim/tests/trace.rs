@@ -1,7 +1,7 @@
 //! The trace format: both forms, streaming expansion, every malformed case
 //! with its message, writer round trips.
 
-use marconi_sim::trace::{Base, Trace, TraceReader};
+use marconi_sim::trace::{Base, Expander, Trace, TraceReader};
 
 /// `(id, session, input, output)` of a request.
 type Expanded = (u64, u64, Vec<u32>, Vec<u32>);
@@ -157,7 +157,7 @@ fn malformed_lines_are_rejected_with_line_and_reason() {
     );
     check_err(
         &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "input": [4294967296], "output": []}"#),
-        "trace line 2: token 0 is 4294967296, not below 2^32 (column 60)",
+        "trace line 2: token 0 is 4294967296, out of range: token ids are integers in 0..2^32 (column 60)",
     );
     check_err(
         &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "input": [4294967295], "output": [-1]}"#),
@@ -210,4 +210,230 @@ fn malformed_lines_are_rejected_with_line_and_reason() {
         "trace line 2: EOF while parsing an object (column 67)",
     );
     check_err(&two("not json"), "trace line 2: expected ident (column 2)");
+}
+
+/// Reads raw bytes with both readers; both must give the same error.
+#[track_caller]
+fn check_err_bytes(bytes: &[u8], expect: &str) {
+    let mut r = TraceReader::new(bytes);
+    let got = loop {
+        match r.next_request() {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("malformed trace accepted"),
+            Err(e) => break e.to_string(),
+        }
+    };
+    assert_eq!(got, expect);
+    let got = Trace::read(bytes).expect_err("malformed trace accepted");
+    assert_eq!(got.to_string(), expect);
+}
+
+#[test]
+fn invalid_utf8_is_reported_with_its_line() {
+    let mut bytes =
+        br#"{"id": 0, "session": 1, "arrival_s": 0.5, "input": [1, 2], "output": [3]}"#.to_vec();
+    bytes.extend_from_slice(b"\n{\"id\": 1, \"session\": \"\xff\"}\n");
+    check_err_bytes(&bytes, "trace line 2: invalid UTF-8 (column 23)");
+}
+
+#[test]
+fn a_leading_byte_order_mark_is_skipped() {
+    let text =
+        "\u{feff}{\"id\": 0, \"session\": 1, \"arrival_s\": 0, \"input\": [1], \"output\": [2]}\n";
+    assert_eq!(read(text).unwrap(), vec![(0, 1, vec![1], vec![2])]);
+    assert_eq!(Trace::read(text.as_bytes()).unwrap().len(), 1);
+    // Only at the start of the file: elsewhere it is a stray character.
+    let ok = r#"{"id": 0, "session": 1, "arrival_s": 0, "input": [1], "output": [2]}"#;
+    check_err(
+        &format!("{ok}\n\u{feff}{ok}\n"),
+        "trace line 2: expected value (column 1)",
+    );
+}
+
+#[test]
+fn numbers_beyond_64_bits_are_out_of_range_by_field() {
+    let line = |field: &str, value: &str| {
+        let mut v = vec![
+            ("id", "1".to_string()),
+            ("session", "1".to_string()),
+            ("arrival_s", "1".to_string()),
+            ("extends", "0".to_string()),
+            ("append", "[7]".to_string()),
+            ("output", "[8]".to_string()),
+        ];
+        for (k, x) in &mut v {
+            if *k == field {
+                *x = value.to_string();
+            }
+        }
+        let body: Vec<String> = v.iter().map(|(k, x)| format!("\"{k}\": {x}")).collect();
+        format!(
+            "{{\"id\": 0, \"session\": 1, \"arrival_s\": 0, \"input\": [1], \"output\": [2]}}\n{{{}}}\n",
+            body.join(", ")
+        )
+    };
+    let big = "18446744073709551616"; // 2^64
+    check_err(
+        &line("id", big),
+        "trace line 2: `id` is out of range: ids are integers in 0..2^64 (column 27)",
+    );
+    check_err(
+        &line("session", big),
+        "trace line 2: `session` is out of range: ids are integers in 0..2^64 (column 41)",
+    );
+    check_err(
+        &line("extends", big),
+        "trace line 2: `extends` is out of range: ids are integers in 0..2^64 (column 71)",
+    );
+    check_err(
+        &line("append", &format!("[1, {big}]")),
+        "trace line 2: token 1 is out of range: token ids are integers in 0..2^32 (column 88)",
+    );
+    check_err(
+        &line("output", &format!("[{big}0]")),
+        "trace line 2: token 0 is out of range: token ids are integers in 0..2^32 (column 101)",
+    );
+    check_err(
+        &line("id", "-1"),
+        "trace line 2: `id` is negative (-1) (column 9)",
+    );
+    check_err(
+        &line("session", "2.5"),
+        "trace line 2: `session` is not an integer (2.5) (column 24)",
+    );
+    // The largest ids still fit.
+    let max = u64::MAX.to_string();
+    let text = line("session", &max);
+    assert_eq!(read(&text).unwrap()[1].1, u64::MAX);
+}
+
+#[test]
+fn an_empty_or_blank_trace_is_an_error() {
+    for text in ["", "\n", "  \n\t\n\n", "\u{feff}", "\u{feff}\n \n"] {
+        check_err(
+            text,
+            "the trace has no request (empty, or only blank lines)",
+        );
+    }
+}
+
+/// A trace of `forks` sessions that each extend request 0, a `prompt`-token
+/// prompt, with one appended and one output token each.
+fn forks(prompt: u32, forks: u32) -> String {
+    let tokens: Vec<String> = (0..prompt).map(|t| t.to_string()).collect();
+    let mut text = format!(
+        "{{\"id\":0,\"session\":0,\"arrival_s\":0,\"input\":[{}],\"output\":[1]}}\n",
+        tokens.join(",")
+    );
+    for i in 1..=forks {
+        text.push_str(&format!(
+            "{{\"id\":{i},\"session\":{i},\"arrival_s\":1,\"extends\":0,\"append\":[{i}],\"output\":[{i}]}}\n"
+        ));
+    }
+    // The forks continue: session 1 twice more (its own context grows).
+    let n = forks + 1;
+    text.push_str(&format!(
+        "{{\"id\":{n},\"session\":1,\"arrival_s\":2,\"extends\":1,\"append\":[5],\"output\":[6]}}\n"
+    ));
+    text.push_str(&format!(
+        "{{\"id\":{},\"session\":1,\"arrival_s\":3,\"extends\":{n},\"append\":[7],\"output\":[8]}}\n",
+        n + 1
+    ));
+    text
+}
+
+#[test]
+fn forks_share_their_context() {
+    let (prompt, n) = (20_000u32, 300u32);
+    let text = forks(prompt, n);
+    let expect_input = |i: u32| -> Vec<u32> {
+        let mut v: Vec<u32> = (0..prompt).collect();
+        v.extend([1, i]);
+        v
+    };
+    // Streaming: every request expands right, and the reader holds the
+    // distinct tokens (the prompt once, two per fork) plus one working copy.
+    let mut r = TraceReader::new(text.as_bytes());
+    let mut seen = 0;
+    let mut peak = 0;
+    while let Some(q) = r.next_request().unwrap() {
+        match q.id {
+            0 => assert_eq!(q.input(), (0..prompt).collect::<Vec<_>>()),
+            i if i <= u64::from(n) => {
+                assert_eq!(q.input(), expect_input(i as u32));
+                assert_eq!(q.output(), [i as u32]);
+            }
+            i if i == u64::from(n) + 1 => {
+                let mut want = expect_input(1);
+                want.extend([1, 5]);
+                assert_eq!(q.input(), want);
+            }
+            _ => {
+                let mut want = expect_input(1);
+                want.extend([1, 5, 6, 7]);
+                assert_eq!(q.input(), want);
+                assert_eq!(q.output(), [8]);
+            }
+        }
+        seen += 1;
+        peak = peak.max(r.retained_tokens());
+    }
+    assert_eq!(seen, n + 3);
+    // The prompt (and request 0's output) at most twice, stored and in the
+    // working copy; two tokens per fork; session 1's later turns.
+    let bound = 2 * (prompt as usize + 1) + 2 * n as usize + 16;
+    assert!(peak <= bound, "reader held {peak} tokens, bound {bound}");
+    // The in-memory trace and its expansion alike.
+    let t = Trace::read(text.as_bytes()).unwrap();
+    assert!(t.stored_tokens() <= u64::from(prompt) + 2 * u64::from(n) + 8);
+    let mut ex = Expander::new();
+    let mut peak = 0;
+    for rec in &t.records {
+        let q = ex.expand(rec).unwrap();
+        if q.id == 7 {
+            assert_eq!(q.input(), expect_input(7));
+        }
+        peak = peak.max(ex.retained_tokens());
+    }
+    assert!(peak <= bound, "expander held {peak} tokens, bound {bound}");
+}
+
+#[test]
+fn a_long_chain_of_forks_expands_and_drops() {
+    // Two sessions that each extend the other's latest request: every
+    // request links to the previous one, 200,000 links deep. Expanding
+    // copies only what each adds, and dropping must not recurse per link.
+    use marconi_sim::trace::Record;
+    let rec =
+        |id: u64, session: u64, extends: Option<u64>, tokens: Vec<u32>, output: Vec<u32>| Record {
+            id,
+            session,
+            arrival_s: 0.0,
+            base: extends.map_or(Base::Full, Base::Extends),
+            tokens,
+            output,
+        };
+    let mut ex = Expander::new();
+    let mut len = 0;
+    for id in 0..200_000u64 {
+        let extends = id.checked_sub(1);
+        let output = if id % 1000 == 0 { vec![] } else { vec![7] };
+        len += 1 + output.len();
+        let q = ex
+            .expand(&rec(id, id % 2, extends, vec![id as u32], output))
+            .unwrap();
+        assert_eq!(q.full.len(), len);
+        assert_eq!(q.input()[q.input_len - 1], id as u32);
+    }
+    assert!(ex.retained_tokens() <= 2 * len + 1);
+    drop(ex);
+    // A fork that adds nothing shares its parent's storage.
+    let mut ex = Expander::new();
+    ex.expand(&rec(0, 0, None, vec![1, 2], vec![3])).unwrap();
+    let before = ex.retained_tokens();
+    assert_eq!(
+        ex.expand(&rec(1, 1, Some(0), vec![], vec![])).unwrap().full,
+        [1, 2, 3]
+    );
+    assert_eq!(ex.retained_tokens(), before);
 }

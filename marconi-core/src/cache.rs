@@ -11,6 +11,13 @@ use crate::log::{Decision, DecisionLog, EvictKind, PlanReason};
 use crate::tree::{NodeId, StateRef, Tree, Walk, NIL};
 use crate::tuner::Tuner;
 
+/// Bytes charged for each cached token of a model without attention layers,
+/// which has no KV: the token id the tree keeps on the edge. Without it
+/// nodes that carry no state would cost nothing, so no eviction would ever
+/// reclaim them and the budget would not bound their number. Models with
+/// attention layers are charged their KV bytes per token (always more).
+pub const TOKEN_ID_BYTES: u64 = std::mem::size_of::<u32>() as u64;
+
 /// Identifies a lease: the pin a lookup puts on the nodes a request reuses.
 /// Ids are never reused, so a released lease cannot reach a later one.
 pub type LeaseId = u64;
@@ -65,7 +72,9 @@ pub struct AdmitOutcome {
     /// Set when nothing could be cached (the sequence does not fit even after
     /// evicting every unleased entry).
     pub rejected: Option<String>,
-    /// Set when only a prefix could be cached: its length.
+    /// Set when only a prefix of the tokens could be cached: its length
+    /// (`None` when every token is cached, even if some states were not:
+    /// their slots are in `slots_returned`).
     pub truncated_to: Option<u32>,
 }
 
@@ -97,7 +106,8 @@ pub struct Stats {
     pub flops_saved: f64,
     /// Prefill FLOPs the inputs would cost with no cache.
     pub flops_total: f64,
-    /// Bytes of cached KV.
+    /// Bytes charged for cached tokens: their KV, or [`TOKEN_ID_BYTES`] a
+    /// token for models without attention layers.
     pub kv_bytes: u64,
     /// Bytes of cached states.
     pub state_bytes: u64,
@@ -113,7 +123,8 @@ pub struct Stats {
     pub states_admitted: u64,
     /// Admissions refused for lack of space.
     pub admissions_rejected: u64,
-    /// Admissions cut to a prefix for lack of space.
+    /// Admissions that cached only part of what they offered for lack of
+    /// space: a prefix of the tokens, or some of the new states.
     pub admissions_truncated: u64,
     /// Leases outstanding.
     pub leases: u64,
@@ -222,6 +233,17 @@ fn round_down(x: u32, grid: u32) -> u32 {
     x - x % grid
 }
 
+/// The block boundaries past `hit` up to `len` (`block`, `2·block`, …),
+/// counted in u64 so that no multiple wraps near 2^32.
+fn block_positions(hit: u32, block: u32, len: u32) -> impl Iterator<Item = u32> {
+    let block = u64::from(block.max(1));
+    let first = (u64::from(hit) / block + 1) * block;
+    (first..=u64::from(len))
+        .step_by(usize::try_from(block).unwrap_or(usize::MAX))
+        // Every position is at most `len`, a u32.
+        .map(|p| u32::try_from(p).unwrap_or(u32::MAX))
+}
+
 impl Core {
     fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
         cfg.validate()?;
@@ -231,7 +253,10 @@ impl Core {
             AlphaMode::Auto(_) => 0.0,
         };
         Ok(Core {
-            kv_bpt: cfg.model.kv_bytes_per_token(),
+            kv_bpt: match cfg.model.kv_bytes_per_token() {
+                0 => TOKEN_ID_BYTES,
+                kv => kv,
+            },
             state_b: if oracle { 0 } else { cfg.model.state_bytes() },
             stats: Stats {
                 capacity_bytes: cfg.capacity_bytes,
@@ -311,7 +336,9 @@ impl Core {
         let n = self.tree.node(id);
         let state = if n.state.is_some() { self.state_b } else { 0 };
         if n.children.is_empty() {
-            n.tokens.len() as u64 * self.kv_bpt + state
+            (n.tokens.len() as u64)
+                .saturating_mul(self.kv_bpt)
+                .saturating_add(state)
         } else {
             state
         }
@@ -444,10 +471,7 @@ impl Core {
         let plan = match (self.cfg.admission, &walk) {
             (AdmissionPolicy::Marconi, Some(w)) => self.plan_marconi(w, len, hit, &state_depths),
             (AdmissionPolicy::AllBlocks { block_size }, _) => {
-                let first = hit / block_size + 1;
-                let plan: Vec<u32> = (first..)
-                    .map(|k| k * block_size)
-                    .take_while(|&p| p <= len)
+                let plan: Vec<u32> = block_positions(hit, block_size, len)
                     .filter(|p| !state_depths.contains(p))
                     .collect();
                 (!plan.is_empty()).then_some((plan, PlanReason::Blocks))
@@ -769,7 +793,12 @@ impl Core {
             .slots_returned
             .extend(dup_states.iter().filter_map(|s| s.slot));
         let mut aligned = aligned;
-        let needed = u64::from(aligned - m) * self.kv_bpt + new_states.len() as u64 * self.state_b;
+        // More than 2^64 bytes fits in no budget: saturate, never wrap (a
+        // wrapped small need would be admitted over capacity).
+        let needed = u64::from(aligned - m)
+            .checked_mul(self.kv_bpt)
+            .and_then(|kv| kv.checked_add((new_states.len() as u64).checked_mul(self.state_b)?))
+            .unwrap_or(u64::MAX);
 
         // Pin what we extend so eviction cannot pull it from under us.
         let anchor = match walk.partial {
@@ -811,7 +840,11 @@ impl Core {
                 return Ok(outcome);
             }
             self.stats.admissions_truncated += 1;
-            outcome.truncated_to = Some(cut);
+            // Only a cut of the tokens is a truncation (the C ABI reads 0 as
+            // "all cached"); dropped states are in `slots_returned`.
+            if cut < aligned {
+                outcome.truncated_to = Some(cut);
+            }
             aligned = cut;
         }
         let new_kv = aligned - m;
@@ -925,8 +958,8 @@ impl Core {
         }
         let (mut cut, mut fit) = (m, 0);
         for (i, s) in new_states.iter().enumerate() {
-            let kv = u64::from(s.position.saturating_sub(m)) * self.kv_bpt;
-            if kv + (i as u64 + 1) * self.state_b > avail {
+            let kv = u64::from(s.position.saturating_sub(m)).saturating_mul(self.kv_bpt);
+            if kv.saturating_add((i as u64 + 1).saturating_mul(self.state_b)) > avail {
                 break;
             }
             (cut, fit) = (cut.max(s.position), i + 1);
@@ -1070,8 +1103,8 @@ impl Core {
 
     pub(crate) fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
-        s.kv_bytes = self.kv_tokens * self.kv_bpt;
-        s.state_bytes = self.states * self.state_b;
+        s.kv_bytes = self.kv_tokens.saturating_mul(self.kv_bpt);
+        s.state_bytes = self.states.saturating_mul(self.state_b);
         s.states = self.states;
         s.nodes = (self.tree.live_count() - self.tree.roots.len()) as u64;
         s.leases = self.leases.len() as u64;
@@ -1132,7 +1165,10 @@ impl Core {
             position,
             slot: None,
         };
-        let aligned = round_down(full_len as u32, self.cfg.page_size);
+        // Longer than a sequence may be (the admission will refuse it): no
+        // position beyond u32, and no wrap to the length's low bits.
+        let len = u32::try_from(full_len).unwrap_or(u32::MAX);
+        let aligned = round_down(len, self.cfg.page_size);
         if self.stateless_hits() {
             return Vec::new();
         }
@@ -1145,12 +1181,7 @@ impl Core {
                 v
             }
             AdmissionPolicy::AllBlocks { block_size } => {
-                let first = hit / block_size + 1;
-                (first..)
-                    .map(|k| k * block_size)
-                    .take_while(|&p| p as usize <= full_len)
-                    .map(state)
-                    .collect()
+                block_positions(hit, block_size, len).map(state).collect()
             }
             AdmissionPolicy::Oracle => Vec::new(),
         }
@@ -1200,8 +1231,8 @@ impl Core {
                 );
                 if !n.pages.is_empty() {
                     assert_eq!(
-                        n.pages.len() as u32 * self.cfg.page_size,
-                        n.tokens.len() as u32
+                        n.pages.len() as u64 * u64::from(self.cfg.page_size),
+                        n.tokens.len() as u64
                     );
                 }
                 kv += n.tokens.len() as u64;

@@ -130,7 +130,8 @@ impl Default for TunerConfig {
 pub struct CacheConfig {
     /// The model whose states are cached.
     pub model: ModelSpec,
-    /// Byte budget for KV and states together.
+    /// Byte budget for KV and states together (for models without attention
+    /// layers, tokens are charged [`crate::TOKEN_ID_BYTES`] each instead of KV).
     pub capacity_bytes: u64,
     /// Tokens per KV page: cached lengths and split points are multiples of it.
     pub page_size: u32,

@@ -40,7 +40,9 @@ mod model;
 mod tree;
 mod tuner;
 
-pub use cache::{AdmitOutcome, Freed, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats};
+pub use cache::{
+    AdmitOutcome, Freed, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats, TOKEN_ID_BYTES,
+};
 pub use config::{
     AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig, TuningObjective,
 };

@@ -178,48 +178,69 @@ impl ModelSpec {
         if self.dtype_bytes == 0 || self.state_dtype_bytes == 0 {
             return Err("dtype sizes must be > 0".into());
         }
-        let per_layer = self
-            .ssm_state_channels
-            .checked_mul(self.d_state)
-            .and_then(|x| x.checked_add(self.conv_channels.checked_mul(self.conv_kernel)?))
-            .and_then(|x| x.checked_mul(self.state_dtype_bytes));
-        if per_layer
-            .and_then(|x| x.checked_mul(u64::from(self.ssm_layers)))
-            .is_none()
-        {
+        // Every integer product the byte and FLOP formulas form, checked,
+        // whether or not the model has layers of that kind: the formulas are
+        // public and must not wrap (or panic with overflow checks on).
+        if self.state_bytes_checked().is_none() {
             return Err("state size overflows 64 bits".into());
         }
-        if (2 * self.kv_heads)
-            .checked_mul(self.head_dim)
-            .and_then(|x| x.checked_mul(self.dtype_bytes))
-            .and_then(|x| x.checked_mul(u64::from(self.attn_layers)))
-            .is_none()
-        {
+        if self.kv_bytes_per_token_checked().is_none() {
             return Err("KV size overflows 64 bits".into());
+        }
+        if self.n_heads.checked_mul(self.head_dim).is_none() {
+            return Err("query width n_heads * head_dim overflows 64 bits".into());
         }
         Ok(())
     }
 
-    /// KV bytes of one token in one attention layer (K and V).
-    pub fn kv_bytes_per_token_layer(&self) -> u64 {
-        2 * self.kv_heads * self.head_dim * self.dtype_bytes
+    fn kv_bytes_per_token_layer_checked(&self) -> Option<u64> {
+        self.kv_heads
+            .checked_mul(2)?
+            .checked_mul(self.head_dim)?
+            .checked_mul(self.dtype_bytes)
     }
 
-    /// KV bytes of one token across all attention layers.
+    fn kv_bytes_per_token_checked(&self) -> Option<u64> {
+        self.kv_bytes_per_token_layer_checked()?
+            .checked_mul(u64::from(self.attn_layers))
+    }
+
+    fn state_bytes_per_layer_checked(&self) -> Option<u64> {
+        self.ssm_state_channels
+            .checked_mul(self.d_state)?
+            .checked_add(self.conv_channels.checked_mul(self.conv_kernel)?)?
+            .checked_mul(self.state_dtype_bytes)
+    }
+
+    fn state_bytes_checked(&self) -> Option<u64> {
+        self.state_bytes_per_layer_checked()?
+            .checked_mul(u64::from(self.ssm_layers))
+    }
+
+    /// KV bytes of one token in one attention layer (K and V). Saturates at
+    /// `u64::MAX` for dimensions [`validate`](Self::validate) refuses.
+    pub fn kv_bytes_per_token_layer(&self) -> u64 {
+        self.kv_bytes_per_token_layer_checked().unwrap_or(u64::MAX)
+    }
+
+    /// KV bytes of one token across all attention layers. Saturates at
+    /// `u64::MAX` for dimensions [`validate`](Self::validate) refuses.
     pub fn kv_bytes_per_token(&self) -> u64 {
-        self.kv_bytes_per_token_layer() * u64::from(self.attn_layers)
+        self.kv_bytes_per_token_checked().unwrap_or(u64::MAX)
     }
 
     /// Bytes of one SSM layer's state (recurrent state plus conv state).
+    /// Saturates at `u64::MAX` for dimensions [`validate`](Self::validate)
+    /// refuses.
     pub fn state_bytes_per_layer(&self) -> u64 {
-        (self.ssm_state_channels * self.d_state + self.conv_channels * self.conv_kernel)
-            * self.state_dtype_bytes
+        self.state_bytes_per_layer_checked().unwrap_or(u64::MAX)
     }
 
     /// Bytes of one checkpoint: the states of every SSM layer at one position.
-    /// Zero for attention-only models.
+    /// Zero for attention-only models. Saturates at `u64::MAX` for dimensions
+    /// [`validate`](Self::validate) refuses.
     pub fn state_bytes(&self) -> u64 {
-        self.state_bytes_per_layer() * u64::from(self.ssm_layers)
+        self.state_bytes_checked().unwrap_or(u64::MAX)
     }
 
     /// FLOPs to prefill tokens `cached..end` when the first `cached` tokens
@@ -231,8 +252,9 @@ impl ModelSpec {
         let (p, q) = (cached as f64, end as f64);
         let n = q - p;
         let d = self.d_model as f64;
-        let q_dim = (self.n_heads * self.head_dim) as f64;
-        let kv_dim = (self.kv_heads * self.head_dim) as f64;
+        // In floating point: no wrap, even for dimensions `validate` refuses.
+        let q_dim = self.n_heads as f64 * self.head_dim as f64;
+        let kv_dim = self.kv_heads as f64 * self.head_dim as f64;
         let attn_linear = 2.0 * n * (2.0 * d * q_dim + 2.0 * d * kv_dim);
         // The quadratic term of the new tokens attends over the prefix too:
         // 4·(q² − p²)·width, the paper's 4L²D counted against the prefix.

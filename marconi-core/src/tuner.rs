@@ -99,7 +99,7 @@ impl Search {
         let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let out = Arc::clone(&result);
         let g = grid.clone();
-        let requests = window.len() as u32;
+        let requests = u32::try_from(window.len()).unwrap_or(u32::MAX);
         let job = move || {
             // Created inside the job: a closure that never runs (the thread
             // could not be spawned) delivers nothing.
@@ -179,8 +179,12 @@ impl Tuner {
             Phase::Warmup => {
                 if core.stats.evictions > 0 {
                     let factor = u64::from(self.cfg.bootstrap_factor);
-                    self.window_len =
-                        (self.requests * factor).max(u64::from(self.cfg.min_window)) as usize;
+                    self.window_len = usize::try_from(
+                        self.requests
+                            .saturating_mul(factor)
+                            .max(u64::from(self.cfg.min_window)),
+                    )
+                    .unwrap_or(usize::MAX);
                     self.snapshot = Some(core.clone_for_replay());
                     self.phase = Phase::Recording;
                 }

@@ -409,7 +409,7 @@ class PrefixCache:
         if timeout is not None:
             timeout = _real(timeout, "timeout")
             if not timeout >= 0:
-                raise ValueError(f"timeout: {timeout} is negative")
+                raise ValueError(f"timeout: {timeout} is not a number of seconds >= 0")
         with self._state:
             if not self._closing:
                 self._closing = True

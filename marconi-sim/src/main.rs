@@ -76,9 +76,11 @@ struct PaperArgs {
 
 #[derive(Args)]
 struct AvmpArgs {
-    /// Directory holding `traces.json` (and `golden.jsonl`, checked when present).
-    #[arg(long, default_value = "../shared/avmp")]
-    dir: PathBuf,
+    /// Directory holding `traces.json` (and `golden.jsonl`, checked when
+    /// present); default: the paper's traces and golden runs built into
+    /// marconi-gpu.
+    #[arg(long)]
+    dir: Option<PathBuf>,
     /// Print every run as JSON (an array) instead of the table.
     #[arg(long)]
     json: bool,
@@ -629,7 +631,11 @@ fn avmp_cmd(a: AvmpArgs) -> CmdResult {
     use marconi_gpu::avmp;
     let t0 = Instant::now();
     let sp = progress::spinner("replaying the AVMP grid (240 runs)", a.quiet);
-    let results = avmp::run_sweep(&a.dir).map_err(|e| e.to_string());
+    let results = match &a.dir {
+        Some(dir) => avmp::run_sweep(dir),
+        None => avmp::run_sweep_on(&avmp::builtin_traces()),
+    }
+    .map_err(|e| e.to_string());
     sp.finish_and_clear();
     let results = results?;
     let wall = t0.elapsed().as_secs_f64();
@@ -641,21 +647,29 @@ fn avmp_cmd(a: AvmpArgs) -> CmdResult {
         results.len()
     );
     print!("{}", avmp::render_table(&results));
-    let golden = a.dir.join("golden.jsonl");
-    if golden.exists() {
-        let want = avmp::load_golden(&golden).map_err(|e| e.to_string())?;
+    let golden = match &a.dir {
+        None => Some((
+            avmp::builtin_golden(),
+            "the built-in golden runs".to_string(),
+        )),
+        Some(dir) => {
+            let path = dir.join("golden.jsonl");
+            if path.exists() {
+                let want = avmp::load_golden(&path).map_err(|e| e.to_string())?;
+                Some((want, path.display().to_string()))
+            } else {
+                None
+            }
+        }
+    };
+    if let Some((want, name)) = golden {
         let same = results.iter().filter(|r| want.contains(r)).count();
-        println!(
-            "{same}/{} runs identical to {}",
-            want.len(),
-            golden.display()
-        );
+        println!("{same}/{} runs identical to {name}", want.len());
         if same != want.len() || results.len() != want.len() {
             return Err(format!(
-                "{} of {} runs differ from {}",
+                "{} of {} runs differ from {name}",
                 want.len() - same.min(want.len()),
                 want.len(),
-                golden.display()
             ));
         }
     }

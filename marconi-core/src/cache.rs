@@ -1142,6 +1142,17 @@ impl Core {
         input: &[u32],
         full: &[u32],
     ) -> Result<(Served, LeaseInfoOut), CacheError> {
+        // What the admission would refuse is refused before the lookup, so
+        // that a refused request changes nothing (no lease, no counters).
+        // The rest of `check_admit` holds by construction here.
+        Self::check_tokens(full)?;
+        let full_pages = full.len() / self.cfg.page_size as usize;
+        if self.tracks_pages == Some(true) && full_pages > 0 {
+            return Err(CacheError::BadPageList {
+                expected: full_pages,
+                got: 0,
+            });
+        }
         // A whole request admits what it looked up: no fingerprint needed.
         let (l, walk) = self.lookup_walk(ns, input, false)?;
         let states = self.states_for(&l.plan, l.hit_tokens, full.len());
@@ -1467,6 +1478,12 @@ impl PrefixCache {
     /// The α in force.
     pub fn alpha(&self) -> f64 {
         self.core.alpha
+    }
+
+    /// Bytes charged for each cached token: the model's KV bytes per token,
+    /// or [`TOKEN_ID_BYTES`] for models without attention layers.
+    pub fn token_bytes(&self) -> u64 {
+        self.core.kv_bpt
     }
 
     /// Bytes in use (KV + states).

@@ -209,6 +209,7 @@ fn evicting_everything_empties_an_attention_free_tree() {
     for make in configs {
         for page in [1, 16] {
             let mut c = ssm_only(make, u64::MAX / 2, page);
+            assert_eq!(c.token_bytes(), marconi_core::TOKEN_ID_BYTES);
             for i in 0..30 {
                 let (input, output) = branching(i);
                 c.serve(0, &input, &output).unwrap();
@@ -266,4 +267,23 @@ fn all_blocks_plans_are_bounded_by_the_input() {
             .collect::<Vec<_>>(),
         vec![8, 16, 24, 32]
     );
+}
+
+#[test]
+fn a_refused_serve_leaves_no_lease_behind() {
+    // An engine admitted with page ids; a whole-request serve (no page ids)
+    // is refused, and must not have looked up first (lease, counters).
+    let mut c = paged(4, AlphaMode::Fixed(0.0));
+    let seq = range(0, 8);
+    let l = c.lookup(0, &seq).unwrap();
+    c.admit(l.lease, &seq, &[], &[10, 11]).unwrap();
+    c.release(l.lease).unwrap();
+    let before = c.stats();
+    let e = c.serve(0, &range(0, 4), &range(4, 12)).unwrap_err();
+    assert!(
+        matches!(e, marconi_core::CacheError::BadPageList { .. }),
+        "{e}"
+    );
+    assert_eq!(c.stats(), before);
+    c.check_invariants();
 }

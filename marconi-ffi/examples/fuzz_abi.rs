@@ -1,0 +1,2254 @@
+//! A seeded random driver over the C ABI: it calls the exported
+//! `extern "C"` functions the way an engine (and a careless one) would, keeps
+//! a model of what each cache owns, and checks invariants after every call.
+//!
+//! ```text
+//! cargo run --release -p marconi-ffi --example fuzz_abi -- --seed 1 --seeds 8 --calls 20000
+//! cargo run --release -p marconi-ffi --example fuzz_abi -- --seconds 3600 --threads 4
+//! ```
+//!
+//! What it drives: several caches at once (page sizes 1, 4 and 16; α tuned
+//! online or fixed; every admission and eviction policy; slot and page
+//! tracking on or off; small capacities so that eviction and tuning run),
+//! every exported function with valid arguments and with invalid ones (NULL
+//! pointers, NULL first whatever else is wrong, zero and oversized lengths,
+//! misaligned buffers, unknown / released / foreign / made-up leases, bad
+//! positions, slots and pages, undersized output buffers, bad struct sizes,
+//! bad configurations). Never undefined behaviour: a freed handle is never
+//! used again (the ABI does not promise to detect it).
+//!
+//! What it checks: statuses (valid calls succeed, invalid ones fail with the
+//! expected status and change nothing), the ownership of every engine id
+//! (a page or slot comes back through marconi_cache_drain_freed only if the
+//! cache took it and only once; cached hits point at ids the cache owns),
+//! stats (used = kv + states <= capacity, counts match the model) and
+//! marconi_cache_check after calls. A call that takes longer than
+//! `--watchdog` seconds is reported as a deadlock (the process then exits,
+//! since a blocked thread cannot be stopped).
+//!
+//! A finding prints its seed and call index; with `--threads 1` (the default)
+//! a run is deterministic, and `--seed S --calls N` replays it. Exits 1 when
+//! anything was found, 3 on a deadlock.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::{c_char, CStr};
+use std::ptr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use marconi::cache::*;
+use marconi::config::*;
+use marconi::status::marconi_status as St;
+use marconi::{marconi_last_error, marconi_status_message, marconi_version};
+
+// ---------------------------------------------------------------- rng ----
+
+/// SplitMix64: a fixed algorithm, so a seed means the same run everywhere.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x5851_f42d_4c95_7f2d)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in 0..n (n > 0).
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+    /// True with probability num/den.
+    fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+}
+
+// ----------------------------------------------------------- watchdog ----
+
+/// What a worker is doing, for the watchdog: the start of its current call
+/// (ms since the run began, 0 when idle) and which call it is.
+struct Beat {
+    started_ms: AtomicU64,
+    call: AtomicU64,
+    seed: AtomicU64,
+    what: Mutex<&'static str>,
+}
+
+struct Watch {
+    t0: Instant,
+    beats: Vec<Beat>,
+    limit: Duration,
+    done: AtomicBool,
+}
+
+impl Watch {
+    fn now_ms(&self) -> u64 {
+        self.t0.elapsed().as_millis() as u64 + 1
+    }
+    fn enter(&self, w: usize, seed: u64, call: u64, what: &'static str) {
+        let b = &self.beats[w];
+        b.call.store(call, Ordering::Relaxed);
+        b.seed.store(seed, Ordering::Relaxed);
+        *b.what.lock().unwrap() = what;
+        b.started_ms.store(self.now_ms(), Ordering::Release);
+    }
+    fn leave(&self, w: usize) {
+        self.beats[w].started_ms.store(0, Ordering::Release);
+    }
+    fn spawn(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
+        let me = Arc::clone(self);
+        std::thread::spawn(move || {
+            while !me.done.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(100));
+                let now = me.now_ms();
+                for (w, b) in me.beats.iter().enumerate() {
+                    let s = b.started_ms.load(Ordering::Acquire);
+                    if s != 0 && now.saturating_sub(s) > me.limit.as_millis() as u64 {
+                        eprintln!(
+                            "FINDING deadlock: seed {} worker {w} call #{} ({}) blocked for more than {:?}",
+                            b.seed.load(Ordering::Relaxed),
+                            b.call.load(Ordering::Relaxed),
+                            b.what.lock().map(|w| *w).unwrap_or("?"),
+                            me.limit
+                        );
+                        eprintln!(
+                            "fuzz_abi: deadlock; reproduce with --seed {} --calls {}",
+                            b.seed.load(Ordering::Relaxed),
+                            b.call.load(Ordering::Relaxed) + 1
+                        );
+                        std::process::exit(3);
+                    }
+                }
+            }
+        })
+    }
+}
+
+// -------------------------------------------------------------- model ----
+
+/// Where an engine id (page or slot) is, as far as the engine knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IdState {
+    /// Offered in an admission that has not returned (to the model) yet.
+    Offered,
+    /// Taken by the cache.
+    Owned,
+    /// Offered, and already drained by another thread before the offering
+    /// thread learnt it was taken.
+    FreedEarly,
+}
+
+#[derive(Default)]
+struct Ids {
+    pages: HashMap<u32, IdState>,
+    slots: HashMap<u32, IdState>,
+}
+
+/// A raw handle shared between workers (the ABI documents it as thread-safe).
+#[derive(Clone, Copy)]
+struct Handle(*mut marconi_cache);
+// SAFETY: marconi_cache is internally locked; concurrent calls are allowed.
+unsafe impl Send for Handle {}
+// SAFETY: as above.
+unsafe impl Sync for Handle {}
+
+/// What the fuzzer chose for a cache (printed with every finding).
+#[derive(Clone, Debug)]
+#[expect(dead_code, reason = "some fields are only printed, through Debug")]
+struct Shape {
+    page: u32,
+    preset: &'static str,
+    admission: u32,
+    block: u32,
+    eviction: u32,
+    auto: bool,
+    log: bool,
+    pages: bool,
+    slots: bool,
+    capacity: u64,
+}
+
+struct CacheModel {
+    handle: Handle,
+    shape: Shape,
+    stateless: bool,
+    ids: Mutex<Ids>,
+    /// Every lease id this cache issued (for log records and foreign leases).
+    issued: Mutex<HashSet<u64>>,
+    /// Released lease ids of this cache.
+    released: Mutex<Vec<u64>>,
+    /// Admitted sequences, for requests that share prefixes.
+    seqs: Mutex<Vec<Vec<u32>>>,
+    next_id: AtomicU32,
+    lookups_ok: AtomicU64,
+    poisoned: AtomicBool,
+}
+
+struct LeaseRec {
+    cache: usize,
+    id: u64,
+    ns: u64,
+    input: Vec<u32>,
+    /// What the request decodes: admitted after the input, sometimes.
+    output: Vec<u32>,
+    hit: u32,
+    plan: Vec<u32>,
+    pages: Vec<u32>,
+    admitted: usize,
+}
+
+struct Finding {
+    seed: u64,
+    worker: usize,
+    call: u64,
+    cache: Option<usize>,
+    text: String,
+}
+
+/// A run: the caches of one seed and what the workers share.
+struct Run {
+    seed: u64,
+    strict: bool,
+    caches: Vec<CacheModel>,
+    /// Leases of freed caches (never valid anywhere again).
+    dead_leases: Mutex<Vec<u64>>,
+    findings: Mutex<Vec<Finding>>,
+    calls: AtomicU64,
+    watch: Arc<Watch>,
+    check_every: u64,
+}
+
+struct Worker<'r> {
+    run: &'r Run,
+    w: usize,
+    rng: Rng,
+    call: u64,
+    leases: Vec<LeaseRec>,
+    free_pages: Vec<Vec<u32>>,
+    free_slots: Vec<Vec<u32>>,
+    cur_cache: Option<usize>,
+    steps: u64,
+}
+
+fn last_error() -> String {
+    let mut buf = [0u8; 512];
+    // SAFETY: buf has 512 writable bytes.
+    let n = unsafe { marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
+    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
+}
+
+fn default_config() -> marconi_cache_config {
+    let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
+    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
+    let st =
+        unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) };
+    assert_eq!(st, St::Ok);
+    // SAFETY: initialised by marconi_cache_config_init.
+    unsafe { cfg.assume_init() }
+}
+
+const PRESETS: [&CStr; 5] = [
+    c"paper-7b",
+    c"paper-7b-attn",
+    c"paper-7b-ssm",
+    c"jamba-1.5-mini",
+    c"nemotron-h-8b",
+];
+
+fn preset_name(p: &'static CStr) -> &'static str {
+    p.to_str().unwrap()
+}
+
+fn stats_of(h: *const marconi_cache) -> Result<marconi_stats, St> {
+    let mut s = marconi_stats {
+        struct_size: size_of::<marconi_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live handle, writable stats.
+    match unsafe { marconi_cache_stats(h, &mut s) } {
+        St::Ok => Ok(s),
+        e => Err(e),
+    }
+}
+
+impl Run {
+    fn new_cache(rng: &mut Rng, index: usize, seed: u64) -> Option<CacheModel> {
+        let page = [1u32, 4, 16][((seed as usize) + index) % 3];
+        let preset = rng.pick(&PRESETS);
+        let admission = rng.pick(&[0u32, 0, 0, 1, 2]);
+        let block = page * rng.range(1, 4) as u32 * if page == 1 { 8 } else { 1 };
+        let eviction = if rng.chance(3, 4) { 1 } else { 0 };
+        let auto = rng.chance(2, 3);
+        let mut cfg = default_config();
+        cfg.model_preset = preset.as_ptr();
+        cfg.page_size = page;
+        cfg.admission = admission;
+        cfg.block_size = block;
+        cfg.eviction = eviction;
+        cfg.alpha_mode = u32::from(auto);
+        cfg.alpha = rng.below(20) as f64 / 10.0;
+        cfg.decision_log = u32::from(rng.chance(1, 3));
+        cfg.tuner_min_window = rng.range(2, 12) as u32;
+        cfg.tuner_bootstrap_factor = rng.range(1, 3) as u32;
+        cfg.tuner_threads = rng.range(1, 2) as u32;
+        cfg.tuner_retune = u32::from(rng.chance(3, 4));
+        cfg.tuner_objective = rng.below(2) as u32;
+        cfg.capacity_bytes = 1 << 50;
+        // Sizes of this model, from a throwaway cache.
+        let mut probe = ptr::null_mut();
+        // SAFETY: valid config and out pointer.
+        if unsafe { marconi_cache_new(&cfg, &mut probe) } != St::Ok {
+            return None;
+        }
+        let s = stats_of(probe).ok()?;
+        // SAFETY: freed once.
+        unsafe { marconi_cache_free(probe) };
+        let kv = s.kv_bytes_per_token.max(1);
+        let state = s.state_bytes_per_entry;
+        cfg.capacity_bytes = kv * rng.range(64, 3000) + state * rng.range(1, 24);
+        let mut handle = ptr::null_mut();
+        // SAFETY: valid config and out pointer.
+        let st = unsafe { marconi_cache_new(&cfg, &mut handle) };
+        if st != St::Ok {
+            return None;
+        }
+        let shape = Shape {
+            page,
+            preset: preset_name(preset),
+            admission,
+            block,
+            eviction,
+            auto,
+            log: cfg.decision_log != 0,
+            pages: rng.chance(2, 3),
+            slots: rng.chance(3, 4),
+            capacity: cfg.capacity_bytes,
+        };
+        let stateless = admission == 2 || preset_name(preset) == "paper-7b-attn";
+        Some(CacheModel {
+            handle: Handle(handle),
+            shape,
+            stateless,
+            ids: Mutex::new(Ids::default()),
+            issued: Mutex::new(HashSet::new()),
+            released: Mutex::new(Vec::new()),
+            seqs: Mutex::new(Vec::new()),
+            next_id: AtomicU32::new(1),
+            lookups_ok: AtomicU64::new(0),
+            poisoned: AtomicBool::new(false),
+        })
+    }
+}
+
+/// Writes `what` with this call's coordinates into the findings.
+macro_rules! finding {
+    ($w:expr, $($fmt:tt)*) => {
+        $w.find(format!($($fmt)*))
+    };
+}
+
+impl<'r> Worker<'r> {
+    fn find(&mut self, text: String) {
+        let cache = self.cur_cache;
+        let shape = cache
+            .map(|c| format!(" {:?}", self.run.caches[c].shape))
+            .unwrap_or_default();
+        eprintln!(
+            "FINDING seed {} worker {} call #{} cache {:?}{shape}: {text}",
+            self.run.seed, self.w, self.call, cache
+        );
+        self.run.findings.lock().unwrap().push(Finding {
+            seed: self.run.seed,
+            worker: self.w,
+            call: self.call,
+            cache,
+            text,
+        });
+    }
+
+    /// Runs one ABI call under the watchdog and counts it.
+    fn call<T>(&mut self, what: &'static str, f: impl FnOnce() -> T) -> T {
+        self.call += 1;
+        self.run.calls.fetch_add(1, Ordering::Relaxed);
+        self.run.watch.enter(self.w, self.run.seed, self.call, what);
+        let r = f();
+        self.run.watch.leave(self.w);
+        r
+    }
+
+    /// Checks a status; PANIC and POISONED are always findings.
+    fn expect(&mut self, what: &str, got: St, want: &[St]) -> bool {
+        if got == St::Panic || got == St::Poisoned {
+            let e = last_error();
+            finding!(self, "{what}: {got:?} ({e})");
+            if let Some(c) = self.cur_cache {
+                self.run.caches[c].poisoned.store(true, Ordering::Relaxed);
+            }
+            return false;
+        }
+        if !want.contains(&got) {
+            let e = last_error();
+            finding!(self, "{what}: got {got:?}, expected one of {want:?} ({e})");
+            return false;
+        }
+        true
+    }
+
+    fn h(&self, c: usize) -> *mut marconi_cache {
+        self.run.caches[c].handle.0
+    }
+
+    fn fresh_id(&mut self, c: usize, slot: bool) -> u32 {
+        let pool = if slot {
+            &mut self.free_slots[c]
+        } else {
+            &mut self.free_pages[c]
+        };
+        if !pool.is_empty() && self.rng.chance(1, 3) {
+            let i = self.rng.below(pool.len() as u64) as usize;
+            return pool.swap_remove(i);
+        }
+        // Each worker draws from its own part of the id space.
+        let n = self.run.caches[c].next_id.fetch_add(1, Ordering::Relaxed);
+        (n % 0x0100_0000) | ((self.w as u32 & 0x7f) << 24)
+    }
+
+    // ------------------------------------------------------ invariants --
+
+    fn check_stats(&mut self, c: usize) -> Option<marconi_stats> {
+        let h = self.h(c);
+        let s = match self.call("stats", || stats_of(h)) {
+            Ok(s) => s,
+            Err(e) => {
+                self.expect("marconi_cache_stats", e, &[St::Ok]);
+                return None;
+            }
+        };
+        let m = &self.run.caches[c];
+        let mut bad = Vec::new();
+        if s.used_bytes != s.kv_bytes + s.state_bytes {
+            bad.push(format!(
+                "used {} != kv {} + states {}",
+                s.used_bytes, s.kv_bytes, s.state_bytes
+            ));
+        }
+        if s.used_bytes > s.capacity_bytes {
+            bad.push(format!(
+                "used {} > capacity {}",
+                s.used_bytes, s.capacity_bytes
+            ));
+        }
+        if s.capacity_bytes != m.shape.capacity {
+            bad.push(format!(
+                "capacity {} != configured {}",
+                s.capacity_bytes, m.shape.capacity
+            ));
+        }
+        if s.evictable_bytes > s.used_bytes {
+            bad.push(format!(
+                "evictable {} > used {}",
+                s.evictable_bytes, s.used_bytes
+            ));
+        }
+        if s.hit_tokens > s.input_tokens || s.hit_requests > s.requests {
+            bad.push("more hits than inputs".into());
+        }
+        if s.kv_bytes_per_token > 0 && s.kv_bytes % s.kv_bytes_per_token != 0 {
+            bad.push("kv_bytes is not whole tokens".into());
+        }
+        if s.states > 0 && s.state_bytes != s.states * s.state_bytes_per_entry {
+            bad.push(format!(
+                "state_bytes {} != states {} x {}",
+                s.state_bytes, s.states, s.state_bytes_per_entry
+            ));
+        }
+        if self.run.strict {
+            let live = self.leases.iter().filter(|l| l.cache == c).count() as u64;
+            if s.leases != live {
+                bad.push(format!(
+                    "{} leases outstanding, the engine holds {live}",
+                    s.leases
+                ));
+            }
+            let ok = m.lookups_ok.load(Ordering::Relaxed);
+            if s.requests != ok {
+                bad.push(format!(
+                    "{} requests counted, {ok} lookups succeeded",
+                    s.requests
+                ));
+            }
+        }
+        for b in bad {
+            finding!(self, "stats: {b}: {s:?}");
+        }
+        Some(s)
+    }
+
+    fn check_cache(&mut self, c: usize) {
+        let h = self.h(c);
+        // SAFETY: live handle.
+        let st = self.call("check", || unsafe { marconi_cache_check(h) });
+        if st != St::Ok {
+            let e = last_error();
+            finding!(self, "marconi_cache_check: {st:?}: {e}");
+            self.run.caches[c].poisoned.store(true, Ordering::Relaxed);
+        }
+    }
+
+    // ----------------------------------------------------------- tokens --
+
+    fn tokens(&mut self, n: usize) -> Vec<u32> {
+        let alphabet = if self.rng.chance(1, 2) { 8 } else { 100_000 };
+        (0..n).map(|_| self.rng.below(alphabet) as u32).collect()
+    }
+
+    /// An input and a decoded output: often a prefix of a cached sequence
+    /// (ending inside a page) with the output continuing along it.
+    fn request(&mut self, c: usize) -> (Vec<u32>, Vec<u32>) {
+        let page = self.run.caches[c].shape.page as u64;
+        let base = {
+            let seqs = self.run.caches[c].seqs.lock().unwrap();
+            if seqs.is_empty() || self.rng.chance(1, 4) {
+                None
+            } else {
+                Some(seqs[self.rng.below(seqs.len() as u64) as usize].clone())
+            }
+        };
+        match base {
+            None => {
+                let n = if self.rng.chance(1, 20) {
+                    self.rng.range(300, 2000)
+                } else {
+                    self.rng.range(1, 200)
+                } as usize;
+                let input = self.tokens(n);
+                let m = self.rng.below(40) as usize;
+                (input, self.tokens(m))
+            }
+            Some(b) => {
+                let cut = if self.rng.chance(1, 2) {
+                    self.rng.range(1, (2 * page).min(b.len() as u64)) as usize
+                } else {
+                    self.rng.range(1, b.len() as u64) as usize
+                };
+                let mut input = b[..cut].to_vec();
+                let extra = if self.rng.chance(1, 2) {
+                    0
+                } else {
+                    self.rng.below(30) as usize
+                };
+                input.extend(self.tokens(extra));
+                let m = self.rng.below(48) as usize;
+                let output = if extra == 0 && self.rng.chance(2, 3) {
+                    let mut o: Vec<u32> = b[cut..].iter().take(m).copied().collect();
+                    if self.rng.chance(1, 3) {
+                        let k = self.rng.below(8) as usize;
+                        o.extend(self.tokens(k));
+                    }
+                    o
+                } else {
+                    self.tokens(m)
+                };
+                (input, output)
+            }
+        }
+    }
+
+    // -------------------------------------------------------- the cycle --
+
+    fn op_lookup(&mut self, c: usize) {
+        let (input, output) = self.request(c);
+        let ns = self.rng.pick(&[0u64, 0, 0, 1, u64::MAX]);
+        let m = &self.run.caches[c];
+        let dst = if m.shape.slots && self.rng.chance(3, 4) {
+            self.fresh_id(c, true)
+        } else {
+            MARCONI_NO_SLOT
+        };
+        let h = self.h(c);
+        let mut l = marconi_lookup::default();
+        // SAFETY: live handle, input outlives the call, l is writable.
+        let st = self.call("lookup", || unsafe {
+            marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l)
+        });
+        if !self.expect("lookup", st, &[St::Ok]) {
+            return;
+        }
+        m.lookups_ok.fetch_add(1, Ordering::Relaxed);
+        if !m.issued.lock().unwrap().insert(l.lease) || l.lease == 0 {
+            finding!(self, "lookup issued lease {} twice (or 0)", l.lease);
+        }
+        let n = input.len() as u32;
+        let page = m.shape.page;
+        let mut bad = Vec::new();
+        if l.hit_tokens >= n || l.hit_tokens > l.kv_matched_tokens || l.kv_matched_tokens > n {
+            bad.push("hit / kv_matched out of order".to_owned());
+        }
+        if l.kv_matched_tokens % page != 0 {
+            bad.push("kv_matched not page-aligned".into());
+        }
+        let copy_expected = dst != MARCONI_NO_SLOT && l.state_slot != MARCONI_NO_SLOT;
+        if (l.n_copy_orders == 1) != copy_expected
+            || (copy_expected
+                && (l.copy_order.src_slot != l.state_slot || l.copy_order.dst_slot != dst))
+        {
+            bad.push("copy order inconsistent".into());
+        }
+        if l.state_slot != MARCONI_NO_SLOT {
+            let ids = m.ids.lock().unwrap();
+            match ids.slots.get(&l.state_slot) {
+                Some(IdState::Owned) => {}
+                Some(IdState::Offered) if !self.run.strict => {}
+                other => bad.push(format!(
+                    "hit resumes from slot {} the cache does not own ({other:?})",
+                    l.state_slot
+                )),
+            }
+        }
+        // The plan and the pages, with undersized buffers first.
+        let mut plan = vec![0u32; l.n_plan as usize];
+        let mut pages = vec![0u32; l.n_kv_pages as usize];
+        let mut got = usize::MAX;
+        if l.n_plan > 0 && self.rng.chance(1, 3) {
+            // SAFETY: a NULL buffer with capacity 0 is a size query.
+            let st = self.call("lease_plan", || unsafe {
+                marconi_cache_lease_plan(h, l.lease, ptr::null_mut(), 0, &mut got)
+            });
+            self.expect("lease_plan size query", st, &[St::BufferTooSmall]);
+            if got != plan.len() {
+                bad.push(format!("plan size query says {got}, lookup {}", plan.len()));
+            }
+        }
+        // SAFETY: plan has its length in writable u32.
+        let st = self.call("lease_plan", || unsafe {
+            marconi_cache_lease_plan(h, l.lease, plan.as_mut_ptr(), plan.len(), &mut got)
+        });
+        self.expect("lease_plan", st, &[St::Ok]);
+        if got != plan.len() {
+            bad.push("plan length differs from n_plan".into());
+        }
+        // SAFETY: pages has its length in writable u32.
+        let st = self.call("lease_kv_pages", || unsafe {
+            marconi_cache_lease_kv_pages(h, l.lease, pages.as_mut_ptr(), pages.len(), &mut got)
+        });
+        self.expect("lease_kv_pages", st, &[St::Ok]);
+        if got != pages.len() {
+            bad.push("page list length differs from n_kv_pages".into());
+        }
+        if plan.windows(2).any(|w| w[0] >= w[1])
+            || plan.iter().any(|&p| p == 0 || p > n || p <= l.hit_tokens)
+        {
+            bad.push(format!("plan {plan:?} not ascending within (hit, input]"));
+        }
+        if m.shape.pages {
+            if pages.len() as u32 != l.hit_tokens / page {
+                bad.push(format!(
+                    "{} kv pages for a hit of {} tokens (page {page})",
+                    pages.len(),
+                    l.hit_tokens
+                ));
+            }
+            let ids = m.ids.lock().unwrap();
+            for p in &pages {
+                match ids.pages.get(p) {
+                    Some(IdState::Owned) => {}
+                    Some(IdState::Offered) if !self.run.strict => {}
+                    other => bad.push(format!("hit page {p} not owned by the cache ({other:?})")),
+                }
+            }
+        } else if !pages.is_empty() {
+            bad.push("kv pages reported though none were ever given".into());
+        }
+        for b in bad {
+            finding!(self, "lookup of {} tokens -> {l:?}: {b}", input.len());
+        }
+        if dst != MARCONI_NO_SLOT {
+            self.free_slots[c].push(dst);
+        }
+        self.leases.push(LeaseRec {
+            cache: c,
+            id: l.lease,
+            ns,
+            input,
+            output,
+            hit: l.hit_tokens,
+            plan,
+            pages,
+            admitted: 0,
+        });
+    }
+
+    /// The states an engine following the plan saves for `len` tokens.
+    fn states_for(&self, lr: &LeaseRec, len: usize) -> Vec<u32> {
+        let m = &self.run.caches[lr.cache];
+        if m.stateless {
+            return Vec::new();
+        }
+        let page = m.shape.page;
+        let aligned = len as u32 / page * page;
+        match m.shape.admission {
+            0 => {
+                let mut v: Vec<u32> = lr
+                    .plan
+                    .iter()
+                    .copied()
+                    .filter(|&p| p as usize <= len)
+                    .collect();
+                if aligned > 0 && !v.contains(&aligned) {
+                    v.push(aligned);
+                }
+                v
+            }
+            1 => {
+                let b = m.shape.block;
+                ((lr.hit / b + 1)..)
+                    .map(|k| k * b)
+                    .take_while(|&p| p as usize <= len)
+                    .collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn op_admit(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let i = self.rng.below(self.leases.len() as u64) as usize;
+        let c = self.leases[i].cache;
+        self.cur_cache = Some(c);
+        let m = &self.run.caches[c];
+        let shape = m.shape.clone();
+        // The admitted sequence: the input, maybe followed by the output (the
+        // continuation of a cached sequence when the request came from one).
+        let lr = &self.leases[i];
+        let mut full = lr.input.clone();
+        if self.rng.chance(2, 3) {
+            full.extend(&lr.output);
+        }
+        let lease = lr.id;
+        let mut positions = self.states_for(&self.leases[i], full.len());
+        if self.rng.chance(1, 8) {
+            positions.clear(); // an engine that saves nothing is valid too
+        }
+        let states: Vec<marconi_saved_state> = positions
+            .iter()
+            .map(|&p| marconi_saved_state {
+                position: p,
+                slot: if shape.slots {
+                    self.fresh_id(c, true)
+                } else {
+                    MARCONI_NO_SLOT
+                },
+            })
+            .collect();
+        let mut kv: Vec<u32> = Vec::new();
+        if shape.pages {
+            kv = self.leases[i].pages.clone();
+            let full_pages = full.len() / shape.page as usize;
+            kv.truncate(full_pages);
+            while kv.len() < full_pages {
+                let p = self.fresh_id(c, false);
+                kv.push(p);
+            }
+        }
+        let fresh_from = self.leases[i].pages.len().min(kv.len());
+        // Mark what is offered before the call: an eviction by another
+        // thread may free it before this thread learns it was taken.
+        {
+            let mut ids = m.ids.lock().unwrap();
+            for s in &states {
+                if s.slot != MARCONI_NO_SLOT {
+                    if let Some(prev) = ids.slots.insert(s.slot, IdState::Offered) {
+                        drop(ids);
+                        finding!(self, "model: offering slot {} in state {prev:?}", s.slot);
+                        return;
+                    }
+                }
+            }
+            for &p in &kv[fresh_from..] {
+                if let Some(prev) = ids.pages.insert(p, IdState::Offered) {
+                    drop(ids);
+                    finding!(self, "model: offering page {p} in state {prev:?}");
+                    return;
+                }
+            }
+        }
+        let before = if self.run.strict {
+            self.check_stats(c)
+        } else {
+            None
+        };
+        let h = self.h(c);
+        let mut taken = vec![7u8; states.len()];
+        // An engine that tracks slots needs the flags; others may pass NULL.
+        let with_taken = shape.slots || self.rng.chance(1, 2);
+        let mut r = marconi_admit_result::default();
+        // SAFETY: every buffer is passed with its length; taken has n_states bytes.
+        let st = self.call("admit", || unsafe {
+            marconi_cache_admit(
+                h,
+                lease,
+                full.as_ptr(),
+                full.len(),
+                states.as_ptr(),
+                states.len(),
+                if kv.is_empty() {
+                    ptr::null()
+                } else {
+                    kv.as_ptr()
+                },
+                kv.len(),
+                if with_taken {
+                    taken.as_mut_ptr()
+                } else {
+                    ptr::null_mut()
+                },
+                &mut r,
+            )
+        });
+        let ok = self.expect(
+            &format!("admit of {} tokens, states {positions:?}", full.len()),
+            st,
+            &[St::Ok],
+        );
+        // Settle the offered ids.
+        let mut bad = Vec::new();
+        let (ts, te) = (
+            r.kv_pages_taken_start as usize,
+            r.kv_pages_taken_end as usize,
+        );
+        if ok {
+            if ts > te || te > kv.len() || (kv.is_empty() && (ts, te) != (0, 0)) {
+                bad.push(format!("taken page range {ts}..{te} of {} pages", kv.len()));
+            }
+            if ts < fresh_from && ts < te {
+                bad.push(format!(
+                    "took page indices {ts}..{te}, but 0..{fresh_from} are the cache's own"
+                ));
+            }
+            if with_taken {
+                let n = taken.iter().filter(|&&t| t == 1).count() as u32;
+                if taken.iter().any(|&t| t > 1) || n != r.states_taken {
+                    bad.push(format!(
+                        "taken flags {taken:?} vs states_taken {}",
+                        r.states_taken
+                    ));
+                }
+            }
+            if r.rejected && (r.states_taken > 0 || ts != te) {
+                bad.push("rejected but took something".into());
+            }
+            if r.truncated_to as usize >= full.len() && r.truncated_to != 0 {
+                bad.push(format!(
+                    "truncated_to {} of {} tokens",
+                    r.truncated_to,
+                    full.len()
+                ));
+            }
+            let returned = states
+                .iter()
+                .zip(&taken)
+                .filter(|(s, &t)| s.slot != MARCONI_NO_SLOT && t != 1)
+                .count() as u32;
+            if shape.slots && r.slots_returned != returned {
+                bad.push(format!(
+                    "slots_returned {} but {returned} slots not taken",
+                    r.slots_returned
+                ));
+            }
+        }
+        {
+            let mut ids = m.ids.lock().unwrap();
+            for (k, s) in states.iter().enumerate() {
+                if s.slot == MARCONI_NO_SLOT {
+                    continue;
+                }
+                let was_taken = ok && taken[k] == 1;
+                let cur = ids.slots.get(&s.slot).copied();
+                match (cur, was_taken) {
+                    (Some(IdState::Offered), true) => {
+                        ids.slots.insert(s.slot, IdState::Owned);
+                    }
+                    (Some(IdState::Offered), false) => {
+                        ids.slots.remove(&s.slot);
+                        self.free_slots[c].push(s.slot);
+                    }
+                    (Some(IdState::FreedEarly), true) => {
+                        ids.slots.remove(&s.slot);
+                        self.free_slots[c].push(s.slot);
+                    }
+                    (other, t) => bad.push(format!(
+                        "slot {} was {other:?} after admit (taken {t})",
+                        s.slot
+                    )),
+                }
+            }
+            for (k, &p) in kv.iter().enumerate().skip(fresh_from) {
+                let was_taken = ok && k >= ts && k < te;
+                match (ids.pages.get(&p).copied(), was_taken) {
+                    (Some(IdState::Offered), true) => {
+                        ids.pages.insert(p, IdState::Owned);
+                    }
+                    (Some(IdState::Offered), false) => {
+                        ids.pages.remove(&p);
+                        self.free_pages[c].push(p);
+                    }
+                    (Some(IdState::FreedEarly), true) => {
+                        ids.pages.remove(&p);
+                        self.free_pages[c].push(p);
+                    }
+                    (other, t) => {
+                        bad.push(format!("page {p} was {other:?} after admit (taken {t})"))
+                    }
+                }
+            }
+        }
+        if ok {
+            self.leases[i].admitted = full.len();
+            let mut seqs = m.seqs.lock().unwrap();
+            if seqs.len() >= 64 {
+                let k = self.rng.below(64) as usize;
+                seqs.swap_remove(k);
+            }
+            seqs.push(full.clone());
+        } else if let Some(b) = before {
+            let now = self.check_stats(c);
+            if now.is_some_and(|n| n != b) {
+                bad.push("a failed admission changed the stats".into());
+            }
+        }
+        for b in bad {
+            finding!(self, "admit of {} tokens -> {r:?}: {b}", full.len());
+        }
+        if self.run.strict && ok {
+            self.check_stats(c);
+        }
+    }
+
+    fn op_release(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let i = self.rng.below(self.leases.len() as u64) as usize;
+        let lr = self.leases.swap_remove(i);
+        let h = self.h(lr.cache);
+        // SAFETY: live handle.
+        let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
+        self.cur_cache = Some(lr.cache);
+        self.expect("release of a live lease", st, &[St::Ok]);
+        self.run.caches[lr.cache]
+            .released
+            .lock()
+            .unwrap()
+            .push(lr.id);
+        if self.rng.chance(1, 4) {
+            // SAFETY: live handle.
+            let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
+            self.expect("double release", st, &[St::UnknownLease]);
+        }
+    }
+
+    fn op_drain(&mut self, c: usize, exact: bool) {
+        let h = self.h(c);
+        let (mut np, mut ns) = (usize::MAX, usize::MAX);
+        // SAFETY: NULL buffers with capacity 0 are a size query.
+        let st = self.call("drain_freed", || unsafe {
+            marconi_cache_drain_freed(h, ptr::null_mut(), 0, &mut np, ptr::null_mut(), 0, &mut ns)
+        });
+        if !self.expect("drain_freed size query", st, &[St::Ok, St::BufferTooSmall]) {
+            return;
+        }
+        if st == St::Ok && (np, ns) != (0, 0) {
+            finding!(
+                self,
+                "drain_freed OK into empty buffers with {np} pages, {ns} slots"
+            );
+        }
+        // Room for more than was pending: other threads may evict meanwhile.
+        let extra = if exact { 0 } else { 64 };
+        let mut pages = vec![0u32; np + extra];
+        let mut slots = vec![0u32; ns + extra];
+        let (mut gp, mut gs) = (0usize, 0usize);
+        // SAFETY: buffers passed with their capacities.
+        let st = self.call("drain_freed", || unsafe {
+            marconi_cache_drain_freed(
+                h,
+                pages.as_mut_ptr(),
+                pages.len(),
+                &mut gp,
+                slots.as_mut_ptr(),
+                slots.len(),
+                &mut gs,
+            )
+        });
+        let want: &[St] = if self.run.strict {
+            &[St::Ok]
+        } else {
+            &[St::Ok, St::BufferTooSmall]
+        };
+        if !self.expect("drain_freed", st, want) || st != St::Ok {
+            return;
+        }
+        if self.run.strict && (gp, gs) != (np, ns) {
+            finding!(
+                self,
+                "drain_freed drained {gp}/{gs}, the size query said {np}/{ns}"
+            );
+        }
+        let m = &self.run.caches[c];
+        let mut bad = Vec::new();
+        {
+            let mut ids = m.ids.lock().unwrap();
+            for &p in &pages[..gp] {
+                match ids.pages.get(&p).copied() {
+                    Some(IdState::Owned) => {
+                        ids.pages.remove(&p);
+                        self.free_pages[c].push(p);
+                    }
+                    Some(IdState::Offered) if !self.run.strict => {
+                        ids.pages.insert(p, IdState::FreedEarly);
+                    }
+                    other => bad.push(format!("freed page {p}, which was {other:?}")),
+                }
+            }
+            for &s in &slots[..gs] {
+                match ids.slots.get(&s).copied() {
+                    Some(IdState::Owned) => {
+                        ids.slots.remove(&s);
+                        self.free_slots[c].push(s);
+                    }
+                    Some(IdState::Offered) if !self.run.strict => {
+                        ids.slots.insert(s, IdState::FreedEarly);
+                    }
+                    other => bad.push(format!("freed slot {s}, which was {other:?}")),
+                }
+            }
+        }
+        for b in bad {
+            finding!(self, "drain_freed: {b}");
+        }
+        if self.run.strict {
+            self.check_ownership(c);
+        }
+    }
+
+    /// After a complete drain (one thread): the ids the cache owns are
+    /// exactly what its bytes say.
+    fn check_ownership(&mut self, c: usize) {
+        let Some(s) = self.check_stats(c) else { return };
+        let m = &self.run.caches[c];
+        let (owned_pages, owned_slots) = {
+            let ids = m.ids.lock().unwrap();
+            (
+                ids.pages.values().filter(|&&v| v == IdState::Owned).count() as u64,
+                ids.slots.values().filter(|&&v| v == IdState::Owned).count() as u64,
+            )
+        };
+        if m.shape.pages && s.kv_bytes_per_token > 0 {
+            let tokens = s.kv_bytes / s.kv_bytes_per_token;
+            if owned_pages * u64::from(m.shape.page) != tokens {
+                finding!(
+                    self,
+                    "the cache owns {owned_pages} pages of {} tokens but caches {tokens} KV tokens",
+                    m.shape.page
+                );
+            }
+        }
+        if m.shape.slots && !m.stateless && owned_slots != s.states {
+            finding!(
+                self,
+                "the cache owns {owned_slots} slots but holds {} states",
+                s.states
+            );
+        }
+    }
+
+    fn op_evict(&mut self, c: usize) {
+        let cap = self.run.caches[c].shape.capacity;
+        let any = self.rng.next() % cap.max(1);
+        let bytes = self
+            .rng
+            .pick(&[0, 1, cap / 3, cap / 2, cap, cap + 1, u64::MAX, any]);
+        let h = self.h(c);
+        let mut free = u64::MAX;
+        // SAFETY: live handle, writable out.
+        let st = self.call("evict", || unsafe {
+            marconi_cache_evict(h, bytes, &mut free)
+        });
+        if !self.expect("evict", st, &[St::Ok]) {
+            return;
+        }
+        if self.run.strict {
+            if let Some(s) = self.check_stats(c) {
+                if free != s.capacity_bytes - s.used_bytes {
+                    finding!(
+                        self,
+                        "evict({bytes}) says {free} free, stats say {}",
+                        s.capacity_bytes - s.used_bytes
+                    );
+                }
+                let want = bytes.min(s.capacity_bytes);
+                if free < want && s.evictable_bytes > 0 && s.leases == 0 {
+                    finding!(
+                        self,
+                        "evict({bytes}) stopped at {free} free with {} evictable bytes",
+                        s.evictable_bytes
+                    );
+                }
+            }
+        }
+    }
+
+    fn op_drain_log(&mut self, c: usize) {
+        let h = self.h(c);
+        let cap = self.rng.pick(&[0usize, 1, 64, 4096, 1 << 20]);
+        let mut buf = vec![0u8; cap];
+        let mut n = usize::MAX;
+        // SAFETY: buf has cap writable bytes (or is NULL with 0).
+        let st = self.call("drain_log", || unsafe {
+            marconi_cache_drain_log(
+                h,
+                if cap == 0 {
+                    ptr::null_mut()
+                } else {
+                    buf.as_mut_ptr().cast::<c_char>()
+                },
+                cap,
+                &mut n,
+            )
+        });
+        if !self.expect("drain_log", st, &[St::Ok, St::BufferTooSmall]) {
+            return;
+        }
+        let m = &self.run.caches[c];
+        if st == St::BufferTooSmall {
+            if n <= cap {
+                finding!(self, "drain_log: BUFFER_TOO_SMALL but needs {n} <= {cap}");
+            }
+            if !m.shape.log {
+                finding!(self, "drain_log: records pending with the log off");
+            }
+            return;
+        }
+        if n > cap || (n > 0 && buf[n - 1] != b'\n') {
+            finding!(self, "drain_log: {n} bytes into {cap}, not whole lines");
+            return;
+        }
+        if n > 0 && !m.shape.log {
+            finding!(self, "drain_log: {n} bytes with the log off");
+        }
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let issued = m.issued.lock().unwrap().clone();
+        for line in text.lines() {
+            match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(v) => {
+                    if v.get("kind").is_none() {
+                        finding!(self, "log record without a kind: {line}");
+                    }
+                    if let Some(l) = v.get("lease").and_then(|l| l.as_u64()) {
+                        if self.run.strict && !issued.contains(&l) {
+                            finding!(
+                                self,
+                                "log record names lease {l}, never issued by this cache: {line}"
+                            );
+                        }
+                    }
+                }
+                Err(e) => finding!(self, "log line is not JSON ({e}): {line}"),
+            }
+        }
+    }
+
+    // ----------------------------------------------------- bad arguments --
+
+    /// A lease id that no cache accepts now, of various kinds.
+    fn bad_lease(&mut self, c: usize) -> u64 {
+        let m = &self.run.caches[c];
+        match self.rng.below(6) {
+            0 => 0,
+            1 => self.rng.next(),
+            2 => m.released.lock().unwrap().last().copied().unwrap_or(12345),
+            3 => self
+                .run
+                .dead_leases
+                .lock()
+                .unwrap()
+                .last()
+                .copied()
+                .unwrap_or(u64::MAX),
+            4 => {
+                // Foreign: a live lease of another cache.
+                self.leases
+                    .iter()
+                    .find(|l| l.cache != c)
+                    .map(|l| l.id)
+                    .unwrap_or(1)
+            }
+            _ => self
+                .leases
+                .iter()
+                .find(|l| l.cache == c)
+                .map(|l| l.id ^ 1)
+                .unwrap_or(2),
+        }
+    }
+
+    /// A page list of the right length for a call that must be refused for
+    /// another reason: the lease's pages, then ids no one uses (a cache that
+    /// was given pages refuses an admission without them).
+    fn filler_pages(&self, li: usize, len: usize) -> Vec<u32> {
+        let lr = &self.leases[li];
+        let m = &self.run.caches[lr.cache];
+        if !m.shape.pages {
+            return Vec::new();
+        }
+        let n = len / m.shape.page as usize;
+        let mut kv = lr.pages.clone();
+        kv.truncate(n);
+        while kv.len() < n {
+            kv.push(0x7d00_0000 + kv.len() as u32);
+        }
+        kv
+    }
+
+    fn op_bad(&mut self, c: usize) {
+        let h = self.h(c);
+        let before = if self.run.strict {
+            self.check_stats(c)
+        } else {
+            None
+        };
+        let t = self.tokens(8);
+        let huge = self.rng.pick(&[
+            u32::MAX as usize,
+            u32::MAX as usize + 1,
+            usize::MAX,
+            usize::MAX / 4,
+        ]);
+        let mut l = marconi_lookup::default();
+        let mut r = marconi_admit_result::default();
+        let mut n = 0usize;
+        let mut n2 = 0usize;
+        let mut buf = [0u32; 4];
+        let mut bytes = 0u64;
+        // Misaligned: one byte into a u32 buffer.
+        let raw = [0u8; 64];
+        let mis = raw.as_ptr().wrapping_add(1).cast::<u32>();
+        let mis_mut = buf.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<u32>();
+        let lease = self.bad_lease(c);
+        let live = self.leases.iter().position(|x| x.cache == c);
+        let kind = self.rng.below(30);
+        let null_c: *const marconi_cache = ptr::null();
+        // SAFETY (every call below): the library checks NULL, alignment and
+        // lengths before touching a buffer; buffers that are read are valid
+        // for the length passed, or the length is refused first (oversized
+        // lengths, the header's documented checks).
+        let (what, st, want): (&str, St, Vec<St>) = unsafe {
+            match kind {
+                0 => (
+                    "lookup NULL cache",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(null_c, 0, ptr::null(), huge, 0, ptr::null_mut())
+                    }),
+                    vec![St::NullArgument],
+                ),
+                1 => (
+                    "lookup NULL tokens, huge length",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(h, 0, ptr::null(), huge, MARCONI_NO_SLOT, &mut l)
+                    }),
+                    vec![St::NullArgument],
+                ),
+                2 => (
+                    "lookup NULL out, huge length",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(
+                            h,
+                            0,
+                            t.as_ptr(),
+                            huge,
+                            MARCONI_NO_SLOT,
+                            ptr::null_mut(),
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                3 => (
+                    "lookup 0 tokens",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(
+                            h,
+                            0,
+                            if huge % 2 == 0 {
+                                ptr::null()
+                            } else {
+                                t.as_ptr()
+                            },
+                            0,
+                            MARCONI_NO_SLOT,
+                            &mut l,
+                        )
+                    }),
+                    vec![St::EmptyTokens],
+                ),
+                4 => (
+                    "lookup huge length",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(h, 0, t.as_ptr(), huge, MARCONI_NO_SLOT, &mut l)
+                    }),
+                    vec![St::TooManyTokens],
+                ),
+                5 => (
+                    "lookup misaligned tokens",
+                    self.call("lookup", || {
+                        marconi_cache_lookup(h, 0, mis, 4, MARCONI_NO_SLOT, &mut l)
+                    }),
+                    vec![St::InvalidArgument],
+                ),
+                6 => (
+                    "release unknown lease",
+                    self.call("release", || marconi_cache_release(h, lease)),
+                    vec![St::UnknownLease],
+                ),
+                7 => (
+                    "release NULL cache",
+                    self.call("release", || marconi_cache_release(null_c, lease)),
+                    vec![St::NullArgument],
+                ),
+                8 => (
+                    "admit unknown lease",
+                    self.call("admit", || {
+                        marconi_cache_admit(
+                            h,
+                            lease,
+                            t.as_ptr(),
+                            t.len(),
+                            ptr::null(),
+                            0,
+                            ptr::null(),
+                            0,
+                            ptr::null_mut(),
+                            &mut r,
+                        )
+                    }),
+                    vec![St::UnknownLease],
+                ),
+                9 => (
+                    "admit NULL tokens, huge length, bad lease",
+                    self.call("admit", || {
+                        marconi_cache_admit(
+                            h,
+                            lease,
+                            ptr::null(),
+                            huge,
+                            mis.cast(),
+                            3,
+                            ptr::null(),
+                            0,
+                            ptr::null_mut(),
+                            &mut r,
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                10 => (
+                    "admit NULL states with a length",
+                    self.call("admit", || {
+                        marconi_cache_admit(
+                            h,
+                            lease,
+                            t.as_ptr(),
+                            huge,
+                            ptr::null(),
+                            2,
+                            ptr::null(),
+                            0,
+                            ptr::null_mut(),
+                            &mut r,
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                11 => (
+                    "admit NULL pages with a length",
+                    self.call("admit", || {
+                        marconi_cache_admit(
+                            h,
+                            lease,
+                            mis,
+                            4,
+                            ptr::null(),
+                            0,
+                            ptr::null(),
+                            5,
+                            ptr::null_mut(),
+                            &mut r,
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                12 => (
+                    "admit NULL out",
+                    self.call("admit", || {
+                        marconi_cache_admit(
+                            h,
+                            lease,
+                            mis,
+                            huge,
+                            ptr::null(),
+                            0,
+                            ptr::null(),
+                            0,
+                            ptr::null_mut(),
+                            ptr::null_mut(),
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                13 => (
+                    "lease_plan unknown lease",
+                    self.call("lease_plan", || {
+                        marconi_cache_lease_plan(h, lease, buf.as_mut_ptr(), 4, &mut n)
+                    }),
+                    vec![St::UnknownLease],
+                ),
+                14 => (
+                    "lease_kv_pages NULL buf with capacity",
+                    self.call("lease_kv_pages", || {
+                        marconi_cache_lease_kv_pages(h, lease, ptr::null_mut(), huge, &mut n)
+                    }),
+                    vec![St::NullArgument],
+                ),
+                15 => (
+                    "lease_plan NULL out_len, misaligned buf",
+                    self.call("lease_plan", || {
+                        marconi_cache_lease_plan(h, lease, mis_mut, 2, ptr::null_mut())
+                    }),
+                    vec![St::NullArgument],
+                ),
+                16 => (
+                    "drain_freed NULL pages with capacity",
+                    self.call("drain_freed", || {
+                        marconi_cache_drain_freed(
+                            h,
+                            ptr::null_mut(),
+                            3,
+                            &mut n,
+                            buf.as_mut_ptr(),
+                            4,
+                            &mut n2,
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                17 => (
+                    "drain_freed NULL n_slots, misaligned pages",
+                    self.call("drain_freed", || {
+                        marconi_cache_drain_freed(
+                            h,
+                            mis_mut,
+                            1,
+                            &mut n,
+                            ptr::null_mut(),
+                            0,
+                            ptr::null_mut(),
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                18 => (
+                    "evict NULL out",
+                    self.call("evict", || {
+                        marconi_cache_evict(h, u64::MAX, ptr::null_mut())
+                    }),
+                    vec![St::NullArgument],
+                ),
+                19 => (
+                    "evict NULL cache",
+                    self.call("evict", || marconi_cache_evict(null_c, 1, &mut bytes)),
+                    vec![St::NullArgument],
+                ),
+                20 => (
+                    "stats NULL",
+                    self.call("stats", || marconi_cache_stats(h, ptr::null_mut())),
+                    vec![St::NullArgument],
+                ),
+                21 => {
+                    let mut s = marconi_stats {
+                        struct_size: self.rng.below(16) as u32,
+                        ..Default::default()
+                    };
+                    let copy = s;
+                    let st = self.call("stats", || marconi_cache_stats(h, &mut s));
+                    if s != copy {
+                        finding!(
+                            self,
+                            "stats with struct_size {} wrote its output",
+                            copy.struct_size
+                        );
+                    }
+                    (
+                        "stats small struct_size",
+                        st,
+                        vec![St::UnsupportedStructSize],
+                    )
+                }
+                22 => (
+                    "drain_log NULL out_len",
+                    self.call("drain_log", || {
+                        marconi_cache_drain_log(h, ptr::null_mut(), 0, ptr::null_mut())
+                    }),
+                    vec![St::NullArgument],
+                ),
+                23 => (
+                    "drain_log NULL buf with capacity",
+                    self.call("drain_log", || {
+                        marconi_cache_drain_log(h, ptr::null_mut(), huge, &mut n)
+                    }),
+                    vec![St::NullArgument],
+                ),
+                24 => (
+                    "check NULL",
+                    self.call("check", || marconi_cache_check(null_c)),
+                    vec![St::NullArgument],
+                ),
+                25 => {
+                    // A partial stats struct: only struct_size bytes written.
+                    let size = self.rng.range(16, size_of::<marconi_stats>() as u64 - 1) as u32;
+                    let mut raw = [0xA5u8; size_of::<marconi_stats>()];
+                    raw[..4].copy_from_slice(&size.to_ne_bytes());
+                    let mut s = std::mem::MaybeUninit::<marconi_stats>::uninit();
+                    ptr::copy_nonoverlapping(raw.as_ptr(), s.as_mut_ptr().cast::<u8>(), raw.len());
+                    let st = self.call("stats", || marconi_cache_stats(h, s.as_mut_ptr()));
+                    let mut after = [0u8; size_of::<marconi_stats>()];
+                    ptr::copy_nonoverlapping(
+                        s.as_ptr().cast::<u8>(),
+                        after.as_mut_ptr(),
+                        after.len(),
+                    );
+                    if after[size as usize..].iter().any(|&b| b != 0xA5) {
+                        finding!(self, "stats with struct_size {size} wrote past it");
+                    }
+                    ("stats partial struct", st, vec![St::Ok])
+                }
+                26 if live.is_some() => {
+                    // A live lease with a broken admission: wrong first token.
+                    let lr = &self.leases[live.unwrap()];
+                    let (id, mut toks) = (lr.id, lr.input.clone());
+                    toks[0] = toks[0].wrapping_add(1);
+                    (
+                        "admit prefix mismatch",
+                        self.call("admit", || {
+                            marconi_cache_admit(
+                                h,
+                                id,
+                                toks.as_ptr(),
+                                toks.len(),
+                                ptr::null(),
+                                0,
+                                ptr::null(),
+                                0,
+                                ptr::null_mut(),
+                                &mut r,
+                            )
+                        }),
+                        vec![St::PrefixMismatch],
+                    )
+                }
+                27 if live.is_some() => {
+                    let lr = &self.leases[live.unwrap()];
+                    let (id, toks) = (lr.id, lr.input.clone());
+                    let pos = self.rng.pick(&[0u32, toks.len() as u32 + 1, u32::MAX]);
+                    let s = [marconi_saved_state {
+                        position: pos,
+                        slot: MARCONI_NO_SLOT,
+                    }];
+                    let kv = self.filler_pages(live.unwrap(), toks.len());
+                    (
+                        "admit position out of range",
+                        self.call("admit", || {
+                            marconi_cache_admit(
+                                h,
+                                id,
+                                toks.as_ptr(),
+                                toks.len(),
+                                s.as_ptr(),
+                                1,
+                                kv.as_ptr(),
+                                kv.len(),
+                                ptr::null_mut(),
+                                &mut r,
+                            )
+                        }),
+                        vec![St::PositionOutOfRange],
+                    )
+                }
+                28 if live.is_some() => {
+                    let lr = &self.leases[live.unwrap()];
+                    let (id, toks) = (lr.id, lr.input.clone());
+                    let page = self.run.caches[c].shape.page as usize;
+                    let right = toks.len() / page;
+                    let wrong = if right > 1 && self.rng.chance(1, 2) {
+                        right - 1
+                    } else {
+                        right + 1
+                    };
+                    let pages: Vec<u32> = (0..wrong as u32).map(|k| 0x7f00_0000 + k).collect();
+                    (
+                        "admit bad page list length",
+                        self.call("admit", || {
+                            marconi_cache_admit(
+                                h,
+                                id,
+                                toks.as_ptr(),
+                                toks.len(),
+                                ptr::null(),
+                                0,
+                                pages.as_ptr(),
+                                pages.len(),
+                                ptr::null_mut(),
+                                &mut r,
+                            )
+                        }),
+                        vec![St::BadPageList],
+                    )
+                }
+                29 if live.is_some() => {
+                    // The same fresh slot twice, at the valid positions.
+                    let li = live.unwrap();
+                    let toks = self.leases[li].input.clone();
+                    let id = self.leases[li].id;
+                    let pos = self.states_for(&self.leases[li], toks.len());
+                    if pos.len() < 2 {
+                        return;
+                    }
+                    let s: Vec<marconi_saved_state> = pos
+                        .iter()
+                        .map(|&p| marconi_saved_state {
+                            position: p,
+                            slot: 0x7e00_0000,
+                        })
+                        .collect();
+                    let kv = self.filler_pages(li, toks.len());
+                    (
+                        "admit duplicate slot",
+                        self.call("admit", || {
+                            marconi_cache_admit(
+                                h,
+                                id,
+                                toks.as_ptr(),
+                                toks.len(),
+                                s.as_ptr(),
+                                s.len(),
+                                kv.as_ptr(),
+                                kv.len(),
+                                ptr::null_mut(),
+                                &mut r,
+                            )
+                        }),
+                        vec![St::DuplicateSlot],
+                    )
+                }
+                _ => return,
+            }
+        };
+        self.expect(what, st, &want);
+        if let Some(b) = before {
+            if let Some(now) = self.check_stats(c) {
+                if now != b && st != St::Ok {
+                    finding!(self, "{what}: a failed call changed the stats");
+                }
+            }
+        }
+    }
+
+    /// Bad configurations: each refused with its status, `*out` untouched.
+    fn op_config(&mut self) {
+        let mut cfg = default_config();
+        cfg.capacity_bytes = 1 << 30;
+        let grid = [0.5f64, 1.0];
+        let (what, want): (&str, St) = match self.rng.below(14) {
+            0 => {
+                cfg.capacity_bytes = 0;
+                ("capacity 0", St::InvalidConfig)
+            }
+            1 => {
+                cfg.page_size = 0;
+                ("page_size 0", St::InvalidConfig)
+            }
+            2 => {
+                cfg.admission = 3 + self.rng.below(1000) as u32;
+                ("admission out of range", St::InvalidConfig)
+            }
+            3 => {
+                cfg.eviction = 2 + self.rng.below(1000) as u32;
+                ("eviction out of range", St::InvalidConfig)
+            }
+            4 => {
+                cfg.alpha_mode = 2 + self.rng.below(1000) as u32;
+                ("alpha_mode out of range", St::InvalidConfig)
+            }
+            5 => {
+                cfg.tuner_objective = 2 + self.rng.below(1000) as u32;
+                ("tuner_objective out of range", St::InvalidConfig)
+            }
+            6 => {
+                cfg.alpha_mode = 0;
+                cfg.alpha = self.rng.pick(&[f64::NAN, -1.0, f64::INFINITY]);
+                ("alpha not finite >= 0", St::InvalidConfig)
+            }
+            7 => {
+                cfg.admission = 1;
+                cfg.page_size = 16;
+                cfg.block_size = 24;
+                ("block_size not a multiple of the page", St::InvalidConfig)
+            }
+            8 => {
+                cfg.model_preset = c"no-such-model".as_ptr();
+                ("unknown preset", St::UnknownPreset)
+            }
+            9 => {
+                cfg.tuner_grid = ptr::null();
+                cfg.tuner_grid_len = self.rng.range(1, u64::MAX) as usize;
+                cfg.admission = 77; // NULL is reported first
+                ("tuner_grid NULL with a length", St::NullArgument)
+            }
+            10 => {
+                cfg.reserved = 1;
+                ("reserved field set", St::InvalidConfig)
+            }
+            11 => {
+                cfg.struct_size = self.rng.below(size_of::<marconi_cache_config>() as u64) as u32;
+                ("struct_size too small", St::UnsupportedStructSize)
+            }
+            12 => {
+                match self.rng.below(3) {
+                    0 => cfg.model.kv_heads = 1 << 63,
+                    1 => cfg.model.n_heads = 1 << 63,
+                    _ => cfg.model.head_dim = u64::MAX,
+                }
+                ("model dimensions overflow", St::InvalidConfig)
+            }
+            _ => {
+                cfg.tuner_grid = grid.as_ptr();
+                cfg.tuner_grid_len = 2;
+                cfg.page_size = self.rng.pick(&[1, 4, 16]);
+                ("a valid config with a custom grid", St::Ok)
+            }
+        };
+        let sentinel = 0x10 as *mut marconi_cache;
+        let mut out = sentinel;
+        // SAFETY: cfg is a whole struct; its pointers follow their contracts.
+        let st = self.call("cache_new", || unsafe { marconi_cache_new(&cfg, &mut out) });
+        self.cur_cache = None;
+        if self.expect(&format!("cache_new: {what}"), st, &[want]) && st == St::Ok {
+            // SAFETY: a fresh handle, freed once.
+            self.call("cache_free", || unsafe { marconi_cache_free(out) });
+        } else if st == St::Ok {
+            // SAFETY: a handle the library returned, freed once.
+            unsafe { marconi_cache_free(out) };
+        } else if out != sentinel {
+            finding!(self, "cache_new: {what}: failed but wrote *out");
+        }
+        // NULL-first for the other entry points.
+        // SAFETY: NULL is checked before anything is touched.
+        let st = self.call("config_init", || unsafe {
+            marconi_cache_config_init(ptr::null_mut(), 3)
+        });
+        self.expect("config_init NULL", st, &[St::NullArgument]);
+        let mut small = default_config();
+        // SAFETY: a size smaller than the struct is refused before writing.
+        let st = self.call("config_init", || unsafe {
+            marconi_cache_config_init(&mut small, 8)
+        });
+        self.expect("config_init small", st, &[St::UnsupportedStructSize]);
+        // SAFETY: as above.
+        let st = self.call("cache_new", || unsafe {
+            marconi_cache_new(ptr::null(), ptr::null_mut())
+        });
+        self.expect("cache_new NULLs", st, &[St::NullArgument]);
+        let mut spec = marconi_model_spec::default();
+        let name = self.rng.pick(&PRESETS);
+        // SAFETY: a NUL-terminated name and a writable spec.
+        let st = self.call("model_spec_preset", || unsafe {
+            marconi_model_spec_preset(name.as_ptr(), &mut spec)
+        });
+        self.expect("model_spec_preset", st, &[St::Ok]);
+        // SAFETY: NULL is checked first.
+        let st = self.call("model_spec_preset", || unsafe {
+            marconi_model_spec_preset(ptr::null(), ptr::null_mut())
+        });
+        self.expect("model_spec_preset NULL", st, &[St::NullArgument]);
+    }
+
+    fn op_messages(&mut self) {
+        let status = self.rng.pick(&[0u32, 4, 19, 20, 9999, u32::MAX]);
+        let cap = self.rng.pick(&[0usize, 1, 5, 200]);
+        let mut buf = vec![0x55u8; cap];
+        let p = if cap == 0 {
+            ptr::null_mut()
+        } else {
+            buf.as_mut_ptr().cast::<c_char>()
+        };
+        // SAFETY: buf has cap writable bytes (or NULL with 0).
+        let n = self.call("status_message", || unsafe {
+            marconi_status_message(status, p, cap)
+        });
+        if cap > 0 {
+            let end = buf.iter().position(|&b| b == 0);
+            if end != Some(n.min(cap - 1)) {
+                finding!(
+                    self,
+                    "status_message({status}, cap {cap}) = {n}, NUL at {end:?}"
+                );
+            }
+        }
+        // SAFETY: as above.
+        let n = self.call("last_error", || unsafe { marconi_last_error(p, cap) });
+        if cap > 0 && buf.iter().position(|&b| b == 0) != Some(n.min(cap - 1)) {
+            finding!(
+                self,
+                "last_error(cap {cap}) = {n}, not NUL-terminated there"
+            );
+        }
+        let v = self.call("version", || marconi_version());
+        if v.is_null() {
+            finding!(self, "marconi_version is NULL");
+        }
+    }
+
+    /// Duplicate ids the cache owns, offered again after a complete drain
+    /// (one thread only: then ownership is exact).
+    fn op_owned_again(&mut self, c: usize) {
+        if !self.run.strict {
+            return;
+        }
+        self.op_drain(c, true);
+        let Some(li) = self.leases.iter().position(|x| x.cache == c) else {
+            return;
+        };
+        let m = &self.run.caches[c];
+        let (slot, page) = {
+            let ids = m.ids.lock().unwrap();
+            (
+                ids.slots
+                    .iter()
+                    .find(|(_, &v)| v == IdState::Owned)
+                    .map(|(&k, _)| k),
+                ids.pages
+                    .iter()
+                    .find(|(_, &v)| v == IdState::Owned)
+                    .map(|(&k, _)| k),
+            )
+        };
+        let h = self.h(c);
+        let lr = &self.leases[li];
+        let (id, toks, ns) = (lr.id, lr.input.clone(), lr.ns);
+        let _ = ns;
+        let before = self.check_stats(c);
+        if let Some(slot) = slot {
+            let mut l = marconi_lookup::default();
+            // SAFETY: live handle and buffers.
+            let st = self.call("lookup", || unsafe {
+                marconi_cache_lookup(h, 0, toks.as_ptr(), toks.len(), slot, &mut l)
+            });
+            self.expect(
+                "lookup into a slot the cache owns",
+                st,
+                &[St::InvalidArgument],
+            );
+            let pos = self.states_for(&self.leases[li], toks.len());
+            if let Some(&p) = pos.first() {
+                let s = [marconi_saved_state { position: p, slot }];
+                let mut r = marconi_admit_result::default();
+                let kv = self.filler_pages(li, toks.len());
+                // SAFETY: as above.
+                let st = self.call("admit", || unsafe {
+                    marconi_cache_admit(
+                        h,
+                        id,
+                        toks.as_ptr(),
+                        toks.len(),
+                        s.as_ptr(),
+                        1,
+                        kv.as_ptr(),
+                        kv.len(),
+                        ptr::null_mut(),
+                        &mut r,
+                    )
+                });
+                self.expect("admit a slot the cache owns", st, &[St::DuplicateSlot]);
+            }
+        }
+        if let (Some(page), true) = (page, m.shape.pages) {
+            // Only where exactly one page past the hit is needed: the list
+            // is then the lease's own pages and the owned one. The cache may
+            // refuse it, or accept the call without taking that page (its
+            // tokens already cached); taking it would be a double ownership.
+            let n = toks.len() / m.shape.page as usize;
+            let mut kv = self.leases[li].pages.clone();
+            if n == kv.len() + 1 && !kv.contains(&page) {
+                kv.push(page);
+                let mut r = marconi_admit_result::default();
+                // SAFETY: as above.
+                let st = self.call("admit", || unsafe {
+                    marconi_cache_admit(
+                        h,
+                        id,
+                        toks.as_ptr(),
+                        toks.len(),
+                        ptr::null(),
+                        0,
+                        kv.as_ptr(),
+                        kv.len(),
+                        ptr::null_mut(),
+                        &mut r,
+                    )
+                });
+                self.expect(
+                    &format!("admit page {page} the cache owns"),
+                    st,
+                    &[St::DuplicatePage, St::Ok],
+                );
+                if st == St::Ok {
+                    if (r.kv_pages_taken_start as usize..r.kv_pages_taken_end as usize)
+                        .contains(&(n - 1))
+                    {
+                        finding!(
+                            self,
+                            "admit took page {page}, which the cache already owned: {r:?}"
+                        );
+                    }
+                    return;
+                }
+            }
+        }
+        if let (Some(b), Some(now)) = (before, self.check_stats(c)) {
+            if b != now {
+                finding!(self, "refused calls with owned ids changed the stats");
+            }
+        }
+    }
+
+    /// Frees a cache and builds another in its place (one thread only: the
+    /// ABI forbids freeing a cache other threads use).
+    fn op_freed_cache_lease(&mut self) {
+        let mut cfg = default_config();
+        cfg.capacity_bytes = 1 << 30;
+        cfg.page_size = self.rng.pick(&[1, 4, 16]);
+        let mut h = ptr::null_mut();
+        // SAFETY: valid config and out pointer.
+        let st = self.call("cache_new", || unsafe { marconi_cache_new(&cfg, &mut h) });
+        self.cur_cache = None;
+        if !self.expect("cache_new", st, &[St::Ok]) {
+            return;
+        }
+        let t = self.tokens(20);
+        let mut l = marconi_lookup::default();
+        // SAFETY: live handle and buffers.
+        let st = self.call("lookup", || unsafe {
+            marconi_cache_lookup(h, 0, t.as_ptr(), t.len(), MARCONI_NO_SLOT, &mut l)
+        });
+        if self.expect("lookup", st, &[St::Ok]) {
+            self.run.dead_leases.lock().unwrap().push(l.lease);
+        }
+        // SAFETY: freed once, with its lease outstanding; never used again.
+        self.call("cache_free", || unsafe { marconi_cache_free(h) });
+    }
+
+    // ------------------------------------------------------------- loop --
+
+    fn step(&mut self) {
+        let n = self.run.caches.len();
+        let mut c = self.rng.below(n as u64) as usize;
+        if self.run.caches[c].poisoned.load(Ordering::Relaxed) {
+            match (0..n).find(|&k| !self.run.caches[k].poisoned.load(Ordering::Relaxed)) {
+                Some(k) => c = k,
+                None => return,
+            }
+        }
+        self.cur_cache = Some(c);
+        match self.rng.below(100) {
+            0..=24 => self.op_lookup(c),
+            25..=49 => self.op_admit(),
+            50..=61 => self.op_release(),
+            62..=67 => {
+                let exact = self.rng.chance(1, 2);
+                self.op_drain(c, exact)
+            }
+            68..=69 => self.op_evict(c),
+            70..=72 => {
+                self.check_stats(c);
+            }
+            73..=74 => self.op_drain_log(c),
+            75..=91 => self.op_bad(c),
+            92..=93 => self.op_config(),
+            94..=95 => self.op_messages(),
+            96..=98 => self.op_owned_again(c),
+            _ => self.op_freed_cache_lease(),
+        }
+        // Too many open leases pin everything: release the oldest.
+        if self.leases.len() > 12 {
+            let lr = self.leases.remove(0);
+            let h = self.h(lr.cache);
+            // SAFETY: live handle.
+            let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
+            self.cur_cache = Some(lr.cache);
+            self.expect("release of a live lease", st, &[St::Ok]);
+            self.run.caches[lr.cache]
+                .released
+                .lock()
+                .unwrap()
+                .push(lr.id);
+        }
+        self.steps += 1;
+        if self.run.check_every > 0 && self.steps % self.run.check_every == 0 {
+            if let Some(c) = self.cur_cache {
+                if !self.run.caches[c].poisoned.load(Ordering::Relaxed) {
+                    self.check_cache(c);
+                }
+            }
+        }
+    }
+}
+
+// --------------------------------------------------------------- main ----
+
+struct Args {
+    seed: u64,
+    seeds: u64,
+    calls: u64,
+    seconds: Option<f64>,
+    threads: usize,
+    caches: usize,
+    watchdog: f64,
+    check_every: u64,
+    max_findings: usize,
+    verbose: bool,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        seed: 1,
+        seeds: 1,
+        calls: 20_000,
+        seconds: None,
+        threads: 1,
+        caches: 4,
+        watchdog: 20.0,
+        check_every: 1,
+        max_findings: 20,
+        verbose: false,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let v = argv.get(i + 1).cloned().unwrap_or_default();
+        let num = || -> f64 {
+            v.parse().unwrap_or_else(|_| {
+                eprintln!("fuzz_abi: {} needs a number, got {v:?}", argv[i]);
+                std::process::exit(2)
+            })
+        };
+        match argv[i].as_str() {
+            "--seed" => a.seed = num() as u64,
+            "--seeds" => a.seeds = num() as u64,
+            "--calls" => a.calls = num() as u64,
+            "--seconds" => a.seconds = Some(num()),
+            "--threads" => a.threads = (num() as usize).max(1),
+            "--caches" => a.caches = (num() as usize).max(1),
+            "--watchdog" => a.watchdog = num(),
+            "--check-every" => a.check_every = num() as u64,
+            "--max-findings" => a.max_findings = num() as usize,
+            "--verbose" => {
+                a.verbose = true;
+                i += 1;
+                continue;
+            }
+            "-h" | "--help" => {
+                println!(
+                    "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
+                     \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]"
+                );
+                std::process::exit(0);
+            }
+            other => {
+                eprintln!("fuzz_abi: unknown argument {other:?} (see --help)");
+                std::process::exit(2);
+            }
+        }
+        i += 2;
+    }
+    a
+}
+
+fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
+    let mut rng = Rng::new(seed);
+    let mut caches = Vec::new();
+    for i in 0..a.caches {
+        if let Some(c) = Run::new_cache(&mut rng, i, seed) {
+            caches.push(c);
+        }
+    }
+    let run = Run {
+        seed,
+        strict: a.threads == 1,
+        caches,
+        dead_leases: Mutex::new(Vec::new()),
+        findings: Mutex::new(Vec::new()),
+        calls: AtomicU64::new(0),
+        watch: Arc::clone(watch),
+        check_every: a.check_every,
+    };
+    let per_worker = a.calls / a.threads as u64;
+    std::thread::scope(|s| {
+        for w in 0..a.threads {
+            let run = &run;
+            let max = a.max_findings;
+            s.spawn(move || {
+                let n = run.caches.len();
+                let mut wk = Worker {
+                    run,
+                    w,
+                    rng: Rng::new(seed.wrapping_mul(0x100_0193).wrapping_add(w as u64)),
+                    call: 0,
+                    leases: Vec::new(),
+                    free_pages: vec![Vec::new(); n],
+                    free_slots: vec![Vec::new(); n],
+                    cur_cache: None,
+                    steps: 0,
+                };
+                while wk.call < per_worker {
+                    wk.step();
+                    if run.findings.lock().unwrap().len() >= max {
+                        break;
+                    }
+                }
+                // Leave nothing leased.
+                for lr in std::mem::take(&mut wk.leases) {
+                    let h = wk.h(lr.cache);
+                    // SAFETY: live handle.
+                    let st = wk.call("release", || unsafe { marconi_cache_release(h, lr.id) });
+                    wk.cur_cache = Some(lr.cache);
+                    wk.expect("final release", st, &[St::Ok]);
+                }
+            });
+        }
+    });
+    // Final checks, then free.
+    let mut closer = Worker {
+        run: &run,
+        w: 0,
+        rng: Rng::new(seed),
+        call: run.calls.load(Ordering::Relaxed),
+        leases: Vec::new(),
+        free_pages: vec![Vec::new(); run.caches.len()],
+        free_slots: vec![Vec::new(); run.caches.len()],
+        cur_cache: None,
+        steps: 0,
+    };
+    for c in 0..run.caches.len() {
+        if run.caches[c].poisoned.load(Ordering::Relaxed) {
+            continue;
+        }
+        closer.cur_cache = Some(c);
+        closer.check_cache(c);
+        if let Some(s) = closer.check_stats(c) {
+            if a.verbose {
+                println!(
+                    "seed {seed} cache {c} {:?}: {} requests, {} hits, {} evictions, {} tuning rounds, alpha {}, {} states, {} nodes, used {} of {}",
+                    run.caches[c].shape, s.requests, s.hit_requests, s.evictions, s.tuning_rounds, s.alpha, s.states, s.nodes, s.used_bytes, s.capacity_bytes
+                );
+            }
+            if s.leases != 0 || s.evictable_bytes != s.used_bytes {
+                finding!(
+                    closer,
+                    "all leases released, yet {} leases / evictable {} of {}",
+                    s.leases,
+                    s.evictable_bytes,
+                    s.used_bytes
+                );
+            }
+        }
+    }
+    for m in &run.caches {
+        // SAFETY: no worker uses the cache any more; freed once.
+        unsafe { marconi_cache_free(m.handle.0) };
+    }
+    let calls = run.calls.load(Ordering::Relaxed);
+    (calls, run.findings.into_inner().unwrap())
+}
+
+fn main() {
+    let a = parse_args();
+    let watch = Arc::new(Watch {
+        t0: Instant::now(),
+        beats: (0..a.threads)
+            .map(|_| Beat {
+                started_ms: AtomicU64::new(0),
+                call: AtomicU64::new(0),
+                seed: AtomicU64::new(0),
+                what: Mutex::new(""),
+            })
+            .collect(),
+        limit: Duration::from_secs_f64(a.watchdog),
+        done: AtomicBool::new(false),
+    });
+    let dog = watch.spawn();
+    let t0 = Instant::now();
+    let (mut calls, mut seeds) = (0u64, 0u64);
+    let mut findings = Vec::new();
+    let mut seed = a.seed;
+    loop {
+        let done = match a.seconds {
+            Some(t) => t0.elapsed().as_secs_f64() >= t,
+            None => seeds >= a.seeds,
+        };
+        if done || findings.len() >= a.max_findings {
+            break;
+        }
+        let (c, f) = run_seed(&a, seed, &watch);
+        calls += c;
+        seeds += 1;
+        findings.extend(f);
+        seed += 1;
+    }
+    watch.done.store(true, Ordering::Release);
+    let _ = dog.join();
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "fuzz_abi: {calls} calls, {seeds} seeds ({}..={}), {} thread(s), {:.1} s ({:.0} calls/s), findings: {}",
+        a.seed,
+        a.seed + seeds.saturating_sub(1),
+        a.threads,
+        secs,
+        calls as f64 / secs.max(1e-9),
+        findings.len()
+    );
+    if let Some(f) = findings.first() {
+        eprintln!(
+            "fuzz_abi: first finding: seed {} worker {} call #{} cache {:?}: {}\n  reproduce: --seed {} --calls {} --threads {}",
+            f.seed,
+            f.worker,
+            f.call,
+            f.cache,
+            f.text,
+            f.seed,
+            f.call + 1,
+            a.threads
+        );
+        std::process::exit(1);
+    }
+}

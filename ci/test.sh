@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# Every build of the test run traps integer overflow (release builds wrap otherwise);
+# set once here so clippy, the tests and the C/Python steps share one build.
+export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true
 
 step() { printf '\n==> %s\n' "$*"; }
 

@@ -9,16 +9,28 @@
 #     marconi::marconi and marconi::marconi_static;
 # and checks the CMake version rules and a staged (--destdir) install.
 # install.sh runs the same cargo command as c.sh, so the release build is
-# shared (compiled once). Installs cmake with apt-get if it is missing.
+# shared (compiled once). Installs pkg-config and cmake with apt-get if they
+# are missing.
 # Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-root="$PWD"
 unset LD_LIBRARY_PATH PKG_CONFIG_PATH CMAKE_PREFIX_PATH
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/marconi-c-install.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 prefix="$work/prefix"
+
+# The user's tools; installed as Debian packages where missing (CI images).
+for tool in pkg-config cmake; do
+  command -v "$tool" >/dev/null && continue
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "--- $tool is missing: apt-get install $tool"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$tool" >/dev/null
+  else
+    echo "$tool is missing and cannot be installed here (needs root and apt-get)" >&2
+    exit 1
+  fi
+done
 
 echo "--- scripts/install.sh --prefix $prefix"
 scripts/install.sh --prefix "$prefix"
@@ -61,15 +73,6 @@ echo "$actual"
 unset PKG_CONFIG_PATH
 
 echo "--- examples/c-cmake with find_package(marconi CONFIG REQUIRED)"
-if ! command -v cmake >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "cmake is missing: apt-get install cmake"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake >/dev/null
-  else
-    echo "cmake is missing and cannot be installed here (needs root and apt-get): install cmake" >&2
-    exit 1
-  fi
-fi
 cmake -S examples/c-cmake -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
   -DCMAKE_C_FLAGS="-Wall -Wextra -Werror" >"$work/cmake.log" || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/cmake"

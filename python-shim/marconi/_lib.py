@@ -8,6 +8,7 @@ two cannot drift.
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import os
 import sys
 from ctypes import (
@@ -222,12 +223,22 @@ SIGNATURES = {
 """Every function of the header: name -> (restype, argtypes)."""
 
 
+def _bundled() -> list[Path]:
+    """Where a library bundled into the package lies: `pip install` builds
+    marconi-ffi and copies it there as libmarconi.abi3.so (an extension
+    module's name, so that the wheel is tagged for the platform), or one
+    copied by hand as libmarconi.so."""
+    here = Path(__file__).resolve().parent
+    names = ["libmarconi" + s for s in importlib.machinery.EXTENSION_SUFFIXES] + [_LIB_NAME]
+    return [here / n for n in dict.fromkeys(names)]
+
+
 def _candidates() -> list[Path]:
     out = []
     env = os.environ.get(LIB_ENV)
     if env:
         out.append(Path(env))
-    out.append(Path(__file__).resolve().parent / _LIB_NAME)
+    out += _bundled()
     target = os.environ.get("CARGO_TARGET_DIR")
     if target:
         out.append(Path(target) / "release" / _LIB_NAME)
@@ -239,9 +250,10 @@ def _candidates() -> list[Path]:
 
 
 def library_path() -> Path:
-    """The library that load() opens: $MARCONI_LIBRARY, else the package
-    directory, else $CARGO_TARGET_DIR/release, else target/release in a
-    directory above the package or the current directory."""
+    """The library that load() opens: $MARCONI_LIBRARY, else the one
+    bundled in the package directory (by pip install), else
+    $CARGO_TARGET_DIR/release, else target/release in a directory above the
+    package or the current directory."""
     tried = _candidates()
     if os.environ.get(LIB_ENV):
         # An explicit path must exist: never silently fall back.
@@ -253,8 +265,9 @@ def library_path() -> Path:
         if p.is_file():
             return p
     raise OSError(
-        f"{_LIB_NAME} not found; build it with `cargo build --release -p marconi-ffi` "
-        f"or set {LIB_ENV}. Tried: " + ", ".join(str(p) for p in tried[:4]) + ", ..."
+        f"{_LIB_NAME} not found: `pip install ./python-shim` builds and bundles it; from a "
+        f"source checkout, build it with `cargo build --release -p marconi-ffi` or set "
+        f"{LIB_ENV}. Tried: " + ", ".join(str(p) for p in tried[:6]) + ", ..."
     )
 
 

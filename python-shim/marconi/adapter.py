@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from .cache import U64_MAX, AdmitResult, Lease, PrefixCache, Tokens, _uint
+from ._convert import U64_MAX, Tokens, _u32_concat, _uint
+from .cache import AdmitResult, Lease, PrefixCache
 
 
 @dataclass(eq=False)
@@ -159,10 +160,15 @@ class MarconiPrefixCache:
 
     def _admit_req(self, req: Any) -> AdmitResult:
         node: MarconiNode = req.last_node
-        tokens = list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
-        states = list(getattr(req, "saved_states", None) or [])
+        lease = node.lease
+        # Input and output ids are joined once, in bulk (lists: one list
+        # concatenation and one conversion; arrays and tensors: their bytes),
+        # never token by token.
+        out = getattr(req, "output_ids", None)
+        src, n, _ = _u32_concat(req.origin_input_ids, out, "origin_input_ids", "output_ids")
+        states = getattr(req, "saved_states", None) or ()
         pages = getattr(req, "kv_pages", None)
-        return node.lease.admit(tokens, states, pages)
+        return lease._cache._admit(lease.id, src, n, states, pages)
 
     # -- eviction and sizes ------------------------------------------------
 

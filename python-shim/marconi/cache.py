@@ -5,7 +5,6 @@ from __future__ import annotations
 import array
 import ctypes
 import json
-import operator
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -13,11 +12,19 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from . import _lib
+from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the adapter)
+    U32_MAX,
+    U64_MAX,
+    OutOfRangeError,
+    Tokens,
+    _u32,
+    _u32_concat,
+    _u32_pointer,
+    _u32_source,
+    _u64,
+    _uint,
+)
 from ._lib import NO_SLOT
-
-Tokens = Union[Sequence[int], "array.array[int]", memoryview, bytes, bytearray]
-"""Token ids: a list/tuple of ints, an array.array of 4-byte unsigned ints
-('I', or 'L' where it is 4 bytes), or any buffer of native uint32."""
 
 STATUS_NAMES = [
     "OK",
@@ -46,47 +53,6 @@ STATUS_NAMES = [
 ADMISSION = {"marconi": 0, "all_blocks": 1, "oracle": 2}
 EVICTION = {"lru": 0, "flop_aware": 1}
 OBJECTIVE = {"flops_saved": 0, "token_hits": 1}
-
-
-U32_MAX = 0xFFFF_FFFF
-U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
-
-
-class OutOfRangeError(ValueError, OverflowError):
-    """An integer that does not fit its C type: both an OverflowError (as
-    Python's own C conversions raise) and a ValueError (as a bad token id
-    always raised here)."""
-
-
-def _uint(value: Any, name: str, hi: Optional[int]) -> int:
-    """`value` as a Python int in [0, hi] (hi None: no upper bound), for a
-    C argument called `name`.
-    ctypes would silently truncate an int that does not fit (2**64 + 1 -> 1,
-    -1 -> UINT64_MAX) and take True as 1, so every integer argument of the
-    public API goes through here: TypeError for bool, float and other
-    non-integers, OutOfRangeError (an OverflowError and a ValueError) outside
-    [0, hi]. Integer-like objects (numpy integers) are accepted via
-    __index__. One comparison for the common case."""
-    if type(value) is int and 0 <= value and (hi is None or value <= hi):
-        return value
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    v = operator.index(value)
-    if hi is None:
-        if v < 0:
-            raise OutOfRangeError(f"{name}: {v} is negative")
-    elif not 0 <= v <= hi:
-        kind = "uint32" if hi == U32_MAX else "uint64" if hi == U64_MAX else f"[0, {hi}]"
-        raise OutOfRangeError(f"{name}: {v} does not fit in {kind} (0 to {hi})")
-    return v
-
-
-def _u32(value: Any, name: str) -> int:
-    return _uint(value, name, U32_MAX)
-
-
-def _u64(value: Any, name: str) -> int:
-    return _uint(value, name, U64_MAX)
 
 
 def _flag(value: Any, name: str) -> int:
@@ -158,35 +124,6 @@ def _check(status: int, function: str) -> None:
         if not detail.startswith(function + ":"):
             detail = f"{function}: no detail from the library (status {status})"
         raise MarconiError(status, detail, function)
-
-
-def _u32_array(tokens: Tokens, what: str = "tokens"):
-    """A ctypes uint32 array over `tokens` (zero-copy for writable uint32
-    buffers), and its length."""
-    if isinstance(tokens, (bytes, bytearray, memoryview, array.array)):
-        mv = memoryview(tokens)
-        if mv.format in ("I", "L", "=I", "<I") and mv.itemsize == 4:
-            n = mv.nbytes // 4
-            arr_t = ctypes.c_uint32 * n
-            if n == 0:
-                return None, 0
-            if mv.readonly or not mv.c_contiguous:
-                return arr_t.from_buffer_copy(mv), n
-            return arr_t.from_buffer(mv), n
-        if isinstance(tokens, (bytes, bytearray)) or mv.format == "B":
-            if mv.nbytes % 4:
-                raise ValueError(f"{what}: a byte buffer of {mv.nbytes} bytes is not uint32s")
-            n = mv.nbytes // 4
-            return ((ctypes.c_uint32 * n).from_buffer_copy(mv) if n else None), n
-        tokens = mv.tolist()
-    seq = list(tokens)
-    for t in seq:
-        if type(t) is not int or not 0 <= t <= U32_MAX:
-            # Rare: name the bad element (or convert numpy integers).
-            seq = [_u32(t, f"{what}[{i}]") for i, t in enumerate(seq)]
-            break
-    n = len(seq)
-    return ((ctypes.c_uint32 * n)(*seq) if n else None), n
 
 
 @dataclass(frozen=True)
@@ -460,18 +397,25 @@ class PrefixCache:
     # -- the request cycle -----------------------------------------------
 
     def lookup(self, tokens: Tokens, namespace: int = 0, dst_slot: Optional[int] = None) -> Lease:
-        """Looks up `tokens`: the usable hit, the KV pages and plan, and a
-        lease (release it, or use it as a context manager). With `dst_slot`
-        (the request's own state slot) the lease carries the copy order when
-        the hit resumes from a cached slot."""
+        """Looks up `tokens` (see Tokens for the accepted forms: a uint32 or
+        int32 buffer is read in place): the usable hit, the KV pages and
+        plan, and a lease (release it, or use it as a context manager). With
+        `dst_slot` (the request's own state slot) the lease carries the copy
+        order when the hit resumes from a cached slot."""
         ns = _u64(namespace, "namespace")
         dst = NO_SLOT if dst_slot is None else _u32(dst_slot, "dst_slot")
-        arr, n = _u32_array(tokens)
+        src, n = _u32_source(tokens)
+        return self._lookup(src, n, ns, dst)
+
+    def _lookup(self, src: Any, n: int, ns: int, dst: int) -> Lease:
+        """lookup() of the first n tokens of a _u32_source() result."""
         raw = _lib.marconi_lookup()
         lib = self._lib
         h = self._begin()
         try:
-            _check(lib.marconi_cache_lookup(h, ns, arr, n, dst, ctypes.byref(raw)), "marconi_cache_lookup")
+            # The pointer is a temporary: the buffer is exported only during the call.
+            st = lib.marconi_cache_lookup(h, ns, _u32_pointer(src, n), n, dst, ctypes.byref(raw))
+            _check(st, "marconi_cache_lookup")
             try:
                 pages = self._lease_list(h, "marconi_cache_lease_kv_pages", raw.lease, raw.n_kv_pages)
                 plan = self._lease_list(h, "marconi_cache_lease_plan", raw.lease, raw.n_plan)
@@ -491,10 +435,12 @@ class PrefixCache:
         return lease
 
     def _lease_list(self, h: ctypes.c_void_p, fn: str, lease: int, n: int) -> list[int]:
-        buf = (ctypes.c_uint32 * max(n, 1))()
+        if n == 0:
+            return []
+        buf = array.array("I", bytes(4 * n))
         out = ctypes.c_size_t()
-        _check(getattr(self._lib, fn)(h, lease, buf, n, ctypes.byref(out)), fn)
-        return list(buf[: out.value])
+        _check(getattr(self._lib, fn)(h, lease, _u32_pointer(buf, n), n, ctypes.byref(out)), fn)
+        return buf[: out.value].tolist()
 
     def _lease_id(self, lease: Union[Lease, int]) -> int:
         return lease.id if isinstance(lease, Lease) else _u64(lease, "lease")
@@ -525,23 +471,34 @@ class PrefixCache:
         None when slots are not tracked). The slots of taken states and the
         pages in `kv_pages_taken` become the cache's."""
         lid = self._lease_id(lease)
-        arr, n = _u32_array(tokens)
-        st_list = [
-            (_u32(p, f"states[{i}].position"), NO_SLOT if s is None else _u32(s, f"states[{i}].slot"))
-            for i, (p, s) in enumerate(states)
-        ]
-        st_arr = (_lib.marconi_saved_state * len(st_list))(*st_list) if st_list else None
-        pages, n_pages = _u32_array(kv_pages if kv_pages is not None else [], "kv_pages")
-        taken = (ctypes.c_uint8 * len(st_list))() if st_list else None
+        src, n = _u32_source(tokens)
+        return self._admit(lid, src, n, states, kv_pages)
+
+    def _admit(self, lid: int, src: Any, n: int, states: Iterable, kv_pages: Optional[Tokens]) -> AdmitResult:
+        """admit() of the first n tokens of a _u32_source() result."""
+        flat = array.array("I")  # (position, slot) pairs: the layout of marconi_saved_state
+        for i, (p, s) in enumerate(states):
+            flat.append(_u32(p, f"states[{i}].position"))
+            flat.append(NO_SLOT if s is None else _u32(s, f"states[{i}].slot"))
+        k = len(flat) // 2
+        pages, n_pages = _u32_source(kv_pages, "kv_pages") if kv_pages is not None else (None, 0)
+        taken = bytearray(k)
         raw = _lib.marconi_admit_result()
         h = self._begin()
         try:
-            _check(
-                self._lib.marconi_cache_admit(
-                    h, lid, arr, n, st_arr, len(st_list), pages, n_pages, taken, ctypes.byref(raw)
-                ),
-                "marconi_cache_admit",
+            st = self._lib.marconi_cache_admit(
+                h,
+                lid,
+                _u32_pointer(src, n),
+                n,
+                ctypes.byref(_lib.marconi_saved_state.from_buffer(flat)) if k else None,
+                k,
+                _u32_pointer(pages, n_pages),
+                n_pages,
+                ctypes.byref(ctypes.c_uint8.from_buffer(taken)) if k else None,
+                ctypes.byref(raw),
             )
+            _check(st, "marconi_cache_admit")
         finally:
             self._end()
         return AdmitResult(
@@ -551,7 +508,7 @@ class PrefixCache:
             new_kv_tokens=raw.new_kv_tokens,
             truncated_to=raw.truncated_to or None,
             rejected=bool(raw.rejected),
-            taken=[bool(t) for t in taken] if taken is not None else [],
+            taken=[bool(t) for t in taken],
         )
 
     def release(self, lease: Union[Lease, int]) -> None:
@@ -576,15 +533,15 @@ class PrefixCache:
         every planned position and at the end, admit input + output, release.
         `slots` is an optional callable returning a fresh slot id per state.
         Returns the (released) lease with the lookup's results."""
-        inp = list(input) if not isinstance(input, list) else input
-        full = inp + list(output)
-        with self.lookup(inp, namespace) as lease:
-            final = len(full) - len(full) % self.page_size
+        ns = _u64(namespace, "namespace")
+        full, n, n_in = _u32_concat(input, output, "input", "output")
+        with self._lookup(full, n_in, ns, NO_SLOT) as lease:
+            final = n - n % self.page_size
             positions = list(lease.plan)
             if final > 0 and final not in positions:
                 positions.append(final)
             states = [(p, slots() if slots else None) for p in positions]
-            lease.admit(full, states)
+            self._admit(lease.id, full, n, states, None)
         return lease
 
     # -- eviction, stats, log ----------------------------------------------

@@ -270,9 +270,10 @@ def test_release_by_id_marks_the_lease():
 
 def test_lookup_releases_its_lease_when_it_fails_after_the_lookup():
     with PrefixCache(BIG) as cache:
+        cache.serve(list(range(100)))
         cache._lib = FakeLib(cache._lib, marconi_cache_lease_plan=lambda *a: 2)
         with pytest.raises(MarconiError):
-            cache.lookup([1, 2, 3])
+            cache.lookup(list(range(50)) + [999] * 10)  # a branch at 50: a plan to read
         assert cache.stats()["leases"] == 0
 
 

@@ -1,0 +1,132 @@
+"""CPU time per request of the Python paths into libmarconi, on long inputs.
+
+    python python-shim/bench/bench_adapter.py [--requests N] [--tokens T]
+
+Multi-turn conversations whose inputs are about T tokens (10,000 by
+default): each turn's input is the conversation so far plus a new user
+message, and each request is served the way an engine does it, through
+
+* direct:  PrefixCache.lookup(input) -> Lease.admit(input + output, states)
+           -> release, and
+* adapter: MarconiPrefixCache.match_prefix(input) -> inc_lock_ref ->
+           cache_finished_req(req) (SGLang's method names),
+
+with the token ids held as array('I') (read in place), as Python lists
+(converted once per call) and, if numpy is installed, as numpy int64 arrays
+(converted once, in bulk). Then the repository's multi-turn test trace is
+replayed through both paths. Prints CPU microseconds per request
+(time.process_time: this process's CPU, whatever else the machine runs),
+the best of --repeat runs; figures include the library's own work (the
+radix tree walk over every token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import marconi
+
+HERE = Path(__file__).resolve().parent
+TRACE = HERE.parent / "tests" / "data" / "trace.jsonl"
+CAPACITY = 100 << 30
+
+
+def conversations(n_requests: int, tokens: int, n_conv: int = 8, turn: int = 100, seed: int = 1):
+    """(input, output) pairs as lists: n_conv conversations, interleaved,
+    each starting from a (tokens - turn * turns)-token context and growing
+    by a turn-token user message and a turn-token reply per request."""
+    rng = random.Random(seed)
+    turns = max(1, n_requests // n_conv)
+    start = max(turn, tokens - turn * turns)
+    history = [[rng.randrange(1, 150_000) for _ in range(start)] for _ in range(n_conv)]
+    out = []
+    for _ in range(turns):
+        for h in history:
+            inp = h + [rng.randrange(1, 150_000) for _ in range(turn)]
+            reply = [rng.randrange(1, 150_000) for _ in range(turn)]
+            out.append((inp, reply))
+            h[:] = inp + reply
+    return out
+
+
+def run_direct(requests, join) -> float:
+    with marconi.PrefixCache(CAPACITY, "paper-7b") as cache:
+        slot = 0
+        t0 = time.process_time()
+        for inp, out in requests:
+            with cache.lookup(inp) as lease:
+                full = join(inp, out)
+                slot += 1
+                lease.admit(full, [(len(full), slot)])
+        return time.process_time() - t0
+
+
+def run_adapter(requests, join) -> float:
+    tree = marconi.MarconiPrefixCache(CAPACITY, "paper-7b")
+    slot = 0
+    t0 = time.process_time()
+    for inp, out in requests:
+        node = tree.match_prefix(inp).last_device_node
+        tree.inc_lock_ref(node)
+        slot += 1
+        req = SimpleNamespace(
+            origin_input_ids=inp, output_ids=out, last_node=node, saved_states=[(len(inp) + len(out), slot)]
+        )
+        tree.cache_finished_req(req)
+    return time.process_time() - t0
+
+
+def best(fn, requests, join, repeat: int) -> float:
+    """Best CPU µs per request over `repeat` runs (a fresh cache each run)."""
+    return min(fn(requests, join) for _ in range(repeat)) / len(requests) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
+    ap.add_argument("--tokens", type=int, default=10_000, help="input length, about (default 10000)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs, best taken (default 3)")
+    args = ap.parse_args()
+
+    reqs = conversations(args.requests, args.tokens)
+    mean_in = sum(len(i) for i, _ in reqs) / len(reqs)
+    print(f"libmarconi {marconi.version()} at {marconi.library_path()}, Python {sys.version.split()[0]}")
+    print(f"{len(reqs)} requests, {mean_in:,.0f} input + {len(reqs[0][1])} output tokens on average")
+    print(f"{'token ids as':<22} {'direct µs/req':>14} {'adapter µs/req':>15} {'adapter/direct':>15}")
+
+    forms = [
+        ("array('I')", lambda ids: array.array("I", ids), lambda a, b: a + b),
+        ("list", list, lambda a, b: a + b),
+    ]
+    try:
+        import numpy as np
+
+        forms.append(("numpy int64", lambda ids: np.array(ids, dtype=np.int64), lambda a, b: np.concatenate((a, b))))
+    except ImportError:
+        pass
+    for name, make, join in forms:
+        data = [(make(i), make(o)) for i, o in reqs]
+        d = best(run_direct, data, join, args.repeat)
+        a = best(run_adapter, data, join, args.repeat)
+        print(f"{name:<22} {d:>14.1f} {a:>15.1f} {a / d:>14.2f}x")
+
+    if TRACE.exists():
+        trace = [json.loads(line) for line in TRACE.read_text().splitlines()]
+        data = [(array.array("I", r["input"]), array.array("I", r["output"])) for r in trace]
+        mean_in = sum(len(i) for i, _ in data) / len(data)
+        d = best(run_direct, data, lambda a, b: a + b, args.repeat)
+        a = best(run_adapter, data, lambda a, b: a + b, args.repeat)
+        label = f"trace, array('I')"
+        print(f"{label:<22} {d:>14.1f} {a:>15.1f} {a / d:>14.2f}x   "
+              f"({TRACE.name}: {len(data)} requests, {mean_in:,.0f} input tokens on average)")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,8 +56,11 @@ prefix="${prefix%/}"
 case "$libdir" in /* | *..*) die "--libdir must be relative to the prefix, without '..': $libdir" ;; esac
 libdir="${libdir%/}"
 
+# A relative CARGO_TARGET_DIR means the caller's directory, as for cargo.
+target="${CARGO_TARGET_DIR:-$root/target}"
+case "$target" in /*) ;; *) target="$PWD/$target" ;; esac
+export CARGO_TARGET_DIR="$target"
 cd "$root"
-target="${CARGO_TARGET_DIR:-target}"
 if [ -n "$build" ]; then
   echo "--- cargo build --release -p marconi-ffi"
   cargo build --release -p marconi-ffi
@@ -118,3 +121,8 @@ for f in "$inc/marconi.h" "$lib"/libmarconi.* "$lib/pkgconfig/marconi.pc" "$lib/
   printf '    %s%s\n' "$f" "$([ -L "$f" ] && printf ' -> %s' "$(readlink "$f")")"
 done
 [ -n "$soname" ] || echo "note: this libmarconi.so has no SONAME; programs record libmarconi.so"
+# As `make install` does for shared libraries: refresh the loader's cache, so
+# that programs linked without an RPATH find the library in system prefixes.
+if [ -z "$destdir" ] && [ "$(id -u)" = 0 ] && command -v ldconfig >/dev/null; then
+  ldconfig || true
+fi

@@ -245,7 +245,10 @@ class PrefixCache:
         # The lifetime state first, so that close() (from __del__) works on
         # an object whose __init__ raised.
         self._handle: Optional[ctypes.c_void_p] = None
-        self._state = threading.Condition()
+        self._mutex = threading.RLock()
+        self._state = threading.Condition(self._mutex)
+        """Guards the lifetime fields; the hot paths take self._mutex (the
+        same lock) directly, without Condition's Python-level __enter__."""
         self._inflight = 0
         """Calls between _begin() and _end() (inside the library, or about to be)."""
         self._closing = False
@@ -310,14 +313,14 @@ class PrefixCache:
 
     def _begin(self) -> ctypes.c_void_p:
         """The handle, for one method's native calls; pair with _end()."""
-        with self._state:
+        with self._mutex:
             if self._closing:
                 raise ValueError("the cache is closed")
             self._inflight += 1
             return self._handle
 
     def _end(self) -> None:
-        with self._state:
+        with self._mutex:
             self._inflight -= 1
             if self._inflight or not self._closing:
                 return
@@ -420,7 +423,7 @@ class PrefixCache:
                 pages = self._lease_list(h, "marconi_cache_lease_kv_pages", raw.lease, raw.n_kv_pages)
                 plan = self._lease_list(h, "marconi_cache_lease_plan", raw.lease, raw.n_plan)
                 lease = Lease(self, raw, pages, plan, n)
-                with self._state:
+                with self._mutex:
                     if self._closing:  # close() began meanwhile and frees it
                         lease.released = True
                     else:
@@ -521,7 +524,7 @@ class PrefixCache:
             _check(self._lib.marconi_cache_release(h, lid), "marconi_cache_release")
         finally:
             self._end()
-        with self._state:
+        with self._mutex:
             live = self._leases.pop(lid, None)
         if live is not None:
             live.released = True

@@ -25,6 +25,10 @@ cargo clippy --workspace --all-targets --release --features marconi-core/strict-
 step "rust tests"
 cargo test --workspace --release --features marconi-core/strict-checks
 
+step "C-ABI fuzz smoke (seeded random calls, invariants after each; README has the long campaign)"
+cargo run --release -p marconi-ffi --example fuzz_abi -- --seed 1 --seconds 45
+cargo run --release -p marconi-ffi --example fuzz_abi -- --seed 100001 --seconds 30 --threads 2 --caches 2
+
 step "snapshots"
 bash ci/check-snapshots.sh
 

@@ -41,7 +41,7 @@ gcc "${cflags[@]}" "${san[@]}" "${src[@]}" "$lib/libmarconi.a" -lpthread -ldl -l
 "$out/test_cache_static"
 
 echo "--- C++ compile of the header"
-g++ -std=c++17 -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \
+g++ -std=c++17 -pthread -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \
   marconi-ffi/tests/c/test_cxx.cpp -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/test_cxx"
 "$out/test_cxx"
 

@@ -503,6 +503,7 @@ mod tests {
     /// hook that was there before. Runs itself in a child process, whose
     /// stderr is the real one.
     #[test]
+    #[cfg_attr(miri, ignore = "starts a child process")]
     fn caught_panics_are_quiet_and_others_are_not() {
         const NAME: &str = "status::tests::caught_panics_are_quiet_and_others_are_not";
         if std::env::var_os("MARCONI_PANIC_CHILD").is_some() {

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The Rust side under the sanitizers and Miri (the C side runs under ASan/UBSan
+# in c.sh already). Needs a nightly toolchain with rust-src and miri; installs
+# it with rustup when missing. Runs from the repository root.
+#
+#   ASan  libmarconi built with -Zsanitizer=address (-Zbuild-std): the C tests
+#         linked against it (gcc's ASan runtime), marconi-ffi's Rust tests
+#         (multithreaded test included) and a short C-ABI fuzz campaign.
+#   TSan  marconi-ffi's multithreaded test and a multithreaded fuzz campaign.
+#   Miri  marconi-ffi's unit tests (its unsafe boundary) and marconi-core's unit
+#         tests and small case tests (MIRI_FULL=1: every marconi-core test; slow).
+#
+# Every build here has overflow checks on.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+nightly="${MARCONI_NIGHTLY:-nightly}"
+if ! cargo "+$nightly" miri --version >/dev/null 2>&1 ||
+  ! rustup component list --toolchain "$nightly" --installed 2>/dev/null | grep -q '^rust-src'; then
+  echo "--- rustup toolchain install $nightly (rust-src, miri)"
+  rustup toolchain install "$nightly" --profile minimal --component rust-src --component miri
+fi
+cargo "+$nightly" --version
+
+host="$(rustc -vV | sed -n 's/^host: //p')"
+base="${CARGO_TARGET_DIR:-target}"
+export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true
+# A fuzz smoke per sanitizer: the long campaign is documented in README.md.
+fuzz_calls="${MARCONI_SAN_FUZZ_CALLS:-20000}"
+
+san_cargo() { # san_cargo SANITIZER cargo-args...
+  local san="$1"
+  shift
+  RUSTFLAGS="-Zsanitizer=$san -Cforce-frame-pointers=yes" \
+    RUSTDOCFLAGS="-Zsanitizer=$san" \
+    CARGO_TARGET_DIR="$base/san-$san" \
+    cargo "+$nightly" "$@" -Zbuild-std --target "$host" --release
+}
+
+echo "--- ASan: build libmarconi"
+san_cargo address build -p marconi-ffi --lib --examples
+asan_lib="$base/san-address/$host/release"
+out="$base/san-address/c-tests"
+mkdir -p "$out"
+
+echo "--- ASan: C tests against the instrumented libmarconi.a"
+gcc -std=c11 -g -O1 -Iinclude -fsanitize=address,undefined -fno-omit-frame-pointer \
+  -fno-sanitize-recover=all \
+  marconi-ffi/tests/c/test_cache.c marconi-ffi/tests/c/test_include_twice.c \
+  "$asan_lib/libmarconi.a" -lpthread -ldl -lm -o "$out/test_cache"
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="halt_on_error=1" "$out/test_cache"
+
+echo "--- ASan: marconi-ffi Rust tests"
+ASAN_OPTIONS="detect_leaks=1" san_cargo address test -p marconi-ffi --lib --test threads
+
+if [ -e "$asan_lib/examples/fuzz_abi" ]; then
+  echo "--- ASan: C-ABI fuzz smoke ($fuzz_calls calls)"
+  ASAN_OPTIONS="detect_leaks=1" "$asan_lib/examples/fuzz_abi" --seed 1 --calls "$fuzz_calls"
+fi
+
+echo "--- TSan: marconi-ffi multithreaded test"
+TSAN_OPTIONS="halt_on_error=1" san_cargo thread test -p marconi-ffi --test threads
+tsan_lib="$base/san-thread/$host/release"
+san_cargo thread build -p marconi-ffi --examples
+if [ -e "$tsan_lib/examples/fuzz_abi" ]; then
+  echo "--- TSan: C-ABI fuzz smoke, 4 threads on shared caches"
+  TSAN_OPTIONS="halt_on_error=1" "$tsan_lib/examples/fuzz_abi" --seed 2 --calls "$fuzz_calls" --threads 4
+fi
+
+echo "--- Miri: marconi-ffi unit tests"
+# Isolation off: proptest reads the working directory. Tests that start a child
+# process are ignored under Miri (cfg_attr(miri, ignore)).
+export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
+export PROPTEST_CASES="${PROPTEST_CASES:-2}"
+CARGO_TARGET_DIR="$base/miri" cargo "+$nightly" miri test -p marconi-ffi --lib
+echo "--- Miri: marconi-core"
+if [ "${MIRI_FULL:-0}" = 1 ]; then
+  CARGO_TARGET_DIR="$base/miri" cargo "+$nightly" miri test -p marconi-core
+else
+  # The α-search and index property tests take 5+ minutes under Miri: MIRI_FULL=1 runs them.
+  CARGO_TARGET_DIR="$base/miri" cargo "+$nightly" miri test -p marconi-core --lib --test errors -- \
+    --skip a_panicking_grid_search --skip threshold_search_equals_a_full_rescan
+fi

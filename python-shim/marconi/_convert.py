@@ -97,13 +97,30 @@ def _from_sequence(seq: Any, what: str) -> tuple[array.array, int]:
         out = array.array("I", seq)  # checks every value's type and range, in C
     except (TypeError, OverflowError, ValueError):
         _bad_token(seq, what)
-    # array('I') takes True as 1 (and numpy integers through __index__, as
-    # _u32 does); the API refuses bools as integers, so look at the types,
-    # also in C.
-    if len({*map(type, seq)} - {int}):
-        for i, v in enumerate(seq):
-            _u32(v, f"{what}[{i}]")
+    if _has_bool(seq, out):
+        _bad_token(seq, what)
     return out, len(out)
+
+
+_ZERO_ONE = [v.to_bytes(4, sys.byteorder) for v in (0, 1)]
+
+
+def _has_bool(seq: Any, out: array.array) -> bool:
+    """Whether `seq` holds a bool: array('I') took True as 1 and False as 0,
+    but the API refuses bools as integers. Only the tokens converted to 0
+    or 1 can have been bools, and bytes.find locates those in C, so Python
+    looks at those few elements only (plus the rare unaligned matches)."""
+    raw = out.tobytes()
+    for pattern in _ZERO_ONE:
+        i = raw.find(pattern)
+        while i >= 0:
+            if i % 4 == 0:
+                if type(seq[i >> 2]) is bool:
+                    return True
+                i = raw.find(pattern, i + 4)
+            else:
+                i = raw.find(pattern, i + 1)
+    return False
 
 
 def _from_numpy(arr: Any, what: str, np: Any) -> tuple[Any, int]:

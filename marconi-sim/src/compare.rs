@@ -123,18 +123,41 @@ pub const LENGTH_BINS: [u32; 10] = [
     0, 1_000, 2_000, 4_000, 7_000, 10_000, 15_000, 20_000, 30_000, 45_000,
 ];
 
+/// `1k`-style token counts for bin labels.
+fn kilo(v: u32) -> String {
+    if v >= 1_000 && v % 1_000 == 0 {
+        format!("{}k", v / 1_000)
+    } else {
+        v.to_string()
+    }
+}
+
+/// Labels of the bins that `edges` start: `0–1k`, …, `45k+`.
+pub fn bin_labels(edges: &[u32]) -> Vec<String> {
+    edges
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| match edges.get(i + 1) {
+            Some(&next) => format!("{}–{}", kilo(e), kilo(next)),
+            None => format!("{}+", kilo(e)),
+        })
+        .collect()
+}
+
 /// Writes the comparison figures into `dir`: `hit_rate.svg` (token hit rate
-/// per policy, Figs. 7–8), `ttft_cdf.svg` (TTFT CDF per policy, Fig. 10b)
-/// `hit_by_length.svg` (hit rate by input-length bin) and, when both ran,
-/// `hit_diff_by_length.svg` (Marconi minus SGLang+ per bin, Fig. 10a).
+/// per policy, Figs. 7–8), `ttft_cdf.svg` (TTFT CDF per policy, Fig. 10b),
+/// `hit_by_length.svg` (mean hit rate per input-length bin and policy) and,
+/// when both ran, `hit_diff_by_length.svg` (Marconi minus SGLang+ per bin,
+/// Fig. 10a). `context` (model, trace, capacity) goes under every title.
 /// Returns the files written.
-pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String>, String> {
+pub fn figures(dir: &Path, context: &str, replays: &[Replay]) -> Result<Vec<String>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut written = Vec::new();
     let f = dir.join("hit_rate.svg");
     plot::bars(
         &f,
-        &format!("Token hit rate: {title}"),
+        "Token hit rate by policy",
+        context,
         "token hit rate (%)",
         &replays
             .iter()
@@ -145,8 +168,9 @@ pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String
     let f = dir.join("ttft_cdf.svg");
     plot::cdf(
         &f,
-        &format!("TTFT CDF: {title}"),
-        "estimated TTFT (ms, log)",
+        "TTFT CDF (paper Fig. 10b)",
+        context,
+        "estimated TTFT (ms, log scale)",
         &replays
             .iter()
             .map(|r| {
@@ -158,7 +182,7 @@ pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String
             .collect::<Vec<_>>(),
     )?;
     written.push(f.display().to_string());
-    let f = dir.join("hit_by_length.svg");
+    // Input-length bins are categories: bars, not lines between them.
     let max_len = replays
         .iter()
         .flat_map(|r| r.outcomes.iter().map(|o| o.input_len))
@@ -169,46 +193,62 @@ pub fn figures(dir: &Path, title: &str, replays: &[Replay]) -> Result<Vec<String
         .copied()
         .filter(|&e| e <= max_len)
         .collect();
-    plot::lines(
+    let per_bin: Vec<Vec<(u32, f64, u64)>> = replays
+        .iter()
+        .map(|r| hit_rate_by_length(&r.outcomes, &edges))
+        .collect();
+    // Bins no request fell in are left out.
+    let used: Vec<usize> = (0..edges.len())
+        .filter(|&b| per_bin.iter().any(|bins| bins[b].2 > 0))
+        .collect();
+    let labels = bin_labels(&edges);
+    let groups: Vec<String> = used.iter().map(|&b| labels[b].clone()).collect();
+    let f = dir.join("hit_by_length.svg");
+    plot::grouped_bars(
         &f,
-        &format!("Hit rate by input length: {title}"),
-        "input length bin start (tokens)",
+        "Mean token hit rate by input length",
+        context,
+        "input length (tokens)",
         "mean token hit rate (%)",
-        false,
+        &groups,
         &replays
             .iter()
-            .map(|r| {
-                let pts = hit_rate_by_length(&r.outcomes, &edges)
-                    .into_iter()
-                    .filter(|(_, _, n)| *n > 0)
-                    .map(|(e, h, _)| (f64::from(e), 100.0 * h))
+            .zip(&per_bin)
+            // No cache hits nothing by construction: an empty bar per bin.
+            .filter(|(r, _)| r.report.policy != Policy::NoCache.name())
+            .map(|(r, bins)| {
+                let v = used
+                    .iter()
+                    .map(|&b| (bins[b].2 > 0).then(|| 100.0 * bins[b].1))
                     .collect();
-                (r.report.policy.clone(), pts)
+                (r.report.policy.clone(), v)
             })
             .collect::<Vec<_>>(),
+        None,
     )?;
     written.push(f.display().to_string());
     // Fig. 10a proper: Marconi's mean hit rate minus SGLang+'s, per bin.
-    let by_policy = |name: &str| replays.iter().find(|r| r.report.policy == name);
+    let by_policy = |name: &str| replays.iter().position(|r| r.report.policy == name);
     if let (Some(m), Some(g)) = (by_policy("marconi"), by_policy("sglang-plus")) {
-        let (hm, hg) = (
-            hit_rate_by_length(&m.outcomes, &edges),
-            hit_rate_by_length(&g.outcomes, &edges),
-        );
-        let diff: Vec<(f64, f64)> = hm
-            .iter()
-            .zip(&hg)
-            .filter(|(a, b)| a.2 > 0 && b.2 > 0)
-            .map(|(a, b)| (f64::from(a.0), 100.0 * (a.1 - b.1)))
+        let (hm, hg) = (&per_bin[m], &per_bin[g]);
+        let both: Vec<usize> = (0..edges.len())
+            .filter(|&b| hm[b].2 > 0 && hg[b].2 > 0)
             .collect();
         let f = dir.join("hit_diff_by_length.svg");
-        plot::lines(
+        plot::grouped_bars(
             &f,
-            "Fig. 10a: Marconi minus SGLang+ hit rate by input length",
-            "input length bin start (tokens)",
+            "Marconi minus SGLang+ hit rate by input length (paper Fig. 10a)",
+            context,
+            "input length (tokens)",
             "difference in mean token hit rate (points)",
-            false,
-            &[("marconi - sglang-plus".to_owned(), diff)],
+            &both.iter().map(|&b| labels[b].clone()).collect::<Vec<_>>(),
+            &[(
+                "marconi - sglang-plus".to_owned(),
+                both.iter()
+                    .map(|&b| Some(100.0 * (hm[b].1 - hg[b].1)))
+                    .collect(),
+            )],
+            Some(&|v| format!("{v:+.1}")),
         )?;
         written.push(f.display().to_string());
     }
@@ -346,10 +386,13 @@ pub fn sweep_table(axis: &SweepAxis, points: &[SweepPoint], policies: &[Policy])
     s
 }
 
-/// Plots token hit rate against the swept value, one line per policy.
+/// Plots token hit rate against the swept value, one line per policy, a
+/// labelled tick at every swept value; state dimensions and layer ratios
+/// (doublings) on a log scale. `context` (model, trace, fixed capacity) goes
+/// under the title.
 pub fn sweep_figure(
     path: &Path,
-    title: &str,
+    context: &str,
     axis: &SweepAxis,
     points: &[SweepPoint],
     policies: &[Policy],
@@ -365,13 +408,18 @@ pub fn sweep_figure(
             (p.name().to_owned(), pts)
         })
         .collect();
-    let log = matches!(axis, SweepAxis::StateDim(_));
-    plot::lines(
-        path,
-        title,
-        axis.label(),
-        "token hit rate (%)",
-        log,
-        &series,
-    )
+    let mut ticks: Vec<f64> = points.iter().map(|p| p.x).collect();
+    ticks.sort_by(f64::total_cmp);
+    ticks.dedup();
+    let x = plot::XAxis {
+        label: axis.label(),
+        log: !matches!(axis, SweepAxis::Capacity(_)),
+        ticks,
+    };
+    let title = match axis {
+        SweepAxis::Capacity(_) => "Token hit rate by cache capacity (paper Fig. 11)",
+        SweepAxis::SsmRatio(_) => "Token hit rate by SSM:attention layer ratio (paper Fig. 12a)",
+        SweepAxis::StateDim(_) => "Token hit rate by SSM state dimension (paper Fig. 12b)",
+    };
+    plot::lines(path, title, context, &x, "token hit rate (%)", &series)
 }

@@ -607,13 +607,11 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
         Axis::Ratio => "sweep_ratio.svg",
         Axis::StateDim => "sweep_state_dim.svg",
     });
-    compare::sweep_figure(
-        &file,
-        &format!("{} on {name}", base.model.name),
-        &axis,
-        &points,
-        &policies,
-    )?;
+    let context = match a.axis {
+        Axis::Capacity => format!("{} on {name}", base.model.name),
+        _ => format!("{} on {name}, {}", base.model.name, format_bytes(fixed)),
+    };
+    compare::sweep_figure(&file, &context, &axis, &points, &policies)?;
     if a.out.json {
         return print_json(&points.iter().map(|p| &p.replay.report).collect::<Vec<_>>());
     }

@@ -237,9 +237,38 @@ pub fn table(points: &[Point]) -> String {
     s
 }
 
+/// The line under each figure's title: model, how many traces, the
+/// capacities of each workload.
+fn context(points: &[Point]) -> String {
+    let model = points
+        .first()
+        .and_then(|p| p.reports.first())
+        .map_or("", |r| r.model.as_str());
+    let per_kind: Vec<String> = kinds(points)
+        .into_iter()
+        .map(|k| {
+            let mut caps: Vec<u64> = points
+                .iter()
+                .filter(|p| p.kind == k)
+                .map(|p| p.capacity_bytes)
+                .collect();
+            caps.sort_unstable();
+            caps.dedup();
+            let caps: Vec<String> = caps.into_iter().map(format_bytes).collect();
+            format!("{} {}", format!("{k:?}").to_lowercase(), caps.join(" / "))
+        })
+        .collect();
+    format!(
+        "{model}, {} synthetic traces; capacities: {}",
+        points.len(),
+        per_kind.join(", ")
+    )
+}
+
 /// Writes the three figures into `dir`; returns their paths.
 pub fn figures(dir: &Path, points: &[Point]) -> Result<Vec<String>, String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let context = context(points);
     let ks = kinds(points);
     let groups: Vec<String> = ks.iter().map(|&k| kind_name(k).to_owned()).collect();
     let per = |f: &dyn Fn(&Point) -> f64| -> Vec<Vec<f64>> {
@@ -250,6 +279,7 @@ pub fn figures(dir: &Path, points: &[Point]) -> Result<Vec<String>, String> {
     plot::boxes(
         &f7,
         "Token hit rate over traces (paper Fig. 7)",
+        &context,
         "token hit rate (%)",
         &groups,
         &[
@@ -262,6 +292,7 @@ pub fn figures(dir: &Path, points: &[Point]) -> Result<Vec<String>, String> {
     plot::boxes(
         &f8,
         "Marconi's token hit rate win over SGLang+ (paper Fig. 8)",
+        &context,
         "win (%)",
         &groups,
         &[(
@@ -274,6 +305,7 @@ pub fn figures(dir: &Path, points: &[Point]) -> Result<Vec<String>, String> {
     plot::boxes(
         &f9,
         "P95 TTFT relative to no prefix caching (paper Fig. 9)",
+        &context,
         "P95 TTFT / no cache",
         &groups,
         &[

@@ -28,7 +28,7 @@ def clean_env(**extra):
 
 
 def run(env, cwd="/"):
-    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=cwd)
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=cwd, check=False)
     return r
 
 

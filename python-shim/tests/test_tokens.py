@@ -94,7 +94,7 @@ def test_uint32_buffers_are_not_copied():
 def test_a_buffer_is_exported_only_during_the_call():
     ids = array.array("I", FULL)
     with PrefixCache(BIG) as cache:
-        with pytest.raises(Exception):
+        with pytest.raises(OutOfRangeError):
             cache.lookup(ids, namespace=2**64)  # refused before any pointer exists
         with cache.lookup(ids):
             ids.append(1)  # would raise BufferError if the lookup still exported it
@@ -171,10 +171,10 @@ def test_numpy_integer_arrays(np, dtype):
 @pytest.mark.parametrize("dtype", ["uint32", "int32"])
 def test_numpy_32_bit_arrays_are_not_copied(np, dtype):
     arr = np.arange(100, dtype=dtype)
-    src, n = _u32_source(arr)
+    src, _ = _u32_source(arr)
     assert src is arr and address(src) == arr.ctypes.data
     arr.flags.writeable = False  # read in place too (by address)
-    src, n = _u32_source(arr)
+    src, _ = _u32_source(arr)
     assert src is arr and address(src) == arr.ctypes.data
 
 
@@ -317,7 +317,7 @@ def test_torch_cpu_tensors(torch, dtype):
 
 def test_torch_int32_is_not_copied(torch):
     t = torch.arange(100, dtype=torch.int32)
-    src, n = _u32_source(t)
+    src, _ = _u32_source(t)
     assert src is t and address(src) == t.data_ptr()
 
 

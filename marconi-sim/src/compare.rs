@@ -71,12 +71,36 @@ pub fn policy_jobs(base: &ReplayConfig, policies: &[Policy]) -> Vec<ReplayConfig
         .collect()
 }
 
-/// A plain-text table of reports.
+/// What each column of [`table`] means (`compare --help`, `replay --help`
+/// and the README print this).
+pub const COLUMNS: &str = "\
+Columns of the table:
+  policy      the caching policy replayed
+  capacity    the cache's byte budget (GB = 10^9 bytes); - for no-cache,
+              unbounded for the oracle
+  tok hit%    input tokens served from the cache / all input tokens
+  req hit%    requests that reused at least one token / all requests
+  FLOP sv%    prefill FLOPs saved by the reused tokens / prefill FLOPs
+              without a cache
+  TTFT p50    median estimated time to first token (prefill of the tokens
+              not reused; see --ttft)
+  TTFT p95    95th percentile of the same
+  evictions   cache nodes evicted to make room
+  rejected    admissions refused whole: the request's new KV and states did
+              not fit even after evicting everything not in use
+  alpha       marconi's FLOP-efficiency weight α in force at the end (tuned
+              online unless --alpha); - for policies without one
+  wall s      seconds the simulator took for this policy
+  sim req/s   the simulator's own speed (requests replayed per second of
+              its wall time), not a serving throughput
+  sim Mtok/s  the same in millions of input tokens per second";
+
+/// A plain-text table of reports (columns: [`COLUMNS`]).
 pub fn table(replays: &[Replay]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>6} {:>8} {:>9} {:>9}",
+        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>6} {:>8} {:>10} {:>10}",
         "policy",
         "capacity",
         "tok hit%",
@@ -88,16 +112,21 @@ pub fn table(replays: &[Replay]) -> String {
         "rejected",
         "alpha",
         "wall s",
-        "req/s",
-        "Mtok/s"
+        "sim req/s",
+        "sim Mtok/s"
     );
     for r in replays {
         let p = &r.report;
+        let alpha = if p.policy == Policy::Marconi.name() {
+            format!("{:.2}", p.alpha)
+        } else {
+            "-".into()
+        };
         let _ = writeln!(
             s,
-            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>8} {:>6.2} {:>8.3} {:>9.0} {:>9.1}",
+            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>8} {:>6} {:>8.3} {:>10.0} {:>10.1}",
             p.policy,
-            if p.policy == "no-cache" {
+            if p.policy == Policy::NoCache.name() {
                 "-".into()
             } else {
                 format_bytes(p.capacity_bytes)
@@ -109,13 +138,38 @@ pub fn table(replays: &[Replay]) -> String {
             p.ttft_p95_ms,
             p.evictions,
             p.admissions_rejected,
-            p.alpha,
+            alpha,
             p.wall_s,
             p.requests as f64 / p.wall_s.max(1e-9),
             p.input_tokens as f64 / p.wall_s.max(1e-9) / 1e6,
         );
     }
     s
+}
+
+/// A note for the table when marconi's α was left to online tuning and no
+/// tuning round ran (a trace too small to tune on), `None` otherwise.
+pub fn alpha_note(replays: &[Replay], alpha_fixed: bool) -> Option<String> {
+    if alpha_fixed {
+        return None;
+    }
+    let r = replays
+        .iter()
+        .find(|r| r.report.policy == Policy::Marconi.name())?;
+    if r.report.tuning_rounds > 0 {
+        return None;
+    }
+    let why = if r.report.evictions == 0 {
+        "nothing was evicted, and tuning starts at the first eviction"
+    } else {
+        "the trace ended before the first tuning round (a round replays a window \
+         of 5x the requests seen before the first eviction, at least 16)"
+    };
+    Some(format!(
+        "note: marconi's alpha was never tuned: {why}; it stayed at {}. \
+         --alpha X fixes one.",
+        r.report.alpha
+    ))
 }
 
 /// Input-length bin edges for Fig. 10a (tokens).

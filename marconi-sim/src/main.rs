@@ -31,8 +31,10 @@ enum Cmd {
     #[command(subcommand)]
     Trace(TraceCmd),
     /// Replay a trace through one policy.
+    #[command(after_help = compare::COLUMNS)]
     Replay(ReplayArgs),
     /// Replay a trace through every policy in parallel; print a table and write figures.
+    #[command(after_help = compare::COLUMNS)]
     Compare(CompareArgs),
     /// Vary capacity (paper Fig. 11) or model composition / state size (Fig. 12).
     Sweep(SweepArgs),
@@ -210,24 +212,96 @@ fn fraction(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The capacity of `replay`, `compare` and the fixed one of `sweep`.
+const DEFAULT_CAPACITY: &str = "10GB";
+
 /// A capacity of at least one byte.
 fn capacity(s: &str) -> Result<u64, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!(
+            "a capacity is a size such as 10GB or 512MiB; {s} is negative"
+        ));
+    }
     match parse_bytes(s)? {
-        0 => Err(format!("{s:?} is less than one byte")),
+        0 => Err(format!(
+            "a capacity of {s} holds nothing; give a size such as 10GB \
+             (`--policy no-cache` replays without a cache)"
+        )),
         b => Ok(b),
     }
+}
+
+/// A model preset by name; an unknown name gets the nearest preset
+/// suggested.
+fn preset(name: &str) -> Result<ModelSpec, String> {
+    ModelSpec::preset(name).ok_or_else(|| {
+        let nearest = PRESET_NAMES
+            .iter()
+            .min_by_key(|p| {
+                // A preset that contains the name (`jamba`) is nearest.
+                let contains = p.contains(&name.to_ascii_lowercase());
+                (!contains, edit_distance(&name.to_ascii_lowercase(), p))
+            })
+            .expect("presets exist");
+        format!(
+            "unknown model {name:?}; did you mean {nearest}? Presets: {}",
+            PRESET_NAMES.join(", ")
+        )
+    })
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+/// Checks, before any replay runs, that the figures can be written into
+/// `dir`: it is a directory where a file can be created, or it does not
+/// exist yet and its nearest existing ancestor is such a directory (it is
+/// created only when the figures are written, after the trace was read).
+fn out_dir(dir: &Path) -> CmdResult {
+    let name = dir.display();
+    let mut probe = dir;
+    while !probe.as_os_str().is_empty() && !probe.exists() {
+        probe = probe.parent().unwrap_or(Path::new(""));
+    }
+    let probe = if probe.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        probe
+    };
+    if !probe.is_dir() {
+        return Err(if probe == dir {
+            format!("--out-dir {name}: a file of that name exists; give a directory")
+        } else {
+            format!(
+                "--out-dir {name}: cannot create the directory: {} is not a directory",
+                probe.display()
+            )
+        });
+    }
+    tempfile::Builder::new()
+        .prefix(".marconi-sim-write-check")
+        .tempfile_in(probe)
+        .map(drop)
+        .map_err(|e| format!("--out-dir {name}: cannot write the figures there: {e}"))
 }
 
 impl CacheArgs {
     /// The replay configuration, checked.
     fn config(&self, policy: Policy, capacity: u64) -> Result<ReplayConfig, String> {
-        let model = ModelSpec::preset(&self.model).ok_or_else(|| {
-            format!(
-                "unknown model {:?}; presets: {}",
-                self.model,
-                PRESET_NAMES.join(", ")
-            )
-        })?;
+        let model = preset(&self.model)?;
         let mut c = ReplayConfig::new(policy, model, capacity);
         c.alpha = self.alpha;
         c.block_size = self.block_size;
@@ -254,8 +328,9 @@ struct ReplayArgs {
     /// Policy.
     #[arg(long, value_enum)]
     policy: Policy,
-    /// Cache capacity: bytes or with a unit (GB = 10^9, GiB = 2^30).
-    #[arg(long, value_parser = capacity, default_value = "5GB")]
+    /// Cache capacity: bytes or with a unit (GB = 10^9, GiB = 2^30); the
+    /// same default as `compare`.
+    #[arg(long, value_parser = capacity, default_value = DEFAULT_CAPACITY, allow_hyphen_values = true)]
     capacity: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -269,8 +344,9 @@ struct CompareArgs {
     /// Trace file; default: the built-in synthetic agentic workload (seed 0).
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Cache capacity (default: 10GB, contended for the built-in workload).
-    #[arg(long, value_parser = capacity, default_value = "10GB")]
+    /// Cache capacity: bytes or with a unit (GB = 10^9, GiB = 2^30);
+    /// contended for the built-in workload.
+    #[arg(long, value_parser = capacity, default_value = DEFAULT_CAPACITY, allow_hyphen_values = true)]
     capacity: u64,
     /// Policies (comma-separated; default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
@@ -299,8 +375,9 @@ struct SweepArgs {
     /// Trace file; default: the built-in synthetic agentic workload.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Capacities for `capacity` (default 5GB..40GB); the fixed capacity otherwise.
-    #[arg(long, value_parser = capacity, value_delimiter = ',')]
+    /// Capacities for `capacity` (default 5GB..40GB); the fixed capacity
+    /// otherwise (default 10GB, as `compare`).
+    #[arg(long, value_parser = capacity, value_delimiter = ',', allow_hyphen_values = true)]
     capacities: Vec<u64>,
     /// SSM layers per attention layer for `ratio`.
     #[arg(long, value_delimiter = ',', default_values_t = [2u32, 4, 8])]
@@ -400,15 +477,14 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             let (trace, summary) = sharegpt::trace_from_reader(pb.wrap_read(f), &cfg)?;
             pb.finish_and_clear();
             eprintln!(
-                "read {} complete records from {} in {:.1}s{}",
+                "read {} complete records from {} in {:.1}s",
                 summary.records,
                 file.display(),
                 t0.elapsed().as_secs_f64(),
-                summary
-                    .cut
-                    .map(|c| format!(" (stopped at the cut: {c})"))
-                    .unwrap_or_default()
             );
+            if let Some(cut) = summary.cut {
+                eprintln!("note: {cut}");
+            }
             write_trace(&trace, &out, full)
         }
         TraceCmd::Synth {
@@ -470,7 +546,11 @@ fn replay_cmd(a: ReplayArgs) -> CmdResult {
         print_json(&r.report)
     } else {
         println!("trace: {name} ({} requests)", trace.len());
-        print!("{}", compare::table(std::slice::from_ref(&r)));
+        let replays = std::slice::from_ref(&r);
+        print!("{}", compare::table(replays));
+        if let Some(note) = compare::alpha_note(replays, cfg.alpha.is_some()) {
+            println!("{note}");
+        }
         Ok(())
     }
 }
@@ -488,13 +568,8 @@ fn run_parallel(
 }
 
 fn paper_cmd(a: PaperArgs) -> CmdResult {
-    let model = ModelSpec::preset(&a.model).ok_or_else(|| {
-        format!(
-            "unknown model {:?} (presets: {})",
-            a.model,
-            PRESET_NAMES.join(", ")
-        )
-    })?;
+    let model = preset(&a.model)?;
+    out_dir(&a.out.out_dir)?;
     let mut cfg = paper::PaperConfig::new(model);
     cfg.seeds = a.seeds;
     cfg.sessions = a.sessions;
@@ -539,6 +614,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
     let base = a.cache.config(Policy::Marconi, a.capacity)?;
     let jobs = compare::policy_jobs(&base, &policies);
     validate(&jobs)?;
+    out_dir(&a.out.out_dir)?;
     let (trace, name) = load(a.trace.as_deref())?;
     let t0 = Instant::now();
     let replays = run_parallel(&trace, &jobs, a.out.threads, a.cache.quiet)?;
@@ -562,6 +638,9 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         if base.concurrent { "; concurrent" } else { "" }
     );
     print!("{}", compare::table(&replays));
+    if let Some(note) = compare::alpha_note(&replays, base.alpha.is_some()) {
+        println!("{note}");
+    }
     println!(
         "{} policies in {wall:.2}s wall; figures: {}",
         replays.len(),
@@ -576,7 +655,10 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     } else {
         a.policies.clone()
     };
-    let fixed = a.capacities.first().copied().unwrap_or(10_000_000_000);
+    let fixed = match a.capacities.first() {
+        Some(&c) => c,
+        None => capacity(DEFAULT_CAPACITY)?,
+    };
     let axis = match a.axis {
         Axis::Capacity => SweepAxis::Capacity(if a.capacities.is_empty() {
             [5u64, 7, 10, 15, 20, 30, 40]
@@ -593,6 +675,7 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     for (_, point) in axis.points(&base) {
         validate(&compare::policy_jobs(&point, &policies))?;
     }
+    out_dir(&a.out.out_dir)?;
     let (trace, name) = load(a.trace.as_deref())?;
     let n_jobs = axis.points(&base).len() * policies.len();
     let pb = progress::bar((trace.len() * n_jobs) as u64, "sweeping", a.cache.quiet);
@@ -601,7 +684,8 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     })
     .map_err(|e| e.to_string())?;
     pb.finish_and_clear();
-    std::fs::create_dir_all(&a.out.out_dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&a.out.out_dir)
+        .map_err(|e| format!("--out-dir {}: {e}", a.out.out_dir.display()))?;
     let file = a.out.out_dir.join(match a.axis {
         Axis::Capacity => "sweep_capacity.svg",
         Axis::Ratio => "sweep_ratio.svg",

@@ -2,7 +2,7 @@
 
 use std::io::IsTerminal;
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 
 /// A bar of `len` steps with `label`, hidden when stderr is not a terminal
 /// or `quiet` is set. indicatif draws it only after a short delay, so quick
@@ -13,8 +13,12 @@ pub fn bar(len: u64, label: &str, quiet: bool) -> ProgressBar {
         pb.set_draw_target(ProgressDrawTarget::stderr());
     }
     pb.set_style(
-        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} {per_sec} eta {eta}")
+        ProgressStyle::with_template("{prefix:>12} [{bar:30}] {pos}/{len} {rate} eta {eta}")
             .expect("valid template")
+            // indicatif's own {per_sec} prints four decimals.
+            .with_key("rate", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = write!(w, "{}/s", crate::plot::number(s.per_sec().round()));
+            })
             .progress_chars("=> "),
     );
     pb.set_prefix(label.to_owned());

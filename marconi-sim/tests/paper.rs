@@ -82,7 +82,23 @@ fn compare_draws_the_fig_10a_difference_only_when_both_policies_ran() {
     let files = figures(&dir, "t", &both).unwrap();
     assert_eq!(files.len(), 4);
     assert!(files[3].ends_with("hit_diff_by_length.svg"));
+    // Bins are named by their bounds, the context line is under every title.
+    let svg = std::fs::read_to_string(&files[3]).unwrap();
+    assert!(
+        svg.contains("paper Fig. 10a") && svg.contains("\nt\n"),
+        "{svg}"
+    );
+    assert!(svg.contains("0–1k") || svg.contains("1k–2k"), "{svg}");
     let one = run_jobs(&trace, &policy_jobs(&base, &[Policy::Marconi]), 1, &|_| {}).unwrap();
     assert_eq!(figures(&dir, "t", &one).unwrap().len(), 3);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn input_length_bins_are_named_by_their_bounds() {
+    use marconi_sim::compare::{bin_labels, LENGTH_BINS};
+    let labels = bin_labels(&LENGTH_BINS);
+    assert_eq!(labels.first().unwrap(), "0–1k");
+    assert_eq!(labels[4], "7k–10k");
+    assert_eq!(labels.last().unwrap(), "45k+");
 }

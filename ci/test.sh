@@ -22,6 +22,9 @@ cargo fmt --all -- --check
 step "clippy"
 cargo clippy --workspace --all-targets --release --features marconi-core/strict-checks -- -D warnings
 
+step "docs (no warnings)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release
+
 step "rust tests"
 cargo test --workspace --release --features marconi-core/strict-checks
 

@@ -850,8 +850,8 @@ marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
  * Ownership: the slots of the states the cache takes and the pages
  * `kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end)` pass to the
  * cache (they come back through marconi_cache_drain_freed); the rest stay
- * the engine's. When `taken` is not NULL it has n_states bytes and taken[i]
- * is set to 1 if states[i] was taken, else 0.
+ * the engine's. When `taken` is not NULL it has n_states bytes and `taken[i]`
+ * is set to 1 if `states[i]` was taken, else 0.
  *
  * Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
  * _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot

@@ -1112,10 +1112,12 @@ impl Core {
         s
     }
 
-    /// A copy for replaying a tuning window: no leases, no log, nothing
-    /// pending for the engine, fresh counters.
-    pub(crate) fn clone_for_replay(&self) -> Core {
-        let mut c = self.clone();
+    /// Turns a plain clone into a copy for replaying a tuning window: no
+    /// leases, no log, nothing pending for the engine, fresh counters, the
+    /// index rebuilt. O(nodes · log nodes): the tuner runs it on the search
+    /// thread, off the request path (which pays only the clone).
+    pub(crate) fn prepare_for_replay(&mut self) {
+        let c = self;
         c.leases.clear();
         c.log = DecisionLog::new(false);
         c.freed = Freed::default();
@@ -1131,7 +1133,6 @@ impl Core {
             }
         }
         c.stats = Stats::default();
-        c
     }
 
     /// Lookup, admission of every planned state and the final state, release:

@@ -63,6 +63,26 @@ pub enum AlphaMode {
     Auto(TunerConfig),
 }
 
+/// When the result of a background α search is adopted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AlphaAdoption {
+    /// Exactly [`TunerConfig::apply_after`] requests after the window
+    /// closed, waiting for the search there if it is not done: the same
+    /// trace gives the same α at the same request on any machine and with
+    /// any thread count (simulation, decision-log snapshots, replays that
+    /// are compared). The adopting request can stall for the rest of the
+    /// search: on a large cache, seconds. The default, so that
+    /// [`crate::PrefixCache`] stays deterministic unless asked otherwise.
+    #[default]
+    Deterministic,
+    /// At the first finished request that finds the search done; until
+    /// then every request is served with the α in force and only polls the
+    /// result (never waits). For engines: no request stalls on tuning, but
+    /// when α changes depends on the machine's speed, so decisions are not
+    /// reproducible run to run. [`TunerConfig::apply_after`] is ignored.
+    WhenReady,
+}
+
 /// Online α tuning.
 ///
 /// α is 0 until the first eviction. The first window holds
@@ -94,11 +114,16 @@ pub struct TunerConfig {
     pub retune_every: u32,
     /// What the replay maximises.
     pub objective: TuningObjective,
-    /// The grid search runs in the background; its α is adopted this many
-    /// requests after its window closed (waiting for it then if needed).
-    /// 0 searches synchronously in the request that closes the window.
-    /// Any value gives deterministic results.
+    /// The grid search runs in the background; with
+    /// [`AlphaAdoption::Deterministic`] its α is adopted this many requests
+    /// after its window closed (waiting for it then if needed), 0 searching
+    /// synchronously in the request that closes the window. Any value gives
+    /// deterministic results.
     pub apply_after: u32,
+    /// When a search's result is adopted: at a fixed request (default,
+    /// deterministic) or as soon as it is ready (engines, never waits).
+    #[serde(default)]
+    pub adoption: AlphaAdoption,
     /// Relative gain over α = 0 that a non-zero α must reach to be adopted
     /// (default 0: the grid includes α = 0, so an adopted α never did worse
     /// than LRU on its window; a margin trades responsiveness for
@@ -119,6 +144,7 @@ impl Default for TunerConfig {
             retune_every: 4,
             objective: TuningObjective::FlopsSaved,
             apply_after: 16,
+            adoption: AlphaAdoption::Deterministic,
             min_gain: 0.0,
             threads: 0,
         }

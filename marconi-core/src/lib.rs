@@ -44,7 +44,8 @@ pub use cache::{
     AdmitOutcome, Freed, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats, TOKEN_ID_BYTES,
 };
 pub use config::{
-    AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig, TuningObjective,
+    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig,
+    TuningObjective,
 };
 pub use error::CacheError;
 pub use log::{Decision, EvictKind, PlanReason};

@@ -3,11 +3,20 @@
 //!
 //! The grid search runs on background threads, as in the paper ("Marconi
 //! asynchronously launches a grid search"), so that the request which closes
-//! a window does not stall the engine for the whole replay. Its result is
-//! adopted at a fixed point, `apply_after` requests after the window closed
-//! (waiting for the search there if it is not done), so replays stay
-//! deterministic: the same trace gives the same α at the same request
-//! whatever the machine's speed or thread count.
+//! a window does not stall the engine for the whole replay. When its result
+//! is adopted depends on [`AlphaAdoption`]:
+//!
+//! - `Deterministic`: at a fixed point, `apply_after` requests after the
+//!   window closed (waiting for the search there if it is not done), so
+//!   replays stay deterministic: the same trace gives the same α at the same
+//!   request whatever the machine's speed or thread count.
+//! - `WhenReady` (engines): every request after the window closed polls the
+//!   result without waiting and the first that finds it adopts it; no request
+//!   ever waits for a search.
+//!
+//! The request that opens a window pays only a plain clone of the cache
+//! (tree, index, owner sets); turning it into a replay copy (index rebuilt,
+//! leases dropped) happens on the search thread.
 //!
 //! A replay that panics (a bug) or a thread that cannot be had never leaves
 //! the request that adopts the result waiting: every search ends with a
@@ -17,7 +26,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::{Core, LeaseInfoOut};
-use crate::config::{TunerConfig, TuningObjective};
+use crate::config::{AlphaAdoption, TunerConfig, TuningObjective};
 use crate::log::Decision;
 
 #[derive(Clone, Debug)]
@@ -95,6 +104,8 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, St
 }
 
 impl Search {
+    /// Starts the search over `grid` on `window`, from `snapshot`: a plain
+    /// clone of the cache taken when the window opened.
     fn start(snapshot: Core, grid: Vec<f64>, window: Vec<Recorded>, cfg: TunerConfig) -> Search {
         let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let out = Arc::clone(&result);
@@ -108,6 +119,8 @@ impl Search {
                 outcome: None,
             };
             deliver.outcome = Some(guarded("the grid search", || {
+                let mut snapshot = snapshot;
+                snapshot.prepare_for_replay();
                 grid_search(&snapshot, &g, &window, &cfg)
             }));
         };
@@ -137,6 +150,18 @@ impl Search {
                 return outcome.clone();
             }
             r = cv.wait(r).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The outcome if the search has ended; `None` while it runs. Never
+    /// waits: the lock is held only to store the outcome, and a poll that
+    /// finds it taken says "not yet".
+    fn try_outcome(&self) -> Option<Outcome> {
+        let (lock, _) = &*self.result;
+        match lock.try_lock() {
+            Ok(r) => r.clone(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().clone(),
+            Err(std::sync::TryLockError::WouldBlock) => None,
         }
     }
 }
@@ -185,7 +210,7 @@ impl Tuner {
                             .max(u64::from(self.cfg.min_window)),
                     )
                     .unwrap_or(usize::MAX);
-                    self.snapshot = Some(core.clone_for_replay());
+                    self.snapshot = Some(core.clone());
                     self.phase = Phase::Recording;
                 }
             }
@@ -209,7 +234,7 @@ impl Tuner {
             }
             Phase::Waiting(left) => {
                 if *left <= 1 {
-                    self.snapshot = Some(core.clone_for_replay());
+                    self.snapshot = Some(core.clone());
                     self.phase = Phase::Recording;
                 } else {
                     *left -= 1;
@@ -246,13 +271,22 @@ impl Tuner {
         Search::start(snapshot, grid, window, self.cfg.clone())
     }
 
-    /// Adopts the search's result once its delay has run out.
+    /// Adopts the search's result: once its delay has run out
+    /// (deterministic), or as soon as it is ready (when-ready).
     fn maybe_adopt(&mut self, core: &mut Core) {
-        let Phase::Searching(0, search) = &self.phase else {
+        let Phase::Searching(left, search) = &self.phase else {
             return;
         };
+        let outcome = match self.cfg.adoption {
+            AlphaAdoption::Deterministic if *left == 0 => search.wait(),
+            AlphaAdoption::Deterministic => return,
+            AlphaAdoption::WhenReady => match search.try_outcome() {
+                Some(outcome) => outcome,
+                None => return,
+            },
+        };
         let requests = search.requests;
-        let results = match search.wait() {
+        let results = match outcome {
             Ok(r) => r,
             Err(reason) => {
                 // A bug in a replay: serving goes on with the α in force.
@@ -311,7 +345,7 @@ impl Tuner {
         self.phase = match (self.cfg.retune, wait) {
             (false, _) => Phase::Done,
             (true, 0) => {
-                self.snapshot = Some(core.clone_for_replay());
+                self.snapshot = Some(core.clone());
                 Phase::Recording
             }
             (true, w) => Phase::Waiting(w),
@@ -377,6 +411,10 @@ fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObj
     if alpha.to_bits() == tests::FAULT_ALPHA.to_bits() {
         panic!("injected fault: replay at alpha {alpha}");
     }
+    #[cfg(test)]
+    if alpha.to_bits() == tests::GATED_ALPHA.to_bits() {
+        tests::gate_pass();
+    }
     let mut c = snapshot.clone();
     c.alpha = alpha;
     for r in window {
@@ -391,11 +429,61 @@ fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObj
 
 #[cfg(test)]
 mod tests {
-    use crate::{AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, TunerConfig};
+    use std::sync::{Condvar, Mutex};
+    use std::time::Duration;
+
+    use crate::{
+        AlphaAdoption, AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, TunerConfig,
+    };
 
     /// A grid value whose replay panics (test builds only): stands for any
     /// bug or resource failure inside the grid search.
     pub(super) const FAULT_ALPHA: f64 = 123.25;
+
+    /// A grid value whose replay waits at [`GATE`] until the test opens it
+    /// (test builds only): a search as slow as the test wants, with no
+    /// timing involved.
+    pub(super) const GATED_ALPHA: f64 = 77.5;
+
+    /// Whether the gate is open, and how many replays have reached it.
+    static GATE: (Mutex<(bool, u32)>, Condvar) = (Mutex::new((false, 0)), Condvar::new());
+
+    /// Called by the replay at [`GATED_ALPHA`]: waits until the gate opens.
+    /// A test that never opens it (a request waiting for the search, the
+    /// bug this gate exposes) would hang; after a minute the replay panics
+    /// instead, which fails the search and so the test. The test passes
+    /// without ever relying on that delay.
+    pub(super) fn gate_pass() {
+        let (lock, cv) = &GATE;
+        let mut g = lock.lock().unwrap_or_else(|e| e.into_inner());
+        g.1 += 1;
+        cv.notify_all();
+        while !g.0 {
+            let (next, wait) = cv
+                .wait_timeout(g, Duration::from_secs(60))
+                .unwrap_or_else(|e| e.into_inner());
+            g = next;
+            if wait.timed_out() && !g.0 {
+                panic!("the gate was never opened: a request waited for the search");
+            }
+        }
+    }
+
+    fn set_gate(open: bool) {
+        let (lock, cv) = &GATE;
+        let mut g = lock.lock().unwrap_or_else(|e| e.into_inner());
+        *g = (open, if open { g.1 } else { 0 });
+        cv.notify_all();
+    }
+
+    /// Waits until a replay has reached the gate.
+    fn wait_until_gated() {
+        let (lock, cv) = &GATE;
+        let mut g = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while g.1 == 0 {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 
     const KV: u64 = 65_536;
     const STATE: u64 = 26_787_840;
@@ -446,6 +534,84 @@ mod tests {
             for apply_after in [0, 3] {
                 serve_through_a_failing_search(threads, apply_after);
             }
+        }
+    }
+
+    /// A request of 100 distinct tokens: every one evicts once the cache is full.
+    fn one_off(i: u32) -> Vec<u32> {
+        (i * 1000..i * 1000 + 100).collect()
+    }
+
+    fn serve_while_the_search_is_blocked(threads: u32) {
+        set_gate(false);
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                grid: vec![0.5, GATED_ALPHA],
+                min_window: 2,
+                bootstrap_factor: 1,
+                retune: false,
+                // 0 would search synchronously in deterministic mode; when
+                // ready, it must not make any request wait.
+                apply_after: 0,
+                adoption: AlphaAdoption::WhenReady,
+                threads,
+                ..TunerConfig::default()
+            }),
+            decision_log: true,
+            ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 2 * STATE + 300 * KV)
+        };
+        let mut c = PrefixCache::new(cfg).unwrap();
+        let mut served = 0u32;
+        let mut serve = |c: &mut PrefixCache| {
+            c.serve(0, &one_off(served), &[]).unwrap();
+            c.check_invariants();
+            // The request just served is cached whole: a follow-up hits it.
+            let mut next = one_off(served);
+            next.push(7);
+            let l = c.lookup(0, &next).unwrap();
+            assert_eq!(l.hit_tokens, 100, "request {served}");
+            c.release(l.lease).unwrap();
+            served += 1;
+            c.drain_log()
+                .into_iter()
+                .filter(|d| matches!(d, Decision::Alpha { .. } | Decision::AlphaKept { .. }))
+                .collect::<Vec<_>>()
+        };
+        // The first eviction comes within a few requests, and the window
+        // (as long as the requests before it, at least 2) right after it.
+        for _ in 0..20 {
+            let rounds = serve(&mut c);
+            assert!(rounds.is_empty(), "adopted a blocked search: {rounds:?}");
+        }
+        // The search is now stuck at the gate; the cache keeps serving with
+        // α = 0, lookups included, and adopts nothing.
+        wait_until_gated();
+        for _ in 0..200 {
+            let rounds = serve(&mut c);
+            assert!(rounds.is_empty(), "adopted a blocked search: {rounds:?}");
+        }
+        assert_eq!(c.alpha(), 0.0);
+        assert_eq!(c.stats().tuning_rounds, 0);
+        // Released, the search ends and a later request adopts its result.
+        set_gate(true);
+        let adopted = loop {
+            let rounds = serve(&mut c);
+            if let Some(d) = rounds.first() {
+                break d.clone();
+            }
+            std::thread::yield_now();
+        };
+        assert!(
+            matches!(adopted, Decision::Alpha { round: 1, .. }),
+            "{adopted}"
+        );
+        assert_eq!(c.stats().tuning_rounds, 1);
+    }
+
+    #[test]
+    fn when_ready_adoption_serves_while_the_search_is_blocked_then_adopts() {
+        for threads in [1, 2] {
+            serve_while_the_search_is_blocked(threads);
         }
     }
 }

@@ -1,13 +1,16 @@
-//! The prefix cache: lookup, plan, admit, release, eviction, stats.
+//! The prefix cache: lookup, plan, admit, release, stats. Eviction (the
+//! policies and the mechanics) is in `eviction`.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::config::{AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy};
+use crate::config::{AdmissionPolicy, AlphaMode, CacheConfig};
 use crate::error::CacheError;
-use crate::index::{CandKey, Index};
-use crate::log::{Decision, DecisionLog, EvictKind, PlanReason};
+use crate::eviction::{self, Eviction, Freed};
+use crate::index::Index;
+use crate::log::{Decision, DecisionLog, PlanReason};
 use crate::tree::{NodeId, StateRef, Tree, Walk, NIL};
 use crate::tuner::Tuner;
 
@@ -76,15 +79,6 @@ pub struct AdmitOutcome {
     /// (`None` when every token is cached, even if some states were not:
     /// their slots are in `slots_returned`).
     pub truncated_to: Option<u32>,
-}
-
-/// Engine ids freed by evictions since the last drain: the engine may reuse them.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Freed {
-    /// KV page ids.
-    pub kv_pages: Vec<u32>,
-    /// State slot ids.
-    pub state_slots: Vec<u32>,
 }
 
 /// Counters and gauges.
@@ -187,22 +181,27 @@ pub(crate) struct LeaseInfo {
 #[derive(Clone, Debug)]
 pub(crate) struct Core {
     pub(crate) cfg: CacheConfig,
-    kv_bpt: u64,
-    state_b: u64,
-    tree: Tree,
-    index: Index,
+    /// The eviction policy `cfg.eviction` names.
+    pub(crate) eviction: Arc<dyn Eviction>,
+    /// Bytes charged per cached token and per state.
+    pub(crate) kv_bpt: u64,
+    pub(crate) state_b: u64,
+    pub(crate) tree: Tree,
+    pub(crate) index: Index,
     pub(crate) alpha: f64,
-    clock: u64,
+    /// Logical time: one tick per lookup and per admission.
+    pub(crate) clock: u64,
     next_lease: LeaseId,
     leases: BTreeMap<LeaseId, LeaseInfo>,
     /// Total tokens on edges and total states, for byte accounting.
-    kv_tokens: u64,
-    states: u64,
-    slot_owner: HashSet<u32>,
-    page_owner: HashSet<u32>,
+    pub(crate) kv_tokens: u64,
+    pub(crate) states: u64,
+    /// Engine slots and pages the cache owns.
+    pub(crate) slot_owner: HashSet<u32>,
+    pub(crate) page_owner: HashSet<u32>,
     /// Whether admitted sequences carry page ids (fixed by the first admission).
     tracks_pages: Option<bool>,
-    freed: Freed,
+    pub(crate) freed: Freed,
     pub(crate) stats: Stats,
     pub(crate) log: DecisionLog,
 }
@@ -253,6 +252,7 @@ impl Core {
             AlphaMode::Auto(_) => 0.0,
         };
         Ok(Core {
+            eviction: eviction::from_config(&cfg),
             kv_bpt: match cfg.model.kv_bytes_per_token() {
                 0 => TOKEN_ID_BYTES,
                 kv => kv,
@@ -286,7 +286,7 @@ impl Core {
     }
 
     /// Whether every matched position is usable without a state.
-    fn stateless_hits(&self) -> bool {
+    pub(crate) fn stateless_hits(&self) -> bool {
         self.cfg.admission == AdmissionPolicy::Oracle || self.cfg.model.ssm_layers == 0
     }
 
@@ -295,79 +295,6 @@ impl Core {
         let (a, b) = (self.cfg.page_size, self.cfg.checkpoint_grid);
         let g = gcd(a, b);
         (a / g).saturating_mul(b)
-    }
-
-    // ---- eviction index -------------------------------------------------
-
-    fn eligible(&self, id: NodeId) -> bool {
-        let n = self.tree.node(id);
-        if n.parent == NIL || n.leases > 0 || !n.live {
-            return false;
-        }
-        match self.cfg.eviction {
-            EvictionPolicy::Lru => n.children.is_empty(),
-            EvictionPolicy::FlopAware => {
-                n.children.is_empty()
-                    || (n.children.len() == 1
-                        && n.state.is_some()
-                        && !(self.cfg.protect_branch_states && n.was_branch))
-            }
-        }
-    }
-
-    /// FLOP efficiency: prefill FLOPs lost by evicting the node (its edge,
-    /// given its parent's prefix; zero when nothing could resume at its end)
-    /// per byte freed.
-    fn efficiency(&self, id: NodeId) -> f64 {
-        let n = self.tree.node(id);
-        let parent_depth = self.tree.node(n.parent).depth;
-        let freed = self.freed_bytes(id);
-        let usable_end = n.state.is_some() || self.stateless_hits();
-        if freed == 0 || !usable_end {
-            return 0.0;
-        }
-        self.cfg
-            .model
-            .prefill_flops(u64::from(parent_depth), u64::from(n.depth))
-            / freed as f64
-    }
-
-    fn freed_bytes(&self, id: NodeId) -> u64 {
-        let n = self.tree.node(id);
-        let state = if n.state.is_some() { self.state_b } else { 0 };
-        if n.children.is_empty() {
-            (n.tokens.len() as u64)
-                .saturating_mul(self.kv_bpt)
-                .saturating_add(state)
-        } else {
-            state
-        }
-    }
-
-    /// Takes `id` out of the eviction index, if it is there.
-    fn unindex(&mut self, id: NodeId) {
-        if let Some(k) = self.tree.node_mut(id).cand.take() {
-            self.index.remove(id, k);
-        }
-    }
-
-    /// Re-derives `id`'s place in the eviction index after any change to it.
-    fn refresh(&mut self, id: NodeId) {
-        self.unindex(id);
-        if self.eligible(id) {
-            let n = self.tree.node(id);
-            let k = CandKey {
-                time: n.last_access,
-                eff: self.efficiency(id),
-            };
-            self.index.insert(id, k);
-            self.tree.node_mut(id).cand = Some(k);
-        }
-    }
-
-    fn touch(&mut self, id: NodeId) {
-        self.tree.node_mut(id).last_access = self.clock;
-        self.refresh(id);
     }
 
     // ---- pins ---------------------------------------------------------
@@ -482,17 +409,7 @@ impl Core {
         let mut state_slot = None;
         let mut kv_pages = Vec::new();
         if hit_node != NIL {
-            if self.cfg.eviction == EvictionPolicy::Lru {
-                // SGLang's radix cache refreshes the whole matched path.
-                let mut cur = hit_node;
-                while cur != NIL && !self.tree.is_root(cur) {
-                    self.touch(cur);
-                    cur = self.tree.node(cur).parent;
-                }
-            } else {
-                // Paper §4.3: only the node actually used is refreshed.
-                self.touch(hit_node);
-            }
+            self.touch_hit(hit_node);
             self.pin(hit_node);
             if !self.stateless_hits() {
                 state_slot = self.tree.node(hit_node).state.and_then(|s| s.slot);
@@ -1015,92 +932,6 @@ impl Core {
         }
     }
 
-    // ---- eviction -------------------------------------------------------
-
-    /// Evicts until `needed` more bytes fit; false if they cannot.
-    pub(crate) fn make_room(&mut self, needed: u64) -> bool {
-        while self.used_bytes().saturating_add(needed) > self.cfg.capacity_bytes {
-            if !self.evict_one() {
-                return false;
-            }
-        }
-        true
-    }
-
-    /// Evicts the lowest-utility candidate; false if there is none.
-    pub(crate) fn evict_one(&mut self) -> bool {
-        let alpha = match self.cfg.eviction {
-            EvictionPolicy::Lru => 0.0,
-            EvictionPolicy::FlopAware => self.alpha,
-        };
-        let tree = &self.tree;
-        let Some(choice) = self
-            .index
-            .lowest(alpha, |id| tree.node(id).cand.expect("indexed").eff)
-        else {
-            return false;
-        };
-        let id = choice.node;
-        let freed_bytes = self.freed_bytes(id);
-        let (depth, edge, leaf) = {
-            let n = self.tree.node(id);
-            (n.depth, n.tokens.len() as u32, n.children.is_empty())
-        };
-        self.unindex(id);
-        if let Some(st) = self.tree.node_mut(id).state.take() {
-            self.states -= 1;
-            if let Some(slot) = st.slot {
-                self.slot_owner.remove(&slot);
-                self.freed.state_slots.push(slot);
-            }
-        }
-        self.stats.evictions += 1;
-        if leaf {
-            let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
-            for p in &pages {
-                self.page_owner.remove(p);
-            }
-            self.freed.kv_pages.extend(pages);
-            self.kv_tokens -= u64::from(edge);
-            let parent = self.tree.remove_leaf(id);
-            self.after_child_removed(parent);
-        } else {
-            let child = self.tree.merge_into_child(id);
-            self.refresh(child);
-        }
-        self.log.push(|| Decision::Evict {
-            depth,
-            edge,
-            how: if leaf {
-                EvictKind::Leaf
-            } else {
-                EvictKind::Merge
-            },
-            recency: choice.recency,
-            efficiency: choice.efficiency,
-            utility: choice.utility,
-            freed_bytes,
-        });
-        true
-    }
-
-    /// Keeps the tree compressed after a child went away: a stateless,
-    /// unleased inner node left with one child merges into it.
-    fn after_child_removed(&mut self, parent: NodeId) {
-        let n = self.tree.node(parent);
-        if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
-            self.unindex(parent);
-            let child = self.tree.merge_into_child(parent);
-            self.refresh(child);
-        } else {
-            self.refresh(parent);
-        }
-    }
-
-    pub(crate) fn drain_freed(&mut self) -> Freed {
-        std::mem::take(&mut self.freed)
-    }
-
     pub(crate) fn stats(&self) -> Stats {
         let mut s = self.stats.clone();
         s.kv_bytes = self.kv_tokens.saturating_mul(self.kv_bpt);
@@ -1324,14 +1155,12 @@ pub struct PrefixCache {
 impl PrefixCache {
     /// A cache built from `cfg`; fails on an invalid configuration.
     pub fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
-        let tuner = match (&cfg.alpha, cfg.eviction) {
-            (AlphaMode::Auto(t), EvictionPolicy::FlopAware) => Some(Tuner::new(t.clone())),
+        let core = Core::new(cfg)?;
+        let tuner = match &core.cfg.alpha {
+            AlphaMode::Auto(t) if core.eviction.tunes_alpha() => Some(Tuner::new(t.clone())),
             _ => None,
         };
-        Ok(PrefixCache {
-            core: Core::new(cfg)?,
-            tuner,
-        })
+        Ok(PrefixCache { core, tuner })
     }
 
     /// The configuration.

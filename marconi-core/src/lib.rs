@@ -34,6 +34,7 @@
 mod cache;
 mod config;
 mod error;
+mod eviction;
 mod index;
 mod log;
 mod model;
@@ -41,12 +42,13 @@ mod tree;
 mod tuner;
 
 pub use cache::{
-    AdmitOutcome, Freed, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats, TOKEN_ID_BYTES,
+    AdmitOutcome, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats, TOKEN_ID_BYTES,
 };
 pub use config::{
     AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig,
     TuningObjective,
 };
 pub use error::CacheError;
+pub use eviction::Freed;
 pub use log::{Decision, EvictKind, PlanReason};
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};

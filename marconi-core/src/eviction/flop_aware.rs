@@ -1,0 +1,46 @@
+//! Marconi's FLOP-aware eviction (paper §4.2–4.3, Appendix A).
+
+use super::{Eviction, HitRefresh};
+use crate::tree::Node;
+
+/// Marconi's FLOP-aware eviction: the candidate of lowest
+/// `norm(recency) + α · norm(flop_efficiency)` goes first (paper §4.2,
+/// eq. 2; FLOP efficiency is prefill FLOPs saved per byte, Appendix A),
+/// with α tuned online ("Managing the balance", §4.2).
+///
+/// Candidates are leaves and, per §4.3 (1), nodes with one child that hold a
+/// state: evicting those frees the state and merges the edge into the child.
+/// A hit refreshes only the node used (§4.3 (2)). Beyond the paper,
+/// `protect_branch_states` keeps a node that has ever had two children (a
+/// shared prompt) out of the merge candidates until it is a leaf.
+///
+/// Do not use it for attention-only models (every entry has about the same
+/// efficiency: it only adds cost over [`super::Lru`]), nor when α cannot be
+/// tuned and the workload is unknown: a wrong fixed α can do worse than LRU,
+/// which tuning guards against by comparing with α = 0.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FlopAware {
+    /// See [`crate::CacheConfig::protect_branch_states`].
+    pub(crate) protect_branch_states: bool,
+}
+
+impl Eviction for FlopAware {
+    fn is_candidate(&self, node: &Node) -> bool {
+        node.children.is_empty()
+            || (node.children.len() == 1
+                && node.state.is_some()
+                && !(self.protect_branch_states && node.was_branch))
+    }
+
+    fn alpha(&self, tuned: f64) -> f64 {
+        tuned
+    }
+
+    fn on_hit(&self) -> HitRefresh {
+        HitRefresh::HitNode
+    }
+
+    fn tunes_alpha(&self) -> bool {
+        true
+    }
+}

@@ -1,0 +1,270 @@
+//! Eviction: which cached entries go first when space is needed.
+//!
+//! A policy is a type behind [`Eviction`], one file per policy: its rules
+//! (which nodes are candidates, the α its search uses, what a hit
+//! refreshes). The mechanics every policy shares are `Core`'s methods here:
+//! the candidate index (`crate::index`, which finds the lowest
+//! `norm(recency) + α · norm(efficiency)` exactly), FLOP efficiency (paper
+//! Appendix A), freeing a leaf or merging a one-child node into its child,
+//! the byte accounting and the engine ids freed.
+//!
+//! Policies: [`Lru`] (SGLang+, §5.1) and [`FlopAware`] (Marconi, §4.2–4.3).
+//!
+//! # Adding a policy
+//!
+//! 1. A new file here with a type implementing [`Eviction`]; its doc cites
+//!    what it implements and says when not to use it.
+//! 2. A `mod` line and a `pub(crate) use` here.
+//! 3. A variant of the configuration enum [`crate::EvictionPolicy`] and one
+//!    arm in [`from_config`] that builds the type. The other policies, the
+//!    index and the rest of the cache do not change. To reach it from C,
+//!    marconi-ffi's configuration gets a new policy number (header
+//!    regenerated); from the simulator, a `Policy` name.
+//! 4. A decision-log snapshot test of a small trace where it differs from
+//!    the others (`tests/decision_log.rs`), and the policy in the property
+//!    tests' configurations (`tests/properties.rs`).
+//!
+//! A policy whose order is not `recency + α · efficiency` needs its own
+//! key in the index first: the index is the one place that orders
+//! candidates, and its exactness is property-tested.
+
+mod flop_aware;
+mod lru;
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::cache::Core;
+use crate::config::{CacheConfig, EvictionPolicy};
+use crate::index::CandKey;
+use crate::log::{Decision, EvictKind};
+use crate::tree::{Node, NodeId, NIL};
+
+pub(crate) use flop_aware::FlopAware;
+pub(crate) use lru::Lru;
+
+/// Which last-access times a hit refreshes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HitRefresh {
+    /// The node that carries the hit and every ancestor up to the root.
+    Path,
+    /// Only the node that carries the hit.
+    HitNode,
+}
+
+/// The rules of an eviction policy.
+///
+/// A policy is immutable once built (`&self` everywhere) and shared by the
+/// cache and its tuning replays (`Send + Sync`, cloned as an `Arc`): what
+/// it needs to know about a node is on the node (children, state, last
+/// access, `was_branch`). Every hook is O(1); none may touch the tree.
+pub(crate) trait Eviction: std::fmt::Debug + Send + Sync {
+    /// Whether `node` is an eviction candidate.
+    ///
+    /// The caller guarantees that `node` is live, not a root and not
+    /// leased, and asks again whenever any of its fields changes, so the
+    /// answer MUST depend on the node's own fields only (not on its
+    /// neighbours or on time). It MUST be false for a node with two or more
+    /// children, and for a node with one child and no state: evicting a
+    /// leaf frees its edge's KV and its state, evicting a one-child node
+    /// frees only its state and merges its edge into the child, and no
+    /// other shape can be evicted. Called on every change to a node
+    /// (lookups, admissions, evictions).
+    fn is_candidate(&self, node: &Node) -> bool;
+
+    /// The α the candidate search weighs FLOP efficiency with, given the α
+    /// in force (fixed or tuned). MUST be finite and ≥ 0; 0 makes the
+    /// search pure LRU over the candidates. Called once per eviction.
+    fn alpha(&self, tuned: f64) -> f64;
+
+    /// Which nodes a hit refreshes. Called once per lookup with a hit.
+    fn on_hit(&self) -> HitRefresh;
+
+    /// Whether online α tuning ([`crate::AlphaMode::Auto`]) applies (only
+    /// when [`alpha`](Self::alpha) uses the α it is given). Called once,
+    /// when the cache is built.
+    fn tunes_alpha(&self) -> bool;
+}
+
+/// The policy a configuration names.
+pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Eviction> {
+    match cfg.eviction {
+        EvictionPolicy::Lru => Arc::new(Lru),
+        EvictionPolicy::FlopAware => Arc::new(FlopAware {
+            protect_branch_states: cfg.protect_branch_states,
+        }),
+    }
+}
+
+/// Engine ids freed by evictions since the last drain: the engine may reuse them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Freed {
+    /// KV page ids.
+    pub kv_pages: Vec<u32>,
+    /// State slot ids.
+    pub state_slots: Vec<u32>,
+}
+
+impl Core {
+    /// Whether `id` belongs in the eviction index: an unleased live node
+    /// that is not a root and that the policy accepts.
+    pub(crate) fn eligible(&self, id: NodeId) -> bool {
+        let n = self.tree.node(id);
+        if n.parent == NIL || n.leases > 0 || !n.live {
+            return false;
+        }
+        self.eviction.is_candidate(n)
+    }
+
+    /// FLOP efficiency: prefill FLOPs lost by evicting the node (its edge,
+    /// given its parent's prefix; zero when nothing could resume at its end)
+    /// per byte freed.
+    fn efficiency(&self, id: NodeId) -> f64 {
+        let n = self.tree.node(id);
+        let parent_depth = self.tree.node(n.parent).depth;
+        let freed = self.freed_bytes(id);
+        let usable_end = n.state.is_some() || self.stateless_hits();
+        if freed == 0 || !usable_end {
+            return 0.0;
+        }
+        self.cfg
+            .model
+            .prefill_flops(u64::from(parent_depth), u64::from(n.depth))
+            / freed as f64
+    }
+
+    fn freed_bytes(&self, id: NodeId) -> u64 {
+        let n = self.tree.node(id);
+        let state = if n.state.is_some() { self.state_b } else { 0 };
+        if n.children.is_empty() {
+            (n.tokens.len() as u64)
+                .saturating_mul(self.kv_bpt)
+                .saturating_add(state)
+        } else {
+            state
+        }
+    }
+
+    /// Takes `id` out of the eviction index, if it is there.
+    fn unindex(&mut self, id: NodeId) {
+        if let Some(k) = self.tree.node_mut(id).cand.take() {
+            self.index.remove(id, k);
+        }
+    }
+
+    /// Re-derives `id`'s place in the eviction index after any change to it.
+    pub(crate) fn refresh(&mut self, id: NodeId) {
+        self.unindex(id);
+        if self.eligible(id) {
+            let n = self.tree.node(id);
+            let k = CandKey {
+                time: n.last_access,
+                eff: self.efficiency(id),
+            };
+            self.index.insert(id, k);
+            self.tree.node_mut(id).cand = Some(k);
+        }
+    }
+
+    pub(crate) fn touch(&mut self, id: NodeId) {
+        self.tree.node_mut(id).last_access = self.clock;
+        self.refresh(id);
+    }
+
+    /// Refreshes what a hit on `hit_node` refreshes under the policy.
+    pub(crate) fn touch_hit(&mut self, hit_node: NodeId) {
+        match self.eviction.on_hit() {
+            HitRefresh::Path => {
+                let mut cur = hit_node;
+                while cur != NIL && !self.tree.is_root(cur) {
+                    self.touch(cur);
+                    cur = self.tree.node(cur).parent;
+                }
+            }
+            HitRefresh::HitNode => self.touch(hit_node),
+        }
+    }
+
+    /// Evicts until `needed` more bytes fit; false if they cannot.
+    pub(crate) fn make_room(&mut self, needed: u64) -> bool {
+        while self.used_bytes().saturating_add(needed) > self.cfg.capacity_bytes {
+            if !self.evict_one() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Evicts the lowest-utility candidate; false if there is none.
+    pub(crate) fn evict_one(&mut self) -> bool {
+        let alpha = self.eviction.alpha(self.alpha);
+        let tree = &self.tree;
+        let Some(choice) = self
+            .index
+            .lowest(alpha, |id| tree.node(id).cand.expect("indexed").eff)
+        else {
+            return false;
+        };
+        let id = choice.node;
+        let freed_bytes = self.freed_bytes(id);
+        let (depth, edge, leaf) = {
+            let n = self.tree.node(id);
+            debug_assert!(n.children.len() <= 1 && (n.children.is_empty() || n.state.is_some()));
+            (n.depth, n.tokens.len() as u32, n.children.is_empty())
+        };
+        self.unindex(id);
+        if let Some(st) = self.tree.node_mut(id).state.take() {
+            self.states -= 1;
+            if let Some(slot) = st.slot {
+                self.slot_owner.remove(&slot);
+                self.freed.state_slots.push(slot);
+            }
+        }
+        self.stats.evictions += 1;
+        if leaf {
+            let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
+            for p in &pages {
+                self.page_owner.remove(p);
+            }
+            self.freed.kv_pages.extend(pages);
+            self.kv_tokens -= u64::from(edge);
+            let parent = self.tree.remove_leaf(id);
+            self.after_child_removed(parent);
+        } else {
+            let child = self.tree.merge_into_child(id);
+            self.refresh(child);
+        }
+        self.log.push(|| Decision::Evict {
+            depth,
+            edge,
+            how: if leaf {
+                EvictKind::Leaf
+            } else {
+                EvictKind::Merge
+            },
+            recency: choice.recency,
+            efficiency: choice.efficiency,
+            utility: choice.utility,
+            freed_bytes,
+        });
+        true
+    }
+
+    /// Keeps the tree compressed after a child went away: a stateless,
+    /// unleased inner node left with one child merges into it.
+    fn after_child_removed(&mut self, parent: NodeId) {
+        let n = self.tree.node(parent);
+        if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
+            self.unindex(parent);
+            let child = self.tree.merge_into_child(parent);
+            self.refresh(child);
+        } else {
+            self.refresh(parent);
+        }
+    }
+
+    pub(crate) fn drain_freed(&mut self) -> Freed {
+        std::mem::take(&mut self.freed)
+    }
+}

@@ -2,7 +2,9 @@
 //! did worse than α = 0 on its window, and finds a useful α when FLOP
 //! efficiency matters.
 
-use marconi_core::{AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, Stats, TunerConfig};
+use marconi_core::{
+    AlphaAdoption, AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, Stats, TunerConfig,
+};
 
 const KV: u64 = 65_536;
 const STATE: u64 = 26_787_840;
@@ -100,4 +102,64 @@ fn tuning_finds_that_flop_efficiency_pays_here_and_beats_lru() {
     let first_evict = log.iter().position(|d| matches!(d, Decision::Evict { .. }));
     let first_alpha = log.iter().position(|d| matches!(d, Decision::Alpha { .. }));
     assert!(first_evict.unwrap() < first_alpha.unwrap());
+}
+
+fn adopting(adoption: AlphaAdoption) -> CacheConfig {
+    cfg(AlphaMode::Auto(TunerConfig {
+        adoption,
+        ..TunerConfig::default()
+    }))
+}
+
+#[test]
+fn deterministic_adoption_is_the_default_and_keeps_the_pinned_results() {
+    assert_eq!(
+        TunerConfig::default().adoption,
+        AlphaAdoption::Deterministic
+    );
+    let (s, l) = run(tuned(0));
+    let (sd, ld) = run(adopting(AlphaAdoption::Deterministic));
+    assert_eq!(s, sd);
+    assert_eq!(l, ld);
+}
+
+#[test]
+fn when_ready_adoption_serves_the_workload_and_adopts_once_a_search_ends() {
+    let mut c = PrefixCache::new(CacheConfig {
+        decision_log: true,
+        ..adopting(AlphaAdoption::WhenReady)
+    })
+    .unwrap();
+    let mut adopted = Vec::new();
+    let keep = |c: &mut PrefixCache, adopted: &mut Vec<Decision>| {
+        adopted.extend(
+            c.drain_log()
+                .into_iter()
+                .filter(|d| matches!(d, Decision::Alpha { .. } | Decision::AlphaKept { .. })),
+        );
+    };
+    for r in workload() {
+        c.serve(0, &r, &[]).unwrap();
+        keep(&mut c, &mut adopted);
+    }
+    // When a search ends depends on the machine: go on serving (the last
+    // request again) until one has been adopted.
+    let last = workload().pop().unwrap();
+    while adopted.is_empty() {
+        c.serve(0, &last, &[]).unwrap();
+        keep(&mut c, &mut adopted);
+        std::thread::yield_now();
+    }
+    c.check_invariants();
+    for d in &adopted {
+        match d {
+            Decision::Alpha {
+                objective_at_zero,
+                objective_at_new,
+                ..
+            } => assert!(objective_at_new >= objective_at_zero, "{d}"),
+            _ => panic!("a search failed: {d}"),
+        }
+    }
+    assert!(c.stats().tuning_rounds >= 1);
 }

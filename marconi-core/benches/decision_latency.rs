@@ -185,7 +185,7 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
                 after.evictions - before.evictions,
                 after.tuning_rounds > before.tuning_rounds,
             ));
-            slowest.sort_by(|a, b| b.0.cmp(&a.0));
+            slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
             slowest.truncate(5);
         }
     }

@@ -19,6 +19,8 @@
 //! adoptions. A run with tuning off (fixed α) is the baseline: what it shows
 //! in the tail is the machine (and evictions), not the tuner.
 
+use std::fs::File;
+use std::io::{Read, Seek};
 use std::time::{Duration, Instant};
 
 use marconi_core::{AlphaAdoption, AlphaMode, CacheConfig, ModelSpec, PrefixCache, TunerConfig};
@@ -124,6 +126,37 @@ fn us(ns: u64) -> String {
 }
 
 /// Serves `warm` requests unmeasured, then measures the rest one by one.
+/// The time this thread has spent runnable but waiting for a CPU (Linux
+/// schedstat), so that a slow request can be told apart from a thread the
+/// machine did not run: on a shared machine that, not the cache, makes most
+/// of the tail. Zero where schedstat cannot be read.
+struct RunDelay {
+    file: Option<File>,
+    buf: String,
+}
+
+impl RunDelay {
+    fn new() -> Self {
+        RunDelay {
+            file: File::open("/proc/thread-self/schedstat").ok(),
+            buf: String::new(),
+        }
+    }
+
+    fn ns(&mut self) -> u64 {
+        let Some(f) = &mut self.file else { return 0 };
+        self.buf.clear();
+        if f.rewind().is_err() || f.read_to_string(&mut self.buf).is_err() {
+            return 0;
+        }
+        self.buf
+            .split_whitespace()
+            .nth(1)
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(0)
+    }
+}
+
 /// What one measured run is given.
 struct Setup {
     warm: usize,
@@ -165,18 +198,25 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
     let clone_ns = clones[10];
     let start = c.stats();
     let mut times = Vec::with_capacity(measured);
-    // (ns, request, evictions during it, tuning round adopted during it)
-    let mut slowest: Vec<(u64, usize, u64, bool)> = Vec::new();
+    // Wall time less the time spent waiting for a CPU.
+    let mut on_cpu = Vec::with_capacity(measured);
+    let mut delay = RunDelay::new();
+    // (ns, request, evictions during it, tuning round adopted during it, ns
+    // waiting for a CPU)
+    let mut slowest: Vec<(u64, usize, u64, bool, u64)> = Vec::new();
     for i in 0..measured {
         let input_len = w.next(&mut full);
         if !gap.is_zero() {
             std::thread::sleep(gap);
         }
         let before = c.stats();
+        let waited = delay.ns();
         let t = Instant::now();
         c.serve_full(0, input_len, &full).expect("serve");
         let ns = t.elapsed().as_nanos() as u64;
+        let waited = delay.ns().saturating_sub(waited);
         times.push(ns);
+        on_cpu.push(ns.saturating_sub(waited));
         if slowest.len() < 5 || ns > slowest[4].0 {
             let after = c.stats();
             slowest.push((
@@ -184,6 +224,7 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
                 warm + i,
                 after.evictions - before.evictions,
                 after.tuning_rounds > before.tuning_rounds,
+                waited,
             ));
             slowest.sort_by_key(|s| std::cmp::Reverse(s.0));
             slowest.truncate(5);
@@ -192,6 +233,7 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
     let end = c.stats();
     let total: u64 = times.iter().sum();
     times.sort_unstable();
+    on_cpu.sort_unstable();
     println!(
         "{name:<14} requests {:>6}  p50 {:>9}  p99 {:>9}  p99.9 {:>9}  max {:>10}  mean {:>9}",
         times.len(),
@@ -200,6 +242,14 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         us(percentile(&times, 0.999)),
         us(*times.last().expect("measured")),
         us(total / times.len() as u64),
+    );
+    println!(
+        "{:<14} less CPU wait:   p50 {:>9}  p99 {:>9}  p99.9 {:>9}  max {:>10}",
+        "",
+        us(percentile(&on_cpu, 0.5)),
+        us(percentile(&on_cpu, 0.99)),
+        us(percentile(&on_cpu, 0.999)),
+        us(*on_cpu.last().expect("measured")),
     );
     println!(
         "{:<14} cached tokens at start {cached}, at end {}; tuning rounds {}; evictions {}; \
@@ -211,11 +261,12 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         end.alpha,
         us(clone_ns),
     );
-    for (ns, i, ev, adopted) in slowest {
+    for (ns, i, ev, adopted, waited) in slowest {
         println!(
-            "{:<14} slow: request {i:>6} {:>10}  evictions {ev:>3}{}",
+            "{:<14} slow: request {i:>6} {:>10}  waiting for a CPU {:>10}  evictions {ev:>3}{}",
             "",
             us(ns),
+            us(waited),
             if adopted {
                 "  adopted a tuning round"
             } else {

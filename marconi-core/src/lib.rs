@@ -31,19 +31,22 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod admission;
 mod cache;
 mod config;
 mod error;
 mod eviction;
 mod index;
+mod invariants;
 mod log;
+mod lookup;
 mod model;
+mod stats;
 mod tree;
 mod tuner;
 
-pub use cache::{
-    AdmitOutcome, LeaseId, Lookup, PrefixCache, SavedState, Served, Stats, TOKEN_ID_BYTES,
-};
+pub use admission::{AdmitOutcome, SavedState};
+pub use cache::{LeaseId, PrefixCache, Served, TOKEN_ID_BYTES};
 pub use config::{
     AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig,
     TuningObjective,
@@ -51,4 +54,6 @@ pub use config::{
 pub use error::CacheError;
 pub use eviction::Freed;
 pub use log::{Decision, EvictKind, PlanReason};
+pub use lookup::Lookup;
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
+pub use stats::Stats;

@@ -1,0 +1,248 @@
+//! Lookup: what an input can reuse, the lease that pins it, and the
+//! checkpoints the admission policy plans for its prefill.
+
+use std::collections::BTreeSet;
+
+use serde::Serialize;
+
+use crate::admission::PlanInput;
+use crate::cache::{fingerprint, round_down, Core, LeaseId, LeaseInfo};
+use crate::error::CacheError;
+use crate::log::{Decision, PlanReason};
+use crate::tree::{NodeId, Walk, NIL};
+
+/// What a lookup found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Lookup {
+    /// The lease pinning what this request reuses; release it when done.
+    pub lease: LeaseId,
+    /// Leading tokens the engine may skip: the deepest matched position that
+    /// has a recurrent state (any page-aligned matched position for
+    /// attention-only models), and always less than the input length, so the
+    /// last input token is recomputed to produce the first output's logits.
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached (page-aligned). `kv_matched_tokens −
+    /// hit_tokens` is KV that matched but cannot be used: the silent miss.
+    pub kv_matched_tokens: u32,
+    /// The state slot to resume from (copy it into the request's own slot),
+    /// when a state-based hit has an engine slot id.
+    pub state_slot: Option<u32>,
+    /// KV page ids of the first `hit_tokens` tokens, when the engine tracks pages.
+    pub kv_pages: Vec<u32>,
+    /// Positions at which the engine should save recurrent states during
+    /// this prefill (ascending). The final state (after the last decoded
+    /// token) is always admissible and is not listed.
+    pub plan: Vec<u32>,
+}
+
+/// The usable part of a match.
+struct UsableHit {
+    /// Tokens that can be skipped.
+    hit: u32,
+    /// The node that carries the hit (NIL for none).
+    node: NodeId,
+    /// Depths of the states on the matched path.
+    state_depths: BTreeSet<u32>,
+}
+
+impl Core {
+    pub(crate) fn check_tokens(tokens: &[u32]) -> Result<(), CacheError> {
+        if tokens.is_empty() {
+            return Err(CacheError::EmptyTokens);
+        }
+        if tokens.len() >= u32::MAX as usize {
+            return Err(CacheError::TooManyTokens { len: tokens.len() });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
+        self.lookup_walk(ns, input, true).map(|(l, _)| l)
+    }
+
+    /// [`lookup`](Self::lookup), also returning its walk of the input so that
+    /// an admission right after it (nothing changed in between) can resume it.
+    pub(crate) fn lookup_walk(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        with_fingerprint: bool,
+    ) -> Result<(Lookup, Option<Walk>), CacheError> {
+        Self::check_tokens(input)?;
+        self.clock += 1;
+        let len = input.len() as u32;
+        let page = self.cfg.page_size;
+        let walk = self.tree.root(ns).map(|r| self.tree.walk(r, input, page));
+        let matched = walk.as_ref().map_or(0, |w| w.matched);
+        let kv_matched = round_down(matched, page);
+        // The last input token is always recomputed: its logits start decoding.
+        let limit = len - 1;
+        let usable = self.usable_hit(walk.as_ref(), matched, limit);
+        let hit = usable.hit;
+        let plan = self.admission.plan(&PlanInput {
+            tree: &self.tree,
+            walk: walk.as_ref(),
+            len,
+            hit,
+            state_depths: &usable.state_depths,
+            page_size: page,
+            inner_grid: self.inner_grid(),
+        });
+        let (state_slot, kv_pages) = self.take_hit(usable.node, hit);
+        let (plan, reason) = match plan {
+            Some((p, r)) => (p, Some(r)),
+            None => (Vec::new(), None),
+        };
+        let fp = if with_fingerprint {
+            // Only an engine's own admit checks it (the O(n) hash is
+            // skipped on the simulator's whole-request path).
+            fingerprint(input)
+        } else {
+            0
+        };
+        let lease = self.open_lease(ns, usable.node, len, fp, plan.clone());
+        let lookup = Lookup {
+            lease,
+            hit_tokens: hit,
+            kv_matched_tokens: kv_matched,
+            state_slot,
+            kv_pages,
+            plan,
+        };
+        self.record_lookup(ns, len, &lookup, reason);
+        Ok((lookup, walk))
+    }
+
+    /// The deepest usable position of the match (below `limit`) and the
+    /// node that carries it: the deepest state on the path, or any matched
+    /// page where hits need no states.
+    fn usable_hit(&self, walk: Option<&Walk>, matched: u32, limit: u32) -> UsableHit {
+        let mut usable = UsableHit {
+            hit: 0,
+            node: NIL,
+            state_depths: BTreeSet::new(),
+        };
+        let Some(w) = walk else {
+            return usable;
+        };
+        if self.stateless_hits() {
+            let h = round_down(matched.min(limit), self.cfg.page_size);
+            if h > 0 {
+                usable.hit = h;
+                // The node whose edge contains position h.
+                usable.node = w
+                    .path
+                    .iter()
+                    .copied()
+                    .find(|&id| self.tree.node(id).depth >= h)
+                    .or(w.partial.map(|(id, _)| id))
+                    .unwrap_or(NIL);
+            }
+        } else {
+            for &id in &w.path {
+                let n = self.tree.node(id);
+                if n.state.is_some() {
+                    usable.state_depths.insert(n.depth);
+                    if n.depth <= limit {
+                        usable.hit = n.depth;
+                        usable.node = id;
+                    }
+                }
+            }
+        }
+        usable
+    }
+
+    /// Refreshes and pins the node that carries a hit of `hit` tokens;
+    /// returns the state slot to resume from and the hit's page ids.
+    fn take_hit(&mut self, hit_node: NodeId, hit: u32) -> (Option<u32>, Vec<u32>) {
+        let mut state_slot = None;
+        let mut kv_pages = Vec::new();
+        if hit_node != NIL {
+            self.touch_hit(hit_node);
+            self.pin(hit_node);
+            if !self.stateless_hits() {
+                state_slot = self.tree.node(hit_node).state.and_then(|s| s.slot);
+            }
+            if self.tracks_pages == Some(true) {
+                kv_pages = self.pages_up_to(hit_node, hit);
+            }
+        }
+        (state_slot, kv_pages)
+    }
+
+    /// Issues a lease pinning `pinned` (and its ancestors).
+    fn open_lease(
+        &mut self,
+        ns: u64,
+        pinned: NodeId,
+        input_len: u32,
+        input_fingerprint: u64,
+        plan: Vec<u32>,
+    ) -> LeaseId {
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(
+            lease,
+            LeaseInfo {
+                ns,
+                pinned,
+                input_len,
+                input_fingerprint,
+                plan,
+                admitted: None,
+            },
+        );
+        lease
+    }
+
+    /// Counts the lookup of `len` tokens in namespace `ns` and logs it with
+    /// its plan.
+    fn record_lookup(&mut self, ns: u64, len: u32, l: &Lookup, reason: Option<PlanReason>) {
+        let (lease, kv_matched, hit) = (l.lease, l.kv_matched_tokens, l.hit_tokens);
+        let limit = len - 1;
+        let model = &self.cfg.model;
+        let s = &mut self.stats;
+        s.requests += 1;
+        s.input_tokens += u64::from(len);
+        s.hit_tokens += u64::from(hit);
+        s.hit_requests += u64::from(hit > 0);
+        s.kv_matched_unusable_tokens += u64::from(kv_matched.min(limit).saturating_sub(hit));
+        s.flops_saved += model.prefill_flops(0, u64::from(hit));
+        s.flops_total += model.prefill_flops(0, u64::from(len));
+        self.log.push(|| Decision::Lookup {
+            lease,
+            namespace: ns,
+            input: len,
+            kv_matched,
+            hit,
+        });
+        if let Some(reason) = reason {
+            let positions = l.plan.clone();
+            self.log.push(|| Decision::Plan {
+                lease,
+                positions,
+                reason,
+            });
+        }
+    }
+
+    /// Page ids of the first `upto` tokens along the path ending at `node`.
+    fn pages_up_to(&self, node: NodeId, upto: u32) -> Vec<u32> {
+        let mut chain = Vec::new();
+        let mut cur = node;
+        while cur != NIL && !self.tree.is_root(cur) {
+            chain.push(cur);
+            cur = self.tree.node(cur).parent;
+        }
+        let page = self.cfg.page_size;
+        let mut out = Vec::with_capacity((upto / page) as usize);
+        for &id in chain.iter().rev() {
+            let n = self.tree.node(id);
+            let start = n.depth - n.tokens.len() as u32;
+            let take = (upto.min(n.depth) - start) / page;
+            out.extend_from_slice(&n.pages[..take as usize]);
+        }
+        out
+    }
+}

@@ -77,6 +77,13 @@ impl Core {
                 self.eligible(id),
                 "index membership of {id}"
             );
+            // The eviction policy's contract: only shapes eviction can free.
+            assert!(
+                n.cand.is_none()
+                    || n.children.is_empty()
+                    || (n.children.len() == 1 && n.state.is_some()),
+                "candidate {id} is neither a leaf nor a one-child node with a state"
+            );
             cands += usize::from(n.cand.is_some());
         }
         assert_eq!(kv, self.kv_tokens, "kv token recount");

@@ -69,8 +69,8 @@ pub(crate) trait Eviction: std::fmt::Debug + Send + Sync {
     /// children, and for a node with one child and no state: evicting a
     /// leaf frees its edge's KV and its state, evicting a one-child node
     /// frees only its state and merges its edge into the child, and no
-    /// other shape can be evicted. Called on every change to a node
-    /// (lookups, admissions, evictions).
+    /// other shape can be evicted (`check_invariants` asserts it). Called
+    /// on every change to a node (lookups, admissions, evictions).
     fn is_candidate(&self, node: &Node) -> bool;
 
     /// The α the candidate search weighs FLOP efficiency with, given the α
@@ -210,7 +210,6 @@ impl Core {
         let freed_bytes = self.freed_bytes(id);
         let (depth, edge, leaf) = {
             let n = self.tree.node(id);
-            debug_assert!(n.children.len() <= 1 && (n.children.is_empty() || n.state.is_some()));
             (n.depth, n.tokens.len() as u32, n.children.is_empty())
         };
         self.unindex(id);

@@ -279,7 +279,8 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         end.alpha,
         match adoption {
             None => format!(
-                "; clone of the cache (a window snapshot) at {nodes} nodes: median {}",
+                "; clone of the whole cache at {nodes} nodes: median {} (a window \
+                 snapshot copies less: not the index)",
                 us(clone_ns)
             ),
             Some(_) => String::new(),

@@ -14,9 +14,11 @@
 //!   result without waiting and the first that finds it adopts it; no request
 //!   ever waits for a search.
 //!
-//! The request that opens a window pays only a plain clone of the cache
-//! (tree, index, owner sets); turning it into a replay copy (index rebuilt,
-//! leases dropped) happens on the search thread.
+//! The request that opens a window pays only a copy of the tree and the
+//! owner sets ([`window_snapshot`]); turning it into a replay copy (index
+//! rebuilt) happens on the search thread, and starting the search copies
+//! nothing. The search yields the core after each replayed request, so an
+//! engine thread that shares its core is not held for a scheduler slice.
 //!
 //! A replay that panics (a bug) or a thread that cannot be had never leaves
 //! the request that adopts the result waiting: every search ends with a
@@ -104,8 +106,8 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, St
 }
 
 impl Search {
-    /// Starts the search over `grid` on `window`, from `snapshot`: a plain
-    /// clone of the cache taken when the window opened.
+    /// Starts the search over `grid` on `window`, from `snapshot`: the
+    /// [`window_snapshot`] taken when the window opened.
     fn start(snapshot: Core, grid: Vec<f64>, window: Vec<Recorded>, cfg: TunerConfig) -> Search {
         let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let requests = u32::try_from(window.len()).unwrap_or(u32::MAX);

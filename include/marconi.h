@@ -273,6 +273,36 @@ typedef uint32_t marconi_tuning_objective;
 #endif // __cplusplus
 
 /**
+ * When the result of a background alpha search is adopted (values of
+ * marconi_cache_config.tuner_adoption).
+ */
+enum marconi_alpha_adoption
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * By the first request that finds the search done; no request ever
+   * waits for tuning (engines). The default.
+   */
+  MARCONI_ALPHA_ADOPTION_WHEN_READY = 0,
+  /**
+   * Exactly a fixed number of requests after the window closed,
+   * waiting for the search there: the same trace gives the same decisions
+   * on any machine (replays that are compared, tests). The adopting
+   * request can stall for the rest of the search: on a large cache, seconds.
+   */
+  MARCONI_ALPHA_ADOPTION_DETERMINISTIC = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_alpha_adoption marconi_alpha_adoption;
+#else
+typedef uint32_t marconi_alpha_adoption;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -475,6 +505,16 @@ typedef struct marconi_cache_config {
    * Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
    */
   double tuner_min_gain;
+  /**
+   * A marconi_alpha_adoption value. Default MARCONI_ALPHA_ADOPTION_WHEN_READY
+   * (also for callers built against the first version of this struct).
+   * Added in version 2 of the struct.
+   */
+  uint32_t tuner_adoption;
+  /**
+   * Reserved, must be 0. Added in version 2 of the struct.
+   */
+  uint32_t reserved2;
 } marconi_cache_config;
 
 /**

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, CStr};
 
 use marconi_core::{
-    AdmissionPolicy, AlphaMode, CacheConfig, EvictionPolicy, ModelSpec, TunerConfig,
+    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ModelSpec, TunerConfig,
     TuningObjective,
 };
 
@@ -53,6 +53,21 @@ pub enum marconi_tuning_objective {
     FlopsSaved = 0,
     /// Tokens hit.
     TokenHits = 1,
+}
+
+/// When the result of a background alpha search is adopted (values of
+/// marconi_cache_config.tuner_adoption).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_alpha_adoption {
+    /// By the first request that finds the search done; no request ever
+    /// waits for tuning (engines). The default.
+    WhenReady = 0,
+    /// Exactly a fixed number of requests after the window closed,
+    /// waiting for the search there: the same trace gives the same decisions
+    /// on any machine (replays that are compared, tests). The adopting
+    /// request can stall for the rest of the search: on a large cache, seconds.
+    Deterministic = 1,
 }
 
 /// A model's layer composition and dimensions (see marconi-core's ModelSpec
@@ -218,11 +233,18 @@ pub struct marconi_cache_config {
     pub tuner_retune_neighbours: u32,
     /// Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
     pub tuner_min_gain: f64,
+    /// A marconi_alpha_adoption value. Default MARCONI_ALPHA_ADOPTION_WHEN_READY
+    /// (also for callers built against the first version of this struct).
+    /// Added in version 2 of the struct.
+    pub tuner_adoption: u32,
+    /// Reserved, must be 0. Added in version 2 of the struct.
+    pub reserved2: u32,
 }
 
-/// The size of the first version of marconi_cache_config: the smallest
-/// struct_size accepted.
-const CONFIG_V1_SIZE: usize = std::mem::size_of::<marconi_cache_config>();
+/// The size of the first version of marconi_cache_config (up to
+/// tuner_min_gain): the smallest struct_size accepted. Fields after it take
+/// their defaults when a caller's struct is shorter.
+const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_adoption);
 
 impl marconi_cache_config {
     fn defaults() -> Self {
@@ -253,6 +275,8 @@ impl marconi_cache_config {
             tuner_threads: tuner.threads,
             tuner_retune_neighbours: tuner.retune_neighbours,
             tuner_min_gain: tuner.min_gain,
+            tuner_adoption: marconi_alpha_adoption::WhenReady as u32,
+            reserved2: 0,
         }
     }
 }
@@ -296,6 +320,21 @@ pub(crate) unsafe fn read_config(
             ));
         }
     }
+    if size < ours {
+        // An older caller: its fields over the defaults of the rest.
+        let mut out = marconi_cache_config::defaults();
+        // SAFETY: the caller's struct has `size` readable bytes, `out` has
+        // `ours` > size writable ones, and every field is plain data (any
+        // bit pattern of the caller's fields is a valid value).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                cfg.cast::<u8>(),
+                std::ptr::addr_of_mut!(out).cast::<u8>(),
+                size,
+            );
+        }
+        return Ok(out);
+    }
     // SAFETY: size >= ours, so a whole current struct is readable.
     Ok(unsafe { cfg.read() })
 }
@@ -313,7 +352,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
     if c.alpha_mode == marconi_alpha_mode::Auto as u32 {
         require!(tuner_grid, len = c.tuner_grid_len);
     }
-    if c.reserved != 0 || c.model.reserved != 0 {
+    if c.reserved != 0 || c.reserved2 != 0 || c.model.reserved != 0 {
         return Err(bad_config("reserved fields must be 0".into()));
     }
     let model = if c.model_preset.is_null() {
@@ -384,6 +423,15 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
                 tuner.grid = grid.to_vec();
             }
             tuner.threads = c.tuner_threads;
+            tuner.adoption = match c.tuner_adoption {
+                0 => AlphaAdoption::WhenReady,
+                1 => AlphaAdoption::Deterministic,
+                v => {
+                    return Err(bad_config(format!(
+                        "tuner_adoption {v} is not a marconi_alpha_adoption"
+                    )))
+                }
+            };
             AlphaMode::Auto(tuner)
         }
         v => {
@@ -432,12 +480,18 @@ pub unsafe extern "C" fn marconi_cache_config_init(
         }
         let mut d = marconi_cache_config::defaults();
         d.struct_size = struct_size as u32;
-        // SAFETY: cfg has struct_size >= ours writable bytes (caller contract);
-        // the tail past our fields is zeroed so that a newer caller's unknown
-        // fields read as "not set".
+        let written = struct_size.min(ours);
+        // SAFETY: cfg has struct_size writable bytes (caller contract): an
+        // older caller gets the first struct_size bytes of the defaults; a
+        // newer one gets all of them and its tail past our fields is zeroed
+        // so that its unknown fields read as "not set".
         unsafe {
-            cfg.write(d);
-            std::ptr::write_bytes(cfg.cast::<u8>().add(ours), 0, struct_size - ours);
+            std::ptr::copy_nonoverlapping(
+                std::ptr::addr_of!(d).cast::<u8>(),
+                cfg.cast::<u8>(),
+                written,
+            );
+            std::ptr::write_bytes(cfg.cast::<u8>().add(written), 0, struct_size - written);
         }
         Ok(())
     })
@@ -478,4 +532,56 @@ pub unsafe extern "C" fn marconi_model_spec_preset(
         unsafe { out.write(marconi_model_spec::from_core(&m)) };
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller built against version 1 of the struct (no tuner_adoption)
+    /// gets only its bytes written by init, and engine-mode adoption.
+    #[test]
+    fn a_version_1_caller_gets_when_ready_adoption_and_no_write_past_its_struct() {
+        let v1 = CONFIG_V1_SIZE;
+        let ours = std::mem::size_of::<marconi_cache_config>();
+        assert!(v1 < ours, "version 2 adds fields");
+        // A v1-sized buffer inside a larger, aligned one filled with a canary.
+        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
+        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
+        // SAFETY: buf has more than v1 writable, aligned bytes.
+        let st = unsafe { marconi_cache_config_init(cfg, v1) };
+        assert_eq!(st, marconi_status::Ok);
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(
+            bytes[v1..].iter().all(|&b| b == 0xA5),
+            "init wrote past struct_size"
+        );
+        // SAFETY: the first v1 bytes were written by init; struct_size says v1.
+        let mut c = unsafe { read_config(cfg) }.unwrap();
+        c.capacity_bytes = 1 << 30;
+        assert_eq!(c.tuner_adoption, marconi_alpha_adoption::WhenReady as u32);
+        // SAFETY: the config holds no pointers (NULL preset and grid).
+        let AlphaMode::Auto(t) = unsafe { to_core_config(&c) }.unwrap().alpha else {
+            panic!("alpha is tuned by default")
+        };
+        assert_eq!(t.adoption, AlphaAdoption::WhenReady);
+    }
+
+    #[test]
+    fn adoption_values_map_and_unknown_ones_are_refused() {
+        let mut c = marconi_cache_config::defaults();
+        c.capacity_bytes = 1 << 30;
+        c.tuner_adoption = marconi_alpha_adoption::Deterministic as u32;
+        // SAFETY: the config holds no pointers (NULL preset and grid).
+        let AlphaMode::Auto(t) = unsafe { to_core_config(&c) }.unwrap().alpha else {
+            panic!("alpha is tuned by default")
+        };
+        assert_eq!(t.adoption, AlphaAdoption::Deterministic);
+        c.tuner_adoption = 2;
+        let e = unsafe { to_core_config(&c) }.unwrap_err();
+        assert_eq!(e.status, marconi_status::InvalidConfig);
+        c.tuner_adoption = 0;
+        c.reserved2 = 1;
+        assert!(unsafe { to_core_config(&c) }.is_err());
+    }
 }

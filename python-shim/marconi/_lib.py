@@ -88,6 +88,8 @@ class marconi_cache_config(Structure):
         ("tuner_threads", c_uint32),
         ("tuner_retune_neighbours", c_uint32),
         ("tuner_min_gain", c_double),
+        ("tuner_adoption", c_uint32),
+        ("reserved2", c_uint32),
     ]
 
 

@@ -53,6 +53,7 @@ STATUS_NAMES = [
 ADMISSION = {"marconi": 0, "all_blocks": 1, "oracle": 2}
 EVICTION = {"lru": 0, "flop_aware": 1}
 OBJECTIVE = {"flops_saved": 0, "token_hits": 1}
+ADOPTION = {"when_ready": 0, "deterministic": 1}
 
 
 def _flag(value: Any, name: str) -> int:
@@ -216,7 +217,11 @@ class PrefixCache:
 
     model: a preset name ("paper-7b", "jamba-1.5-mini", "nemotron-h-8b", ...)
     or a dict of marconi_model_spec fields. alpha: None for online tuning,
-    or a fixed float.
+    or a fixed float. tuner_adoption: "when_ready" (the default: a request
+    never waits for the background alpha search, it adopts the result once
+    it is done) or "deterministic" (adopted at a fixed request, waiting for
+    the search there: the same trace gives the same decisions on any
+    machine, as marconi-core's PrefixCache and the simulator do).
 
     Every integer argument is checked against its C type before the call
     (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace
@@ -239,6 +244,7 @@ class PrefixCache:
         tuner_grid: Optional[Sequence[float]] = None,
         tuner_objective: str = "flops_saved",
         tuner_threads: int = 0,
+        tuner_adoption: str = "when_ready",
         decision_log: bool = False,
         protect_branch_states: bool = True,
     ):
@@ -274,6 +280,8 @@ class PrefixCache:
             raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
         if admission not in ADMISSION or eviction not in EVICTION or tuner_objective not in OBJECTIVE:
             raise ValueError("admission, eviction or tuner_objective is not a known policy")
+        if tuner_adoption not in ADOPTION:
+            raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
         cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
         cfg.page_size = page_size = _u32(page_size, "page_size")
         cfg.checkpoint_grid = _u32(checkpoint_grid, "checkpoint_grid")
@@ -284,6 +292,7 @@ class PrefixCache:
         cfg.protect_branch_states = _flag(protect_branch_states, "protect_branch_states")
         cfg.tuner_objective = OBJECTIVE[tuner_objective]
         cfg.tuner_threads = _u32(tuner_threads, "tuner_threads")
+        cfg.tuner_adoption = ADOPTION[tuner_adoption]
         if alpha is None:
             cfg.alpha_mode = 1
         else:

@@ -186,3 +186,13 @@ def test_threads_share_a_cache():
     cache.close()  # idempotent
     with pytest.raises(ValueError):
         cache.stats()
+
+
+def test_tuner_adoption_modes():
+    # Engines get when_ready by default; deterministic is there for replays.
+    for mode in ("when_ready", "deterministic"):
+        with marconi.PrefixCache(1 << 30, "paper-7b", tuner_adoption=mode) as cache:
+            lease = cache.lookup([1, 2, 3])
+            cache.release(lease)
+    with pytest.raises(ValueError, match="tuner_adoption"):
+        marconi.PrefixCache(1 << 30, "paper-7b", tuner_adoption="eventually")

@@ -34,7 +34,7 @@ def python_stats() -> dict:
         next_slot[0] += 1
         return next_slot[0]
 
-    with marconi.PrefixCache(CAPACITY, "paper-7b") as cache:
+    with marconi.PrefixCache(CAPACITY, "paper-7b", tuner_adoption="deterministic") as cache:
         for line in TRACE.read_text().splitlines():
             req = json.loads(line)
             inp, out = req["input"], req["output"]

@@ -1730,7 +1730,10 @@ impl<'r> Worker<'r> {
                 ("reserved field set", St::InvalidConfig)
             }
             11 => {
-                cfg.struct_size = self.rng.below(size_of::<marconi_cache_config>() as u64) as u32;
+                // Smaller than the first version of the struct (it ends before
+                // tuner_adoption); version-1 sizes are valid.
+                let v1 = std::mem::offset_of!(marconi_cache_config, tuner_adoption);
+                cfg.struct_size = self.rng.below(v1 as u64) as u32;
                 ("struct_size too small", St::UnsupportedStructSize)
             }
             12 => {

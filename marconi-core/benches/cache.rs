@@ -12,17 +12,8 @@
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use marconi_core::{AlphaMode, CacheConfig, ModelSpec, PrefixCache};
 
-/// A deterministic generator (no randomness crates in core's benches).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 33) as u32
-    }
-}
+mod common;
+use common::Lcg;
 
 /// `sessions` sessions of `turns` turns after a 2,000-token shared prompt.
 fn workload(sessions: u32, turns: u32) -> Vec<(Vec<u32>, Vec<u32>)> {

@@ -25,23 +25,8 @@ use std::time::{Duration, Instant};
 
 use marconi_core::{AlphaAdoption, AlphaMode, CacheConfig, ModelSpec, PrefixCache, TunerConfig};
 
-/// A deterministic generator (no randomness crates in core's benches).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (self.0 >> 33) as u32
-    }
-    fn range(&mut self, lo: u32, hi: u32) -> u32 {
-        lo + self.next() % (hi - lo)
-    }
-    fn tokens(&mut self, n: u32) -> Vec<u32> {
-        (0..n).map(|_| self.next() % 100_000).collect()
-    }
-}
+mod common;
+use common::Lcg;
 
 /// Agentic sessions, 64 in flight at a time; each starts from one of 8
 /// system prompts (1.5–3 k tokens) and runs 4–12 turns of 100–500 input and

@@ -50,7 +50,7 @@
  * Every marconi_status, in value order, as an array initialiser:
  * `static const marconi_status all[] = marconi_status_ALL;`
  */
-#define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE }
+#define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, MARCONI_STATUS_UNKNOWN_HANDLE, MARCONI_STATUS_DOUBLE_FREE, MARCONI_STATUS_OUT_OF_MEMORY, MARCONI_STATUS_UNSUPPORTED, MARCONI_STATUS_BACKEND_FAILURE }
 
 /**
  * The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -156,6 +156,30 @@ enum marconi_status
    * larger with non-zero bytes this library does not know.
    */
   MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE = 19,
+  /**
+   * A pool handle is not live: 0, stale (its unit was freed and reused),
+   * of another pool or pool kind.
+   */
+  MARCONI_STATUS_UNKNOWN_HANDLE = 20,
+  /**
+   * A pool handle was already freed (or is listed twice in one call).
+   */
+  MARCONI_STATUS_DOUBLE_FREE = 21,
+  /**
+   * A pool has too few free units for the request, even after the
+   * capacity migration its configuration allows.
+   */
+  MARCONI_STATUS_OUT_OF_MEMORY = 22,
+  /**
+   * The operation or backend is not available in this build or on this
+   * machine (CUDA without the `cuda` feature or a driver, snapshot copies
+   * on a pool without memory, migration on a static split).
+   */
+  MARCONI_STATUS_UNSUPPORTED = 23,
+  /**
+   * The memory backend failed (an operating-system or driver call).
+   */
+  MARCONI_STATUS_BACKEND_FAILURE = 24,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -303,10 +327,131 @@ typedef uint32_t marconi_alpha_adoption;
 #endif // __cplusplus
 
 /**
+ * What backs a pool's units.
+ */
+enum marconi_pool_backend
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No memory: handles and byte offsets only (the engine maps offsets onto
+   * its own tensors). Snapshot operations on such a pool are
+   * MARCONI_STATUS_UNSUPPORTED (use marconi_snapshot_* on the buffer).
+   */
+  MARCONI_POOL_BACKEND_NONE = 0,
+  /**
+   * Host memory: one Linux memfd, mapped per pool into an address range
+   * as large as the budget; physical memory follows the pools' capacity
+   * (never more than the budget, a migration included).
+   */
+  MARCONI_POOL_BACKEND_MEMFD = 1,
+  /**
+   * CUDA virtual memory (cuMemCreate/cuMemMap) on device `cuda_device`:
+   * resolved addresses are device pointers. A library built without the
+   * `cuda` feature, or a machine without a usable driver, refuses it with
+   * MARCONI_STATUS_UNSUPPORTED.
+   */
+  MARCONI_POOL_BACKEND_CUDA = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pool_backend marconi_pool_backend;
+#else
+typedef uint32_t marconi_pool_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * When capacity moves between the two pools.
+ */
+enum marconi_pool_migration
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Never: the split given at creation stays (SGLang's static split).
+   */
+  MARCONI_POOL_MIGRATION_STATIC = 0,
+  /**
+   * AVMP (paper §3.2): an allocation that does not fit in its pool moves
+   * migration_batch_units units' worth of capacity from the other pool's
+   * free tail, then retries once.
+   */
+  MARCONI_POOL_MIGRATION_AVMP = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pool_migration marconi_pool_migration;
+#else
+typedef uint32_t marconi_pool_migration;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * The two pools.
+ */
+enum marconi_pool_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Attention KV pages.
+   */
+  MARCONI_POOL_KIND_KV = 0,
+  /**
+   * Recurrent (Mamba/SSM) state slots.
+   */
+  MARCONI_POOL_KIND_STATE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pool_kind marconi_pool_kind;
+#else
+typedef uint32_t marconi_pool_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How marconi_snapshot_promote / marconi_pool_promote_state make the
+ * accepted candidate the request's state.
+ */
+enum marconi_promote_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * No bytes move: the request's state is now the candidate's slot (the
+   * engine updates its request -> slot table).
+   */
+  MARCONI_PROMOTE_MODE_SWAP = 0,
+  /**
+   * The candidate's state is copied into the request's slot.
+   */
+  MARCONI_PROMOTE_MODE_COPY_INTO = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_promote_mode marconi_promote_mode;
+#else
+typedef uint32_t marconi_promote_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
 typedef struct marconi_cache marconi_cache;
+
+/**
+ * A pool handle: opaque to C. Create with marconi_pool_new, free with
+ * marconi_pool_free.
+ */
+typedef struct marconi_pool marconi_pool;
 
 /**
  * A model's layer composition and dimensions (see marconi-core's ModelSpec
@@ -738,6 +883,214 @@ typedef struct marconi_stats {
   uint64_t state_bytes_per_entry;
 } marconi_stats;
 
+/**
+ * Everything a pool is built from. Versioned by size: set struct_size with
+ * marconi_pool_config_init, then change fields.
+ */
+typedef struct marconi_pool_config {
+  /**
+   * sizeof(marconi_pool_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_pool_backend value (default MARCONI_POOL_BACKEND_MEMFD).
+   */
+  uint32_t backend;
+  /**
+   * Bytes of both pools together. Memfd and CUDA round it down to whole
+   * chunks (chunk_bytes); at least one chunk.
+   */
+  uint64_t budget_bytes;
+  /**
+   * Bytes of one KV page (all attention layers' K and V of page_size
+   * tokens, as the engine lays them out). Not 0.
+   */
+  uint64_t kv_page_bytes;
+  /**
+   * Bytes of one recurrent-state slot (all recurrent layers). Not 0.
+   */
+  uint64_t state_slot_bytes;
+  /**
+   * Share of the budget given to the state pool at creation, strictly
+   * between 0 and 1 (default 0.5). Memfd and CUDA round the state share
+   * down to whole chunks.
+   */
+  double state_fraction;
+  /**
+   * A marconi_pool_migration value (default MARCONI_POOL_MIGRATION_AVMP).
+   */
+  uint32_t migration;
+  /**
+   * Donor units moved per AVMP migration; 0 means 128 (the paper's).
+   */
+  uint32_t migration_batch_units;
+  /**
+   * Memfd chunk size (a multiple of the OS page size); 0 means 2 MiB.
+   * CUDA uses the device's granularity and ignores it.
+   */
+  uint64_t chunk_bytes;
+  /**
+   * CUDA device ordinal (backend CUDA only).
+   */
+  uint32_t cuda_device;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+} marconi_pool_config;
+
+/**
+ * Where a live handle's unit is.
+ */
+typedef struct marconi_unit_location {
+  /**
+   * The unit's first byte: a host address (memfd), a device address
+   * (CUDA), or 0 (backend NONE). Valid while the handle is live: a
+   * migration never moves or unmaps a live unit; freeing the handle or
+   * the pool ends it.
+   */
+  uint64_t address;
+  /**
+   * Byte offset of the unit from the start of its pool's range.
+   */
+  uint64_t byte_offset;
+  /**
+   * Bytes of the unit.
+   */
+  uint64_t unit_bytes;
+  /**
+   * A marconi_pool_kind value.
+   */
+  uint32_t kind;
+  /**
+   * The unit's index in its pool (byte_offset / unit_bytes).
+   */
+  uint32_t index;
+} marconi_unit_location;
+
+/**
+ * The outcome of one capacity migration.
+ */
+typedef struct marconi_migration {
+  /**
+   * A marconi_pool_kind value: the pool that gave capacity.
+   */
+  uint32_t donor;
+  /**
+   * Units removed from the donor's tail.
+   */
+  uint32_t donor_units;
+  /**
+   * Units appended to the other pool.
+   */
+  uint32_t recipient_units;
+  /**
+   * Must be ignored (padding made explicit).
+   */
+  uint32_t reserved;
+  /**
+   * Bytes the donor gave up.
+   */
+  uint64_t donor_bytes;
+} marconi_migration;
+
+/**
+ * Counters and gauges of a pool. Versioned by size: set struct_size to
+ * sizeof(marconi_pool_stats) before calling marconi_pool_get_stats.
+ */
+typedef struct marconi_pool_stats {
+  /**
+   * sizeof(marconi_pool_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * The marconi_pool_backend in use.
+   */
+  uint32_t backend;
+  /**
+   * The budget in force (after rounding to chunks).
+   */
+  uint64_t budget_bytes;
+  /**
+   * Bytes of a KV unit and of a state unit.
+   */
+  uint64_t kv_unit_bytes;
+  /**
+   * Bytes of a state unit.
+   */
+  uint64_t state_unit_bytes;
+  /**
+   * KV pool capacity in units.
+   */
+  uint64_t kv_capacity;
+  /**
+   * KV units free.
+   */
+  uint64_t kv_free;
+  /**
+   * State pool capacity in units.
+   */
+  uint64_t state_capacity;
+  /**
+   * State units free.
+   */
+  uint64_t state_free;
+  /**
+   * Migrations done.
+   */
+  uint64_t migrations;
+  /**
+   * Bytes the donors gave up over all migrations.
+   */
+  uint64_t bytes_migrated;
+  /**
+   * Physical chunks moved from one pool to the other (memfd, CUDA).
+   */
+  uint64_t chunks_moved;
+  /**
+   * Chunks mapped now (memfd, CUDA; 0 for NONE).
+   */
+  uint64_t mapped_chunks;
+  /**
+   * Chunks the budget holds (memfd, CUDA; 0 for NONE).
+   */
+  uint64_t budget_chunks;
+  /**
+   * Physical bytes committed now: the memfd's st_blocks * 512 (memory
+   * actually written), created chunks on CUDA, 0 for NONE. Never more
+   * than budget_bytes.
+   */
+  uint64_t physical_bytes;
+  /**
+   * Allocate and free calls served (the allocator's logical clock).
+   */
+  uint64_t ops;
+} marconi_pool_stats;
+
+/**
+ * The state buffer of marconi_snapshot_*: a layer-major tensor
+ * `[layers][slots][slot_bytes]` of host memory (layers 1: one plane). Slot
+ * `s`'s state is its slot_bytes in every layer.
+ */
+typedef struct marconi_state_buffer {
+  /**
+   * First byte of the tensor; layers * slots * slot_bytes bytes.
+   */
+  uint8_t *base;
+  /**
+   * Bytes of one slot in one layer.
+   */
+  size_t slot_bytes;
+  /**
+   * Slots per layer.
+   */
+  uint32_t slots;
+  /**
+   * Layers (planes); at least 1.
+   */
+  uint32_t layers;
+} marconi_state_buffer;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -1049,6 +1402,264 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
  */
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
+
+/**
+ * Writes the default configuration into `*cfg` (backend MEMFD, AVMP
+ * migration with batches of 128 units, state_fraction 0.5, chunk 2 MiB;
+ * budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)
+ * and sets cfg->struct_size to `struct_size`, the caller's
+ * sizeof(marconi_pool_config). Bytes past this library's struct are zeroed.
+ *
+ * Thread safety: safe from any thread.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to struct_size writable bytes.
+ */
+marconi_status marconi_pool_config_init(struct marconi_pool_config *cfg, size_t struct_size);
+
+/**
+ * Creates a pool from `*cfg` and writes the handle to `*out` (free it with
+ * marconi_pool_free). MARCONI_STATUS_INVALID_CONFIG with the reason in
+ * marconi_last_error for a configuration that cannot make a pool (a zero
+ * budget or unit size, a state_fraction outside (0, 1), a budget of fewer
+ * than two chunks, more units than a 32-bit handle can name, ...);
+ * MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
+ * on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
+ * the operating system or the driver refuses the memory.
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to struct_size readable bytes initialised by
+ * marconi_pool_config_init; `out` is NULL or writable.
+ */
+marconi_status marconi_pool_new(const struct marconi_pool_config *cfg, struct marconi_pool **out);
+
+/**
+ * Frees a pool and its memory (every address it resolved becomes invalid).
+ * NULL is a no-op.
+ *
+ * Thread safety: must not run concurrently with any other call on this
+ * pool; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `pool` is NULL or a handle from marconi_pool_new not yet freed.
+ */
+void marconi_pool_free(struct marconi_pool *pool);
+
+/**
+ * Allocates `n` units of pool `kind` (a marconi_pool_kind) and writes their
+ * handles to `out[0..n]`; all or nothing. With AVMP migration, an
+ * allocation that does not fit first moves capacity from the other pool's
+ * free tail, then retries once. MARCONI_STATUS_OUT_OF_MEMORY when the units
+ * are not there (nothing allocated, the detail says how many are free);
+ * MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
+ * nothing.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `out` has cap writable u32 (or is NULL).
+ */
+marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
+                                     uint32_t kind,
+                                     size_t n,
+                                     uint32_t *out,
+                                     size_t cap);
+
+/**
+ * Frees the `n` handles of `handles`; all or nothing: every handle is
+ * checked first (live, of this pool, not listed twice), then all are
+ * freed. MARCONI_STATUS_DOUBLE_FREE for a handle already freed (and not
+ * reused since) or listed twice; MARCONI_STATUS_UNKNOWN_HANDLE for one that
+ * is stale (its unit was reused), not from this pool, or 0. The detail
+ * names the first bad index. n 0 succeeds.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+ */
+marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
+                                       const uint32_t *handles,
+                                       size_t n);
+
+/**
+ * Resolves each of the `n` handles of `handles` to where its unit lies and
+ * writes `out[0..n]` (see marconi_unit_location for how long an address
+ * stays valid). All or nothing: a handle that is not live is
+ * MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE (freed) and
+ * nothing is written. MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `handles` has n readable u32 (or is
+ * NULL); `out` has cap writable elements (or is NULL).
+ */
+marconi_status marconi_pool_resolve(const struct marconi_pool *pool,
+                                    const uint32_t *handles,
+                                    size_t n,
+                                    struct marconi_unit_location *out,
+                                    size_t cap);
+
+/**
+ * Moves capacity toward pool `recipient` (a marconi_pool_kind) from the
+ * other pool's free tail: `donor_units` units of the donor, or its AVMP
+ * batch when donor_units is 0, and writes what moved to `*out` (may be
+ * NULL). MARCONI_STATUS_OUT_OF_MEMORY when the migration is refused (the
+ * donor's tail is in use or too small, the recipient would exceed the
+ * budget; the detail says which), MARCONI_STATUS_UNSUPPORTED for a static
+ * pool. The pools are unchanged on failure.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `out` is NULL or writable.
+ */
+marconi_status marconi_pool_migrate(const struct marconi_pool *pool,
+                                    uint32_t recipient,
+                                    uint32_t donor_units,
+                                    struct marconi_migration *out);
+
+/**
+ * Writes the pool's counters into `*out`: the caller sets out->struct_size
+ * to sizeof(marconi_pool_stats) and the library writes only that many bytes
+ * (struct_size below 16 is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE).
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `out` is NULL or points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_pool_get_stats(const struct marconi_pool *pool,
+                                      struct marconi_pool_stats *out);
+
+/**
+ * Copies state slots of the pool's state pool: for each pair, the state
+ * behind handle src_slot into the unit behind handle dst_slot (both state
+ * handles, live). The batch is checked whole before any byte moves: every
+ * handle live and a state slot (MARCONI_STATUS_UNKNOWN_HANDLE /
+ * MARCONI_STATUS_DOUBLE_FREE), no pair copying onto itself, no destination
+ * twice, no destination that another pair reads (MARCONI_STATUS_INVALID_ARGUMENT,
+ * the detail names the pairs). Memfd copies on the host (in parallel for
+ * large batches) and returns when done; CUDA runs one kernel launch and
+ * waits for it; backend NONE is MARCONI_STATUS_UNSUPPORTED.
+ *
+ * Thread safety: safe to call concurrently on the same pool (calls are
+ * serialised); the engine must not write the slots named meanwhile.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
+ */
+marconi_status marconi_pool_copy_states(const struct marconi_pool *pool,
+                                        const struct marconi_copy_order *pairs,
+                                        size_t n);
+
+/**
+ * Copies the state behind handle `src` into each of the n state handles of
+ * `dsts` (one batch: a fork for speculative candidates). Same checks and
+ * statuses as marconi_pool_copy_states.
+ *
+ * Thread safety: as marconi_pool_copy_states.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `dsts` has n readable u32 (or is NULL).
+ */
+marconi_status marconi_pool_fork_state(const struct marconi_pool *pool,
+                                       uint32_t src,
+                                       const uint32_t *dsts,
+                                       size_t n);
+
+/**
+ * Makes `candidates[accepted]` the request's state after speculative
+ * decoding and writes the handle now holding it to `*out_state`: SWAP (a
+ * marconi_promote_mode) moves no bytes and writes the candidate's handle;
+ * COPY_INTO copies the candidate's state into `state` and writes `state`.
+ * Either way the engine frees the handles it no longer needs (SWAP: `state`
+ * and the other candidates; COPY_INTO: every candidate). Checked first:
+ * accepted < n, no handle listed twice, every handle a live state slot.
+ *
+ * Thread safety: as marconi_pool_copy_states.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `candidates` has n readable u32 (or is
+ * NULL); `out_state` is writable or NULL.
+ */
+marconi_status marconi_pool_promote_state(const struct marconi_pool *pool,
+                                          uint32_t state,
+                                          const uint32_t *candidates,
+                                          size_t n,
+                                          size_t accepted,
+                                          uint32_t mode,
+                                          uint32_t *out_state);
+
+/**
+ * Runs a batch of copy orders over a caller's state buffer: for each pair,
+ * slot src_slot's state (in every layer) into slot dst_slot. Checked whole
+ * first (slots in range, no self copy, no destination twice, no destination
+ * that another pair reads: MARCONI_STATUS_INVALID_ARGUMENT naming the
+ * pairs); then copied on the host, in parallel for large batches.
+ *
+ * Thread safety: safe from any thread; the caller must not touch the
+ * buffer's slots named here during the call.
+ *
+ * # Safety
+ *
+ * `buf` is NULL or points to a marconi_state_buffer whose base holds
+ * layers * slots * slot_bytes writable bytes; `pairs` has n readable
+ * elements (or is NULL).
+ */
+marconi_status marconi_snapshot_copy(const struct marconi_state_buffer *buf,
+                                     const struct marconi_copy_order *pairs,
+                                     size_t n);
+
+/**
+ * Copies slot `src`'s state into each of the n slots of `dsts` of a
+ * caller's state buffer (a fork); checks as marconi_snapshot_copy.
+ *
+ * Thread safety: as marconi_snapshot_copy.
+ *
+ * # Safety
+ *
+ * As marconi_snapshot_copy; `dsts` has n readable u32 (or is NULL).
+ */
+marconi_status marconi_snapshot_fork(const struct marconi_state_buffer *buf,
+                                     uint32_t src,
+                                     const uint32_t *dsts,
+                                     size_t n);
+
+/**
+ * Promotes `candidates[accepted]` in a caller's state buffer (see
+ * marconi_pool_promote_state for SWAP and COPY_INTO) and writes the slot
+ * now holding the request's state to `*out_slot`.
+ *
+ * Thread safety: as marconi_snapshot_copy.
+ *
+ * # Safety
+ *
+ * As marconi_snapshot_copy; `candidates` has n readable u32 (or is NULL);
+ * `out_slot` is writable or NULL.
+ */
+marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
+                                        uint32_t state_slot,
+                                        const uint32_t *candidates,
+                                        size_t n,
+                                        size_t accepted,
+                                        uint32_t mode,
+                                        uint32_t *out_slot);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -24,6 +24,7 @@ use std::ffi::c_char;
 
 pub mod cache;
 pub mod config;
+pub mod pool;
 pub mod status;
 
 pub use cache::{
@@ -33,6 +34,11 @@ pub use cache::{
 pub use config::{
     marconi_admission, marconi_alpha_mode, marconi_cache_config, marconi_eviction,
     marconi_model_spec, marconi_tuning_objective,
+};
+pub use pool::{
+    marconi_migration, marconi_pool, marconi_pool_backend, marconi_pool_config, marconi_pool_kind,
+    marconi_pool_migration, marconi_pool_stats, marconi_promote_mode, marconi_state_buffer,
+    marconi_unit_location,
 };
 pub use status::marconi_status;
 

@@ -61,6 +61,20 @@ pub enum marconi_status {
     /// A versioned struct's struct_size is smaller than its first version, or
     /// larger with non-zero bytes this library does not know.
     UnsupportedStructSize = 19,
+    /// A pool handle is not live: 0, stale (its unit was freed and reused),
+    /// of another pool or pool kind.
+    UnknownHandle = 20,
+    /// A pool handle was already freed (or is listed twice in one call).
+    DoubleFree = 21,
+    /// A pool has too few free units for the request, even after the
+    /// capacity migration its configuration allows.
+    OutOfMemory = 22,
+    /// The operation or backend is not available in this build or on this
+    /// machine (CUDA without the `cuda` feature or a driver, snapshot copies
+    /// on a pool without memory, migration on a static split).
+    Unsupported = 23,
+    /// The memory backend failed (an operating-system or driver call).
+    BackendFailure = 24,
 }
 
 impl marconi_status {
@@ -69,7 +83,7 @@ impl marconi_status {
     /// (cbindgen would spell its elements with the Rust variant names).
     ///
     /// cbindgen:ignore
-    pub const ALL: [marconi_status; 20] = [
+    pub const ALL: [marconi_status; 25] = [
         marconi_status::Ok,
         marconi_status::NullArgument,
         marconi_status::InvalidArgument,
@@ -90,6 +104,11 @@ impl marconi_status {
         marconi_status::DuplicatePage,
         marconi_status::InvariantViolated,
         marconi_status::UnsupportedStructSize,
+        marconi_status::UnknownHandle,
+        marconi_status::DoubleFree,
+        marconi_status::OutOfMemory,
+        marconi_status::Unsupported,
+        marconi_status::BackendFailure,
     ];
 
     /// The status with value `v`; unknown values map to `InvalidArgument`.
@@ -123,6 +142,11 @@ impl marconi_status {
             marconi_status::DuplicatePage => "kv page given twice or already owned by the cache",
             marconi_status::InvariantViolated => "internal invariant violated (a libmarconi bug)",
             marconi_status::UnsupportedStructSize => "unsupported struct_size",
+            marconi_status::UnknownHandle => "pool handle is not live (stale, foreign or 0)",
+            marconi_status::DoubleFree => "pool handle already freed or listed twice",
+            marconi_status::OutOfMemory => "pool out of free units",
+            marconi_status::Unsupported => "not supported by this build, backend or machine",
+            marconi_status::BackendFailure => "memory backend failed (OS or driver call)",
         }
     }
 }

@@ -32,6 +32,7 @@ from .cache import (
     status_message,
     version,
 )
+from .pool import Pool, UnitLocation, snapshot_copy, snapshot_fork, snapshot_promote
 
 __all__ = [
     "NO_SLOT",
@@ -42,9 +43,14 @@ __all__ = [
     "MarconiPrefixCache",
     "MatchResult",
     "OutOfRangeError",
+    "Pool",
     "PrefixCache",
+    "UnitLocation",
     "last_error",
     "library_path",
+    "snapshot_copy",
+    "snapshot_fork",
+    "snapshot_promote",
     "status_message",
     "version",
 ]

@@ -165,6 +165,83 @@ class marconi_stats(Structure):
     ]
 
 
+class marconi_pool_config(Structure):
+    """struct marconi_pool_config (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("backend", c_uint32),
+        ("budget_bytes", c_uint64),
+        ("kv_page_bytes", c_uint64),
+        ("state_slot_bytes", c_uint64),
+        ("state_fraction", c_double),
+        ("migration", c_uint32),
+        ("migration_batch_units", c_uint32),
+        ("chunk_bytes", c_uint64),
+        ("cuda_device", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
+class marconi_unit_location(Structure):
+    """struct marconi_unit_location."""
+
+    _fields_ = [
+        ("address", c_uint64),
+        ("byte_offset", c_uint64),
+        ("unit_bytes", c_uint64),
+        ("kind", c_uint32),
+        ("index", c_uint32),
+    ]
+
+
+class marconi_migration(Structure):
+    """struct marconi_migration."""
+
+    _fields_ = [
+        ("donor", c_uint32),
+        ("donor_units", c_uint32),
+        ("recipient_units", c_uint32),
+        ("reserved", c_uint32),
+        ("donor_bytes", c_uint64),
+    ]
+
+
+class marconi_pool_stats(Structure):
+    """struct marconi_pool_stats (versioned by struct_size)."""
+
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
+        (name, c_uint64)
+        for name in (
+            "budget_bytes",
+            "kv_unit_bytes",
+            "state_unit_bytes",
+            "kv_capacity",
+            "kv_free",
+            "state_capacity",
+            "state_free",
+            "migrations",
+            "bytes_migrated",
+            "chunks_moved",
+            "mapped_chunks",
+            "budget_chunks",
+            "physical_bytes",
+            "ops",
+        )
+    ]
+
+
+class marconi_state_buffer(Structure):
+    """struct marconi_state_buffer."""
+
+    _fields_ = [
+        ("base", POINTER(c_uint8)),
+        ("slot_bytes", c_size_t),
+        ("slots", c_uint32),
+        ("layers", c_uint32),
+    ]
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -175,11 +252,17 @@ STRUCTS = {
         marconi_saved_state,
         marconi_admit_result,
         marconi_stats,
+        marconi_pool_config,
+        marconi_unit_location,
+        marconi_migration,
+        marconi_pool_stats,
+        marconi_state_buffer,
     )
 }
 """Every struct of the header, by its C name."""
 
 _cache_p = c_void_p
+_pool_p = c_void_p
 _u32_p = POINTER(c_uint32)
 _size_p = POINTER(c_size_t)
 
@@ -221,6 +304,33 @@ SIGNATURES = {
     "marconi_cache_stats": (status_t, [_cache_p, POINTER(marconi_stats)]),
     "marconi_cache_drain_log": (status_t, [_cache_p, c_char_p, c_size_t, _size_p]),
     "marconi_cache_check": (status_t, [_cache_p]),
+    # Pools and snapshots (marconi-ffi/src/pool.rs).
+    "marconi_pool_config_init": (status_t, [POINTER(marconi_pool_config), c_size_t]),
+    "marconi_pool_new": (status_t, [POINTER(marconi_pool_config), POINTER(_pool_p)]),
+    "marconi_pool_free": (None, [_pool_p]),
+    "marconi_pool_allocate": (status_t, [_pool_p, c_uint32, c_size_t, _u32_p, c_size_t]),
+    "marconi_pool_free_units": (status_t, [_pool_p, _u32_p, c_size_t]),
+    "marconi_pool_resolve": (
+        status_t,
+        [_pool_p, _u32_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+    ),
+    "marconi_pool_migrate": (status_t, [_pool_p, c_uint32, c_uint32, POINTER(marconi_migration)]),
+    "marconi_pool_get_stats": (status_t, [_pool_p, POINTER(marconi_pool_stats)]),
+    "marconi_pool_copy_states": (status_t, [_pool_p, POINTER(marconi_copy_order), c_size_t]),
+    "marconi_pool_fork_state": (status_t, [_pool_p, c_uint32, _u32_p, c_size_t]),
+    "marconi_pool_promote_state": (
+        status_t,
+        [_pool_p, c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
+    ),
+    "marconi_snapshot_copy": (
+        status_t,
+        [POINTER(marconi_state_buffer), POINTER(marconi_copy_order), c_size_t],
+    ),
+    "marconi_snapshot_fork": (status_t, [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t]),
+    "marconi_snapshot_promote": (
+        status_t,
+        [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
+    ),
 }
 """Every function of the header: name -> (restype, argtypes)."""
 

@@ -47,6 +47,11 @@ STATUS_NAMES = [
     "DUPLICATE_PAGE",
     "INVARIANT_VIOLATED",
     "UNSUPPORTED_STRUCT_SIZE",
+    "UNKNOWN_HANDLE",
+    "DOUBLE_FREE",
+    "OUT_OF_MEMORY",
+    "UNSUPPORTED",
+    "BACKEND_FAILURE",
 ]
 """marconi_status names (without the MARCONI_STATUS_ prefix), by value."""
 

@@ -26,7 +26,7 @@ def c_to_ctypes(decl: str):
         return None
     if base == "char" and stars == 1:
         return ctypes.c_char_p
-    if base == "marconi_cache":
+    if base in ("marconi_cache", "marconi_pool"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"

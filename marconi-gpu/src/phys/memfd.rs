@@ -84,6 +84,17 @@ impl MemfdBackend {
         })
     }
 
+    /// Host address of a reservation's first byte (the twin of
+    /// `CudaPhysical::base`): mapped granules are readable and writable
+    /// there, the others are `PROT_NONE`. Stable until the reservation is
+    /// freed.
+    ///
+    /// # Errors
+    /// [`PhysError::UnknownReservation`].
+    pub fn base(&self, r: ReservationId) -> Result<usize, PhysError> {
+        Ok(self.res(r)?.base)
+    }
+
     fn res(&self, r: ReservationId) -> Result<&Reservation, PhysError> {
         self.reservations
             .get(r.0 as usize)

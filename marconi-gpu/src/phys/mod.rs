@@ -288,6 +288,16 @@ impl<B: PhysicalMemory> BackedPool<B> {
         &self.pool
     }
 
+    /// The reservation holding `pool`'s units: the unit at
+    /// [`Location::byte_offset`] lies at that offset from the reservation's
+    /// base (`MemfdBackend::base`, `CudaPhysical::base`). The reservation
+    /// spans the whole budget and never moves, so a live unit's address is
+    /// stable until the unit is freed (a migration only moves free tail units).
+    #[must_use]
+    pub fn reservation(&self, pool: PoolKind) -> ReservationId {
+        self.backing[pool.index()].reservation
+    }
+
     /// The physical backend.
     #[must_use]
     pub fn backend(&self) -> &B {

@@ -1,0 +1,452 @@
+/*
+ * C tests of the pool and snapshot API of include/marconi.h: memfd pools
+ * (allocate, resolve to addresses that hold what is written there, free,
+ * AVMP migration, physical bytes within the budget), snapshot copy / fork /
+ * promote over a pool's state slots and over a caller's buffer, several
+ * threads sharing a pool, and misuse (each refused with its status and
+ * leaving the pool unchanged). Built by ci/test.d/c.sh with
+ * -fsanitize=address,undefined.
+ */
+#include "marconi.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      char err_[512];                                                          \
+      marconi_last_error(err_, sizeof err_);                                   \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,  \
+              __LINE__, #cond, err_);                                          \
+      failures++;                                                              \
+    }                                                                          \
+  } while (0)
+
+#define CHECK_EQ(a, b)                                                         \
+  do {                                                                         \
+    unsigned long long a_ = (unsigned long long)(a);                           \
+    unsigned long long b_ = (unsigned long long)(b);                           \
+    if (a_ != b_) {                                                            \
+      char err_[512];                                                          \
+      marconi_last_error(err_, sizeof err_);                                   \
+      fprintf(stderr, "%s:%d: %s == %llu, expected %s == %llu (last error: %s)\n", \
+              __FILE__, __LINE__, #a, a_, #b, b_, err_);                       \
+      failures++;                                                              \
+    }                                                                          \
+  } while (0)
+
+#define OK(call) CHECK_EQ((call), MARCONI_STATUS_OK)
+
+#define MIB (1024ull * 1024ull)
+
+static marconi_pool_stats stats_of(const marconi_pool *pool) {
+  marconi_pool_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(marconi_pool_get_stats(pool, &s));
+  return s;
+}
+
+static marconi_pool *new_pool(uint32_t backend, uint32_t migration, double fraction) {
+  marconi_pool_config cfg;
+  OK(marconi_pool_config_init(&cfg, sizeof cfg));
+  cfg.backend = backend;
+  cfg.migration = migration;
+  cfg.budget_bytes = 16 * MIB;
+  cfg.chunk_bytes = 1 * MIB;
+  cfg.kv_page_bytes = 64 * 1024;
+  cfg.state_slot_bytes = 128 * 1024;
+  cfg.state_fraction = fraction;
+  cfg.migration_batch_units = 8;
+  marconi_pool *pool = NULL;
+  OK(marconi_pool_new(&cfg, &pool));
+  CHECK(pool != NULL);
+  return pool;
+}
+
+static void test_config_misuse(void) {
+  marconi_pool_config cfg;
+  CHECK_EQ(marconi_pool_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pool_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  OK(marconi_pool_config_init(&cfg, sizeof cfg));
+  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_EQ(cfg.backend, MARCONI_POOL_BACKEND_MEMFD);
+  CHECK_EQ(cfg.migration, MARCONI_POOL_MIGRATION_AVMP);
+  marconi_pool *pool = (marconi_pool *)0x1;
+  /* Budget, unit sizes unset: a configuration error, and *out untouched. */
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(pool == (marconi_pool *)0x1);
+  CHECK_EQ(marconi_pool_new(NULL, &pool), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pool_new(&cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  cfg.budget_bytes = 16 * MIB;
+  cfg.kv_page_bytes = 4096;
+  cfg.state_slot_bytes = 0;
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.state_slot_bytes = 8192;
+  cfg.state_fraction = 0.0;
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.state_fraction = 0.5;
+  cfg.backend = 7;
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.backend = MARCONI_POOL_BACKEND_MEMFD;
+  cfg.budget_bytes = 3 * MIB; /* one chunk of 2 MiB: no room for two pools */
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.budget_bytes = 16 * MIB;
+  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.chunk_bytes = 0;
+  cfg.reserved = 1;
+  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.reserved = 0;
+  /* No GPU here (CI) or no `cuda` feature: a status, never a crash. */
+  cfg.backend = MARCONI_POOL_BACKEND_CUDA;
+  marconi_status st = marconi_pool_new(&cfg, &pool);
+  if (st == MARCONI_STATUS_OK) {
+    marconi_pool_free(pool);
+  } else {
+    CHECK_EQ(st, MARCONI_STATUS_UNSUPPORTED);
+  }
+  CHECK(pool == (marconi_pool *)0x1);
+  /* A newer caller's struct with unknown non-zero bytes is refused. */
+  struct {
+    marconi_pool_config c;
+    uint64_t future;
+  } big;
+  OK(marconi_pool_config_init(&big.c, sizeof big));
+  CHECK_EQ(big.future, 0);
+  big.c.budget_bytes = 16 * MIB;
+  big.c.kv_page_bytes = 4096;
+  big.c.state_slot_bytes = 8192;
+  big.future = 1;
+  CHECK_EQ(marconi_pool_new(&big.c, &pool), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  big.future = 0;
+  OK(marconi_pool_new(&big.c, &pool));
+  marconi_pool_free(pool);
+  marconi_pool_free(NULL);
+}
+
+static void test_memfd_allocate_resolve_free(void) {
+  marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_STATIC, 0.25);
+  marconi_pool_stats s = stats_of(pool);
+  CHECK_EQ(s.backend, MARCONI_POOL_BACKEND_MEMFD);
+  CHECK_EQ(s.budget_bytes, 16 * MIB);
+  CHECK_EQ(s.budget_chunks, 16);
+  /* 4 MiB of state slots of 128 KiB: 32; 12 MiB of KV pages of 64 KiB: 192. */
+  CHECK_EQ(s.state_capacity, 32);
+  CHECK_EQ(s.kv_capacity, 192);
+  CHECK(s.mapped_chunks <= s.budget_chunks);
+  CHECK_EQ(s.physical_bytes, 0); /* nothing written yet */
+
+  uint32_t kv[16];
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 16, kv, 16));
+  marconi_unit_location loc[16];
+  OK(marconi_pool_resolve(pool, kv, 16, loc, 16));
+  for (int i = 0; i < 16; i++) {
+    CHECK(kv[i] != 0);
+    CHECK_EQ(kv[i] >> 31, 0); /* KV tag */
+    CHECK_EQ(loc[i].kind, MARCONI_POOL_KIND_KV);
+    CHECK_EQ(loc[i].unit_bytes, 64 * 1024);
+    CHECK_EQ(loc[i].byte_offset, (uint64_t)loc[i].index * 64 * 1024);
+    CHECK(loc[i].address != 0);
+    memset((void *)(uintptr_t)loc[i].address, 0x40 + i, 64 * 1024);
+  }
+  for (int i = 0; i < 16; i++) {
+    const unsigned char *p = (const unsigned char *)(uintptr_t)loc[i].address;
+    CHECK_EQ(p[0], 0x40 + i);
+    CHECK_EQ(p[64 * 1024 - 1], 0x40 + i);
+  }
+  s = stats_of(pool);
+  CHECK_EQ(s.kv_free, 192 - 16);
+  CHECK(s.physical_bytes >= 16 * 64 * 1024);
+  CHECK(s.physical_bytes <= s.budget_bytes);
+
+  /* Misuse, each refused and changing nothing. */
+  uint32_t out[4] = {0, 0, 0, 0};
+  CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 4, out, 3), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 4, NULL, 4), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pool_allocate(pool, 5, 1, out, 4), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_pool_allocate(NULL, MARCONI_POOL_KIND_KV, 1, out, 4), MARCONI_STATUS_NULL_ARGUMENT);
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 0, NULL, 0));
+  CHECK_EQ(out[0], 0);
+  /* More than the pool holds (static split): all or nothing. */
+  uint32_t *many = malloc(200 * sizeof *many);
+  CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 200, many, 200), MARCONI_STATUS_OUT_OF_MEMORY);
+  CHECK_EQ(stats_of(pool).kv_free, 192 - 16);
+  free(many);
+  uint32_t zero = 0;
+  CHECK_EQ(marconi_pool_resolve(pool, &zero, 1, loc, 16), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_pool_resolve(pool, kv, 16, loc, 15), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  CHECK_EQ(marconi_pool_resolve(pool, NULL, 2, loc, 16), MARCONI_STATUS_NULL_ARGUMENT);
+  /* A list naming one handle twice frees nothing. */
+  uint32_t twice[3] = {kv[0], kv[1], kv[0]};
+  CHECK_EQ(marconi_pool_free_units(pool, twice, 3), MARCONI_STATUS_DOUBLE_FREE);
+  CHECK_EQ(stats_of(pool).kv_free, 192 - 16);
+  /* A made-up handle in the list frees nothing. */
+  uint32_t bad[2] = {kv[2], 0x7fffff00u};
+  CHECK_EQ(marconi_pool_free_units(pool, bad, 2), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_pool_resolve(pool, &kv[2], 1, loc, 1));
+
+  OK(marconi_pool_free_units(pool, kv, 8));
+  CHECK_EQ(stats_of(pool).kv_free, 192 - 8);
+  /* Double free, use after free: statuses. */
+  CHECK_EQ(marconi_pool_free_units(pool, kv, 1), MARCONI_STATUS_DOUBLE_FREE);
+  CHECK_EQ(marconi_pool_resolve(pool, kv, 1, loc, 1), MARCONI_STATUS_DOUBLE_FREE);
+  /* A freed handle whose unit was reused is stale, never the new owner's. */
+  uint32_t again[8];
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 8, again, 8));
+  for (int i = 0; i < 8; i++) {
+    marconi_status st = marconi_pool_resolve(pool, &kv[i], 1, loc, 1);
+    CHECK(st == MARCONI_STATUS_UNKNOWN_HANDLE || st == MARCONI_STATUS_DOUBLE_FREE);
+    for (int j = 0; j < 8; j++) CHECK(kv[i] != again[j]);
+  }
+  OK(marconi_pool_free_units(pool, again, 8));
+  OK(marconi_pool_free_units(pool, kv + 8, 8));
+  s = stats_of(pool);
+  CHECK_EQ(s.kv_free, 192);
+  CHECK_EQ(s.migrations, 0);
+  /* A static pool does not migrate. */
+  CHECK_EQ(marconi_pool_migrate(pool, MARCONI_POOL_KIND_STATE, 0, NULL), MARCONI_STATUS_UNSUPPORTED);
+  /* Stats: too small a struct_size, and an older (shorter) caller. */
+  marconi_pool_stats small;
+  memset(&small, 0xAB, sizeof small);
+  small.struct_size = 8;
+  CHECK_EQ(marconi_pool_get_stats(pool, &small), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  small.struct_size = 16;
+  OK(marconi_pool_get_stats(pool, &small));
+  CHECK_EQ(small.budget_bytes, 16 * MIB);
+  CHECK_EQ(small.kv_unit_bytes, 0xABABABABABABABABull); /* past struct_size: untouched */
+  marconi_pool_free(pool);
+}
+
+static void test_memfd_avmp_migration(void) {
+  marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  marconi_pool_stats s = stats_of(pool);
+  CHECK_EQ(s.kv_capacity, 128);   /* 8 MiB / 64 KiB */
+  CHECK_EQ(s.state_capacity, 64); /* 8 MiB / 128 KiB */
+  /* Fill the KV pool, then ask for more: capacity moves from the state pool. */
+  uint32_t *kv = malloc(160 * sizeof *kv);
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 128, kv, 128));
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 8, kv + 128, 8));
+  s = stats_of(pool);
+  CHECK_EQ(s.migrations, 1);
+  /* A batch of 8 state slots (1 MiB, one chunk) became 16 KV pages. */
+  CHECK_EQ(s.state_capacity, 56);
+  CHECK_EQ(s.kv_capacity, 144);
+  CHECK(s.kv_capacity > 128);
+  CHECK(s.mapped_chunks <= s.budget_chunks);
+  /* Every page written: physical memory within the budget all the same. */
+  marconi_unit_location *loc = malloc(136 * sizeof *loc);
+  OK(marconi_pool_resolve(pool, kv, 136, loc, 136));
+  for (int i = 0; i < 136; i++) memset((void *)(uintptr_t)loc[i].address, i & 0xff, 64 * 1024);
+  s = stats_of(pool);
+  CHECK(s.physical_bytes <= s.budget_bytes);
+  CHECK(s.physical_bytes >= 136ull * 64 * 1024);
+  /* Explicit migration back toward the state pool is refused while the KV
+   * tail is in use, and changes nothing. */
+  marconi_migration m;
+  CHECK_EQ(marconi_pool_migrate(pool, MARCONI_POOL_KIND_STATE, 8, &m), MARCONI_STATUS_OUT_OF_MEMORY);
+  CHECK_EQ(stats_of(pool).kv_capacity, s.kv_capacity);
+  OK(marconi_pool_free_units(pool, kv, 136));
+  OK(marconi_pool_migrate(pool, MARCONI_POOL_KIND_STATE, 16, &m));
+  CHECK_EQ(m.donor, MARCONI_POOL_KIND_KV);
+  CHECK_EQ(m.donor_units, 16);
+  CHECK_EQ(m.donor_bytes, 16 * 64 * 1024);
+  CHECK_EQ(m.recipient_units, 8); /* 1 MiB / 128 KiB */
+  s = stats_of(pool);
+  CHECK_EQ(s.migrations, 2);
+  CHECK(s.mapped_chunks <= s.budget_chunks);
+  CHECK(s.physical_bytes <= s.budget_bytes);
+  CHECK_EQ(marconi_pool_migrate(pool, 3, 0, &m), MARCONI_STATUS_INVALID_ARGUMENT);
+  free(loc);
+  free(kv);
+  marconi_pool_free(pool);
+}
+
+static void fill(const marconi_pool *pool, uint32_t h, unsigned char v) {
+  marconi_unit_location l;
+  OK(marconi_pool_resolve(pool, &h, 1, &l, 1));
+  memset((void *)(uintptr_t)l.address, v, (size_t)l.unit_bytes);
+}
+
+static int holds(const marconi_pool *pool, uint32_t h, unsigned char v) {
+  marconi_unit_location l;
+  if (marconi_pool_resolve(pool, &h, 1, &l, 1) != MARCONI_STATUS_OK) return 0;
+  const unsigned char *p = (const unsigned char *)(uintptr_t)l.address;
+  for (uint64_t i = 0; i < l.unit_bytes; i++)
+    if (p[i] != v) return 0;
+  return 1;
+}
+
+static void test_pool_snapshots(void) {
+  marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  uint32_t st[8];
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
+  for (int i = 0; i < 8; i++) {
+    CHECK_EQ(st[i] >> 31, 1); /* state tag */
+    fill(pool, st[i], (unsigned char)(i + 1));
+  }
+  marconi_copy_order pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
+  OK(marconi_pool_copy_states(pool, pairs, 2));
+  CHECK(holds(pool, st[1], 1));
+  CHECK(holds(pool, st[3], 3));
+  CHECK(holds(pool, st[0], 1));
+  uint32_t dsts[3] = {st[4], st[5], st[6]};
+  OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
+  for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
+  /* Promote COPY_INTO: candidate 1 (st[5], after a change) into st[0]. */
+  fill(pool, st[5], 0x55);
+  uint32_t now = 0;
+  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
+  CHECK_EQ(now, st[0]);
+  CHECK(holds(pool, st[0], 0x55));
+  /* SWAP: no bytes move, the candidate's handle is the state now. */
+  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 2, MARCONI_PROMOTE_MODE_SWAP, &now));
+  CHECK_EQ(now, st[6]);
+  CHECK(holds(pool, st[0], 0x55));
+
+  /* Bad batches are refused whole: nothing copied. */
+  fill(pool, st[1], 0x11);
+  marconi_copy_order dup[2] = {{st[0], st[1]}, {st[2], st[1]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, dup, 2), MARCONI_STATUS_INVALID_ARGUMENT);
+  marconi_copy_order chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
+  marconi_copy_order self[1] = {{st[3], st[3]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK(holds(pool, st[1], 0x11));
+  uint32_t kv;
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 1, &kv, 1));
+  marconi_copy_order wrong_kind[1] = {{kv, st[1]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, wrong_kind, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_pool_fork_state(pool, st[0], NULL, 2), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pool_promote_state(pool, st[0], dsts, 3, 3, MARCONI_PROMOTE_MODE_SWAP, &now),
+           MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_pool_promote_state(pool, st[0], dsts, 3, 0, 9, &now), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_pool_promote_state(pool, st[0], dsts, 3, 0, 0, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  /* A freed state handle is refused. */
+  OK(marconi_pool_free_units(pool, &st[7], 1));
+  marconi_copy_order freed[1] = {{st[7], st[1]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, freed, 1), MARCONI_STATUS_DOUBLE_FREE);
+  CHECK(holds(pool, st[1], 0x11));
+  OK(marconi_pool_copy_states(pool, NULL, 0));
+  OK(marconi_pool_free_units(pool, st, 7));
+  OK(marconi_pool_free_units(pool, &kv, 1));
+  marconi_pool_free(pool);
+
+  /* A pool without memory gives offsets, and no copies. */
+  pool = new_pool(MARCONI_POOL_BACKEND_NONE, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 2, st, 8));
+  marconi_unit_location l[2];
+  OK(marconi_pool_resolve(pool, st, 2, l, 2));
+  CHECK_EQ(l[0].address, 0);
+  CHECK_EQ(l[1].byte_offset, (uint64_t)l[1].index * 128 * 1024);
+  marconi_copy_order one[1] = {{st[0], st[1]}};
+  CHECK_EQ(marconi_pool_copy_states(pool, one, 1), MARCONI_STATUS_UNSUPPORTED);
+  CHECK_EQ(stats_of(pool).physical_bytes, 0);
+  marconi_pool_free(pool);
+}
+
+static void test_caller_buffer_snapshots(void) {
+  enum { LAYERS = 3, SLOTS = 8, BYTES = 40 };
+  unsigned char *mem = malloc(LAYERS * SLOTS * BYTES);
+  for (int l = 0; l < LAYERS; l++)
+    for (int s = 0; s < SLOTS; s++) memset(mem + (l * SLOTS + s) * BYTES, 16 * l + s, BYTES);
+  marconi_state_buffer buf = {mem, BYTES, SLOTS, LAYERS};
+  marconi_copy_order pairs[2] = {{0, 5}, {1, 6}};
+  OK(marconi_snapshot_copy(&buf, pairs, 2));
+  for (int l = 0; l < LAYERS; l++) {
+    CHECK_EQ(mem[(l * SLOTS + 5) * BYTES + BYTES - 1], 16 * l + 0);
+    CHECK_EQ(mem[(l * SLOTS + 6) * BYTES], 16 * l + 1);
+    CHECK_EQ(mem[(l * SLOTS + 7) * BYTES], 16 * l + 7);
+  }
+  uint32_t dsts[2] = {2, 3};
+  OK(marconi_snapshot_fork(&buf, 7, dsts, 2));
+  for (int l = 0; l < LAYERS; l++) {
+    CHECK_EQ(mem[(l * SLOTS + 2) * BYTES], 16 * l + 7);
+    CHECK_EQ(mem[(l * SLOTS + 3) * BYTES + 7], 16 * l + 7);
+  }
+  uint32_t slot = 99;
+  uint32_t cands[2] = {4, 6};
+  OK(marconi_snapshot_promote(&buf, 0, cands, 2, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &slot));
+  CHECK_EQ(slot, 0);
+  CHECK_EQ(mem[0], 1); /* slot 6 held slot 1's state */
+  OK(marconi_snapshot_promote(&buf, 0, cands, 2, 0, MARCONI_PROMOTE_MODE_SWAP, &slot));
+  CHECK_EQ(slot, 4);
+  /* Misuse. */
+  marconi_copy_order out_of_range[1] = {{0, SLOTS}};
+  CHECK_EQ(marconi_snapshot_copy(&buf, out_of_range, 1), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_snapshot_copy(&buf, NULL, 1), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_snapshot_copy(NULL, pairs, 1), MARCONI_STATUS_NULL_ARGUMENT);
+  uint32_t dup[2] = {2, 2};
+  CHECK_EQ(marconi_snapshot_fork(&buf, 7, dup, 2), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_snapshot_promote(&buf, 4, cands, 2, 0, MARCONI_PROMOTE_MODE_SWAP, &slot),
+           MARCONI_STATUS_INVALID_ARGUMENT);
+  marconi_state_buffer empty = {mem, BYTES, 0, LAYERS};
+  CHECK_EQ(marconi_snapshot_copy(&empty, pairs, 2), MARCONI_STATUS_INVALID_ARGUMENT);
+  marconi_state_buffer nobase = {NULL, BYTES, SLOTS, LAYERS};
+  CHECK_EQ(marconi_snapshot_copy(&nobase, pairs, 2), MARCONI_STATUS_NULL_ARGUMENT);
+  marconi_state_buffer huge = {mem, SIZE_MAX / 2, SLOTS, LAYERS};
+  CHECK_EQ(marconi_snapshot_copy(&huge, pairs, 2), MARCONI_STATUS_INVALID_ARGUMENT);
+  free(mem);
+}
+
+typedef struct {
+  marconi_pool *pool;
+  int rounds;
+  int refused;
+} worker_arg;
+
+static void *worker(void *p) {
+  worker_arg *a = p;
+  uint32_t h[6];
+  for (int r = 0; r < a->rounds; r++) {
+    uint32_t kind = (uint32_t)(r % 2);
+    if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) {
+      a->refused++;
+      continue;
+    }
+    marconi_unit_location l[6];
+    if (marconi_pool_resolve(a->pool, h, 6, l, 6) != MARCONI_STATUS_OK) a->refused += 1000;
+    for (int i = 0; i < 6; i++) memset((void *)(uintptr_t)l[i].address, r & 0xff, 256);
+    if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->refused += 1000;
+  }
+  return NULL;
+}
+
+static void test_threads(void) {
+  marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  pthread_t t[4];
+  worker_arg args[4];
+  for (int i = 0; i < 4; i++) {
+    args[i] = (worker_arg){pool, 300, 0};
+    CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    CHECK(args[i].refused < 1000); /* resolve and free never fail on live handles */
+  }
+  marconi_pool_stats s = stats_of(pool);
+  CHECK_EQ(s.kv_free, s.kv_capacity);
+  CHECK_EQ(s.state_free, s.state_capacity);
+  CHECK(s.physical_bytes <= s.budget_bytes);
+  marconi_pool_free(pool);
+}
+
+int main(void) {
+  test_config_misuse();
+  test_memfd_allocate_resolve_free();
+  test_memfd_avmp_migration();
+  test_pool_snapshots();
+  test_caller_buffer_snapshots();
+  test_threads();
+  if (failures) {
+    fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("test_pool: all checks passed\n");
+  return 0;
+}

@@ -1,0 +1,364 @@
+"""Memory pools and state snapshots over the C ABI: Pool (marconi_pool_*)
+and the snapshot functions over a caller's buffer (marconi_snapshot_*).
+
+A Pool holds two pools of fixed-size units over one byte budget: KV pages
+("kv") and recurrent-state slots ("state"), split statically or moved on
+demand by AVMP migration, backed by nothing ("none": handles and offsets
+only), a Linux memfd ("memfd": host memory, addresses into a mapping) or
+CUDA virtual memory ("cuda": device addresses; a library built without CUDA,
+or a machine without a driver, raises MarconiError UNSUPPORTED).
+
+Handle lists (allocate's result, free's and resolve's argument) are
+array('I') or anything the token arrays accept (list, numpy/torch
+uint32/int32 arrays read in place): no per-handle Python work for buffers.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _lib
+from ._convert import _u32, _u32_pointer, _u32_source, _u64
+from .cache import _check, _real
+
+BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
+MIGRATION = {"static": 0, "avmp": 1}
+KIND = {"kv": 0, "state": 1}
+KIND_NAME = {v: k for k, v in KIND.items()}
+PROMOTE = {"swap": 0, "copy_into": 1}
+
+
+def _choice(value: Any, table: dict, name: str) -> int:
+    if not isinstance(value, str) or value not in table:
+        raise ValueError(f"{name}: expected one of {sorted(table)}, got {value!r}")
+    return table[value]
+
+
+@dataclass(frozen=True)
+class UnitLocation:
+    """Where a live handle's unit is (marconi_unit_location)."""
+
+    address: int
+    """First byte: a host address (memfd), a device address (cuda), 0 (none).
+    Valid while the handle is live: migrations never move a live unit."""
+    byte_offset: int
+    """Offset of the unit in its pool's range."""
+    unit_bytes: int
+    """Bytes of the unit."""
+    kind: str
+    """"kv" or "state"."""
+    index: int
+    """Unit index in its pool."""
+
+
+def _pairs_source(pairs: Any) -> tuple[Any, int]:
+    """(src, n_pairs): `pairs` as 2*n native uint32s (src, dst, src, dst,
+    ...). Accepts a sequence of (src, dst) tuples, a numpy/torch array of
+    shape (n, 2), or a flat buffer of 2n integers."""
+    np = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    if (np is not None and isinstance(pairs, np.ndarray)) or (torch is not None and isinstance(pairs, torch.Tensor)):
+        if pairs.ndim == 2:
+            if pairs.shape[1] != 2:
+                raise ValueError(f"pairs: expected shape (n, 2), got {tuple(pairs.shape)}")
+            pairs = pairs.reshape(-1)
+    elif isinstance(pairs, (list, tuple)):
+        flat = []
+        for i, p in enumerate(pairs):
+            if not isinstance(p, (tuple, list)) or len(p) != 2:
+                raise ValueError(f"pairs[{i}]: expected a (src, dst) pair, got {p!r}")
+            flat += p
+        pairs = flat
+    src, n = _u32_source(pairs, "pairs")
+    if n % 2:
+        raise ValueError(f"pairs: {n} integers do not make (src, dst) pairs")
+    return src, n // 2
+
+
+def _pairs_pointer(src: Any, n_pairs: int) -> Any:
+    p = _u32_pointer(src, 2 * n_pairs)
+    return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_copy_order))
+
+
+class Pool:
+    """A libmarconi memory pool (marconi_pool). Safe to share between
+    threads (the library locks internally). Close it with close() or a
+    `with` block: close() waits for calls in flight on other threads, and
+    later calls raise ValueError. Closing frees the memory, so every address
+    and view obtained from the pool is invalid afterwards.
+
+    budget_bytes: both pools together (memfd and cuda round it down to whole
+    chunks); kv_page_bytes, state_slot_bytes: unit sizes; state_fraction:
+    the state pool's initial share (0 < f < 1); migration: "avmp" (an
+    allocation that does not fit moves capacity from the other pool's free
+    tail, migration_batch_units at a time; 0 means 128) or "static";
+    chunk_bytes: the memfd chunk (0: 2 MiB).
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        kv_page_bytes: int,
+        state_slot_bytes: int,
+        *,
+        backend: str = "memfd",
+        migration: str = "avmp",
+        state_fraction: float = 0.5,
+        migration_batch_units: int = 0,
+        chunk_bytes: int = 0,
+        cuda_device: int = 0,
+    ):
+        self._handle: Optional[ctypes.c_void_p] = None
+        self._state = threading.Condition(threading.Lock())
+        self._inflight = 0
+        self._closing = False
+        lib = _lib.load()
+        cfg = _lib.marconi_pool_config()
+        _check(lib.marconi_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_pool_config_init")
+        cfg.backend = _choice(backend, BACKEND, "backend")
+        cfg.migration = _choice(migration, MIGRATION, "migration")
+        cfg.budget_bytes = _u64(budget_bytes, "budget_bytes")
+        cfg.kv_page_bytes = _u64(kv_page_bytes, "kv_page_bytes")
+        cfg.state_slot_bytes = _u64(state_slot_bytes, "state_slot_bytes")
+        cfg.state_fraction = _real(state_fraction, "state_fraction")
+        cfg.migration_batch_units = _u32(migration_batch_units, "migration_batch_units")
+        cfg.chunk_bytes = _u64(chunk_bytes, "chunk_bytes")
+        cfg.cuda_device = _u32(cuda_device, "cuda_device")
+        handle = ctypes.c_void_p()
+        _check(lib.marconi_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_pool_new")
+        self._lib = lib
+        self._handle = handle
+        self.backend = backend
+
+    # -- lifetime ----------------------------------------------------------
+
+    def _begin(self) -> ctypes.c_void_p:
+        with self._state:
+            if self._closing:
+                raise ValueError("the pool is closed")
+            self._inflight += 1
+            return self._handle
+
+    def _end(self) -> None:
+        with self._state:
+            self._inflight -= 1
+            if not self._inflight:
+                self._state.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once close() has begun."""
+        return self._closing
+
+    def close(self) -> None:
+        """Frees the pool and its memory (marconi_pool_free) once the calls
+        running on other threads return. Idempotent and thread-safe."""
+        with self._state:
+            self._closing = True
+            self._state.wait_for(lambda: self._inflight == 0)
+            h, self._handle = self._handle, None
+        if h is not None:
+            self._lib.marconi_pool_free(h)
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __copy__(self):
+        raise TypeError("a Pool cannot be copied: it owns its native pool (share the object instead)")
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a Pool cannot be pickled: it owns native memory of this process")
+
+    def _call(self, name: str, *args: Any) -> None:
+        h = self._begin()
+        try:
+            _check(getattr(self._lib, name)(h, *args), name)
+        finally:
+            self._end()
+
+    # -- units ---------------------------------------------------------------
+
+    def allocate(self, kind: str, n: int) -> "array.array[int]":
+        """Allocates n units of pool `kind` ("kv" or "state"); all or nothing
+        (MarconiError OUT_OF_MEMORY when they are not there, even after the
+        migration AVMP allows). Returns their handles as array('I')."""
+        k = _choice(kind, KIND, "kind")
+        n = _u32(n, "n")
+        out = array.array("I", bytes(4 * n))
+        ptr = _u32_pointer(out, n)
+        self._call("marconi_pool_allocate", k, n, ptr, n)
+        return out
+
+    def free(self, handles: Any) -> None:
+        """Frees the handles; all or nothing (MarconiError DOUBLE_FREE for a
+        freed or repeated handle, UNKNOWN_HANDLE for a stale or foreign one;
+        nothing is freed then)."""
+        src, n = _u32_source(handles, "handles")
+        self._call("marconi_pool_free_units", _u32_pointer(src, n), n)
+
+    def resolve(self, handles: Any) -> list[UnitLocation]:
+        """Where each handle's unit is (all or nothing)."""
+        src, n = _u32_source(handles, "handles")
+        out = (_lib.marconi_unit_location * max(n, 1))()
+        self._call("marconi_pool_resolve", _u32_pointer(src, n), n, out, n)
+        return [
+            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
+            for o in out[:n]
+        ]
+
+    def addresses(self, handles: Any) -> "array.array[int]":
+        """The units' addresses as array('Q') (see resolve)."""
+        return array.array("Q", (loc.address for loc in self.resolve(handles)))
+
+    def view(self, handle: int) -> memoryview:
+        """A writable memoryview of a live unit's bytes (memfd only; e.g.
+        numpy.frombuffer(pool.view(h), dtype)). Valid only while the handle
+        is live and the pool open: reading or writing it after free() or
+        close() is a use after free."""
+        if self.backend != "memfd":
+            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
+        (loc,) = self.resolve([_u32(handle, "handle")])
+        return memoryview((ctypes.c_char * loc.unit_bytes).from_address(loc.address)).cast("B")
+
+    def migrate(self, recipient: str, donor_units: int = 0) -> dict:
+        """Moves capacity toward pool `recipient` from the other pool's free
+        tail (donor_units of the donor, or its AVMP batch for 0). Returns
+        {"donor", "donor_units", "recipient_units", "donor_bytes"}."""
+        k = _choice(recipient, KIND, "recipient")
+        m = _lib.marconi_migration()
+        self._call("marconi_pool_migrate", k, _u32(donor_units, "donor_units"), ctypes.byref(m))
+        return {
+            "donor": KIND_NAME.get(m.donor, str(m.donor)),
+            "donor_units": m.donor_units,
+            "recipient_units": m.recipient_units,
+            "donor_bytes": m.donor_bytes,
+        }
+
+    def stats(self) -> dict:
+        """Counters and gauges (marconi_pool_stats) as a dict."""
+        s = _lib.marconi_pool_stats()
+        s.struct_size = ctypes.sizeof(s)
+        self._call("marconi_pool_get_stats", ctypes.byref(s))
+        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+        out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
+        return out
+
+    # -- snapshots -------------------------------------------------------------
+
+    def copy_states(self, pairs: Any) -> None:
+        """Copies state slots by handle: pairs of (src, dst) state handles
+        (a list of tuples, an (n, 2) uint32 numpy array, or a flat buffer).
+        Checked whole first (live state handles, no self copy, no
+        destination twice or also read); memfd copies on the host."""
+        src, n = _pairs_source(pairs)
+        self._call("marconi_pool_copy_states", _pairs_pointer(src, n), n)
+
+    def fork_state(self, src: int, dsts: Any) -> None:
+        """Copies state handle `src` into every handle of `dsts`."""
+        s = _u32(src, "src")
+        d, n = _u32_source(dsts, "dsts")
+        self._call("marconi_pool_fork_state", s, _u32_pointer(d, n), n)
+
+    def promote_state(self, state: int, candidates: Any, accepted: int, mode: str = "swap") -> int:
+        """Makes candidates[accepted] the request's state; returns the handle
+        holding it ("swap": the candidate's, no bytes move; "copy_into": the
+        candidate is copied into `state`, which is returned)."""
+        st = _u32(state, "state")
+        c, n = _u32_source(candidates, "candidates")
+        out = ctypes.c_uint32()
+        self._call(
+            "marconi_pool_promote_state",
+            st,
+            _u32_pointer(c, n),
+            n,
+            _u64(accepted, "accepted"),
+            _choice(mode, PROMOTE, "mode"),
+            ctypes.byref(out),
+        )
+        return out.value
+
+
+def _state_buffer(buffer: Any, slots: int, layers: int) -> tuple[Any, Any]:
+    """(marconi_state_buffer, keepalive) over a writable buffer holding
+    layers x slots equal slots (numpy arrays, bytearray, memoryview...)."""
+    slots = _u32(slots, "slots")
+    layers = _u32(layers, "layers")
+    if slots == 0 or layers == 0:
+        raise ValueError(f"slots {slots} and layers {layers} must be at least 1")
+    mv = memoryview(buffer)
+    if mv.readonly:
+        raise ValueError("buffer: a writable buffer is needed (the copies write it)")
+    if not mv.c_contiguous:
+        raise ValueError("buffer: not contiguous")
+    nbytes = mv.nbytes
+    if nbytes == 0 or nbytes % (slots * layers):
+        raise ValueError(f"buffer: {nbytes} bytes do not split into {layers} layers x {slots} slots")
+    raw = (ctypes.c_uint8 * nbytes).from_buffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    b = _lib.marconi_state_buffer()
+    b.base = ctypes.cast(raw, ctypes.POINTER(ctypes.c_uint8))
+    b.slot_bytes = nbytes // (slots * layers)
+    b.slots = slots
+    b.layers = layers
+    return b, raw
+
+
+def _snapshot_call(name: str, b: Any, *args: Any) -> None:
+    _check(getattr(_lib.load(), name)(ctypes.byref(b), *args), name)
+
+
+def snapshot_copy(buffer: Any, slots: int, pairs: Any, layers: int = 1) -> None:
+    """Copies slot states in a caller's buffer, a layer-major tensor
+    [layers][slots][state] (a numpy array, bytearray, ...): for each
+    (src, dst) pair, slot src into slot dst in every layer. Checked whole
+    first (marconi_snapshot_copy)."""
+    b, keep = _state_buffer(buffer, slots, layers)
+    src, n = _pairs_source(pairs)
+    _snapshot_call("marconi_snapshot_copy", b, _pairs_pointer(src, n), n)
+    del keep
+
+
+def snapshot_fork(buffer: Any, slots: int, src: int, dsts: Any, layers: int = 1) -> None:
+    """Copies slot `src` into every slot of `dsts` (marconi_snapshot_fork)."""
+    b, keep = _state_buffer(buffer, slots, layers)
+    d, n = _u32_source(dsts, "dsts")
+    _snapshot_call("marconi_snapshot_fork", b, _u32(src, "src"), _u32_pointer(d, n), n)
+    del keep
+
+
+def snapshot_promote(
+    buffer: Any, slots: int, state_slot: int, candidates: Any, accepted: int, mode: str = "swap", layers: int = 1
+) -> int:
+    """Promotes candidates[accepted] (see Pool.promote_state); returns the
+    slot holding the request's state."""
+    b, keep = _state_buffer(buffer, slots, layers)
+    c, n = _u32_source(candidates, "candidates")
+    out = ctypes.c_uint32()
+    _snapshot_call(
+        "marconi_snapshot_promote",
+        b,
+        _u32(state_slot, "state_slot"),
+        _u32_pointer(c, n),
+        n,
+        _u64(accepted, "accepted"),
+        _choice(mode, PROMOTE, "mode"),
+        ctypes.byref(out),
+    )
+    del keep
+    return out.value

@@ -1414,6 +1414,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "memfd_create and mmap are foreign calls Miri cannot run")]
     fn memfd_split_is_chunk_aligned_for_any_fraction() {
         for f in [0.01, 0.1, 0.3, 0.33, 0.5, 0.77, 0.99] {
             let mut c = config(marconi_pool_backend::Memfd);

@@ -1404,6 +1404,32 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
 
 /**
+ * Fills `*out` from the text of a Hugging Face `config.json`
+ * (`json[0..len]`, UTF-8, no NUL needed): layer counts from the family's
+ * layer pattern, dimensions and element width from its fields. Families
+ * read (`model_type`): nemotron_h, bamba, granitemoehybrid, falcon_h1,
+ * zamba2, jamba, mamba2, mamba; a composite model's `text_config` is read
+ * when the top level is not one of them. A missing `torch_dtype`/`dtype`
+ * means float32 (what transformers builds without one).
+ *
+ * Errors (`*out` untouched): MARCONI_STATUS_NULL_ARGUMENT (json NULL with
+ * len > 0, or out NULL); MARCONI_STATUS_INVALID_ARGUMENT (len 0 or above
+ * 16 MiB, not UTF-8, not a JSON object); MARCONI_STATUS_INVALID_CONFIG (an
+ * unsupported model_type, a missing or malformed field, or dimensions that
+ * cannot drive a cache). marconi_last_error() names the field.
+ *
+ * Thread safety: touches only `*out`.
+ *
+ * # Safety
+ *
+ * `json` is NULL or points to `len` readable bytes; `out` is NULL or
+ * writable.
+ */
+marconi_status marconi_model_spec_from_hf_config(const char *json,
+                                                 size_t len,
+                                                 struct marconi_model_spec *out);
+
+/**
  * Writes the default configuration into `*cfg` (backend MEMFD, AVMP
  * migration with batches of 128 units, state_fraction 0.5, chunk 2 MiB;
  * budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)

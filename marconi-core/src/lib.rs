@@ -36,6 +36,7 @@ mod cache;
 mod config;
 mod error;
 mod eviction;
+pub mod hf_config;
 mod index;
 mod invariants;
 mod log;
@@ -53,6 +54,7 @@ pub use config::{
 };
 pub use error::CacheError;
 pub use eviction::Freed;
+pub use hf_config::{HfConfigError, HF_MODEL_TYPES};
 pub use log::{Decision, EvictKind, PlanReason};
 pub use lookup::Lookup;
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};

@@ -117,7 +117,7 @@ pub struct marconi_model_spec {
 }
 
 impl marconi_model_spec {
-    fn from_core(m: &ModelSpec) -> Self {
+    pub(crate) fn from_core(m: &ModelSpec) -> Self {
         marconi_model_spec {
             attn_layers: m.attn_layers,
             ssm_layers: m.ssm_layers,

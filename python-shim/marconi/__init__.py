@@ -32,6 +32,7 @@ from .cache import (
     status_message,
     version,
 )
+from .model import ModelSpec
 from .pool import Pool, UnitLocation, snapshot_copy, snapshot_fork, snapshot_promote
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "MarconiNode",
     "MarconiPrefixCache",
     "MatchResult",
+    "ModelSpec",
     "OutOfRangeError",
     "Pool",
     "PrefixCache",

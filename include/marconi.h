@@ -1480,7 +1480,8 @@ void marconi_pool_free(struct marconi_pool *pool);
  * Allocates `n` units of pool `kind` (a marconi_pool_kind) and writes their
  * handles to `out[0..n]`; all or nothing. With AVMP migration, an
  * allocation that does not fit first moves capacity from the other pool's
- * free tail, then retries once. MARCONI_STATUS_OUT_OF_MEMORY when the units
+ * free tail (only when that makes room for all n), then retries once.
+ * MARCONI_STATUS_OUT_OF_MEMORY when the units
  * are not there (nothing allocated, the detail says how many are free);
  * MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
  * nothing.

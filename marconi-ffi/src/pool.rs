@@ -247,6 +247,16 @@ impl Backing {
         }
     }
 
+    /// The logical two-pool allocator under the backing.
+    fn dual(&self) -> &DualPool {
+        match self {
+            Backing::Plain(p) => p,
+            Backing::Memfd(p) => p.pool(),
+            #[cfg(feature = "cuda")]
+            Backing::Cuda(c) => c.pool.pool(),
+        }
+    }
+
     fn alloc_mut(&mut self) -> &mut dyn PoolAllocator {
         match self {
             Backing::Plain(p) => p,
@@ -810,7 +820,8 @@ pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
 /// Allocates `n` units of pool `kind` (a marconi_pool_kind) and writes their
 /// handles to `out[0..n]`; all or nothing. With AVMP migration, an
 /// allocation that does not fit first moves capacity from the other pool's
-/// free tail, then retries once. MARCONI_STATUS_OUT_OF_MEMORY when the units
+/// free tail (only when that makes room for all n), then retries once.
+/// MARCONI_STATUS_OUT_OF_MEMORY when the units
 /// are not there (nothing allocated, the detail says how many are free);
 /// MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
 /// nothing.
@@ -853,10 +864,27 @@ pub unsafe extern "C" fn marconi_pool_allocate(
         }
         let mut g = p.lock()?;
         let mut got = Vec::with_capacity(n);
-        g.backing
-            .alloc_mut()
-            .allocate_or_migrate(kind, n32, &mut got)
-            .map_err(alloc_err)?;
+        // Migrate only when one migration makes room for all n units: a
+        // migration followed by a failed allocation would change the pools
+        // in a refused call.
+        let a = g.backing.alloc();
+        let (free, cap) = (a.free_units(kind), a.capacity(kind));
+        let room = free >= n32 || {
+            let d = g.backing.dual();
+            d.policy_allows(kind)
+                .and_then(|batch| d.plan_migration(kind, batch))
+                .is_ok_and(|(kv, ssm)| {
+                    let grown = if kind == PoolKind::Kv { kv } else { ssm };
+                    u64::from(free) + u64::from(grown.saturating_sub(cap)) >= u64::from(n32)
+                })
+        };
+        let a = g.backing.alloc_mut();
+        if room {
+            a.allocate_or_migrate(kind, n32, &mut got).map(drop)
+        } else {
+            a.allocate(kind, n32, &mut got)
+        }
+        .map_err(alloc_err)?;
         for (o, h) in out.iter_mut().zip(&got) {
             *o = h.raw();
         }
@@ -1414,7 +1442,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "memfd_create and mmap are foreign calls Miri cannot run")]
+    #[cfg_attr(
+        miri,
+        ignore = "memfd_create and mmap are foreign calls Miri cannot run"
+    )]
     fn memfd_split_is_chunk_aligned_for_any_fraction() {
         for f in [0.01, 0.1, 0.3, 0.33, 0.5, 0.77, 0.99] {
             let mut c = config(marconi_pool_backend::Memfd);

@@ -43,6 +43,9 @@ enum Cmd {
     Avmp(AvmpArgs),
     /// The paper's end-to-end comparison over many traces per workload (Figs. 7–9 box plots).
     Paper(PaperArgs),
+    /// N engines behind a router: round robin vs KV overlap vs resumable overlap (issue 13).
+    #[command(after_help = marconi_sim::route::COLUMNS)]
+    Route(marconi_sim::route_cli::RouteArgs),
 }
 
 /// Where results go, shared by the commands that run many replays.
@@ -405,6 +408,7 @@ fn main() -> ExitCode {
         Cmd::Sweep(a) => sweep_cmd(a),
         Cmd::Avmp(a) => avmp_cmd(a),
         Cmd::Paper(a) => paper_cmd(a),
+        Cmd::Route(a) => marconi_sim::route_cli::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -52,6 +52,12 @@ pub(crate) struct LeaseInfo {
     /// Deepest pinned node (its ancestors are pinned too); NIL if none.
     pub(crate) pinned: NodeId,
     pub(crate) input_len: u32,
+    /// Leading input tokens that the pinned path spells (the hit; 0 when
+    /// nothing is pinned): the path cannot change while pinned, so an
+    /// admission checks them against the tree, which its walk reads anyway.
+    pub(crate) pinned_tokens: u32,
+    /// Fingerprint of the rest of the input, `input[pinned_tokens..]`: the
+    /// only part an admission hashes again.
     pub(crate) input_fingerprint: u64,
     pub(crate) plan: Vec<u32>,
     /// The longest sequence admitted under this lease (kept only while the
@@ -236,19 +242,24 @@ impl Core {
     }
 
     /// Turns a plain clone into a copy for replaying a tuning window: no
-    /// leases, no log, nothing pending for the engine, fresh counters, the
-    /// index rebuilt. O(nodes · log nodes): the tuner runs it on the search
-    /// thread, off the request path (which pays only the clone).
+    /// leases, no log, nothing pending for the engine, no engine page ids
+    /// (replayed requests carry none, as [`serve`](Self::serve) requires),
+    /// fresh counters, the index rebuilt. O(nodes · log nodes): the tuner
+    /// runs it on the search thread, off the request path (which pays only
+    /// the clone).
     pub(crate) fn prepare_for_replay(&mut self) {
         let c = self;
         c.leases.clear();
         c.log = DecisionLog::new(false);
         c.freed = Freed::default();
         c.index.clear();
+        c.page_owner.clear();
+        c.tracks_pages = c.tracks_pages.map(|_| false);
         for id in 0..c.tree.nodes.len() as NodeId {
             let n = c.tree.node_mut(id);
             n.leases = 0;
             n.cand = None;
+            n.pages = Arc::default();
         }
         for id in 0..c.tree.nodes.len() as NodeId {
             if c.tree.node(id).live {

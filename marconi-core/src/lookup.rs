@@ -93,14 +93,17 @@ impl Core {
             Some((p, r)) => (p, Some(r)),
             None => (Vec::new(), None),
         };
+        // The hit's tokens are the pinned path's: an admission checks them
+        // against the tree; only the rest is hashed, here and at admission.
+        let pinned_tokens = if usable.node == NIL { 0 } else { hit };
         let fp = if with_fingerprint {
-            // Only an engine's own admit checks it (the O(n) hash is
-            // skipped on the simulator's whole-request path).
-            fingerprint(input)
+            // Only an engine's own admit checks it (the simulator's
+            // whole-request path skips the hash).
+            fingerprint(&input[pinned_tokens as usize..])
         } else {
             0
         };
-        let lease = self.open_lease(ns, usable.node, len, fp, plan.clone());
+        let lease = self.open_lease(ns, usable.node, (len, pinned_tokens), fp, plan.clone());
         let lookup = Lookup {
             lease,
             hit_tokens: hit,
@@ -171,12 +174,13 @@ impl Core {
         (state_slot, kv_pages)
     }
 
-    /// Issues a lease pinning `pinned` (and its ancestors).
+    /// Issues a lease pinning `pinned` (and its ancestors), whose path
+    /// spells the first `pinned_tokens` of an input of `input_len` tokens.
     fn open_lease(
         &mut self,
         ns: u64,
         pinned: NodeId,
-        input_len: u32,
+        (input_len, pinned_tokens): (u32, u32),
         input_fingerprint: u64,
         plan: Vec<u32>,
     ) -> LeaseId {
@@ -188,6 +192,7 @@ impl Core {
                 ns,
                 pinned,
                 input_len,
+                pinned_tokens,
                 input_fingerprint,
                 plan,
                 admitted: None,
@@ -244,5 +249,52 @@ impl Core {
             out.extend_from_slice(&n.pages[..take as usize]);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{AlphaMode, CacheConfig, CacheError, ModelSpec, PrefixCache};
+
+    /// The admission checks the hit's tokens against the pinned path and
+    /// hashes only the rest: a change anywhere in the input is refused,
+    /// also after another request split the pinned path, and the input
+    /// itself is admitted.
+    #[test]
+    fn an_admission_must_repeat_the_input_hit_included() {
+        let mut c = PrefixCache::new(CacheConfig {
+            alpha: AlphaMode::Fixed(0.0),
+            ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 1_000_000_000)
+        })
+        .unwrap();
+        let base: Vec<u32> = (0..100).collect();
+        c.serve(0, &base, &[]).unwrap();
+        let mut input = base.clone();
+        input.extend(1000..1050);
+        let l = c.lookup(0, &input).unwrap();
+        assert_eq!(l.hit_tokens, 100);
+        // Another request branches off the pinned path at 40.
+        let other: Vec<u32> = (0..40).chain(5000..5060).collect();
+        c.serve(0, &other, &[]).unwrap();
+        let refused = CacheError::PrefixMismatch { input_len: 150 };
+        for at in [0, 39, 40, 99, 100, 149] {
+            let mut bad = input.clone();
+            bad[at] += 1_000_000;
+            assert_eq!(
+                c.admit(l.lease, &bad, &[], &[]),
+                Err(refused.clone()),
+                "{at}"
+            );
+        }
+        // The other branch's tokens where the input had the pinned ones.
+        let mut bad = input.clone();
+        bad[40..100].copy_from_slice(&other[40..100]);
+        assert_eq!(c.admit(l.lease, &bad, &[], &[]), Err(refused));
+        let mut full = input.clone();
+        full.extend(7000..7010);
+        let out = c.admit(l.lease, &full, &[], &[]).unwrap();
+        assert_eq!(out.new_kv_tokens, 60);
+        c.check_invariants();
+        c.release(l.lease).unwrap();
     }
 }

@@ -2,6 +2,7 @@
 //! walking. Byte accounting and policies live in `cache`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Index of a node in the arena.
 pub(crate) type NodeId = u32;
@@ -20,7 +21,11 @@ pub(crate) struct StateRef {
 pub(crate) struct Node {
     pub(crate) parent: NodeId,
     /// The edge label: tokens from the parent's end to this node's end.
-    pub(crate) tokens: Vec<u32>,
+    /// Copy-on-write: a copy of the tree (the tuner's window snapshot)
+    /// shares the buffers instead of copying every cached token, and an edge
+    /// that changes while shared is copied then (`Arc::make_mut`), on a path
+    /// that walks that edge anyway.
+    pub(crate) tokens: Arc<Vec<u32>>,
     /// Prefix length at the end of the edge.
     pub(crate) depth: u32,
     /// Children keyed by their edge's first token, sorted.
@@ -28,8 +33,8 @@ pub(crate) struct Node {
     /// The checkpoint at `depth`, if cached.
     pub(crate) state: Option<StateRef>,
     /// The engine's KV page ids for this edge (`tokens.len() / page_size`),
-    /// or empty when the engine does not track pages.
-    pub(crate) pages: Vec<u32>,
+    /// or empty when the engine does not track pages. Shared as `tokens` is.
+    pub(crate) pages: Arc<Vec<u32>>,
     /// Logical time of the last access.
     pub(crate) last_access: u64,
     /// Leases whose pinned path runs through this node.
@@ -253,6 +258,24 @@ impl Tree {
         }
     }
 
+    /// Whether the tokens from the root to the end of `id`'s edge begin
+    /// with `prefix` (no longer than `id`'s depth).
+    pub(crate) fn path_starts_with(&self, id: NodeId, prefix: &[u32]) -> bool {
+        let mut cur = id;
+        while cur != NIL && !self.is_root(cur) {
+            let n = self.node(cur);
+            let start = (n.depth as usize).saturating_sub(n.tokens.len());
+            if start < prefix.len() {
+                let end = prefix.len().min(n.depth as usize);
+                if n.tokens[..end - start] != prefix[start..end] {
+                    return false;
+                }
+            }
+            cur = n.parent;
+        }
+        prefix.len() <= self.node(id).depth as usize
+    }
+
     /// Splits `id`'s edge after `at` tokens (`0 < at < edge length`): a new
     /// node takes the first `at` tokens (and their pages) and becomes `id`'s
     /// parent. Returns the new node. The new node inherits `id`'s lease count
@@ -261,13 +284,15 @@ impl Tree {
         let (parent, head, head_pages, depth, leases, last_access) = {
             let n = self.node_mut(id);
             debug_assert!(at > 0 && (at as usize) < n.tokens.len());
-            let tail = n.tokens.split_off(at as usize);
-            let head = std::mem::replace(&mut n.tokens, tail);
+            let tokens = Arc::make_mut(&mut n.tokens);
+            let tail = tokens.split_off(at as usize);
+            let head = std::mem::replace(tokens, tail);
             let head_pages = if n.pages.is_empty() {
                 Vec::new()
             } else {
-                let tail_pages = n.pages.split_off((at / page_size) as usize);
-                std::mem::replace(&mut n.pages, tail_pages)
+                let pages = Arc::make_mut(&mut n.pages);
+                let tail_pages = pages.split_off((at / page_size) as usize);
+                std::mem::replace(pages, tail_pages)
             };
             let depth = n.depth - (n.tokens.len() as u32);
             (n.parent, head, head_pages, depth, n.leases, n.last_access)
@@ -275,11 +300,11 @@ impl Tree {
         let second = self.node(id).tokens[0];
         let new = self.alloc(Node {
             parent,
-            tokens: head,
+            tokens: Arc::new(head),
             depth,
             children: vec![(second, id)],
             state: None,
-            pages: head_pages,
+            pages: Arc::new(head_pages),
             last_access,
             leases,
             cand: None,
@@ -303,11 +328,11 @@ impl Tree {
         let first = tokens[0];
         let id = self.alloc(Node {
             parent,
-            tokens,
+            tokens: Arc::new(tokens),
             depth,
             children: Vec::new(),
             state: None,
-            pages,
+            pages: Arc::new(pages),
             last_access: now,
             leases: 0,
             cand: None,
@@ -333,7 +358,7 @@ impl Tree {
     /// edge is prefixed with `id`'s edge and takes `id`'s place under its
     /// parent. Returns the child.
     pub(crate) fn merge_into_child(&mut self, id: NodeId) -> NodeId {
-        let (parent, child, mut tokens, mut pages) = {
+        let (parent, child, tokens, pages) = {
             let n = self.node_mut(id);
             debug_assert!(n.children.len() == 1 && n.parent != NIL);
             (
@@ -345,11 +370,14 @@ impl Tree {
         };
         {
             let c = self.node_mut(child);
-            tokens.append(&mut c.tokens);
-            c.tokens = tokens;
+            // Unshared (no snapshot holds it), the parent's buffer is reused.
+            let mut tokens = Arc::unwrap_or_clone(tokens);
+            tokens.extend_from_slice(&c.tokens);
+            c.tokens = Arc::new(tokens);
             if !c.pages.is_empty() || !pages.is_empty() {
-                pages.append(&mut c.pages);
-                c.pages = pages;
+                let mut pages = Arc::unwrap_or_clone(pages);
+                pages.extend_from_slice(&c.pages);
+                c.pages = Arc::new(pages);
             }
             c.parent = parent;
         }
@@ -361,7 +389,27 @@ impl Tree {
 
 #[cfg(test)]
 mod tests {
-    use super::common_prefix;
+    use super::{common_prefix, Tree};
+
+    #[test]
+    fn path_starts_with_reads_every_edge_of_the_path() {
+        let mut t = Tree::default();
+        let root = t.root_or_insert(0);
+        let a = t.add_leaf(root, (0..10).collect(), Vec::new(), 0);
+        let b = t.add_leaf(a, (10..30).collect(), Vec::new(), 0);
+        let s = t.split(b, 5, 1);
+        let path: Vec<u32> = (0..30).collect();
+        for n in [0, 1, 10, 14, 15, 29, 30] {
+            assert!(t.path_starts_with(b, &path[..n]), "{n}");
+        }
+        assert!(t.path_starts_with(s, &path[..15]));
+        assert!(!t.path_starts_with(s, &path[..16]), "longer than the path");
+        for at in [0, 9, 10, 14, 15, 29] {
+            let mut bad = path.clone();
+            bad[at] = 99;
+            assert!(!t.path_starts_with(b, &bad), "{at}");
+        }
+    }
 
     #[test]
     fn common_prefix_at_every_offset() {

@@ -14,10 +14,11 @@
 //!   result without waiting and the first that finds it adopts it; no request
 //!   ever waits for a search.
 //!
-//! The request that opens a window pays only a copy of the tree and the
-//! owner sets ([`window_snapshot`]); turning it into a replay copy (index
-//! rebuilt) happens on the search thread, and starting the search copies
-//! nothing. The search yields the core after each replayed request, so an
+//! The request that opens a window pays only a copy of the node array
+//! ([`window_snapshot`]: edge tokens are shared buffers, so the copy follows
+//! the node count, not the cached tokens); turning it into a replay copy
+//! (index rebuilt, page ids dropped) happens on the search thread, and
+//! starting the search copies nothing. The search yields the core after each replayed request, so an
 //! engine thread that shares its core is not held for a scheduler slice.
 //!
 //! A replay that panics (a bug) or a thread that cannot be had never leaves
@@ -184,19 +185,23 @@ impl Search {
 /// The copy of the cache a window's replays start from, taken on the request
 /// that opens the window. Leaves out what
 /// [`Core::prepare_for_replay`] rebuilds or drops on the search thread anyway
-/// (the eviction index, leases, the log, ids waiting for the engine), so the
-/// request pays for the tree and the owner sets only: about 0.3 ms at a
-/// million cached tokens and 1.7 k nodes.
+/// (the eviction index, leases, the log, ids waiting for the engine, the
+/// engine's page ids), so the request pays for the node array and the slot
+/// owners only: edge tokens and page lists are shared buffers
+/// (`tree::Node::tokens`), not copied, so the cost follows the node count,
+/// not the cached tokens.
 fn window_snapshot(core: &mut Core) -> Core {
     let index = std::mem::take(&mut core.index);
     let leases = std::mem::take(&mut core.leases);
     let log = std::mem::replace(&mut core.log, DecisionLog::new(false));
     let freed = std::mem::take(&mut core.freed);
+    let page_owner = std::mem::take(&mut core.page_owner);
     let snapshot = core.clone();
     core.index = index;
     core.leases = leases;
     core.log = log;
     core.freed = freed;
+    core.page_owner = page_owner;
     snapshot
 }
 
@@ -566,6 +571,61 @@ mod tests {
         // The cache still serves, lookups included.
         let l = c.lookup(0, &(29_000..29_100).collect::<Vec<_>>()).unwrap();
         c.release(l.lease).unwrap();
+    }
+
+    /// An engine that tracks KV pages: the window's replays (which carry no
+    /// page ids) still serve, so the search scores α on real hits. (Replays
+    /// from a snapshot that kept its page ids were refused, every one, and
+    /// every α scored 0.)
+    #[test]
+    fn replays_of_a_page_tracking_cache_score_hits() {
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                grid: vec![0.5, 1.0],
+                min_window: 8,
+                bootstrap_factor: 1,
+                retune: false,
+                apply_after: 0,
+                threads: 1,
+                ..TunerConfig::default()
+            }),
+            decision_log: true,
+            ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 3 * STATE + 900 * KV)
+        };
+        let mut c = PrefixCache::new(cfg).unwrap();
+        let mut next_page = 0u32;
+        let mut history: Vec<Vec<u32>> = (0..4u32).map(|s| vec![s * 100_000]).collect();
+        let mut objective = None;
+        for i in 0..120u32 {
+            let conv = &mut history[(i % 4) as usize];
+            conv.extend(i * 1000..i * 1000 + 40);
+            let l = c.lookup(0, conv).unwrap();
+            conv.extend(i * 1000 + 500..i * 1000 + 520);
+            let states = c.states_to_save(&l, conv.len());
+            let pages: Vec<u32> = (0..conv.len())
+                .map(|_| {
+                    next_page += 1;
+                    next_page
+                })
+                .collect();
+            c.admit(l.lease, conv, &states, &pages).unwrap();
+            c.release(l.lease).unwrap();
+            c.check_invariants();
+            if conv.len() > 300 {
+                conv.truncate(1);
+            }
+            for d in c.drain_log() {
+                match d {
+                    Decision::Alpha {
+                        objective_at_zero, ..
+                    } => objective = objective.or(Some(objective_at_zero)),
+                    Decision::AlphaKept { reason, .. } => panic!("search failed: {reason}"),
+                    _ => {}
+                }
+            }
+        }
+        let objective = objective.expect("a tuning round within 120 requests");
+        assert!(objective > 0.0, "the replays saved no FLOPs: {objective}");
     }
 
     #[test]

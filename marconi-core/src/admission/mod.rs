@@ -162,7 +162,9 @@ impl Core {
         Self::check_tokens(tokens)?;
         let input_len = info.input_len as usize;
         if tokens.len() < input_len
-            || (verify_prefix && fingerprint(&tokens[..input_len]) != info.input_fingerprint)
+            || (verify_prefix
+                && fingerprint(&tokens[info.pinned_tokens as usize..input_len])
+                    != info.input_fingerprint)
         {
             return Err(CacheError::PrefixMismatch { input_len });
         }
@@ -244,6 +246,9 @@ impl Core {
         let aligned = round_down(tokens.len() as u32, page);
         let seq = &tokens[..aligned as usize];
         let walk = self.admission_walk(ns, seq, prior);
+        if verify_prefix {
+            self.check_pinned_prefix(lease, tokens, &walk)?;
+        }
         // Splits happen on page boundaries only.
         let m = round_down(walk.matched, page);
         self.check_pages_not_owned(kv_pages, m)?;
@@ -334,6 +339,32 @@ impl Core {
             );
         }
         walk
+    }
+
+    /// The input's leading tokens that the lease's pinned path spells (the
+    /// fingerprint covers only the rest) must be the admitted ones: free
+    /// when the admission's walk of `tokens` ran through the pinned node,
+    /// else compared along the pinned path.
+    fn check_pinned_prefix(
+        &self,
+        lease: LeaseId,
+        tokens: &[u32],
+        walk: &Walk,
+    ) -> Result<(), CacheError> {
+        let info = &self.leases[&lease];
+        let (pinned, n) = (info.pinned, info.pinned_tokens);
+        if n == 0 {
+            return Ok(());
+        }
+        let walked_through = walk.matched >= n
+            && (walk.path.contains(&pinned) || walk.partial.is_some_and(|(id, _)| id == pinned));
+        if walked_through || self.tree.path_starts_with(pinned, &tokens[..n as usize]) {
+            Ok(())
+        } else {
+            Err(CacheError::PrefixMismatch {
+                input_len: info.input_len as usize,
+            })
+        }
     }
 
     /// The pages the cache would take (past the matched `m` tokens) must

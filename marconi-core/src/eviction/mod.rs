@@ -223,10 +223,10 @@ impl Core {
         self.stats.evictions += 1;
         if leaf {
             let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
-            for p in &pages {
+            for p in pages.iter() {
                 self.page_owner.remove(p);
             }
-            self.freed.kv_pages.extend(pages);
+            self.freed.kv_pages.extend_from_slice(&pages);
             self.kv_tokens -= u64::from(edge);
             let parent = self.tree.remove_leaf(id);
             self.after_child_removed(parent);

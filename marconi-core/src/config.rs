@@ -200,6 +200,24 @@ impl CacheConfig {
         }
     }
 
+    /// Marconi exactly as the paper describes it: judicious admission,
+    /// FLOP-aware eviction whose merge candidates include shared prefixes
+    /// (`protect_branch_states` off, §4.3), α tuned once on the bootstrap
+    /// window for the best token hit rate (§4.2 "Managing the balance":
+    /// no re-tuning). The reference the default configuration must not
+    /// lose to.
+    pub fn marconi_paper(model: ModelSpec, capacity_bytes: u64) -> Self {
+        CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                retune: false,
+                objective: TuningObjective::TokenHits,
+                ..TunerConfig::default()
+            }),
+            protect_branch_states: false,
+            ..Self::marconi(model, capacity_bytes)
+        }
+    }
+
     /// The SGLang+ baseline: Marconi admission with LRU eviction.
     pub fn sglang_plus(model: ModelSpec, capacity_bytes: u64) -> Self {
         CacheConfig {

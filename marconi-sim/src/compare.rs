@@ -117,7 +117,8 @@ pub fn table(replays: &[Replay]) -> String {
     );
     for r in replays {
         let p = &r.report;
-        let alpha = if p.policy == Policy::Marconi.name() {
+        let alpha = if p.policy == Policy::Marconi.name() || p.policy == Policy::MarconiPaper.name()
+        {
             format!("{:.2}", p.alpha)
         } else {
             "-".into()

@@ -8,10 +8,14 @@
 //! * [`trace`]: the JSON-lines trace format, a streaming reader and a writer.
 //! * [`synth`] and [`sharegpt`]: workload generators.
 //! * [`replay`]: one policy over one trace, sequential or concurrent.
+//! * [`clairvoyant`]: the clairvoyant reference at equal capacity.
+//! * [`battery`]: every policy × a battery of traces × capacities.
 //! * [`compare`]: every policy over one trace in parallel, sweeps, tables.
 //! * [`paper`]: the paper's end-to-end comparison over many traces (Figs. 7–9).
 //! * [`plot`]: SVG figures.
 
+pub mod battery;
+pub mod clairvoyant;
 pub mod compare;
 pub mod paper;
 pub mod plot;

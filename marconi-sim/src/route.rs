@@ -213,7 +213,10 @@ impl RouteConfig {
         if !(self.lambda.is_finite() && self.lambda >= 0.0) {
             return bad(format!("λ {} is not finite and >= 0", self.lambda));
         }
-        if matches!(self.policy, Policy::NoCache | Policy::Oracle) {
+        if matches!(
+            self.policy,
+            Policy::NoCache | Policy::Oracle | Policy::Clairvoyant
+        ) {
             return bad(format!(
                 "policy {} has no bounded cache to route to",
                 self.policy

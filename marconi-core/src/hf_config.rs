@@ -353,20 +353,92 @@ fn moe_width(f: &Fields<'_>, top_k: u64, routed: u64, shared: u64) -> Result<u64
         .ok_or_else(|| f.bad("num_experts_per_tok", "MoE width overflows 64 bits"))
 }
 
+/// One layer of a layer list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layer {
+    Recurrent,
+    Attention,
+    Mlp,
+    Moe,
+    /// Zamba2: Mamba-2 after the shared attention block.
+    Hybrid,
+}
+
+/// The first of `names` that is present (the list's field), or a missing
+/// `fallback` error naming them all.
+fn list_field<'n>(
+    f: &Fields<'_>,
+    names: &[&'n str],
+    fallback: &str,
+) -> Result<&'n str, HfConfigError> {
+    names
+        .iter()
+        .find(|n| f.get(n).is_some())
+        .copied()
+        .ok_or_else(|| f.missing(&format!("{fallback}\" or \"{}", names.join("\" or \""))))
+}
+
+/// A list of layer type names, old spellings (`mamba`, `attention`) and
+/// transformers 5's (`linear_attention`, `full_attention`) alike.
+fn layer_list(f: &Fields<'_>, field: &str) -> Result<Vec<Layer>, HfConfigError> {
+    f.array(field)?
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            Ok(match t.as_str() {
+                Some("mamba" | "mamba2" | "linear_attention" | "M") => Layer::Recurrent,
+                Some("attention" | "full_attention" | "*") => Layer::Attention,
+                Some("mlp" | "-") => Layer::Mlp,
+                Some("moe" | "E") => Layer::Moe,
+                Some("hybrid") => Layer::Hybrid,
+                _ => {
+                    return Err(f.bad(
+                        field,
+                        format!("layer {i} is {t} (expected mamba/linear_attention, attention/full_attention, mlp, moe or hybrid)"),
+                    ))
+                }
+            })
+        })
+        .collect()
+}
+
 fn nemotron_h(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
-    let field = "hybrid_override_pattern";
-    let pattern = f.str(field)?;
-    let (mut attn, mut ssm, mut mlp, mut moe) = (0u64, 0u64, 0u64, 0u64);
-    for (i, c) in pattern.chars().enumerate() {
-        match c {
-            'M' => ssm += 1,
-            '*' => attn += 1,
-            '-' => mlp += 1,
-            'E' => moe += 1,
-            _ => return Err(f.bad(field, format!("layer {i} is {c:?} (expected M, *, - or E)"))),
+    // Hub configs spell the layers as a pattern string; transformers 5
+    // writes a list (`layers_block_type`).
+    let (field, kinds) = if f.get("hybrid_override_pattern").is_some() {
+        let field = "hybrid_override_pattern";
+        let mut kinds = Vec::new();
+        for (i, c) in f.str(field)?.chars().enumerate() {
+            kinds.push(match c {
+                'M' => Layer::Recurrent,
+                '*' => Layer::Attention,
+                '-' => Layer::Mlp,
+                'E' => Layer::Moe,
+                _ => {
+                    return Err(f.bad(field, format!("layer {i} is {c:?} (expected M, *, - or E)")))
+                }
+            });
         }
+        (field, kinds)
+    } else {
+        let field = list_field(
+            f,
+            &["layers_block_type", "layer_types"],
+            "hybrid_override_pattern",
+        )?;
+        (field, layer_list(f, field)?)
+    };
+    let count = |k: Layer| kinds.iter().filter(|&&x| x == k).count() as u64;
+    let (attn, ssm, mlp, moe) = (
+        count(Layer::Attention),
+        count(Layer::Recurrent),
+        count(Layer::Mlp),
+        count(Layer::Moe),
+    );
+    if kinds.contains(&Layer::Hybrid) {
+        return Err(f.bad(field, "a \"hybrid\" layer is a Zamba2 layer type"));
     }
-    check_layers(f, field, pattern.chars().count())?;
+    check_layers(f, field, kinds.len())?;
     let mut m = blank(f)?;
     m.attn_layers = f.u32_of(field, attn)?;
     m.ssm_layers = f.u32_of(field, ssm)?;
@@ -477,17 +549,17 @@ fn bamba(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
 }
 
 fn granite_moe_hybrid(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
-    let field = "layer_types";
-    let types = f.array(field)?;
+    let field = list_field(f, &["layer_types", "layers_block_type"], "layer_types")?;
+    let types = layer_list(f, field)?;
     let (mut attn, mut ssm) = (0u64, 0u64);
     for (i, t) in types.iter().enumerate() {
-        match t.as_str() {
-            Some("mamba") => ssm += 1,
-            Some("attention") => attn += 1,
+        match t {
+            Layer::Recurrent => ssm += 1,
+            Layer::Attention => attn += 1,
             _ => {
                 return Err(f.bad(
                     field,
-                    format!("layer {i} is {t} (expected \"mamba\" or \"attention\")"),
+                    format!("layer {i} is {t:?} (expected mamba or attention)"),
                 ))
             }
         }
@@ -539,16 +611,16 @@ fn falcon_h1(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
 
 fn zamba2(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
     let field = "layers_block_type";
-    let types = f.array(field)?;
+    let types = layer_list(f, field)?;
     let mut hybrid = 0u64;
     for (i, t) in types.iter().enumerate() {
-        match t.as_str() {
-            Some("mamba") => {}
-            Some("hybrid") => hybrid += 1,
+        match t {
+            Layer::Recurrent => {}
+            Layer::Hybrid => hybrid += 1,
             _ => {
                 return Err(f.bad(
                     field,
-                    format!("layer {i} is {t} (expected \"mamba\" or \"hybrid\")"),
+                    format!("layer {i} is {t:?} (expected mamba or hybrid)"),
                 ))
             }
         }
@@ -729,6 +801,34 @@ mod tests {
     }
 
     #[test]
+    fn transformers_5_layer_lists_equal_the_pattern() {
+        let list = NEMOTRON_H_8B.replace(
+            r#""hybrid_override_pattern": "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-M-M-M-M-""#,
+            &format!(
+                r#""layers_block_type": {:?}"#,
+                "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-M-M-M-M-"
+                    .chars()
+                    .map(|c| match c {
+                        'M' => "linear_attention",
+                        '*' => "full_attention",
+                        _ => "mlp",
+                    })
+                    .collect::<Vec<_>>()
+            ),
+        );
+        assert_ne!(list, NEMOTRON_H_8B);
+        assert_eq!(
+            ModelSpec::from_hf_config(&list).unwrap(),
+            ModelSpec::from_hf_config(NEMOTRON_H_8B).unwrap()
+        );
+        let hybrid = list.replacen("\"mlp\"", "\"hybrid\"", 1);
+        assert!(matches!(
+            ModelSpec::from_hf_config(&hybrid),
+            Err(HfConfigError::BadField { .. })
+        ));
+    }
+
+    #[test]
     fn a_nested_text_config_is_read() {
         let outer = format!(r#"{{"model_type": "llava_next", "text_config": {NEMOTRON_H_8B}}}"#);
         assert_eq!(
@@ -787,6 +887,10 @@ mod tests {
         assert_eq!((m.attn_layers, m.ssm_layers, m.moe_layers), (1, 3, 4));
         assert_eq!((m.ffn_dim, m.moe_top_k), (2 * 32 + 96, 1));
         assert_eq!(m.head_dim, 16);
+        let new_names = json
+            .replace("\"mamba\"", "\"linear_attention\"")
+            .replace("\"attention\"", "\"full_attention\"");
+        assert_eq!(ModelSpec::from_hf_config(&new_names).unwrap(), m);
         // No dtype given: float32.
         assert_eq!((m.dtype_bytes, m.state_dtype_bytes), (4, 4));
     }
@@ -848,7 +952,7 @@ mod tests {
         let no_pattern = NEMOTRON_H_8B.replace("hybrid_override_pattern", "x");
         assert!(matches!(
             ModelSpec::from_hf_config(&no_pattern),
-            Err(E::MissingField { field, .. }) if field == "hybrid_override_pattern"
+            Err(E::MissingField { field, .. }) if field.contains("hybrid_override_pattern")
         ));
         let bad_char = NEMOTRON_H_8B.replace("\"M-M-M-M*", "\"M-Q-M-M*");
         assert!(matches!(

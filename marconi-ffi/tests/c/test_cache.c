@@ -334,6 +334,24 @@ static void test_bad_inputs(void) {
   OK(marconi_model_spec_preset("jamba-1.5-mini", &m));
   CHECK_EQ(m.attn_layers, 4);
   CHECK_EQ(m.ssm_layers, 28);
+  /* A Hugging Face config.json (not NUL-terminated: the length counts). */
+  static const char hf[] = "{\"model_type\": \"bamba\", \"hidden_size\": 64, "
+                           "\"num_hidden_layers\": 4, \"attn_layer_indices\": [1], "
+                           "\"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+                           "\"intermediate_size\": 96, \"mamba_n_heads\": 8, \"mamba_d_head\": 16, "
+                           "\"mamba_d_state\": 16, \"mamba_n_groups\": 1, \"mamba_d_conv\": 4, "
+                           "\"mamba_expand\": 2, \"torch_dtype\": \"bfloat16\"}garbage";
+  OK(marconi_model_spec_from_hf_config(hf, sizeof hf - 1 - strlen("garbage"), &m));
+  CHECK_EQ(m.attn_layers, 1);
+  CHECK_EQ(m.ssm_layers, 3);
+  CHECK_EQ(m.conv_channels, 128 + 2 * 16);
+  CHECK_EQ(m.dtype_bytes, 2);
+  CHECK_EQ(marconi_model_spec_from_hf_config(hf, sizeof hf - 1, &m), MARCONI_STATUS_INVALID_ARGUMENT);
+  CHECK_EQ(marconi_model_spec_from_hf_config(NULL, 3, &m), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_model_spec_from_hf_config(hf, 3, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_model_spec_from_hf_config("{\"model_type\": \"bamba\"}", 23, &m), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(strstr(last_error(), "num_hidden_layers\" is missing") != NULL);
+  CHECK_EQ(m.attn_layers, 1); /* untouched by the refused calls */
 
   /* Lookup. */
   marconi_lookup l;

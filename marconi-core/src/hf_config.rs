@@ -8,7 +8,7 @@
 //!
 //! | `model_type` | layer pattern | recurrent layers |
 //! | --- | --- | --- |
-//! | `nemotron_h` | `hybrid_override_pattern`: `M` Mamba-2, `*` attention, `-` MLP, `E` MoE | Mamba-2 |
+//! | `nemotron_h` | `hybrid_override_pattern`: `M` Mamba-2, `*` attention, `-` MLP, `E` MoE (or transformers 5's `layers_block_type` list) | Mamba-2 |
 //! | `bamba` | `attn_layer_indices`; every layer has a gated MLP | Mamba-2 |
 //! | `granitemoehybrid` | `layer_types` (`mamba` / `attention`); every layer has a MoE and a shared MLP | Mamba-2 |
 //! | `falcon_h1` | every layer runs attention and Mamba-2 in parallel, then a gated MLP | Mamba-2 |
@@ -16,7 +16,8 @@
 //! | `jamba` | `attn_layer_period`/`_offset`, `expert_layer_period`/`_offset` | Mamba-1 |
 //! | `mamba2`, `mamba` | every layer recurrent, no attention | Mamba-2, Mamba-1 |
 //!
-//! A config that nests the language model (`text_config`) is read from
+//! Layer lists accept the old names (`mamba`, `attention`) and transformers
+//! 5's (`linear_attention`, `full_attention`). A config that nests the language model (`text_config`) is read from
 //! there. The byte formulas this feeds are [`ModelSpec::kv_bytes_per_token`]
 //! and [`ModelSpec::state_bytes`]: K and V of `kv_heads · head_dim` per
 //! attention layer and token; per recurrent layer, the SSM state

@@ -673,7 +673,13 @@ fn periodic(f: &Fields<'_>, layers: u64, period: &str, offset: &str) -> Result<u
     if p == 0 || o >= p {
         return Err(f.bad(offset, format!("offset {o} is not below the period {p}")));
     }
-    Ok((0..layers).filter(|i| i % p == o).count() as u64)
+    // Layers o, o + p, o + 2p, ... below `layers` (counted, not iterated:
+    // the layer count comes from the file).
+    Ok(if layers > o {
+        (layers - 1 - o) / p + 1
+    } else {
+        0
+    })
 }
 
 fn jamba(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
@@ -840,16 +846,7 @@ mod tests {
 
     #[test]
     fn jamba_mini_equals_the_preset() {
-        // AI21-Jamba-1.5-Mini's config.json, abridged.
-        let json = r#"{
-            "model_type": "jamba", "hidden_size": 4096, "num_hidden_layers": 32,
-            "attn_layer_period": 8, "attn_layer_offset": 4,
-            "expert_layer_period": 2, "expert_layer_offset": 1,
-            "num_experts": 16, "num_experts_per_tok": 2,
-            "num_attention_heads": 32, "num_key_value_heads": 8,
-            "intermediate_size": 14336, "mamba_d_state": 16, "mamba_d_conv": 4,
-            "mamba_expand": 2, "torch_dtype": "bfloat16"
-        }"#;
+        let json = JAMBA_MINI;
         let m = ModelSpec::from_hf_config(json).unwrap();
         let mut preset = ModelSpec::preset("jamba-1.5-mini").unwrap();
         preset.name = "jamba".into();
@@ -858,14 +855,7 @@ mod tests {
 
     #[test]
     fn bamba_counts_attention_indices() {
-        let json = r#"{
-            "model_type": "bamba", "hidden_size": 4096, "num_hidden_layers": 32,
-            "attn_layer_indices": [9, 18, 27], "num_attention_heads": 32,
-            "num_key_value_heads": 8, "intermediate_size": 14336,
-            "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128,
-            "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
-            "torch_dtype": "bfloat16"
-        }"#;
+        let json = BAMBA;
         let m = ModelSpec::from_hf_config(json).unwrap();
         assert_eq!((m.attn_layers, m.ssm_layers, m.mlp_layers), (3, 29, 32));
         assert_eq!(m.kv_bytes_per_token(), 3 * 2 * 8 * 128 * 2);
@@ -938,6 +928,78 @@ mod tests {
             "intermediate_size": 128, "state_size": 16, "conv_kernel": 4}"#;
         let m = ModelSpec::from_hf_config(m1).unwrap();
         assert_eq!(m.state_bytes(), 2 * (128 * 16 + 128 * 4) * 4);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Any text: an error or a valid spec, never a panic (overflow
+        /// checks are on in the test builds).
+        #[test]
+        fn arbitrary_text_never_panics(text in ".{0,200}") {
+            if let Ok(m) = ModelSpec::from_hf_config(&text) {
+                proptest::prop_assert!(m.validate().is_ok());
+            }
+        }
+
+        /// Real configs with one numeric field set to an extreme or random
+        /// value: an error or a spec that validates, never a panic.
+        #[test]
+        fn extreme_numbers_never_panic(
+            which in 0usize..3,
+            field in 0usize..64,
+            value in proptest::prop_oneof![
+                proptest::strategy::Just(0u64),
+                proptest::strategy::Just(1u64),
+                proptest::strategy::Just(u64::from(u32::MAX)),
+                proptest::strategy::Just(u64::MAX),
+                proptest::prelude::any::<u64>(),
+            ],
+        ) {
+            let base = [NEMOTRON_H_8B, JAMBA_MINI, BAMBA][which];
+            let mut v: serde_json::Value = serde_json::from_str(base).unwrap();
+            let obj = v.as_object_mut().unwrap();
+            let numeric: Vec<String> =
+                obj.iter().filter(|(_, x)| x.is_u64()).map(|(k, _)| k.clone()).collect();
+            let key = &numeric[field % numeric.len()];
+            obj.insert(key.clone(), value.into());
+            if let Ok(m) = ModelSpec::from_hf_config(&v.to_string()) {
+                proptest::prop_assert!(m.validate().is_ok(), "{key} = {value}");
+            }
+        }
+    }
+
+    /// AI21-Jamba-1.5-Mini's config.json, abridged to the fields read.
+    const JAMBA_MINI: &str = r#"{
+        "model_type": "jamba", "hidden_size": 4096, "num_hidden_layers": 32,
+        "attn_layer_period": 8, "attn_layer_offset": 4,
+        "expert_layer_period": 2, "expert_layer_offset": 1,
+        "num_experts": 16, "num_experts_per_tok": 2,
+        "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "mamba_d_state": 16, "mamba_d_conv": 4,
+        "mamba_expand": 2, "torch_dtype": "bfloat16"
+    }"#;
+
+    /// A Bamba-9B-shaped config (32 layers, attention at 9, 18, 27).
+    const BAMBA: &str = r#"{
+        "model_type": "bamba", "hidden_size": 4096, "num_hidden_layers": 32,
+        "attn_layer_indices": [9, 18, 27], "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336,
+        "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128,
+        "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+        "torch_dtype": "bfloat16"
+    }"#;
+
+    #[test]
+    fn periodic_layers_are_counted_without_iterating() {
+        let huge = JAMBA_MINI.replace(
+            "\"num_hidden_layers\": 32",
+            "\"num_hidden_layers\": 4294967295",
+        );
+        // Counted in O(1): 4294967295 layers, attention every 8th from 4.
+        let m = ModelSpec::from_hf_config(&huge).unwrap();
+        assert_eq!(m.attn_layers, 536_870_912);
+        assert_eq!(m.moe_layers, 2_147_483_647);
     }
 
     #[test]

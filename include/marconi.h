@@ -1404,6 +1404,47 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
 
 /**
+ * Writes into `*out` the dimensions of the model in the GGUF file at `path`
+ * (NUL-terminated, any bytes the OS accepts), read from the file's header
+ * and metadata only (at most 256 MiB of it; tensor data is never read).
+ *
+ * Architectures: nemotron_h, nemotron_h_moe, granitehybrid, falcon-h1,
+ * mamba2, mamba, llama, qwen2, qwen3 (layer kinds by llama.cpp's own
+ * rules). Sizes are those llama.cpp stores: KV in f16 (its default cache
+ * type; set dtype_bytes for another), recurrent states in f32, the conv
+ * state with conv_kernel - 1 columns.
+ *
+ * MARCONI_STATUS_INVALID_ARGUMENT: the file cannot be opened or read, is
+ * not GGUF, or breaks the format; MARCONI_STATUS_INVALID_CONFIG: it is
+ * GGUF but its architecture is not supported, a key is missing or
+ * impossible, or the model it describes cannot drive a cache. The detail
+ * (marconi_last_error) names the path and the key. `*out` is written only
+ * on success.
+ *
+ * Thread safety: touches only `*out`; reads the file.
+ *
+ * # Safety
+ *
+ * `path` is NULL or a NUL-terminated string; `out` is NULL or writable.
+ */
+marconi_status marconi_model_spec_from_gguf(const char *path, struct marconi_model_spec *out);
+
+/**
+ * Like marconi_model_spec_from_gguf, from the first `len` bytes of a GGUF
+ * file already in memory (at least up to the end of its metadata).
+ *
+ * Thread safety: reads `bytes`, touches only `*out`.
+ *
+ * # Safety
+ *
+ * `bytes` is NULL (with `len` 0) or points to `len` readable bytes; `out`
+ * is NULL or writable.
+ */
+marconi_status marconi_model_spec_from_gguf_bytes(const uint8_t *bytes,
+                                                  size_t len,
+                                                  struct marconi_model_spec *out);
+
+/**
  * Fills `*out` from the text of a Hugging Face `config.json`
  * (`json[0..len]`, UTF-8, no NUL needed): layer counts from the family's
  * layer pattern, dimensions and element width from its fields. Families

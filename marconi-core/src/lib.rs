@@ -36,6 +36,7 @@ mod cache;
 mod config;
 mod error;
 mod eviction;
+pub mod gguf;
 pub mod hf_config;
 mod index;
 mod invariants;
@@ -54,6 +55,7 @@ pub use config::{
 };
 pub use error::CacheError;
 pub use eviction::Freed;
+pub use gguf::{GgufError, GGUF_ARCHITECTURES};
 pub use hf_config::{HfConfigError, HF_MODEL_TYPES};
 pub use log::{Decision, EvictKind, PlanReason};
 pub use lookup::Lookup;

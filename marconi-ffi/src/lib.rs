@@ -24,6 +24,7 @@ use std::ffi::c_char;
 
 pub mod cache;
 pub mod config;
+pub mod gguf;
 pub mod hf_config;
 pub mod pool;
 pub mod status;

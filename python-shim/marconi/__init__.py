@@ -34,6 +34,7 @@ from .cache import (
 )
 from .model import ModelSpec
 from .pool import Pool, UnitLocation, snapshot_copy, snapshot_fork, snapshot_promote
+from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
 
 __all__ = [
     "NO_SLOT",
@@ -53,6 +54,8 @@ __all__ = [
     "snapshot_copy",
     "snapshot_fork",
     "snapshot_promote",
+    "model_spec_from_gguf",
+    "model_spec_from_gguf_bytes",
     "status_message",
     "version",
 ]

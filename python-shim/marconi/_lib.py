@@ -273,6 +273,8 @@ SIGNATURES = {
     "marconi_cache_config_init": (status_t, [POINTER(marconi_cache_config), c_size_t]),
     "marconi_model_spec_preset": (status_t, [c_char_p, POINTER(marconi_model_spec)]),
     "marconi_model_spec_from_hf_config": (status_t, [c_char_p, c_size_t, POINTER(marconi_model_spec)]),
+    "marconi_model_spec_from_gguf": (status_t, [c_char_p, POINTER(marconi_model_spec)]),
+    "marconi_model_spec_from_gguf_bytes": (status_t, [POINTER(c_uint8), c_size_t, POINTER(marconi_model_spec)]),
     "marconi_cache_new": (status_t, [POINTER(marconi_cache_config), POINTER(_cache_p)]),
     "marconi_cache_free": (None, [_cache_p]),
     "marconi_cache_lookup": (

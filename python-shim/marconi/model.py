@@ -55,6 +55,22 @@ class ModelSpec(dict):
         return cls(_from_struct(raw))
 
     @classmethod
+    def from_gguf(cls, path: Any) -> "ModelSpec":
+        """Reads a GGUF file's metadata (marconi_model_spec_from_gguf): see
+        marconi.model_spec_from_gguf. `path` is a str, bytes or os.PathLike;
+        bytes-like contents of a file go to from_gguf_bytes."""
+        from .gguf import model_spec_from_gguf
+
+        return cls(model_spec_from_gguf(path))
+
+    @classmethod
+    def from_gguf_bytes(cls, data: bytes) -> "ModelSpec":
+        """Like from_gguf, from the start of a GGUF file in memory."""
+        from .gguf import model_spec_from_gguf_bytes
+
+        return cls(model_spec_from_gguf_bytes(data))
+
+    @classmethod
     def preset(cls, name: str) -> "ModelSpec":
         """The dimensions of a preset (marconi_model_spec_preset)."""
         if not isinstance(name, str) or "\0" in name:

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::admission::{self, Admission, AdmitOutcome, SavedState};
 use crate::config::{AlphaMode, CacheConfig};
 use crate::error::CacheError;
-use crate::eviction::{self, Eviction, Freed};
+use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
 use crate::lookup::Lookup;
@@ -94,6 +94,9 @@ pub(crate) struct Core {
     pub(crate) page_owner: HashSet<u32>,
     /// Whether admitted sequences carry page ids (fixed by the first admission).
     pub(crate) tracks_pages: Option<bool>,
+    /// The budget in engine units, for a cache over two pools (None: the
+    /// byte capacity alone).
+    pub(crate) units: Option<UnitBudget>,
     pub(crate) freed: Freed,
     pub(crate) stats: Stats,
     pub(crate) log: DecisionLog,
@@ -167,6 +170,7 @@ impl Core {
             slot_owner: HashSet::new(),
             page_owner: HashSet::new(),
             tracks_pages: None,
+            units: None,
             freed: Freed::default(),
         })
     }
@@ -252,6 +256,9 @@ impl Core {
         c.leases.clear();
         c.log = DecisionLog::new(false);
         c.freed = Freed::default();
+        // Replays admit no page ids: a cache whose engine tracks pages would
+        // refuse every replayed request (and tune on nothing).
+        c.tracks_pages = None;
         c.index.clear();
         c.page_owner.clear();
         c.tracks_pages = c.tracks_pages.map(|_| false);
@@ -454,6 +461,76 @@ impl PrefixCache {
         let want = bytes.min(self.core.cfg.capacity_bytes);
         self.core.make_room(want);
         self.core.cfg.capacity_bytes - self.core.used_bytes()
+    }
+
+    /// Sets (or clears) the budget in engine units: KV pages and state slots
+    /// in two pools, or both in one shared pool. For a cache whose memory is
+    /// pools (`marconi_gpu::pooled`): the pools' capacities, less the units
+    /// held outside the cache, so that admission never keeps more than the
+    /// pools hold. The byte capacity still applies; set it at least as large
+    /// as the pools' bytes so that it never binds. Refused (nothing changes)
+    /// when what is cached does not fit `budget`: call
+    /// [`evict_to_fit`](Self::evict_to_fit) first.
+    pub fn set_unit_budget(&mut self, budget: Option<UnitBudget>) -> Result<(), CacheError> {
+        if let Some(b) = budget {
+            let used = self.core.used_units();
+            if !b.fits(used) {
+                return Err(CacheError::InvalidConfig(format!(
+                    "unit budget {b:?} is below the {} pages and {} states cached",
+                    used.pages, used.states
+                )));
+            }
+        }
+        self.core.units = budget;
+        Ok(())
+    }
+
+    /// The budget in engine units, if one is set.
+    pub fn unit_budget(&self) -> Option<UnitBudget> {
+        self.core.units
+    }
+
+    /// KV pages and state slots the cached entries hold.
+    pub fn used_units(&self) -> UnitUse {
+        self.core.used_units()
+    }
+
+    /// Evicts, lowest utility first among the candidates that free a kind
+    /// still short, until what is cached fits `budget`; false when the
+    /// leased entries alone exceed it (what was evicted stays evicted: each
+    /// eviction is a valid step, its ids go to
+    /// [`drain_freed`](Self::drain_freed)). Does not set the budget.
+    pub fn evict_to_fit(&mut self, budget: UnitBudget) -> bool {
+        loop {
+            let used = self.core.used_units();
+            if budget.fits(used) {
+                return true;
+            }
+            let kinds = [
+                budget.short_of(used, UnitKind::Page),
+                budget.short_of(used, UnitKind::State),
+            ];
+            if !self.core.evict_one_freeing(Some(kinds)) {
+                return false;
+            }
+        }
+    }
+
+    /// Evicts the one lowest-utility candidate (among those that free a
+    /// unit of `kind`, when given) and returns the units it freed; `None`
+    /// when there is no such candidate. The ids go to
+    /// [`drain_freed`](Self::drain_freed).
+    pub fn evict_lowest(&mut self, kind: Option<UnitKind>) -> Option<UnitUse> {
+        let before = self.core.used_units();
+        let kinds = kind.map(|k| [k == UnitKind::Page, k == UnitKind::State]);
+        if !self.core.evict_one_freeing(kinds) {
+            return None;
+        }
+        let after = self.core.used_units();
+        Some(UnitUse {
+            pages: before.pages - after.pages,
+            states: before.states - after.states,
+        })
     }
 
     /// Bytes held by unleased entries that eviction could free now.

@@ -161,6 +161,20 @@ impl Index {
     /// then the lower node id (as a full rescan would choose). `eff_of`
     /// gives an indexed node's efficiency.
     pub(crate) fn lowest(&self, alpha: f64, eff_of: impl Fn(NodeId) -> f64) -> Option<Choice> {
+        self.lowest_where(alpha, eff_of, |_| true)
+    }
+
+    /// [`lowest`](Self::lowest) among the candidates `accept` keeps (the
+    /// normalisation bounds stay those of every candidate, so a kept
+    /// candidate scores as it would in an unfiltered search). Each rejected
+    /// candidate costs one step of the walk: O(rejected) more than
+    /// [`lowest`](Self::lowest).
+    pub(crate) fn lowest_where(
+        &self,
+        alpha: f64,
+        eff_of: impl Fn(NodeId) -> f64,
+        accept: impl Fn(NodeId) -> bool,
+    ) -> Option<Choice> {
         let &(t_lo, _) = self.by_time.first()?;
         let &(t_hi, _) = self.by_time.last()?;
         let &(Key(e_lo), _) = self.by_eff.first()?;
@@ -182,7 +196,7 @@ impl Index {
         };
         if alpha == 0.0 {
             // Pure LRU: the oldest access wins, exactly.
-            let &(t, id) = self.by_time.first()?;
+            let &(t, id) = self.by_time.iter().find(|&&(_, id)| accept(id))?;
             return Some(choose(id, t, eff_of(id)));
         }
         // Buckets in order of their lower bound, so a good victim is found early.
@@ -208,6 +222,9 @@ impl Index {
                 // Everything left in the bucket is at least this old.
                 if best.is_some_and(|bb| score(t, e_min).2 > bb.0) {
                     break;
+                }
+                if !accept(id) {
+                    continue;
                 }
                 let c = choose(id, t, eff_of(id));
                 let better = best.is_none_or(|bb| {
@@ -248,6 +265,22 @@ mod tests {
             .map(|i| i as NodeId)
     }
 
+    /// The naive rescan over `kept` (indices into `points`), normalised over
+    /// all of `points`.
+    fn brute_within(points: &[(u64, f64, u8)], kept: &[usize], alpha: f64) -> Option<usize> {
+        let t_lo = points.iter().map(|p| p.0).min()? as f64;
+        let t_hi = points.iter().map(|p| p.0).max()? as f64;
+        let e_lo = points.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+        let e_hi = points.iter().map(|p| p.1).fold(0.0, f64::max);
+        let u = |p: &(u64, f64, u8)| norm(p.0 as f64, t_lo, t_hi) + alpha * norm(p.1, e_lo, e_hi);
+        kept.iter().copied().min_by(|&a, &b| {
+            u(&points[a])
+                .total_cmp(&u(&points[b]))
+                .then(points[a].0.cmp(&points[b].0))
+                .then(a.cmp(&b))
+        })
+    }
+
     proptest! {
         #[test]
         fn threshold_search_equals_a_full_rescan(
@@ -285,6 +318,14 @@ mod tests {
             let want = brute(&remaining, alpha).map(|k| ids[k as usize] as NodeId);
             let got = idx.lowest(alpha, |id| points[id as usize].1).map(|c| c.node);
             prop_assert_eq!(got, want);
+            // Filtered (class 1 only): the brute force over the kept ones,
+            // scored with the bounds of every candidate.
+            let kept: Vec<usize> = (0..remaining.len()).filter(|&k| remaining[k].2 == 1).collect();
+            let want_kept = brute_within(&remaining, &kept, alpha).map(|k| ids[k] as NodeId);
+            let got_kept = idx
+                .lowest_where(alpha, |id| points[id as usize].1, |id| points[id as usize].2 == 1)
+                .map(|c| c.node);
+            prop_assert_eq!(got_kept, want_kept);
         }
     }
 }

@@ -89,6 +89,13 @@ impl Core {
         assert_eq!(kv, self.kv_tokens, "kv token recount");
         assert_eq!(states, self.states, "state recount");
         assert_eq!(cands, self.index.len(), "index size");
+        if let Some(b) = self.units {
+            assert!(
+                b.fits(self.used_units()),
+                "over the unit budget: {:?} > {b:?}",
+                self.used_units()
+            );
+        }
         assert!(
             self.used_bytes() <= self.cfg.capacity_bytes,
             "over capacity: {} > {}",

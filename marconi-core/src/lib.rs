@@ -54,7 +54,7 @@ pub use config::{
     TuningObjective,
 };
 pub use error::CacheError;
-pub use eviction::Freed;
+pub use eviction::{Freed, UnitBudget, UnitKind, UnitUse};
 pub use gguf::{GgufError, GGUF_ARCHITECTURES};
 pub use hf_config::{HfConfigError, HF_MODEL_TYPES};
 pub use log::{Decision, EvictKind, PlanReason};

@@ -138,6 +138,28 @@ pub trait PoolAllocator {
     }
     /// Counters.
     fn stats(&self) -> AllocStats;
+    /// The whole byte budget of both pools (default: the bytes their current
+    /// capacities hold).
+    fn total_bytes(&self) -> u64 {
+        PoolKind::ALL
+            .iter()
+            .map(|&p| u64::from(self.capacity(p)).saturating_mul(self.unit_bytes(p)))
+            .sum()
+    }
+    /// Whether both kinds share one table (so [`capacity`](Self::capacity)
+    /// and [`free_units`](Self::free_units) count the same units for both).
+    fn shares_capacity(&self) -> bool {
+        false
+    }
+    /// Whether this layout can move capacity between its pools.
+    fn migrates(&self) -> bool {
+        false
+    }
+    /// Bytes a migration step should move (the physical chunk size: one
+    /// `unmap` + `map`); [`crate::policy::CHUNK_BYTES`] by default.
+    fn migration_step_bytes(&self) -> u64 {
+        crate::policy::CHUNK_BYTES
+    }
     /// The handle currently live at raw unit `index` of `pool`'s table, if any.
     /// Only for emulating callers that keep raw page ids (see [`crate::avmp`]).
     fn live_handle_at(&self, pool: PoolKind, index: u32) -> Option<VirtualHandle>;
@@ -259,6 +281,7 @@ pub struct DualPool {
     tables: [UnitTable; 2],
     stats: AllocStats,
     last_migration_op: Option<u64>,
+    step_bytes: u64,
 }
 
 fn units_in(bytes: u64, unit: u64) -> Result<u32, AllocError> {
@@ -319,6 +342,7 @@ impl DualPool {
             ],
             stats: AllocStats::default(),
             last_migration_op: None,
+            step_bytes: crate::policy::CHUNK_BYTES,
         })
     }
 
@@ -366,6 +390,25 @@ impl DualPool {
             Pressure::SsmPressured
         } else {
             Pressure::Balanced
+        }
+    }
+
+    /// Sets the bytes one migration step of a caller such as
+    /// [`crate::pooled`] moves (default [`crate::policy::CHUNK_BYTES`], the
+    /// GPU's 2 MiB granularity; at least 1).
+    pub fn set_migration_step_bytes(&mut self, bytes: u64) {
+        self.step_bytes = bytes.max(1);
+    }
+
+    /// Allocates the lowest free unit of each pool first, instead of the
+    /// prototype's order (last freed, first reused): live units stay packed
+    /// at the bottom, so the free capacity a cache leaves gathers at the
+    /// tail, where a migration can take it. O(log n) per unit instead of
+    /// O(1). Used by [`crate::pooled`] layouts; the AVMP replay keeps the
+    /// prototype's order.
+    pub fn set_lowest_first(&mut self) {
+        for t in &mut self.tables {
+            t.set_lowest_first();
         }
     }
 
@@ -566,6 +609,18 @@ impl PoolAllocator for DualPool {
         self.stats
     }
 
+    fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    fn migrates(&self) -> bool {
+        self.policy != MigrationPolicy::Static
+    }
+
+    fn migration_step_bytes(&self) -> u64 {
+        self.step_bytes
+    }
+
     fn live_handle_at(&self, pool: PoolKind, index: u32) -> Option<VirtualHandle> {
         self.tables[pool.index()].live_at(self.layout, index)
     }
@@ -659,6 +714,10 @@ impl PoolAllocator for PaddedUnified {
         self.stats
     }
 
+    fn shares_capacity(&self) -> bool {
+        true
+    }
+
     fn live_handle_at(&self, _pool: PoolKind, index: u32) -> Option<VirtualHandle> {
         // One table for both kinds: the raw index names the unit whatever its tag.
         self.table.live_at(self.layout, index)
@@ -666,5 +725,67 @@ impl PoolAllocator for PaddedUnified {
 
     fn unit_index(&self, handle: VirtualHandle) -> u32 {
         self.layout.decode(handle).1
+    }
+}
+
+/// A boxed allocator is an allocator (so a cache over pools can hold any
+/// layout chosen at run time, `Box<dyn PoolAllocator + Send>`).
+impl<P: PoolAllocator + ?Sized> PoolAllocator for Box<P> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn unit_bytes(&self, pool: PoolKind) -> u64 {
+        (**self).unit_bytes(pool)
+    }
+    fn capacity(&self, pool: PoolKind) -> u32 {
+        (**self).capacity(pool)
+    }
+    fn free_units(&self, pool: PoolKind) -> u32 {
+        (**self).free_units(pool)
+    }
+    fn allocate(
+        &mut self,
+        pool: PoolKind,
+        n: u32,
+        out: &mut Vec<VirtualHandle>,
+    ) -> Result<(), AllocError> {
+        (**self).allocate(pool, n, out)
+    }
+    fn free(&mut self, handle: VirtualHandle) -> Result<(), AllocError> {
+        (**self).free(handle)
+    }
+    fn resolve(&self, handle: VirtualHandle) -> Result<Location, AllocError> {
+        (**self).resolve(handle)
+    }
+    fn migrate_toward(&mut self, recipient: PoolKind) -> Result<Migration, AllocError> {
+        (**self).migrate_toward(recipient)
+    }
+    fn migrate_units_toward(
+        &mut self,
+        recipient: PoolKind,
+        donor_units: u32,
+    ) -> Result<Migration, AllocError> {
+        (**self).migrate_units_toward(recipient, donor_units)
+    }
+    fn stats(&self) -> AllocStats {
+        (**self).stats()
+    }
+    fn total_bytes(&self) -> u64 {
+        (**self).total_bytes()
+    }
+    fn shares_capacity(&self) -> bool {
+        (**self).shares_capacity()
+    }
+    fn migrates(&self) -> bool {
+        (**self).migrates()
+    }
+    fn migration_step_bytes(&self) -> u64 {
+        (**self).migration_step_bytes()
+    }
+    fn live_handle_at(&self, pool: PoolKind, index: u32) -> Option<VirtualHandle> {
+        (**self).live_handle_at(pool, index)
+    }
+    fn unit_index(&self, handle: VirtualHandle) -> u32 {
+        (**self).unit_index(handle)
     }
 }

@@ -9,6 +9,10 @@
 //!   with real chunks and moves them on migration (never more than the budget).
 //! - [`avmp`]: the replay harness that reproduces the AVMP paper's Table 1.
 //! - [`policy`]: a migration policy beyond the paper.
+//! - [`plan`]: start-up memory planning (KV tokens and state slots per split,
+//!   largest batch × context, the split AVMP reaches on a trace).
+//! - [`pooled`]: the prefix cache over the pools ([`pooled::PooledCache`]):
+//!   admission allocates handles, eviction frees them, capacity is the pools'.
 //!
 //! See ARCHITECTURE.md at the repository root.
 
@@ -19,7 +23,9 @@ pub mod cuda;
 mod error;
 pub mod handle;
 pub mod phys;
+pub mod plan;
 pub mod policy;
+pub mod pooled;
 pub mod snapshot;
 mod table;
 

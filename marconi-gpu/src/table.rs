@@ -1,6 +1,8 @@
 //! One pool of equal-size units: a free list with the prototype's exact order,
 //! per-slot generations, and tail shrink / grow for capacity migration.
 
+use std::collections::BTreeSet;
+
 use crate::error::AllocError;
 use crate::handle::{HandleLayout, PoolKind, VirtualHandle};
 
@@ -13,6 +15,58 @@ struct Slot {
     tag: Option<PoolKind>,
 }
 
+/// The free units: the prototype's stack, or lowest index first.
+#[derive(Debug, Clone)]
+enum FreeList {
+    /// Pops from the end; frees push (last freed, first reused).
+    Stack(Vec<u32>),
+    /// Always the lowest free index: live units stay packed at the bottom,
+    /// so freed capacity gathers at the tail, where migration takes it.
+    Lowest(BTreeSet<u32>),
+}
+
+impl FreeList {
+    fn len(&self) -> usize {
+        match self {
+            FreeList::Stack(v) => v.len(),
+            FreeList::Lowest(b) => b.len(),
+        }
+    }
+    fn pop(&mut self) -> Option<u32> {
+        match self {
+            FreeList::Stack(v) => v.pop(),
+            FreeList::Lowest(b) => b.pop_first(),
+        }
+    }
+    fn push(&mut self, i: u32) {
+        match self {
+            FreeList::Stack(v) => v.push(i),
+            FreeList::Lowest(b) => {
+                b.insert(i);
+            }
+        }
+    }
+    fn retain_below(&mut self, new: u32) {
+        match self {
+            FreeList::Stack(v) => v.retain(|&i| i < new),
+            FreeList::Lowest(b) => b.retain(|&i| i < new),
+        }
+    }
+    fn extend(&mut self, r: std::ops::Range<u32>) {
+        match self {
+            FreeList::Stack(v) => v.extend(r),
+            FreeList::Lowest(b) => b.extend(r),
+        }
+    }
+    #[cfg(feature = "strict-checks")]
+    fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
+        match self {
+            FreeList::Stack(v) => Box::new(v.iter().copied()),
+            FreeList::Lowest(b) => Box::new(b.iter().copied()),
+        }
+    }
+}
+
 /// A table of `capacity` units of `unit_bytes` each, indexable up to `max_units`.
 ///
 /// Free-list order is part of the contract (the AVMP replay depends on it): it
@@ -23,7 +77,7 @@ pub(crate) struct UnitTable {
     pub(crate) kind: PoolKind,
     pub(crate) unit_bytes: u64,
     capacity: u32,
-    free: Vec<u32>,
+    free: FreeList,
     slots: Vec<Slot>,
     live: u32,
 }
@@ -35,9 +89,16 @@ impl UnitTable {
             kind,
             unit_bytes,
             capacity,
-            free: (0..capacity).rev().collect(),
+            free: FreeList::Stack((0..capacity).rev().collect()),
             slots: vec![Slot::default(); max_units as usize],
             live: 0,
+        }
+    }
+
+    /// Switches to lowest-index-first allocation (keeps the free units).
+    pub(crate) fn set_lowest_first(&mut self) {
+        if let FreeList::Stack(v) = &self.free {
+            self.free = FreeList::Lowest(v.iter().copied().collect());
         }
     }
 
@@ -151,7 +212,7 @@ impl UnitTable {
         if new > self.capacity || !self.tail_is_free(new) {
             return false;
         }
-        self.free.retain(|&i| i < new);
+        self.free.retain_below(new);
         self.capacity = new;
         self.check();
         true
@@ -180,7 +241,7 @@ impl UnitTable {
                 .count() as u32;
             assert_eq!(live, self.live, "live recount");
             assert!(self.slots[self.capacity as usize..].iter().all(|s| !s.live));
-            for &i in &self.free {
+            for i in self.free.iter() {
                 assert!(i < self.capacity && !self.slots[i as usize].live);
             }
         }

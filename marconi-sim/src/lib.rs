@@ -12,6 +12,8 @@
 //! * [`battery`]: every policy × a battery of traces × capacities.
 //! * [`compare`]: every policy over one trace in parallel, sweeps, tables.
 //! * [`paper`]: the paper's end-to-end comparison over many traces (Figs. 7–9).
+//! * [`pools`]: the cache over real pool layouts (static, AVMP, unified)
+//!   at one memory budget.
 //! * [`plot`]: SVG figures.
 
 pub mod battery;
@@ -19,6 +21,7 @@ pub mod clairvoyant;
 pub mod compare;
 pub mod paper;
 pub mod plot;
+pub mod pools;
 pub mod progress;
 pub mod replay;
 pub mod rng;

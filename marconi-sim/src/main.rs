@@ -19,6 +19,8 @@ use marconi_sim::ttft::TtftModel;
 use marconi_sim::units::{format_bytes, parse_bytes};
 use marconi_sim::{paper, progress, replay};
 
+mod pools_cmd;
+
 #[derive(Parser)]
 #[command(name = "marconi-sim", version, about = "Replay request traces through libmarconi's prefix-cache policies", long_about = None)]
 struct Cli {
@@ -50,6 +52,10 @@ enum Cmd {
     /// (synthetic seeds, ShareGPT samples) × capacities: one table, one figure.
     #[command(after_help = BATTERY_HELP)]
     Battery(BatteryArgs),
+    /// The cache over real pools at one memory budget: static splits (swept), AVMP, unified, single budget.
+    Pools(pools_cmd::PoolsArgs),
+    /// Start-up memory plan: KV tokens and state slots per split, largest batch × context, AVMP's split on a trace.
+    Plan(pools_cmd::PlanArgs),
 }
 
 const BATTERY_HELP: &str = "\
@@ -459,6 +465,8 @@ fn main() -> ExitCode {
         Cmd::Paper(a) => paper_cmd(a),
         Cmd::Route(a) => marconi_sim::route_cli::run(a),
         Cmd::Battery(a) => battery_cmd(a),
+        Cmd::Pools(a) => pools_cmd::pools(a),
+        Cmd::Plan(a) => pools_cmd::plan(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -31,6 +31,7 @@ use serde::Serialize;
 use crate::cache::{fingerprint, round_down, Core, LeaseId};
 use crate::config::{AdmissionPolicy, CacheConfig};
 use crate::error::CacheError;
+use crate::eviction::UnitUse;
 use crate::log::{Decision, PlanReason};
 use crate::tree::{NodeId, StateRef, Tree, Walk};
 
@@ -427,7 +428,11 @@ impl Core {
             .checked_mul(self.kv_bpt)
             .and_then(|kv| kv.checked_add((new_states.len() as u64).checked_mul(self.state_b)?))
             .unwrap_or(u64::MAX);
-        if self.make_room(needed) {
+        let units = UnitUse {
+            pages: u64::from((aligned - m) / self.cfg.page_size),
+            states: new_states.len() as u64,
+        };
+        if self.make_room_for(needed, units) {
             return Some(aligned);
         }
         let avail = self.cfg.capacity_bytes - self.used_bytes();
@@ -570,14 +575,31 @@ impl Core {
         avail: u64,
     ) -> (u32, usize) {
         let page = self.cfg.page_size;
+        // Under a unit budget, the pages and states must fit it too.
+        let units_fit = |tokens: u32, states: u64| {
+            self.units.is_none_or(|b| {
+                b.fits(self.units_with(UnitUse {
+                    pages: u64::from(tokens / page),
+                    states,
+                }))
+            })
+        };
         if self.stateless_hits() {
-            let tokens = (avail / self.kv_bpt.max(1)).min(u64::from(aligned - m)) as u32;
-            return (m + round_down(tokens, page), 0);
+            let mut tokens = round_down(
+                (avail / self.kv_bpt.max(1)).min(u64::from(aligned - m)) as u32,
+                page,
+            );
+            while tokens > 0 && !units_fit(tokens, 0) {
+                tokens -= page;
+            }
+            return (m + tokens, 0);
         }
         let (mut cut, mut fit) = (m, 0);
         for (i, s) in new_states.iter().enumerate() {
             let kv = u64::from(s.position.saturating_sub(m)).saturating_mul(self.kv_bpt);
-            if kv.saturating_add((i as u64 + 1).saturating_mul(self.state_b)) > avail {
+            if kv.saturating_add((i as u64 + 1).saturating_mul(self.state_b)) > avail
+                || !units_fit(s.position.saturating_sub(m), i as u64 + 1)
+            {
                 break;
             }
             (cut, fit) = (cut.max(s.position), i + 1);

@@ -97,6 +97,68 @@ pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Eviction> {
     }
 }
 
+/// The two kinds of engine memory a cache entry holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum UnitKind {
+    /// A KV page of `page_size` tokens.
+    Page,
+    /// A recurrent-state slot (one checkpoint: every recurrent layer).
+    State,
+}
+
+/// A budget in engine units, for a cache whose memory is two pools (KV
+/// pages and state slots) rather than one byte budget: set with
+/// [`crate::PrefixCache::set_unit_budget`]. While one is set, admission
+/// evicts (and truncates) until the pages and states it keeps fit the
+/// budget as well as the byte capacity, and eviction for a short kind takes
+/// only candidates that free that kind, lowest utility first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum UnitBudget {
+    /// Two pools: at most `pages` KV pages and `states` state slots.
+    Split {
+        /// KV pages.
+        pages: u64,
+        /// State slots.
+        states: u64,
+    },
+    /// One pool shared by both kinds (a padded unified layout): at most
+    /// `units` pages and states together.
+    Shared {
+        /// Pages plus states.
+        units: u64,
+    },
+}
+
+/// Engine units in use (or freed): KV pages and state slots.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UnitUse {
+    /// KV pages.
+    pub pages: u64,
+    /// State slots.
+    pub states: u64,
+}
+
+impl UnitBudget {
+    /// Whether `used` fits.
+    pub fn fits(&self, used: UnitUse) -> bool {
+        match *self {
+            UnitBudget::Split { pages, states } => used.pages <= pages && used.states <= states,
+            UnitBudget::Shared { units } => used.pages.saturating_add(used.states) <= units,
+        }
+    }
+
+    /// Whether freeing a unit of `kind` brings `used` closer to fitting.
+    pub fn short_of(&self, used: UnitUse, kind: UnitKind) -> bool {
+        match *self {
+            UnitBudget::Split { pages, states } => match kind {
+                UnitKind::Page => used.pages > pages,
+                UnitKind::State => used.states > states,
+            },
+            UnitBudget::Shared { .. } => !self.fits(used),
+        }
+    }
+}
+
 /// Engine ids freed by evictions since the last drain: the engine may reuse them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Freed {
@@ -188,22 +250,87 @@ impl Core {
 
     /// Evicts until `needed` more bytes fit; false if they cannot.
     pub(crate) fn make_room(&mut self, needed: u64) -> bool {
-        while self.used_bytes().saturating_add(needed) > self.cfg.capacity_bytes {
-            if !self.evict_one() {
+        self.make_room_for(needed, UnitUse::default())
+    }
+
+    /// Engine units the cached entries hold: pages (edges are whole pages)
+    /// and states.
+    pub(crate) fn used_units(&self) -> UnitUse {
+        UnitUse {
+            pages: self.kv_tokens / u64::from(self.cfg.page_size),
+            states: self.states,
+        }
+    }
+
+    /// Units in use plus `extra`, saturating.
+    pub(crate) fn units_with(&self, extra: UnitUse) -> UnitUse {
+        let u = self.used_units();
+        UnitUse {
+            pages: u.pages.saturating_add(extra.pages),
+            states: u.states.saturating_add(extra.states),
+        }
+    }
+
+    /// Evicts until `needed` more bytes and `units` more engine units (under
+    /// the unit budget, if one is set) fit; false if they cannot. Without a
+    /// unit budget this is the byte-only eviction, unchanged; with one, a
+    /// short kind is relieved by the lowest-utility candidate that frees it.
+    pub(crate) fn make_room_for(&mut self, needed: u64, units: UnitUse) -> bool {
+        loop {
+            let bytes_short = self.used_bytes().saturating_add(needed) > self.cfg.capacity_bytes;
+            let short = self.short_kinds(units);
+            if !bytes_short && short.is_none() {
+                return true;
+            }
+            let filter = if bytes_short { None } else { short };
+            if !self.evict_one_freeing(filter) {
                 return false;
             }
         }
-        true
     }
 
-    /// Evicts the lowest-utility candidate; false if there is none.
-    pub(crate) fn evict_one(&mut self) -> bool {
+    /// The kinds whose units are short under the unit budget with `extra`
+    /// more in use: `None` when everything fits (or no budget is set).
+    fn short_kinds(&self, extra: UnitUse) -> Option<[bool; 2]> {
+        let b = self.units?;
+        let u = self.units_with(extra);
+        if b.fits(u) {
+            return None;
+        }
+        Some([
+            b.short_of(u, UnitKind::Page),
+            b.short_of(u, UnitKind::State),
+        ])
+    }
+
+    /// Units that evicting candidate `id` frees.
+    pub(crate) fn freed_units(&self, id: NodeId) -> UnitUse {
+        let n = self.tree.node(id);
+        UnitUse {
+            pages: if n.children.is_empty() {
+                n.tokens.len() as u64 / u64::from(self.cfg.page_size)
+            } else {
+                0
+            },
+            states: u64::from(n.state.is_some()),
+        }
+    }
+
+    /// Evicts the lowest-utility candidate among those that free a unit of
+    /// a kind `kinds` marks (`[page, state]`; `None`: any candidate); false
+    /// if there is none.
+    pub(crate) fn evict_one_freeing(&mut self, kinds: Option<[bool; 2]>) -> bool {
         let alpha = self.eviction.alpha(self.alpha);
         let tree = &self.tree;
-        let Some(choice) = self
-            .index
-            .lowest(alpha, |id| tree.node(id).cand.expect("indexed").eff)
-        else {
+        let eff = |id| tree.node(id).cand.expect("indexed").eff;
+        let choice = match kinds {
+            None => self.index.lowest(alpha, eff),
+            Some([pages, states]) => self.index.lowest_where(alpha, eff, |id| {
+                let f = self.freed_units(id);
+                (pages && f.pages > 0) || (states && f.states > 0)
+            }),
+        };
+        let Some(choice) = choice else {
             return false;
         };
         let id = choice.node;

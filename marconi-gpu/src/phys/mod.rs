@@ -446,6 +446,18 @@ impl<B: PhysicalMemory> PoolAllocator for BackedPool<B> {
         self.pool.stats()
     }
 
+    fn total_bytes(&self) -> u64 {
+        self.pool.total_bytes()
+    }
+
+    fn migrates(&self) -> bool {
+        self.pool.policy() != MigrationPolicy::Static
+    }
+
+    fn migration_step_bytes(&self) -> u64 {
+        self.backend.granularity() as u64
+    }
+
     fn live_handle_at(&self, pool: PoolKind, index: u32) -> Option<VirtualHandle> {
         self.pool.live_handle_at(pool, index)
     }

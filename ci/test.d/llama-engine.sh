@@ -32,7 +32,9 @@ done
 if [ ! -f "$src/include/llama.h" ]; then
   echo "--- pip download llama-cpp-python==$version (sdist: llama.cpp's sources)"
   mkdir -p "$cache"
-  "$python" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$cache"
+  # A venv of its own: a system Python may refuse pip (PEP 668).
+  "$python" -m venv "$cache/venv"
+  "$cache/venv/bin/python" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$cache"
   echo "$sha256  $cache/llama_cpp_python-$version.tar.gz" | sha256sum -c -
   tar -xzf "$cache/llama_cpp_python-$version.tar.gz" -C "$cache"
 fi

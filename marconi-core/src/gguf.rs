@@ -792,4 +792,39 @@ mod tests {
         assert_eq!(m.kv_bytes_per_token(), 2 * (2 * 2 * 16 * 2));
         assert_eq!(m.state_bytes(), 0);
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Any bytes after the magic: an error or a spec that validates,
+        /// never a panic (overflow checks are on in the test builds).
+        #[test]
+        fn arbitrary_bytes_never_panic(tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            let mut b = b"GGUF\x03\0\0\0".to_vec();
+            b.extend_from_slice(&tail);
+            if let Ok(m) = ModelSpec::from_gguf(&b) {
+                proptest::prop_assert!(m.validate().is_ok());
+            }
+        }
+
+        /// A real file with bytes overwritten (lengths, counts, type codes,
+        /// values set to extremes): an error or a valid spec, never a panic.
+        #[test]
+        fn corrupted_files_never_panic(
+            edits in proptest::collection::vec((0usize..2000, proptest::prop_oneof![
+                proptest::strategy::Just(0u8),
+                proptest::strategy::Just(0xffu8),
+                proptest::prelude::any::<u8>(),
+            ]), 1..6),
+        ) {
+            let mut b = nemotron();
+            for (at, v) in edits {
+                let at = at % b.len();
+                b[at] = v;
+            }
+            if let Ok(m) = ModelSpec::from_gguf(&b) {
+                proptest::prop_assert!(m.validate().is_ok());
+            }
+        }
+    }
 }

@@ -102,6 +102,13 @@ pub struct TunerConfig {
     pub bootstrap_factor: u32,
     /// Smallest window, in requests.
     pub min_window: u32,
+    /// Longest window, in requests (0: no limit, the paper's rule). The
+    /// bootstrap rule makes the window 5× the requests before the first
+    /// eviction: on a large cache that is more requests than a workload
+    /// phase lasts, and α and the rules stay untuned until it ends; a cap
+    /// starts tuning after a representative sample instead.
+    #[serde(default)]
+    pub max_window: u32,
     /// Keep tuning on later windows.
     pub retune: bool,
     /// On windows after the first, replay only α = 0, the current α and its
@@ -131,6 +138,19 @@ pub struct TunerConfig {
     pub min_gain: f64,
     /// Threads for the grid search (0: one per available core).
     pub threads: u32,
+    /// Also tune the eviction rules, as α is tuned: every round replays
+    /// its α values with `protect_branch_states` on and off, and plain LRU
+    /// (SGLang+'s rules: leaves only, a hit refreshes its whole path), and
+    /// adopts the best. No fixed rule wins on every workload (protecting
+    /// shared prompts helps chat traces with popular system prompts and
+    /// costs on real ShareGPT conversations; FLOP-aware merging can lose to
+    /// LRU's leaf order), so the choice is made per workload from its own
+    /// recent requests. Default off (the paper tunes α only; on the
+    /// battery of `marconi-sim battery` it is not yet a net gain, see
+    /// [`CacheConfig::marconi_tuned`]). Doubles the replays of a round,
+    /// plus one.
+    #[serde(default)]
+    pub tune_rules: bool,
 }
 
 impl Default for TunerConfig {
@@ -139,6 +159,7 @@ impl Default for TunerConfig {
             grid: (0..=20).map(|i| f64::from(i) / 10.0).collect(),
             bootstrap_factor: 5,
             min_window: 16,
+            max_window: 0,
             retune: true,
             retune_neighbours: 2,
             retune_every: 4,
@@ -147,6 +168,7 @@ impl Default for TunerConfig {
             adoption: AlphaAdoption::Deterministic,
             min_gain: 0.0,
             threads: 0,
+            tune_rules: false,
         }
     }
 }
@@ -214,6 +236,23 @@ impl CacheConfig {
                 ..TunerConfig::default()
             }),
             protect_branch_states: false,
+            ..Self::marconi(model, capacity_bytes)
+        }
+    }
+
+    /// Marconi whose tuning also picks the eviction rules per workload
+    /// ([`TunerConfig::tune_rules`]: `protect_branch_states` on or off, or
+    /// plain LRU) and starts after at most 100 requests
+    /// ([`TunerConfig::max_window`]). Not the default: on the battery of
+    /// `marconi-sim battery` it wins some rows and loses others against
+    /// the default (windows of a few hundred requests are a noisy guide).
+    pub fn marconi_tuned(model: ModelSpec, capacity_bytes: u64) -> Self {
+        CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                tune_rules: true,
+                max_window: 100,
+                ..TunerConfig::default()
+            }),
             ..Self::marconi(model, capacity_bytes)
         }
     }

@@ -113,6 +113,17 @@ pub enum Decision {
         /// What went wrong.
         reason: String,
     },
+    /// A tuning round changed the eviction rules
+    /// ([`crate::TunerConfig::tune_rules`]); logged after its `Alpha` record.
+    Rules {
+        /// Tuning round.
+        round: u32,
+        /// Plain LRU (SGLang+'s rules) now, instead of FLOP-aware eviction.
+        lru: bool,
+        /// FLOP-aware eviction's [`crate::CacheConfig::protect_branch_states`]
+        /// now (meaningless under LRU).
+        protect_branch_states: bool,
+    },
 }
 
 impl fmt::Display for Decision {
@@ -181,6 +192,18 @@ impl fmt::Display for Decision {
                 f,
                 "alpha   kept {alpha:.1}: the search over {requests} requests failed: {reason}"
             ),
+            Decision::Rules {
+                round,
+                lru,
+                protect_branch_states,
+            } => {
+                let rules = match (lru, protect_branch_states) {
+                    (true, _) => "lru",
+                    (false, true) => "flop-aware, branch states protected",
+                    (false, false) => "flop-aware (the paper's merge rule)",
+                };
+                write!(f, "rules   round={round} {rules}")
+            }
         }
     }
 }

@@ -29,7 +29,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::{Core, LeaseInfoOut};
-use crate::config::{AlphaAdoption, TunerConfig, TuningObjective};
+use crate::config::{AlphaAdoption, EvictionPolicy, TunerConfig, TuningObjective};
 use crate::log::{Decision, DecisionLog};
 
 #[derive(Clone, Debug)]
@@ -45,6 +45,55 @@ enum Phase {
     Waiting(u64),
     /// One-shot tuning finished.
     Done,
+}
+
+/// The eviction rules a tuning round can pick
+/// ([`TunerConfig::tune_rules`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rules {
+    lru: bool,
+    protect_branch_states: bool,
+}
+
+impl Rules {
+    fn of(core: &Core) -> Self {
+        Rules {
+            lru: core.cfg.eviction == EvictionPolicy::Lru,
+            protect_branch_states: core.cfg.protect_branch_states,
+        }
+    }
+
+    /// Puts these rules in force on `core`: the eviction policy is rebuilt
+    /// and the candidate index re-derived (which nodes are candidates
+    /// depends on the rules). O(nodes).
+    fn apply(self, core: &mut Core) {
+        if Rules::of(core) == self {
+            return;
+        }
+        core.cfg.eviction = if self.lru {
+            EvictionPolicy::Lru
+        } else {
+            EvictionPolicy::FlopAware
+        };
+        core.cfg.protect_branch_states = self.protect_branch_states;
+        core.eviction = crate::eviction::from_config(&core.cfg);
+        core.index.clear();
+        for id in 0..core.tree.nodes.len() as crate::tree::NodeId {
+            core.tree.node_mut(id).cand = None;
+        }
+        for id in 0..core.tree.nodes.len() as crate::tree::NodeId {
+            if core.tree.node(id).live {
+                core.refresh(id);
+            }
+        }
+    }
+}
+
+/// One point of a round's grid: an α under some eviction rules.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Candidate {
+    alpha: f64,
+    rules: Rules,
 }
 
 #[derive(Clone, Debug)]
@@ -64,7 +113,7 @@ type Slot = Arc<(Mutex<Option<Outcome>>, Condvar)>;
 /// not depend on who waits for it.
 #[derive(Clone, Debug)]
 struct Search {
-    grid: Vec<f64>,
+    grid: Vec<Candidate>,
     requests: u32,
     result: Slot,
 }
@@ -109,7 +158,12 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, St
 impl Search {
     /// Starts the search over `grid` on `window`, from `snapshot`: the
     /// [`window_snapshot`] taken when the window opened.
-    fn start(snapshot: Core, grid: Vec<f64>, window: Vec<Recorded>, cfg: TunerConfig) -> Search {
+    fn start(
+        snapshot: Core,
+        grid: Vec<Candidate>,
+        window: Vec<Recorded>,
+        cfg: TunerConfig,
+    ) -> Search {
         let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let requests = u32::try_from(window.len()).unwrap_or(u32::MAX);
         // The inputs are handed over through a shared cell, not captured by
@@ -246,7 +300,11 @@ impl Tuner {
                     self.window_len = usize::try_from(
                         self.requests
                             .saturating_mul(factor)
-                            .max(u64::from(self.cfg.min_window)),
+                            .max(u64::from(self.cfg.min_window))
+                            .min(match self.cfg.max_window {
+                                0 => u64::MAX,
+                                m => u64::from(m.max(self.cfg.min_window)),
+                            }),
                     )
                     .unwrap_or(usize::MAX);
                     self.snapshot = Some(window_snapshot(core));
@@ -283,9 +341,41 @@ impl Tuner {
         }
     }
 
-    /// The grid for this round: the whole grid on the bootstrap window; then
+    /// The candidates of this round: [`alphas`](Self::round_alphas) under
+    /// the rules in force, first (α = 0 first: the reference a candidate
+    /// must beat); with `tune_rules`, the same α values under FLOP-aware
+    /// eviction with the other `protect_branch_states`, and plain LRU.
+    fn round_grid(&self, core: &Core) -> Vec<Candidate> {
+        let alphas = self.round_alphas(core.alpha);
+        let now = Rules::of(core);
+        let mut rules = vec![now];
+        if self.cfg.tune_rules {
+            for protect in [true, false] {
+                rules.push(Rules {
+                    lru: false,
+                    protect_branch_states: protect,
+                });
+            }
+            rules.push(Rules {
+                lru: true,
+                protect_branch_states: now.protect_branch_states,
+            });
+        }
+        let mut grid: Vec<Candidate> = Vec::new();
+        for r in rules {
+            if grid.iter().any(|c| c.rules == r) {
+                continue;
+            }
+            // LRU ignores α: one replay.
+            let alphas = if r.lru { &[0.0][..] } else { &alphas[..] };
+            grid.extend(alphas.iter().map(|&alpha| Candidate { alpha, rules: r }));
+        }
+        grid
+    }
+
+    /// The α values for this round: the whole grid on the bootstrap window; then
     /// α = 0, the current α and its neighbours.
-    fn round_grid(&self, current: f64) -> Vec<f64> {
+    fn round_alphas(&self, current: f64) -> Vec<f64> {
         let mut full = self.cfg.grid.clone();
         full.push(0.0);
         full.sort_by(f64::total_cmp);
@@ -305,7 +395,7 @@ impl Tuner {
 
     fn start_search(&mut self, core: &Core) -> Search {
         let snapshot = self.snapshot.take().expect("recording has a snapshot");
-        let grid = self.round_grid(core.alpha);
+        let grid = self.round_grid(core);
         let window = std::mem::take(&mut self.window);
         Search::start(snapshot, grid, window, self.cfg.clone())
     }
@@ -359,10 +449,14 @@ impl Tuner {
             best_obj = at_zero;
         }
         let old = core.alpha;
-        let new = grid[best];
+        let new = grid[best].alpha;
         // α changed: the utility ordering changes, but the index keys (time,
         // efficiency) do not, so nothing needs rebuilding.
         core.alpha = new;
+        let rules_changed = Rules::of(core) != grid[best].rules;
+        // Other rules change which nodes are candidates: the index is
+        // re-derived.
+        grid[best].rules.apply(core);
         self.round += 1;
         core.stats.tuning_rounds = self.round;
         let round = self.round;
@@ -374,6 +468,14 @@ impl Tuner {
             objective_at_zero: at_zero,
             objective_at_new: best_obj,
         });
+        if rules_changed {
+            let r = grid[best].rules;
+            core.log.push(|| Decision::Rules {
+                round,
+                lru: r.lru,
+                protect_branch_states: r.protect_branch_states,
+            });
+        }
         self.next_window(core);
     }
 
@@ -396,18 +498,23 @@ impl Tuner {
 /// result is in grid order and does not depend on the thread count. A
 /// replay that panics fails the search (the first failure in grid order is
 /// reported); a share whose thread cannot be spawned is replayed here.
-fn grid_search(snapshot: &Core, grid: &[f64], window: &[Recorded], cfg: &TunerConfig) -> Outcome {
+fn grid_search(
+    snapshot: &Core,
+    grid: &[Candidate],
+    window: &[Recorded],
+    cfg: &TunerConfig,
+) -> Outcome {
     let threads = match cfg.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n as usize,
     }
     .clamp(1, grid.len());
-    let replay_all = |alphas: &[f64]| -> Outcome {
-        alphas
+    let replay_all = |cands: &[Candidate]| -> Outcome {
+        cands
             .iter()
-            .map(|&a| {
-                guarded(&format!("the replay at alpha {a}"), || {
-                    Ok(replay(snapshot, a, window, cfg.objective))
+            .map(|&c| {
+                guarded(&format!("the replay at alpha {}", c.alpha), || {
+                    Ok(replay(snapshot, c, window, cfg.objective))
                 })
             })
             .collect()
@@ -445,7 +552,13 @@ fn grid_search(snapshot: &Core, grid: &[f64], window: &[Recorded], cfg: &TunerCo
     Ok(results)
 }
 
-fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObjective) -> f64 {
+fn replay(
+    snapshot: &Core,
+    cand: Candidate,
+    window: &[Recorded],
+    objective: TuningObjective,
+) -> f64 {
+    let alpha = cand.alpha;
     #[cfg(test)]
     if alpha.to_bits() == tests::FAULT_ALPHA.to_bits() {
         panic!("injected fault: replay at alpha {alpha}");
@@ -456,6 +569,7 @@ fn replay(snapshot: &Core, alpha: f64, window: &[Recorded], objective: TuningObj
     }
     let mut c = snapshot.clone();
     c.alpha = alpha;
+    cand.rules.apply(&mut c);
     for r in window {
         // Recorded requests were valid when they ran; a replay cannot fail.
         let _ = c.serve(r.ns, &r.full[..r.input_len as usize], &r.full);

@@ -163,3 +163,74 @@ fn when_ready_adoption_serves_the_workload_and_adopts_once_a_search_ends() {
     }
     assert!(c.stats().tuning_rounds >= 1);
 }
+
+/// With `tune_rules`, every round also replays the other eviction rules
+/// (protect_branch_states flipped, plain LRU): the search is deterministic
+/// whatever the thread count, a rule change is logged and put in force
+/// (the configuration says so), the index stays exact (invariants after
+/// every request) and the result is never below the window's α = 0 under
+/// the rules in force (the same guard as α).
+#[test]
+fn rule_tuning_is_deterministic_and_keeps_the_cache_consistent() {
+    let rules_cfg = |threads: u32| {
+        cfg(AlphaMode::Auto(TunerConfig {
+            threads,
+            tune_rules: true,
+            max_window: 40,
+            ..TunerConfig::default()
+        }))
+    };
+    let serve_all = |cfg: CacheConfig| {
+        let mut c = PrefixCache::new(CacheConfig {
+            decision_log: true,
+            ..cfg
+        })
+        .unwrap();
+        let mut log = Vec::new();
+        for r in workload() {
+            c.serve(0, &r, &[]).unwrap();
+            c.check_invariants();
+            log.extend(c.drain_log());
+        }
+        (c.stats(), log, c.config().clone())
+    };
+    let (s1, log1, cfg1) = serve_all(rules_cfg(1));
+    let (s4, log4, cfg4) = serve_all(rules_cfg(4));
+    assert_eq!(s1, s4);
+    assert_eq!(log1, log4);
+    assert_eq!(
+        (cfg1.eviction, cfg1.protect_branch_states),
+        (cfg4.eviction, cfg4.protect_branch_states)
+    );
+    let rounds: Vec<_> = log1
+        .iter()
+        .filter_map(|d| match d {
+            Decision::Alpha {
+                objective_at_zero,
+                objective_at_new,
+                ..
+            } => Some((*objective_at_zero, *objective_at_new)),
+            _ => None,
+        })
+        .collect();
+    assert!(rounds.len() >= 2, "{} rounds", rounds.len());
+    assert!(rounds.iter().all(|(zero, new)| new >= zero));
+    // The last rules logged are the ones in force.
+    let last = log1.iter().rev().find_map(|d| match d {
+        Decision::Rules {
+            lru,
+            protect_branch_states,
+            ..
+        } => Some((*lru, *protect_branch_states)),
+        _ => None,
+    });
+    if let Some((lru, protect)) = last {
+        assert_eq!(cfg1.eviction == marconi_core::EvictionPolicy::Lru, lru);
+        if !lru {
+            assert_eq!(cfg1.protect_branch_states, protect);
+        }
+    } else {
+        assert_eq!(cfg1.eviction, marconi_core::EvictionPolicy::FlopAware);
+        assert!(cfg1.protect_branch_states);
+    }
+}

@@ -31,11 +31,12 @@ use crate::trace::Trace;
 use crate::units::format_bytes;
 
 /// The policies of every row, in table order.
-pub const POLICIES: [Policy; 5] = [
+pub const POLICIES: [Policy; 6] = [
     Policy::SglangPlus,
     Policy::VllmPlus,
     Policy::MarconiPaper,
     Policy::Marconi,
+    Policy::MarconiTuned,
     Policy::Clairvoyant,
 ];
 

@@ -117,8 +117,7 @@ pub fn table(replays: &[Replay]) -> String {
     );
     for r in replays {
         let p = &r.report;
-        let alpha = if p.policy == Policy::Marconi.name() || p.policy == Policy::MarconiPaper.name()
-        {
+        let alpha = if p.policy.starts_with(Policy::Marconi.name()) {
             format!("{:.2}", p.alpha)
         } else {
             "-".into()

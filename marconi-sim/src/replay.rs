@@ -25,6 +25,9 @@ pub enum Policy {
     Marconi,
     /// Marconi with the paper's exact rules (`CacheConfig::marconi_paper`).
     MarconiPaper,
+    /// Marconi whose tuning also picks the eviction rules
+    /// (`CacheConfig::marconi_tuned`).
+    MarconiTuned,
     /// SGLang+: Marconi's admission with LRU eviction.
     SglangPlus,
     /// vLLM+: a state every block (`--block-size`), LRU eviction.
@@ -40,7 +43,7 @@ pub enum Policy {
 
 impl Policy {
     /// Every policy, in table order.
-    pub const ALL: [Policy; 7] = [
+    pub const ALL: [Policy; 8] = [
         Policy::Marconi,
         Policy::SglangPlus,
         Policy::VllmPlus,
@@ -48,6 +51,7 @@ impl Policy {
         Policy::Oracle,
         Policy::MarconiPaper,
         Policy::Clairvoyant,
+        Policy::MarconiTuned,
     ];
 
     /// The name used on the command line and in reports.
@@ -55,6 +59,7 @@ impl Policy {
         match self {
             Policy::Marconi => "marconi",
             Policy::MarconiPaper => "marconi-paper",
+            Policy::MarconiTuned => "marconi-tuned",
             Policy::Clairvoyant => "clairvoyant",
             Policy::SglangPlus => "sglang-plus",
             Policy::VllmPlus => "vllm-plus",
@@ -143,12 +148,15 @@ impl ReplayConfig {
         let mut cfg = match self.policy {
             Policy::Marconi => CacheConfig::marconi(m, c),
             Policy::MarconiPaper => CacheConfig::marconi_paper(m, c),
+            Policy::MarconiTuned => CacheConfig::marconi_tuned(m, c),
             Policy::SglangPlus => CacheConfig::sglang_plus(m, c),
             Policy::VllmPlus => CacheConfig::vllm_plus(m, c, self.block_size),
             Policy::Oracle => CacheConfig::oracle(m),
             Policy::NoCache | Policy::Clairvoyant => return None,
         };
-        if let (Policy::Marconi | Policy::MarconiPaper, Some(a)) = (self.policy, self.alpha) {
+        if let (Policy::Marconi | Policy::MarconiPaper | Policy::MarconiTuned, Some(a)) =
+            (self.policy, self.alpha)
+        {
             cfg.alpha = marconi_core::AlphaMode::Fixed(a);
         }
         Some(cfg)

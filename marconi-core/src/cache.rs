@@ -261,7 +261,6 @@ impl Core {
         c.tracks_pages = None;
         c.index.clear();
         c.page_owner.clear();
-        c.tracks_pages = c.tracks_pages.map(|_| false);
         for id in 0..c.tree.nodes.len() as NodeId {
             let n = c.tree.node_mut(id);
             n.leases = 0;

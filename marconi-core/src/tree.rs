@@ -92,10 +92,52 @@ pub(crate) struct Walk {
     pub(crate) ran_out: bool,
 }
 
+/// Nodes per copy-on-write chunk of the arena.
+const CHUNK: usize = 16;
+
+/// The node arena, in copy-on-write chunks of [`CHUNK`] nodes: a copy (the
+/// tuner's window snapshot, taken on a request) shares every chunk, and a
+/// chunk is copied when first changed while shared, so the copy costs
+/// O(nodes / CHUNK) on the request that takes it and the rest is spread over
+/// the requests that change the tree afterwards, 16 nodes at a time.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Nodes {
+    chunks: Vec<Arc<Vec<Node>>>,
+    len: usize,
+}
+
+impl Nodes {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get(&self, i: usize) -> &Node {
+        &self.chunks[i / CHUNK][i % CHUNK]
+    }
+
+    fn get_mut(&mut self, i: usize) -> &mut Node {
+        &mut Arc::make_mut(&mut self.chunks[i / CHUNK])[i % CHUNK]
+    }
+
+    fn push(&mut self, node: Node) {
+        if self.len % CHUNK == 0 {
+            self.chunks.push(Arc::new(Vec::with_capacity(CHUNK)));
+        }
+        let last = self.chunks.last_mut().expect("a chunk with room");
+        Arc::make_mut(last).push(node);
+        self.len += 1;
+    }
+
+    /// Every node, by id.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Node> {
+        self.chunks.iter().flat_map(|c| c.iter())
+    }
+}
+
 /// The arena of nodes, with one root per namespace.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Tree {
-    pub(crate) nodes: Vec<Node>,
+    pub(crate) nodes: Nodes,
     free: Vec<NodeId>,
     pub(crate) roots: BTreeMap<u64, NodeId>,
 }
@@ -120,11 +162,11 @@ pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 impl Tree {
     pub(crate) fn node(&self, id: NodeId) -> &Node {
-        &self.nodes[id as usize]
+        self.nodes.get(id as usize)
     }
 
     pub(crate) fn node_mut(&mut self, id: NodeId) -> &mut Node {
-        &mut self.nodes[id as usize]
+        self.nodes.get_mut(id as usize)
     }
 
     pub(crate) fn live_count(&self) -> usize {
@@ -133,7 +175,7 @@ impl Tree {
 
     fn alloc(&mut self, node: Node) -> NodeId {
         if let Some(id) = self.free.pop() {
-            self.nodes[id as usize] = node;
+            *self.nodes.get_mut(id as usize) = node;
             id
         } else {
             self.nodes.push(node);
@@ -142,7 +184,7 @@ impl Tree {
     }
 
     fn release(&mut self, id: NodeId) {
-        self.nodes[id as usize] = Node::default();
+        *self.nodes.get_mut(id as usize) = Node::default();
         self.free.push(id);
     }
 

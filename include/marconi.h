@@ -454,6 +454,12 @@ typedef struct marconi_cache marconi_cache;
 typedef struct marconi_pool marconi_pool;
 
 /**
+ * A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
+ * free with marconi_pooled_cache_free.
+ */
+typedef struct marconi_pooled_cache marconi_pooled_cache;
+
+/**
  * A model's layer composition and dimensions (see marconi-core's ModelSpec
  * for the meaning and the FLOP and byte formulas). Fill it field by field, or
  * from a preset with marconi_model_spec_preset.
@@ -884,6 +890,141 @@ typedef struct marconi_stats {
 } marconi_stats;
 
 /**
+ * What to plan for. Versioned by size: set struct_size with
+ * marconi_plan_request_init, then change fields.
+ */
+typedef struct marconi_plan_request {
+  /**
+   * sizeof(marconi_plan_request) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Tokens per KV page (default 16).
+   */
+  uint32_t page_size;
+  /**
+   * A preset name (NUL-terminated), or NULL to use `model`.
+   */
+  const char *model_preset;
+  /**
+   * The model when model_preset is NULL (default: "paper-7b").
+   */
+  struct marconi_model_spec model;
+  /**
+   * Device bytes for both pools.
+   */
+  uint64_t budget_bytes;
+  /**
+   * State share of a static split, strictly between 0 and 1 (default 0.5).
+   */
+  double state_fraction;
+  /**
+   * Tokens per running sequence for the max_batch_* figures (0: not asked).
+   */
+  uint64_t context_tokens;
+  /**
+   * Running sequences for the max_context_* figures (0: not asked).
+   */
+  uint64_t batch;
+} marconi_plan_request;
+
+/**
+ * The start-up numbers (out->struct_size set by the caller; the library
+ * writes only that many bytes).
+ */
+typedef struct marconi_memory_plan {
+  /**
+   * sizeof(marconi_memory_plan) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Tokens per KV page.
+   */
+  uint32_t page_size;
+  /**
+   * Device bytes for both pools.
+   */
+  uint64_t budget_bytes;
+  /**
+   * KV bytes per token (all attention layers).
+   */
+  uint64_t kv_bytes_per_token;
+  /**
+   * Bytes of one KV page (128-aligned): pool unit of the KV pool.
+   */
+  uint64_t kv_page_bytes;
+  /**
+   * Bytes of one state slot: one checkpoint of every recurrent layer
+   * (128-aligned).
+   */
+  uint64_t state_slot_bytes;
+  /**
+   * KV tokens if the whole budget held KV.
+   */
+  uint64_t max_kv_tokens;
+  /**
+   * State slots if the whole budget held states.
+   */
+  uint64_t max_state_slots;
+  /**
+   * Unit of a padded unified table (the larger unit, vLLM's layout).
+   */
+  uint64_t unified_unit_bytes;
+  /**
+   * Units of that table.
+   */
+  uint64_t unified_units;
+  /**
+   * The static split's state fraction (the request's).
+   */
+  double state_fraction;
+  /**
+   * KV pages of that split.
+   */
+  uint64_t split_kv_pages;
+  /**
+   * KV tokens of that split.
+   */
+  uint64_t split_kv_tokens;
+  /**
+   * State slots of that split.
+   */
+  uint64_t split_state_slots;
+  /**
+   * The state fraction a batch of context_tokens-token sequences uses
+   * (0 when context_tokens is 0).
+   */
+  double fraction_for_context;
+  /**
+   * Largest batch of context_tokens-token sequences: static split at
+   * state_fraction, AVMP (capacity follows demand), unified table (0 when
+   * context_tokens is 0).
+   */
+  uint64_t max_batch_static;
+  /**
+   * As max_batch_static, AVMP.
+   */
+  uint64_t max_batch_avmp;
+  /**
+   * As max_batch_static, padded unified table.
+   */
+  uint64_t max_batch_unified;
+  /**
+   * Longest context for `batch` sequences each, in whole pages' tokens:
+   * static split (0 when batch is 0).
+   */
+  uint64_t max_context_static;
+  /**
+   * As max_context_static, AVMP.
+   */
+  uint64_t max_context_avmp;
+  /**
+   * As max_context_static, padded unified table.
+   */
+  uint64_t max_context_unified;
+} marconi_memory_plan;
+
+/**
  * Everything a pool is built from. Versioned by size: set struct_size with
  * marconi_pool_config_init, then change fields.
  */
@@ -1090,6 +1231,141 @@ typedef struct marconi_state_buffer {
    */
   uint32_t layers;
 } marconi_state_buffer;
+
+/**
+ * The result of marconi_pooled_cache_lookup.
+ */
+typedef struct marconi_pooled_lookup {
+  /**
+   * The lease pinning what the request reuses (never 0, never reused,
+   * never valid in another cache): pass it to marconi_pooled_cache_admit
+   * and release it with marconi_pooled_cache_release.
+   */
+  uint64_t lease;
+  /**
+   * Leading tokens the engine may skip (< the input length).
+   */
+  uint32_t hit_tokens;
+  /**
+   * Leading tokens whose KV is cached (page-aligned).
+   */
+  uint32_t kv_matched_tokens;
+  /**
+   * The cache's state-slot handle to resume from (copy it into a slot
+   * the request reserved, e.g. with marconi_pooled_cache_copy_states),
+   * or 0 when there is no hit.
+   */
+  uint32_t state_handle;
+  /**
+   * The cache's KV page handles of the first hit_tokens tokens
+   * (marconi_pooled_cache_lease_kv_pages): read them, never free them;
+   * valid while the lease is held.
+   */
+  uint32_t n_kv_pages;
+  /**
+   * Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
+   */
+  uint32_t n_plan;
+  /**
+   * Must be ignored (padding made explicit).
+   */
+  uint32_t reserved;
+} marconi_pooled_lookup;
+
+/**
+ * Counters of a cache over pools. Versioned by size: set struct_size to
+ * sizeof(marconi_pooled_stats) before calling marconi_pooled_cache_stats.
+ */
+typedef struct marconi_pooled_stats {
+  /**
+   * sizeof(marconi_pooled_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * The marconi_pool_backend in use.
+   */
+  uint32_t backend;
+  /**
+   * Lookups served.
+   */
+  uint64_t requests;
+  /**
+   * Input tokens looked up.
+   */
+  uint64_t input_tokens;
+  /**
+   * Tokens skipped thanks to the cache.
+   */
+  uint64_t hit_tokens;
+  /**
+   * Nodes evicted (for memory or by admissions).
+   */
+  uint64_t evictions;
+  /**
+   * Admissions that cached nothing.
+   */
+  uint64_t admissions_rejected;
+  /**
+   * Reservations made.
+   */
+  uint64_t reservations;
+  /**
+   * Reservations refused for lack of memory.
+   */
+  uint64_t reservations_refused;
+  /**
+   * Capacity migrations made by reservations.
+   */
+  uint64_t migrations;
+  /**
+   * Bytes the donor pools gave up in those migrations.
+   */
+  uint64_t bytes_migrated;
+  /**
+   * Evictions made to meet reservations.
+   */
+  uint64_t evictions_for_memory;
+  /**
+   * Of those, evictions that freed only units of the other pool.
+   */
+  uint64_t evictions_other_kind;
+  /**
+   * KV pages and state slots the cache holds.
+   */
+  uint64_t held_kv_pages;
+  /**
+   * State slots the cache holds.
+   */
+  uint64_t held_state_slots;
+  /**
+   * KV pool capacity and free units.
+   */
+  uint64_t kv_capacity;
+  /**
+   * Free KV units.
+   */
+  uint64_t kv_free;
+  /**
+   * State pool capacity.
+   */
+  uint64_t state_capacity;
+  /**
+   * Free state units.
+   */
+  uint64_t state_free;
+  /**
+   * The pools' budget, bytes.
+   */
+  uint64_t budget_bytes;
+  /**
+   * Physical bytes committed (memfd st_blocks * 512; 0 for NONE).
+   */
+  uint64_t physical_bytes;
+  /**
+   * Leases outstanding.
+   */
+  uint64_t leases;
+} marconi_pooled_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -1471,6 +1747,36 @@ marconi_status marconi_model_spec_from_hf_config(const char *json,
                                                  struct marconi_model_spec *out);
 
 /**
+ * Writes the default request into `*req` (page_size 16, the "paper-7b"
+ * model, state_fraction 0.5, budget 0: the caller sets it) and sets
+ * req->struct_size to `struct_size`, the caller's sizeof.
+ *
+ * Thread safety: safe from any thread.
+ *
+ * # Safety
+ *
+ * `req` is NULL or has struct_size writable bytes.
+ */
+marconi_status marconi_plan_request_init(struct marconi_plan_request *req, size_t struct_size);
+
+/**
+ * Plans the pools for `*req` and writes the numbers to `*out` (only
+ * out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
+ * a model without recurrent layers, page_size 0, a budget below one page
+ * and one slot, or a state_fraction outside (0, 1); the detail says which.
+ *
+ * Thread safety: safe from any thread.
+ *
+ * # Safety
+ *
+ * `req` is NULL or initialised by marconi_plan_request_init (its
+ * model_preset NULL or NUL-terminated); `out` is NULL or has
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_plan(const struct marconi_plan_request *req,
+                            struct marconi_memory_plan *out);
+
+/**
  * Writes the default configuration into `*cfg` (backend MEMFD, AVMP
  * migration with batches of 128 units, state_fraction 0.5, chunk 2 MiB;
  * budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)
@@ -1728,6 +2034,279 @@ marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
                                         size_t accepted,
                                         uint32_t mode,
                                         uint32_t *out_slot);
+
+/**
+ * Creates a cache over pools and writes the handle to `*out` (free it with
+ * marconi_pooled_cache_free). `cache_cfg` chooses the policy, the model and
+ * the page size (its capacity_bytes is ignored: the pools are the
+ * capacity); `pool_cfg` the memory (backend, budget, split, migration).
+ * pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the model's KV
+ * bytes of one page and one state (all recurrent layers), 128-aligned;
+ * larger values (an engine's padded layout) are accepted, smaller ones are
+ * MARCONI_STATUS_INVALID_CONFIG. A model without recurrent layers is
+ * refused (use marconi_cache_new).
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
+ * functions (struct_size readable bytes); `out` is NULL or writable.
+ */
+marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache_cfg,
+                                        const struct marconi_pool_config *pool_cfg,
+                                        struct marconi_pooled_cache **out);
+
+/**
+ * Frees a cache over pools and its memory (every handle and address it
+ * gave out becomes invalid). NULL is a no-op.
+ *
+ * Thread safety: must not run concurrently with any other call on this
+ * cache; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
+ */
+void marconi_pooled_cache_free(struct marconi_pooled_cache *pc);
+
+/**
+ * Looks up `tokens[0..n_tokens]` in namespace `ns` and writes the hit, the
+ * cache's state handle to resume from, the counts of KV page handles and
+ * planned checkpoints, and a lease to `*out`. Errors as
+ * marconi_cache_lookup.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `tokens` has n_tokens readable u32 (or
+ * is NULL); `out` is writable or NULL.
+ */
+marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc,
+                                           uint64_t ns,
+                                           const uint32_t *tokens,
+                                           size_t n_tokens,
+                                           struct marconi_pooled_lookup *out);
+
+/**
+ * Writes the KV page handles of a lease's hit into `buf[0..cap]` and their
+ * number to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+ * written when cap is too small; NULL with cap 0 asks for the count).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
+ * `out_len` is writable or NULL.
+ */
+marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_cache *pc,
+                                                   uint64_t lease,
+                                                   uint32_t *buf,
+                                                   size_t cap,
+                                                   size_t *out_len);
+
+/**
+ * Writes a lease's planned checkpoint positions (as
+ * marconi_pooled_cache_lease_kv_pages).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_pooled_cache_lease_kv_pages.
+ */
+marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache *pc,
+                                               uint64_t lease,
+                                               uint32_t *buf,
+                                               size_t cap,
+                                               size_t *out_len);
+
+/**
+ * Reserves working memory for a request: `kv_pages` KV pages (for the
+ * tokens past the hit) written to `kv_out[0..kv_pages]` and `state_slots`
+ * state slots (one per state to save: the plan and the final state)
+ * written to `state_out`. When a pool is short, free capacity migrates
+ * from the other pool (AVMP) and then the cache evicts by utility; all or
+ * nothing. MARCONI_STATUS_OUT_OF_MEMORY when even that cannot make room:
+ * nothing is reserved (entries evicted on the way stay evicted; their
+ * handles come back through marconi_pooled_cache_drain_freed).
+ * MARCONI_STATUS_BUFFER_TOO_SMALL when a capacity is below its count. The
+ * units are the caller's until admitted or freed.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
+ * state_cap writable u32 (or are NULL with a capacity 0).
+ */
+marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *pc,
+                                            uint32_t kv_pages,
+                                            uint32_t state_slots,
+                                            uint32_t *kv_out,
+                                            size_t kv_cap,
+                                            uint32_t *state_out,
+                                            size_t state_cap);
+
+/**
+ * Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
+ * output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
+ * full page of tokens: the lease's hit pages, then pages the caller
+ * reserved) and the states saved (`states[i].slot`: a state handle the
+ * caller reserved). The cache takes the units it keeps: the pages
+ * kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
+ * slots of the states with taken[i] = 1 (`taken` may be NULL when
+ * n_states is 0). Every other unit passed in stays the caller's: free it
+ * with marconi_pooled_cache_free_units (or reuse it). Errors as
+ * marconi_cache_admit, plus MARCONI_STATUS_UNKNOWN_HANDLE for a page or
+ * slot the caller does not hold; nothing changes on error.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; each buffer has its length readable (or
+ * is NULL with length 0); `taken` has n_states writable bytes; `out` is
+ * writable or NULL.
+ */
+marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
+                                          uint64_t lease,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          const struct marconi_saved_state *states,
+                                          size_t n_states,
+                                          const uint32_t *kv_pages,
+                                          size_t n_kv_pages,
+                                          uint8_t *taken,
+                                          struct marconi_admit_result *out);
+
+/**
+ * Frees `handles[0..n]`, units the caller holds (reserved, not taken by
+ * the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
+ * the caller does not hold (the cache's, freed, made up).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+ */
+marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache *pc,
+                                               const uint32_t *handles,
+                                               size_t n);
+
+/**
+ * Releases a lease. MARCONI_STATUS_UNKNOWN_LEASE for a lease this cache
+ * did not issue or already released.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL.
+ */
+marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *pc, uint64_t lease);
+
+/**
+ * Writes the handles the cache evicted since the last call (already back
+ * in their pool: stale, the engine must stop using them) into
+ * `buf[0..cap]` and their number to `*out_len`; they are removed from the
+ * list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes the
+ * count only).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
+ * `out_len` is writable or NULL.
+ */
+marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cache *pc,
+                                                uint32_t *buf,
+                                                size_t cap,
+                                                size_t *out_len);
+
+/**
+ * Writes the handles the cache holds now (KV pages and state slots, in no
+ * particular order) into `buf[0..cap]` and their number to `*out_len`
+ * (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
+ * debugging: O(units held).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_pooled_cache_drain_freed.
+ */
+marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
+                                         uint32_t *buf,
+                                         size_t cap,
+                                         size_t *out_len);
+
+/**
+ * Resolves live handles (the cache's or the caller's) to their units, as
+ * marconi_pool_resolve.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `handles` has n readable u32 (or is
+ * NULL); `out` has cap writable elements (or is NULL).
+ */
+marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *pc,
+                                            const uint32_t *handles,
+                                            size_t n,
+                                            struct marconi_unit_location *out,
+                                            size_t cap);
+
+/**
+ * Copies states between state-slot handles of the cache's memory, as
+ * marconi_pool_copy_states: typically the lookup's state_handle into a
+ * slot the request reserved, before the request resumes from it. Any live
+ * state handle may be read; a destination must be a slot the caller holds
+ * (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
+ * overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
+ */
+marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cache *pc,
+                                                const struct marconi_copy_order *pairs,
+                                                size_t n);
+
+/**
+ * Writes the counters into `*out`, only out->struct_size bytes (at least 16).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL; `out` is NULL or has out->struct_size
+ * writable bytes.
+ */
+marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
+                                          struct marconi_pooled_stats *out);
+
+/**
+ * Checks the joined invariants (core's, every handle the cache holds live
+ * in its pool, the caller's and the cache's units are the pools' live
+ * units, core's unit budget is the pools' capacity less the caller's
+ * units). MARCONI_STATUS_INVARIANT_VIOLATED (a libmarconi bug) poisons the
+ * cache. O(units + nodes).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `pc` is a live handle or NULL.
+ */
+marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc);
 
 #ifdef __cplusplus
 }  // extern "C"

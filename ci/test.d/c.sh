@@ -40,13 +40,15 @@ gcc "${cflags[@]}" "${san[@]}" "${src[@]}" "$lib/libmarconi.a" -lpthread -ldl -l
   -o "$out/test_cache_static"
 "$out/test_cache_static"
 
-echo "--- C pool and snapshot tests against libmarconi.so and .a (ASan + UBSan)"
-gcc "${cflags[@]}" "${san[@]}" marconi-ffi/tests/c/test_pool.c -L"$lib" -Wl,-rpath,"$lib" -lmarconi \
-  -lpthread -o "$out/test_pool_shared"
-"$out/test_pool_shared"
-gcc "${cflags[@]}" "${san[@]}" marconi-ffi/tests/c/test_pool.c "$lib/libmarconi.a" -lpthread -ldl -lm \
-  -o "$out/test_pool_static"
-"$out/test_pool_static"
+echo "--- C pool, snapshot, cache-over-pools and planning tests (.so and .a, ASan + UBSan)"
+for t in test_pool test_pooled; do
+  gcc "${cflags[@]}" "${san[@]}" "marconi-ffi/tests/c/$t.c" -L"$lib" -Wl,-rpath,"$lib" -lmarconi \
+    -lpthread -o "$out/${t}_shared"
+  "$out/${t}_shared"
+  gcc "${cflags[@]}" "${san[@]}" "marconi-ffi/tests/c/$t.c" "$lib/libmarconi.a" -lpthread -ldl -lm \
+    -o "$out/${t}_static"
+  "$out/${t}_static"
+done
 
 echo "--- C++ compile of the header"
 g++ -std=c++17 -pthread -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \

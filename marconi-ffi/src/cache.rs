@@ -27,11 +27,11 @@ pub const MARCONI_NO_SLOT: u32 = u32::MAX;
 /// once from a process-wide sequence that refuses to wrap is issued at most
 /// once per process, and each cache accepts only the ids it issued and has
 /// not seen released (`Inner::leases`), so no other cache can accept it.
-static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
+pub(crate) static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
 
 /// The next C lease id from `counter`, or None once the 2^64 − 1 ids are
 /// spent (the counter stays there: it never wraps). Never 0.
-fn next_lease_id(counter: &AtomicU64) -> Option<u64> {
+pub(crate) fn next_lease_id(counter: &AtomicU64) -> Option<u64> {
     let n = counter
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
         .ok()?;

@@ -141,7 +141,7 @@ impl marconi_model_spec {
         }
     }
 
-    fn to_core(self, name: &str) -> ModelSpec {
+    pub(crate) fn to_core(self, name: &str) -> ModelSpec {
         ModelSpec {
             name: name.to_owned(),
             attn_layers: self.attn_layers,

@@ -26,7 +26,9 @@ pub mod cache;
 pub mod config;
 pub mod gguf;
 pub mod hf_config;
+pub mod plan;
 pub mod pool;
+pub mod pooled;
 pub mod status;
 
 pub use cache::{
@@ -37,11 +39,13 @@ pub use config::{
     marconi_admission, marconi_alpha_mode, marconi_cache_config, marconi_eviction,
     marconi_model_spec, marconi_tuning_objective,
 };
+pub use plan::{marconi_memory_plan, marconi_plan_request};
 pub use pool::{
     marconi_migration, marconi_pool, marconi_pool_backend, marconi_pool_config, marconi_pool_kind,
     marconi_pool_migration, marconi_pool_stats, marconi_promote_mode, marconi_state_buffer,
     marconi_unit_location,
 };
+pub use pooled::{marconi_pooled_cache, marconi_pooled_lookup, marconi_pooled_stats};
 pub use status::marconi_status;
 
 /// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.

@@ -132,6 +132,25 @@ impl marconi_pool_config {
     }
 }
 
+/// Reads a caller's marconi_pool_config (any struct_size this library accepts).
+///
+/// # Safety
+///
+/// `p` is non-NULL, aligned, with struct_size readable bytes.
+pub(crate) unsafe fn read_pool_config(
+    p: *const marconi_pool_config,
+) -> FfiResult<marconi_pool_config> {
+    // SAFETY: forwarded.
+    unsafe {
+        read_versioned(
+            p,
+            POOL_CONFIG_V1_SIZE,
+            marconi_pool_config::defaults(),
+            "pool config",
+        )
+    }
+}
+
 /// Smallest struct_size of marconi_pool_config (its first version).
 const POOL_CONFIG_V1_SIZE: usize = std::mem::size_of::<marconi_pool_config>();
 
@@ -230,12 +249,16 @@ pub struct marconi_state_buffer {
     pub layers: u32,
 }
 
-enum Backing {
+pub(crate) enum Backing {
     Plain(DualPool),
     Memfd(BackedPool<MemfdBackend>),
     #[cfg(feature = "cuda")]
-    Cuda(cuda::CudaPool),
+    Cuda(BackedPool<CudaPhysical>, CudaCopier),
 }
+
+/// A pool as built from a marconi_pool_config (shared with the cache over
+/// pools, which wraps the same backings).
+pub(crate) type Built = Backing;
 
 impl Backing {
     fn alloc(&self) -> &dyn PoolAllocator {
@@ -243,7 +266,7 @@ impl Backing {
             Backing::Plain(p) => p,
             Backing::Memfd(p) => p,
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => &c.pool,
+            Backing::Cuda(p, _) => p,
         }
     }
 
@@ -253,7 +276,7 @@ impl Backing {
             Backing::Plain(p) => p,
             Backing::Memfd(p) => p.pool(),
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => c.pool.pool(),
+            Backing::Cuda(p, _) => p.pool(),
         }
     }
 
@@ -262,7 +285,7 @@ impl Backing {
             Backing::Plain(p) => p,
             Backing::Memfd(p) => p,
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => &mut c.pool,
+            Backing::Cuda(p, _) => p,
         }
     }
 }
@@ -291,7 +314,7 @@ impl marconi_pool {
 }
 
 /// The marconi_status of an allocator error.
-fn alloc_err(e: AllocError) -> FfiError {
+pub(crate) fn alloc_err(e: AllocError) -> FfiError {
     let status = match &e {
         AllocError::OutOfCapacity { .. } => marconi_status::OutOfMemory,
         AllocError::StaleHandle(_)
@@ -458,7 +481,13 @@ fn dual_config(c: &marconi_pool_config, chunk: Option<u64>) -> FfiResult<(DualPo
     ))
 }
 
-fn build(c: &marconi_pool_config) -> FfiResult<PoolInner> {
+/// Builds the backing a marconi_pool_config describes. `lowest_first`:
+/// allocate the lowest free units first (the cache over pools wants freed
+/// units to gather at each pool's tail, where migration takes them).
+pub(crate) fn chunked_dual_pool(
+    c: &marconi_pool_config,
+    lowest_first: bool,
+) -> FfiResult<(marconi_pool_backend, Built)> {
     let backend = match c.backend {
         0 => marconi_pool_backend::None,
         1 => marconi_pool_backend::Memfd,
@@ -469,10 +498,17 @@ fn build(c: &marconi_pool_config) -> FfiResult<PoolInner> {
             )))
         }
     };
+    let new_dual = |cfg: DualPoolConfig| -> FfiResult<DualPool> {
+        let mut d = DualPool::new("pool", cfg).map_err(alloc_err)?;
+        if lowest_first {
+            d.set_lowest_first();
+        }
+        Ok(d)
+    };
     let backing = match backend {
         marconi_pool_backend::None => {
             let (cfg, _) = dual_config(c, None)?;
-            Backing::Plain(DualPool::new("pool", cfg).map_err(alloc_err)?)
+            Backing::Plain(new_dual(cfg)?)
         }
         marconi_pool_backend::Memfd => {
             let g = if c.chunk_bytes == 0 {
@@ -490,17 +526,21 @@ fn build(c: &marconi_pool_config) -> FfiResult<PoolInner> {
                     format!("memfd backend with {chunks} chunks of {g} bytes: {e}"),
                 )
             })?;
-            let pool = DualPool::new("pool", cfg).map_err(alloc_err)?;
-            Backing::Memfd(BackedPool::new(pool, mem).map_err(|e| {
+            Backing::Memfd(BackedPool::new(new_dual(cfg)?, mem).map_err(|e| {
                 FfiError::new(
                     marconi_status::BackendFailure,
                     format!("memfd backing: {e}"),
                 )
             })?)
         }
-        marconi_pool_backend::Cuda => cuda_backing(c)?,
+        marconi_pool_backend::Cuda => cuda_backing(c, &new_dual)?,
     };
-    let budget = backing_budget(&backing);
+    Ok((backend, backing))
+}
+
+fn build(c: &marconi_pool_config) -> FfiResult<PoolInner> {
+    let (backend, backing) = chunked_dual_pool(c, false)?;
+    let budget = backing.dual().total_bytes();
     Ok(PoolInner {
         backing,
         backend,
@@ -508,17 +548,11 @@ fn build(c: &marconi_pool_config) -> FfiResult<PoolInner> {
     })
 }
 
-fn backing_budget(b: &Backing) -> u64 {
-    match b {
-        Backing::Plain(p) => p.total_bytes(),
-        Backing::Memfd(p) => p.pool().total_bytes(),
-        #[cfg(feature = "cuda")]
-        Backing::Cuda(c) => c.pool.pool().total_bytes(),
-    }
-}
-
 #[cfg(not(feature = "cuda"))]
-fn cuda_backing(c: &marconi_pool_config) -> FfiResult<Backing> {
+fn cuda_backing(
+    c: &marconi_pool_config,
+    _: &dyn Fn(DualPoolConfig) -> FfiResult<DualPool>,
+) -> FfiResult<Backing> {
     // The other fields are still checked, so a config is judged the same way
     // whatever the build.
     dual_config(c, None)?;
@@ -529,10 +563,19 @@ fn cuda_backing(c: &marconi_pool_config) -> FfiResult<Backing> {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_backing(c: &marconi_pool_config) -> FfiResult<Backing> {
+fn cuda_backing(
+    c: &marconi_pool_config,
+    new_dual: &dyn Fn(DualPoolConfig) -> FfiResult<DualPool>,
+) -> FfiResult<Backing> {
     dual_config(c, None)?;
-    cuda::new_pool(c).map(Backing::Cuda)
+    let (pool, copier) = cuda::new_pool(c, new_dual)?;
+    Ok(Backing::Cuda(pool, copier))
 }
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::CudaCopier;
+#[cfg(feature = "cuda")]
+use marconi_gpu::cuda::phys::CudaPhysical;
 
 #[cfg(feature = "cuda")]
 mod cuda {
@@ -543,14 +586,14 @@ mod cuda {
     use marconi_gpu::cuda::snapshot::{CudaStateArena, DevicePlane, SnapshotKernels};
     use marconi_gpu::cuda::{driver_available, CudaError, Device, Stream};
     use marconi_gpu::phys::{BackedPool, PhysicalMemory};
-    use marconi_gpu::snapshot::{CopyBatch, SnapshotBackend};
-    use marconi_gpu::{DualPool, PoolAllocator, PoolKind};
+    use marconi_gpu::snapshot::{CopyBatch, SlotPair, SnapshotBackend};
+    use marconi_gpu::{DualPool, DualPoolConfig, PoolAllocator, PoolKind};
 
-    use super::{dual_config, marconi_pool_config};
+    use super::{dual_config, marconi_pool_config, snap_err};
     use crate::status::{marconi_status, FfiError, FfiResult};
 
-    pub(super) struct CudaPool {
-        pub(super) pool: BackedPool<CudaPhysical>,
+    /// The snapshot kernel and its stream, for copies between state units.
+    pub(crate) struct CudaCopier {
         kernels: Arc<SnapshotKernels>,
         stream: Arc<Stream>,
     }
@@ -563,7 +606,10 @@ mod cuda {
         FfiError::new(marconi_status::BackendFailure, format!("backend CUDA: {e}"))
     }
 
-    pub(super) fn new_pool(c: &marconi_pool_config) -> FfiResult<CudaPool> {
+    pub(super) fn new_pool(
+        c: &marconi_pool_config,
+        new_dual: &dyn Fn(DualPoolConfig) -> FfiResult<DualPool>,
+    ) -> FfiResult<(BackedPool<CudaPhysical>, CudaCopier)> {
         driver_available().map_err(|e| unsupported(&e))?;
         let device = Device::open(c.cuda_device as usize).map_err(|e| unsupported(&e))?;
         if !device.supports_vmm().map_err(|e| failure(&e))? {
@@ -579,40 +625,36 @@ mod cuda {
         let (cfg, total) = dual_config(c, Some(g))?;
         let chunks = usize::try_from(total / g).unwrap_or(usize::MAX);
         let phys = CudaPhysical::new(&device, chunks).map_err(|e| failure(&e))?;
-        let pool = DualPool::new("pool", cfg).map_err(super::alloc_err)?;
-        let pool = BackedPool::new(pool, phys).map_err(|e| {
+        let pool = BackedPool::new(new_dual(cfg)?, phys).map_err(|e| {
             FfiError::new(marconi_status::BackendFailure, format!("CUDA backing: {e}"))
         })?;
         let kernels = SnapshotKernels::load(&device).map_err(|e| failure(&e))?;
         let stream = Arc::new(Stream::new(&device).map_err(|e| failure(&e))?);
-        Ok(CudaPool {
-            pool,
-            kernels,
-            stream,
-        })
+        Ok((pool, CudaCopier { kernels, stream }))
     }
 
-    impl CudaPool {
-        pub(super) fn address(&self, kind: PoolKind, byte_offset: u64) -> u64 {
-            self.pool
+    impl CudaCopier {
+        /// Runs a batch of (src, dst) state-unit indices of `pool` and waits
+        /// for it.
+        pub(crate) fn copy(
+            &self,
+            pool: &BackedPool<CudaPhysical>,
+            pairs: Vec<SlotPair>,
+        ) -> FfiResult {
+            let slots = pool.capacity(PoolKind::Ssm);
+            let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let base = pool
                 .backend()
-                .base(self.pool.reservation(kind))
-                .map_or(0, |b| b + byte_offset)
-        }
-
-        /// Runs a validated batch of state-unit indices and waits for it.
-        pub(super) fn copy(&self, batch: &CopyBatch) -> FfiResult {
-            let slots = self.pool.capacity(PoolKind::Ssm);
-            let base = self
-                .pool
-                .backend()
-                .base(self.pool.reservation(PoolKind::Ssm))
+                .base(pool.reservation(PoolKind::Ssm))
                 .map_err(|e| FfiError::new(marconi_status::BackendFailure, e.to_string()))?;
-            let slot_bytes = usize::try_from(self.pool.unit_bytes(PoolKind::Ssm))
+            let slot_bytes = usize::try_from(pool.unit_bytes(PoolKind::Ssm))
                 .map_err(|_| FfiError::new(marconi_status::InvalidArgument, "unit too large"))?;
             // SAFETY: the state pool's first `slots` units are mapped device
             // memory of this context (BackedPool maps its capacity), and the
-            // arena lives only for this call, under the pool's lock, which
+            // arena lives only for this call, under the owner's lock, which
             // also keeps migrations from unmapping them meanwhile.
             let mut arena = unsafe {
                 CudaStateArena::new(
@@ -623,10 +665,52 @@ mod cuda {
                 )
             }
             .map_err(|e| failure(&e))?;
-            arena.copy(batch).map_err(|e| failure(&e))?;
+            arena.copy(&batch).map_err(|e| failure(&e))?;
             arena.synchronize().map_err(|e| failure(&e))
         }
     }
+}
+
+/// Runs a batch of (src, dst) state-unit indices of a memfd pool on the
+/// host (a StateArena over the state pool's mapping).
+pub(crate) fn copy_states_in(p: &BackedPool<MemfdBackend>, pairs: Vec<SlotPair>) -> FfiResult {
+    let slots = p.capacity(PoolKind::Ssm);
+    let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let base = p
+        .backend()
+        .base(p.reservation(PoolKind::Ssm))
+        .map_err(|e| FfiError::new(marconi_status::BackendFailure, e.to_string()))?;
+    let slot_bytes = usize::try_from(p.unit_bytes(PoolKind::Ssm))
+        .map_err(|_| FfiError::new(marconi_status::InvalidArgument, "state unit too large"))?;
+    // SAFETY: the state pool's first `slots` units are mapped read-write
+    // (BackedPool maps chunks covering its capacity); the arena lives only
+    // for this call, under the owner's lock, so no migration unmaps them
+    // meanwhile. The engine's own accesses to the slots named here are its
+    // business, as with memcpy.
+    let mut arena = unsafe { StateArena::from_raw_parts(&[(base as *mut u8, slot_bytes)], slots) }
+        .map_err(snap_err)?;
+    arena.copy(&batch).map_err(snap_err)
+}
+
+/// Where the live handle `raw` of `a` is; `address(kind, offset)` maps a
+/// unit's offset to its address.
+pub(crate) fn location(
+    a: &dyn PoolAllocator,
+    raw: u32,
+    address: &dyn Fn(PoolKind, u64) -> u64,
+) -> FfiResult<marconi_unit_location> {
+    let h = VirtualHandle::from_raw(raw);
+    let loc = a.resolve(h).map_err(alloc_err)?;
+    Ok(marconi_unit_location {
+        address: address(loc.table, loc.byte_offset),
+        byte_offset: loc.byte_offset,
+        unit_bytes: loc.unit_bytes,
+        kind: kind_value(h.pool()),
+        index: a.unit_index(h),
+    })
 }
 
 impl PoolInner {
@@ -638,7 +722,10 @@ impl PoolInner {
                 .base(p.reservation(kind))
                 .map_or(0, |b| b as u64 + byte_offset),
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => c.address(kind, byte_offset),
+            Backing::Cuda(p, _) => p
+                .backend()
+                .base(p.reservation(kind))
+                .map_or(0, |b| b + byte_offset),
         }
     }
 
@@ -669,6 +756,8 @@ impl PoolInner {
     /// Runs a batch of (src, dst) state-unit indices on the backend.
     fn run_copy(&mut self, pairs: Vec<SlotPair>) -> FfiResult {
         let slots = self.backing.alloc().capacity(PoolKind::Ssm);
+        // Validated here for every backend, so NONE refuses a bad batch as
+        // the others do before saying it cannot copy.
         let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
         if batch.is_empty() {
             return Ok(());
@@ -679,27 +768,9 @@ impl PoolInner {
                 "this pool has no memory (backend NONE): run the copies on your own buffer \
                  (marconi_snapshot_copy)",
             )),
-            Backing::Memfd(p) => {
-                let base = p
-                    .backend()
-                    .base(p.reservation(PoolKind::Ssm))
-                    .map_err(|e| FfiError::new(marconi_status::BackendFailure, e.to_string()))?;
-                let slot_bytes = usize::try_from(p.unit_bytes(PoolKind::Ssm)).map_err(|_| {
-                    FfiError::new(marconi_status::InvalidArgument, "state unit too large")
-                })?;
-                // SAFETY: the state pool's first `slots` units are mapped
-                // read-write (BackedPool maps chunks covering its capacity);
-                // the arena lives only for this call, under the pool's lock,
-                // so no migration unmaps them meanwhile. The engine's own
-                // accesses to the slots named here are its business, as with
-                // memcpy.
-                let mut arena =
-                    unsafe { StateArena::from_raw_parts(&[(base as *mut u8, slot_bytes)], slots) }
-                        .map_err(snap_err)?;
-                arena.copy(&batch).map_err(snap_err)
-            }
+            Backing::Memfd(p) => copy_states_in(p, batch.pairs().to_vec()),
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => c.copy(&batch),
+            Backing::Cuda(p, copier) => copier.copy(p, batch.pairs().to_vec()),
         }
     }
 }
@@ -983,18 +1054,9 @@ pub unsafe extern "C" fn marconi_pool_resolve(
         let a = g.backing.alloc();
         let mut locs = Vec::with_capacity(n);
         for (i, &raw) in handles.iter().enumerate() {
-            let h = VirtualHandle::from_raw(raw);
-            let loc = a.resolve(h).map_err(|e| {
-                let e = alloc_err(e);
-                FfiError::new(e.status, format!("handles[{i}]: {}", e.detail))
-            })?;
-            locs.push(marconi_unit_location {
-                address: g.address(loc.table, loc.byte_offset),
-                byte_offset: loc.byte_offset,
-                unit_bytes: loc.unit_bytes,
-                kind: kind_value(h.pool()),
-                index: a.unit_index(h),
-            });
+            let loc = location(a, raw, &|k, off| g.address(k, off))
+                .map_err(|e| FfiError::new(e.status, format!("handles[{i}]: {}", e.detail)))?;
+            locs.push(loc);
         }
         out[..n].copy_from_slice(&locs);
         Ok(())
@@ -1109,12 +1171,11 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
                     .map_err(|e| FfiError::new(marconi_status::BackendFailure, e.to_string()))?,
             ),
             #[cfg(feature = "cuda")]
-            Backing::Cuda(c) => (
-                c.pool.chunks_moved(),
-                c.pool.mapped_chunks() as u64,
-                c.pool.budget_chunks() as u64,
-                c.pool
-                    .backend()
+            Backing::Cuda(c, _) => (
+                c.chunks_moved(),
+                c.mapped_chunks() as u64,
+                c.budget_chunks() as u64,
+                c.backend()
                     .physical_bytes()
                     .map_err(|e| FfiError::new(marconi_status::BackendFailure, e.to_string()))?,
             ),

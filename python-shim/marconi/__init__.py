@@ -33,7 +33,17 @@ from .cache import (
     version,
 )
 from .model import ModelSpec
-from .pool import Pool, UnitLocation, snapshot_copy, snapshot_fork, snapshot_promote
+from .pool import (
+    Pool,
+    PooledAdmit,
+    PooledCache,
+    PooledLookup,
+    UnitLocation,
+    plan,
+    snapshot_copy,
+    snapshot_fork,
+    snapshot_promote,
+)
 from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
 
 __all__ = [
@@ -47,10 +57,14 @@ __all__ = [
     "ModelSpec",
     "OutOfRangeError",
     "Pool",
+    "PooledAdmit",
+    "PooledCache",
+    "PooledLookup",
     "PrefixCache",
     "UnitLocation",
     "last_error",
     "library_path",
+    "plan",
     "snapshot_copy",
     "snapshot_fork",
     "snapshot_promote",

@@ -242,6 +242,94 @@ class marconi_state_buffer(Structure):
     ]
 
 
+class marconi_plan_request(Structure):
+    """struct marconi_plan_request (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("page_size", c_uint32),
+        ("model_preset", c_char_p),
+        ("model", marconi_model_spec),
+        ("budget_bytes", c_uint64),
+        ("state_fraction", c_double),
+        ("context_tokens", c_uint64),
+        ("batch", c_uint64),
+    ]
+
+
+class marconi_memory_plan(Structure):
+    """struct marconi_memory_plan (versioned by struct_size)."""
+
+    _fields_ = [("struct_size", c_uint32), ("page_size", c_uint32)] + [
+        (name, c_double if name in ("state_fraction", "fraction_for_context") else c_uint64)
+        for name in (
+            "budget_bytes",
+            "kv_bytes_per_token",
+            "kv_page_bytes",
+            "state_slot_bytes",
+            "max_kv_tokens",
+            "max_state_slots",
+            "unified_unit_bytes",
+            "unified_units",
+            "state_fraction",
+            "split_kv_pages",
+            "split_kv_tokens",
+            "split_state_slots",
+            "fraction_for_context",
+            "max_batch_static",
+            "max_batch_avmp",
+            "max_batch_unified",
+            "max_context_static",
+            "max_context_avmp",
+            "max_context_unified",
+        )
+    ]
+
+
+class marconi_pooled_lookup(Structure):
+    """struct marconi_pooled_lookup."""
+
+    _fields_ = [
+        ("lease", c_uint64),
+        ("hit_tokens", c_uint32),
+        ("kv_matched_tokens", c_uint32),
+        ("state_handle", c_uint32),
+        ("n_kv_pages", c_uint32),
+        ("n_plan", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
+class marconi_pooled_stats(Structure):
+    """struct marconi_pooled_stats (versioned by struct_size)."""
+
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
+        (name, c_uint64)
+        for name in (
+            "requests",
+            "input_tokens",
+            "hit_tokens",
+            "evictions",
+            "admissions_rejected",
+            "reservations",
+            "reservations_refused",
+            "migrations",
+            "bytes_migrated",
+            "evictions_for_memory",
+            "evictions_other_kind",
+            "held_kv_pages",
+            "held_state_slots",
+            "kv_capacity",
+            "kv_free",
+            "state_capacity",
+            "state_free",
+            "budget_bytes",
+            "physical_bytes",
+            "leases",
+        )
+    ]
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -257,12 +345,17 @@ STRUCTS = {
         marconi_migration,
         marconi_pool_stats,
         marconi_state_buffer,
+        marconi_plan_request,
+        marconi_memory_plan,
+        marconi_pooled_lookup,
+        marconi_pooled_stats,
     )
 }
 """Every struct of the header, by its C name."""
 
 _cache_p = c_void_p
 _pool_p = c_void_p
+_pooled_p = c_void_p
 _u32_p = POINTER(c_uint32)
 _size_p = POINTER(c_size_t)
 
@@ -330,6 +423,51 @@ SIGNATURES = {
         [POINTER(marconi_state_buffer), POINTER(marconi_copy_order), c_size_t],
     ),
     "marconi_snapshot_fork": (status_t, [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t]),
+    # Memory planning (marconi-ffi/src/plan.rs).
+    "marconi_plan_request_init": (status_t, [POINTER(marconi_plan_request), c_size_t]),
+    "marconi_plan": (status_t, [POINTER(marconi_plan_request), POINTER(marconi_memory_plan)]),
+    # The cache over pools (marconi-ffi/src/pooled.rs).
+    "marconi_pooled_cache_new": (
+        status_t,
+        [POINTER(marconi_cache_config), POINTER(marconi_pool_config), POINTER(_pooled_p)],
+    ),
+    "marconi_pooled_cache_free": (None, [_pooled_p]),
+    "marconi_pooled_cache_lookup": (
+        status_t,
+        [_pooled_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
+    ),
+    "marconi_pooled_cache_lease_kv_pages": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_lease_plan": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_reserve": (
+        status_t,
+        [_pooled_p, c_uint32, c_uint32, _u32_p, c_size_t, _u32_p, c_size_t],
+    ),
+    "marconi_pooled_cache_admit": (
+        status_t,
+        [
+            _pooled_p,
+            c_uint64,
+            _u32_p,
+            c_size_t,
+            POINTER(marconi_saved_state),
+            c_size_t,
+            _u32_p,
+            c_size_t,
+            POINTER(c_uint8),
+            POINTER(marconi_admit_result),
+        ],
+    ),
+    "marconi_pooled_cache_free_units": (status_t, [_pooled_p, _u32_p, c_size_t]),
+    "marconi_pooled_cache_release": (status_t, [_pooled_p, c_uint64]),
+    "marconi_pooled_cache_drain_freed": (status_t, [_pooled_p, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_held": (status_t, [_pooled_p, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_resolve": (
+        status_t,
+        [_pooled_p, _u32_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+    ),
+    "marconi_pooled_cache_copy_states": (status_t, [_pooled_p, POINTER(marconi_copy_order), c_size_t]),
+    "marconi_pooled_cache_stats": (status_t, [_pooled_p, POINTER(marconi_pooled_stats)]),
+    "marconi_pooled_cache_check": (status_t, [_pooled_p]),
     "marconi_snapshot_promote": (
         status_t,
         [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _lib
-from ._convert import _u32, _u32_pointer, _u32_source, _u64
+from ._convert import _u32, _u32_bytes, _u32_pointer, _u32_source, _u64, _uint
 from .cache import _check, _real
 
 BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
@@ -85,62 +85,24 @@ def _pairs_pointer(src: Any, n_pairs: int) -> Any:
     return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_copy_order))
 
 
-class Pool:
-    """A libmarconi memory pool (marconi_pool). Safe to share between
-    threads (the library locks internally). Close it with close() or a
-    `with` block: close() waits for calls in flight on other threads, and
-    later calls raise ValueError. Closing frees the memory, so every address
-    and view obtained from the pool is invalid afterwards.
+class _Native:
+    """Owns one native object: calls bracket it with _begin()/_end(), and
+    close() waits for the calls in flight before freeing it, so the native
+    free never runs beside another call and no call gets a freed handle."""
 
-    budget_bytes: both pools together (memfd and cuda round it down to whole
-    chunks); kv_page_bytes, state_slot_bytes: unit sizes; state_fraction:
-    the state pool's initial share (0 < f < 1); migration: "avmp" (an
-    allocation that does not fit moves capacity from the other pool's free
-    tail, migration_batch_units at a time; 0 means 128) or "static";
-    chunk_bytes: the memfd chunk (0: 2 MiB).
-    """
+    _FREE = ""
+    _WHAT = "object"
 
-    def __init__(
-        self,
-        budget_bytes: int,
-        kv_page_bytes: int,
-        state_slot_bytes: int,
-        *,
-        backend: str = "memfd",
-        migration: str = "avmp",
-        state_fraction: float = 0.5,
-        migration_batch_units: int = 0,
-        chunk_bytes: int = 0,
-        cuda_device: int = 0,
-    ):
+    def _init_lifetime(self) -> None:
         self._handle: Optional[ctypes.c_void_p] = None
         self._state = threading.Condition(threading.Lock())
         self._inflight = 0
         self._closing = False
-        lib = _lib.load()
-        cfg = _lib.marconi_pool_config()
-        _check(lib.marconi_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_pool_config_init")
-        cfg.backend = _choice(backend, BACKEND, "backend")
-        cfg.migration = _choice(migration, MIGRATION, "migration")
-        cfg.budget_bytes = _u64(budget_bytes, "budget_bytes")
-        cfg.kv_page_bytes = _u64(kv_page_bytes, "kv_page_bytes")
-        cfg.state_slot_bytes = _u64(state_slot_bytes, "state_slot_bytes")
-        cfg.state_fraction = _real(state_fraction, "state_fraction")
-        cfg.migration_batch_units = _u32(migration_batch_units, "migration_batch_units")
-        cfg.chunk_bytes = _u64(chunk_bytes, "chunk_bytes")
-        cfg.cuda_device = _u32(cuda_device, "cuda_device")
-        handle = ctypes.c_void_p()
-        _check(lib.marconi_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_pool_new")
-        self._lib = lib
-        self._handle = handle
-        self.backend = backend
-
-    # -- lifetime ----------------------------------------------------------
 
     def _begin(self) -> ctypes.c_void_p:
         with self._state:
             if self._closing:
-                raise ValueError("the pool is closed")
+                raise ValueError(f"the {self._WHAT} is closed")
             self._inflight += 1
             return self._handle
 
@@ -156,16 +118,16 @@ class Pool:
         return self._closing
 
     def close(self) -> None:
-        """Frees the pool and its memory (marconi_pool_free) once the calls
-        running on other threads return. Idempotent and thread-safe."""
+        """Frees the native object and its memory once the calls running on
+        other threads return. Idempotent and thread-safe."""
         with self._state:
             self._closing = True
             self._state.wait_for(lambda: self._inflight == 0)
             h, self._handle = self._handle, None
         if h is not None:
-            self._lib.marconi_pool_free(h)
+            getattr(self._lib, self._FREE)(h)
 
-    def __enter__(self) -> "Pool":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -178,13 +140,13 @@ class Pool:
             pass
 
     def __copy__(self):
-        raise TypeError("a Pool cannot be copied: it owns its native pool (share the object instead)")
+        raise TypeError(f"a {type(self).__name__} cannot be copied: it owns native memory (share the object instead)")
 
     def __deepcopy__(self, memo):
         self.__copy__()
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("a Pool cannot be pickled: it owns native memory of this process")
+        raise TypeError(f"a {type(self).__name__} cannot be pickled: it owns native memory of this process")
 
     def _call(self, name: str, *args: Any) -> None:
         h = self._begin()
@@ -192,6 +154,83 @@ class Pool:
             _check(getattr(self._lib, name)(h, *args), name)
         finally:
             self._end()
+
+
+def _pool_config(
+    budget_bytes: int,
+    kv_page_bytes: int,
+    state_slot_bytes: int,
+    backend: str,
+    migration: str,
+    state_fraction: float,
+    migration_batch_units: int,
+    chunk_bytes: int,
+    cuda_device: int,
+) -> Any:
+    lib = _lib.load()
+    cfg = _lib.marconi_pool_config()
+    _check(lib.marconi_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_pool_config_init")
+    cfg.backend = _choice(backend, BACKEND, "backend")
+    cfg.migration = _choice(migration, MIGRATION, "migration")
+    cfg.budget_bytes = _u64(budget_bytes, "budget_bytes")
+    cfg.kv_page_bytes = _u64(kv_page_bytes, "kv_page_bytes")
+    cfg.state_slot_bytes = _u64(state_slot_bytes, "state_slot_bytes")
+    cfg.state_fraction = _real(state_fraction, "state_fraction")
+    cfg.migration_batch_units = _u32(migration_batch_units, "migration_batch_units")
+    cfg.chunk_bytes = _u64(chunk_bytes, "chunk_bytes")
+    cfg.cuda_device = _u32(cuda_device, "cuda_device")
+    return cfg
+
+
+class Pool(_Native):
+    """A libmarconi memory pool (marconi_pool). Safe to share between
+    threads (the library locks internally). Close it with close() or a
+    `with` block: close() waits for calls in flight on other threads, and
+    later calls raise ValueError. Closing frees the memory, so every address
+    and view obtained from the pool is invalid afterwards.
+
+    budget_bytes: both pools together (memfd and cuda round it down to whole
+    chunks); kv_page_bytes, state_slot_bytes: unit sizes; state_fraction:
+    the state pool's initial share (0 < f < 1); migration: "avmp" (an
+    allocation that does not fit moves capacity from the other pool's free
+    tail, migration_batch_units at a time; 0 means 128) or "static";
+    chunk_bytes: the memfd chunk (0: 2 MiB).
+    """
+
+    _FREE = "marconi_pool_free"
+    _WHAT = "pool"
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        kv_page_bytes: int,
+        state_slot_bytes: int,
+        *,
+        backend: str = "memfd",
+        migration: str = "avmp",
+        state_fraction: float = 0.5,
+        migration_batch_units: int = 0,
+        chunk_bytes: int = 0,
+        cuda_device: int = 0,
+    ):
+        self._init_lifetime()
+        lib = _lib.load()
+        cfg = _pool_config(
+            budget_bytes,
+            kv_page_bytes,
+            state_slot_bytes,
+            backend,
+            migration,
+            state_fraction,
+            migration_batch_units,
+            chunk_bytes,
+            cuda_device,
+        )
+        handle = ctypes.c_void_p()
+        _check(lib.marconi_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_pool_new")
+        self._lib = lib
+        self._handle = handle
+        self.backend = backend
 
     # -- units ---------------------------------------------------------------
 
@@ -362,3 +401,295 @@ def snapshot_promote(
     )
     del keep
     return out.value
+
+
+# -- memory planning -------------------------------------------------------------
+
+
+def _model_into(target: Any, model: Any) -> Any:
+    """Sets a struct's model_preset / model fields from a preset name or a
+    dict of marconi_model_spec fields; returns what must stay alive."""
+    if isinstance(model, str):
+        if "\0" in model:
+            raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
+        keep = model.encode()
+        target.model_preset = keep
+        return keep
+    if isinstance(model, dict):
+        fields = dict(_lib.marconi_model_spec._fields_)
+        for k, v in model.items():
+            if k not in fields:
+                raise ValueError(f"model: unknown model field {k!r}")
+            hi = 0xFFFF_FFFF if fields[k] is ctypes.c_uint32 else 0xFFFF_FFFF_FFFF_FFFF
+            setattr(target.model, k, _uint(v, f"model.{k}", hi))
+        target.model_preset = None
+        return None
+    raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
+
+
+def plan(
+    model: Any,
+    budget_bytes: int,
+    *,
+    page_size: int = 16,
+    state_fraction: float = 0.5,
+    context_tokens: int = 0,
+    batch: int = 0,
+) -> dict:
+    """Memory planning (marconi_plan): for `model` (a preset name or a dict of
+    model fields), `page_size`-token KV pages and a device budget, the unit
+    sizes, the KV tokens and state slots of the static split at
+    `state_fraction`, and with `context_tokens` / `batch` the largest batch
+    and context under a static split, AVMP and a padded unified table.
+    MarconiError INVALID_CONFIG for a model without recurrent layers, a
+    budget below one page and one slot, a fraction outside (0, 1)."""
+    lib = _lib.load()
+    req = _lib.marconi_plan_request()
+    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
+    keep = _model_into(req, model)
+    req.page_size = _u32(page_size, "page_size")
+    req.budget_bytes = _u64(budget_bytes, "budget_bytes")
+    req.state_fraction = _real(state_fraction, "state_fraction")
+    req.context_tokens = _u64(context_tokens, "context_tokens")
+    req.batch = _u64(batch, "batch")
+    out = _lib.marconi_memory_plan()
+    out.struct_size = ctypes.sizeof(out)
+    _check(lib.marconi_plan(ctypes.byref(req), ctypes.byref(out)), "marconi_plan")
+    del keep
+    return {name: getattr(out, name) for name, _ in out._fields_ if name != "struct_size"}
+
+
+# -- the cache over pools -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PooledLookup:
+    """What PooledCache.lookup found."""
+
+    lease: int
+    """The lease id: pass it to admit, then release."""
+    hit_tokens: int
+    """Leading tokens the engine may skip."""
+    kv_matched_tokens: int
+    """Leading tokens whose KV is cached."""
+    state_handle: Optional[int]
+    """The cache's state slot to resume from (copy it into a slot of the
+    request's own with copy_states), or None."""
+    kv_pages: "array.array[int]"
+    """The cache's page handles of the hit (read them, never free them)."""
+    plan: list
+    """Positions at which to save states during this prefill."""
+
+
+@dataclass(frozen=True)
+class PooledAdmit:
+    """What PooledCache.admit did."""
+
+    taken: list
+    """taken[i]: the i-th state's slot is now the cache's."""
+    kv_pages_taken: range
+    """Indices into the admitted page list of the pages the cache took."""
+    returned: "array.array[int]"
+    """The caller's pages and slots passed in that the cache did not take
+    (still the caller's: free or reuse them)."""
+    new_kv_tokens: int
+    truncated_to: Optional[int]
+    rejected: bool
+
+
+class PooledCache(_Native):
+    """A prefix cache deciding over real pools (marconi_pooled_cache): its
+    capacity is what the pools hold, admission keeps KV pages and state slots
+    as handles, eviction frees them (drain_freed), and when a pool is short
+    a reservation migrates free capacity (AVMP) before evicting by utility.
+
+    The request cycle: lookup(tokens) -> reserve(pages, slots) ->
+    copy_states([(hit state, own slot)]) -> admit(lease, tokens, states,
+    pages) -> free(returned) -> release(lease). model: a preset name or a
+    dict of model fields; kv_page_bytes / state_slot_bytes 0: the model's.
+    Thread-safe like PrefixCache; close() frees the pools' memory.
+    """
+
+    _FREE = "marconi_pooled_cache_free"
+    _WHAT = "cache"
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        model: Any = "paper-7b",
+        *,
+        page_size: int = 16,
+        backend: str = "memfd",
+        migration: str = "avmp",
+        state_fraction: float = 0.5,
+        chunk_bytes: int = 0,
+        kv_page_bytes: int = 0,
+        state_slot_bytes: int = 0,
+        eviction: str = "flop_aware",
+        alpha: Optional[float] = None,
+        cuda_device: int = 0,
+    ):
+        from .cache import EVICTION
+
+        self._init_lifetime()
+        lib = _lib.load()
+        cc = _lib.marconi_cache_config()
+        _check(lib.marconi_cache_config_init(ctypes.byref(cc), ctypes.sizeof(cc)), "marconi_cache_config_init")
+        keep = _model_into(cc, model)
+        cc.page_size = _u32(page_size, "page_size")
+        cc.capacity_bytes = _u64(budget_bytes, "budget_bytes")
+        cc.eviction = _choice(eviction, EVICTION, "eviction")
+        if alpha is not None:
+            cc.alpha_mode = 0
+            cc.alpha = _real(alpha, "alpha")
+        pc = _pool_config(
+            budget_bytes, kv_page_bytes, state_slot_bytes, backend, migration, state_fraction, 0, chunk_bytes, cuda_device
+        )
+        handle = ctypes.c_void_p()
+        _check(
+            lib.marconi_pooled_cache_new(ctypes.byref(cc), ctypes.byref(pc), ctypes.byref(handle)),
+            "marconi_pooled_cache_new",
+        )
+        del keep
+        self._lib = lib
+        self._handle = handle
+        self.backend = backend
+        self.page_size = page_size
+
+    def _list(self, name: str, *args: Any) -> "array.array[int]":
+        """A list the library writes with the (buf, cap, out_len) convention."""
+        n = ctypes.c_size_t()
+        h = self._begin()
+        try:
+            while True:
+                out = array.array("I", bytes(4 * max(n.value, 1)))
+                st = getattr(self._lib, name)(h, *args, _u32_pointer(out, len(out)), len(out), ctypes.byref(n))
+                if st == 3 and n.value > len(out):  # BUFFER_TOO_SMALL: grow to the count
+                    continue
+                _check(st, name)
+                return out[: n.value]
+        finally:
+            self._end()
+
+    def lookup(self, tokens: Any, namespace: int = 0) -> PooledLookup:
+        """Looks up `tokens` (as PrefixCache.lookup takes them)."""
+        ns = _u64(namespace, "namespace")
+        src, n = _u32_source(tokens)
+        out = _lib.marconi_pooled_lookup()
+        self._call("marconi_pooled_cache_lookup", ns, _u32_pointer(src, n), n, ctypes.byref(out))
+        pages = self._list("marconi_pooled_cache_lease_kv_pages", out.lease) if out.n_kv_pages else array.array("I")
+        plan_ = list(self._list("marconi_pooled_cache_lease_plan", out.lease)) if out.n_plan else []
+        return PooledLookup(
+            out.lease,
+            out.hit_tokens,
+            out.kv_matched_tokens,
+            out.state_handle or None,
+            pages,
+            plan_,
+        )
+
+    def reserve(self, kv_pages: int, state_slots: int) -> tuple:
+        """(page handles, slot handles) reserved for a request: migrating free
+        capacity and evicting as needed; all or nothing (MarconiError
+        OUT_OF_MEMORY when even that cannot make room)."""
+        kp, ss = _u32(kv_pages, "kv_pages"), _u32(state_slots, "state_slots")
+        pages, slots = array.array("I", bytes(4 * kp)), array.array("I", bytes(4 * ss))
+        self._call(
+            "marconi_pooled_cache_reserve", kp, ss, _u32_pointer(pages, kp), kp, _u32_pointer(slots, ss), ss
+        )
+        return pages, slots
+
+    def admit(self, lease: Any, tokens: Any, states: Any = (), kv_pages: Any = ()) -> PooledAdmit:
+        """Admits `tokens` under `lease` (a PooledLookup or its id) with its
+        page handles (the hit's, then reserved ones: one per full page) and
+        the states saved as (position, slot handle) pairs."""
+        lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
+        src, n = _u32_source(tokens)
+        pg, npg = _u32_source(kv_pages, "kv_pages")
+        st = list(states)
+        arr = (_lib.marconi_saved_state * max(len(st), 1))()
+        for i, s in enumerate(st):
+            pos, slot = s
+            arr[i].position = _u32(pos, f"states[{i}].position")
+            arr[i].slot = _u32(slot, f"states[{i}].slot")
+        taken = (ctypes.c_uint8 * max(len(st), 1))()
+        res = _lib.marconi_admit_result()
+        self._call(
+            "marconi_pooled_cache_admit",
+            lid,
+            _u32_pointer(src, n),
+            n,
+            arr if st else None,
+            len(st),
+            _u32_pointer(pg, npg),
+            npg,
+            taken if st else None,
+            ctypes.byref(res),
+        )
+        page_list = array.array("I", bytes(_u32_bytes(pg, npg))) if npg else array.array("I")
+        kv_range = range(res.kv_pages_taken_start, res.kv_pages_taken_end)
+        # Pages outside the taken range are the hit's (the cache's) or the
+        # caller's, which come back.
+        outside = [h for i, h in enumerate(page_list) if i not in kv_range]
+        cached = set(self.held()) if outside else set()
+        returned = array.array("I", (h for h in outside if h not in cached))
+        flags = [bool(taken[i]) for i in range(len(st))]
+        returned.extend(int(st[i][1]) for i in range(len(st)) if not flags[i])
+        return PooledAdmit(
+            flags, kv_range, returned, res.new_kv_tokens, res.truncated_to or None, bool(res.rejected)
+        )
+
+    def free(self, handles: Any) -> None:
+        """Frees units the caller holds (reserved, not taken); all or nothing."""
+        src, n = _u32_source(handles, "handles")
+        self._call("marconi_pooled_cache_free_units", _u32_pointer(src, n), n)
+
+    def release(self, lease: Any) -> None:
+        """Releases a lease (a PooledLookup or its id)."""
+        lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
+        self._call("marconi_pooled_cache_release", lid)
+
+    def drain_freed(self) -> "array.array[int]":
+        """Handles evicted since the last call (already back in their pool)."""
+        return self._list("marconi_pooled_cache_drain_freed")
+
+    def held(self) -> "array.array[int]":
+        """Handles the cache holds now, sorted."""
+        return self._list("marconi_pooled_cache_held")
+
+    def resolve(self, handles: Any) -> list:
+        """Where each live handle's unit is (all or nothing)."""
+        src, n = _u32_source(handles, "handles")
+        out = (_lib.marconi_unit_location * max(n, 1))()
+        self._call("marconi_pooled_cache_resolve", _u32_pointer(src, n), n, out, n)
+        return [
+            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
+            for o in out[:n]
+        ]
+
+    def view(self, handle: int) -> memoryview:
+        """A writable view of a live unit's bytes (memfd only); valid while
+        the handle is live and the cache open."""
+        if self.backend != "memfd":
+            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
+        (loc,) = self.resolve([_u32(handle, "handle")])
+        return memoryview((ctypes.c_char * loc.unit_bytes).from_address(loc.address)).cast("B")
+
+    def copy_states(self, pairs: Any) -> None:
+        """Copies states by handle (e.g. the lookup's state into the request's
+        own slot); a destination must be the caller's."""
+        src, n = _pairs_source(pairs)
+        self._call("marconi_pooled_cache_copy_states", _pairs_pointer(src, n), n)
+
+    def stats(self) -> dict:
+        """Counters (marconi_pooled_stats) as a dict."""
+        s = _lib.marconi_pooled_stats()
+        s.struct_size = ctypes.sizeof(s)
+        self._call("marconi_pooled_cache_stats", ctypes.byref(s))
+        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+        out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
+        return out
+
+    def check(self) -> None:
+        """Checks the joined invariants (MarconiError INVARIANT_VIOLATED: a bug)."""
+        self._call("marconi_pooled_cache_check")

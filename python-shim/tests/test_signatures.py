@@ -26,7 +26,7 @@ def c_to_ctypes(decl: str):
         return None
     if base == "char" and stars == 1:
         return ctypes.c_char_p
-    if base in ("marconi_cache", "marconi_pool"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"
@@ -82,7 +82,7 @@ def test_every_struct_matches_the_header(header_text):
         assert [f for f, _ in cls._fields_] == [f for f, _ in fields], name
         for (fname, ctype), (_, pytype) in zip(fields, cls._fields_):
             want = c_to_ctypes(ctype)
-            if name == "marconi_cache_config" and fname == "model_preset":
+            if name in ("marconi_cache_config", "marconi_plan_request") and fname == "model_preset":
                 want = ctypes.c_char_p
             assert want == pytype, f"{name}.{fname}: {ctype} vs {pytype}"
 

@@ -1,0 +1,293 @@
+//! Memory planning through the C ABI: `marconi_plan` turns a model, a page
+//! size and a device budget into the numbers an engine needs at start-up
+//! (marconi-gpu's `plan`): unit sizes, KV tokens and state slots of a static
+//! split, and the largest batch x context under a static split, AVMP and a
+//! padded unified table.
+
+use std::ffi::{c_char, CStr};
+
+use marconi_core::ModelSpec;
+use marconi_gpu::plan::plan;
+use marconi_gpu::pooled::PoolLayout;
+use marconi_gpu::AllocError;
+
+use crate::config::marconi_model_spec;
+use crate::status::{boundary, check_ptr, marconi_status, require, FfiError, FfiResult};
+
+/// What to plan for. Versioned by size: set struct_size with
+/// marconi_plan_request_init, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct marconi_plan_request {
+    /// sizeof(marconi_plan_request) as the caller compiled it.
+    pub struct_size: u32,
+    /// Tokens per KV page (default 16).
+    pub page_size: u32,
+    /// A preset name (NUL-terminated), or NULL to use `model`.
+    pub model_preset: *const c_char,
+    /// The model when model_preset is NULL (default: "paper-7b").
+    pub model: marconi_model_spec,
+    /// Device bytes for both pools.
+    pub budget_bytes: u64,
+    /// State share of a static split, strictly between 0 and 1 (default 0.5).
+    pub state_fraction: f64,
+    /// Tokens per running sequence for the max_batch_* figures (0: not asked).
+    pub context_tokens: u64,
+    /// Running sequences for the max_context_* figures (0: not asked).
+    pub batch: u64,
+}
+
+/// The start-up numbers (out->struct_size set by the caller; the library
+/// writes only that many bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct marconi_memory_plan {
+    /// sizeof(marconi_memory_plan) as the caller compiled it.
+    pub struct_size: u32,
+    /// Tokens per KV page.
+    pub page_size: u32,
+    /// Device bytes for both pools.
+    pub budget_bytes: u64,
+    /// KV bytes per token (all attention layers).
+    pub kv_bytes_per_token: u64,
+    /// Bytes of one KV page (128-aligned): pool unit of the KV pool.
+    pub kv_page_bytes: u64,
+    /// Bytes of one state slot: one checkpoint of every recurrent layer
+    /// (128-aligned).
+    pub state_slot_bytes: u64,
+    /// KV tokens if the whole budget held KV.
+    pub max_kv_tokens: u64,
+    /// State slots if the whole budget held states.
+    pub max_state_slots: u64,
+    /// Unit of a padded unified table (the larger unit, vLLM's layout).
+    pub unified_unit_bytes: u64,
+    /// Units of that table.
+    pub unified_units: u64,
+    /// The static split's state fraction (the request's).
+    pub state_fraction: f64,
+    /// KV pages of that split.
+    pub split_kv_pages: u64,
+    /// KV tokens of that split.
+    pub split_kv_tokens: u64,
+    /// State slots of that split.
+    pub split_state_slots: u64,
+    /// The state fraction a batch of context_tokens-token sequences uses
+    /// (0 when context_tokens is 0).
+    pub fraction_for_context: f64,
+    /// Largest batch of context_tokens-token sequences: static split at
+    /// state_fraction, AVMP (capacity follows demand), unified table (0 when
+    /// context_tokens is 0).
+    pub max_batch_static: u64,
+    /// As max_batch_static, AVMP.
+    pub max_batch_avmp: u64,
+    /// As max_batch_static, padded unified table.
+    pub max_batch_unified: u64,
+    /// Longest context for `batch` sequences each, in whole pages' tokens:
+    /// static split (0 when batch is 0).
+    pub max_context_static: u64,
+    /// As max_context_static, AVMP.
+    pub max_context_avmp: u64,
+    /// As max_context_static, padded unified table.
+    pub max_context_unified: u64,
+}
+
+/// Smallest struct_size of marconi_memory_plan accepted (up to budget_bytes).
+const PLAN_MIN_SIZE: usize = 16;
+
+impl marconi_plan_request {
+    fn defaults() -> Self {
+        // A preset that always exists (core's tests pin the list).
+        let m = ModelSpec::preset("paper-7b")
+            .map(|m| marconi_model_spec::from_core(&m))
+            .unwrap_or_default();
+        marconi_plan_request {
+            struct_size: std::mem::size_of::<Self>() as u32,
+            page_size: 16,
+            model_preset: std::ptr::null(),
+            model: m,
+            budget_bytes: 0,
+            state_fraction: 0.5,
+            context_tokens: 0,
+            batch: 0,
+        }
+    }
+}
+
+/// Writes the default request into `*req` (page_size 16, the "paper-7b"
+/// model, state_fraction 0.5, budget 0: the caller sets it) and sets
+/// req->struct_size to `struct_size`, the caller's sizeof.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+///
+/// `req` is NULL or has struct_size writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_plan_request_init(
+    req: *mut marconi_plan_request,
+    struct_size: usize,
+) -> marconi_status {
+    boundary("marconi_plan_request_init", || {
+        require!(req);
+        check_ptr!(req);
+        let ours = std::mem::size_of::<marconi_plan_request>();
+        if struct_size < ours || struct_size > u32::MAX as usize {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("struct_size {struct_size} is smaller than the first version ({ours})"),
+            ));
+        }
+        let mut d = marconi_plan_request::defaults();
+        d.struct_size = struct_size as u32;
+        // SAFETY: req has struct_size >= ours writable bytes.
+        unsafe {
+            req.write(d);
+            std::ptr::write_bytes(req.cast::<u8>().add(ours), 0, struct_size - ours);
+        }
+        Ok(())
+    })
+}
+
+fn plan_err(e: AllocError) -> FfiError {
+    FfiError::new(marconi_status::InvalidConfig, e.to_string())
+}
+
+/// The model a request names.
+///
+/// # Safety
+///
+/// r.model_preset is NULL or NUL-terminated.
+unsafe fn model_of(r: &marconi_plan_request) -> FfiResult<ModelSpec> {
+    if r.model_preset.is_null() {
+        if r.model.reserved != 0 {
+            return Err(FfiError::new(
+                marconi_status::InvalidConfig,
+                "model.reserved must be 0",
+            ));
+        }
+        return Ok(r.model.to_core("custom"));
+    }
+    // SAFETY: non-NULL and NUL-terminated by contract.
+    let name = unsafe { CStr::from_ptr(r.model_preset) }
+        .to_str()
+        .map_err(|_| FfiError::new(marconi_status::UnknownPreset, "model_preset is not UTF-8"))?;
+    ModelSpec::preset(name).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::UnknownPreset,
+            format!(
+                "unknown model preset {name:?} (known: {})",
+                marconi_core::PRESET_NAMES.join(", ")
+            ),
+        )
+    })
+}
+
+/// Plans the pools for `*req` and writes the numbers to `*out` (only
+/// out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
+/// a model without recurrent layers, page_size 0, a budget below one page
+/// and one slot, or a state_fraction outside (0, 1); the detail says which.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+///
+/// `req` is NULL or initialised by marconi_plan_request_init (its
+/// model_preset NULL or NUL-terminated); `out` is NULL or has
+/// out->struct_size writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_plan(
+    req: *const marconi_plan_request,
+    out: *mut marconi_memory_plan,
+) -> marconi_status {
+    boundary("marconi_plan", || {
+        require!(req);
+        require!(out);
+        check_ptr!(req);
+        check_ptr!(out);
+        // SAFETY: req non-NULL, aligned; first u32 is its size.
+        let size = unsafe { req.cast::<u32>().read() } as usize;
+        let ours = std::mem::size_of::<marconi_plan_request>();
+        if size < ours {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!(
+                    "request struct_size {size} is below {ours}; use marconi_plan_request_init"
+                ),
+            ));
+        }
+        if size > ours {
+            // SAFETY: the caller's struct has `size` readable bytes.
+            let extra =
+                unsafe { std::slice::from_raw_parts(req.cast::<u8>().add(ours), size - ours) };
+            if extra.iter().any(|&b| b != 0) {
+                return Err(FfiError::new(
+                    marconi_status::UnsupportedStructSize,
+                    format!("request struct_size {size} sets fields this library does not know"),
+                ));
+            }
+        }
+        // SAFETY: at least a whole current struct is readable.
+        let r = unsafe { req.read() };
+        // SAFETY: out non-NULL and aligned; first u32 is its size.
+        let out_size = unsafe { out.cast::<u32>().read() } as usize;
+        if out_size < PLAN_MIN_SIZE {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("plan struct_size {out_size} is below {PLAN_MIN_SIZE}"),
+            ));
+        }
+        // SAFETY: model_preset contract.
+        let model = unsafe { model_of(&r) }?;
+        let p = plan(&model, r.page_size, r.budget_bytes).map_err(plan_err)?;
+        let f = r.state_fraction;
+        let split = p.split(f).map_err(plan_err)?;
+        let layouts = [
+            PoolLayout::Static { ssm_fraction: f },
+            PoolLayout::Avmp { ssm_fraction: f },
+            PoolLayout::Unified,
+        ];
+        let mut batch = [0u64; 3];
+        let mut context = [0u64; 3];
+        for (i, l) in layouts.into_iter().enumerate() {
+            if r.context_tokens > 0 {
+                batch[i] = p.max_batch(r.context_tokens, l).map_err(plan_err)?;
+            }
+            if r.batch > 0 {
+                context[i] = p.max_context(r.batch, l).map_err(plan_err)?;
+            }
+        }
+        let s = marconi_memory_plan {
+            struct_size: out_size.min(u32::MAX as usize) as u32,
+            page_size: p.page_size,
+            budget_bytes: p.budget_bytes,
+            kv_bytes_per_token: p.kv_bytes_per_token,
+            kv_page_bytes: p.kv_page_bytes,
+            state_slot_bytes: p.state_slot_bytes,
+            max_kv_tokens: p.max_kv_tokens,
+            max_state_slots: p.max_state_slots,
+            unified_unit_bytes: p.unified_unit_bytes,
+            unified_units: p.unified_units,
+            state_fraction: split.ssm_fraction,
+            split_kv_pages: split.kv_pages,
+            split_kv_tokens: split.kv_tokens,
+            split_state_slots: split.state_slots,
+            fraction_for_context: if r.context_tokens > 0 {
+                p.fraction_for_context(r.context_tokens)
+            } else {
+                0.0
+            },
+            max_batch_static: batch[0],
+            max_batch_avmp: batch[1],
+            max_batch_unified: batch[2],
+            max_context_static: context[0],
+            max_context_avmp: context[1],
+            max_context_unified: context[2],
+        };
+        let n = out_size.min(std::mem::size_of::<marconi_memory_plan>());
+        // SAFETY: out has out_size >= n writable bytes; s is local.
+        unsafe {
+            std::ptr::copy_nonoverlapping(std::ptr::addr_of!(s).cast::<u8>(), out.cast::<u8>(), n);
+        }
+        Ok(())
+    })
+}

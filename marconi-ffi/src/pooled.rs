@@ -1,0 +1,1019 @@
+//! The cache over pools through the C ABI: `marconi_pooled_cache_*` runs
+//! marconi-gpu's `PooledCache` (the prefix cache deciding over a pool's KV
+//! pages and state slots, whose capacity is the pools') through the request
+//! cycle lookup / reserve / admit / free / release / drain, with handles as
+//! ids. Built from a `marconi_cache_config` (the policy and the model) and a
+//! `marconi_pool_config` (the memory), over backend NONE, MEMFD or CUDA.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use marconi_core::{CacheConfig, LeaseId, Stats};
+use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory};
+use marconi_gpu::pooled::{unit_sizes, PooledCache, PooledError, PooledState, PooledStats};
+use marconi_gpu::snapshot::SlotPair;
+use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
+
+use crate::cache::{
+    marconi_admit_result, marconi_copy_order, marconi_saved_state, next_lease_id, NEXT_LEASE,
+};
+use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::pool::{
+    alloc_err, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
+    marconi_pool_config, marconi_unit_location, read_pool_config, Backing,
+};
+use crate::status::{
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, FfiError,
+    FfiResult,
+};
+
+/// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
+/// free with marconi_pooled_cache_free.
+pub struct marconi_pooled_cache {
+    inner: Mutex<Inner>,
+}
+
+enum Joined {
+    Plain(PooledCache<DualPool>),
+    Memfd(PooledCache<BackedPool<MemfdBackend>>),
+    #[cfg(feature = "cuda")]
+    Cuda(
+        PooledCache<BackedPool<marconi_gpu::cuda::phys::CudaPhysical>>,
+        crate::pool::CudaCopier,
+    ),
+}
+
+/// Runs `$body` with `$c` bound to the `PooledCache` of any backend.
+macro_rules! with {
+    ($j:expr, $c:ident => $body:expr) => {
+        match $j {
+            Joined::Plain($c) => $body,
+            Joined::Memfd($c) => $body,
+            #[cfg(feature = "cuda")]
+            Joined::Cuda($c, _) => $body,
+        }
+    };
+}
+
+struct LeaseRec {
+    core: LeaseId,
+    pages: Vec<u32>,
+    plan: Vec<u32>,
+}
+
+struct Inner {
+    joined: Joined,
+    leases: HashMap<u64, LeaseRec>,
+    backend: marconi_pool_backend,
+    /// Evicted handles not yet drained by the engine.
+    freed: Vec<u32>,
+}
+
+impl marconi_pooled_cache {
+    fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
+        self.inner.lock().map_err(|_| {
+            FfiError::new(
+                marconi_status::Poisoned,
+                "the cache is unusable after an earlier internal panic",
+            )
+        })
+    }
+}
+
+impl Inner {
+    fn core_lease(&self, lease: u64) -> FfiResult<&LeaseRec> {
+        self.leases.get(&lease).ok_or_else(|| {
+            FfiError::new(
+                marconi_status::UnknownLease,
+                format!("lease {lease} was not issued by this cache or is already released"),
+            )
+        })
+    }
+}
+
+/// The marconi_status of a joined-cache error.
+fn pooled_err(e: PooledError) -> FfiError {
+    match e {
+        PooledError::Cache(c) => FfiError::from(c),
+        PooledError::Alloc(a) => alloc_err(a),
+        e @ PooledError::OutOfMemory { .. } => {
+            FfiError::new(marconi_status::OutOfMemory, e.to_string())
+        }
+        e @ PooledError::NotCallers { .. } => {
+            FfiError::new(marconi_status::UnknownHandle, e.to_string())
+        }
+        e @ PooledError::InvalidConfig(_) => {
+            FfiError::new(marconi_status::InvalidConfig, e.to_string())
+        }
+    }
+}
+
+/// Checks the pointer and borrows the handle.
+///
+/// # Safety
+///
+/// `pc` is NULL or a live handle from marconi_pooled_cache_new.
+unsafe fn handle<'a>(pc: *const marconi_pooled_cache) -> FfiResult<&'a marconi_pooled_cache> {
+    check_ptr!(pc);
+    // SAFETY: non-NULL and aligned (checked); live by the caller's contract.
+    Ok(unsafe { &*pc })
+}
+
+fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Inner> {
+    let (kv_need, state_need) = unit_sizes(&core.model, core.page_size);
+    let mut p = *p;
+    if p.kv_page_bytes == 0 {
+        p.kv_page_bytes = kv_need;
+    }
+    if p.state_slot_bytes == 0 {
+        p.state_slot_bytes = state_need;
+    }
+    if p.state_slot_bytes == 0 {
+        return Err(FfiError::new(
+            marconi_status::InvalidConfig,
+            "the model has no recurrent layers: use marconi_cache_new",
+        ));
+    }
+    let (backend, backing) = chunked_dual_pool(&p, true)?;
+    let joined = match backing {
+        Backing::Plain(d) => Joined::Plain(PooledCache::new(core, d).map_err(pooled_err)?),
+        Backing::Memfd(b) => Joined::Memfd(PooledCache::new(core, b).map_err(pooled_err)?),
+        #[cfg(feature = "cuda")]
+        Backing::Cuda(b, copier) => {
+            Joined::Cuda(PooledCache::new(core, b).map_err(pooled_err)?, copier)
+        }
+    };
+    Ok(Inner {
+        joined,
+        leases: HashMap::new(),
+        backend,
+        freed: Vec::new(),
+    })
+}
+
+/// Creates a cache over pools and writes the handle to `*out` (free it with
+/// marconi_pooled_cache_free). `cache_cfg` chooses the policy, the model and
+/// the page size (its capacity_bytes is ignored: the pools are the
+/// capacity); `pool_cfg` the memory (backend, budget, split, migration).
+/// pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the model's KV
+/// bytes of one page and one state (all recurrent layers), 128-aligned;
+/// larger values (an engine's padded layout) are accepted, smaller ones are
+/// MARCONI_STATUS_INVALID_CONFIG. A model without recurrent layers is
+/// refused (use marconi_cache_new).
+///
+/// Thread safety: may run concurrently with anything.
+///
+/// # Safety
+///
+/// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
+/// functions (struct_size readable bytes); `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_new(
+    cache_cfg: *const marconi_cache_config,
+    pool_cfg: *const marconi_pool_config,
+    out: *mut *mut marconi_pooled_cache,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_new", || {
+        require!(cache_cfg);
+        require!(pool_cfg);
+        require!(out);
+        check_ptr!(cache_cfg);
+        check_ptr!(pool_cfg);
+        check_ptr!(out);
+        // SAFETY: non-NULL and aligned; size contracts are the caller's.
+        let c = unsafe { read_config(cache_cfg) }?;
+        // SAFETY: as above.
+        let p = unsafe { read_pool_config(pool_cfg) }?;
+        let mut c = c;
+        // Checked by core at construction, replaced by the pools' bytes.
+        if c.capacity_bytes == 0 {
+            c.capacity_bytes = 1;
+        }
+        // SAFETY: the pointers inside c follow the documented contracts.
+        let core = unsafe { to_core_config(&c) }?;
+        let inner = build(core, &p)?;
+        let h = Box::new(marconi_pooled_cache {
+            inner: Mutex::new(inner),
+        });
+        // SAFETY: out is non-NULL, aligned and writable.
+        unsafe { out.write(Box::into_raw(h)) };
+        Ok(())
+    })
+}
+
+/// Frees a cache over pools and its memory (every handle and address it
+/// gave out becomes invalid). NULL is a no-op.
+///
+/// Thread safety: must not run concurrently with any other call on this
+/// cache; the handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
+    boundary_or("marconi_pooled_cache_free", (), || {
+        if !pc.is_null() {
+            // SAFETY: from Box::into_raw in marconi_pooled_cache_new, freed once.
+            drop(unsafe { Box::from_raw(pc) });
+        }
+    })
+}
+
+/// The result of marconi_pooled_cache_lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_pooled_lookup {
+    /// The lease pinning what the request reuses (never 0, never reused,
+    /// never valid in another cache): pass it to marconi_pooled_cache_admit
+    /// and release it with marconi_pooled_cache_release.
+    pub lease: u64,
+    /// Leading tokens the engine may skip (< the input length).
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached (page-aligned).
+    pub kv_matched_tokens: u32,
+    /// The cache's state-slot handle to resume from (copy it into a slot
+    /// the request reserved, e.g. with marconi_pooled_cache_copy_states),
+    /// or 0 when there is no hit.
+    pub state_handle: u32,
+    /// The cache's KV page handles of the first hit_tokens tokens
+    /// (marconi_pooled_cache_lease_kv_pages): read them, never free them;
+    /// valid while the lease is held.
+    pub n_kv_pages: u32,
+    /// Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
+    pub n_plan: u32,
+    /// Must be ignored (padding made explicit).
+    pub reserved: u32,
+}
+
+/// Looks up `tokens[0..n_tokens]` in namespace `ns` and writes the hit, the
+/// cache's state handle to resume from, the counts of KV page handles and
+/// planned checkpoints, and a lease to `*out`. Errors as
+/// marconi_cache_lookup.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `tokens` has n_tokens readable u32 (or
+/// is NULL); `out` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lookup(
+    pc: *const marconi_pooled_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    out: *mut marconi_pooled_lookup,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_lookup", || {
+        require!(pc);
+        require!(tokens, len = n_tokens);
+        require!(out);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        if n_tokens >= u32::MAX as usize {
+            return Err(FfiError::new(
+                marconi_status::TooManyTokens,
+                format!("tokens has {n_tokens} tokens, more than a sequence may hold"),
+            ));
+        }
+        // SAFETY: buffer contract.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        check_ptr!(out);
+        let mut g = h.lock()?;
+        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+            FfiError::new(
+                marconi_status::InvalidArgument,
+                "this process has issued 2^64 - 1 lease ids",
+            )
+        })?;
+        let l = with!(&mut g.joined, c => c.lookup(ns, tokens)).map_err(pooled_err)?;
+        let plan = with!(&g.joined, c => c.plan(l.lookup.lease).map(<[u32]>::to_vec))
+            .map_err(pooled_err)?;
+        let res = marconi_pooled_lookup {
+            lease: id,
+            hit_tokens: l.lookup.hit_tokens,
+            kv_matched_tokens: l.lookup.kv_matched_tokens,
+            state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
+            n_kv_pages: l.kv_pages.len() as u32,
+            n_plan: plan.len() as u32,
+            reserved: 0,
+        };
+        g.leases.insert(
+            id,
+            LeaseRec {
+                core: l.lookup.lease,
+                pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
+                plan,
+            },
+        );
+        // SAFETY: out checked non-NULL and aligned, writable by contract.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {
+    // SAFETY: out_len was checked non-NULL and aligned by the caller.
+    unsafe { out_len.write(list.len()) };
+    if buf.len() < list.len() {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
+        ));
+    }
+    buf[..list.len()].copy_from_slice(list);
+    Ok(())
+}
+
+/// Copies a lease's list (`pages`: KV page handles, else the plan).
+///
+/// # Safety
+///
+/// As the exported functions below.
+unsafe fn lease_list(
+    name: &str,
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+    pages: bool,
+) -> marconi_status {
+    boundary(name, || {
+        require!(pc);
+        require!(buf, cap = cap);
+        require!(out_len);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contract.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let g = h.lock()?;
+        let rec = g.core_lease(lease)?;
+        copy_list(if pages { &rec.pages } else { &rec.plan }, buf, out_len)
+    })
+}
+
+/// Writes the KV page handles of a lease's hit into `buf[0..cap]` and their
+/// number to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+/// written when cap is too small; NULL with cap 0 asks for the count).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
+/// `out_len` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: contracts forwarded.
+    unsafe {
+        lease_list(
+            "marconi_pooled_cache_lease_kv_pages",
+            pc,
+            lease,
+            buf,
+            cap,
+            out_len,
+            true,
+        )
+    }
+}
+
+/// Writes a lease's planned checkpoint positions (as
+/// marconi_pooled_cache_lease_kv_pages).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_pooled_cache_lease_kv_pages.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: contracts forwarded.
+    unsafe {
+        lease_list(
+            "marconi_pooled_cache_lease_plan",
+            pc,
+            lease,
+            buf,
+            cap,
+            out_len,
+            false,
+        )
+    }
+}
+
+/// Reserves working memory for a request: `kv_pages` KV pages (for the
+/// tokens past the hit) written to `kv_out[0..kv_pages]` and `state_slots`
+/// state slots (one per state to save: the plan and the final state)
+/// written to `state_out`. When a pool is short, free capacity migrates
+/// from the other pool (AVMP) and then the cache evicts by utility; all or
+/// nothing. MARCONI_STATUS_OUT_OF_MEMORY when even that cannot make room:
+/// nothing is reserved (entries evicted on the way stay evicted; their
+/// handles come back through marconi_pooled_cache_drain_freed).
+/// MARCONI_STATUS_BUFFER_TOO_SMALL when a capacity is below its count. The
+/// units are the caller's until admitted or freed.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
+/// state_cap writable u32 (or are NULL with a capacity 0).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_reserve(
+    pc: *const marconi_pooled_cache,
+    kv_pages: u32,
+    state_slots: u32,
+    kv_out: *mut u32,
+    kv_cap: usize,
+    state_out: *mut u32,
+    state_cap: usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_reserve", || {
+        require!(pc);
+        require!(kv_out, cap = kv_cap);
+        require!(state_out, cap = state_cap);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contracts.
+        let kv_out = unsafe { out_slice(kv_out, kv_cap, "kv_out") }?;
+        // SAFETY: as above.
+        let state_out = unsafe { out_slice(state_out, state_cap, "state_out") }?;
+        if kv_out.len() < kv_pages as usize || state_out.len() < state_slots as usize {
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!(
+                    "kv_out holds {kv_cap} and state_out {state_cap}; {kv_pages} pages and {state_slots} slots asked for"
+                ),
+            ));
+        }
+        let mut g = h.lock()?;
+        let r = with!(&mut g.joined, c => c.reserve(kv_pages, state_slots)).map_err(pooled_err)?;
+        for (o, h) in kv_out.iter_mut().zip(&r.kv_pages) {
+            *o = h.raw();
+        }
+        for (o, h) in state_out.iter_mut().zip(&r.state_slots) {
+            *o = h.raw();
+        }
+        Ok(())
+    })
+}
+
+/// Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
+/// output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
+/// full page of tokens: the lease's hit pages, then pages the caller
+/// reserved) and the states saved (`states[i].slot`: a state handle the
+/// caller reserved). The cache takes the units it keeps: the pages
+/// kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
+/// slots of the states with taken[i] = 1 (`taken` may be NULL when
+/// n_states is 0). Every other unit passed in stays the caller's: free it
+/// with marconi_pooled_cache_free_units (or reuse it). Errors as
+/// marconi_cache_admit, plus MARCONI_STATUS_UNKNOWN_HANDLE for a page or
+/// slot the caller does not hold; nothing changes on error.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; each buffer has its length readable (or
+/// is NULL with length 0); `taken` has n_states writable bytes; `out` is
+/// writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_admit(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    states: *const marconi_saved_state,
+    n_states: usize,
+    kv_pages: *const u32,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_admit", || {
+        require!(pc);
+        require!(tokens, len = n_tokens);
+        require!(states, len = n_states);
+        require!(kv_pages, len = n_kv_pages);
+        require!(taken, cap = n_states);
+        require!(out);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contracts.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let states = unsafe { in_slice(states, n_states, "states") }?;
+        // SAFETY: as above.
+        let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
+        // SAFETY: as above.
+        let taken = unsafe { out_slice(taken, n_states, "taken") }?;
+        check_ptr!(out);
+        let mut g = h.lock()?;
+        let core = g.core_lease(lease)?.core;
+        let pstates: Vec<PooledState> = states
+            .iter()
+            .map(|s| PooledState {
+                position: s.position,
+                slot: VirtualHandle::from_raw(s.slot),
+            })
+            .collect();
+        let pages: Vec<VirtualHandle> = kv_pages
+            .iter()
+            .map(|&r| VirtualHandle::from_raw(r))
+            .collect();
+        let a = with!(&mut g.joined, c => c.admit(core, tokens, &pstates, &pages))
+            .map_err(pooled_err)?;
+        let o = &a.outcome;
+        for (t, s) in taken.iter_mut().zip(states) {
+            *t = u8::from(
+                o.states_taken.contains(&s.position) && a.taken.iter().any(|h| h.raw() == s.slot),
+            );
+        }
+        let states_taken = taken.iter().filter(|&&t| t == 1).count() as u32;
+        let res = marconi_admit_result {
+            states_taken,
+            slots_returned: states.len() as u32 - states_taken,
+            kv_pages_taken_start: o.kv_pages_taken.start,
+            kv_pages_taken_end: o.kv_pages_taken.end,
+            new_kv_tokens: o.new_kv_tokens,
+            truncated_to: o.truncated_to.unwrap_or(0),
+            rejected: o.rejected.is_some(),
+        };
+        // SAFETY: out checked, writable.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+/// Frees `handles[0..n]`, units the caller holds (reserved, not taken by
+/// the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
+/// the caller does not hold (the cache's, freed, made up).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_free_units(
+    pc: *const marconi_pooled_cache,
+    handles: *const u32,
+    n: usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_free_units", || {
+        require!(pc);
+        require!(handles, len = n);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contract.
+        let handles = unsafe { in_slice(handles, n, "handles") }?;
+        let hs: Vec<VirtualHandle> = handles
+            .iter()
+            .map(|&r| VirtualHandle::from_raw(r))
+            .collect();
+        let mut g = h.lock()?;
+        with!(&mut g.joined, c => c.free(&hs)).map_err(pooled_err)
+    })
+}
+
+/// Releases a lease. MARCONI_STATUS_UNKNOWN_LEASE for a lease this cache
+/// did not issue or already released.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_release(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_release", || {
+        require!(pc);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        let mut g = h.lock()?;
+        let core = g.core_lease(lease)?.core;
+        with!(&mut g.joined, c => c.release(core)).map_err(pooled_err)?;
+        g.leases.remove(&lease);
+        Ok(())
+    })
+}
+
+/// Writes the handles the cache evicted since the last call (already back
+/// in their pool: stale, the engine must stop using them) into
+/// `buf[0..cap]` and their number to `*out_len`; they are removed from the
+/// list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes the
+/// count only).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
+/// `out_len` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
+    pc: *const marconi_pooled_cache,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_drain_freed", || {
+        require!(pc);
+        require!(buf, cap = cap);
+        require!(out_len);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contract.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let mut g = h.lock()?;
+        let more = with!(&mut g.joined, c => c.drain_freed());
+        g.freed.extend(more.iter().map(|h| h.raw()));
+        copy_list(&g.freed, buf, out_len)?;
+        g.freed.clear();
+        Ok(())
+    })
+}
+
+/// Writes the handles the cache holds now (KV pages and state slots, in no
+/// particular order) into `buf[0..cap]` and their number to `*out_len`
+/// (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
+/// debugging: O(units held).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_pooled_cache_drain_freed.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_held(
+    pc: *const marconi_pooled_cache,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_held", || {
+        require!(pc);
+        require!(buf, cap = cap);
+        require!(out_len);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contract.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let g = h.lock()?;
+        let mut raw: Vec<u32> = with!(&g.joined, c => c.held_handles())
+            .iter()
+            .map(|h| h.raw())
+            .collect();
+        raw.sort_unstable();
+        copy_list(&raw, buf, out_len)
+    })
+}
+
+/// Resolves live handles (the cache's or the caller's) to their units, as
+/// marconi_pool_resolve.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `handles` has n readable u32 (or is
+/// NULL); `out` has cap writable elements (or is NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_resolve(
+    pc: *const marconi_pooled_cache,
+    handles: *const u32,
+    n: usize,
+    out: *mut marconi_unit_location,
+    cap: usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_resolve", || {
+        require!(pc);
+        require!(handles, len = n);
+        require!(out, cap = cap);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contracts.
+        let handles = unsafe { in_slice(handles, n, "handles") }?;
+        // SAFETY: as above.
+        let out = unsafe { out_slice(out, cap, "out") }?;
+        if out.len() < n {
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!("out holds {} locations, {n} handles given", out.len()),
+            ));
+        }
+        let g = h.lock()?;
+        let locs = match &g.joined {
+            Joined::Plain(c) => resolve_all(c.pool(), handles, |_, _| 0),
+            Joined::Memfd(c) => resolve_all(c.pool(), handles, |k, off| {
+                c.pool()
+                    .backend()
+                    .base(c.pool().reservation(k))
+                    .map_or(0, |b| b as u64 + off)
+            }),
+            #[cfg(feature = "cuda")]
+            Joined::Cuda(c, _) => resolve_all(c.pool(), handles, |k, off| {
+                c.pool()
+                    .backend()
+                    .base(c.pool().reservation(k))
+                    .map_or(0, |b| b + off)
+            }),
+        }?;
+        out[..n].copy_from_slice(&locs);
+        Ok(())
+    })
+}
+
+fn resolve_all(
+    a: &dyn PoolAllocator,
+    handles: &[u32],
+    address: impl Fn(PoolKind, u64) -> u64,
+) -> FfiResult<Vec<marconi_unit_location>> {
+    handles
+        .iter()
+        .enumerate()
+        .map(|(i, &raw)| {
+            location(a, raw, &address)
+                .map_err(|e| FfiError::new(e.status, format!("handles[{i}]: {}", e.detail)))
+        })
+        .collect()
+}
+
+/// Copies states between state-slot handles of the cache's memory, as
+/// marconi_pool_copy_states: typically the lookup's state_handle into a
+/// slot the request reserved, before the request resumes from it. Any live
+/// state handle may be read; a destination must be a slot the caller holds
+/// (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
+/// overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
+    pc: *const marconi_pooled_cache,
+    pairs: *const marconi_copy_order,
+    n: usize,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_copy_states", || {
+        require!(pc);
+        require!(pairs, len = n);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        // SAFETY: buffer contract.
+        let pairs = unsafe { in_slice(pairs, n, "pairs") }?;
+        let mut g = h.lock()?;
+        let held = with!(&g.joined, c => c.held_handles());
+        for (i, p) in pairs.iter().enumerate() {
+            if held.iter().any(|h| h.raw() == p.dst_slot) {
+                return Err(FfiError::new(
+                    marconi_status::UnknownHandle,
+                    format!(
+                        "pairs[{i}].dst_slot {:#010x} is a state the cache holds",
+                        p.dst_slot
+                    ),
+                ));
+            }
+        }
+        let to_pairs = |a: &dyn PoolAllocator| -> FfiResult<Vec<SlotPair>> {
+            pairs
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let idx = |raw: u32, what: &str| -> FfiResult<u32> {
+                        let hh = VirtualHandle::from_raw(raw);
+                        if hh.pool() != PoolKind::Ssm {
+                            return Err(FfiError::new(
+                                marconi_status::UnknownHandle,
+                                format!("pairs[{i}].{what} {raw:#010x} is a KV page"),
+                            ));
+                        }
+                        a.resolve(hh).map_err(|e| {
+                            let e = alloc_err(e);
+                            FfiError::new(e.status, format!("pairs[{i}].{what}: {}", e.detail))
+                        })?;
+                        Ok(a.unit_index(hh))
+                    };
+                    Ok(SlotPair::new(
+                        idx(p.src_slot, "src_slot")?,
+                        idx(p.dst_slot, "dst_slot")?,
+                    ))
+                })
+                .collect()
+        };
+        match &mut g.joined {
+            Joined::Plain(_) => Err(FfiError::new(
+                marconi_status::Unsupported,
+                "this cache's pools have no memory (backend NONE)",
+            )),
+            Joined::Memfd(c) => {
+                let p = to_pairs(c.pool())?;
+                copy_states_in(c.pool_mut(), p)
+            }
+            #[cfg(feature = "cuda")]
+            Joined::Cuda(c, copier) => {
+                let p = to_pairs(c.pool())?;
+                copier.copy(c.pool_mut(), p)
+            }
+        }
+    })
+}
+
+/// Counters of a cache over pools. Versioned by size: set struct_size to
+/// sizeof(marconi_pooled_stats) before calling marconi_pooled_cache_stats.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct marconi_pooled_stats {
+    /// sizeof(marconi_pooled_stats) as the caller compiled it.
+    pub struct_size: u32,
+    /// The marconi_pool_backend in use.
+    pub backend: u32,
+    /// Lookups served.
+    pub requests: u64,
+    /// Input tokens looked up.
+    pub input_tokens: u64,
+    /// Tokens skipped thanks to the cache.
+    pub hit_tokens: u64,
+    /// Nodes evicted (for memory or by admissions).
+    pub evictions: u64,
+    /// Admissions that cached nothing.
+    pub admissions_rejected: u64,
+    /// Reservations made.
+    pub reservations: u64,
+    /// Reservations refused for lack of memory.
+    pub reservations_refused: u64,
+    /// Capacity migrations made by reservations.
+    pub migrations: u64,
+    /// Bytes the donor pools gave up in those migrations.
+    pub bytes_migrated: u64,
+    /// Evictions made to meet reservations.
+    pub evictions_for_memory: u64,
+    /// Of those, evictions that freed only units of the other pool.
+    pub evictions_other_kind: u64,
+    /// KV pages and state slots the cache holds.
+    pub held_kv_pages: u64,
+    /// State slots the cache holds.
+    pub held_state_slots: u64,
+    /// KV pool capacity and free units.
+    pub kv_capacity: u64,
+    /// Free KV units.
+    pub kv_free: u64,
+    /// State pool capacity.
+    pub state_capacity: u64,
+    /// Free state units.
+    pub state_free: u64,
+    /// The pools' budget, bytes.
+    pub budget_bytes: u64,
+    /// Physical bytes committed (memfd st_blocks * 512; 0 for NONE).
+    pub physical_bytes: u64,
+    /// Leases outstanding.
+    pub leases: u64,
+}
+
+/// Writes the counters into `*out`, only out->struct_size bytes (at least 16).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL; `out` is NULL or has out->struct_size
+/// writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_stats(
+    pc: *const marconi_pooled_cache,
+    out: *mut marconi_pooled_stats,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_stats", || {
+        require!(pc);
+        require!(out);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        check_ptr!(out);
+        // SAFETY: starts with its u32 size.
+        let size = unsafe { out.cast::<u32>().read() } as usize;
+        if size < 16 {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("stats struct_size {size} is below 16"),
+            ));
+        }
+        let g = h.lock()?;
+        let (cs, ps, held): (Stats, PooledStats, Vec<VirtualHandle>) =
+            with!(&g.joined, c => (c.cache_stats(), c.stats(), c.held_handles()));
+        let (a, physical): (&dyn PoolAllocator, u64) =
+            match &g.joined {
+                Joined::Plain(c) => (c.pool(), 0),
+                Joined::Memfd(c) => (
+                    c.pool(),
+                    c.pool().backend().physical_bytes().map_err(|e| {
+                        FfiError::new(marconi_status::BackendFailure, e.to_string())
+                    })?,
+                ),
+                #[cfg(feature = "cuda")]
+                Joined::Cuda(c, _) => (
+                    c.pool(),
+                    c.pool().backend().physical_bytes().map_err(|e| {
+                        FfiError::new(marconi_status::BackendFailure, e.to_string())
+                    })?,
+                ),
+            };
+        let held_kv = held.iter().filter(|h| h.pool() == PoolKind::Kv).count() as u64;
+        let s = marconi_pooled_stats {
+            struct_size: size.min(u32::MAX as usize) as u32,
+            backend: g.backend as u32,
+            requests: cs.requests,
+            input_tokens: cs.input_tokens,
+            hit_tokens: cs.hit_tokens,
+            evictions: cs.evictions,
+            admissions_rejected: cs.admissions_rejected,
+            reservations: ps.reservations,
+            reservations_refused: ps.refused,
+            migrations: ps.migrations,
+            bytes_migrated: ps.bytes_migrated,
+            evictions_for_memory: ps.evictions_for_memory,
+            evictions_other_kind: ps.evictions_other_kind,
+            held_kv_pages: held_kv,
+            held_state_slots: held.len() as u64 - held_kv,
+            kv_capacity: u64::from(a.capacity(PoolKind::Kv)),
+            kv_free: u64::from(a.free_units(PoolKind::Kv)),
+            state_capacity: u64::from(a.capacity(PoolKind::Ssm)),
+            state_free: u64::from(a.free_units(PoolKind::Ssm)),
+            budget_bytes: a.total_bytes(),
+            physical_bytes: physical,
+            leases: g.leases.len() as u64,
+        };
+        let n = size.min(std::mem::size_of::<marconi_pooled_stats>());
+        // SAFETY: out has `size` >= n writable bytes; s is local.
+        unsafe {
+            std::ptr::copy_nonoverlapping(std::ptr::addr_of!(s).cast::<u8>(), out.cast::<u8>(), n);
+        }
+        Ok(())
+    })
+}
+
+/// Checks the joined invariants (core's, every handle the cache holds live
+/// in its pool, the caller's and the cache's units are the pools' live
+/// units, core's unit budget is the pools' capacity less the caller's
+/// units). MARCONI_STATUS_INVARIANT_VIOLATED (a libmarconi bug) poisons the
+/// cache. O(units + nodes).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// `pc` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_check(
+    pc: *const marconi_pooled_cache,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_check", || {
+        require!(pc);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(pc) }?;
+        let g = h.lock()?;
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            with!(&g.joined, c => c.check_invariants());
+        }));
+        match res {
+            Ok(()) => Ok(()),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                    let _g = g;
+                    panic!("invariant violated");
+                }));
+                Err(FfiError::new(
+                    marconi_status::InvariantViolated,
+                    format!("invariant violated: {msg}"),
+                ))
+            }
+        }
+    })
+}

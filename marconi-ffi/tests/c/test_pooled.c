@@ -1,0 +1,369 @@
+/*
+ * C tests of the cache over pools (marconi_pooled_cache_*) and of memory
+ * planning (marconi_plan): multi-turn conversations through the full
+ * request cycle (lookup, reserve, copy the cached state, admit, free what
+ * was not taken, release, drain) over the memfd backend, with the
+ * invariants checked after every step: marconi_pooled_cache_check passes,
+ * every handle the cache holds resolves (is live), evicted handles come
+ * back once and are no longer held, physical bytes (memfd st_blocks) never
+ * exceed the budget; then misuse, each refused with its status. Built by
+ * ci/test.d/c.sh with -fsanitize=address,undefined.
+ */
+#include "marconi.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures = 0;
+
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      char err_[512];                                                          \
+      marconi_last_error(err_, sizeof err_);                                   \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,  \
+              __LINE__, #cond, err_);                                          \
+      failures++;                                                              \
+    }                                                                          \
+  } while (0)
+
+#define CHECK_EQ(a, b)                                                         \
+  do {                                                                         \
+    unsigned long long a_ = (unsigned long long)(a);                           \
+    unsigned long long b_ = (unsigned long long)(b);                           \
+    if (a_ != b_) {                                                            \
+      char err_[512];                                                          \
+      marconi_last_error(err_, sizeof err_);                                   \
+      fprintf(stderr, "%s:%d: %s == %llu, expected %s == %llu (last error: %s)\n", \
+              __FILE__, __LINE__, #a, a_, #b, b_, err_);                       \
+      failures++;                                                              \
+    }                                                                          \
+  } while (0)
+
+#define OK(call) CHECK_EQ((call), MARCONI_STATUS_OK)
+
+#define PAGE 16u
+#define MAX_UNITS 4096
+
+static marconi_memory_plan plan_for(const char *preset, uint64_t budget) {
+  marconi_plan_request req;
+  OK(marconi_plan_request_init(&req, sizeof req));
+  req.model_preset = preset;
+  req.page_size = PAGE;
+  req.budget_bytes = budget;
+  marconi_memory_plan p;
+  memset(&p, 0, sizeof p);
+  p.struct_size = sizeof p;
+  OK(marconi_plan(&req, &p));
+  return p;
+}
+
+static void test_plan(void) {
+  marconi_plan_request req;
+  OK(marconi_plan_request_init(&req, sizeof req));
+  req.model_preset = "nemotron-h-8b";
+  req.page_size = PAGE;
+  req.budget_bytes = 8ull << 30;
+  req.state_fraction = 0.25;
+  req.context_tokens = 4096;
+  req.batch = 8;
+  marconi_memory_plan p;
+  memset(&p, 0, sizeof p);
+  p.struct_size = sizeof p;
+  OK(marconi_plan(&req, &p));
+  CHECK_EQ(p.page_size, PAGE);
+  CHECK_EQ(p.budget_bytes, 8ull << 30);
+  CHECK_EQ(p.kv_page_bytes % 128, 0);
+  CHECK_EQ(p.state_slot_bytes % 128, 0);
+  CHECK(p.kv_page_bytes >= p.kv_bytes_per_token * PAGE);
+  CHECK_EQ(p.max_kv_tokens, (8ull << 30) / p.kv_page_bytes * PAGE);
+  CHECK_EQ(p.max_state_slots, (8ull << 30) / p.state_slot_bytes);
+  /* The static split: floor(budget * 0.25) for states, the rest for KV. */
+  CHECK_EQ(p.split_state_slots, (2ull << 30) / p.state_slot_bytes);
+  CHECK_EQ(p.split_kv_pages, (6ull << 30) / p.kv_page_bytes);
+  CHECK_EQ(p.split_kv_tokens, p.split_kv_pages * PAGE);
+  /* AVMP fits at least the static split's batch, the unified table at most. */
+  uint64_t pages = 4096 / PAGE;
+  CHECK_EQ(p.max_batch_avmp, (8ull << 30) / (pages * p.kv_page_bytes + p.state_slot_bytes));
+  CHECK(p.max_batch_avmp >= p.max_batch_static);
+  CHECK(p.max_context_avmp >= p.max_context_static);
+  CHECK(p.fraction_for_context > 0 && p.fraction_for_context < 1);
+  /* Misuse. */
+  CHECK_EQ(marconi_plan(NULL, &p), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_plan(&req, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  req.model_preset = "no-such-model";
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNKNOWN_PRESET);
+  req.model_preset = "paper-7b-attn"; /* no recurrent layers: no state pool */
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+  req.model_preset = "nemotron-h-8b";
+  req.page_size = 0;
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+  req.page_size = PAGE;
+  req.state_fraction = 1.5;
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+  req.state_fraction = 0.5;
+  req.budget_bytes = 1000;
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+  p.struct_size = 4;
+  req.budget_bytes = 1ull << 30;
+  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  CHECK_EQ(marconi_plan_request_init(&req, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+}
+
+typedef struct {
+  marconi_pooled_cache *pc;
+  uint64_t budget;
+  uint32_t freed_seen[MAX_UNITS * 4];
+  size_t n_freed_seen;
+} fixture;
+
+static marconi_pooled_cache *new_pooled(const char *preset, uint64_t budget, uint32_t migration,
+                                        double fraction) {
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = preset;
+  cc.page_size = PAGE;
+  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
+  cc.alpha = 1.0;
+  marconi_pool_config pc;
+  OK(marconi_pool_config_init(&pc, sizeof pc));
+  pc.backend = MARCONI_POOL_BACKEND_MEMFD;
+  pc.budget_bytes = budget;
+  pc.migration = migration;
+  pc.state_fraction = fraction;
+  marconi_pooled_cache *c = NULL;
+  OK(marconi_pooled_cache_new(&cc, &pc, &c));
+  CHECK(c != NULL);
+  return c;
+}
+
+static marconi_pooled_stats stats_of(const marconi_pooled_cache *c) {
+  marconi_pooled_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(marconi_pooled_cache_stats(c, &s));
+  return s;
+}
+
+/* The invariants of the issue, after every step. */
+static void check_invariants(fixture *f) {
+  OK(marconi_pooled_cache_check(f->pc));
+  static uint32_t held[MAX_UNITS * 2];
+  size_t n = 0;
+  OK(marconi_pooled_cache_held(f->pc, held, MAX_UNITS * 2, &n));
+  static marconi_unit_location loc[MAX_UNITS * 2];
+  if (n > 0) OK(marconi_pooled_cache_resolve(f->pc, held, n, loc, n)); /* all live */
+  marconi_pooled_stats s = stats_of(f->pc);
+  CHECK_EQ(s.held_kv_pages + s.held_state_slots, n);
+  CHECK(s.physical_bytes <= f->budget);
+  CHECK(s.budget_bytes <= f->budget);
+  CHECK(s.kv_free <= s.kv_capacity && s.state_free <= s.state_capacity);
+  /* Freed handles come back: drained once, and no longer held. */
+  static uint32_t freed[MAX_UNITS * 2];
+  size_t nf = 0;
+  OK(marconi_pooled_cache_drain_freed(f->pc, freed, MAX_UNITS * 2, &nf));
+  for (size_t i = 0; i < nf; i++) {
+    for (size_t j = 0; j < n; j++) CHECK(freed[i] != held[j]);
+    /* Between requests the caller holds nothing: a freed handle is stale. */
+    marconi_unit_location l;
+    CHECK(marconi_pooled_cache_resolve(f->pc, &freed[i], 1, &l, 1) != MARCONI_STATUS_OK);
+    if (f->n_freed_seen < sizeof f->freed_seen / sizeof f->freed_seen[0])
+      f->freed_seen[f->n_freed_seen++] = freed[i];
+  }
+  OK(marconi_pooled_cache_drain_freed(f->pc, NULL, 0, &nf));
+  CHECK_EQ(nf, 0);
+}
+
+/* One request: `tokens[0..input]` looked up, `tokens[0..full]` admitted. */
+static int serve(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t full) {
+  marconi_pooled_lookup l;
+  OK(marconi_pooled_cache_lookup(f->pc, 0, tokens, input, &l));
+  CHECK(l.hit_tokens < input);
+  uint32_t hit_pages[MAX_UNITS];
+  size_t n_hit = 0;
+  OK(marconi_pooled_cache_lease_kv_pages(f->pc, l.lease, hit_pages, MAX_UNITS, &n_hit));
+  CHECK_EQ(n_hit, l.n_kv_pages);
+  uint32_t plan[64];
+  size_t n_plan = 0;
+  OK(marconi_pooled_cache_lease_plan(f->pc, l.lease, plan, 64, &n_plan));
+  CHECK_EQ(n_plan, l.n_plan);
+  /* Working memory: pages past the hit, a slot per planned state + the final one. */
+  uint32_t full_pages = full / PAGE;
+  uint32_t want_pages = full_pages - (uint32_t)n_hit;
+  uint32_t want_slots = (uint32_t)n_plan + 1;
+  static uint32_t pages[MAX_UNITS];
+  uint32_t slots[65];
+  marconi_status st =
+      marconi_pooled_cache_reserve(f->pc, want_pages, want_slots, pages + n_hit, MAX_UNITS - n_hit, slots, 65);
+  if (st == MARCONI_STATUS_OUT_OF_MEMORY) {
+    OK(marconi_pooled_cache_release(f->pc, l.lease));
+    check_invariants(f);
+    return 0;
+  }
+  OK(st);
+  memcpy(pages, hit_pages, n_hit * sizeof pages[0]);
+  /* Resume from the cached state: copy it into the request's own slot. */
+  if (l.state_handle != 0) {
+    marconi_copy_order o = {l.state_handle, slots[0]};
+    OK(marconi_pooled_cache_copy_states(f->pc, &o, 1));
+  }
+  /* "Prefill and decode": write each saved state's slot. */
+  marconi_saved_state states[65];
+  for (size_t i = 0; i < n_plan; i++) states[i] = (marconi_saved_state){plan[i], slots[i + 1]};
+  states[n_plan] = (marconi_saved_state){full / PAGE * PAGE, slots[0]};
+  marconi_unit_location sl;
+  OK(marconi_pooled_cache_resolve(f->pc, &slots[0], 1, &sl, 1));
+  memset((void *)(uintptr_t)sl.address, (int)(full & 0xff), 4096);
+  uint8_t taken[65];
+  marconi_admit_result r;
+  OK(marconi_pooled_cache_admit(f->pc, l.lease, tokens, full, states, n_plan + 1, pages, full_pages,
+                                taken, &r));
+  /* Free what the cache did not take. */
+  uint32_t mine[MAX_UNITS + 65];
+  size_t n_mine = 0;
+  for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
+    if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
+  for (size_t i = 0; i <= n_plan; i++)
+    if (!taken[i]) mine[n_mine++] = states[i].slot;
+  OK(marconi_pooled_cache_free_units(f->pc, mine, n_mine));
+  /* A freed working unit is the caller's no more. */
+  if (n_mine > 0) CHECK_EQ(marconi_pooled_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_pooled_cache_release(f->pc, l.lease));
+  CHECK_EQ(marconi_pooled_cache_release(f->pc, l.lease), MARCONI_STATUS_UNKNOWN_LEASE);
+  check_invariants(f);
+  return 1;
+}
+
+static void test_cycle(uint32_t migration) {
+  marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
+  /* Room for a few states and a few thousand tokens: evictions happen. */
+  uint64_t budget = 6 * p.state_slot_bytes + 2600 / PAGE * p.kv_page_bytes;
+  budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+  fixture *f = calloc(1, sizeof *f);
+  f->budget = budget;
+  f->pc = new_pooled("nemotron-h-8b", budget, migration, 0.3);
+  check_invariants(f);
+  /* Four conversations, each turn extending the previous one. */
+  static uint32_t conv[4][4096];
+  uint32_t len[4] = {0, 0, 0, 0};
+  for (int c = 0; c < 4; c++)
+    for (int i = 0; i < 4096; i++) conv[c][i] = (uint32_t)(c == 3 ? (c * 100000 + i) : (i < 160 ? i : c * 100000 + i));
+  int served = 0, refused = 0;
+  for (int turn = 0; turn < 10; turn++) {
+    for (int c = 0; c < 4; c++) {
+      uint32_t input = len[c] + 160;
+      uint32_t full = input + 48;
+      if (full > 4096) continue;
+      if (serve(f, conv[c], input, full))
+        served++;
+      else
+        refused++;
+      len[c] = full;
+    }
+  }
+  marconi_pooled_stats s = stats_of(f->pc);
+  CHECK_EQ(s.requests, (uint64_t)(served + refused));
+  CHECK_EQ(s.reservations_refused, (uint64_t)refused);
+  CHECK(s.hit_tokens > 0);         /* later turns resume from cached states */
+  CHECK(s.evictions > 0);          /* the budget is small: entries left memory */
+  CHECK(f->n_freed_seen > 0);      /* and their handles came back */
+  CHECK_EQ(s.leases, 0);
+  if (migration == MARCONI_POOL_MIGRATION_AVMP) CHECK(s.migrations > 0 || s.evictions_for_memory > 0);
+  else CHECK_EQ(s.migrations, 0);
+  printf("pooled cycle (%s): %d served, %d refused, %llu hit tokens, %llu evictions, %llu migrations, "
+         "%llu physical bytes of %llu\n",
+         migration ? "avmp" : "static", served, refused, (unsigned long long)s.hit_tokens,
+         (unsigned long long)s.evictions, (unsigned long long)s.migrations,
+         (unsigned long long)s.physical_bytes, (unsigned long long)budget);
+  marconi_pooled_cache_free(f->pc);
+  free(f);
+}
+
+static void test_misuse(void) {
+  marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
+  uint64_t budget = 4 * p.state_slot_bytes + 64 * p.kv_page_bytes + (4u << 20);
+  marconi_pooled_cache *c = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  uint32_t tokens[64];
+  for (int i = 0; i < 64; i++) tokens[i] = 7 + (uint32_t)i;
+  marconi_pooled_lookup l;
+  CHECK_EQ(marconi_pooled_cache_lookup(NULL, 0, tokens, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pooled_cache_lookup(c, 0, NULL, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pooled_cache_lookup(c, 0, tokens, 0, &l), MARCONI_STATUS_EMPTY_TOKENS);
+  OK(marconi_pooled_cache_lookup(c, 0, tokens, 48, &l));
+  /* More than the whole budget: refused, nothing reserved. */
+  uint32_t big[4];
+  CHECK_EQ(marconi_pooled_cache_reserve(c, 0, 1000000, NULL, 0, big, 4), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  static uint32_t many[100000];
+  CHECK_EQ(marconi_pooled_cache_reserve(c, 100000, 0, many, 100000, NULL, 0), MARCONI_STATUS_OUT_OF_MEMORY);
+  uint32_t pg[4], sl[2];
+  OK(marconi_pooled_cache_reserve(c, 4, 2, pg, 4, sl, 2));
+  /* A slot the caller does not hold: refused, nothing changes. */
+  marconi_saved_state bad = {64, 0xfffffff0u}; /* never reserved */
+  uint8_t taken[1];
+  marconi_admit_result r;
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &bad, 1, pg, 4, taken, &r),
+           MARCONI_STATUS_UNKNOWN_HANDLE);
+  /* A page where a slot is expected. */
+  marconi_saved_state wrong = {64, pg[0]};
+  CHECK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &wrong, 1, pg, 4, taken, &r) != MARCONI_STATUS_OK);
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease + 1, tokens, 64, NULL, 0, pg, 4, NULL, &r),
+           MARCONI_STATUS_UNKNOWN_LEASE);
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, NULL, 1, pg, 4, taken, &r),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  marconi_saved_state fin = {64, sl[0]};
+  OK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg, 4, taken, &r));
+  CHECK_EQ(taken[0], 1);
+  CHECK_EQ(r.kv_pages_taken_end - r.kv_pages_taken_start, 4);
+  /* The cache's units are not the caller's to free or to overwrite. */
+  CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[0], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_pooled_cache_free_units(c, pg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  marconi_copy_order onto_cached = {sl[1], sl[0]};
+  CHECK_EQ(marconi_pooled_cache_copy_states(c, &onto_cached, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  marconi_copy_order self = {sl[1], sl[1]};
+  CHECK_EQ(marconi_pooled_cache_copy_states(c, &self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
+  OK(marconi_pooled_cache_free_units(c, &sl[1], 1));
+  CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[1], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_pooled_cache_release(c, l.lease));
+  uint32_t held[16];
+  size_t n = 0;
+  CHECK_EQ(marconi_pooled_cache_held(c, held, 1, &n), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  CHECK_EQ(n, 5); /* 4 pages + 1 state */
+  OK(marconi_pooled_cache_held(c, held, 16, &n));
+  marconi_pooled_stats s;
+  s.struct_size = 8;
+  CHECK_EQ(marconi_pooled_cache_stats(c, &s), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  OK(marconi_pooled_cache_check(c));
+  marconi_pooled_cache_free(c);
+  marconi_pooled_cache_free(NULL);
+
+  /* Configurations that cannot make a cache over pools. */
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = "paper-7b-attn"; /* no recurrent layers */
+  cc.page_size = PAGE;
+  marconi_pool_config pc;
+  OK(marconi_pool_config_init(&pc, sizeof pc));
+  pc.budget_bytes = 64u << 20;
+  marconi_pooled_cache *x = (marconi_pooled_cache *)0x1;
+  CHECK_EQ(marconi_pooled_cache_new(&cc, &pc, &x), MARCONI_STATUS_INVALID_CONFIG);
+  cc.model_preset = "nemotron-h-8b";
+  pc.state_slot_bytes = 128; /* smaller than one state of the model */
+  CHECK_EQ(marconi_pooled_cache_new(&cc, &pc, &x), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(x == (marconi_pooled_cache *)0x1);
+  CHECK_EQ(marconi_pooled_cache_new(NULL, &pc, &x), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pooled_cache_new(&cc, NULL, &x), MARCONI_STATUS_NULL_ARGUMENT);
+}
+
+int main(void) {
+  test_plan();
+  test_cycle(MARCONI_POOL_MIGRATION_AVMP);
+  test_cycle(MARCONI_POOL_MIGRATION_STATIC);
+  test_misuse();
+  if (failures) {
+    fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("test_pooled: all checks passed\n");
+  return 0;
+}

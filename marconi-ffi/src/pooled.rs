@@ -786,9 +786,12 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
         // SAFETY: buffer contract.
         let pairs = unsafe { in_slice(pairs, n, "pairs") }?;
         let mut g = h.lock()?;
-        let held = with!(&g.joined, c => c.held_handles());
+        let held: std::collections::HashSet<u32> = with!(&g.joined, c => c.held_handles())
+            .iter()
+            .map(|h| h.raw())
+            .collect();
         for (i, p) in pairs.iter().enumerate() {
-            if held.iter().any(|h| h.raw() == p.dst_slot) {
+            if held.contains(&p.dst_slot) {
                 return Err(FfiError::new(
                     marconi_status::UnknownHandle,
                     format!(

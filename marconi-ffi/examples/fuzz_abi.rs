@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use marconi::cache::*;
 use marconi::config::*;
+use marconi::pool::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
@@ -1796,6 +1797,336 @@ impl<'r> Worker<'r> {
         self.expect("model_spec_preset NULL", st, &[St::NullArgument]);
     }
 
+    /// A short life of a pool (marconi_pool_*): a random, sometimes bad,
+    /// configuration, then random allocate / free (live, freed, made-up and
+    /// repeated handles) / resolve / copy / fork / promote / migrate calls
+    /// against a model of the live handles and the byte each unit holds,
+    /// the counts and the budget checked after each call; then a snapshot
+    /// call over a caller's buffer, and the pool freed.
+    fn op_pool(&mut self) {
+        let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
+        // SAFETY: cfg has size_of writable bytes.
+        let st = self.call("pool_config_init", || unsafe {
+            marconi_pool_config_init(cfg.as_mut_ptr(), std::mem::size_of::<marconi_pool_config>())
+        });
+        if !self.expect("pool_config_init", st, &[St::Ok]) {
+            return;
+        }
+        // SAFETY: initialised by marconi_pool_config_init.
+        let mut cfg = unsafe { cfg.assume_init() };
+        let memfd = self.rng.chance(3, 4);
+        cfg.backend = u32::from(memfd);
+        cfg.chunk_bytes = 64 << 10;
+        cfg.budget_bytes = self.rng.range(2, 48) * (64 << 10);
+        cfg.kv_page_bytes = self.rng.pick(&[4u64 << 10, 8 << 10, 6000]);
+        cfg.state_slot_bytes = self.rng.pick(&[16u64 << 10, 24 << 10, 40000]);
+        cfg.state_fraction = self.rng.pick(&[0.1, 0.3, 0.5, 0.9]);
+        cfg.migration = self.rng.below(2) as u32;
+        cfg.migration_batch_units = self.rng.pick(&[0u32, 1, 8, 64]);
+        let (what, want) = match self.rng.below(12) {
+            0 => {
+                cfg.budget_bytes = 0;
+                ("budget 0", St::InvalidConfig)
+            }
+            1 => {
+                cfg.state_fraction = self.rng.pick(&[0.0, 1.0, f64::NAN, -3.0]);
+                ("state_fraction outside (0, 1)", St::InvalidConfig)
+            }
+            2 => {
+                cfg.backend = 3 + self.rng.below(1000) as u32;
+                ("backend out of range", St::InvalidConfig)
+            }
+            3 => {
+                cfg.backend = 2;
+                ("backend CUDA without a GPU", St::Unsupported)
+            }
+            _ => ("a pool", St::Ok),
+        };
+        let mut p: *mut marconi_pool = 0x10 as *mut marconi_pool;
+        // SAFETY: cfg is a whole struct; p writable.
+        let st = self.call("pool_new", || unsafe { marconi_pool_new(&cfg, &mut p) });
+        let want: &[St] = if want == St::Ok {
+            // A budget too small for two pools of whole units or chunks.
+            &[St::Ok, St::InvalidConfig]
+        } else {
+            &[want]
+        };
+        if !self.expect(&format!("pool_new: {what}"), st, want) || st != St::Ok {
+            if p != 0x10 as *mut marconi_pool {
+                finding!(self, "pool_new: {what}: *out written on failure");
+            }
+            return;
+        }
+        let mut live: HashMap<u32, u8> = HashMap::new();
+        let mut freed: Vec<u32> = Vec::new();
+        let mut byte = 1u8;
+        let stats = |w: &mut Self| -> Option<marconi_pool_stats> {
+            let mut s = marconi_pool_stats {
+                struct_size: std::mem::size_of::<marconi_pool_stats>() as u32,
+                ..Default::default()
+            };
+            // SAFETY: live pool, s writable.
+            let st = w.call("pool_get_stats", || unsafe {
+                marconi_pool_get_stats(p, &mut s)
+            });
+            w.expect("pool_get_stats", st, &[St::Ok]).then_some(s)
+        };
+        let unit = |l: &marconi_unit_location| -> &mut [u8] {
+            // SAFETY: a live unit's address is mapped for unit_bytes while its
+            // handle is live (the ABI's contract); only this worker uses it.
+            unsafe { std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize) }
+        };
+        for _ in 0..self.rng.range(1, 24) {
+            let pick = |w: &mut Self, state_only: bool| -> Option<u32> {
+                let mut v: Vec<u32> = live
+                    .keys()
+                    .copied()
+                    .filter(|h| !state_only || h >> 31 == 1)
+                    .collect();
+                v.sort_unstable();
+                (!v.is_empty()).then(|| v[w.rng.below(v.len() as u64) as usize])
+            };
+            match self.rng.below(8) {
+                0 | 1 => {
+                    let kind = self.rng.below(2) as u32;
+                    let n = self.rng.below(20) as usize;
+                    let mut out = vec![0u32; n];
+                    // SAFETY: out has n writable u32.
+                    let st = self.call("pool_allocate", || unsafe {
+                        marconi_pool_allocate(p, kind, n, out.as_mut_ptr(), n)
+                    });
+                    if self.expect("pool_allocate", st, &[St::Ok, St::OutOfMemory]) && st == St::Ok
+                    {
+                        let mut locs = vec![marconi_unit_location::default(); n];
+                        // SAFETY: out has n handles, locs n slots.
+                        let st = self.call("pool_resolve", || unsafe {
+                            marconi_pool_resolve(p, out.as_ptr(), n, locs.as_mut_ptr(), n)
+                        });
+                        self.expect("pool_resolve after allocate", st, &[St::Ok]);
+                        for (h, l) in out.iter().zip(&locs) {
+                            if live.insert(*h, byte).is_some() {
+                                finding!(self, "pool_allocate: handle {h:#x} issued twice");
+                            }
+                            if memfd && st == St::Ok {
+                                unit(l).fill(byte);
+                            }
+                        }
+                        byte = byte.wrapping_add(1).max(1);
+                    }
+                }
+                2 => {
+                    let mut hs: Vec<u32> = (0..self.rng.below(4))
+                        .filter_map(|_| pick(self, false))
+                        .collect();
+                    let distinct = hs.iter().collect::<HashSet<_>>().len() == hs.len();
+                    if self.rng.chance(1, 4) && !freed.is_empty() {
+                        hs.push(self.rng.pick(&freed));
+                    }
+                    let fresh = hs.iter().all(|h| live.contains_key(h));
+                    // SAFETY: hs readable.
+                    let st = self.call("pool_free_units", || unsafe {
+                        marconi_pool_free_units(p, hs.as_ptr(), hs.len())
+                    });
+                    let want: &[St] = if fresh && distinct {
+                        &[St::Ok]
+                    } else {
+                        &[St::DoubleFree, St::UnknownHandle]
+                    };
+                    if self.expect("pool_free_units", st, want) && st == St::Ok {
+                        for h in hs {
+                            live.remove(&h);
+                            freed.push(h);
+                        }
+                    }
+                }
+                3 => {
+                    let raw = self.rng.next() as u32;
+                    if !live.contains_key(&raw) {
+                        let mut l = marconi_unit_location::default();
+                        // SAFETY: one handle, one location.
+                        let st = self.call("pool_resolve", || unsafe {
+                            marconi_pool_resolve(p, &raw, 1, &mut l, 1)
+                        });
+                        self.expect(
+                            "pool_resolve made-up",
+                            st,
+                            &[St::UnknownHandle, St::DoubleFree],
+                        );
+                    }
+                }
+                4 => {
+                    let pairs: Vec<marconi_copy_order> = (0..self.rng.below(4))
+                        .filter_map(|_| {
+                            Some(marconi_copy_order {
+                                src_slot: pick(self, true)?,
+                                dst_slot: pick(self, true)?,
+                            })
+                        })
+                        .collect();
+                    let dsts: Vec<u32> = pairs.iter().map(|q| q.dst_slot).collect();
+                    let valid = pairs.iter().all(|q| q.src_slot != q.dst_slot)
+                        && dsts.iter().collect::<HashSet<_>>().len() == dsts.len()
+                        && !pairs.iter().any(|q| dsts.contains(&q.src_slot));
+                    // SAFETY: pairs readable.
+                    let st = self.call("pool_copy_states", || unsafe {
+                        marconi_pool_copy_states(p, pairs.as_ptr(), pairs.len())
+                    });
+                    let want: &[St] = if !valid {
+                        &[St::InvalidArgument]
+                    } else if memfd || pairs.is_empty() {
+                        &[St::Ok]
+                    } else {
+                        &[St::Unsupported]
+                    };
+                    if self.expect("pool_copy_states", st, want) && st == St::Ok {
+                        let moved: Vec<(u32, u8)> = pairs
+                            .iter()
+                            .map(|q| (q.dst_slot, live[&q.src_slot]))
+                            .collect();
+                        live.extend(moved);
+                    }
+                }
+                5 => {
+                    if let Some(s) = pick(self, true) {
+                        let c: Vec<u32> = (0..self.rng.below(3))
+                            .filter_map(|_| pick(self, true))
+                            .collect();
+                        let accepted = self.rng.below(c.len() as u64 + 1) as usize;
+                        let mode = self.rng.below(3) as u32;
+                        let mut all = c.clone();
+                        all.push(s);
+                        let valid = accepted < c.len()
+                            && mode < 2
+                            && all.iter().collect::<HashSet<_>>().len() == all.len();
+                        let mut now = 0u32;
+                        // SAFETY: c readable, now writable.
+                        let st = self.call("pool_promote_state", || unsafe {
+                            marconi_pool_promote_state(
+                                p,
+                                s,
+                                c.as_ptr(),
+                                c.len(),
+                                accepted,
+                                mode,
+                                &mut now,
+                            )
+                        });
+                        let want: &[St] = if !valid {
+                            &[St::InvalidArgument]
+                        } else if memfd || mode == 0 {
+                            &[St::Ok]
+                        } else {
+                            &[St::Unsupported]
+                        };
+                        if self.expect("pool_promote_state", st, want) && st == St::Ok && mode == 1
+                        {
+                            let b = live[&c[accepted]];
+                            live.insert(s, b);
+                        }
+                    }
+                }
+                6 => {
+                    let to = self.rng.below(2) as u32;
+                    let units = self.rng.pick(&[0u32, 1, 16, 1000]);
+                    let before = stats(self);
+                    // SAFETY: NULL out is allowed.
+                    let st = self.call("pool_migrate", || unsafe {
+                        marconi_pool_migrate(p, to, units, ptr::null_mut())
+                    });
+                    let want: &[St] = if cfg.migration == 0 {
+                        &[St::Unsupported]
+                    } else {
+                        &[St::Ok, St::OutOfMemory]
+                    };
+                    if self.expect("pool_migrate", st, want) && st != St::Ok {
+                        if let (Some(b), Some(a)) = (before, stats(self)) {
+                            if (a.kv_capacity, a.state_capacity)
+                                != (b.kv_capacity, b.state_capacity)
+                            {
+                                finding!(self, "pool_migrate: a refused migration moved capacity");
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    // NULL where a buffer is needed: NULL_ARGUMENT first.
+                    // SAFETY: NULL pointers are checked before use.
+                    let st = self.call("pool_allocate NULL", || unsafe {
+                        marconi_pool_allocate(p, 9, 3, ptr::null_mut(), 3)
+                    });
+                    self.expect("pool_allocate NULL out", st, &[St::NullArgument]);
+                    // SAFETY: as above.
+                    let st = self.call("pool_free_units NULL", || unsafe {
+                        marconi_pool_free_units(p, ptr::null(), 2)
+                    });
+                    self.expect("pool_free_units NULL", st, &[St::NullArgument]);
+                }
+            }
+            // The model against the pool after every call.
+            let Some(s) = stats(self) else { return };
+            let live_kv = live.keys().filter(|h| *h >> 31 == 0).count() as u64;
+            let live_st = live.len() as u64 - live_kv;
+            if s.kv_free + live_kv != s.kv_capacity || s.state_free + live_st != s.state_capacity {
+                finding!(
+                    self,
+                    "pool: free + live != capacity ({s:?}, {live_kv} KV and {live_st} states live)"
+                );
+            }
+            if s.physical_bytes > s.budget_bytes || s.mapped_chunks > s.budget_chunks {
+                finding!(self, "pool: over the budget ({s:?})");
+            }
+            if memfd {
+                for (&h, &b) in &live {
+                    let mut l = marconi_unit_location::default();
+                    // SAFETY: one handle, one location.
+                    let st = unsafe { marconi_pool_resolve(p, &h, 1, &mut l, 1) };
+                    if st != St::Ok || unit(&l).iter().any(|&x| x != b) {
+                        finding!(
+                            self,
+                            "pool: unit {h:#x} lost its bytes or its mapping ({st:?})"
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+        // A snapshot over a caller's buffer, sometimes bad.
+        let mut mem = vec![0u8; 4 * 8 * 24];
+        let buf = marconi_state_buffer {
+            base: if self.rng.chance(1, 8) {
+                ptr::null_mut()
+            } else {
+                mem.as_mut_ptr()
+            },
+            slot_bytes: 24,
+            slots: self.rng.pick(&[0u32, 8]),
+            layers: 4,
+        };
+        let pairs = [marconi_copy_order {
+            src_slot: self.rng.below(9) as u32,
+            dst_slot: self.rng.below(9) as u32,
+        }];
+        // SAFETY: buf describes mem (or is NULL-based, refused); pairs readable.
+        let st = self.call("snapshot_copy", || unsafe {
+            marconi_snapshot_copy(&buf, pairs.as_ptr(), 1)
+        });
+        let ok = !buf.base.is_null()
+            && buf.slots == 8
+            && pairs[0].src_slot < 8
+            && pairs[0].dst_slot < 8
+            && pairs[0].src_slot != pairs[0].dst_slot;
+        let want: &[St] = if buf.base.is_null() && buf.slots == 8 {
+            &[St::NullArgument]
+        } else if ok {
+            &[St::Ok]
+        } else {
+            &[St::InvalidArgument]
+        };
+        self.expect("snapshot_copy", st, want);
+        // SAFETY: freed once, never used again.
+        self.call("pool_free", || unsafe { marconi_pool_free(p) });
+    }
+
     fn op_messages(&mut self) {
         let status = self.rng.pick(&[0u32, 4, 19, 20, 9999, u32::MAX]);
         let cap = self.rng.pick(&[0usize, 1, 5, 200]);
@@ -1997,7 +2328,8 @@ impl<'r> Worker<'r> {
             }
             73..=74 => self.op_drain_log(c),
             75..=91 => self.op_bad(c),
-            92..=93 => self.op_config(),
+            92 => self.op_config(),
+            93 => self.op_pool(),
             94..=95 => self.op_messages(),
             96..=98 => self.op_owned_again(c),
             _ => self.op_freed_cache_lease(),

@@ -25,7 +25,10 @@ pub enum CacheError {
         input_len: usize,
     },
     /// The KV page list has the wrong length.
-    #[error("kv page list has {got} ids, expected 0 or {expected} (one per full page)")]
+    #[error(
+        "kv page list has {got} ids, expected {expected} (one per full page of the admitted \
+         tokens; none at all in a cache that does not track pages)"
+    )]
     BadPageList {
         /// Full pages in the admitted sequence.
         expected: usize,

@@ -173,7 +173,7 @@ fn messages_are_sentences_with_the_numbers() {
             got: 2
         }
         .to_string(),
-        "kv page list has 2 ids, expected 0 or 4 (one per full page)"
+        "kv page list has 2 ids, expected 4 (one per full page of the admitted tokens; none at all in a cache that does not track pages)"
     );
     assert_eq!(
         CacheError::UnknownLease(7).to_string(),

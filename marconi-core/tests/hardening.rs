@@ -287,3 +287,43 @@ fn a_refused_serve_leaves_no_lease_behind() {
     assert_eq!(c.stats(), before);
     c.check_invariants();
 }
+
+#[test]
+fn a_mismatched_pinned_prefix_is_reported_before_a_bad_page_list() {
+    // Found by fuzz_abi after the fingerprint began to cover only the input
+    // past the pinned hit: an admission whose hit tokens differ from the
+    // lookup's input, and which is also wrong in another way (no page ids in
+    // a page-tracking cache), was refused as BadPageList, not PrefixMismatch.
+    let mut c = paged(4, AlphaMode::Fixed(0.0));
+    let seq = range(0, 8);
+    let l = c.lookup(0, &seq).unwrap();
+    c.admit(
+        l.lease,
+        &seq,
+        &[SavedState {
+            position: 8,
+            slot: Some(1),
+        }],
+        &[10, 11],
+    )
+    .unwrap();
+    c.release(l.lease).unwrap();
+    let input = range(0, 12);
+    let l = c.lookup(0, &input).unwrap();
+    assert_eq!(l.hit_tokens, 8);
+    let mut other = input.clone();
+    other[1] = 99; // inside the pinned hit
+    other.extend(12..16);
+    for pages in [&[][..], &[20, 21, 22, 23][..]] {
+        let e = c.admit(l.lease, &other, &[], pages).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                marconi_core::CacheError::PrefixMismatch { input_len: 12 }
+            ),
+            "{e}"
+        );
+    }
+    c.check_invariants();
+    c.release(l.lease).unwrap();
+}

@@ -241,7 +241,17 @@ impl Core {
         verify_prefix: bool,
         prior: Option<Walk>,
     ) -> Result<AdmitOutcome, CacheError> {
-        self.check_admit(lease, tokens, states, kv_pages, verify_prefix)?;
+        if let Err(e) = self.check_admit(lease, tokens, states, kv_pages, verify_prefix) {
+            // The fingerprint covers only the input past the pinned hit; the
+            // pinned part is checked along the walk below. A call refused for
+            // another reason (pages, states) whose pinned prefix also differs
+            // reports the mismatch first, as when the whole input was hashed:
+            // this path is taken only by refused calls.
+            if verify_prefix && refused_after_the_prefix_check(&e) {
+                self.check_pinned_prefix_by_path(lease, tokens)?;
+            }
+            return Err(e);
+        }
         let ns = self.leases[&lease].ns;
         let page = self.cfg.page_size;
         let aligned = round_down(tokens.len() as u32, page);
@@ -360,6 +370,26 @@ impl Core {
         let walked_through = walk.matched >= n
             && (walk.path.contains(&pinned) || walk.partial.is_some_and(|(id, _)| id == pinned));
         if walked_through || self.tree.path_starts_with(pinned, &tokens[..n as usize]) {
+            Ok(())
+        } else {
+            Err(CacheError::PrefixMismatch {
+                input_len: info.input_len as usize,
+            })
+        }
+    }
+
+    /// [`check_pinned_prefix`](Self::check_pinned_prefix) without a walk:
+    /// compared along the pinned path (refused calls only).
+    fn check_pinned_prefix_by_path(
+        &self,
+        lease: LeaseId,
+        tokens: &[u32],
+    ) -> Result<(), CacheError> {
+        let Some(info) = self.leases.get(&lease) else {
+            return Ok(());
+        };
+        let n = info.pinned_tokens as usize;
+        if n == 0 || (tokens.len() >= n && self.tree.path_starts_with(info.pinned, &tokens[..n])) {
             Ok(())
         } else {
             Err(CacheError::PrefixMismatch {
@@ -652,4 +682,18 @@ impl Core {
             })
             .collect()
     }
+}
+
+/// Whether `check_admit` returns `e` only after its prefix check passed (the
+/// refusals a mismatched pinned prefix must take precedence over).
+fn refused_after_the_prefix_check(e: &CacheError) -> bool {
+    matches!(
+        e,
+        CacheError::BadPageList { .. }
+            | CacheError::DuplicatePage(_)
+            | CacheError::PositionOutOfRange { .. }
+            | CacheError::NotPlanned { .. }
+            | CacheError::DuplicatePosition(_)
+            | CacheError::DuplicateSlot(_)
+    )
 }

@@ -163,6 +163,16 @@ impl EngineFeed {
         }
     }
 
+    /// What the cache owns, as this engine recorded it: the block hashes
+    /// of its pages and of the blocks its states end, each sorted.
+    pub fn held(&self) -> (Vec<BlockHash>, Vec<BlockHash>) {
+        let mut blocks: Vec<BlockHash> = self.pages.iter().flatten().copied().collect();
+        let mut states: Vec<BlockHash> = self.slots.iter().flatten().copied().collect();
+        blocks.sort_unstable();
+        states.sort_unstable();
+        (blocks, states)
+    }
+
     /// The events since the last call, in order.
     pub fn drain(&mut self) -> std::vec::Drain<'_, IndexEvent> {
         self.pending.drain(..)

@@ -50,7 +50,7 @@
  * Every marconi_status, in value order, as an array initialiser:
  * `static const marconi_status all[] = marconi_status_ALL;`
  */
-#define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, MARCONI_STATUS_UNKNOWN_HANDLE, MARCONI_STATUS_DOUBLE_FREE, MARCONI_STATUS_OUT_OF_MEMORY, MARCONI_STATUS_UNSUPPORTED, MARCONI_STATUS_BACKEND_FAILURE }
+#define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, MARCONI_STATUS_UNKNOWN_HANDLE, MARCONI_STATUS_DOUBLE_FREE, MARCONI_STATUS_OUT_OF_MEMORY, MARCONI_STATUS_UNSUPPORTED, MARCONI_STATUS_BACKEND_FAILURE, MARCONI_STATUS_QUEUE_FULL }
 
 /**
  * The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -59,6 +59,12 @@
  * (no copy order wanted). UINT32_MAX is therefore never a valid slot id.
  */
 #define MARCONI_NO_SLOT UINT32_MAX
+
+/**
+ * The sequence number marconi_events_publish writes when it published
+ * nothing (no change since the last call).
+ */
+#define MARCONI_NO_SEQ UINT64_MAX
 
 /**
  * The result of every fallible call. Values are explicit and never reused
@@ -180,6 +186,11 @@ enum marconi_status
    * The memory backend failed (an operating-system or driver call).
    */
   MARCONI_STATUS_BACKEND_FAILURE = 24,
+  /**
+   * marconi_events_publish: the publisher thread is too far behind; the
+   * batch was dropped and its sequence number skipped.
+   */
+  MARCONI_STATUS_QUEUE_FULL = 25,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -442,10 +453,67 @@ typedef uint32_t marconi_promote_mode;
 #endif // __cplusplus
 
 /**
+ * How block hashes are written (vLLM's `ExternalBlockHash`).
+ */
+enum marconi_hash_format
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The last 8 bytes of the SHA-256 digest as an unsigned integer
+   * (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1).
+   */
+  MARCONI_HASH_FORMAT_INT = 0,
+  /**
+   * The 32-byte digest as msgpack bin.
+   */
+  MARCONI_HASH_FORMAT_BYTES = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_hash_format marconi_hash_format;
+#else
+typedef uint32_t marconi_hash_format;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How events are laid out in a batch.
+ */
+enum marconi_event_layout
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Tagged maps (vLLM after PR #42892).
+   */
+  MARCONI_EVENT_LAYOUT_MAP = 0,
+  /**
+   * Tagged arrays with every field (earlier vLLM).
+   */
+  MARCONI_EVENT_LAYOUT_ARRAY = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_event_layout marconi_event_layout;
+#else
+typedef uint32_t marconi_event_layout;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
 typedef struct marconi_cache marconi_cache;
+
+/**
+ * An events handle: opaque to C. Create with marconi_events_new, free with
+ * marconi_events_free.
+ */
+typedef struct marconi_events marconi_events;
 
 /**
  * A pool handle: opaque to C. Create with marconi_pool_new, free with
@@ -888,6 +956,83 @@ typedef struct marconi_stats {
    */
   uint64_t state_bytes_per_entry;
 } marconi_stats;
+
+/**
+ * Configuration of an events handle. Versioned by size: fill it with
+ * marconi_events_config_init(&cfg, sizeof cfg), then set fields.
+ */
+typedef struct marconi_events_config {
+  /**
+   * sizeof(marconi_events_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Non-zero: publish recurrent-state events (group 1, kind "mamba").
+   * Default 1; 0 for consumers that ignore group_idx.
+   */
+  uint32_t states;
+  /**
+   * A marconi_hash_format value. Default MARCONI_HASH_FORMAT_INT.
+   */
+  uint32_t hash_format;
+  /**
+   * A marconi_event_layout value. Default MARCONI_EVENT_LAYOUT_MAP.
+   */
+  uint32_t layout;
+  /**
+   * NUL-terminated seed of NONE_HASH (vLLM's PYTHONHASHSEED), or NULL
+   * for vLLM's default "vllm-none-hash". Read only during
+   * marconi_events_new.
+   */
+  const char *seed;
+  /**
+   * NUL-terminated medium string, or NULL for "GPU".
+   */
+  const char *medium;
+  /**
+   * The batches' data_parallel_rank. Default 0.
+   */
+  int64_t data_parallel_rank;
+  /**
+   * Publisher only: NUL-terminated PUB endpoint, e.g.
+   * "tcp://127.0.0.1:5557" (bound when it has '*' or "::" or is ipc:// or
+   * inproc://, else connected), or NULL for no publisher (drain only).
+   */
+  const char *endpoint;
+  /**
+   * Publisher only: NUL-terminated ROUTER endpoint for replay (bound), or
+   * NULL for no replay.
+   */
+  const char *replay_endpoint;
+  /**
+   * Publisher only: NUL-terminated topic, or NULL for the empty topic.
+   */
+  const char *topic;
+  /**
+   * Publisher only: batches kept for replay. Default 10000.
+   */
+  uint64_t buffer_steps;
+  /**
+   * Publisher only: PUB high-water mark. Default 100000.
+   */
+  int32_t hwm;
+  /**
+   * Publisher only: batches queued to the publisher thread before
+   * marconi_events_publish drops one (MARCONI_STATUS_QUEUE_FULL).
+   * Default 100000.
+   */
+  int32_t max_queue;
+  /**
+   * Publisher only: non-zero: replay replies carry the topic frame
+   * ([topic, seq, payload], vLLM after PR #45177); 0: [seq, payload].
+   * Default 1.
+   */
+  uint32_t replay_topic;
+  /**
+   * Reserved, must be 0.
+   */
+  uint32_t reserved;
+} marconi_events_config;
 
 /**
  * What to plan for. Versioned by size: set struct_size with
@@ -1678,6 +1823,159 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
  */
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
+
+/**
+ * Fills `*cfg` with the defaults (documented per field) and sets
+ * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than this library's struct.
+ *
+ * Thread safety: touches only `*cfg`.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_events_config_init(struct marconi_events_config *cfg, size_t struct_size);
+
+/**
+ * Creates an events handle for `cache` and writes it to `*out` (free it
+ * with marconi_events_free). Turns the cache's event stream on: the first
+ * batch starts with AllBlocksCleared and the cache's current content, so a
+ * subscriber that starts from it rebuilds the cache exactly. Blocks are the
+ * cache's pages (block_size = page_size). Use one events handle per cache:
+ * each change goes to the handle that drains it first.
+ *
+ * With `cfg->endpoint` set, also starts a ZeroMQ publisher (a background
+ * thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
+ * MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
+ * connected, or when this library was built without the publisher
+ * (marconi_events_has_publisher() returns 0).
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `cfg` is NULL or initialised by
+ * marconi_events_config_init; `out` is writable or NULL.
+ */
+marconi_status marconi_events_new(const struct marconi_cache *cache,
+                                  const struct marconi_events_config *cfg,
+                                  struct marconi_events **out);
+
+/**
+ * Frees an events handle (NULL is a no-op): stops its publisher after
+ * sending what it has queued (within about 50 ms of the queue running
+ * empty). `cache` is the handle's cache, whose event stream this turns off
+ * (changes would otherwise pile up undrained), or NULL when that cache was
+ * freed already.
+ *
+ * Thread safety: must not run concurrently with another call on this
+ * handle; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `events` is NULL or a handle from marconi_events_new not yet freed;
+ * `cache` is NULL or a live handle.
+ */
+void marconi_events_free(struct marconi_events *events, const struct marconi_cache *cache);
+
+/**
+ * Whether this library was built with the ZeroMQ publisher (1) or not (0).
+ *
+ * Thread safety: any thread.
+ */
+uint32_t marconi_events_has_publisher(void);
+
+/**
+ * Drains the changes of `cache` since the last drain as one encoded
+ * KVEventBatch (msgpack, docs/events.md) into `buf[0..cap]` and writes its
+ * length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing changed. `ts`
+ * is the batch's timestamp (seconds since the Unix epoch, finite). When the
+ * batch does not fit (NULL with cap 0 is a size query), returns
+ * MARCONI_STATUS_BUFFER_TOO_SMALL with its size in `*out_len` and keeps it
+ * (with its first `ts`) for the next call; changes made meanwhile go to the
+ * batch after. MARCONI_STATUS_INVALID_ARGUMENT for a cache of another page
+ * size than the handle's.
+ *
+ * Thread safety: safe to call concurrently; each change is delivered once.
+ *
+ * # Safety
+ *
+ * `events` and `cache` are live handles or NULL; `buf` has cap writable
+ * bytes or is NULL; `out_len` is writable or NULL.
+ */
+marconi_status marconi_events_drain(const struct marconi_events *events,
+                                    const struct marconi_cache *cache,
+                                    double ts,
+                                    uint8_t *buf,
+                                    size_t cap,
+                                    size_t *out_len);
+
+/**
+ * Encodes, into `buf[0..cap]`, a batch that brings any subscriber to the
+ * cache's current content: AllBlocksCleared, every cached block once
+ * (parents first) and every state. For a subscriber that lost more than
+ * the replay buffer holds. Does not drain: pending changes stay pending
+ * (apply this batch first, then the drained ones). Size query and
+ * MARCONI_STATUS_BUFFER_TOO_SMALL as marconi_events_drain (nothing kept).
+ * O(cached tokens x depth).
+ *
+ * Thread safety: safe to call concurrently.
+ *
+ * # Safety
+ *
+ * As marconi_events_drain.
+ */
+marconi_status marconi_events_snapshot(const struct marconi_events *events,
+                                       const struct marconi_cache *cache,
+                                       double ts,
+                                       uint8_t *buf,
+                                       size_t cap,
+                                       size_t *out_len);
+
+/**
+ * Drains the changes of `cache` since the last call and publishes them as
+ * one batch (PUB [topic, seq, payload], kept for replay); writes the
+ * batch's sequence number to `*out_seq`, or MARCONI_NO_SEQ when nothing
+ * changed. Never blocks. A batch left pending by marconi_events_drain goes
+ * first. MARCONI_STATUS_QUEUE_FULL when the publisher thread is
+ * `max_queue` batches behind: the batch is dropped and its sequence number
+ * skipped, so subscribers see a gap that replay cannot fill (resynchronise
+ * them with marconi_events_snapshot). MARCONI_STATUS_INVALID_ARGUMENT when
+ * the handle has no publisher.
+ *
+ * Thread safety: safe to call concurrently.
+ *
+ * # Safety
+ *
+ * `events` and `cache` are live handles or NULL; `out_seq` is writable or
+ * NULL.
+ */
+marconi_status marconi_events_publish(const struct marconi_events *events,
+                                      const struct marconi_cache *cache,
+                                      double ts,
+                                      uint64_t *out_seq);
+
+/**
+ * Writes the publisher's endpoint `which` (0: PUB, 1: replay ROUTER) as
+ * bound or connected, a `*` port resolved (e.g. "tcp://127.0.0.1:40123"),
+ * into `buf[0..cap]` (not NUL-terminated) and its length to `*out_len`.
+ * MARCONI_STATUS_BUFFER_TOO_SMALL with the length when it does not fit;
+ * MARCONI_STATUS_INVALID_ARGUMENT when there is no such endpoint (no
+ * publisher, no replay, `which` > 1).
+ *
+ * Thread safety: safe to call concurrently.
+ *
+ * # Safety
+ *
+ * `events` is a live handle or NULL; `buf` has cap writable bytes or is
+ * NULL; `out_len` is writable or NULL.
+ */
+marconi_status marconi_events_endpoint(const struct marconi_events *events,
+                                       uint32_t which,
+                                       char *buf,
+                                       size_t cap,
+                                       size_t *out_len);
 
 /**
  * Writes into `*out` the dimensions of the model in the GGUF file at `path`

@@ -14,6 +14,7 @@ use serde::Serialize;
 use crate::admission::{self, Admission, AdmitOutcome, SavedState};
 use crate::config::{AlphaMode, CacheConfig};
 use crate::error::CacheError;
+use crate::events::{CacheEvent, CachedChains, EventLog};
 use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
@@ -100,6 +101,8 @@ pub(crate) struct Core {
     pub(crate) freed: Freed,
     pub(crate) stats: Stats,
     pub(crate) log: DecisionLog,
+    /// Pending cache events, when the configuration enables them.
+    pub(crate) events: Option<EventLog>,
 }
 
 /// Fingerprint of a token sequence: checks that an admission extends the
@@ -155,6 +158,7 @@ impl Core {
                 ..Stats::default()
             },
             log: DecisionLog::new(cfg.decision_log),
+            events: cfg.events.then(EventLog::new),
             cfg,
             admission,
             eviction,
@@ -255,6 +259,7 @@ impl Core {
         let c = self;
         c.leases.clear();
         c.log = DecisionLog::new(false);
+        c.events = None;
         c.freed = Freed::default();
         // Replays admit no page ids: a cache whose engine tracks pages would
         // refuse every replayed request (and tune on nothing).
@@ -555,6 +560,36 @@ impl PrefixCache {
     /// Engine ids freed since the last call.
     pub fn drain_freed(&mut self) -> Freed {
         self.core.drain_freed()
+    }
+
+    /// Changes of what is cached since the last call, in order (empty
+    /// unless [`CacheConfig::events`] is set; the first drain starts with
+    /// [`CacheEvent::AllCleared`]). `docs/events.md` gives their wire form.
+    pub fn drain_events(&mut self) -> Vec<CacheEvent> {
+        self.core.drain_events()
+    }
+
+    /// Turns the event stream on (as [`CacheConfig::events`] does at
+    /// construction) for a cache that may already hold content: the next
+    /// drain starts with [`CacheEvent::AllCleared`] and the current content
+    /// as stored events, so a subscriber starting from it rebuilds the cache
+    /// exactly. No-op when events are on.
+    pub fn enable_events(&mut self) {
+        self.core.enable_events();
+    }
+
+    /// Turns the event stream off and drops the pending events.
+    pub fn disable_events(&mut self) {
+        self.core.events = None;
+    }
+
+    /// What is cached, as chains of tokens: one `(namespace, tokens from 0
+    /// to the leaf's end)` per leaf of the tree (every cached KV token lies
+    /// on one), and one `(namespace, tokens up to the state)` per state.
+    /// What a consumer of [`drain_events`](Self::drain_events) must have
+    /// rebuilt; O(nodes + tokens · depth), for tests and resynchronisation.
+    pub fn cached_chains(&self) -> CachedChains {
+        self.core.cached_content()
     }
 
     /// Counters and gauges.

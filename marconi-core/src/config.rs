@@ -202,6 +202,11 @@ pub struct CacheConfig {
     /// with a few popular system prompts that cost FLOP-aware eviction its
     /// edge over plain LRU. Default on; off reproduces the paper exactly.
     pub protect_branch_states: bool,
+    /// Record every change of what is cached (drained with
+    /// [`crate::PrefixCache::drain_events`]; `docs/events.md`). Off by
+    /// default: no cost when off.
+    #[serde(default)]
+    pub events: bool,
 }
 
 impl CacheConfig {
@@ -219,6 +224,7 @@ impl CacheConfig {
             alpha: AlphaMode::Auto(TunerConfig::default()),
             decision_log: false,
             protect_branch_states: true,
+            events: false,
         }
     }
 

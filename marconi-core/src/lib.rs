@@ -35,6 +35,7 @@ mod admission;
 mod cache;
 mod config;
 mod error;
+mod events;
 mod eviction;
 pub mod gguf;
 pub mod hf_config;
@@ -54,6 +55,7 @@ pub use config::{
     TuningObjective,
 };
 pub use error::CacheError;
+pub use events::{CacheEvent, CachedChains};
 pub use eviction::{Freed, UnitBudget, UnitKind, UnitUse};
 pub use gguf::{GgufError, GGUF_ARCHITECTURES};
 pub use hf_config::{HfConfigError, HF_MODEL_TYPES};

@@ -278,6 +278,12 @@ pub struct marconi_stats {
 const STATS_MIN_SIZE: usize = 16;
 
 impl marconi_cache {
+    /// Runs `f` on the core cache under the lock (the events handle's way in).
+    pub(crate) fn with_core<T>(&self, f: impl FnOnce(&mut PrefixCache) -> T) -> FfiResult<T> {
+        let mut g = self.lock()?;
+        Ok(f(&mut g.cache))
+    }
+
     fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
         self.inner.lock().map_err(|_| {
             FfiError::new(
@@ -293,7 +299,7 @@ impl marconi_cache {
 /// # Safety
 ///
 /// `cache` is NULL or a live handle from marconi_cache_new.
-unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
+pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
     check_ptr!(cache);
     // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
     // only shared references are formed (the handle is Sync via its Mutex).

@@ -24,6 +24,7 @@ use std::ffi::c_char;
 
 pub mod cache;
 pub mod config;
+pub mod events;
 pub mod gguf;
 pub mod hf_config;
 pub mod plan;
@@ -38,6 +39,10 @@ pub use cache::{
 pub use config::{
     marconi_admission, marconi_alpha_mode, marconi_cache_config, marconi_eviction,
     marconi_model_spec, marconi_tuning_objective,
+};
+pub use events::{
+    marconi_event_layout, marconi_events, marconi_events_config, marconi_hash_format,
+    MARCONI_NO_SEQ,
 };
 pub use plan::{marconi_memory_plan, marconi_plan_request};
 pub use pool::{

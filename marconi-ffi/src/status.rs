@@ -75,6 +75,9 @@ pub enum marconi_status {
     Unsupported = 23,
     /// The memory backend failed (an operating-system or driver call).
     BackendFailure = 24,
+    /// marconi_events_publish: the publisher thread is too far behind; the
+    /// batch was dropped and its sequence number skipped.
+    QueueFull = 25,
 }
 
 impl marconi_status {
@@ -83,7 +86,7 @@ impl marconi_status {
     /// (cbindgen would spell its elements with the Rust variant names).
     ///
     /// cbindgen:ignore
-    pub const ALL: [marconi_status; 25] = [
+    pub const ALL: [marconi_status; 26] = [
         marconi_status::Ok,
         marconi_status::NullArgument,
         marconi_status::InvalidArgument,
@@ -109,6 +112,7 @@ impl marconi_status {
         marconi_status::OutOfMemory,
         marconi_status::Unsupported,
         marconi_status::BackendFailure,
+        marconi_status::QueueFull,
     ];
 
     /// The status with value `v`; unknown values map to `InvalidArgument`.
@@ -147,6 +151,7 @@ impl marconi_status {
             marconi_status::OutOfMemory => "pool out of free units",
             marconi_status::Unsupported => "not supported by this build, backend or machine",
             marconi_status::BackendFailure => "memory backend failed (OS or driver call)",
+            marconi_status::QueueFull => "event publisher queue full: batch dropped",
         }
     }
 }

@@ -22,6 +22,7 @@ a MarconiError carries the failing C function and the library's detail.
 
 from ._lib import NO_SLOT, library_path
 from .adapter import MarconiNode, MarconiPrefixCache, MatchResult
+from .events import CacheEvents, has_publisher
 from .cache import (
     AdmitResult,
     Lease,
@@ -49,6 +50,7 @@ from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
 __all__ = [
     "NO_SLOT",
     "AdmitResult",
+    "CacheEvents",
     "Lease",
     "MarconiError",
     "MarconiNode",
@@ -62,6 +64,7 @@ __all__ = [
     "PooledLookup",
     "PrefixCache",
     "UnitLocation",
+    "has_publisher",
     "last_error",
     "library_path",
     "plan",

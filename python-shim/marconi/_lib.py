@@ -16,6 +16,8 @@ from ctypes import (
     Structure,
     c_char_p,
     c_double,
+    c_int32,
+    c_int64,
     c_size_t,
     c_uint8,
     c_uint32,
@@ -330,6 +332,28 @@ class marconi_pooled_stats(Structure):
     ]
 
 
+class marconi_events_config(Structure):
+    """struct marconi_events_config (docs/events.md)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("states", c_uint32),
+        ("hash_format", c_uint32),
+        ("layout", c_uint32),
+        ("seed", c_char_p),
+        ("medium", c_char_p),
+        ("data_parallel_rank", c_int64),
+        ("endpoint", c_char_p),
+        ("replay_endpoint", c_char_p),
+        ("topic", c_char_p),
+        ("buffer_steps", c_uint64),
+        ("hwm", c_int32),
+        ("max_queue", c_int32),
+        ("replay_topic", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -349,12 +373,14 @@ STRUCTS = {
         marconi_memory_plan,
         marconi_pooled_lookup,
         marconi_pooled_stats,
+        marconi_events_config,
     )
 }
 """Every struct of the header, by its C name."""
 
 _cache_p = c_void_p
 _pool_p = c_void_p
+_events_p = c_void_p
 _pooled_p = c_void_p
 _u32_p = POINTER(c_uint32)
 _size_p = POINTER(c_size_t)
@@ -472,6 +498,24 @@ SIGNATURES = {
         status_t,
         [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
     ),
+    # Cache events (marconi-ffi/src/events.rs, docs/events.md).
+    "marconi_events_config_init": (status_t, [POINTER(marconi_events_config), c_size_t]),
+    "marconi_events_new": (
+        status_t,
+        [_cache_p, POINTER(marconi_events_config), POINTER(_events_p)],
+    ),
+    "marconi_events_free": (None, [_events_p, _cache_p]),
+    "marconi_events_has_publisher": (c_uint32, []),
+    "marconi_events_drain": (
+        status_t,
+        [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p],
+    ),
+    "marconi_events_snapshot": (
+        status_t,
+        [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p],
+    ),
+    "marconi_events_publish": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint64)]),
+    "marconi_events_endpoint": (status_t, [_events_p, c_uint32, c_char_p, c_size_t, _size_p]),
 }
 """Every function of the header: name -> (restype, argtypes)."""
 

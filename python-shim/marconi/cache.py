@@ -52,6 +52,7 @@ STATUS_NAMES = [
     "OUT_OF_MEMORY",
     "UNSUPPORTED",
     "BACKEND_FAILURE",
+    "QUEUE_FULL",
 ]
 """marconi_status names (without the MARCONI_STATUS_ prefix), by value."""
 

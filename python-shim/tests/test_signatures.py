@@ -10,6 +10,8 @@ SCALARS = {
     "uint8_t": ctypes.c_uint8,
     "uint32_t": ctypes.c_uint32,
     "uint64_t": ctypes.c_uint64,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
     "size_t": ctypes.c_size_t,
     "double": ctypes.c_double,
     "bool": ctypes.c_bool,
@@ -26,7 +28,7 @@ def c_to_ctypes(decl: str):
         return None
     if base == "char" and stars == 1:
         return ctypes.c_char_p
-    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache", "marconi_events"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"
@@ -82,7 +84,9 @@ def test_every_struct_matches_the_header(header_text):
         assert [f for f, _ in cls._fields_] == [f for f, _ in fields], name
         for (fname, ctype), (_, pytype) in zip(fields, cls._fields_):
             want = c_to_ctypes(ctype)
-            if name in ("marconi_cache_config", "marconi_plan_request") and fname == "model_preset":
+            if (name in ("marconi_cache_config", "marconi_plan_request") and fname == "model_preset") or (
+                name == "marconi_events_config" and ctype == "const char*"
+            ):
                 want = ctypes.c_char_p
             assert want == pytype, f"{name}.{fname}: {ctype} vs {pytype}"
 

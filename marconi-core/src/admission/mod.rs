@@ -301,6 +301,7 @@ impl Core {
             outcome.new_kv_tokens = new_kv;
         }
         self.place_states(root, seq, &new_states, &mut outcome);
+        self.events_admitted(ns, seq, m, &outcome.states_taken);
         if let Some(a) = anchor {
             self.unpin(a);
         }

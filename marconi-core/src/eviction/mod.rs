@@ -339,6 +339,7 @@ impl Core {
             let n = self.tree.node(id);
             (n.depth, n.tokens.len() as u32, n.children.is_empty())
         };
+        self.events_evicting(id);
         self.unindex(id);
         if let Some(st) = self.tree.node_mut(id).state.take() {
             self.states -= 1;

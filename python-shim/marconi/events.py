@@ -1,0 +1,210 @@
+"""Cache events as vLLM KV cache events (docs/events.md), over the C ABI.
+
+    cache = marconi.PrefixCache(capacity_bytes=..., page_size=16)
+    ev = marconi.CacheEvents(cache)                 # turns the stream on
+    ...                                             # serve requests
+    payload = ev.drain()                            # one msgpack KVEventBatch, b"" if nothing changed
+    sock.send_multipart([topic, seq.to_bytes(8, "big"), payload])   # publish it yourself
+
+or let libmarconi publish with vLLM's framing (a library built with the
+`publisher` feature: has_publisher()):
+
+    ev = marconi.CacheEvents(cache, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
+    seq = ev.publish()                              # None if nothing changed
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+from typing import Optional
+
+from . import _lib
+from .cache import PrefixCache, _check, _real
+
+HASH_FORMAT = {"int": 0, "bytes": 1}
+LAYOUT = {"map": 0, "array": 1}
+NO_SEQ = 2**64 - 1
+"""MARCONI_NO_SEQ: marconi_events_publish published nothing."""
+
+
+def has_publisher() -> bool:
+    """Whether the loaded libmarconi has the ZeroMQ publisher."""
+    return bool(_lib.load().marconi_events_has_publisher())
+
+
+def _ts(ts: Optional[float]) -> float:
+    if ts is None:
+        return time.time()
+    t = _real(ts, "ts")
+    if not math.isfinite(t):
+        raise ValueError(f"ts: {t} is not a finite number of seconds")
+    return t
+
+
+def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError(f"{name}: cannot contain NUL")
+    return value.encode()
+
+
+class CacheEvents:
+    """The event stream of one PrefixCache (marconi_events). One per cache.
+    Close it (or use `with`) before or after the cache; closing it turns the
+    cache's stream off."""
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        *,
+        states: bool = True,
+        hash_format: str = "int",
+        layout: str = "map",
+        seed: Optional[str] = None,
+        medium: str = "GPU",
+        data_parallel_rank: int = 0,
+        endpoint: Optional[str] = None,
+        replay_endpoint: Optional[str] = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue: int = 100_000,
+        replay_topic: bool = True,
+    ):
+        self._h: Optional[ctypes.c_void_p] = None
+        self._lock = threading.Lock()
+        if not isinstance(cache, PrefixCache):
+            raise TypeError("cache: expected a marconi.PrefixCache")
+        if hash_format not in HASH_FORMAT or layout not in LAYOUT:
+            raise ValueError(f"hash_format must be one of {sorted(HASH_FORMAT)}, layout one of {sorted(LAYOUT)}")
+        for name, v in (("data_parallel_rank", data_parallel_rank), ("buffer_steps", buffer_steps),
+                        ("hwm", hwm), ("max_queue", max_queue)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int")
+        if not (-(2**63) <= data_parallel_rank < 2**63 and 0 < buffer_steps < 2**64
+                and 0 <= hwm < 2**31 and 0 < max_queue < 2**31):
+            raise ValueError("data_parallel_rank, buffer_steps, hwm or max_queue out of range")
+        lib = _lib.load()
+        cfg = _lib.marconi_events_config()
+        _check(lib.marconi_events_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_events_config_init")
+        # Keep the encoded strings alive until marconi_events_new returns.
+        keep = [_cstr(seed, "seed"), _cstr(medium, "medium"), _cstr(endpoint, "endpoint"),
+                _cstr(replay_endpoint, "replay_endpoint"), _cstr(topic, "topic")]
+        cfg.states = int(bool(states))
+        cfg.hash_format = HASH_FORMAT[hash_format]
+        cfg.layout = LAYOUT[layout]
+        cfg.seed, cfg.medium, cfg.endpoint, cfg.replay_endpoint, cfg.topic = keep
+        cfg.data_parallel_rank = data_parallel_rank
+        cfg.buffer_steps = buffer_steps
+        cfg.hwm = hwm
+        cfg.max_queue = max_queue
+        cfg.replay_topic = int(bool(replay_topic))
+        h = ctypes.c_void_p()
+        ch = cache._begin()
+        try:
+            _check(lib.marconi_events_new(ch, ctypes.byref(cfg), ctypes.byref(h)), "marconi_events_new")
+        finally:
+            cache._end()
+        self._lib = lib
+        self._cache = cache
+        self._h = h
+
+    def _call_bytes(self, fn_name: str, ts: Optional[float]) -> bytes:
+        ts = _ts(ts)
+        fn = getattr(self._lib, fn_name)
+        n = ctypes.c_size_t(0)
+        cap = 1 << 16
+        with self._lock:
+            if self._h is None:
+                raise ValueError("the events handle is closed")
+            ch = self._cache._begin()
+            try:
+                while True:
+                    buf = (ctypes.c_uint8 * cap)()
+                    st = fn(self._h, ch, ts, buf, cap, ctypes.byref(n))
+                    if st == 3:  # BUFFER_TOO_SMALL: n holds the size
+                        cap = n.value
+                        continue
+                    _check(st, fn_name)
+                    return bytes(buf[: n.value])
+            finally:
+                self._cache._end()
+
+    def drain(self, ts: Optional[float] = None) -> bytes:
+        """The changes since the last drain as one msgpack KVEventBatch
+        (b"" when nothing changed). `ts`: the batch's timestamp (default now)."""
+        return self._call_bytes("marconi_events_drain", ts)
+
+    def snapshot(self, ts: Optional[float] = None) -> bytes:
+        """A batch that rebuilds the cache's current content from any view
+        (AllBlocksCleared first). Does not drain."""
+        return self._call_bytes("marconi_events_snapshot", ts)
+
+    def publish(self, ts: Optional[float] = None) -> Optional[int]:
+        """Drains and publishes the changes as one batch; its sequence
+        number, or None when nothing changed."""
+        ts = _ts(ts)
+        seq = ctypes.c_uint64()
+        with self._lock:
+            if self._h is None:
+                raise ValueError("the events handle is closed")
+            ch = self._cache._begin()
+            try:
+                _check(self._lib.marconi_events_publish(self._h, ch, ts, ctypes.byref(seq)), "marconi_events_publish")
+            finally:
+                self._cache._end()
+        return None if seq.value == NO_SEQ else seq.value
+
+    def _endpoint(self, which: int) -> str:
+        n = ctypes.c_size_t(0)
+        buf = ctypes.create_string_buffer(1024)
+        with self._lock:
+            if self._h is None:
+                raise ValueError("the events handle is closed")
+            _check(self._lib.marconi_events_endpoint(self._h, which, buf, 1024, ctypes.byref(n)), "marconi_events_endpoint")
+        return buf.raw[: n.value].decode()
+
+    @property
+    def endpoint(self) -> str:
+        """The PUB endpoint as bound ("tcp://127.0.0.1:40123" for a "*" port)."""
+        return self._endpoint(0)
+
+    @property
+    def replay_endpoint(self) -> str:
+        """The replay ROUTER endpoint as bound."""
+        return self._endpoint(1)
+
+    def close(self) -> None:
+        """Frees the handle (stopping its publisher) and turns the cache's
+        stream off. Idempotent."""
+        with self._lock:
+            h, self._h = self._h, None
+            if h is None:
+                return
+            try:
+                ch = self._cache._begin()
+            except ValueError:  # the cache is closed already
+                self._lib.marconi_events_free(h, None)
+                return
+            try:
+                self._lib.marconi_events_free(h, ch)
+            finally:
+                self._cache._end()
+
+    def __enter__(self) -> "CacheEvents":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -92,8 +92,11 @@ pub struct PoolsRow {
     pub migrations: u64,
     /// Bytes the donor pools gave up.
     pub bytes_migrated: u64,
-    /// Evictions made for memory.
+    /// Evictions (all of core's: for memory, and at admission).
     pub evictions: u64,
+    /// Evictions a reservation made that freed only the other pool's kind
+    /// (AVMP's whole-cache utility order; 0 for static splits).
+    pub evictions_other_kind: u64,
     /// The state pool's share of the pools' bytes at the end (None for single).
     pub final_ssm_fraction: Option<f64>,
 }
@@ -127,6 +130,7 @@ pub fn run(trace: &Trace, cfg: &CacheConfig, spec: PoolSpec) -> Result<PoolsRow,
                 migrations: 0,
                 bytes_migrated: 0,
                 evictions: s.evictions,
+                evictions_other_kind: 0,
                 final_ssm_fraction: None,
             })
         }
@@ -160,6 +164,7 @@ pub fn run(trace: &Trace, cfg: &CacheConfig, spec: PoolSpec) -> Result<PoolsRow,
                 migrations: p.migrations,
                 bytes_migrated: p.bytes_migrated,
                 evictions: s.evictions,
+                evictions_other_kind: p.evictions_other_kind,
                 final_ssm_fraction: match layout {
                     PoolLayout::Unified => None,
                     _ => Some(ssm_fraction_of(c.pool())),

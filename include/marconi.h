@@ -2455,7 +2455,7 @@ marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *p
  * reserved) and the states saved (`states[i].slot`: a state handle the
  * caller reserved). The cache takes the units it keeps: the pages
  * kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
- * slots of the states with taken[i] = 1 (`taken` may be NULL when
+ * slots of the states with `taken[i] = 1` (`taken` may be NULL when
  * n_states is 0). Every other unit passed in stays the caller's: free it
  * with marconi_pooled_cache_free_units (or reuse it). Errors as
  * marconi_cache_admit, plus MARCONI_STATUS_UNKNOWN_HANDLE for a page or

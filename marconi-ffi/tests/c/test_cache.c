@@ -15,33 +15,7 @@
 /* Defined in test_include_twice.c (a second translation unit). */
 int second_tu_version_ok(void);
 
-static int failures = 0;
-
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      char err_[512];                                                          \
-      marconi_last_error(err_, sizeof err_);                                   \
-      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__,  \
-              __LINE__, #cond, err_);                                          \
-      failures++;                                                              \
-    }                                                                          \
-  } while (0)
-
-#define CHECK_EQ(a, b)                                                         \
-  do {                                                                         \
-    unsigned long long a_ = (unsigned long long)(a);                           \
-    unsigned long long b_ = (unsigned long long)(b);                           \
-    if (a_ != b_) {                                                            \
-      char err_[512];                                                          \
-      marconi_last_error(err_, sizeof err_);                                   \
-      fprintf(stderr, "%s:%d: %s == %llu, expected %s == %llu (last error: %s)\n", \
-              __FILE__, __LINE__, #a, a_, #b, b_, err_);                       \
-      failures++;                                                              \
-    }                                                                          \
-  } while (0)
-
-#define OK(call) CHECK_EQ((call), MARCONI_STATUS_OK)
+#include "check.h"
 
 static const char *last_error(void) {
   static char buf[512];

@@ -12,22 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures = 0;
-
-#define CHECK_EQ(a, b)                                                         \
-  do {                                                                         \
-    unsigned long long a_ = (unsigned long long)(a);                           \
-    unsigned long long b_ = (unsigned long long)(b);                           \
-    if (a_ != b_) {                                                            \
-      char err_[512];                                                          \
-      marconi_last_error(err_, sizeof err_);                                   \
-      fprintf(stderr, "%s:%d: %s == %llu, expected %s == %llu (last error: %s)\n", \
-              __FILE__, __LINE__, #a, a_, #b, b_, err_);                       \
-      failures++;                                                              \
-    }                                                                          \
-  } while (0)
-#define CHECK(c) CHECK_EQ(!!(c), 1)
-#define OK(call) CHECK_EQ((call), MARCONI_STATUS_OK)
+#include "check.h"
 
 static marconi_cache *new_cache(uint32_t page_size) {
   marconi_cache_config cfg;

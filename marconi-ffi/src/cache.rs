@@ -10,8 +10,8 @@ use marconi_core::{Decision, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, FfiError,
-    FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -868,11 +868,8 @@ pub unsafe extern "C" fn marconi_cache_stats(
                 .checked_div(s.states)
                 .unwrap_or_else(|| model.state_bytes()),
         };
-        let n = size.min(std::mem::size_of::<marconi_stats>());
-        // SAFETY: out has `size` >= n writable bytes (contract); st is a local.
-        unsafe {
-            std::ptr::copy_nonoverlapping((&raw const st).cast::<u8>(), out.cast::<u8>(), n);
-        }
+        // SAFETY: out has `size` writable bytes (contract), checked above.
+        unsafe { write_versioned(&st, out, size) };
         Ok(())
     })
 }

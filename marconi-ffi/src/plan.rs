@@ -12,7 +12,9 @@ use marconi_gpu::pooled::PoolLayout;
 use marconi_gpu::AllocError;
 
 use crate::config::marconi_model_spec;
-use crate::status::{boundary, check_ptr, marconi_status, require, FfiError, FfiResult};
+use crate::status::{
+    boundary, check_ptr, marconi_status, require, write_versioned, FfiError, FfiResult,
+};
 
 /// What to plan for. Versioned by size: set struct_size with
 /// marconi_plan_request_init, then change fields.
@@ -283,11 +285,8 @@ pub unsafe extern "C" fn marconi_plan(
             max_context_avmp: context[1],
             max_context_unified: context[2],
         };
-        let n = out_size.min(std::mem::size_of::<marconi_memory_plan>());
-        // SAFETY: out has out_size >= n writable bytes; s is local.
-        unsafe {
-            std::ptr::copy_nonoverlapping(std::ptr::addr_of!(s).cast::<u8>(), out.cast::<u8>(), n);
-        }
+        // SAFETY: out has out_size writable bytes (contract), checked above.
+        unsafe { write_versioned(&s, out, out_size) };
         Ok(())
     })
 }

@@ -23,8 +23,8 @@ use marconi_gpu::{
 
 use crate::cache::marconi_copy_order;
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, FfiError,
-    FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// What backs a pool's units.
@@ -1198,12 +1198,8 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
             physical_bytes: physical,
             ops: st.ops,
         };
-        let n = size.min(std::mem::size_of::<marconi_pool_stats>());
-        // SAFETY: out has `size` >= n writable bytes (caller contract); s is a
-        // local value; they do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(std::ptr::addr_of!(s).cast::<u8>(), out.cast::<u8>(), n);
-        }
+        // SAFETY: out has `size` writable bytes (contract), checked above.
+        unsafe { write_versioned(&s, out, size) };
         Ok(())
     })
 }

@@ -23,8 +23,8 @@ use crate::pool::{
     marconi_pool_config, marconi_unit_location, read_pool_config, Backing,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, FfiError,
-    FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
@@ -968,11 +968,8 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
             physical_bytes: physical,
             leases: g.leases.len() as u64,
         };
-        let n = size.min(std::mem::size_of::<marconi_pooled_stats>());
-        // SAFETY: out has `size` >= n writable bytes; s is local.
-        unsafe {
-            std::ptr::copy_nonoverlapping(std::ptr::addr_of!(s).cast::<u8>(), out.cast::<u8>(), n);
-        }
+        // SAFETY: out has `size` writable bytes (contract), checked above.
+        unsafe { write_versioned(&s, out, size) };
         Ok(())
     })
 }

@@ -471,6 +471,25 @@ pub(crate) unsafe fn out_slice<'a, T>(
     Ok(unsafe { std::slice::from_raw_parts_mut(ptr, cap) })
 }
 
+/// Writes a versioned output struct for a caller that knows its first
+/// `size` bytes (an older, shorter version of it, or all of it): the first
+/// `min(size, size_of::<T>())` bytes of `value`. Every struct written this
+/// way is plain data whose versions only ever append fields.
+///
+/// # Safety
+///
+/// `out` is non-NULL and has `size` writable bytes (callers check `size`
+/// against the struct's first version before calling).
+pub(crate) unsafe fn write_versioned<T: Copy>(value: &T, out: *mut T, size: usize) {
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: `value` has size_of::<T>() >= n readable bytes, `out` has
+    // size >= n writable ones (caller contract); a local value and the
+    // caller's memory do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(value).cast::<u8>(), out.cast::<u8>(), n);
+    }
+}
+
 /// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
 /// `cap - 1` bytes (nothing is written when `cap` is 0 or `buf` is NULL), and
 /// returns the full length of `text` without the NUL, as `snprintf` does.

@@ -1,6 +1,8 @@
 //! The router's index fed over loopback ZeroMQ by three engine processes
 //! (`examples/route_engine.rs`: a marconi cache whose page and slot ids
-//! become events, published with vLLM's framing), checked against what
+//! become events, published with vLLM's framing by a fixture written from
+//! docs/events.md; `examples/events_engine.rs`: core's own event stream
+//! through marconi-events' encoder and publisher), checked against what
 //! each engine's cache owns:
 //!
 //! - engine 0 publishes before the router subscribes: the late join is a
@@ -21,13 +23,13 @@ use marconi_router::sub::{EngineEndpoint, Subscriber};
 
 const PAGE: u32 = 4;
 
-fn engine_binary() -> PathBuf {
+fn engine_binary(name: &str) -> PathBuf {
     // target/<profile>/deps/<this test> -> target/<profile>/examples/engine
     let exe = std::env::current_exe().expect("test path");
     let dir = exe.parent().and_then(|d| d.parent()).expect("profile dir");
     let bin = dir
         .join("examples")
-        .join(format!("route_engine{}", std::env::consts::EXE_SUFFIX));
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         bin.exists(),
         "{} missing: `cargo test` builds the examples",
@@ -51,10 +53,10 @@ struct Engine {
 }
 
 impl Engine {
-    fn spawn(name: &str, seed: u64, replay: bool) -> Engine {
+    fn spawn(binary: &str, name: &str, seed: u64, replay: bool) -> Engine {
         let events = format!("tcp://127.0.0.1:{}", free_port());
         let replay = replay.then(|| format!("tcp://127.0.0.1:{}", free_port()));
-        let mut child = Command::new(engine_binary())
+        let mut child = Command::new(engine_binary(binary))
             .args([
                 events.as_str(),
                 replay.as_deref().unwrap_or("-"),
@@ -130,10 +132,21 @@ impl Drop for Engine {
 
 #[test]
 fn three_engines_over_loopback_with_gaps() {
+    three_engines("route_engine");
+}
+
+/// The same with the library's own producer: core's event stream through
+/// marconi-events' encoder and publisher (`examples/events_engine.rs`).
+#[test]
+fn three_engines_publishing_with_marconi_events() {
+    three_engines("events_engine");
+}
+
+fn three_engines(binary: &str) {
     let mut engines = [
-        Engine::spawn("late-join", 1, true),
-        Engine::spawn("lossy", 2, true),
-        Engine::spawn("no-replay", 3, false),
+        Engine::spawn(binary, "late-join", 1, true),
+        Engine::spawn(binary, "lossy", 2, true),
+        Engine::spawn(binary, "no-replay", 3, false),
     ];
     // Engine 0 serves before anyone listens.
     let early = engines[0].run(40);

@@ -26,7 +26,7 @@ step "docs (no warnings)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --release
 
 step "rust tests"
-cargo test --workspace --release --features marconi-core/strict-checks
+cargo test --workspace --release --no-fail-fast --features marconi-core/strict-checks
 
 step "C-ABI fuzz smoke (seeded random calls, invariants after each; README has the long campaign)"
 cargo run --release -p marconi-ffi --example fuzz_abi -- --seed 1 --seconds 45

@@ -532,11 +532,11 @@ impl<A: PoolAllocator> PooledCache<A> {
         if self.pool.shares_capacity() {
             let need = want[0].saturating_add(want[1]);
             let free = self.pool.free_units(PoolKind::Kv);
-            return (free < need).then_some((PoolKind::Kv, need - free));
+            return (free < need).then(|| (PoolKind::Kv, need - free));
         }
         PoolKind::ALL.iter().find_map(|&p| {
             let free = self.pool.free_units(p);
-            (free < want[p.index()]).then_some((p, want[p.index()] - free))
+            (free < want[p.index()]).then(|| (p, want[p.index()] - free))
         })
     }
 

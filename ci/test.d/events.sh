@@ -37,6 +37,7 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" "$work/test_events"
 venv="${MARCONI_EVENTS_VENV:-$target/events-venv}"
 echo "--- $venv: pip install pytest msgspec pyzmq cbor2"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+venv="$(cd "$venv" && pwd)"  # absolute: pytest runs from python-shim/tests
 "$venv/bin/python" -m pip install --quiet pytest msgspec pyzmq cbor2
 
 echo "--- pytest test_events*.py (publisher library, vLLM-schema subscriber)"

@@ -30,6 +30,7 @@ cargo build --release -p marconi-ffi
 lib="$(cd "$target/release" && pwd)/libmarconi.so"
 
 venv="${TORCH_ENGINE_VENV:-$target/torch-engine-venv}"
+case "$venv" in /*) ;; *) venv="$PWD/$venv" ;; esac  # pytest runs from examples/torch-engine
 want="$TORCH_VERSION $TRANSFORMERS_VERSION"
 have="$("$venv/bin/python" -c 'import torch, transformers; print(torch.__version__.split("+")[0], transformers.__version__)' 2>/dev/null || true)"
 if [ "$have" != "$want" ]; then

@@ -22,7 +22,10 @@
 //! (a page or slot comes back through marconi_cache_drain_freed only if the
 //! cache took it and only once; cached hits point at ids the cache owns),
 //! stats (used = kv + states <= capacity, counts match the model) and
-//! marconi_cache_check after calls. A call that takes longer than
+//! marconi_cache_check after calls. The event stream (marconi_events_*):
+//! every drained batch decodes and, applied in order, rebuilds exactly the
+//! blocks and states of a snapshot of the cache, with no removal of a block
+//! never stored; refused configurations and calls change nothing. A call that takes longer than
 //! `--watchdog` seconds is reported as a deadlock (the process then exits,
 //! since a blocked thread cannot be stopped).
 //!
@@ -39,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use marconi::cache::*;
 use marconi::config::*;
+use marconi::events::*;
 use marconi::pool::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
@@ -2302,6 +2306,452 @@ impl<'r> Worker<'r> {
         self.call("cache_free", || unsafe { marconi_cache_free(h) });
     }
 
+    // ----------------------------------------------------------- events --
+
+    /// The event stream (marconi_events_*): a private cache whose every
+    /// change is drained into batches with random buffer sizes (size
+    /// queries, too small, exact), each decoded and applied to a mirror;
+    /// at the end the mirror must equal a snapshot of the cache and have
+    /// seen no removal of an unknown block. Bad configs, non-finite
+    /// timestamps, a cache of another page size, NULLs and the publisher
+    /// calls of a handle without one are refused with their statuses.
+    /// One in four runs churns an events handle on a shared cache instead
+    /// (other threads use it meanwhile: a race target for TSan).
+    fn op_events(&mut self, c: usize) {
+        if self.rng.chance(1, 4) {
+            return self.op_events_shared(c);
+        }
+        let mut cfg = default_config();
+        cfg.page_size = self.rng.pick(&[1, 4, 16]);
+        cfg.capacity_bytes = 1 << 40;
+        let mut h = ptr::null_mut();
+        // SAFETY: valid config and out pointer.
+        let st = self.call("cache_new", || unsafe { marconi_cache_new(&cfg, &mut h) });
+        self.cur_cache = None;
+        if !self.expect("cache_new (events)", st, &[St::Ok]) {
+            return;
+        }
+        // Room for a few hundred tokens and a few states, so that most
+        // runs evict (BlockRemoved, state removals, merges).
+        let Ok(s) = stats_of(h) else {
+            finding!(self, "get_stats of a fresh cache failed");
+            return;
+        };
+        // SAFETY: freed once; replaced below.
+        self.call("cache_free", || unsafe { marconi_cache_free(h) });
+        cfg.capacity_bytes = s.kv_bytes_per_token * self.rng.range(64, 2048)
+            + s.state_bytes_per_entry * self.rng.range(1, 6);
+        // SAFETY: valid config and out pointer.
+        let st = self.call("cache_new", || unsafe { marconi_cache_new(&cfg, &mut h) });
+        if !self.expect("cache_new (events)", st, &[St::Ok]) {
+            return;
+        }
+        let Some(ev) = self.events_new(h) else {
+            // SAFETY: freed once.
+            self.call("cache_free", || unsafe { marconi_cache_free(h) });
+            return;
+        };
+        let mut mirror = ::marconi_events::Mirror::default();
+        let mut slot = 0u32;
+        let prefixes: Vec<Vec<u32>> = (0..3).map(|_| self.tokens(64)).collect();
+        for _ in 0..self.rng.range(1, 16) {
+            let mut toks = prefixes[self.rng.below(3) as usize].clone();
+            toks.truncate(self.rng.range(1, 64) as usize);
+            let suffix = self.rng.range(0, 200) as usize;
+            toks.extend(self.tokens(suffix));
+            self.events_cycle(h, cfg.page_size, &toks, &mut slot);
+            if self.rng.chance(1, 2) {
+                self.events_drain(ev, h, &mut mirror);
+            }
+            if self.rng.chance(1, 8) {
+                self.events_refusals(ev, h);
+            }
+        }
+        self.events_drain(ev, h, &mut mirror);
+        if let Some(snap) = self.events_snapshot(ev, h) {
+            if snap.set != mirror.set {
+                finding!(
+                    self,
+                    "events: drained batches rebuild {} blocks/states, the snapshot has {}",
+                    mirror.set.len(),
+                    snap.set.len()
+                );
+            }
+        }
+        if mirror.unknown_removals != 0 {
+            finding!(
+                self,
+                "events: {} removals of blocks never stored",
+                mirror.unknown_removals
+            );
+        }
+        if self.rng.chance(1, 2) {
+            // SAFETY: both live; each freed once, never used again.
+            self.call("events_free", || unsafe { marconi_events_free(ev, h) });
+            self.call("cache_free", || unsafe { marconi_cache_free(h) });
+        } else {
+            // The cache first: the handle is then freed with a NULL cache.
+            // SAFETY: as above.
+            self.call("cache_free", || unsafe { marconi_cache_free(h) });
+            self.call("events_free", || unsafe {
+                marconi_events_free(ev, ptr::null())
+            });
+        }
+    }
+
+    fn op_events_shared(&mut self, c: usize) {
+        let h = self.h(c);
+        let Some(ev) = self.events_new(h) else {
+            return;
+        };
+        for _ in 0..self.rng.range(1, 4) {
+            let cap = self.rng.pick(&[0usize, 16, 4096, 1 << 20]);
+            let mut buf = vec![0u8; cap];
+            let mut len = usize::MAX;
+            let p = if cap == 0 {
+                ptr::null_mut()
+            } else {
+                buf.as_mut_ptr()
+            };
+            // SAFETY: live handles; buf has cap writable bytes.
+            let st = self.call("events_drain", || unsafe {
+                marconi_events_drain(ev, h, 1.0, p, cap, &mut len)
+            });
+            if self.expect(
+                "events_drain (shared cache)",
+                st,
+                &[St::Ok, St::BufferTooSmall],
+            ) && st == St::Ok
+                && len > 0
+                && len != usize::MAX
+            {
+                if let Err(e) = ::marconi_events::decode_batch(&buf[..len]) {
+                    finding!(self, "events_drain (shared cache): undecodable batch: {e}");
+                }
+            }
+        }
+        // SAFETY: live handles; ev freed once.
+        self.call("events_free", || unsafe { marconi_events_free(ev, h) });
+    }
+
+    /// An events handle with a random valid config (seed, medium, states,
+    /// formats), after a few refused configs.
+    fn events_new(&mut self, h: *mut marconi_cache) -> Option<*mut marconi_events> {
+        let size = size_of::<marconi_events_config>();
+        let mut raw = vec![0u64; size / 8 + 2];
+        let small = self.rng.range(0, size as u64 - 1) as usize;
+        // SAFETY: raw has more than `size` writable, 8-aligned bytes.
+        let st = self.call("events_config_init", || unsafe {
+            marconi_events_config_init(raw.as_mut_ptr().cast(), small)
+        });
+        self.expect(
+            "events_config_init: struct_size too small",
+            st,
+            &[St::UnsupportedStructSize],
+        );
+        // SAFETY: as above.
+        let st = self.call("events_config_init", || unsafe {
+            marconi_events_config_init(raw.as_mut_ptr().cast(), size + 8)
+        });
+        if !self.expect("events_config_init: a newer caller", st, &[St::Ok]) {
+            return None;
+        }
+        // SAFETY: initialised above; the struct is plain data with pointers NULL.
+        let mut cfg: marconi_events_config =
+            unsafe { raw.as_ptr().cast::<marconi_events_config>().read() };
+        cfg.struct_size = size as u32;
+        // A newer caller's tail with a field set is refused.
+        let bytes = raw.as_mut_ptr().cast::<u8>();
+        // SAFETY: offset `size` is inside raw.
+        unsafe { bytes.add(size).write(1) };
+        let mut out: *mut marconi_events = 0x10 as *mut _;
+        // SAFETY: raw holds a struct of size + 8 bytes.
+        let st = self.call("events_new", || unsafe {
+            marconi_events_new(h, raw.as_ptr().cast(), &mut out)
+        });
+        self.expect(
+            "events_new: unknown field set",
+            st,
+            &[St::UnsupportedStructSize],
+        );
+        let ep = c"tcp://127.0.0.1:1";
+        let (what, want): (&str, St) = match self.rng.below(8) {
+            0 => {
+                cfg.hash_format = 2 + self.rng.below(100) as u32;
+                ("hash_format out of range", St::InvalidConfig)
+            }
+            1 => {
+                cfg.layout = 2 + self.rng.below(100) as u32;
+                ("layout out of range", St::InvalidConfig)
+            }
+            2 => {
+                cfg.reserved = 1;
+                ("reserved set", St::InvalidConfig)
+            }
+            3 if marconi_events_has_publisher() == 0 => {
+                cfg.endpoint = ep.as_ptr();
+                ("an endpoint without the publisher", St::InvalidConfig)
+            }
+            _ => ("", St::Ok),
+        };
+        if want != St::Ok {
+            // SAFETY: cfg is a whole struct; out writable.
+            let st = self.call("events_new", || unsafe {
+                marconi_events_new(h, &cfg, &mut out)
+            });
+            self.expect(&format!("events_new: {what}"), st, &[want]);
+            if out != 0x10 as *mut _ {
+                finding!(self, "events_new: {what}: *out written on failure");
+            }
+            // SAFETY: fresh default again.
+            unsafe { marconi_events_config_init(&mut cfg, size) };
+        }
+        let seeds = [c"", c"vllm-none-hash", c"fuzz"];
+        let media = [c"GPU", c"cpu"];
+        if self.rng.chance(1, 2) {
+            cfg.seed = self.rng.pick(&seeds).as_ptr();
+        }
+        cfg.medium = self.rng.pick(&media).as_ptr();
+        cfg.states = self.rng.below(2) as u32;
+        cfg.hash_format = self.rng.below(2) as u32;
+        cfg.layout = self.rng.below(2) as u32;
+        // SAFETY: NULL arguments are refused before use.
+        let st = self.call("events_new", || unsafe {
+            marconi_events_new(h, ptr::null(), &mut out)
+        });
+        self.expect("events_new: NULL config", st, &[St::NullArgument]);
+        // SAFETY: as above.
+        let st = self.call("events_new", || unsafe {
+            marconi_events_new(h, &cfg, ptr::null_mut())
+        });
+        self.expect("events_new: NULL out", st, &[St::NullArgument]);
+        // SAFETY: h live, cfg whole, out writable.
+        let st = self.call("events_new", || unsafe {
+            marconi_events_new(h, &cfg, &mut out)
+        });
+        (self.expect("events_new", st, &[St::Ok]) && st == St::Ok).then_some(out)
+    }
+
+    /// One request through the cache: lookup, admit with its final state
+    /// (the position Marconi admission always accepts), release.
+    fn events_cycle(&mut self, h: *mut marconi_cache, page: u32, toks: &[u32], slot: &mut u32) {
+        let mut l = marconi_lookup::default();
+        // SAFETY: live handle and buffers.
+        let st = self.call("lookup", || unsafe {
+            marconi_cache_lookup(h, 0, toks.as_ptr(), toks.len(), MARCONI_NO_SLOT, &mut l)
+        });
+        if !self.expect("lookup (events)", st, &[St::Ok]) {
+            return;
+        }
+        let aligned = toks.len() as u32 / page * page;
+        *slot += 1;
+        let states = [marconi_saved_state {
+            position: aligned,
+            slot: *slot,
+        }];
+        let n_states = usize::from(aligned > l.hit_tokens);
+        let mut taken = [0u8; 1];
+        let mut out = marconi_admit_result::default();
+        // SAFETY: live handle, buffers with their lengths.
+        let st = self.call("admit", || unsafe {
+            marconi_cache_admit(
+                h,
+                l.lease,
+                toks.as_ptr(),
+                toks.len(),
+                states.as_ptr(),
+                n_states,
+                ptr::null(),
+                0,
+                taken.as_mut_ptr(),
+                &mut out,
+            )
+        });
+        self.expect("admit (events)", st, &[St::Ok]);
+        // SAFETY: live handle.
+        let st = self.call("release", || unsafe { marconi_cache_release(h, l.lease) });
+        self.expect("release (events)", st, &[St::Ok]);
+    }
+
+    /// Drains what changed, with a random buffer: a size query, a buffer
+    /// too small (the batch stays pending) or one large enough; decodes the
+    /// batch and applies it to `mirror`.
+    fn events_drain(
+        &mut self,
+        ev: *mut marconi_events,
+        h: *mut marconi_cache,
+        mirror: &mut ::marconi_events::Mirror,
+    ) {
+        let mut len = usize::MAX;
+        // SAFETY: live handles; NULL buffer with capacity 0 is a size query.
+        let st = self.call("events_drain", || unsafe {
+            marconi_events_drain(ev, h, 2.5, ptr::null_mut(), 0, &mut len)
+        });
+        if !self.expect(
+            "events_drain: size query",
+            st,
+            &[St::Ok, St::BufferTooSmall],
+        ) {
+            return;
+        }
+        if st == St::Ok {
+            if len != 0 {
+                finding!(self, "events_drain: size query OK but length {len}");
+            }
+            return;
+        }
+        let need = len;
+        if need > 1 && self.rng.chance(1, 3) {
+            let mut small = vec![0u8; need - 1];
+            // SAFETY: small has need - 1 writable bytes.
+            let st = self.call("events_drain", || unsafe {
+                marconi_events_drain(ev, h, 9.0, small.as_mut_ptr(), small.len(), &mut len)
+            });
+            self.expect("events_drain: one byte short", st, &[St::BufferTooSmall]);
+            if len != need {
+                finding!(
+                    self,
+                    "events_drain: a pending batch changed size: {need} then {len}"
+                );
+            }
+        }
+        let mut buf = vec![0u8; need + self.rng.below(64) as usize];
+        // SAFETY: buf has buf.len() writable bytes.
+        let st = self.call("events_drain", || unsafe {
+            marconi_events_drain(ev, h, 2.5, buf.as_mut_ptr(), buf.len(), &mut len)
+        });
+        if !self.expect("events_drain", st, &[St::Ok]) {
+            return;
+        }
+        if len != need {
+            finding!(
+                self,
+                "events_drain: wrote {len} bytes, the size query said {need}"
+            );
+            return;
+        }
+        match ::marconi_events::decode_batch(&buf[..len]) {
+            Ok(b) => {
+                if b.ts != 2.5 {
+                    finding!(
+                        self,
+                        "events_drain: a batch kept its first ts; got {}",
+                        b.ts
+                    );
+                }
+                mirror.apply(&b.events);
+            }
+            Err(e) => finding!(self, "events_drain: undecodable batch: {e}"),
+        }
+    }
+
+    /// The cache's content as a snapshot batch, decoded into a mirror.
+    fn events_snapshot(
+        &mut self,
+        ev: *mut marconi_events,
+        h: *mut marconi_cache,
+    ) -> Option<::marconi_events::Mirror> {
+        let mut len = 0usize;
+        // SAFETY: size query.
+        let st = self.call("events_snapshot", || unsafe {
+            marconi_events_snapshot(ev, h, 3.0, ptr::null_mut(), 0, &mut len)
+        });
+        if !self.expect("events_snapshot: size query", st, &[St::BufferTooSmall]) {
+            return None;
+        }
+        let mut buf = vec![0u8; len];
+        // SAFETY: buf has len writable bytes.
+        let st = self.call("events_snapshot", || unsafe {
+            marconi_events_snapshot(ev, h, 3.0, buf.as_mut_ptr(), buf.len(), &mut len)
+        });
+        if !self.expect("events_snapshot", st, &[St::Ok]) {
+            return None;
+        }
+        match ::marconi_events::decode_batch(&buf[..len]) {
+            Ok(b) => {
+                let mut m = ::marconi_events::Mirror::default();
+                m.apply(&b.events);
+                Some(m)
+            }
+            Err(e) => {
+                finding!(self, "events_snapshot: undecodable batch: {e}");
+                None
+            }
+        }
+    }
+
+    /// Calls the handle must refuse, none of which may change what it
+    /// delivers.
+    fn events_refusals(&mut self, ev: *mut marconi_events, h: *mut marconi_cache) {
+        let mut len = 0usize;
+        let mut buf = [0u8; 8];
+        let bad_ts = self.rng.pick(&[f64::NAN, f64::INFINITY, f64::NEG_INFINITY]);
+        // SAFETY: live handles, buf writable.
+        let st = self.call("events_drain", || unsafe {
+            marconi_events_drain(ev, h, bad_ts, buf.as_mut_ptr(), buf.len(), &mut len)
+        });
+        self.expect("events_drain: non-finite ts", st, &[St::InvalidArgument]);
+        // SAFETY: NULLs are refused first.
+        let st = self.call("events_drain", || unsafe {
+            marconi_events_drain(ptr::null(), h, 1.0, buf.as_mut_ptr(), buf.len(), &mut len)
+        });
+        self.expect("events_drain: NULL handle", st, &[St::NullArgument]);
+        // SAFETY: as above.
+        let st = self.call("events_drain", || unsafe {
+            marconi_events_drain(ev, h, 1.0, ptr::null_mut(), 8, &mut len)
+        });
+        self.expect(
+            "events_drain: NULL buffer of length 8",
+            st,
+            &[St::NullArgument],
+        );
+        let mut seq = 7u64;
+        // SAFETY: live handles.
+        let st = self.call("events_publish", || unsafe {
+            marconi_events_publish(ev, h, 1.0, &mut seq)
+        });
+        self.expect(
+            "events_publish without a publisher",
+            st,
+            &[St::InvalidArgument],
+        );
+        if seq != 7 {
+            finding!(self, "events_publish: refused but wrote a sequence number");
+        }
+        let which = self.rng.below(4) as u32;
+        // SAFETY: live handle, buf writable.
+        let st = self.call("events_endpoint", || unsafe {
+            marconi_events_endpoint(ev, which, buf.as_mut_ptr().cast(), buf.len(), &mut len)
+        });
+        self.expect(
+            "events_endpoint without a publisher",
+            st,
+            &[St::InvalidArgument],
+        );
+        // A cache of another page size.
+        let mut cfg = default_config();
+        cfg.page_size = 8;
+        cfg.capacity_bytes = 1 << 30;
+        let mut other = ptr::null_mut();
+        // SAFETY: valid config.
+        let st = self.call("cache_new", || unsafe {
+            marconi_cache_new(&cfg, &mut other)
+        });
+        if self.expect("cache_new (page 8)", st, &[St::Ok]) {
+            // SAFETY: live handles.
+            let st = self.call("events_drain", || unsafe {
+                marconi_events_drain(ev, other, 1.0, buf.as_mut_ptr(), buf.len(), &mut len)
+            });
+            self.expect(
+                "events_drain: a cache of another page size",
+                st,
+                &[St::InvalidArgument],
+            );
+            // SAFETY: freed once.
+            self.call("cache_free", || unsafe { marconi_cache_free(other) });
+        }
+    }
+
     // ------------------------------------------------------------- loop --
 
     fn step(&mut self) {
@@ -2330,7 +2780,8 @@ impl<'r> Worker<'r> {
             75..=91 => self.op_bad(c),
             92 => self.op_config(),
             93 => self.op_pool(),
-            94..=95 => self.op_messages(),
+            94 => self.op_events(c),
+            95 => self.op_messages(),
             96..=98 => self.op_owned_again(c),
             _ => self.op_freed_cache_lease(),
         }

@@ -31,6 +31,7 @@ copy, int64 and others converted once); any other buffer of native integers
 (a format of 'B' or bytes/bytearray: raw native uint32s)."""
 
 _U32 = ctypes.c_uint32
+_array = array.array
 _LITTLE = sys.byteorder == "little"
 assert array.array("I").itemsize == 4, "array('I') is not 4 bytes on this platform"
 
@@ -103,24 +104,25 @@ def _from_sequence(seq: Any, what: str) -> tuple[array.array, int]:
     return out, len(out)
 
 
-_ZERO_ONE = [v.to_bytes(4, sys.byteorder) for v in (0, 1)]
+_HALF = bytes(i >> 1 for i in range(256))
+"""A byte table: b -> b >> 1 (0 and 1 map to 0)."""
+_LOW = 0 if _LITTLE else 3
+"""The offset of a uint32's least significant byte."""
 
 
 def _has_bool(seq: Any, out: array.array) -> bool:
     """Whether `seq` holds a bool: array('I') took True as 1 and False as 0,
     but the API refuses bools as integers. Only the tokens converted to 0
-    or 1 can have been bools, and bytes.find locates those in C, so Python
-    looks at those few elements only (plus the rare unaligned matches)."""
-    raw = out.tobytes()
-    for pattern in _ZERO_ONE:
-        i = raw.find(pattern)
-        while i >= 0:
-            if i % 4 == 0:
-                if type(seq[i >> 2]) is bool:
-                    return True
-                i = raw.find(pattern, i + 4)
-            else:
-                i = raw.find(pattern, i + 1)
+    or 1 can have been bools. Their lowest byte is 0 or 1: a strided slice
+    of the converted bytes and one table translation (both in C) mark the
+    tokens whose lowest byte is 0 or 1 with a zero byte, so Python looks at
+    those few elements only (about 1 in 128 of random ids)."""
+    low = out.tobytes()[_LOW::4].translate(_HALF)
+    i = low.find(0)
+    while i >= 0:
+        if out[i] <= 1 and type(seq[i]) is bool:
+            return True
+        i = low.find(0, i + 1)
     return False
 
 
@@ -139,7 +141,12 @@ def _from_numpy(arr: Any, what: str, np: Any) -> tuple[Any, int]:
         if dt.kind == "i" and arr.min() < 0:
             _bad_token(arr.tolist(), what)
         return arr, n
-    if (dt.kind == "i" and arr.min() < 0) or (dt.itemsize > 4 and arr.max() > U32_MAX):
+    if dt.itemsize == 8 and dt.isnative:
+        # One pass: viewed as uint64, a negative int64 is above 2**63, so
+        # every id is in range iff the largest is at most UINT32_MAX.
+        if arr.view(np.uint64).max() > U32_MAX:
+            _bad_token(arr.tolist(), what)
+    elif (dt.kind == "i" and arr.min() < 0) or (dt.itemsize > 4 and arr.max() > U32_MAX):
         _bad_token(arr.tolist(), what)
     return arr.astype(np.uint32), n  # one bulk conversion, after the range check
 
@@ -257,6 +264,41 @@ def _u32_pointer(src: Any, n: int) -> Any:
     if np is not None and isinstance(src, np.ndarray):
         return ctypes.byref(_U32.from_address(src.ctypes.data))
     return ctypes.byref(_U32.from_buffer(bytearray(src)))  # bytes, read-only views: one copy
+
+
+def _u32_arg(src: Any, n: int) -> Any:
+    """_u32_pointer() for a POINTER(c_uint32) argument of a ctypes call:
+    an array('I') or bytearray (the common cases) is passed as a c_uint32
+    over its buffer, which ctypes passes by reference (one object fewer
+    than byref(); the buffer stays exported for as long as it lives)."""
+    cls = src.__class__
+    if (cls is _array or cls is bytearray) and n:
+        return _U32.from_buffer(src)
+    return _u32_pointer(src, n)
+
+
+def _states_array(states: Any) -> "array.array[int]":
+    """(position, slot) pairs as a flat array('I') in the layout of
+    marconi_saved_state (slot None: MARCONI_NO_SLOT). Plain ints are
+    appended by the array (which checks their range in C); anything else,
+    or a value out of range, goes through the checked path, whose error
+    names states[i].position or states[i].slot."""
+    if states.__class__ is not list and states.__class__ is not tuple:
+        states = list(states)  # iterated twice on the error path
+    flat = _array("I")
+    append = flat.append
+    try:
+        for p, s in states:
+            if p.__class__ is not int or (s is not None and s.__class__ is not int):
+                raise TypeError
+            append(p)
+            append(U32_MAX if s is None else s)
+    except (TypeError, OverflowError):
+        flat = _array("I")
+        for i, (p, s) in enumerate(states):
+            flat.append(_u32(p, f"states[{i}].position"))
+            flat.append(U32_MAX if s is None else _u32(s, f"states[{i}].slot"))
+    return flat
 
 
 def _u32_bytes(src: Any, n: int) -> Any:

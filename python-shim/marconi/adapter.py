@@ -128,9 +128,8 @@ class MarconiPrefixCache:
     def _finish(self, node: MarconiNode) -> None:
         if not node.done:
             node.done = True
-            # Already released by its id, or with its cache by reset().
-            if not node.lease.released:
-                node.lease.release()
+            # Unless already released by its id, or with its cache by reset().
+            node.lease._release_if_live()
 
     # -- insertion ---------------------------------------------------------
 

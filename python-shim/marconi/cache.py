@@ -5,8 +5,8 @@ from __future__ import annotations
 import array
 import ctypes
 import json
+import struct
 import threading
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -19,12 +19,27 @@ from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the
     Tokens,
     _u32,
     _u32_concat,
+    _states_array,
+    _u32_arg,
     _u32_pointer,
     _u32_source,
     _u64,
     _uint,
 )
 from ._lib import NO_SLOT
+
+_array = array.array
+_Lookup = _lib.marconi_lookup
+_AdmitRaw = _lib.marconi_admit_result
+_SavedState = _lib.marconi_saved_state
+_ADMIT_FIELDS = struct.Struct("=6I?")
+"""The fields of marconi_admit_result, read in one call."""
+assert _ADMIT_FIELDS.size <= ctypes.sizeof(_AdmitRaw)
+_LOOKUP_FIELDS = struct.Struct("=Q8I")
+"""The fields of marconi_lookup (copy_order's two slots last), read in one call."""
+assert _LOOKUP_FIELDS.size == ctypes.sizeof(_Lookup)
+_new = object.__new__
+_setattr = object.__setattr__
 
 STATUS_NAMES = [
     "OK",
@@ -159,28 +174,31 @@ class Lease:
     released already). Not copyable: it is one pin, released once."""
 
     def __init__(self, cache: "PrefixCache", raw: Any, kv_pages: list[int], plan: list[int], input_len: int = 0):
+        lid, hit, kv, slot, _, _, n_copy, src, dst = _LOOKUP_FIELDS.unpack_from(raw)
         self._cache = cache
-        self.id: int = raw.lease
+        self.id: int = lid
         """The lease id (never reused, never valid in another cache)."""
         self.input_len: int = input_len
         """Tokens looked up (the input's length)."""
-        self.hit_tokens: int = raw.hit_tokens
+        self.hit_tokens: int = hit
         """Leading tokens the engine may skip (< input length)."""
-        self.kv_matched_tokens: int = raw.kv_matched_tokens
+        self.kv_matched_tokens: int = kv
         """Leading tokens whose KV is cached (hit or not)."""
-        self.state_slot: Optional[int] = None if raw.state_slot == NO_SLOT else raw.state_slot
+        self.state_slot: Optional[int] = None if slot == NO_SLOT else slot
         """The cached state slot to resume from, or None."""
-        self.copy_order: Optional[tuple[int, int]] = (
-            (raw.copy_order.src_slot, raw.copy_order.dst_slot) if raw.n_copy_orders else None
-        )
+        self.copy_order: Optional[tuple[int, int]] = (src, dst) if n_copy else None
         """(src_slot, dst_slot) to copy before resuming, or None."""
         self.kv_pages: list[int] = kv_pages
         """KV page ids of the first hit_tokens tokens (when pages are tracked)."""
         self.plan: list[int] = plan
         """Positions at which to save recurrent states during this prefill."""
-        self.released = False
+
+    @property
+    def released(self) -> bool:
         """True once released, whether through this object, by its id
         (PrefixCache.release(lease.id)), or by closing the cache."""
+        cache = self._cache
+        return cache._closing or self.id not in cache._live
 
     def admit(self, tokens: Tokens, states: Iterable = (), kv_pages: Optional[Tokens] = None) -> AdmitResult:
         """PrefixCache.admit under this lease."""
@@ -194,8 +212,13 @@ class Lease:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self.released:
-            self.release()
+        self._release_if_live()
+
+    def _release_if_live(self) -> None:
+        """Releases the lease unless it is released already."""
+        cache = self._cache
+        if not cache._closing and self.id in cache._live:
+            cache._release(self.id)
 
     def __copy__(self):
         raise TypeError("a Lease cannot be copied: it is one pin of a cache, released once")
@@ -257,16 +280,18 @@ class PrefixCache:
         # The lifetime state first, so that close() (from __del__) works on
         # an object whose __init__ raised.
         self._handle: Optional[ctypes.c_void_p] = None
-        self._mutex = threading.RLock()
-        self._state = threading.Condition(self._mutex)
-        """Guards the lifetime fields; the hot paths take self._mutex (the
-        same lock) directly, without Condition's Python-level __enter__."""
-        self._inflight = 0
-        """Calls between _begin() and _end() (inside the library, or about to be)."""
+        self._state = threading.Condition(threading.Lock())
+        """Guards close() and the end of the calls it waits for."""
+        self._calls: list = []
+        """One entry per call between _begin() and _end() (inside the
+        library, or about to be): list.append and list.pop are atomic, so
+        the hot paths count themselves without taking a lock."""
         self._closing = False
         self._orphaned = False
         """close() gave up waiting: the last call to end frees the handle."""
-        self._leases: "weakref.WeakValueDictionary[int, Lease]" = weakref.WeakValueDictionary()
+        self._live: set = set()
+        """Ids of the leases this object handed out and has not released
+        (cleared by close(); Lease.released reads it)."""
         lib = _lib.load()
         cfg = _lib.marconi_cache_config()
         _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
@@ -318,26 +343,37 @@ class PrefixCache:
 
     # -- lifetime --------------------------------------------------------
     #
-    # Every method brackets its native calls with _begin() / _end(), which
-    # count the calls in flight under self._state. close() stops new calls,
+    # Every method brackets its native calls with _begin() / _end() (the hot
+    # paths inline the same steps): append to self._calls, then read
+    # self._closing; after the call, pop from self._calls, then read
+    # self._closing again. close() sets self._closing under self._state and
     # waits (on the condition, holding no lock the library or a returning
-    # call needs) until none is in flight, and only then frees the handle:
-    # marconi_cache_free never runs beside another call on the cache, and no
-    # call ever gets a freed handle. The library's own mutex is only taken
-    # inside native calls, never while self._state is held.
+    # call needs) until self._calls is empty, and only then frees the
+    # handle. A call that appended before close() set the flag is waited
+    # for; one that appends after it sees the flag and never touches the
+    # handle; one that pops after close() began takes the condition to wake
+    # it. So marconi_cache_free never runs beside another call on the
+    # cache, and no call ever gets a freed handle. The library's own mutex
+    # is only taken inside native calls, never while self._state is held.
 
     def _begin(self) -> ctypes.c_void_p:
         """The handle, for one method's native calls; pair with _end()."""
-        with self._mutex:
-            if self._closing:
-                raise ValueError("the cache is closed")
-            self._inflight += 1
-            return self._handle
+        self._calls.append(None)
+        if self._closing:
+            self._end()
+            raise ValueError("the cache is closed")
+        return self._handle
 
     def _end(self) -> None:
-        with self._mutex:
-            self._inflight -= 1
-            if self._inflight or not self._closing:
+        self._calls.pop()
+        if self._closing:
+            self._ended()
+
+    def _ended(self) -> None:
+        """A call ended after close() began: wake close(), or free the
+        handle if close() gave up waiting and this was the last call."""
+        with self._state:
+            if self._calls:
                 return
             self._state.notify_all()
             if not self._orphaned:
@@ -367,14 +403,11 @@ class PrefixCache:
                 raise ValueError(f"timeout: {timeout} is not a number of seconds >= 0")
         with self._state:
             if not self._closing:
-                self._closing = True
-                leases = list(self._leases.values())
-                self._leases.clear()
-                for lease in leases:  # the library drops them with the cache
-                    lease.released = True
-            if not self._state.wait_for(lambda: self._inflight == 0, timeout):
+                self._closing = True  # every Lease of this cache now reads as released
+                self._live.clear()  # the library drops them with the cache
+            if not self._state.wait_for(lambda: not self._calls, timeout):
                 self._orphaned = True
-                n = self._inflight
+                n = len(self._calls)
                 raise TimeoutError(
                     f"{n} call{' is' if n == 1 else 's are'} still running on the cache; it is closed "
                     "to new calls and is freed when the last one returns"
@@ -420,45 +453,57 @@ class PrefixCache:
         plan, and a lease (release it, or use it as a context manager). With
         `dst_slot` (the request's own state slot) the lease carries the copy
         order when the hit resumes from a cached slot."""
-        ns = _u64(namespace, "namespace")
+        ns = namespace if namespace.__class__ is int and 0 <= namespace <= U64_MAX else _u64(namespace, "namespace")
         dst = NO_SLOT if dst_slot is None else _u32(dst_slot, "dst_slot")
+        if tokens.__class__ is _array and tokens.typecode == "I":
+            return self._lookup(tokens, len(tokens), ns, dst)
         src, n = _u32_source(tokens)
         return self._lookup(src, n, ns, dst)
 
     def _lookup(self, src: Any, n: int, ns: int, dst: int) -> Lease:
         """lookup() of the first n tokens of a _u32_source() result."""
-        raw = _lib.marconi_lookup()
+        raw = _Lookup()
         lib = self._lib
-        h = self._begin()
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
         try:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            h = self._handle
             # The pointer is a temporary: the buffer is exported only during the call.
-            st = lib.marconi_cache_lookup(h, ns, _u32_pointer(src, n), n, dst, ctypes.byref(raw))
-            _check(st, "marconi_cache_lookup")
+            st = lib.marconi_cache_lookup(h, ns, _u32_arg(src, n), n, dst, raw)
+            if st:
+                _check(st, "marconi_cache_lookup")
+            lid = raw.lease
             try:
-                pages = self._lease_list(h, "marconi_cache_lease_kv_pages", raw.lease, raw.n_kv_pages)
-                plan = self._lease_list(h, "marconi_cache_lease_plan", raw.lease, raw.n_plan)
+                k = raw.n_kv_pages
+                pages = self._lease_list(h, "marconi_cache_lease_kv_pages", lid, k) if k else []
+                k = raw.n_plan
+                plan = self._lease_list(h, "marconi_cache_lease_plan", lid, k) if k else []
                 lease = Lease(self, raw, pages, plan, n)
-                with self._mutex:
-                    if self._closing:  # close() began meanwhile and frees it
-                        lease.released = True
-                    else:
-                        self._leases[lease.id] = lease
+                # If close() began meanwhile, it frees the lease with the
+                # cache, and lease.released reads True from self._closing.
+                self._live.add(lid)
             except BaseException:
                 # Nobody would ever see this lease: release it (the error
                 # raised is the first one, whose detail is already read).
-                lib.marconi_cache_release(h, raw.lease)
+                lib.marconi_cache_release(h, lid)
                 raise
         finally:
-            self._end()
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
         return lease
 
     def _lease_list(self, h: ctypes.c_void_p, fn: str, lease: int, n: int) -> list[int]:
         if n == 0:
             return []
-        buf = array.array("I", bytes(4 * n))
+        buf = (ctypes.c_uint32 * n)()
         out = ctypes.c_size_t()
-        _check(getattr(self._lib, fn)(h, lease, _u32_pointer(buf, n), n, ctypes.byref(out)), fn)
-        return buf[: out.value].tolist()
+        st = getattr(self._lib, fn)(h, lease, buf, n, ctypes.byref(out))
+        if st:
+            _check(st, fn)
+        return buf[: out.value]
 
     def _lease_id(self, lease: Union[Lease, int]) -> int:
         return lease.id if isinstance(lease, Lease) else _u64(lease, "lease")
@@ -488,63 +533,80 @@ class PrefixCache:
         under `lease` with the saved `states`: (position, slot) pairs (slot
         None when slots are not tracked). The slots of taken states and the
         pages in `kv_pages_taken` become the cache's."""
-        lid = self._lease_id(lease)
+        lid = lease.id if isinstance(lease, Lease) else _u64(lease, "lease")
+        if tokens.__class__ is _array and tokens.typecode == "I":
+            return self._admit(lid, tokens, len(tokens), states, kv_pages)
         src, n = _u32_source(tokens)
         return self._admit(lid, src, n, states, kv_pages)
 
     def _admit(self, lid: int, src: Any, n: int, states: Iterable, kv_pages: Optional[Tokens]) -> AdmitResult:
         """admit() of the first n tokens of a _u32_source() result."""
-        flat = array.array("I")  # (position, slot) pairs: the layout of marconi_saved_state
-        for i, (p, s) in enumerate(states):
-            flat.append(_u32(p, f"states[{i}].position"))
-            flat.append(NO_SLOT if s is None else _u32(s, f"states[{i}].slot"))
-        k = len(flat) // 2
+        flat = _states_array(states)  # (position, slot) pairs: the layout of marconi_saved_state
+        k = len(flat) >> 1
         pages, n_pages = _u32_source(kv_pages, "kv_pages") if kv_pages is not None else (None, 0)
-        taken = bytearray(k)
-        raw = _lib.marconi_admit_result()
-        h = self._begin()
+        taken = (ctypes.c_uint8 * k)() if k else None
+        raw = _AdmitRaw()
+        lib = self._lib
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
         try:
-            st = self._lib.marconi_cache_admit(
-                h,
+            if self._closing:
+                raise ValueError("the cache is closed")
+            st = lib.marconi_cache_admit(
+                self._handle,
                 lid,
-                _u32_pointer(src, n),
+                _u32_arg(src, n),
                 n,
-                ctypes.byref(_lib.marconi_saved_state.from_buffer(flat)) if k else None,
+                (_SavedState * k).from_buffer_copy(flat) if k else None,
                 k,
                 _u32_pointer(pages, n_pages),
                 n_pages,
-                ctypes.byref(ctypes.c_uint8.from_buffer(taken)) if k else None,
-                ctypes.byref(raw),
+                taken,
+                raw,
             )
-            _check(st, "marconi_cache_admit")
+            if st:
+                _check(st, "marconi_cache_admit")
         finally:
-            self._end()
-        return AdmitResult(
-            states_taken=raw.states_taken,
-            slots_returned=raw.slots_returned,
-            kv_pages_taken=range(raw.kv_pages_taken_start, raw.kv_pages_taken_end),
-            new_kv_tokens=raw.new_kv_tokens,
-            truncated_to=raw.truncated_to or None,
-            rejected=bool(raw.rejected),
-            taken=[bool(t) for t in taken],
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
+        states_taken, returned, start, end, new_kv, truncated, rejected = _ADMIT_FIELDS.unpack_from(raw)
+        result = _new(AdmitResult)
+        _setattr(
+            result,
+            "__dict__",
+            {
+                "states_taken": states_taken,
+                "slots_returned": returned,
+                "kv_pages_taken": range(start, end),
+                "new_kv_tokens": new_kv,
+                "truncated_to": truncated or None,
+                "rejected": rejected,
+                "taken": list(map(bool, taken[:])) if k else [],
+            },
         )
+        return result
 
     def release(self, lease: Union[Lease, int]) -> None:
         """Releases a lease, given as its Lease or its id (either way the
         Lease object is marked released); MarconiError(UNKNOWN_LEASE) if
         already released."""
-        lid = self._lease_id(lease)
-        h = self._begin()
+        self._release(lease.id if isinstance(lease, Lease) else _u64(lease, "lease"))
+
+    def _release(self, lid: int) -> None:
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
         try:
-            _check(self._lib.marconi_cache_release(h, lid), "marconi_cache_release")
+            if self._closing:
+                raise ValueError("the cache is closed")
+            st = self._lib.marconi_cache_release(self._handle, lid)
+            if st:
+                _check(st, "marconi_cache_release")
         finally:
-            self._end()
-        with self._mutex:
-            live = self._leases.pop(lid, None)
-        if live is not None:
-            live.released = True
-        if isinstance(lease, Lease):
-            lease.released = True
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
+        self._live.discard(lid)  # the Lease (if any) now reads as released
 
     def serve(self, input: Tokens, output: Tokens = (), namespace: int = 0, slots=None) -> Lease:
         """One whole request as an engine runs it: lookup, save a state at

@@ -5,6 +5,7 @@ token). numpy and torch cases run where those are installed."""
 
 import array
 import ctypes
+import re
 import sys
 
 import pytest
@@ -115,6 +116,10 @@ def test_joined_input_and_output_forms():
     "tokens, error, text",
     [
         ([1, True], TypeError, "tokens[1]: expected an int, got bool True"),
+        # A bool among many ids (found by the bulk scan of 0/1 ids), also
+        # False, and next to ids whose lowest byte is 0 or 1.
+        ([256, 257, 513] * 3000 + [False] + [2] * 10, TypeError, "tokens[9000]: expected an int, got bool False"),
+        ([1, 0, 65537] * 2000 + [True], TypeError, "tokens[6000]: expected an int, got bool True"),
         ([1, 2, 2.0], TypeError, "tokens[2]: expected an int, got float"),
         ([1, "2"], TypeError, "tokens[1]"),
         ([1, -1], OutOfRangeError, "tokens[1]: -1 does not fit in uint32"),
@@ -336,3 +341,25 @@ def test_torch_bad_tensors_are_refused(torch, make, error, text):
         with pytest.raises(error) as e:
             cache.lookup(make(torch))
         assert text in str(e.value)
+
+
+def test_saved_states_forms_and_bad_states():
+    """States are (position, slot) pairs of ints (slot None when untracked),
+    from a list, a tuple or any iterable; a bool, float or out-of-range value
+    is refused naming states[i].position or .slot, before any call."""
+    ids = list(range(1, 41))
+    with PrefixCache(BIG) as cache:
+        for states, name in (
+            ([(40, True)], "states[0].slot"),
+            (((40, 1), (False, 2)), "states[1].position"),
+            (iter([(40, 1), (20, 2**32)]), "states[1].slot"),
+        ):
+            with cache.lookup(ids) as lease:
+                with pytest.raises((TypeError, OverflowError), match="^" + re.escape(name)):
+                    lease.admit(ids, states)
+        assert cache.stats()["states"] == 0
+        with cache.lookup(ids) as lease:
+            r = lease.admit(ids, ((p, s) for p, s in [(40, 7)]))  # a generator
+        assert r.states_taken == 1 and r.taken == [True]
+        with cache.lookup(ids + [50]) as lease:
+            assert lease.hit_tokens == 40 and lease.state_slot == 7

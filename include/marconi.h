@@ -1170,6 +1170,58 @@ typedef struct marconi_memory_plan {
 } marconi_memory_plan;
 
 /**
+ * Where capacity migration takes the split on a trace
+ * (marconi_plan_converged_split). Versioned by size like marconi_memory_plan.
+ */
+typedef struct marconi_converged_split {
+  /**
+   * sizeof(marconi_converged_split) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * 0.
+   */
+  uint32_t reserved;
+  /**
+   * Requests replayed.
+   */
+  uint64_t requests;
+  /**
+   * The state fraction the pools started at (the request's state_fraction).
+   */
+  double start_fraction;
+  /**
+   * The state pool's share of the pools' bytes after the last request.
+   */
+  double final_fraction;
+  /**
+   * That share averaged over the second half of the requests (after the
+   * cache filled, where the split settles): the split to start with.
+   */
+  double settled_fraction;
+  /**
+   * Token hit rate of the replay (0 to 1).
+   */
+  double token_hit_rate;
+  /**
+   * Requests refused for lack of memory.
+   */
+  uint64_t refused;
+  /**
+   * Capacity migrations between the pools.
+   */
+  uint64_t migrations;
+  /**
+   * Bytes those migrations moved.
+   */
+  uint64_t bytes_migrated;
+  /**
+   * Entries evicted to make room for a reservation.
+   */
+  uint64_t evictions_for_memory;
+} marconi_converged_split;
+
+/**
  * Everything a pool is built from. Versioned by size: set struct_size with
  * marconi_pool_config_init, then change fields.
  */
@@ -2073,6 +2125,43 @@ marconi_status marconi_plan_request_init(struct marconi_plan_request *req, size_
  */
 marconi_status marconi_plan(const struct marconi_plan_request *req,
                             struct marconi_memory_plan *out);
+
+/**
+ * Replays a trace through a marconi cache over AVMP pools of
+ * req->budget_bytes starting at req->state_fraction (req->model,
+ * req->page_size; context_tokens and batch are ignored) and writes where
+ * capacity migration takes the split to `*out` (out->struct_size bytes, at
+ * least 16): `settled_fraction` is the split to configure a static pool
+ * with, or to start AVMP from.
+ *
+ * The trace: request i is `tokens[offsets[i] .. offsets[i + 1]]` (its
+ * whole sequence, prompt then output) whose first `input_lens[i]` tokens
+ * are its input (`input_lens` NULL: every request is all input);
+ * `n_offsets` = `n_requests` + 1, `offsets[0]` = 0, `offsets[n_requests]` =
+ * n_tokens, every request at least one token. Requests are served in
+ * order, one at a time. MARCONI_STATUS_INVALID_ARGUMENT for a malformed
+ * trace (the detail names the request); MARCONI_STATUS_INVALID_CONFIG as
+ * marconi_plan; MARCONI_STATUS_TOO_MANY_TOKENS for a request longer than a
+ * cache accepts. Cost: the replay, O(trace tokens) with the cache's
+ * per-request work (a 7,000-request trace takes about a second); it
+ * allocates no device memory.
+ *
+ * Thread safety: safe from any thread.
+ *
+ * # Safety
+ *
+ * `req` as marconi_plan; `tokens`, `offsets`, `input_lens` have their
+ * lengths in readable elements (NULL allowed with length 0; `input_lens`
+ * may be NULL); `out` is NULL or has out->struct_size writable bytes.
+ */
+marconi_status marconi_plan_converged_split(const struct marconi_plan_request *req,
+                                            const uint32_t *tokens,
+                                            size_t n_tokens,
+                                            const size_t *offsets,
+                                            size_t n_offsets,
+                                            const uint32_t *input_lens,
+                                            size_t n_requests,
+                                            struct marconi_converged_split *out);
 
 /**
  * Writes the default configuration into `*cfg` (backend MEMFD, AVMP

@@ -184,6 +184,36 @@ unsafe fn model_of(r: &marconi_plan_request) -> FfiResult<ModelSpec> {
     })
 }
 
+/// Reads a request, refusing a struct_size below this library's or one
+/// that sets fields this library does not know.
+///
+/// # Safety
+///
+/// `req` is non-NULL, aligned, with its struct_size readable bytes.
+unsafe fn read_request(req: *const marconi_plan_request) -> FfiResult<marconi_plan_request> {
+    // SAFETY: req non-NULL, aligned; first u32 is its size.
+    let size = unsafe { req.cast::<u32>().read() } as usize;
+    let ours = std::mem::size_of::<marconi_plan_request>();
+    if size < ours {
+        return Err(FfiError::new(
+            marconi_status::UnsupportedStructSize,
+            format!("request struct_size {size} is below {ours}; use marconi_plan_request_init"),
+        ));
+    }
+    if size > ours {
+        // SAFETY: the caller's struct has `size` readable bytes.
+        let extra = unsafe { std::slice::from_raw_parts(req.cast::<u8>().add(ours), size - ours) };
+        if extra.iter().any(|&b| b != 0) {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("request struct_size {size} sets fields this library does not know"),
+            ));
+        }
+    }
+    // SAFETY: at least a whole current struct is readable.
+    Ok(unsafe { req.read() })
+}
+
 /// Plans the pools for `*req` and writes the numbers to `*out` (only
 /// out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
 /// a model without recurrent layers, page_size 0, a budget below one page
@@ -206,30 +236,8 @@ pub unsafe extern "C" fn marconi_plan(
         require!(out);
         check_ptr!(req);
         check_ptr!(out);
-        // SAFETY: req non-NULL, aligned; first u32 is its size.
-        let size = unsafe { req.cast::<u32>().read() } as usize;
-        let ours = std::mem::size_of::<marconi_plan_request>();
-        if size < ours {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!(
-                    "request struct_size {size} is below {ours}; use marconi_plan_request_init"
-                ),
-            ));
-        }
-        if size > ours {
-            // SAFETY: the caller's struct has `size` readable bytes.
-            let extra =
-                unsafe { std::slice::from_raw_parts(req.cast::<u8>().add(ours), size - ours) };
-            if extra.iter().any(|&b| b != 0) {
-                return Err(FfiError::new(
-                    marconi_status::UnsupportedStructSize,
-                    format!("request struct_size {size} sets fields this library does not know"),
-                ));
-            }
-        }
-        // SAFETY: at least a whole current struct is readable.
-        let r = unsafe { req.read() };
+        // SAFETY: req non-NULL and aligned (checked), initialised (contract).
+        let r = unsafe { read_request(req) }?;
         // SAFETY: out non-NULL and aligned; first u32 is its size.
         let out_size = unsafe { out.cast::<u32>().read() } as usize;
         if out_size < PLAN_MIN_SIZE {
@@ -284,6 +292,194 @@ pub unsafe extern "C" fn marconi_plan(
             max_context_static: context[0],
             max_context_avmp: context[1],
             max_context_unified: context[2],
+        };
+        // SAFETY: out has out_size writable bytes (contract), checked above.
+        unsafe { write_versioned(&s, out, out_size) };
+        Ok(())
+    })
+}
+
+/// Where capacity migration takes the split on a trace
+/// (marconi_plan_converged_split). Versioned by size like marconi_memory_plan.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct marconi_converged_split {
+    /// sizeof(marconi_converged_split) as the caller compiled it.
+    pub struct_size: u32,
+    /// 0.
+    pub reserved: u32,
+    /// Requests replayed.
+    pub requests: u64,
+    /// The state fraction the pools started at (the request's state_fraction).
+    pub start_fraction: f64,
+    /// The state pool's share of the pools' bytes after the last request.
+    pub final_fraction: f64,
+    /// That share averaged over the second half of the requests (after the
+    /// cache filled, where the split settles): the split to start with.
+    pub settled_fraction: f64,
+    /// Token hit rate of the replay (0 to 1).
+    pub token_hit_rate: f64,
+    /// Requests refused for lack of memory.
+    pub refused: u64,
+    /// Capacity migrations between the pools.
+    pub migrations: u64,
+    /// Bytes those migrations moved.
+    pub bytes_migrated: u64,
+    /// Entries evicted to make room for a reservation.
+    pub evictions_for_memory: u64,
+}
+
+/// Smallest struct_size of marconi_converged_split accepted (up to requests).
+const CONVERGED_MIN_SIZE: usize = 16;
+
+/// Checks a trace given as flat arrays and returns its requests.
+///
+/// # Safety
+///
+/// The pointers have their lengths in readable elements (NULL with length 0).
+unsafe fn trace_of<'a>(
+    tokens: *const u32,
+    n_tokens: usize,
+    offsets: *const usize,
+    n_offsets: usize,
+    input_lens: *const u32,
+    n_requests: usize,
+) -> FfiResult<Vec<(usize, &'a [u32])>> {
+    let bad = |m: String| Err(FfiError::new(marconi_status::InvalidArgument, m));
+    if n_requests == 0 {
+        return bad("n_requests is 0: the trace has no request".into());
+    }
+    if n_offsets != n_requests + 1 {
+        return bad(format!(
+            "n_offsets is {n_offsets}: expected n_requests + 1 = {}",
+            n_requests.saturating_add(1)
+        ));
+    }
+    // SAFETY: lengths in readable elements (contract); checked non-NULL
+    // (or zero-length) by the caller's require! lines.
+    let (tokens, offsets) = unsafe {
+        (
+            crate::status::in_slice(tokens, n_tokens, "tokens")?,
+            crate::status::in_slice(offsets, n_offsets, "offsets")?,
+        )
+    };
+    let input_lens = if input_lens.is_null() {
+        None
+    } else {
+        // SAFETY: as above.
+        Some(unsafe { crate::status::in_slice(input_lens, n_requests, "input_lens")? })
+    };
+    if offsets[0] != 0 || offsets[n_requests] != n_tokens {
+        return bad(format!(
+            "offsets must start at 0 and end at n_tokens ({n_tokens}); got {} .. {}",
+            offsets[0], offsets[n_requests]
+        ));
+    }
+    let mut out = Vec::with_capacity(n_requests);
+    for i in 0..n_requests {
+        let (a, b) = (offsets[i], offsets[i + 1]);
+        if b <= a {
+            return bad(format!(
+                "request {i} is empty or offsets decrease (offsets[{i}] = {a}, offsets[{}] = {b})",
+                i + 1
+            ));
+        }
+        let len = b - a;
+        let input = input_lens.map_or(len, |l| l[i] as usize);
+        if input == 0 || input > len {
+            return bad(format!(
+                "input_lens[{i}] is {input}: must be between 1 and the request's {len} tokens"
+            ));
+        }
+        out.push((input, &tokens[a..b]));
+    }
+    Ok(out)
+}
+
+/// Replays a trace through a marconi cache over AVMP pools of
+/// req->budget_bytes starting at req->state_fraction (req->model,
+/// req->page_size; context_tokens and batch are ignored) and writes where
+/// capacity migration takes the split to `*out` (out->struct_size bytes, at
+/// least 16): `settled_fraction` is the split to configure a static pool
+/// with, or to start AVMP from.
+///
+/// The trace: request i is `tokens[offsets[i] .. offsets[i + 1]]` (its
+/// whole sequence, prompt then output) whose first `input_lens[i]` tokens
+/// are its input (`input_lens` NULL: every request is all input);
+/// `n_offsets` = `n_requests` + 1, `offsets[0]` = 0, `offsets[n_requests]` =
+/// n_tokens, every request at least one token. Requests are served in
+/// order, one at a time. MARCONI_STATUS_INVALID_ARGUMENT for a malformed
+/// trace (the detail names the request); MARCONI_STATUS_INVALID_CONFIG as
+/// marconi_plan; MARCONI_STATUS_TOO_MANY_TOKENS for a request longer than a
+/// cache accepts. Cost: the replay, O(trace tokens) with the cache's
+/// per-request work (a 7,000-request trace takes about a second); it
+/// allocates no device memory.
+///
+/// Thread safety: safe from any thread.
+///
+/// # Safety
+///
+/// `req` as marconi_plan; `tokens`, `offsets`, `input_lens` have their
+/// lengths in readable elements (NULL allowed with length 0; `input_lens`
+/// may be NULL); `out` is NULL or has out->struct_size writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_plan_converged_split(
+    req: *const marconi_plan_request,
+    tokens: *const u32,
+    n_tokens: usize,
+    offsets: *const usize,
+    n_offsets: usize,
+    input_lens: *const u32,
+    n_requests: usize,
+    out: *mut marconi_converged_split,
+) -> marconi_status {
+    boundary("marconi_plan_converged_split", || {
+        require!(req);
+        require!(tokens, len = n_tokens);
+        require!(offsets, len = n_offsets);
+        require!(out);
+        check_ptr!(req);
+        check_ptr!(out);
+        // SAFETY: req non-NULL, aligned; the same checks as marconi_plan.
+        let r = unsafe { read_request(req) }?;
+        // SAFETY: out non-NULL and aligned; first u32 is its size.
+        let out_size = unsafe { out.cast::<u32>().read() } as usize;
+        if out_size < CONVERGED_MIN_SIZE {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("converged split struct_size {out_size} is below {CONVERGED_MIN_SIZE}"),
+            ));
+        }
+        // SAFETY: buffer contracts of this function.
+        let trace =
+            unsafe { trace_of(tokens, n_tokens, offsets, n_offsets, input_lens, n_requests) }?;
+        // SAFETY: model_preset contract.
+        let model = unsafe { model_of(&r) }?;
+        let f = r.state_fraction;
+        if !(f > 0.0 && f < 1.0) {
+            return Err(FfiError::new(
+                marconi_status::InvalidConfig,
+                format!("state_fraction {f} must be strictly between 0 and 1"),
+            ));
+        }
+        // The budget must hold a page and a slot (the same message as marconi_plan).
+        plan(&model, r.page_size, r.budget_bytes).map_err(plan_err)?;
+        let mut cfg = marconi_core::CacheConfig::marconi(model, r.budget_bytes);
+        cfg.page_size = r.page_size;
+        let c = marconi_gpu::plan::converged_split(&cfg, r.budget_bytes, f, trace.into_iter())
+            .map_err(crate::pooled::pooled_err)?;
+        let s = marconi_converged_split {
+            struct_size: out_size.min(u32::MAX as usize) as u32,
+            reserved: 0,
+            requests: n_requests as u64,
+            start_fraction: c.start_fraction,
+            final_fraction: c.final_fraction,
+            settled_fraction: c.settled_fraction,
+            token_hit_rate: c.token_hit_rate,
+            refused: c.stats.refused,
+            migrations: c.stats.migrations,
+            bytes_migrated: c.stats.bytes_migrated,
+            evictions_for_memory: c.stats.evictions_for_memory,
         };
         // SAFETY: out has out_size writable bytes (contract), checked above.
         unsafe { write_versioned(&s, out, out_size) };

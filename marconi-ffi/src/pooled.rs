@@ -92,7 +92,7 @@ impl Inner {
 }
 
 /// The marconi_status of a joined-cache error.
-fn pooled_err(e: PooledError) -> FfiError {
+pub(crate) fn pooled_err(e: PooledError) -> FfiError {
     match e {
         PooledError::Cache(c) => FfiError::from(c),
         PooledError::Alloc(a) => alloc_err(a),

@@ -288,6 +288,14 @@ class marconi_memory_plan(Structure):
     ]
 
 
+class marconi_converged_split(Structure):
+    """struct marconi_converged_split (versioned by struct_size)."""
+
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32), ("requests", c_uint64)] + [
+        (name, c_double) for name in ("start_fraction", "final_fraction", "settled_fraction", "token_hit_rate")
+    ] + [(name, c_uint64) for name in ("refused", "migrations", "bytes_migrated", "evictions_for_memory")]
+
+
 class marconi_pooled_lookup(Structure):
     """struct marconi_pooled_lookup."""
 
@@ -371,6 +379,7 @@ STRUCTS = {
         marconi_state_buffer,
         marconi_plan_request,
         marconi_memory_plan,
+        marconi_converged_split,
         marconi_pooled_lookup,
         marconi_pooled_stats,
         marconi_events_config,
@@ -452,6 +461,19 @@ SIGNATURES = {
     # Memory planning (marconi-ffi/src/plan.rs).
     "marconi_plan_request_init": (status_t, [POINTER(marconi_plan_request), c_size_t]),
     "marconi_plan": (status_t, [POINTER(marconi_plan_request), POINTER(marconi_memory_plan)]),
+    "marconi_plan_converged_split": (
+        status_t,
+        [
+            POINTER(marconi_plan_request),
+            POINTER(c_uint32),
+            c_size_t,
+            POINTER(c_size_t),
+            c_size_t,
+            POINTER(c_uint32),
+            c_size_t,
+            POINTER(marconi_converged_split),
+        ],
+    ),
     # The cache over pools (marconi-ffi/src/pooled.rs).
     "marconi_pooled_cache_new": (
         status_t,

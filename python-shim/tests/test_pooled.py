@@ -5,6 +5,7 @@ cache holds resolves, evicted handles come back once and are not held,
 physical bytes never exceed the budget), the planning numbers against
 hand computations, and misuse."""
 
+import array
 import random
 
 import pytest
@@ -191,3 +192,62 @@ def test_misuse():
     cache.close()
     with pytest.raises(ValueError):
         cache.stats()
+
+
+def _chat_trace(sessions: int, turns: int, seed: int = 7) -> list:
+    """Interleaved multi-turn conversations: each turn extends the previous
+    sequence (prompt and answer) with a question, and answers it."""
+    rng = random.Random(seed)
+    seqs = [[] for _ in range(sessions)]
+    out = []
+    for turn in range(turns):
+        for s in range(sessions):
+            question = [rng.randrange(1 << 20) for _ in range(48 if turn == 0 else 16)]
+            answer = [rng.randrange(1 << 20) for _ in range(16)]
+            input_len = len(seqs[s]) + len(question)
+            seqs[s] = seqs[s] + question + answer
+            out.append((array.array("I", seqs[s]), input_len))
+    return out
+
+
+def test_converged_split_follows_the_trace():
+    budget = 1 << 30
+    chat = _chat_trace(24, 3)
+    a = marconi.converged_split("paper-7b", budget, chat, page_size=PAGE, state_fraction=0.1)
+    assert a["requests"] == len(chat)
+    assert a["start_fraction"] == 0.1
+    assert a["migrations"] > 0 and a["bytes_migrated"] > 0
+    # a 27 MB state per conversation against a few MB of KV: toward states
+    assert a["settled_fraction"] > 0.3
+    assert 0 < a["token_hit_rate"] < 1
+    # deterministic; lists, numpy-free sequences and all-input requests accepted
+    assert marconi.converged_split("paper-7b", budget, chat, page_size=PAGE, state_fraction=0.1) == a
+    rng = random.Random(3)
+    docs = []
+    for _ in range(12):
+        doc = [rng.randrange(1 << 20) for _ in range(2000)]
+        docs.append(doc)
+        for _ in range(3):
+            docs.append((doc[:1984] + [rng.randrange(1 << 20) for _ in range(24)], 2000))
+    b = marconi.converged_split("paper-7b", budget, docs, page_size=PAGE, state_fraction=0.9)
+    assert b["settled_fraction"] < 0.6 < a["settled_fraction"]
+
+
+def test_converged_split_refuses_bad_traces():
+    with pytest.raises(MarconiError) as e:
+        marconi.converged_split("paper-7b", 1 << 30, [])
+    assert e.value.name == "INVALID_ARGUMENT"
+    with pytest.raises(MarconiError) as e:
+        marconi.converged_split("paper-7b", 1 << 30, [[1, 2, 3], []])
+    assert e.value.name == "INVALID_ARGUMENT" and "request 1" in str(e.value)
+    with pytest.raises(MarconiError) as e:
+        marconi.converged_split("paper-7b", 1 << 30, [([1, 2, 3], 4)])
+    assert e.value.name == "INVALID_ARGUMENT" and "input_lens[0]" in str(e.value)
+    with pytest.raises(MarconiError) as e:
+        marconi.converged_split("paper-7b", 1 << 30, [[1, 2]], state_fraction=0.0)
+    assert e.value.name == "INVALID_CONFIG"
+    with pytest.raises(MarconiError) as e:
+        marconi.converged_split("no-such-model", 1 << 30, [[1, 2]])
+    assert e.value.name == "UNKNOWN_PRESET"
+    with pytest.raises(ValueError):
+        marconi.converged_split("paper-7b", 1 << 30, [([1, 2], 1, 3)])

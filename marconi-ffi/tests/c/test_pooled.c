@@ -6,7 +6,8 @@
  * invariants checked after every step: marconi_pooled_cache_check passes,
  * every handle the cache holds resolves (is live), evicted handles come
  * back once and are no longer held, physical bytes (memfd st_blocks) never
- * exceed the budget; then misuse, each refused with its status. Built by
+ * exceed the budget; then misuse, each refused with its status. Also
+ * where AVMP takes the split on two traces (marconi_plan_converged_split). Built by
  * ci/test.d/c.sh with -fsanitize=address,undefined.
  */
 #include "marconi.h"
@@ -83,6 +84,137 @@ static void test_plan(void) {
   req.budget_bytes = 1ull << 30;
   CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
   CHECK_EQ(marconi_plan_request_init(&req, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+}
+
+/* A trace in the flat form marconi_plan_converged_split takes. */
+typedef struct {
+  uint32_t tokens[128 * 1024];
+  size_t offsets[512];
+  uint32_t input_lens[512];
+  size_t n_tokens, n;
+} trace;
+
+static uint32_t next_token(uint64_t *s) {
+  *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+  return (uint32_t)(*s >> 33);
+}
+
+/* Appends a request: `prefix` (copied) then `fresh` new tokens; the last
+ * `output` of them are the answer. Returns its start. */
+static size_t add_request(trace *t, size_t prefix_at, size_t prefix_len, size_t fresh, size_t output,
+                          uint64_t *seed) {
+  size_t at = t->n_tokens;
+  if (at + prefix_len + fresh > sizeof t->tokens / sizeof t->tokens[0] ||
+      t->n + 2 > sizeof t->offsets / sizeof t->offsets[0]) {
+    fprintf(stderr, "test_converged_split: the trace buffer is too small\n");
+    exit(1);
+  }
+  memmove(&t->tokens[at], &t->tokens[prefix_at], prefix_len * sizeof(uint32_t));
+  for (size_t i = 0; i < fresh; i++) t->tokens[at + prefix_len + i] = next_token(seed);
+  t->n_tokens = at + prefix_len + fresh;
+  t->offsets[t->n] = at;
+  t->input_lens[t->n] = (uint32_t)(prefix_len + fresh - output);
+  t->n++;
+  t->offsets[t->n] = t->n_tokens;
+  return at;
+}
+
+/* marconi_plan_converged_split: many short conversations (state-hungry:
+ * one 27 MB state per turn against a few MB of KV) pull the split toward
+ * states; a few long documents asked several questions (KV-hungry) push
+ * it toward KV; the replay is deterministic; malformed traces are refused. */
+static void test_converged_split(void) {
+  static trace chat, docs;
+  uint64_t seed = 7;
+  memset(&chat, 0, sizeof chat);
+  memset(&docs, 0, sizeof docs);
+  size_t last[24] = {0}, len[24] = {0};
+  for (int turn = 0; turn < 3; turn++)
+    for (int s = 0; s < 24; s++) {
+      last[s] = add_request(&chat, last[s], len[s], turn == 0 ? 48 : 32, 16, &seed);
+      len[s] += turn == 0 ? 48 : 32;
+    }
+  for (int d = 0; d < 12; d++) {
+    size_t doc = add_request(&docs, 0, 0, 2000, 16, &seed);
+    for (int q = 0; q < 3; q++) add_request(&docs, doc, 1984, 24, 8, &seed);
+  }
+  chat.offsets[0] = docs.offsets[0] = 0;
+
+  marconi_plan_request req;
+  OK(marconi_plan_request_init(&req, sizeof req));
+  req.model_preset = "paper-7b";
+  req.page_size = PAGE;
+  req.budget_bytes = 1ull << 30;
+  marconi_converged_split a, b;
+  memset(&a, 0, sizeof a);
+  a.struct_size = sizeof a;
+  b = a;
+
+  req.state_fraction = 0.1;
+  OK(marconi_plan_converged_split(&req, chat.tokens, chat.n_tokens, chat.offsets, chat.n + 1,
+                                  chat.input_lens, chat.n, &a));
+  CHECK_EQ(a.requests, chat.n);
+  CHECK(a.start_fraction == 0.1);
+  CHECK(a.migrations > 0);
+  CHECK(a.bytes_migrated > 0);
+  CHECK(a.settled_fraction > 0.3);
+  CHECK(a.token_hit_rate > 0 && a.token_hit_rate < 1);
+  /* Deterministic: the same trace, the same answer. */
+  OK(marconi_plan_converged_split(&req, chat.tokens, chat.n_tokens, chat.offsets, chat.n + 1,
+                                  chat.input_lens, chat.n, &b));
+  CHECK(memcmp(&a, &b, sizeof a) == 0);
+
+  req.state_fraction = 0.9;
+  OK(marconi_plan_converged_split(&req, docs.tokens, docs.n_tokens, docs.offsets, docs.n + 1,
+                                  docs.input_lens, docs.n, &b));
+  CHECK(b.migrations > 0);
+  CHECK(b.settled_fraction < 0.6);
+  CHECK(b.settled_fraction < a.settled_fraction);
+  printf("converged split: chat 0.10 -> %.3f (%llu migrations), docs 0.90 -> %.3f (%llu)\n",
+         a.settled_fraction, (unsigned long long)a.migrations, b.settled_fraction,
+         (unsigned long long)b.migrations);
+
+  /* Misuse: each refused, *out untouched. */
+  marconi_converged_split c = a;
+  size_t off_bad[3] = {0, 5, 3};
+  uint32_t toks[4] = {1, 2, 3, 4};
+  uint32_t in_bad[2] = {5, 1};
+  CHECK_EQ(marconi_plan_converged_split(NULL, toks, 4, off_bad, 3, NULL, 2, &c),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_plan_converged_split(&req, NULL, 4, off_bad, 3, NULL, 2, &c),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, NULL, 3, NULL, 2, &c),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_bad, 3, NULL, 2, NULL),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_bad, 1, NULL, 0, &c),
+           MARCONI_STATUS_INVALID_ARGUMENT); /* no request */
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_bad, 2, NULL, 2, &c),
+           MARCONI_STATUS_INVALID_ARGUMENT); /* n_offsets != n_requests + 1 */
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_bad, 3, NULL, 2, &c),
+           MARCONI_STATUS_INVALID_ARGUMENT); /* offsets decrease, end past n_tokens */
+  size_t off_ok[3] = {0, 2, 4};
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, in_bad, 2, &c),
+           MARCONI_STATUS_INVALID_ARGUMENT); /* input longer than its request */
+  size_t off_empty[3] = {0, 0, 4};
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_empty, 3, NULL, 2, &c),
+           MARCONI_STATUS_INVALID_ARGUMENT); /* an empty request */
+  req.state_fraction = 1.0;
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
+           MARCONI_STATUS_INVALID_CONFIG);
+  req.state_fraction = 0.5;
+  req.budget_bytes = 1000;
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
+           MARCONI_STATUS_INVALID_CONFIG);
+  req.budget_bytes = 1ull << 30;
+  c.struct_size = 8;
+  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
+           MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  c.struct_size = a.struct_size;
+  CHECK(memcmp(&c, &a, sizeof a) == 0);
+  /* A short trace is served (tiny, no migration needed). */
+  OK(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c));
+  CHECK_EQ(c.requests, 2);
 }
 
 typedef struct {
@@ -331,6 +463,7 @@ static void test_misuse(void) {
 
 int main(void) {
   test_plan();
+  test_converged_split();
   test_cycle(MARCONI_POOL_MIGRATION_AVMP);
   test_cycle(MARCONI_POOL_MIGRATION_STATIC);
   test_misuse();

@@ -29,6 +29,7 @@ from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the
 from ._lib import NO_SLOT
 
 _array = array.array
+_U32 = ctypes.c_uint32
 _Lookup = _lib.marconi_lookup
 _AdmitRaw = _lib.marconi_admit_result
 _SavedState = _lib.marconi_saved_state
@@ -471,7 +472,7 @@ class PrefixCache:
                 raise ValueError("the cache is closed")
             h = self._handle
             # The pointer is a temporary: the buffer is exported only during the call.
-            st = lib.marconi_cache_lookup(h, ns, _u32_arg(src, n), n, dst, raw)
+            st = lib.marconi_cache_lookup(h, ns, _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n), n, dst, raw)
             if st:
                 _check(st, "marconi_cache_lookup")
             lid = raw.lease
@@ -555,7 +556,7 @@ class PrefixCache:
             st = lib.marconi_cache_admit(
                 self._handle,
                 lid,
-                _u32_arg(src, n),
+                _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n),
                 n,
                 (_SavedState * k).from_buffer_copy(flat) if k else None,
                 k,
@@ -582,7 +583,7 @@ class PrefixCache:
                 "new_kv_tokens": new_kv,
                 "truncated_to": truncated or None,
                 "rejected": rejected,
-                "taken": list(map(bool, taken[:])) if k else [],
+                "taken": ([taken[0] != 0] if k == 1 else list(map(bool, taken[:]))) if k else [],
             },
         )
         return result

@@ -251,6 +251,7 @@ class Engine:
         n_total = n_in + n_decode
         final = n_total - n_total % self.P  # the final state's position
         lease = self.cache.lookup(tokens)
+        states, pages, hit_pages = [], [], 0
         try:
             h = lease.hit_tokens
             t0 = time.perf_counter()
@@ -287,6 +288,13 @@ class Engine:
             hit_pages = h // self.P
             pages = list(lease.kv_pages) + self._store_pages(cache, hit_pages, final // self.P)
             res = self.cache.admit(lease, seq, states, kv_pages=pages if pages else None)
+        except BaseException:
+            # Admission is all or nothing: on any failure the cache took
+            # nothing, so every slot and new page this request filled goes
+            # back to the free lists (the hit's pages stay the cache's).
+            self.free_slots.extend(slot for _, slot in states)
+            self.free_pages.extend(pages[hit_pages:])
+            raise
         finally:
             if not lease.released:
                 lease.release()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import marconi
-from engine import FAULTS, TOLERANCE, measured_bytes, run, tiny_nemotron_h
+from engine import FAULTS, TOLERANCE, Engine, measured_bytes, run, tiny_nemotron_h
 
 torch.set_num_threads(1)
 
@@ -23,6 +23,32 @@ def test_every_request_matches_the_no_cache_run():
     assert all(r.matches for r in s["results"])
     assert s["max_relative_diff"] <= TOLERANCE
 
+
+
+def test_a_failed_admission_returns_every_slot_and_page():
+    cfg, model = tiny_nemotron_h(0, 64)
+    spec = marconi.ModelSpec.from_hf_config(cfg)
+    with marconi.PrefixCache(1, model=spec) as probe:
+        sizes = probe.stats()
+    capacity = 6 * sizes["state_bytes_per_entry"] + 384 * sizes["kv_bytes_per_token"]
+    engine = Engine(cfg, model, capacity, chunk_tokens=64, max_request_tokens=1024)
+    v = cfg.vocab_size
+    prompt = [i * 7 % (v - 1) + 1 for i in range(199)]
+    more = [i * 13 % (v - 1) + 1 for i in range(120)]
+    turn2 = prompt + engine.serve(prompt, 6).output + more  # resumes from the first turn's state
+    before = (sorted(engine.free_slots), sorted(engine.free_pages))
+    admit = engine.cache.admit
+
+    def failing_admit(*args, **kwargs):
+        raise marconi.MarconiError(2, "injected", "marconi_cache_admit")
+
+    engine.cache.admit = failing_admit
+    with pytest.raises(marconi.MarconiError):
+        engine.serve(turn2, 6)  # a hit, new states and pages
+    assert (sorted(engine.free_slots), sorted(engine.free_pages)) == before
+    engine.cache.admit = admit
+    assert engine.serve(turn2, 6).hit_tokens > 0
+    engine.cache.check()
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_lost_state_fails_the_check(fault):

@@ -3,16 +3,19 @@
 //!
 //! Utility (paper §4.2, eq. 2) is `norm(recency) + α · norm(efficiency)`, each
 //! min-max normalised over the current candidates. Candidates are kept in
-//! two global ordered sets (by last access and by efficiency: the
-//! normalisation bounds in O(log n)) and in a few buckets by efficiency
-//! (quantiles fixed at the last rebuild), each ordered by last access.
-//! Within a bucket the efficiency range is narrow, so its oldest entries are
-//! its best: a search walks each bucket from its oldest entry and stops as
-//! soon as `norm(time) + α · norm(bucket's lowest efficiency)` exceeds the
-//! best utility found, which is a lower bound for everything left in the
-//! bucket. The result is exact (the victim a full rescan would pick, checked
-//! by a property test); a search costs about `BUCKETS` ordered-set steps
-//! whatever the number of candidates, inserts and removals O(log n). The
+//! one global ordered set by efficiency (the efficiency bounds) and in a few
+//! buckets by efficiency (quantiles fixed at the last rebuild), each ordered
+//! by last access (the time bounds are the buckets' ends). Within a bucket
+//! the efficiency range is narrow, so its oldest entries are its best: a
+//! search walks each bucket from its oldest entry and stops as soon as
+//! `norm(time) + α · norm(bucket's lower cut)` exceeds the best utility
+//! found, which is a lower bound for everything left in the bucket. The
+//! result is exact (the victim a full rescan would pick, checked by a
+//! property test); a search costs about `BUCKETS` ordered-set steps whatever
+//! the number of candidates (a few dozen entries at α = 0.5 on the
+//! decision-latency workload; one at α = 0), and an insert or a removal two
+//! ordered-set operations, O(log n): every pin, release and admission pays
+//! them for each node whose candidacy changes, so they are kept to two. The
 //! public prototype rescans every candidate, walking to the root for each,
 //! for every evicted node.
 
@@ -59,17 +62,19 @@ pub(crate) struct Choice {
     pub(crate) utility: f64,
 }
 
-#[derive(Clone, Debug, Default)]
-struct Bucket {
-    by_time: BTreeSet<(u64, NodeId)>,
-    by_eff: BTreeSet<(Key, NodeId)>,
-}
+/// A bucket: its candidates ordered by last access. Its lowest efficiency
+/// is bounded below by its lower cut (no ordered set by efficiency per
+/// bucket: a looser bound costs a search a few more steps, a second set
+/// would cost every insert and removal two more ordered-set operations).
+type Bucket = BTreeSet<(u64, NodeId)>;
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
-    by_time: BTreeSet<(u64, NodeId)>,
+    /// Every candidate by efficiency: the normalisation bounds, and the
+    /// quantiles a rebuild cuts at.
     by_eff: BTreeSet<(Key, NodeId)>,
-    /// Upper bounds of the buckets but the last (ascending).
+    /// Upper bounds of the buckets but the last (ascending): bucket `b`
+    /// holds efficiencies in `[cuts[b - 1], cuts[b])`.
     cuts: Vec<f64>,
     buckets: Vec<Bucket>,
     /// Bucket of each indexed node, by node id.
@@ -91,21 +96,21 @@ impl Index {
         self.cuts.partition_point(|&c| c <= eff)
     }
 
+    /// Two ordered-set insertions (the global set by efficiency, the
+    /// bucket's set by time), O(log n); now and then a rebuild, amortised.
     pub(crate) fn insert(&mut self, id: NodeId, k: CandKey) {
-        self.by_time.insert((k.time, id));
         self.by_eff.insert((Key(k.eff), id));
         if self.bucket_of.len() <= id as usize {
             self.bucket_of.resize(id as usize + 1, 0);
         }
-        let n = self.by_time.len();
+        let n = self.by_eff.len();
         // Re-cut the buckets when the count doubled or fell to a quarter.
         if self.buckets.is_empty() || n > 2 * self.built_at.max(32) || 4 * n < self.built_at {
             self.rebuild_with(id, k);
             return;
         }
         let b = self.bucket_for(k.eff);
-        self.buckets[b].by_time.insert((k.time, id));
-        self.buckets[b].by_eff.insert((Key(k.eff), id));
+        self.buckets[b].insert((k.time, id));
         self.bucket_of[id as usize] = b as u8;
     }
 
@@ -114,9 +119,9 @@ impl Index {
     /// times are read from the buckets they sit in). O(n log n), amortised
     /// over the inserts since the last rebuild.
     fn rebuild_with(&mut self, id: NodeId, k: CandKey) {
-        let mut times: Vec<(NodeId, u64)> = Vec::with_capacity(self.by_time.len());
+        let mut times: Vec<(NodeId, u64)> = Vec::with_capacity(self.by_eff.len());
         for b in &self.buckets {
-            times.extend(b.by_time.iter().map(|&(t, i)| (i, t)));
+            times.extend(b.iter().map(|&(t, i)| (i, t)));
         }
         times.push((id, k.time));
         times.sort_unstable();
@@ -134,23 +139,20 @@ impl Index {
         for (Key(e), i) in entries {
             let b = self.bucket_for(e);
             let t = times[times.binary_search_by_key(&i, |x| x.0).expect("indexed")].1;
-            self.buckets[b].by_time.insert((t, i));
-            self.buckets[b].by_eff.insert((Key(e), i));
+            self.buckets[b].insert((t, i));
             self.bucket_of[i as usize] = b as u8;
         }
         self.built_at = n;
     }
 
+    /// Two ordered-set removals, O(log n).
     pub(crate) fn remove(&mut self, id: NodeId, k: CandKey) {
-        self.by_time.remove(&(k.time, id));
         self.by_eff.remove(&(Key(k.eff), id));
-        let b = &mut self.buckets[usize::from(self.bucket_of[id as usize])];
-        b.by_time.remove(&(k.time, id));
-        b.by_eff.remove(&(Key(k.eff), id));
+        self.buckets[usize::from(self.bucket_of[id as usize])].remove(&(k.time, id));
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.by_time.len()
+        self.by_eff.len()
     }
 
     pub(crate) fn clear(&mut self) {
@@ -175,10 +177,17 @@ impl Index {
         eff_of: impl Fn(NodeId) -> f64,
         accept: impl Fn(NodeId) -> bool,
     ) -> Option<Choice> {
-        let &(t_lo, _) = self.by_time.first()?;
-        let &(t_hi, _) = self.by_time.last()?;
         let &(Key(e_lo), _) = self.by_eff.first()?;
         let &(Key(e_hi), _) = self.by_eff.last()?;
+        // The time bounds: the oldest of the buckets' oldest, the newest of
+        // their newest (one ordered-set end per bucket).
+        let (mut t_lo, mut t_hi) = (u64::MAX, 0u64);
+        for b in &self.buckets {
+            if let (Some(&(first, _)), Some(&(last, _))) = (b.first(), b.last()) {
+                t_lo = t_lo.min(first);
+                t_hi = t_hi.max(last);
+            }
+        }
         let (t_lo, t_hi) = (t_lo as f64, t_hi as f64);
         let score = |t: u64, e: f64| {
             let r = norm(t as f64, t_lo, t_hi);
@@ -195,19 +204,25 @@ impl Index {
             }
         };
         if alpha == 0.0 {
-            // Pure LRU: the oldest access wins, exactly.
-            let &(t, id) = self.by_time.iter().find(|&&(_, id)| accept(id))?;
+            // Pure LRU: the oldest access wins, exactly: the buckets merged
+            // in (time, id) order, up to the first accepted candidate.
+            let (t, id) = self.oldest_where(&accept)?;
             return Some(choose(id, t, eff_of(id)));
         }
+        // The lowest efficiency a bucket can hold: its lower cut (the first
+        // bucket's, and any cut below it, the global lowest).
+        let e_min = |i: usize| match i {
+            0 => e_lo,
+            _ => self.cuts[i - 1].max(e_lo),
+        };
         // Buckets in order of their lower bound, so a good victim is found early.
         let mut order: Vec<(f64, usize)> = self
             .buckets
             .iter()
             .enumerate()
             .filter_map(|(i, b)| {
-                let &(t, _) = b.by_time.first()?;
-                let &(Key(e), _) = b.by_eff.first()?;
-                Some((score(t, e).2, i))
+                let &(t, _) = b.first()?;
+                Some((score(t, e_min(i)).2, i))
             })
             .collect();
         order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
@@ -216,9 +231,8 @@ impl Index {
             if best.is_some_and(|b| lower > b.0) {
                 break;
             }
-            let b = &self.buckets[i];
-            let &(Key(e_min), _) = b.by_eff.first().expect("non-empty");
-            for &(t, id) in &b.by_time {
+            let e_min = e_min(i);
+            for &(t, id) in &self.buckets[i] {
                 // Everything left in the bucket is at least this old.
                 if best.is_some_and(|bb| score(t, e_min).2 > bb.0) {
                     break;
@@ -240,6 +254,37 @@ impl Index {
             }
         }
         best.map(|b| b.3)
+    }
+
+    /// The accepted candidate of the oldest access (then the lowest id):
+    /// the buckets' time orders merged. Unfiltered, the least of the
+    /// buckets' first entries; each rejected candidate costs one step.
+    fn oldest_where(&self, accept: impl Fn(NodeId) -> bool) -> Option<(u64, NodeId)> {
+        use std::cmp::Reverse;
+        let oldest = self
+            .buckets
+            .iter()
+            .filter_map(|b| b.first())
+            .min()
+            .copied()?;
+        if accept(oldest.1) {
+            return Some(oldest);
+        }
+        let mut iters: Vec<_> = self.buckets.iter().map(|b| b.iter()).collect();
+        let mut heads: std::collections::BinaryHeap<Reverse<((u64, NodeId), usize)>> = iters
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, it)| it.next().map(|&e| Reverse((e, i))))
+            .collect();
+        while let Some(Reverse((e, i))) = heads.pop() {
+            if accept(e.1) {
+                return Some(e);
+            }
+            if let Some(&next) = iters[i].next() {
+                heads.push(Reverse((next, i)));
+            }
+        }
+        None
     }
 }
 

@@ -162,8 +162,11 @@ impl Core {
         let mut state_slot = None;
         let mut kv_pages = Vec::new();
         if hit_node != NIL {
-            self.touch_hit(hit_node);
+            // Pinned first: the refreshed nodes are then out of the index
+            // (leased), so their new access time costs no re-insertion
+            // that the pin would undo at once. Same end state either way.
             self.pin(hit_node);
+            self.touch_hit(hit_node);
             if !self.stateless_hits() {
                 state_slot = self.tree.node(hit_node).state.and_then(|s| s.slot);
             }

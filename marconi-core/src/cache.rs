@@ -453,6 +453,12 @@ impl PrefixCache {
         Ok(served)
     }
 
+    /// The tuner, for tests of its worker.
+    #[cfg(test)]
+    pub(crate) fn tuner(&self) -> Option<&Tuner> {
+        self.tuner.as_ref()
+    }
+
     fn after_request(&mut self, out: LeaseInfoOut) {
         if let Some(t) = &mut self.tuner {
             t.after_request(&mut self.core, out);

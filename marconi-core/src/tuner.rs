@@ -21,11 +21,25 @@
 //! starting the search copies nothing. The search yields the core after each replayed request, so an
 //! engine thread that shares its core is not held for a scheduler slice.
 //!
+//! Searches run on one persistent worker thread per cache (shared by its
+//! clones), spawned by the first search and fed through a channel, so no
+//! request pays for a thread spawn after that one; a search with
+//! `threads > 1` fans out over scoped threads on the worker, off the request
+//! path.
+//!
 //! A replay that panics (a bug) or a thread that cannot be had never leaves
 //! the request that adopts the result waiting: every search ends with a
-//! result or a failure, and on failure α stays as it was.
+//! result or a failure, and on failure α stays as it was. A worker that is
+//! gone (it cannot be spawned, or died) is replaced at the next search; if
+//! none can be had, a deterministic search replays on the request that
+//! started it (same result), and a when-ready round is skipped (α kept): no
+//! request waits for tuning in that mode. Dropping the last clone of a
+//! cache cancels its search at the next replayed request and ends the
+//! worker; nothing joins it, so a drop never waits.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::cache::{Core, LeaseInfoOut};
@@ -155,52 +169,194 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, St
         .unwrap_or_else(|p| Err(format!("{what} panicked: {}", panic_text(&*p))))
 }
 
+/// One grid search, as the worker runs it.
+struct Job {
+    snapshot: Core,
+    grid: Vec<Candidate>,
+    window: Vec<Recorded>,
+    cfg: TunerConfig,
+    /// Delivers the outcome however the job ends: run, panicking, or
+    /// dropped unrun (a worker that died with jobs queued).
+    deliver: Deliver,
+}
+
+impl Job {
+    /// Runs the search and delivers its outcome; `cancel` stops it between
+    /// replayed requests. The outcome is delivered before the replay copy is
+    /// dropped, so a waiter does not wait for the drop.
+    fn run(self, cancel: &AtomicBool) {
+        let Job {
+            mut snapshot,
+            grid,
+            window,
+            cfg,
+            mut deliver,
+        } = self;
+        deliver.outcome = Some(guarded("the grid search", || {
+            snapshot.prepare_for_replay();
+            grid_search(&snapshot, &grid, &window, &cfg, cancel)
+        }));
+        drop(deliver);
+    }
+}
+
+/// The tuner's search thread, spawned by the first search and kept: jobs
+/// come through a channel. Shared by the clones of a cache (`Arc`); when
+/// the last one goes, the search in progress is cancelled and the worker
+/// ends (its channel closes). Never joined: dropping a cache never waits.
+struct Worker {
+    /// The channel to the running worker; `None` before the first search,
+    /// or after a send found the worker gone.
+    jobs: Mutex<Option<Sender<Box<Job>>>>,
+    /// Set when the last owner goes: the search stops at its next replayed
+    /// request, and the worker then ends.
+    cancel: Arc<AtomicBool>,
+    /// Workers spawned (1 for a cache whose worker never died).
+    spawned: std::sync::atomic::AtomicU32,
+    /// Worker threads running (0 or 1 but while a replaced one ends).
+    live: Arc<std::sync::atomic::AtomicU32>,
+    /// Test builds: refuse to spawn, as a system out of threads would.
+    #[cfg(test)]
+    refuse_spawn: AtomicBool,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("spawned", &self.spawned.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Worker {
+    fn new() -> Self {
+        Worker {
+            jobs: Mutex::new(None),
+            cancel: Arc::new(AtomicBool::new(false)),
+            spawned: std::sync::atomic::AtomicU32::new(0),
+            live: Arc::default(),
+            #[cfg(test)]
+            refuse_spawn: AtomicBool::new(false),
+        }
+    }
+
+    /// Hands `job` to the worker, spawning one if there is none (the first
+    /// search) or the last one is gone; gives the job back if no thread can
+    /// be had. O(1) on the request path but for that spawn.
+    fn submit(&self, job: Box<Job>) -> Result<(), Box<Job>> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let job = match jobs.as_ref() {
+            Some(tx) => match tx.send(job) {
+                Ok(()) => return Ok(()),
+                // The worker is gone (its receiver dropped): a new one.
+                Err(mpsc::SendError(job)) => job,
+            },
+            None => job,
+        };
+        *jobs = None;
+        #[cfg(test)]
+        if self.refuse_spawn.load(Ordering::Relaxed) {
+            return Err(job);
+        }
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::clone(&self.cancel);
+        let live = Live::new(Arc::clone(&self.live));
+        let spawned = std::thread::Builder::new()
+            .name("marconi-alpha".into())
+            .spawn(move || {
+                let _live = live;
+                work(&rx, &cancel);
+            });
+        if spawned.is_err() {
+            return Err(job);
+        }
+        self.spawned.fetch_add(1, Ordering::Relaxed);
+        // The receiver lives in the new thread's closure: this cannot fail
+        // but by the thread having died already, which gives the job back.
+        let sent = tx.send(job).map_err(|mpsc::SendError(job)| job);
+        if sent.is_ok() {
+            *jobs = Some(tx);
+        }
+        sent
+    }
+
+    /// Test builds: the running worker ends and the next search finds its
+    /// channel closed, as after a worker that died.
+    #[cfg(test)]
+    fn kill_for_test(&self) {
+        let (dead, rx) = mpsc::channel();
+        drop(rx);
+        *self.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(dead);
+    }
+}
+
+/// Counts a worker thread as running from its spawn until it ends (or
+/// until its closure is dropped unrun, where the spawn failed).
+struct Live(Arc<std::sync::atomic::AtomicU32>);
+
+impl Live {
+    fn new(count: Arc<std::sync::atomic::AtomicU32>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Live(count)
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The worker's loop: runs jobs until every sender is gone.
+fn work(jobs: &Receiver<Box<Job>>, cancel: &AtomicBool) {
+    while let Ok(job) = jobs.recv() {
+        // A job catches its own panics (and delivers); this keeps the
+        // worker alive past anything else.
+        let _ = catch_unwind(AssertUnwindSafe(|| job.run(cancel)));
+    }
+}
+
 impl Search {
     /// Starts the search over `grid` on `window`, from `snapshot`: the
-    /// [`window_snapshot`] taken when the window opened.
+    /// [`window_snapshot`] taken when the window opened. Hands it to
+    /// `worker`; where no worker thread can be had, a deterministic search
+    /// runs here and now (same result), and a when-ready one fails at once
+    /// (α kept for this round) rather than make the request wait.
     fn start(
         snapshot: Core,
         grid: Vec<Candidate>,
         window: Vec<Recorded>,
         cfg: TunerConfig,
+        worker: &Worker,
     ) -> Search {
         let result: Slot = Arc::new((Mutex::new(None), Condvar::new()));
         let requests = u32::try_from(window.len()).unwrap_or(u32::MAX);
-        // The inputs are handed over through a shared cell, not captured by
-        // the job: the job is built twice (for the thread, and for this
-        // thread if none can be spawned), and cloning it would copy the
-        // snapshot and the window on the request path (milliseconds at a
-        // million cached tokens).
-        let inputs = Arc::new(Mutex::new(Some((snapshot, window, cfg))));
-        let job = || {
-            let out = Arc::clone(&result);
-            let inputs = Arc::clone(&inputs);
-            let g = grid.clone();
-            move || {
-                // Created inside the job: a closure that never runs (the
-                // thread could not be spawned) delivers nothing.
-                let mut deliver = Deliver {
-                    slot: out,
-                    outcome: None,
-                };
-                let taken = inputs.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let Some((mut snapshot, window, cfg)) = taken else {
-                    // Only one job runs; the other is never called.
-                    return;
-                };
-                deliver.outcome = Some(guarded("the grid search", || {
-                    snapshot.prepare_for_replay();
-                    grid_search(&snapshot, &g, &window, &cfg)
-                }));
+        let adoption = cfg.adoption;
+        let job = Box::new(Job {
+            snapshot,
+            grid: grid.clone(),
+            window,
+            cfg,
+            deliver: Deliver {
+                slot: Arc::clone(&result),
+                outcome: None,
+            },
+        });
+        if let Err(mut job) = worker.submit(job) {
+            match adoption {
+                AlphaAdoption::Deterministic => job.run(&AtomicBool::new(false)),
+                AlphaAdoption::WhenReady => {
+                    job.deliver.outcome = Some(Err("no thread for the search could be \
+                        started; this round is skipped (no request waits for tuning)"
+                        .into()));
+                }
             }
-        };
-        if std::thread::Builder::new()
-            .name("marconi-alpha".into())
-            .spawn(job())
-            .is_err()
-        {
-            // No thread to be had: search here and now, same result.
-            job()();
         }
         Search {
             grid,
@@ -270,6 +426,8 @@ pub(crate) struct Tuner {
     snapshot: Option<Core>,
     window: Vec<Recorded>,
     round: u32,
+    /// The search thread, shared with the clones of the cache.
+    worker: Arc<Worker>,
 }
 
 impl Tuner {
@@ -282,12 +440,22 @@ impl Tuner {
             snapshot: None,
             window: Vec::new(),
             round: 0,
+            worker: Arc::new(Worker::new()),
         }
     }
 
     /// Whether requests are being recorded for a window.
     pub(crate) fn recording(&self) -> bool {
         matches!(self.phase, Phase::Recording)
+    }
+
+    /// The search in progress, for tests.
+    #[cfg(test)]
+    fn search_for_test(&self) -> Option<&Search> {
+        match &self.phase {
+            Phase::Searching(_, search) => Some(search),
+            _ => None,
+        }
     }
 
     /// Called once per finished request (lease released).
@@ -397,7 +565,7 @@ impl Tuner {
         let snapshot = self.snapshot.take().expect("recording has a snapshot");
         let grid = self.round_grid(core);
         let window = std::mem::take(&mut self.window);
-        Search::start(snapshot, grid, window, self.cfg.clone())
+        Search::start(snapshot, grid, window, self.cfg.clone(), &self.worker)
     }
 
     /// Adopts the search's result: once its delay has run out
@@ -503,6 +671,7 @@ fn grid_search(
     grid: &[Candidate],
     window: &[Recorded],
     cfg: &TunerConfig,
+    cancel: &AtomicBool,
 ) -> Outcome {
     let threads = match cfg.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -514,7 +683,7 @@ fn grid_search(
             .iter()
             .map(|&c| {
                 guarded(&format!("the replay at alpha {}", c.alpha), || {
-                    Ok(replay(snapshot, c, window, cfg.objective))
+                    replay(snapshot, c, window, cfg.objective, cancel)
                 })
             })
             .collect()
@@ -552,12 +721,15 @@ fn grid_search(
     Ok(results)
 }
 
+/// The objective of `window` replayed from `snapshot` under `cand`; fails
+/// once `cancel` is set (checked between replayed requests).
 fn replay(
     snapshot: &Core,
     cand: Candidate,
     window: &[Recorded],
     objective: TuningObjective,
-) -> f64 {
+    cancel: &AtomicBool,
+) -> Result<f64, String> {
     let alpha = cand.alpha;
     #[cfg(test)]
     if alpha.to_bits() == tests::FAULT_ALPHA.to_bits() {
@@ -567,10 +739,17 @@ fn replay(
     if alpha.to_bits() == tests::GATED_ALPHA.to_bits() {
         tests::gate_pass();
     }
+    #[cfg(test)]
+    if alpha.to_bits() == tests::UNTIL_CANCELLED_ALPHA.to_bits() {
+        tests::wait_for_cancel(cancel);
+    }
     let mut c = snapshot.clone();
     c.alpha = alpha;
     cand.rules.apply(&mut c);
     for r in window {
+        if cancel.load(Ordering::Relaxed) {
+            return Err("cancelled: the cache was dropped".into());
+        }
         // Recorded requests were valid when they ran; a replay cannot fail.
         let _ = c.serve(r.ns, &r.full[..r.input_len as usize], &r.full);
         // Hands the core back to a runnable thread after each replayed
@@ -580,16 +759,17 @@ fn replay(
         // when nothing else is runnable; no effect on the result.
         std::thread::yield_now();
     }
-    match objective {
+    Ok(match objective {
         TuningObjective::FlopsSaved => c.stats.flops_saved,
         TuningObjective::TokenHits => c.stats.hit_tokens as f64,
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Condvar, Mutex};
-    use std::time::Duration;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::{Duration, Instant};
 
     use crate::{
         AlphaAdoption, AlphaMode, CacheConfig, Decision, ModelSpec, PrefixCache, TunerConfig,
@@ -603,6 +783,21 @@ mod tests {
     /// (test builds only): a search as slow as the test wants, with no
     /// timing involved.
     pub(super) const GATED_ALPHA: f64 = 77.5;
+
+    /// A grid value whose replay waits until its search is cancelled (test
+    /// builds only; it gives up with a panic after a minute).
+    pub(super) const UNTIL_CANCELLED_ALPHA: f64 = 91.125;
+
+    pub(super) fn wait_for_cancel(cancel: &AtomicBool) {
+        let start = Instant::now();
+        while !cancel.load(Ordering::Relaxed) {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the search was never cancelled"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 
     /// Whether the gate is open, and how many replays have reached it.
     static GATE: (Mutex<(bool, u32)>, Condvar) = (Mutex::new((false, 0)), Condvar::new());
@@ -830,6 +1025,153 @@ mod tests {
     fn when_ready_adoption_serves_while_the_search_is_blocked_then_adopts() {
         for threads in [1, 2] {
             serve_while_the_search_is_blocked(threads);
+        }
+    }
+
+    /// A cache that re-tunes on every window of 2+ requests, one search
+    /// thread, over `grid`.
+    fn retuning(adoption: AlphaAdoption, grid: Vec<f64>, retune: bool) -> PrefixCache {
+        PrefixCache::new(CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                grid,
+                min_window: 2,
+                bootstrap_factor: 1,
+                retune,
+                retune_every: 1,
+                apply_after: 2,
+                adoption,
+                threads: 1,
+                ..TunerConfig::default()
+            }),
+            decision_log: true,
+            ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 2 * STATE + 300 * KV)
+        })
+        .unwrap()
+    }
+
+    /// Serves one-off requests from `*next` until `rounds` tuning rounds
+    /// were adopted (a bounded number of requests).
+    fn serve_until_rounds(c: &mut PrefixCache, next: &mut u32, rounds: u32) {
+        let start = *next;
+        while c.stats().tuning_rounds < rounds {
+            assert!(
+                *next - start < 1_000_000,
+                "no round after a million requests"
+            );
+            c.serve(0, &one_off(*next), &[]).unwrap();
+            *next += 1;
+            std::thread::yield_now();
+        }
+    }
+
+    fn spawned(c: &PrefixCache) -> u32 {
+        c.tuner().unwrap().worker.spawned.load(Ordering::Relaxed)
+    }
+
+    /// Every round of a cache runs on the one worker its first search
+    /// spawned: no request after that pays for a thread.
+    #[test]
+    fn one_worker_serves_every_round() {
+        for adoption in [AlphaAdoption::Deterministic, AlphaAdoption::WhenReady] {
+            let mut c = retuning(adoption, vec![0.5, 2.0], true);
+            assert_eq!(spawned(&c), 0, "spawned before any search");
+            let mut next = 0;
+            serve_until_rounds(&mut c, &mut next, 4);
+            assert_eq!(spawned(&c), 1, "{adoption:?}");
+            c.check_invariants();
+        }
+    }
+
+    /// A worker that died (its channel closed) is replaced by the next
+    /// search, and tuning goes on.
+    #[test]
+    fn a_dead_worker_is_replaced_at_the_next_search() {
+        for adoption in [AlphaAdoption::Deterministic, AlphaAdoption::WhenReady] {
+            let mut c = retuning(adoption, vec![0.5, 2.0], true);
+            let mut next = 0;
+            serve_until_rounds(&mut c, &mut next, 1);
+            c.tuner().unwrap().worker.kill_for_test();
+            serve_until_rounds(&mut c, &mut next, 3);
+            assert_eq!(spawned(&c), 2, "{adoption:?}");
+        }
+    }
+
+    /// Where no thread can be spawned, a deterministic search replays on
+    /// the request that starts it (and is adopted as usual), and a
+    /// when-ready round is skipped with α kept: no request waits.
+    #[test]
+    fn without_a_thread_deterministic_replays_inline_and_when_ready_keeps_alpha() {
+        let mut c = retuning(AlphaAdoption::Deterministic, vec![0.5, 2.0], true);
+        c.tuner()
+            .unwrap()
+            .worker
+            .refuse_spawn
+            .store(true, Ordering::Relaxed);
+        let mut next = 0;
+        serve_until_rounds(&mut c, &mut next, 2);
+        assert_eq!(spawned(&c), 0);
+        assert!(c
+            .drain_log()
+            .iter()
+            .all(|d| !matches!(d, Decision::AlphaKept { .. })));
+
+        let mut c = retuning(AlphaAdoption::WhenReady, vec![0.5, 2.0], true);
+        c.tuner()
+            .unwrap()
+            .worker
+            .refuse_spawn
+            .store(true, Ordering::Relaxed);
+        let mut kept = 0;
+        for i in 0..60 {
+            c.serve(0, &one_off(i), &[]).unwrap();
+            for d in c.drain_log() {
+                match d {
+                    Decision::AlphaKept { reason, alpha, .. } => {
+                        assert!(reason.contains("no thread"), "{reason}");
+                        assert_eq!(alpha, 0.0);
+                        kept += 1;
+                    }
+                    Decision::Alpha { .. } => panic!("adopted without a search: {d}"),
+                    _ => {}
+                }
+            }
+        }
+        assert!(kept >= 2, "{kept} skipped rounds");
+        assert_eq!(spawned(&c), 0);
+        assert_eq!(c.stats().tuning_rounds, 0);
+    }
+
+    /// Dropping the cache while its search runs returns at once (nothing
+    /// joins the worker), cancels the search at its next replayed request,
+    /// and the worker ends.
+    #[test]
+    fn dropping_the_cache_mid_search_cancels_the_search_and_ends_the_worker() {
+        let mut c = retuning(AlphaAdoption::WhenReady, vec![UNTIL_CANCELLED_ALPHA], false);
+        let mut i = 0;
+        let search = loop {
+            c.serve(0, &one_off(i), &[]).unwrap();
+            i += 1;
+            if let Some(s) = c.tuner().unwrap().search_for_test() {
+                break s.clone();
+            }
+            assert!(i < 1000, "no search started");
+        };
+        let live = Arc::clone(&c.tuner().unwrap().worker.live);
+        assert_eq!(live.load(Ordering::Relaxed), 1);
+        // The replay at UNTIL_CANCELLED_ALPHA runs until the drop cancels it.
+        drop(c);
+        let outcome = search.wait();
+        assert!(
+            outcome.as_ref().is_err_and(|e| e.contains("cancelled")),
+            "{outcome:?}"
+        );
+        let start = Instant::now();
+        while live.load(Ordering::Relaxed) != 0 {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "the worker outlived its cache"
+            );
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }

@@ -19,6 +19,7 @@ use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
 use crate::lookup::Lookup;
+use crate::shadow::Shadows;
 use crate::stats::Stats;
 use crate::tree::{NodeId, Tree, NIL};
 use crate::tuner::Tuner;
@@ -132,7 +133,7 @@ pub(crate) fn round_down(x: u32, grid: u32) -> u32 {
 }
 
 impl Core {
-    fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
+    pub(crate) fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
         cfg.validate()?;
         let admission = admission::from_config(&cfg);
         let eviction = eviction::from_config(&cfg);
@@ -348,17 +349,35 @@ fn gcd(a: u32, b: u32) -> u32 {
 pub struct PrefixCache {
     core: Core,
     tuner: Option<Tuner>,
+    /// Rule choice by shadow caches (instead of the tuner), when configured.
+    shadows: Option<Box<Shadows>>,
 }
 
 impl PrefixCache {
     /// A cache built from `cfg`; fails on an invalid configuration.
     pub fn new(cfg: CacheConfig) -> Result<Self, CacheError> {
-        let core = Core::new(cfg)?;
+        let mut core = Core::new(cfg)?;
+        let shadows = match &core.cfg.alpha {
+            AlphaMode::Auto(t) => t
+                .shadows
+                .as_ref()
+                .map(|s| Box::new(Shadows::new(&core.cfg, t, s))),
+            AlphaMode::Fixed(_) => None,
+        };
         let tuner = match &core.cfg.alpha {
-            AlphaMode::Auto(t) if core.eviction.tunes_alpha() => Some(Tuner::new(t.clone())),
+            AlphaMode::Auto(t) if shadows.is_none() && core.eviction.tunes_alpha() => {
+                Some(Tuner::new(t.clone()))
+            }
             _ => None,
         };
-        Ok(PrefixCache { core, tuner })
+        if let Some(s) = &shadows {
+            core.alpha = s.initial_alpha();
+        }
+        Ok(PrefixCache {
+            core,
+            tuner,
+            shadows,
+        })
     }
 
     /// The configuration.
@@ -371,7 +390,7 @@ impl PrefixCache {
     /// to save during prefill. Errors on an empty or oversized input.
     pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
         let l = self.core.lookup(ns, input)?;
-        if self.tuner.as_ref().is_some_and(Tuner::recording) {
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
             self.core.set_recording(l.lease);
         }
         Ok(l)
@@ -419,8 +438,19 @@ impl PrefixCache {
     /// Releases `lease`: what it pinned becomes evictable again. Errors on an
     /// unknown or already released lease.
     pub fn release(&mut self, lease: LeaseId) -> Result<(), CacheError> {
-        let out = self.core.release(lease)?;
+        let mut out = self.core.release(lease)?;
+        // The shadows replay the longest sequence admitted (the tuner may
+        // want it too).
+        let shadowed = match (&self.shadows, &self.tuner) {
+            (None, _) => None,
+            (Some(_), Some(_)) => out.admitted.clone(),
+            (Some(_), None) => out.admitted.take(),
+        }
+        .map(|full| (out.ns, out.input_len as usize, full));
         self.after_request(out);
+        if let (Some(s), Some((ns, input_len, full))) = (&mut self.shadows, shadowed) {
+            s.after_request(&mut self.core, ns, input_len, &full);
+        }
         Ok(())
     }
 
@@ -450,6 +480,9 @@ impl PrefixCache {
             out.admitted = Some(full.to_vec());
         }
         self.after_request(out);
+        if let Some(s) = &mut self.shadows {
+            s.after_request(&mut self.core, ns, input_len, full);
+        }
         Ok(served)
     }
 

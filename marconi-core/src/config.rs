@@ -151,6 +151,59 @@ pub struct TunerConfig {
     /// plus one.
     #[serde(default)]
     pub tune_rules: bool,
+    /// Choose the eviction rules and α with shadow caches instead of
+    /// replaying windows (`None`: the window tuner). See [`ShadowConfig`].
+    #[serde(default)]
+    pub shadows: Option<ShadowConfig>,
+}
+
+/// Rule choice by shadow caches (`crate::shadow`): metadata-only copies of
+/// the cache, one per candidate rule set (FLOP-aware eviction with
+/// `protect_branch_states` on and off at each α of `alphas`, and plain
+/// LRU), fed every request the cache serves from the first one, each
+/// making its own decisions at the same capacity. The cache adopts the
+/// rules and α of the shadow with the best decayed score (the tuner's
+/// [`TuningObjective`]), with hysteresis. Replaces the window tuner: no
+/// window, no background search, nothing to wait for; each request costs
+/// one more lookup and admission per shadow. Above `exact_bytes` the
+/// shadows are sampled (SHARDS, Waldspurger et al. ATC'17): a shadow sees
+/// only requests whose first `sample_tokens` tokens hash into a sample of
+/// rate `exact_bytes / capacity`, at that fraction of the capacity.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShadowConfig {
+    /// α values of the FLOP-aware shadows (each with protection on and
+    /// off); the first is the initial α.
+    pub alphas: Vec<f64>,
+    /// Also a shadow with each `protect_branch_states` whose α is tuned by
+    /// the window tuner (this [`TunerConfig`], without shadows); the cache
+    /// then takes that shadow's α while its rules are in force.
+    pub tuned: bool,
+    /// Also a shadow with plain LRU (SGLang+'s rules).
+    pub lru: bool,
+    /// Half-life of a shadow's score, in requests (0: no decay).
+    pub half_life: u32,
+    /// Relative lead a shadow's score needs over the rules in force to be
+    /// adopted.
+    pub hysteresis: f64,
+    /// Capacity up to which the shadows see every request at full
+    /// capacity; above, they are sampled.
+    pub exact_bytes: u64,
+    /// Leading tokens hashed (with the namespace) to sample a request.
+    pub sample_tokens: u32,
+}
+
+impl Default for ShadowConfig {
+    fn default() -> Self {
+        ShadowConfig {
+            alphas: vec![0.0],
+            tuned: true,
+            lru: true,
+            half_life: 0,
+            hysteresis: 0.0,
+            exact_bytes: 16 << 30,
+            sample_tokens: 64,
+        }
+    }
 }
 
 impl Default for TunerConfig {
@@ -169,6 +222,7 @@ impl Default for TunerConfig {
             min_gain: 0.0,
             threads: 0,
             tune_rules: false,
+            shadows: None,
         }
     }
 }
@@ -263,6 +317,24 @@ impl CacheConfig {
         }
     }
 
+    /// Marconi whose eviction rules and α are chosen by shadow caches
+    /// ([`ShadowConfig`], default settings): FLOP-aware eviction with
+    /// `protect_branch_states` on and off, each tuned by the window tuner
+    /// and at α = 0, and plain LRU, all fed every request from the first;
+    /// the cache follows the best. Not the default: on the battery of
+    /// `marconi-sim battery` it wins some rows and loses others against
+    /// the default (following a leader mixes rule sets, and the mixture can
+    /// do worse than any of them).
+    pub fn marconi_shadow(model: ModelSpec, capacity_bytes: u64) -> Self {
+        CacheConfig {
+            alpha: AlphaMode::Auto(TunerConfig {
+                shadows: Some(ShadowConfig::default()),
+                ..TunerConfig::default()
+            }),
+            ..Self::marconi(model, capacity_bytes)
+        }
+    }
+
     /// The SGLang+ baseline: Marconi admission with LRU eviction.
     pub fn sglang_plus(model: ModelSpec, capacity_bytes: u64) -> Self {
         CacheConfig {
@@ -324,6 +396,20 @@ impl CacheConfig {
                 }
                 if !t.min_gain.is_finite() || t.min_gain < 0.0 {
                     return bad("tuner min_gain must be finite and >= 0".into());
+                }
+                if let Some(s) = &t.shadows {
+                    if s.alphas.iter().any(|a| !a.is_finite() || *a < 0.0) {
+                        return bad("shadow alphas must be finite and >= 0".into());
+                    }
+                    if s.alphas.is_empty() && !s.tuned && !s.lru {
+                        return bad("shadows need at least one rule set".into());
+                    }
+                    if !s.hysteresis.is_finite() || s.hysteresis < 0.0 {
+                        return bad("shadow hysteresis must be finite and >= 0".into());
+                    }
+                    if s.exact_bytes == 0 || s.sample_tokens == 0 {
+                        return bad("shadow exact_bytes and sample_tokens must be > 0".into());
+                    }
                 }
                 Ok(())
             }

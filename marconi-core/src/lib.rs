@@ -44,6 +44,7 @@ mod invariants;
 mod log;
 mod lookup;
 mod model;
+mod shadow;
 mod stats;
 mod tree;
 mod tuner;
@@ -51,8 +52,8 @@ mod tuner;
 pub use admission::{AdmitOutcome, SavedState};
 pub use cache::{LeaseId, PrefixCache, Served, TOKEN_ID_BYTES};
 pub use config::{
-    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, TunerConfig,
-    TuningObjective,
+    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ShadowConfig,
+    TunerConfig, TuningObjective,
 };
 pub use error::CacheError;
 pub use events::{CacheEvent, CachedChains};

@@ -31,12 +31,13 @@ use crate::trace::Trace;
 use crate::units::format_bytes;
 
 /// The policies of every row, in table order.
-pub const POLICIES: [Policy; 6] = [
+pub const POLICIES: [Policy; 7] = [
     Policy::SglangPlus,
     Policy::VllmPlus,
     Policy::MarconiPaper,
     Policy::Marconi,
     Policy::MarconiTuned,
+    Policy::MarconiShadow,
     Policy::Clairvoyant,
 ];
 
@@ -181,7 +182,12 @@ impl Row {
 
     /// marconi − max(sglang-plus, marconi-paper), in points.
     pub fn margin(&self) -> f64 {
-        self.hit(Policy::Marconi)
+        self.margin_of(Policy::Marconi)
+    }
+
+    /// `p` − max(sglang-plus, marconi-paper), in points.
+    pub fn margin_of(&self, p: Policy) -> f64 {
+        self.hit(p)
             - self
                 .hit(Policy::SglangPlus)
                 .max(self.hit(Policy::MarconiPaper))
@@ -352,6 +358,26 @@ pub fn summary(rows: &[Row]) -> String {
     );
     if !loses.is_empty() {
         let _ = write!(s, "\nmarconi loses on: {}", loses.join(", "));
+    }
+    // The opt-in rule choice by shadow caches, held to the same check.
+    let p = Policy::MarconiShadow;
+    let shadow_loses: Vec<String> = rows
+        .iter()
+        .filter(|r| r.margin_of(p) < -NEVER_LOSES_MARGIN)
+        .map(Row::label)
+        .collect();
+    let shadow_worst = rows
+        .iter()
+        .map(|r| r.margin_of(p))
+        .fold(f64::INFINITY, f64::min);
+    let _ = write!(
+        s,
+        "\n{p} (opt-in) never loses on {}/{} (worst margin {shadow_worst:+.2})",
+        rows.len() - shadow_loses.len(),
+        rows.len()
+    );
+    if !shadow_loses.is_empty() {
+        let _ = write!(s, "; loses on: {}", shadow_loses.join(", "));
     }
     if !below.is_empty() {
         let _ = write!(s, "\nclairvoyant below a policy on: {}", below.join(", "));

@@ -28,6 +28,9 @@ pub enum Policy {
     /// Marconi whose tuning also picks the eviction rules
     /// (`CacheConfig::marconi_tuned`).
     MarconiTuned,
+    /// Marconi whose rules and α follow the best of its shadow caches
+    /// (`CacheConfig::marconi_shadow`).
+    MarconiShadow,
     /// SGLang+: Marconi's admission with LRU eviction.
     SglangPlus,
     /// vLLM+: a state every block (`--block-size`), LRU eviction.
@@ -42,7 +45,9 @@ pub enum Policy {
 }
 
 impl Policy {
-    /// Every policy, in table order.
+    /// Every policy `compare` runs by default, in table order
+    /// (`marconi-shadow` only when named: it is opt-in and its shadows
+    /// make it the slowest to replay).
     pub const ALL: [Policy; 8] = [
         Policy::Marconi,
         Policy::SglangPlus,
@@ -60,6 +65,7 @@ impl Policy {
             Policy::Marconi => "marconi",
             Policy::MarconiPaper => "marconi-paper",
             Policy::MarconiTuned => "marconi-tuned",
+            Policy::MarconiShadow => "marconi-shadow",
             Policy::Clairvoyant => "clairvoyant",
             Policy::SglangPlus => "sglang-plus",
             Policy::VllmPlus => "vllm-plus",
@@ -149,13 +155,16 @@ impl ReplayConfig {
             Policy::Marconi => CacheConfig::marconi(m, c),
             Policy::MarconiPaper => CacheConfig::marconi_paper(m, c),
             Policy::MarconiTuned => CacheConfig::marconi_tuned(m, c),
+            Policy::MarconiShadow => CacheConfig::marconi_shadow(m, c),
             Policy::SglangPlus => CacheConfig::sglang_plus(m, c),
             Policy::VllmPlus => CacheConfig::vllm_plus(m, c, self.block_size),
             Policy::Oracle => CacheConfig::oracle(m),
             Policy::NoCache | Policy::Clairvoyant => return None,
         };
-        if let (Policy::Marconi | Policy::MarconiPaper | Policy::MarconiTuned, Some(a)) =
-            (self.policy, self.alpha)
+        if let (
+            Policy::Marconi | Policy::MarconiPaper | Policy::MarconiTuned | Policy::MarconiShadow,
+            Some(a),
+        ) = (self.policy, self.alpha)
         {
             cfg.alpha = marconi_core::AlphaMode::Fixed(a);
         }

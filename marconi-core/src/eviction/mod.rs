@@ -169,6 +169,28 @@ pub struct Freed {
 }
 
 impl Core {
+    /// Puts other eviction rules in force: the policy is rebuilt from
+    /// `eviction` and `protect_branch_states` and the candidate index
+    /// re-derived (which nodes are candidates depends on the rules).
+    /// O(nodes log nodes); nothing when the rules are already in force.
+    pub(crate) fn set_eviction_rules(&mut self, eviction: EvictionPolicy, protect: bool) {
+        if self.cfg.eviction == eviction && self.cfg.protect_branch_states == protect {
+            return;
+        }
+        self.cfg.eviction = eviction;
+        self.cfg.protect_branch_states = protect;
+        self.eviction = from_config(&self.cfg);
+        self.index.clear();
+        for id in 0..self.tree.nodes.len() as NodeId {
+            self.tree.node_mut(id).cand = None;
+        }
+        for id in 0..self.tree.nodes.len() as NodeId {
+            if self.tree.node(id).live {
+                self.refresh(id);
+            }
+        }
+    }
+
     /// Whether `id` belongs in the eviction index: an unleased live node
     /// that is not a root and that the policy accepts.
     pub(crate) fn eligible(&self, id: NodeId) -> bool {

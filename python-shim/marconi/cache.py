@@ -471,8 +471,11 @@ class PrefixCache:
             if self._closing:
                 raise ValueError("the cache is closed")
             h = self._handle
-            # The pointer is a temporary: the buffer is exported only during the call.
-            st = lib.marconi_cache_lookup(h, ns, _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n), n, dst, raw)
+            # The pointer exports the buffer (it cannot be resized under the call,
+            # which runs without the GIL) until it is dropped right after the call.
+            ptr = _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n)
+            st = lib.marconi_cache_lookup(h, ns, ptr, n, dst, raw)
+            del ptr
             if st:
                 _check(st, "marconi_cache_lookup")
             lid = raw.lease

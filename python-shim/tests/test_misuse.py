@@ -152,6 +152,57 @@ def test_close_while_threads_hammer_the_cache():
     assert len(outcomes) == n and all("the cache is closed" in o for o in outcomes), outcomes
 
 
+def test_close_without_waiting_while_threads_hammer_the_cache():
+    """close(timeout=0) under load: it returns or raises TimeoutError, every
+    worker then stops on "closed", and the handle is freed exactly once,
+    by close() or by the last call to return (a double free or a call on a
+    freed handle would crash the process or the library's checks)."""
+    for _ in range(20):
+        cache = PrefixCache(50_000_000)
+        frees = []
+        real = cache._lib
+
+        def free(h, real=real, frees=frees):
+            frees.append(h.value)
+            real.marconi_cache_free(h)
+
+        cache._lib = FakeLib(real, marconi_cache_free=free)
+        n = 3
+        started = threading.Barrier(n + 1)
+        outcomes = []
+
+        def worker(t, cache=cache, started=started, outcomes=outcomes):
+            i = 0
+            try:
+                while True:
+                    with cache.lookup([t, i, i + 1] * 8) as lease:
+                        lease.admit([t, i, i + 1] * 8 + [5], [(25, None)])
+                    if i == 0:
+                        started.wait()
+                    i += 1
+            except ValueError as e:
+                outcomes.append(str(e))
+            except Exception as e:  # anything else is a failure
+                outcomes.append(repr(e))
+            if i == 0:
+                started.abort()
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
+        for th in threads:
+            th.start()
+        started.wait()
+        try:
+            cache.close(timeout=0)
+        except TimeoutError:
+            pass
+        for th in threads:
+            th.join()
+        assert len(outcomes) == n and all("the cache is closed" in o for o in outcomes), outcomes
+        assert len(frees) == 1 and cache._handle is None and not cache._calls
+        cache.close()  # freed already: a no-op
+        assert len(frees) == 1
+
+
 def test_leases_are_released_by_close():
     cache = PrefixCache(BIG)
     with cache.lookup([1, 2, 3]) as lease:

@@ -255,7 +255,9 @@ impl Core {
     /// (replayed requests carry none, as [`serve`](Self::serve) requires),
     /// fresh counters, the index rebuilt. O(nodes · log nodes): the tuner
     /// runs it on the search thread, off the request path (which pays only
-    /// the clone).
+    /// the clone), handing the core back every 64 nodes (see
+    /// [`crate::tuner`]: a thread that shares the engine's core must not
+    /// hold it for the whole rebuild, a millisecond at a million tokens).
     pub(crate) fn prepare_for_replay(&mut self) {
         let c = self;
         c.leases.clear();
@@ -272,10 +274,16 @@ impl Core {
             n.leases = 0;
             n.cand = None;
             n.pages = Arc::default();
+            if id % 64 == 63 {
+                std::thread::yield_now();
+            }
         }
         for id in 0..c.tree.nodes.len() as NodeId {
             if c.tree.node(id).live {
                 c.refresh(id);
+            }
+            if id % 64 == 63 {
+                std::thread::yield_now();
             }
         }
         c.stats = Stats::default();

@@ -192,11 +192,23 @@ impl Job {
             cfg,
             mut deliver,
         } = self;
+        // Woken by the request that submitted the job, this thread may have
+        // taken that request's core (a thread that slept long runs first):
+        // give it back before any work.
+        std::thread::yield_now();
         deliver.outcome = Some(guarded("the grid search", || {
             snapshot.prepare_for_replay();
             grid_search(&snapshot, &grid, &window, &cfg, cancel)
         }));
         drop(deliver);
+        // The window's sequences were allocated by the engine's thread:
+        // freed a few at a time, handing the core back in between.
+        for (i, r) in window.into_iter().enumerate() {
+            drop(r);
+            if i % 64 == 63 {
+                std::thread::yield_now();
+            }
+        }
     }
 }
 

@@ -14,7 +14,10 @@ message, and each request is served the way an engine does it, through
 with the token ids held as array('I') (read in place), as Python lists
 (converted once per call) and, if numpy is installed, as numpy int64 arrays
 (converted once, in bulk). Then the repository's multi-turn test trace is
-replayed through both paths. Prints CPU microseconds per request
+replayed through both paths. Two floors come first: the three ctypes calls
+alone with every argument built beforehand (the library's work plus ctypes'
+cost per call), and the same calls with their buffers and pointers made per
+request as any caller must ("C ABI alone"). Prints CPU microseconds per request
 (time.process_time: this process's CPU, whatever else the machine runs),
 the best of --repeat runs; figures include the library's own work (the
 radix tree walk over every token).
@@ -81,6 +84,29 @@ def run_abi(requests, join) -> float:
         return time.process_time() - t0
 
 
+def run_calls(requests, join) -> float:
+    """Below the floor: only the three ctypes calls are timed, with every
+    argument (joined uint32 buffer, pointers, saved state) built
+    beforehand: the library's work plus ctypes' cost per call."""
+    U = ctypes.c_uint32
+    prebuilt = []
+    for k, (inp, out) in enumerate(requests):
+        full = join(inp, out)
+        state = (_lib.marconi_saved_state * 1)((len(full), k + 1))
+        prebuilt.append((full, ctypes.byref(U.from_buffer(full)), len(inp), len(full), state))
+    with marconi.PrefixCache(CAPACITY, "paper-7b") as cache:
+        lib, h = cache._lib, cache._handle
+        lookup, admit, release = lib.marconi_cache_lookup, lib.marconi_cache_admit, lib.marconi_cache_release
+        raw, res, taken = _lib.marconi_lookup(), _lib.marconi_admit_result(), (ctypes.c_uint8 * 1)()
+        p_raw, p_res = ctypes.byref(raw), ctypes.byref(res)
+        t0 = time.process_time()
+        for _, ptr, n_in, n, state in prebuilt:
+            lookup(h, 0, ptr, n_in, NO_SLOT, p_raw)
+            admit(h, raw.lease, ptr, n, state, 1, None, 0, taken, p_res)
+            release(h, raw.lease)
+        return time.process_time() - t0
+
+
 def run_direct(requests, join) -> float:
     with marconi.PrefixCache(CAPACITY, "paper-7b") as cache:
         slot = 0
@@ -129,7 +155,6 @@ def main() -> None:
     print(f"libmarconi {marconi.version()} at {marconi.library_path()}, Python {sys.version.split()[0]}")
     print(f"{len(reqs)} requests, {mean_in:,.0f} input + {len(reqs[0][1])} output tokens on average")
     print("CPU µs per request (lookup + admit + release); C ABI alone: the floor, see run_abi")
-    print(f"{'token ids as':<22} {'C ABI alone':>12} {'direct':>9} {'adapter':>9} {'adapter/direct':>15}")
 
     forms = [
         ("array('I')", lambda ids: array.array("I", ids), join_arrays),
@@ -141,7 +166,11 @@ def main() -> None:
         forms.append(("numpy int64", lambda ids: np.array(ids, dtype=np.int64), lambda a, b: np.concatenate((a, b))))
     except ImportError:
         pass
-    floor = best(run_abi, [(array.array("I", i), array.array("I", o)) for i, o in reqs], join_arrays, args.repeat)
+    as_arrays = [(array.array("I", i), array.array("I", o)) for i, o in reqs]
+    calls = best(run_calls, as_arrays, join_arrays, args.repeat)
+    print(f"the three ctypes calls alone, every argument built beforehand: {calls:.1f} µs")
+    print(f"{'token ids as':<22} {'C ABI alone':>12} {'direct':>9} {'adapter':>9} {'adapter/direct':>15}")
+    floor = best(run_abi, as_arrays, join_arrays, args.repeat)
     for name, make, join in forms:
         data = [(make(i), make(o)) for i, o in reqs]
         d = best(run_direct, data, join, args.repeat)

@@ -401,10 +401,14 @@ pub fn figure(path: &Path, context: &str, rows: &[Row]) -> Result<(), String> {
     let labels: Vec<String> = groups
         .iter()
         .map(|(w, f)| {
-            // Short labels: a dozen groups share the axis.
+            // Short labels: a dozen groups share the axis (four letters
+            // and "15%" ran into the next group's label).
             let short = match w.as_str() {
-                "sharegpt" => "sgpt".to_owned(),
-                w => w.chars().take(4).collect(),
+                "agentic" => "agt".to_owned(),
+                "chat" => "cht".to_owned(),
+                "longout" => "lng".to_owned(),
+                "sharegpt" => "sgp".to_owned(),
+                w => w.chars().take(3).collect(),
             };
             format!("{short} {:.0}%", 100.0 * f)
         })
@@ -430,7 +434,7 @@ pub fn figure(path: &Path, context: &str, rows: &[Row]) -> Result<(), String> {
         path,
         "Token hit rate by workload and capacity, with the clairvoyant reference",
         context,
-        "workload (agen: agentic, long: longout, sgpt: real ShareGPT), capacity (% of each trace's working set); mean over seeds",
+        "workload (agt: agentic, cht: chat, lng: longout, sgp: real ShareGPT), capacity (% of each trace's working set); mean over seeds",
         "token hit rate (%)",
         &labels,
         &series,

@@ -70,7 +70,7 @@ const LEGEND_WIDTH: u32 = 200;
 const FONT: &str = "sans-serif";
 const GRID: RGBColor = RGBColor(222, 222, 222);
 
-const COLORS: [RGBColor; 8] = [
+const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -79,13 +79,19 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
 ];
 
 /// A series' color: that of the policy its name starts with, the same in
 /// every figure (marconi blue, `marconi - sglang-plus` too), otherwise one
 /// per series index after the policies'.
 fn color(name: &str, i: usize) -> RGBColor {
-    let all = Policy::ALL;
+    // Every policy, the opt-in ones after those `compare` runs by default.
+    let all: Vec<Policy> = Policy::ALL
+        .into_iter()
+        .chain([Policy::MarconiShadow])
+        .collect();
     let first = name.split_whitespace().next().unwrap_or("");
     let k = all
         .iter()

@@ -42,6 +42,26 @@ assert _LOOKUP_FIELDS.size == ctypes.sizeof(_Lookup)
 _new = object.__new__
 _setattr = object.__setattr__
 
+def _saved_states(states: Iterable) -> tuple[Any, int]:
+    """(marconi_saved_state array or None, k) for the (position, slot)
+    pairs `states` (slot None: MARCONI_NO_SLOT), every value checked. One
+    pair of plain ints in a list or tuple (an engine's usual final state) is
+    checked here and built as one struct; anything else goes through
+    _states_array, whose errors name states[i].position or .slot."""
+    if (states.__class__ is list or states.__class__ is tuple) and len(states) == 1:
+        pair = states[0]
+        if pair.__class__ is tuple and len(pair) == 2:
+            p, s = pair
+            if p.__class__ is int and 0 <= p <= U32_MAX:
+                if s is None:
+                    return _SavedState(p, NO_SLOT), 1
+                if s.__class__ is int and 0 <= s <= U32_MAX:
+                    return _SavedState(p, s), 1
+    flat = _states_array(states)  # (position, slot) pairs: the layout of marconi_saved_state
+    k = len(flat) >> 1
+    return ((_SavedState * k).from_buffer_copy(flat) if k else None), k
+
+
 STATUS_NAMES = [
     "OK",
     "NULL_ARGUMENT",
@@ -213,7 +233,9 @@ class Lease:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._release_if_live()
+        cache = self._cache
+        if not cache._closing and self.id in cache._live:
+            cache._release(self.id)
 
     def _release_if_live(self) -> None:
         """Releases the lease unless it is released already."""
@@ -545,8 +567,7 @@ class PrefixCache:
 
     def _admit(self, lid: int, src: Any, n: int, states: Iterable, kv_pages: Optional[Tokens]) -> AdmitResult:
         """admit() of the first n tokens of a _u32_source() result."""
-        flat = _states_array(states)  # (position, slot) pairs: the layout of marconi_saved_state
-        k = len(flat) >> 1
+        saved, k = _saved_states(states)
         pages, n_pages = _u32_source(kv_pages, "kv_pages") if kv_pages is not None else (None, 0)
         taken = (ctypes.c_uint8 * k)() if k else None
         raw = _AdmitRaw()
@@ -561,7 +582,7 @@ class PrefixCache:
                 lid,
                 _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n),
                 n,
-                (_SavedState * k).from_buffer_copy(flat) if k else None,
+                saved,
                 k,
                 _u32_pointer(pages, n_pages),
                 n_pages,

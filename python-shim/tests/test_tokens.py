@@ -351,6 +351,8 @@ def test_saved_states_forms_and_bad_states():
     with PrefixCache(BIG) as cache:
         for states, name in (
             ([(40, True)], "states[0].slot"),
+            ([(2**32, 1)], "states[0].position"),
+            ([(-1, None)], "states[0].position"),
             (((40, 1), (False, 2)), "states[1].position"),
             (iter([(40, 1), (20, 2**32)]), "states[1].slot"),
         ):

@@ -83,6 +83,9 @@ pub(crate) struct Core {
     pub(crate) state_b: u64,
     pub(crate) tree: Tree,
     pub(crate) index: Index,
+    /// Nodes whose index entry awaits re-derivation (`refresh`), synced
+    /// before the index is searched.
+    pub(crate) dirty: Vec<NodeId>,
     pub(crate) alpha: f64,
     /// Logical time: one tick per lookup and per admission.
     pub(crate) clock: u64,
@@ -166,6 +169,7 @@ impl Core {
             stateless,
             tree: Tree::default(),
             index: Index::default(),
+            dirty: Vec::new(),
             alpha,
             clock: 0,
             next_lease: 1,
@@ -268,11 +272,13 @@ impl Core {
         // refuse every replayed request (and tune on nothing).
         c.tracks_pages = None;
         c.index.clear();
+        c.dirty.clear();
         c.page_owner.clear();
         for id in 0..c.tree.nodes.len() as NodeId {
             let n = c.tree.node_mut(id);
             n.leases = 0;
             n.cand = None;
+            n.dirty = false;
             n.pages = Arc::default();
             if id % 64 == 63 {
                 std::thread::yield_now();
@@ -280,7 +286,7 @@ impl Core {
         }
         for id in 0..c.tree.nodes.len() as NodeId {
             if c.tree.node(id).live {
-                c.refresh(id);
+                c.reindex(id);
             }
             if id % 64 == 63 {
                 std::thread::yield_now();

@@ -12,6 +12,10 @@ impl Core {
         let mut states = 0u64;
         let mut cands = 0usize;
         let mut pins: Vec<u32> = vec![0; self.tree.nodes.len()];
+        let mut listed = vec![false; self.tree.nodes.len()];
+        for &id in &self.dirty {
+            listed[id as usize] = true;
+        }
         for (lease, info) in &self.leases {
             assert!(
                 info.pinned == NIL || self.tree.node(info.pinned).live,
@@ -72,14 +76,18 @@ impl Core {
                 let cn = self.tree.node(c);
                 assert!(cn.live && cn.parent == id && cn.tokens[0] == t);
             }
-            assert_eq!(
-                n.cand.is_some(),
-                self.eligible(id),
-                "index membership of {id}"
-            );
-            // The eviction policy's contract: only shapes eviction can free.
+            // Membership and key are current but for nodes awaiting
+            // re-derivation (synced before any search).
+            if n.dirty {
+                assert!(listed[id as usize], "{id} marked but not listed");
+            } else {
+                assert_eq!(n.cand, self.wanted_key(id), "index entry of {id}");
+            }
+            // The eviction policy's contract: only shapes eviction can free
+            // (asked of the policy: an entry awaiting re-derivation may be
+            // stale until the next sync).
             assert!(
-                n.cand.is_none()
+                !self.eligible(id)
                     || n.children.is_empty()
                     || (n.children.len() == 1 && n.state.is_some()),
                 "candidate {id} is neither a leaf nor a one-child node with a state"

@@ -41,6 +41,9 @@ pub(crate) struct Node {
     pub(crate) leases: u32,
     /// Key under which the node sits in the eviction index, if it does.
     pub(crate) cand: Option<crate::index::CandKey>,
+    /// Whether the node's index entry awaits re-derivation (listed in
+    /// `Core::dirty`; see `Core::refresh`).
+    pub(crate) dirty: bool,
     /// Whether the node has ever had two children: a prefix shared by
     /// several requests (paper §4.1's "purely input" reuse).
     pub(crate) was_branch: bool,
@@ -355,6 +358,7 @@ impl Tree {
             last_access,
             leases,
             cand: None,
+            dirty: false,
             was_branch: false,
             live: true,
         });
@@ -383,6 +387,7 @@ impl Tree {
             last_access: now,
             leases: 0,
             cand: None,
+            dirty: false,
             was_branch: false,
             live: true,
         });

@@ -237,18 +237,63 @@ impl Core {
         }
     }
 
-    /// Re-derives `id`'s place in the eviction index after any change to it.
+    /// Marks `id`'s place in the eviction index for re-derivation after any
+    /// change to it. Deferred: the index is brought up to date
+    /// ([`sync_index`](Self::sync_index)) before it is searched, so a node
+    /// whose place ends where it began between two searches (pinned by a
+    /// lookup and released, refreshed twice by one admission) costs no
+    /// ordered-set operation. The index a search sees is the one the
+    /// immediate upkeep gave (same entries, same keys), so no decision
+    /// changes.
     pub(crate) fn refresh(&mut self, id: NodeId) {
-        self.unindex(id);
-        if self.eligible(id) {
-            let n = self.tree.node(id);
-            let k = CandKey {
-                time: n.last_access,
-                eff: self.efficiency(id),
-            };
-            self.index.insert(id, k);
-            self.tree.node_mut(id).cand = Some(k);
+        let n = self.tree.node_mut(id);
+        if !n.dirty {
+            n.dirty = true;
+            self.dirty.push(id);
+            // A node released and reused between two searches may be
+            // listed twice; the list never grows past a few times the tree.
+            if self.dirty.len() > 2 * self.tree.nodes.len() + 64 {
+                self.sync_index();
+            }
         }
+    }
+
+    /// Re-derives the index entry of every node marked since the last
+    /// search: O(marked) key computations, and ordered-set operations only
+    /// for the entries that changed.
+    pub(crate) fn sync_index(&mut self) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for &id in &dirty {
+            self.tree.node_mut(id).dirty = false;
+            self.reindex(id);
+        }
+        dirty.clear();
+        self.dirty = dirty;
+    }
+
+    /// The key `id` belongs in the index under now, if it is a candidate.
+    pub(crate) fn wanted_key(&self, id: NodeId) -> Option<CandKey> {
+        self.eligible(id).then(|| CandKey {
+            time: self.tree.node(id).last_access,
+            eff: self.efficiency(id),
+        })
+    }
+
+    /// Puts `id` in the index under the key it belongs under now (or takes
+    /// it out), touching the index only if that changed.
+    pub(crate) fn reindex(&mut self, id: NodeId) {
+        let want = self.wanted_key(id);
+        let have = self.tree.node(id).cand;
+        if want == have {
+            return;
+        }
+        if let Some(k) = have {
+            self.index.remove(id, k);
+        }
+        if let Some(k) = want {
+            self.index.insert(id, k);
+        }
+        self.tree.node_mut(id).cand = want;
     }
 
     pub(crate) fn touch(&mut self, id: NodeId) {
@@ -342,6 +387,7 @@ impl Core {
     /// a kind `kinds` marks (`[page, state]`; `None`: any candidate); false
     /// if there is none.
     pub(crate) fn evict_one_freeing(&mut self, kinds: Option<[bool; 2]>) -> bool {
+        self.sync_index();
         let alpha = self.eviction.alpha(self.alpha);
         let tree = &self.tree;
         let eff = |id| tree.node(id).cand.expect("indexed").eff;

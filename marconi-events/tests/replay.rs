@@ -102,11 +102,21 @@ fn stream_rebuilds_the_cached_set_after_evictions() {
     for page in [1u32, 4, 16] {
         let mut c = cache(page, 600);
         let mut enc = Encoder::new(EncoderConfig::new(page)).unwrap();
+        // An encoder that starts at request 150, its memo of block digests
+        // cold: it must hash its way to the same wire events.
+        let mut late = Encoder::new(EncoderConfig::new(page)).unwrap();
         let mut view = Mirror::default();
         let (mut removed_kv, mut removed_states) = (0, 0);
         for (i, (ns, input, output)) in requests(7 + u64::from(page), 300).iter().enumerate() {
             c.serve(*ns, input, output).unwrap();
             let events = c.drain_events();
+            if i >= 150 {
+                assert_eq!(
+                    late.translate(&events),
+                    enc.translate(&events),
+                    "page {page}, request {i}"
+                );
+            }
             removed_kv += events
                 .iter()
                 .filter(|e| matches!(e, CacheEvent::KvRemoved { .. }))
@@ -123,6 +133,13 @@ fn stream_rebuilds_the_cached_set_after_evictions() {
                 "page {page}, after request {i}"
             );
             assert_eq!(view.unknown_removals, 0);
+            // The memo holds the digests of the cached blocks, no more.
+            let blocks = view.set.iter().filter(|(g, _)| *g == GROUP_KV).count();
+            assert_eq!(
+                enc.remembered_blocks(),
+                blocks,
+                "page {page}, after request {i}"
+            );
         }
         assert!(
             removed_kv > 20 && removed_states > 20,

@@ -214,6 +214,23 @@ unsafe fn read_request(req: *const marconi_plan_request) -> FfiResult<marconi_pl
     Ok(unsafe { req.read() })
 }
 
+/// The struct_size an output struct declares, refused below `min`.
+///
+/// # Safety
+///
+/// `out` is non-NULL and aligned, its first u32 its struct_size.
+unsafe fn out_struct_size(out: *const u32, min: usize, what: &str) -> FfiResult<usize> {
+    // SAFETY: contract of this function.
+    let size = unsafe { out.read() } as usize;
+    if size < min {
+        return Err(FfiError::new(
+            marconi_status::UnsupportedStructSize,
+            format!("{what} struct_size {size} is below {min}"),
+        ));
+    }
+    Ok(size)
+}
+
 /// Plans the pools for `*req` and writes the numbers to `*out` (only
 /// out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
 /// a model without recurrent layers, page_size 0, a budget below one page
@@ -238,14 +255,8 @@ pub unsafe extern "C" fn marconi_plan(
         check_ptr!(out);
         // SAFETY: req non-NULL and aligned (checked), initialised (contract).
         let r = unsafe { read_request(req) }?;
-        // SAFETY: out non-NULL and aligned; first u32 is its size.
-        let out_size = unsafe { out.cast::<u32>().read() } as usize;
-        if out_size < PLAN_MIN_SIZE {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("plan struct_size {out_size} is below {PLAN_MIN_SIZE}"),
-            ));
-        }
+        // SAFETY: out non-NULL and aligned (checked).
+        let out_size = unsafe { out_struct_size(out.cast(), PLAN_MIN_SIZE, "plan") }?;
         // SAFETY: model_preset contract.
         let model = unsafe { model_of(&r) }?;
         let p = plan(&model, r.page_size, r.budget_bytes).map_err(plan_err)?;
@@ -442,14 +453,9 @@ pub unsafe extern "C" fn marconi_plan_converged_split(
         check_ptr!(out);
         // SAFETY: req non-NULL, aligned; the same checks as marconi_plan.
         let r = unsafe { read_request(req) }?;
-        // SAFETY: out non-NULL and aligned; first u32 is its size.
-        let out_size = unsafe { out.cast::<u32>().read() } as usize;
-        if out_size < CONVERGED_MIN_SIZE {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("converged split struct_size {out_size} is below {CONVERGED_MIN_SIZE}"),
-            ));
-        }
+        // SAFETY: out non-NULL and aligned (checked).
+        let out_size =
+            unsafe { out_struct_size(out.cast(), CONVERGED_MIN_SIZE, "converged split") }?;
         // SAFETY: buffer contracts of this function.
         let trace =
             unsafe { trace_of(tokens, n_tokens, offsets, n_offsets, input_lens, n_requests) }?;

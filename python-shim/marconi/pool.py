@@ -427,6 +427,18 @@ def _model_into(target: Any, model: Any) -> Any:
     raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
 
 
+def _plan_request(lib: Any, model: Any, budget_bytes: int, page_size: int, state_fraction: float) -> tuple:
+    """A marconi_plan_request for these arguments, and what must stay alive
+    while it is used."""
+    req = _lib.marconi_plan_request()
+    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
+    keep = _model_into(req, model)
+    req.page_size = _u32(page_size, "page_size")
+    req.budget_bytes = _u64(budget_bytes, "budget_bytes")
+    req.state_fraction = _real(state_fraction, "state_fraction")
+    return req, keep
+
+
 def plan(
     model: Any,
     budget_bytes: int,
@@ -444,12 +456,7 @@ def plan(
     MarconiError INVALID_CONFIG for a model without recurrent layers, a
     budget below one page and one slot, a fraction outside (0, 1)."""
     lib = _lib.load()
-    req = _lib.marconi_plan_request()
-    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
-    keep = _model_into(req, model)
-    req.page_size = _u32(page_size, "page_size")
-    req.budget_bytes = _u64(budget_bytes, "budget_bytes")
-    req.state_fraction = _real(state_fraction, "state_fraction")
+    req, keep = _plan_request(lib, model, budget_bytes, page_size, state_fraction)
     req.context_tokens = _u64(context_tokens, "context_tokens")
     req.batch = _u64(batch, "batch")
     out = _lib.marconi_memory_plan()
@@ -479,12 +486,7 @@ def converged_split(
     the rest the output. model: a preset name or a dict of model fields.
     Blocks for the replay (about a second for 7,000 requests)."""
     lib = _lib.load()
-    req = _lib.marconi_plan_request()
-    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
-    keep = _model_into(req, model)
-    req.page_size = _u32(page_size, "page_size")
-    req.budget_bytes = _u64(budget_bytes, "budget_bytes")
-    req.state_fraction = _real(state_fraction, "state_fraction")
+    req, keep = _plan_request(lib, model, budget_bytes, page_size, state_fraction)
     tokens = array.array("I")
     offs = [0]
     inputs = array.array("I")

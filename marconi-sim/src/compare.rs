@@ -98,9 +98,16 @@ Columns of the table:
 /// A plain-text table of reports (columns: [`COLUMNS`]).
 pub fn table(replays: &[Replay]) -> String {
     let mut s = String::new();
+    // The name column fits the longest policy name ("marconi-shadow").
+    let w = replays
+        .iter()
+        .map(|r| r.report.policy.len())
+        .max()
+        .unwrap_or(0)
+        .max(12);
     let _ = writeln!(
         s,
-        "{:<12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>6} {:>8} {:>10} {:>10}",
+        "{:<w$} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>8} {:>6} {:>8} {:>10} {:>10}",
         "policy",
         "capacity",
         "tok hit%",
@@ -124,7 +131,7 @@ pub fn table(replays: &[Replay]) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<12} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>8} {:>6} {:>8.3} {:>10.0} {:>10.1}",
+            "{:<w$} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>8.1}ms {:>8.1}ms {:>9} {:>8} {:>6} {:>8.3} {:>10.0} {:>10.1}",
             p.policy,
             if p.policy == Policy::NoCache.name() {
                 "-".into()

@@ -506,6 +506,12 @@ impl PrefixCache {
         self.tuner.as_ref()
     }
 
+    /// The tuner, for tests of its worker.
+    #[cfg(test)]
+    pub(crate) fn tuner_mut(&mut self) -> Option<&mut Tuner> {
+        self.tuner.as_mut()
+    }
+
     fn after_request(&mut self, out: LeaseInfoOut) {
         if let Some(t) = &mut self.tuner {
             t.after_request(&mut self.core, out);

@@ -130,6 +130,9 @@ struct Search {
     grid: Vec<Candidate>,
     requests: u32,
     result: Slot,
+    /// The process that started it: in a process forked since, the worker
+    /// running it does not exist and its outcome never comes.
+    pid: u32,
 }
 
 /// Delivers a search's outcome when dropped, so that the waiter wakes up
@@ -217,9 +220,11 @@ impl Job {
 /// the last one goes, the search in progress is cancelled and the worker
 /// ends (its channel closes). Never joined: dropping a cache never waits.
 struct Worker {
-    /// The channel to the running worker; `None` before the first search,
-    /// or after a send found the worker gone.
-    jobs: Mutex<Option<Sender<Box<Job>>>>,
+    /// The channel to the running worker and the process that spawned it;
+    /// `None` before the first search, or after a send found the worker
+    /// gone. In a process forked since, the worker is not there (the
+    /// channel would take jobs that never run): a new one is spawned.
+    jobs: Mutex<Option<(u32, Sender<Box<Job>>)>>,
     /// Set when the last owner goes: the search stops at its next replayed
     /// request, and the worker then ends.
     cancel: Arc<AtomicBool>,
@@ -264,12 +269,13 @@ impl Worker {
     fn submit(&self, job: Box<Job>) -> Result<(), Box<Job>> {
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         let job = match jobs.as_ref() {
-            Some(tx) => match tx.send(job) {
+            Some((pid, tx)) if *pid == std::process::id() => match tx.send(job) {
                 Ok(()) => return Ok(()),
                 // The worker is gone (its receiver dropped): a new one.
                 Err(mpsc::SendError(job)) => job,
             },
-            None => job,
+            // None yet, or spawned by the process this one was forked from.
+            _ => job,
         };
         *jobs = None;
         #[cfg(test)]
@@ -293,7 +299,7 @@ impl Worker {
         // but by the thread having died already, which gives the job back.
         let sent = tx.send(job).map_err(|mpsc::SendError(job)| job);
         if sent.is_ok() {
-            *jobs = Some(tx);
+            *jobs = Some((std::process::id(), tx));
         }
         sent
     }
@@ -304,7 +310,16 @@ impl Worker {
     fn kill_for_test(&self) {
         let (dead, rx) = mpsc::channel();
         drop(rx);
-        *self.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(dead);
+        *self.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some((std::process::id(), dead));
+    }
+
+    /// Test builds: the worker looks spawned by another process, as in a
+    /// child forked after it was spawned.
+    #[cfg(test)]
+    fn fork_for_test(&self) {
+        if let Some((pid, _)) = &mut *self.jobs.lock().unwrap_or_else(|e| e.into_inner()) {
+            *pid = pid.wrapping_add(1);
+        }
     }
 }
 
@@ -374,6 +389,7 @@ impl Search {
             grid,
             requests,
             result,
+            pid: std::process::id(),
         }
     }
 
@@ -387,8 +403,26 @@ impl Search {
             if let Some(outcome) = &*r {
                 return outcome.clone();
             }
-            r = cv.wait(r).unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = self.orphaned() {
+                return Err(e);
+            }
+            // Woken by the outcome; every 100 ms it also looks whether the
+            // process was forked (its search would never end here).
+            r = cv
+                .wait_timeout(r, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
+    }
+
+    /// Why the outcome can never come, if it cannot: the search runs in
+    /// the process this one was forked from.
+    fn orphaned(&self) -> Option<String> {
+        (self.pid != std::process::id()).then(|| {
+            "the search ran in the process this one was forked from; alpha kept, \
+             the next window searches here"
+                .to_owned()
+        })
     }
 
     /// The outcome if the search has ended; `None` while it runs. Never
@@ -468,6 +502,16 @@ impl Tuner {
             Phase::Searching(_, search) => Some(search),
             _ => None,
         }
+    }
+
+    /// Test builds: the search in progress and the worker look started by
+    /// another process, as in a child forked after they were.
+    #[cfg(test)]
+    pub(crate) fn fork_for_test(&mut self) {
+        if let Phase::Searching(_, search) = &mut self.phase {
+            search.pid = search.pid.wrapping_add(1);
+        }
+        self.worker.fork_for_test();
     }
 
     /// Called once per finished request (lease released).
@@ -591,7 +635,10 @@ impl Tuner {
             AlphaAdoption::Deterministic => return,
             AlphaAdoption::WhenReady => match search.try_outcome() {
                 Some(outcome) => outcome,
-                None => return,
+                None => match search.orphaned() {
+                    Some(e) => Err(e),
+                    None => return,
+                },
             },
         };
         let requests = search.requests;
@@ -1184,6 +1231,43 @@ mod tests {
                 "the worker outlived its cache"
             );
             std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// In a process forked while a search ran (its worker stayed in the
+    /// parent), no request waits for that search: deterministic and
+    /// when-ready alike keep α, and the next search spawns a worker here.
+    #[test]
+    fn after_a_fork_no_request_waits_for_the_parent_search() {
+        for adoption in [AlphaAdoption::Deterministic, AlphaAdoption::WhenReady] {
+            // The parent's search never ends on its own (it runs until the
+            // cache is dropped).
+            let mut c = retuning(adoption, vec![UNTIL_CANCELLED_ALPHA], true);
+            let mut i = 0;
+            while c.tuner().unwrap().search_for_test().is_none() {
+                c.serve(0, &one_off(i), &[]).unwrap();
+                i += 1;
+                assert!(i < 1000, "no search started");
+            }
+            c.tuner_mut().unwrap().fork_for_test();
+            // Served until the parent's search is given up and the next
+            // one started (not until that one's adoption: it would wait
+            // for a search that ends only with the cache).
+            let mut kept = None;
+            while kept.is_none() || spawned(&c) < 2 {
+                c.serve(0, &one_off(i), &[]).unwrap();
+                i += 1;
+                assert!(i < 10_000, "{adoption:?}: kept {kept:?}");
+                for d in c.drain_log() {
+                    if let Decision::AlphaKept { reason, .. } = d {
+                        kept.get_or_insert(reason);
+                    }
+                }
+            }
+            let reason = kept.expect("kept");
+            assert!(reason.contains("forked"), "{reason}");
+            // The next search runs on a worker spawned here.
+            assert_eq!(spawned(&c), 2, "{adoption:?}");
         }
     }
 }

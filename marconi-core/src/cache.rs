@@ -261,8 +261,10 @@ impl Core {
     /// runs it on the search thread, off the request path (which pays only
     /// the clone), handing the core back every 64 nodes (see
     /// [`crate::tuner`]: a thread that shares the engine's core must not
-    /// hold it for the whole rebuild, a millisecond at a million tokens).
-    pub(crate) fn prepare_for_replay(&mut self) {
+    /// hold it for the whole rebuild, a millisecond at a million tokens)
+    /// when `polite` (when-ready adoption; in deterministic mode a request
+    /// waits for the search, and yielding only delays it).
+    pub(crate) fn prepare_for_replay(&mut self, polite: bool) {
         let c = self;
         c.leases.clear();
         c.log = DecisionLog::new(false);
@@ -280,7 +282,7 @@ impl Core {
             n.cand = None;
             n.dirty = false;
             n.pages = Arc::default();
-            if id % 64 == 63 {
+            if polite && id % 64 == 63 {
                 std::thread::yield_now();
             }
         }
@@ -288,7 +290,7 @@ impl Core {
             if c.tree.node(id).live {
                 c.reindex(id);
             }
-            if id % 64 == 63 {
+            if polite && id % 64 == 63 {
                 std::thread::yield_now();
             }
         }

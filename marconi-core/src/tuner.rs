@@ -195,12 +195,20 @@ impl Job {
             cfg,
             mut deliver,
         } = self;
+        // Engines (when-ready adoption) share their core with this thread:
+        // it hands the core back often (below). In deterministic mode a
+        // request waits for the outcome, so yielding would only delay its
+        // own waiter (under load, by a scheduler time slice per yield: a
+        // 7,000-request replay took 10.8 s instead of 0.4 s).
+        let polite = cfg.adoption == AlphaAdoption::WhenReady;
         // Woken by the request that submitted the job, this thread may have
         // taken that request's core (a thread that slept long runs first):
         // give it back before any work.
-        std::thread::yield_now();
+        if polite {
+            std::thread::yield_now();
+        }
         deliver.outcome = Some(guarded("the grid search", || {
-            snapshot.prepare_for_replay();
+            snapshot.prepare_for_replay(polite);
             grid_search(&snapshot, &grid, &window, &cfg, cancel)
         }));
         drop(deliver);
@@ -208,7 +216,7 @@ impl Job {
         // freed a few at a time, handing the core back in between.
         for (i, r) in window.into_iter().enumerate() {
             drop(r);
-            if i % 64 == 63 {
+            if polite && i % 64 == 63 {
                 std::thread::yield_now();
             }
         }
@@ -742,7 +750,8 @@ fn grid_search(
             .iter()
             .map(|&c| {
                 guarded(&format!("the replay at alpha {}", c.alpha), || {
-                    replay(snapshot, c, window, cfg.objective, cancel)
+                    let polite = cfg.adoption == AlphaAdoption::WhenReady;
+                    replay(snapshot, c, window, cfg.objective, polite, cancel)
                 })
             })
             .collect()
@@ -787,6 +796,7 @@ fn replay(
     cand: Candidate,
     window: &[Recorded],
     objective: TuningObjective,
+    polite: bool,
     cancel: &AtomicBool,
 ) -> Result<f64, String> {
     let alpha = cand.alpha;
@@ -815,8 +825,11 @@ fn replay(
         // request (microseconds of work): where the search shares a core
         // with the engine's thread, that thread waits for one replayed
         // request, not for a scheduler time slice (4 ms measured). Free
-        // when nothing else is runnable; no effect on the result.
-        std::thread::yield_now();
+        // when nothing else is runnable; no effect on the result. Only
+        // `polite` (when-ready adoption): see `Job::run`.
+        if polite {
+            std::thread::yield_now();
+        }
     }
     Ok(match objective {
         TuningObjective::FlopsSaved => c.stats.flops_saved,

@@ -11,7 +11,8 @@ use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, WireOptions};
 
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
-    boundary, boundary_or, check_ptr, marconi_status, out_slice, require, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, marconi_status, out_slice, read_versioned, require, FfiError,
+    FfiResult,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -217,27 +218,16 @@ pub unsafe extern "C" fn marconi_events_config_init(
 unsafe fn read_events_config(
     cfg: *const marconi_events_config,
 ) -> FfiResult<marconi_events_config> {
-    // SAFETY: every version starts with the u32 struct_size.
-    let size = unsafe { cfg.cast::<u32>().read() } as usize;
     let ours = std::mem::size_of::<marconi_events_config>();
-    if size < ours {
-        return Err(FfiError::new(
-            marconi_status::UnsupportedStructSize,
-            format!("events config struct_size is {size}, smaller than {ours}; use marconi_events_config_init"),
-        ));
+    // SAFETY: contract of this function; the config is plain data.
+    unsafe {
+        read_versioned(
+            cfg,
+            ours,
+            marconi_events_config::defaults(),
+            "events config",
+        )
     }
-    if size > ours {
-        // SAFETY: the caller's struct has `size` readable bytes.
-        let extra = unsafe { std::slice::from_raw_parts(cfg.cast::<u8>().add(ours), size - ours) };
-        if extra.iter().any(|&b| b != 0) {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("events config struct_size is {size} and sets fields this library ({ours} bytes) does not know"),
-            ));
-        }
-    }
-    // SAFETY: at least `ours` readable bytes; every field is plain data.
-    Ok(unsafe { cfg.read() })
 }
 
 /// Creates an events handle for `cache` and writes it to `*out` (free it

@@ -13,7 +13,8 @@ use marconi_gpu::AllocError;
 
 use crate::config::marconi_model_spec;
 use crate::status::{
-    boundary, check_ptr, marconi_status, require, write_versioned, FfiError, FfiResult,
+    boundary, check_ptr, marconi_status, read_versioned, require, write_versioned, FfiError,
+    FfiResult,
 };
 
 /// What to plan for. Versioned by size: set struct_size with
@@ -191,27 +192,9 @@ unsafe fn model_of(r: &marconi_plan_request) -> FfiResult<ModelSpec> {
 ///
 /// `req` is non-NULL, aligned, with its struct_size readable bytes.
 unsafe fn read_request(req: *const marconi_plan_request) -> FfiResult<marconi_plan_request> {
-    // SAFETY: req non-NULL, aligned; first u32 is its size.
-    let size = unsafe { req.cast::<u32>().read() } as usize;
     let ours = std::mem::size_of::<marconi_plan_request>();
-    if size < ours {
-        return Err(FfiError::new(
-            marconi_status::UnsupportedStructSize,
-            format!("request struct_size {size} is below {ours}; use marconi_plan_request_init"),
-        ));
-    }
-    if size > ours {
-        // SAFETY: the caller's struct has `size` readable bytes.
-        let extra = unsafe { std::slice::from_raw_parts(req.cast::<u8>().add(ours), size - ours) };
-        if extra.iter().any(|&b| b != 0) {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("request struct_size {size} sets fields this library does not know"),
-            ));
-        }
-    }
-    // SAFETY: at least a whole current struct is readable.
-    Ok(unsafe { req.read() })
+    // SAFETY: contract of this function; the request is plain data.
+    unsafe { read_versioned(req, ours, marconi_plan_request::defaults(), "request") }
 }
 
 /// The struct_size an output struct declares, refused below `min`.

@@ -133,27 +133,6 @@ fn main() {
                 let evs = cache.drain_events();
                 let payload = enc.encode(1.0, &evs);
                 let us = cpu_us() - t;
-                if us > 2000.0 && std::env::var_os("EVENTS_BENCH_VERBOSE").is_some() {
-                    let kinds: Vec<String> = evs
-                        .iter()
-                        .map(|e| match e {
-                            marconi_core::CacheEvent::KvStored { start, end, .. } => {
-                                format!("S{start}..{end}")
-                            }
-                            marconi_core::CacheEvent::KvRemoved { start, end, .. } => {
-                                format!("R{start}..{end}")
-                            }
-                            marconi_core::CacheEvent::StateStored { position, .. } => {
-                                format!("s{position}")
-                            }
-                            marconi_core::CacheEvent::StateRemoved { position, .. } => {
-                                format!("r{position}")
-                            }
-                            marconi_core::CacheEvent::AllCleared => "C".into(),
-                        })
-                        .collect();
-                    eprintln!("{us:.0} µs: {kinds:?}");
-                }
                 drain.push(us);
                 n_events += evs.len();
                 bytes += payload.len();

@@ -510,6 +510,55 @@ pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) ->
     text.len()
 }
 
+/// Reads a caller's versioned struct of type `T` whose first field is its
+/// u32 struct_size: smaller than `min` is refused, larger is accepted only
+/// when the bytes past ours are zero, an older (smaller) one is read over
+/// `defaults`.
+///
+/// # Safety
+///
+/// `p` is non-NULL, aligned, and points to struct_size readable bytes; `T`
+/// is plain data (any bit pattern of its fields is valid).
+pub(crate) unsafe fn read_versioned<T: Copy>(
+    p: *const T,
+    min: usize,
+    defaults: T,
+    what: &str,
+) -> FfiResult<T> {
+    // SAFETY: p is non-NULL and aligned and starts with its u32 size.
+    let size = unsafe { p.cast::<u32>().read() } as usize;
+    let ours = std::mem::size_of::<T>();
+    if size < min {
+        return Err(FfiError::new(
+            marconi_status::UnsupportedStructSize,
+            format!("{what} struct_size is {size}, smaller than the first version ({min})"),
+        ));
+    }
+    if size > ours {
+        // SAFETY: the caller's struct has `size` readable bytes.
+        let extra = unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(ours), size - ours) };
+        if extra.iter().any(|&b| b != 0) {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("{what} struct_size is {size} and sets fields this library ({ours} bytes) does not know"),
+            ));
+        }
+        // SAFETY: size > ours, so a whole current struct is readable.
+        return Ok(unsafe { p.read() });
+    }
+    let mut out = defaults;
+    // SAFETY: the caller's struct has `size` <= ours readable bytes; out has
+    // ours writable ones; plain data.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            p.cast::<u8>(),
+            std::ptr::addr_of_mut!(out).cast::<u8>(),
+            size,
+        );
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -602,53 +651,4 @@ mod tests {
             (5, [b'h' as c_char, b'e' as c_char, b'l' as c_char, 0])
         );
     }
-}
-
-/// Reads a caller's versioned struct of type `T` whose first field is its
-/// u32 struct_size: smaller than `min` is refused, larger is accepted only
-/// when the bytes past ours are zero, an older (smaller) one is read over
-/// `defaults`.
-///
-/// # Safety
-///
-/// `p` is non-NULL, aligned, and points to struct_size readable bytes; `T`
-/// is plain data (any bit pattern of its fields is valid).
-pub(crate) unsafe fn read_versioned<T: Copy>(
-    p: *const T,
-    min: usize,
-    defaults: T,
-    what: &str,
-) -> FfiResult<T> {
-    // SAFETY: p is non-NULL and aligned and starts with its u32 size.
-    let size = unsafe { p.cast::<u32>().read() } as usize;
-    let ours = std::mem::size_of::<T>();
-    if size < min {
-        return Err(FfiError::new(
-            marconi_status::UnsupportedStructSize,
-            format!("{what} struct_size is {size}, smaller than the first version ({min})"),
-        ));
-    }
-    if size > ours {
-        // SAFETY: the caller's struct has `size` readable bytes.
-        let extra = unsafe { std::slice::from_raw_parts(p.cast::<u8>().add(ours), size - ours) };
-        if extra.iter().any(|&b| b != 0) {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("{what} struct_size is {size} and sets fields this library ({ours} bytes) does not know"),
-            ));
-        }
-        // SAFETY: size > ours, so a whole current struct is readable.
-        return Ok(unsafe { p.read() });
-    }
-    let mut out = defaults;
-    // SAFETY: the caller's struct has `size` <= ours readable bytes; out has
-    // ours writable ones; plain data.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            p.cast::<u8>(),
-            std::ptr::addr_of_mut!(out).cast::<u8>(),
-            size,
-        );
-    }
-    Ok(out)
 }

@@ -121,9 +121,10 @@ def test_close_with_a_timeout_refuses_and_the_last_call_frees():
         cache.close(timeout="1")
 
 
-def test_close_while_threads_hammer_the_cache():
-    cache = PrefixCache(50_000_000)
-    n = 4
+def _hammer(n, op, close):
+    """Runs `op(t, i)` for i = 0, 1, ... on n threads until it raises; once
+    every thread has called it at least once, calls `close()` (whose
+    TimeoutError is allowed). Returns what each thread stopped on."""
     started = threading.Barrier(n + 1)
     outcomes = []
 
@@ -131,7 +132,7 @@ def test_close_while_threads_hammer_the_cache():
         i = 0
         try:
             while True:
-                cache.serve([t, i, i + 1, i + 2] * 8, [7, 8, 9])
+                op(t, i)
                 if i == 0:
                     started.wait()
                 i += 1
@@ -145,11 +146,20 @@ def test_close_while_threads_hammer_the_cache():
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
     for th in threads:
         th.start()
-    started.wait()  # every worker has served at least once
-    cache.close()
+    started.wait()  # every worker has called op at least once
+    try:
+        close()
+    except TimeoutError:
+        pass
     for th in threads:
         th.join()
-    assert len(outcomes) == n and all("the cache is closed" in o for o in outcomes), outcomes
+    return outcomes
+
+
+def test_close_while_threads_hammer_the_cache():
+    cache = PrefixCache(50_000_000)
+    outcomes = _hammer(4, lambda t, i: cache.serve([t, i, i + 1, i + 2] * 8, [7, 8, 9]), cache.close)
+    assert len(outcomes) == 4 and all("the cache is closed" in o for o in outcomes), outcomes
 
 
 def test_close_without_waiting_while_threads_hammer_the_cache():
@@ -167,37 +177,13 @@ def test_close_without_waiting_while_threads_hammer_the_cache():
             real.marconi_cache_free(h)
 
         cache._lib = FakeLib(real, marconi_cache_free=free)
-        n = 3
-        started = threading.Barrier(n + 1)
-        outcomes = []
 
-        def worker(t, cache=cache, started=started, outcomes=outcomes):
-            i = 0
-            try:
-                while True:
-                    with cache.lookup([t, i, i + 1] * 8) as lease:
-                        lease.admit([t, i, i + 1] * 8 + [5], [(25, None)])
-                    if i == 0:
-                        started.wait()
-                    i += 1
-            except ValueError as e:
-                outcomes.append(str(e))
-            except Exception as e:  # anything else is a failure
-                outcomes.append(repr(e))
-            if i == 0:
-                started.abort()
+        def op(t, i, cache=cache):
+            with cache.lookup([t, i, i + 1] * 8) as lease:
+                lease.admit([t, i, i + 1] * 8 + [5], [(25, None)])
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n)]
-        for th in threads:
-            th.start()
-        started.wait()
-        try:
-            cache.close(timeout=0)
-        except TimeoutError:
-            pass
-        for th in threads:
-            th.join()
-        assert len(outcomes) == n and all("the cache is closed" in o for o in outcomes), outcomes
+        outcomes = _hammer(3, op, lambda cache=cache: cache.close(timeout=0))
+        assert len(outcomes) == 3 and all("the cache is closed" in o for o in outcomes), outcomes
         assert len(frees) == 1 and cache._handle is None and not cache._calls
         cache.close()  # freed already: a no-op
         assert len(frees) == 1

@@ -734,6 +734,76 @@ typedef struct marconi_cache_config {
    * Reserved, must be 0. Added in version 2 of the struct.
    */
   uint32_t reserved2;
+  /**
+   * Longest tuning window, in requests (0: no limit, the paper's rule);
+   * the bootstrap window is otherwise 5x the requests before the first
+   * eviction, longer than a workload phase on a large cache. Default 0.
+   * Added in version 3 of the struct (as every field below).
+   */
+  uint32_t tuner_max_window;
+  /**
+   * Retune on one window out of this many (> 0). Default 4.
+   */
+  uint32_t tuner_retune_every;
+  /**
+   * With MARCONI_ALPHA_ADOPTION_DETERMINISTIC, a search's alpha is
+   * adopted this many requests after its window closed (0: searched in
+   * the request that closes it). Default 16.
+   */
+  uint32_t tuner_apply_after;
+  /**
+   * Non-zero: each tuning round also tries protect_branch_states flipped
+   * and plain LRU, and adopts the best rules with the best alpha.
+   * Default 0.
+   */
+  uint32_t tuner_tune_rules;
+  /**
+   * Non-zero: the eviction rules and alpha are chosen by shadow caches
+   * (the shadow_* fields) instead of the window tuner. Needs
+   * MARCONI_ALPHA_MODE_AUTO. Default 0.
+   */
+  uint32_t shadows;
+  /**
+   * Non-zero: a shadow per protect_branch_states whose alpha is tuned by
+   * the window tuner (the tuner_* fields). Default 1.
+   */
+  uint32_t shadow_tuned;
+  /**
+   * Non-zero: also a shadow with plain LRU. Default 0.
+   */
+  uint32_t shadow_lru;
+  /**
+   * Half-life of a shadow's score, in requests (0: no decay). Default 200.
+   */
+  uint32_t shadow_half_life;
+  /**
+   * Fixed alphas of further shadows (each with protection on and off),
+   * or NULL for none (finite, >= 0). Read only during marconi_cache_new.
+   * Default NULL.
+   */
+  const double *shadow_alphas;
+  /**
+   * Length of shadow_alphas (0 with NULL).
+   */
+  size_t shadow_alphas_len;
+  /**
+   * Relative lead a shadow's score needs over the rules in force to be
+   * adopted (finite, >= 0). Default 0.
+   */
+  double shadow_hysteresis;
+  /**
+   * Capacity up to which the shadows see every request; above, they see
+   * a hashed sample at a scaled capacity (> 0). Default 16 GiB.
+   */
+  uint64_t shadow_exact_bytes;
+  /**
+   * Leading tokens hashed to sample a request (> 0). Default 64.
+   */
+  uint32_t shadow_sample_tokens;
+  /**
+   * Reserved, must be 0. Added in version 3 of the struct.
+   */
+  uint32_t reserved3;
 } marconi_cache_config;
 
 /**
@@ -1667,6 +1737,39 @@ marconi_status marconi_cache_lookup(const struct marconi_cache *cache,
                                     struct marconi_lookup *out);
 
 /**
+ * marconi_cache_lookup with application checkpoint hints:
+ * `checkpoints[0..n_checkpoints]` are positions of the input the
+ * application expects later requests to share (the end of a system
+ * prompt, of tool definitions, of a document). Marconi admission saves a
+ * state at a shared prefix only once a second request branches there; a
+ * hint saves one on the first request. Each hint is rounded down to the
+ * checkpoint grid and added to the plan (marconi_cache_lease_plan; the
+ * decision log names it "AppCheckpoint") when it is greater than the hit,
+ * at most n_tokens and not already cached or planned; other hints are
+ * dropped silently (in any order, duplicates allowed). The state admitted
+ * there is an ordinary checkpoint that eviction treats like any other.
+ * With n_checkpoints 0 this is marconi_cache_lookup.
+ *
+ * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
+ * for checkpoints NULL with n_checkpoints > 0.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_lookup; `checkpoints` points to n_checkpoints readable
+ * u32 (or is NULL with 0).
+ */
+marconi_status marconi_cache_lookup_hinted(const struct marconi_cache *cache,
+                                           uint64_t ns,
+                                           const uint32_t *tokens,
+                                           size_t n_tokens,
+                                           const uint32_t *checkpoints,
+                                           size_t n_checkpoints,
+                                           uint32_t dst_slot,
+                                           struct marconi_lookup *out);
+
+/**
  * Writes the KV page ids of a lease's hit (the engine's pages holding the
  * first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
  * `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
@@ -1861,6 +1964,33 @@ marconi_status marconi_cache_check(const struct marconi_cache *cache);
  * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_t struct_size);
+
+/**
+ * marconi_cache_config_init, then the policy fields of the named policy
+ * preset: "marconi" (the defaults), "marconi-paper" (the paper's exact
+ * rules: protect_branch_states 0, alpha tuned once for token hits),
+ * "marconi-tuned" (tuner_tune_rules 1, tuner_max_window 100),
+ * "marconi-shadow" (shadows 1 with the default shadow settings),
+ * "sglang-plus" (LRU eviction, fixed alpha 0) or "vllm-plus" (a state
+ * every 32 tokens, LRU). These are marconi-core's CacheConfig presets of
+ * the same names, except tuner_adoption, which stays
+ * MARCONI_ALPHA_ADOPTION_WHEN_READY (the core's presets adopt
+ * deterministically, for simulation). Set capacity_bytes (and the model)
+ * afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
+ * other name. A struct_size of an older version gets only the fields it
+ * has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
+ * before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE.
+ *
+ * Thread safety: touches only `*cfg`.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to `struct_size` writable bytes; `policy` is
+ * NULL or a NUL-terminated string.
+ */
+marconi_status marconi_cache_config_preset(struct marconi_cache_config *cfg,
+                                           size_t struct_size,
+                                           const char *policy);
 
 /**
  * Writes the dimensions of the model preset `name` (NUL-terminated:

@@ -305,6 +305,18 @@ impl Core {
         input: &[u32],
         full: &[u32],
     ) -> Result<(Served, LeaseInfoOut), CacheError> {
+        self.serve_hinted(ns, input, full, &[])
+    }
+
+    /// [`serve`](Self::serve) whose lookup takes application checkpoint
+    /// hints.
+    pub(crate) fn serve_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        full: &[u32],
+        hints: &[u32],
+    ) -> Result<(Served, LeaseInfoOut), CacheError> {
         // What the admission would refuse is refused before the lookup, so
         // that a refused request changes nothing (no lease, no counters).
         // The rest of `check_admit` holds by construction here.
@@ -317,7 +329,7 @@ impl Core {
             });
         }
         // A whole request admits what it looked up: no fingerprint needed.
-        let (l, walk) = self.lookup_walk(ns, input, false)?;
+        let (l, walk) = self.lookup_walk_hinted(ns, input, false, hints)?;
         let states = self.states_for(&l.plan, l.hit_tokens, full.len());
         let outcome = self.admit_with(l.lease, full, &states, &[], false, walk)?;
         let info = self.release(l.lease)?;
@@ -412,6 +424,38 @@ impl PrefixCache {
         Ok(l)
     }
 
+    /// [`lookup`](Self::lookup) with application checkpoint hints:
+    /// positions of `input` the application expects later requests to
+    /// share (the end of a system prompt, of tool definitions, of a
+    /// document), so that a state is saved there on the first request
+    /// instead of once a second request branches there (Marconi admission
+    /// plans a branch point only when it sees the branch, paper §4.1).
+    /// Each hint is rounded down to the checkpoint grid (a multiple of the
+    /// page size and of `checkpoint_grid`) and added to the plan
+    /// ([`Lookup::plan`], logged as [`crate::PlanReason::AppCheckpoint`])
+    /// when it is greater than the hit, at most the input length and not
+    /// already cached or planned; other hints are dropped silently, as
+    /// are all hints where hits need no states (the oracle, models
+    /// without recurrent layers). The state admitted there is an ordinary
+    /// checkpoint: eviction treats it like any other. With no hints this
+    /// is [`lookup`](Self::lookup), decision for decision. α tuning
+    /// replays and shadow caches see the requests without their hints.
+    pub fn lookup_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<Lookup, CacheError> {
+        let l = self
+            .core
+            .lookup_walk_hinted(ns, input, true, checkpoints)
+            .map(|(l, _)| l)?;
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease);
+        }
+        Ok(l)
+    }
+
     /// The checkpoint positions planned for `lease` (as in its [`Lookup`]).
     pub fn plan(&self, lease: LeaseId) -> Result<&[u32], CacheError> {
         self.core
@@ -487,11 +531,26 @@ impl PrefixCache {
         input_len: usize,
         full: &[u32],
     ) -> Result<Served, CacheError> {
+        self.serve_full_hinted(ns, input_len, full, &[])
+    }
+
+    /// [`serve_full`](Self::serve_full) whose lookup takes application
+    /// checkpoint hints (see [`lookup_hinted`](Self::lookup_hinted)); the
+    /// states at the kept hints are admitted with the others.
+    pub fn serve_full_hinted(
+        &mut self,
+        ns: u64,
+        input_len: usize,
+        full: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<Served, CacheError> {
         if input_len > full.len() {
             return Err(CacheError::PrefixMismatch { input_len });
         }
         let recording = self.tuner.as_ref().is_some_and(Tuner::recording);
-        let (served, mut out) = self.core.serve(ns, &full[..input_len], full)?;
+        let (served, mut out) =
+            self.core
+                .serve_hinted(ns, &full[..input_len], full, checkpoints)?;
         if recording {
             out.admitted = Some(full.to_vec());
         }

@@ -16,6 +16,11 @@ pub enum PlanReason {
     ExistingBranch,
     /// Block boundaries (all-blocks admission).
     Blocks,
+    /// A position the application said will be shared (a checkpoint hint
+    /// of [`crate::PrefixCache::lookup_hinted`]: the end of a system
+    /// prompt, of tool definitions, of a document), planned before any
+    /// second request branches there.
+    AppCheckpoint,
 }
 
 /// How a node was evicted.

@@ -68,6 +68,18 @@ impl Core {
         input: &[u32],
         with_fingerprint: bool,
     ) -> Result<(Lookup, Option<Walk>), CacheError> {
+        self.lookup_walk_hinted(ns, input, with_fingerprint, &[])
+    }
+
+    /// [`lookup_walk`](Self::lookup_walk) with application checkpoint
+    /// hints added to the plan (see [`crate::admission::app_checkpoints`]).
+    pub(crate) fn lookup_walk_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        with_fingerprint: bool,
+        hints: &[u32],
+    ) -> Result<(Lookup, Option<Walk>), CacheError> {
         Self::check_tokens(input)?;
         self.clock += 1;
         let len = input.len() as u32;
@@ -79,7 +91,7 @@ impl Core {
         let limit = len - 1;
         let usable = self.usable_hit(walk.as_ref(), matched, limit);
         let hit = usable.hit;
-        let plan = self.admission.plan(&PlanInput {
+        let plan_input = PlanInput {
             tree: &self.tree,
             walk: walk.as_ref(),
             len,
@@ -87,12 +99,22 @@ impl Core {
             state_depths: &usable.state_depths,
             page_size: page,
             inner_grid: self.inner_grid(),
-        });
-        let (state_slot, kv_pages) = self.take_hit(usable.node, hit);
-        let (plan, reason) = match plan {
+        };
+        let plan = self.admission.plan(&plan_input);
+        let (mut plan, reason) = match plan {
             Some((p, r)) => (p, Some(r)),
             None => (Vec::new(), None),
         };
+        let hinted = if hints.is_empty() || self.stateless_hits() {
+            Vec::new()
+        } else {
+            crate::admission::app_checkpoints(&plan_input, &plan, hints)
+        };
+        if !hinted.is_empty() {
+            plan.extend_from_slice(&hinted);
+            plan.sort_unstable();
+        }
+        let (state_slot, kv_pages) = self.take_hit(usable.node, hit);
         // The hit's tokens are the pinned path's: an admission checks them
         // against the tree; only the rest is hashed, here and at admission.
         let pinned_tokens = if usable.node == NIL { 0 } else { hit };
@@ -112,7 +134,7 @@ impl Core {
             kv_pages,
             plan,
         };
-        self.record_lookup(ns, len, &lookup, reason);
+        self.record_lookup(ns, len, &lookup, reason, &hinted);
         Ok((lookup, walk))
     }
 
@@ -205,8 +227,16 @@ impl Core {
     }
 
     /// Counts the lookup of `len` tokens in namespace `ns` and logs it with
-    /// its plan.
-    fn record_lookup(&mut self, ns: u64, len: u32, l: &Lookup, reason: Option<PlanReason>) {
+    /// its plan: the policy's positions with their reason, then the
+    /// application checkpoints `hinted` (part of `l.plan` too).
+    fn record_lookup(
+        &mut self,
+        ns: u64,
+        len: u32,
+        l: &Lookup,
+        reason: Option<PlanReason>,
+        hinted: &[u32],
+    ) {
         let (lease, kv_matched, hit) = (l.lease, l.kv_matched_tokens, l.hit_tokens);
         let limit = len - 1;
         let model = &self.cfg.model;
@@ -226,11 +256,25 @@ impl Core {
             hit,
         });
         if let Some(reason) = reason {
-            let positions = l.plan.clone();
             self.log.push(|| Decision::Plan {
                 lease,
-                positions,
+                positions: if hinted.is_empty() {
+                    l.plan.clone()
+                } else {
+                    l.plan
+                        .iter()
+                        .copied()
+                        .filter(|p| !hinted.contains(p))
+                        .collect()
+                },
                 reason,
+            });
+        }
+        if !hinted.is_empty() {
+            self.log.push(|| Decision::Plan {
+                lease,
+                positions: hinted.to_vec(),
+                reason: PlanReason::AppCheckpoint,
             });
         }
     }

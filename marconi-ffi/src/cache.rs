@@ -417,65 +417,131 @@ pub unsafe extern "C" fn marconi_cache_lookup(
         require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(cache) }?;
-        tokens_len_ok(n_tokens, "tokens")?;
-        // SAFETY: buffer contract of the header.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        check_ptr!(out);
-        let mut g = h.lock()?;
-        if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
-            return Err(FfiError::new(
-                marconi_status::InvalidArgument,
-                format!("dst_slot {dst_slot} holds a cached state owned by the cache"),
-            ));
-        }
-        // Drawn first, so that running out changes nothing.
-        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                "this process has issued 2^64 - 1 lease ids",
-            )
-        })?;
-        let l = g.cache.lookup(ns, tokens)?;
-        let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
-        let core_lease = l.lease;
-        let (n_copy, copy) = if dst_slot != MARCONI_NO_SLOT && state_slot != MARCONI_NO_SLOT {
-            (
-                1,
-                marconi_copy_order {
-                    src_slot: state_slot,
-                    dst_slot,
-                },
-            )
-        } else {
-            (0, marconi_copy_order::default())
-        };
-        let res = marconi_lookup {
-            lease: id,
-            hit_tokens: l.hit_tokens,
-            kv_matched_tokens: l.kv_matched_tokens,
-            state_slot,
-            n_kv_pages: l.kv_pages.len() as u32,
-            n_plan: l.plan.len() as u32,
-            n_copy_orders: n_copy,
-            copy_order: copy,
-        };
-        g.leases.insert(
-            id,
-            Lease {
-                core: core_lease,
-                pages: l.kv_pages,
-            },
-        );
-        if let Some(m) = &mut g.c_of_core {
-            m.insert(core_lease, id);
-        }
-        g.collect_log();
-        // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
-        unsafe { out.write(res) };
-        Ok(())
+        // SAFETY: forwarded caller contract; no hints.
+        unsafe { lookup(cache, ns, (tokens, n_tokens), &[], dst_slot, out) }
     })
+}
+
+/// marconi_cache_lookup with application checkpoint hints:
+/// `checkpoints[0..n_checkpoints]` are positions of the input the
+/// application expects later requests to share (the end of a system
+/// prompt, of tool definitions, of a document). Marconi admission saves a
+/// state at a shared prefix only once a second request branches there; a
+/// hint saves one on the first request. Each hint is rounded down to the
+/// checkpoint grid and added to the plan (marconi_cache_lease_plan; the
+/// decision log names it "AppCheckpoint") when it is greater than the hit,
+/// at most n_tokens and not already cached or planned; other hints are
+/// dropped silently (in any order, duplicates allowed). The state admitted
+/// there is an ordinary checkpoint that eviction treats like any other.
+/// With n_checkpoints 0 this is marconi_cache_lookup.
+///
+/// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
+/// for checkpoints NULL with n_checkpoints > 0.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup; `checkpoints` points to n_checkpoints readable
+/// u32 (or is NULL with 0).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lookup_hinted(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    checkpoints: *const u32,
+    n_checkpoints: usize,
+    dst_slot: u32,
+    out: *mut marconi_lookup,
+) -> marconi_status {
+    boundary("marconi_cache_lookup_hinted", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(checkpoints, len = n_checkpoints);
+        require!(out);
+        // SAFETY: buffer contract of the header.
+        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        // SAFETY: forwarded caller contract.
+        unsafe { lookup(cache, ns, (tokens, n_tokens), hints, dst_slot, out) }
+    })
+}
+
+/// The body of marconi_cache_lookup(_hinted), after the NULL checks.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup.
+unsafe fn lookup(
+    cache: *const marconi_cache,
+    ns: u64,
+    (tokens, n_tokens): (*const u32, usize),
+    hints: &[u32],
+    dst_slot: u32,
+    out: *mut marconi_lookup,
+) -> FfiResult {
+    // SAFETY: the caller passes a live handle or NULL.
+    let h = unsafe { handle(cache) }?;
+    tokens_len_ok(n_tokens, "tokens")?;
+    // SAFETY: buffer contract of the header.
+    let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+    check_ptr!(out);
+    let mut g = h.lock()?;
+    if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("dst_slot {dst_slot} holds a cached state owned by the cache"),
+        ));
+    }
+    // Drawn first, so that running out changes nothing.
+    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            "this process has issued 2^64 - 1 lease ids",
+        )
+    })?;
+    let l = if hints.is_empty() {
+        g.cache.lookup(ns, tokens)?
+    } else {
+        g.cache.lookup_hinted(ns, tokens, hints)?
+    };
+    let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
+    let core_lease = l.lease;
+    let (n_copy, copy) = if dst_slot != MARCONI_NO_SLOT && state_slot != MARCONI_NO_SLOT {
+        (
+            1,
+            marconi_copy_order {
+                src_slot: state_slot,
+                dst_slot,
+            },
+        )
+    } else {
+        (0, marconi_copy_order::default())
+    };
+    let res = marconi_lookup {
+        lease: id,
+        hit_tokens: l.hit_tokens,
+        kv_matched_tokens: l.kv_matched_tokens,
+        state_slot,
+        n_kv_pages: l.kv_pages.len() as u32,
+        n_plan: l.plan.len() as u32,
+        n_copy_orders: n_copy,
+        copy_order: copy,
+    };
+    g.leases.insert(
+        id,
+        Lease {
+            core: core_lease,
+            pages: l.kv_pages,
+        },
+    );
+    if let Some(m) = &mut g.c_of_core {
+        m.insert(core_lease, id);
+    }
+    g.collect_log();
+    // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
+    unsafe { out.write(res) };
+    Ok(())
 }
 
 /// Copies a lease's list into `buf`, or reports the needed size.

@@ -4,8 +4,8 @@
 use std::ffi::{c_char, CStr};
 
 use marconi_core::{
-    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ModelSpec, TunerConfig,
-    TuningObjective,
+    AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ModelSpec,
+    ShadowConfig, TunerConfig, TuningObjective,
 };
 
 use crate::status::{boundary, check_ptr, in_slice, marconi_status, require, FfiError, FfiResult};
@@ -239,6 +239,48 @@ pub struct marconi_cache_config {
     pub tuner_adoption: u32,
     /// Reserved, must be 0. Added in version 2 of the struct.
     pub reserved2: u32,
+    /// Longest tuning window, in requests (0: no limit, the paper's rule);
+    /// the bootstrap window is otherwise 5x the requests before the first
+    /// eviction, longer than a workload phase on a large cache. Default 0.
+    /// Added in version 3 of the struct (as every field below).
+    pub tuner_max_window: u32,
+    /// Retune on one window out of this many (> 0). Default 4.
+    pub tuner_retune_every: u32,
+    /// With MARCONI_ALPHA_ADOPTION_DETERMINISTIC, a search's alpha is
+    /// adopted this many requests after its window closed (0: searched in
+    /// the request that closes it). Default 16.
+    pub tuner_apply_after: u32,
+    /// Non-zero: each tuning round also tries protect_branch_states flipped
+    /// and plain LRU, and adopts the best rules with the best alpha.
+    /// Default 0.
+    pub tuner_tune_rules: u32,
+    /// Non-zero: the eviction rules and alpha are chosen by shadow caches
+    /// (the shadow_* fields) instead of the window tuner. Needs
+    /// MARCONI_ALPHA_MODE_AUTO. Default 0.
+    pub shadows: u32,
+    /// Non-zero: a shadow per protect_branch_states whose alpha is tuned by
+    /// the window tuner (the tuner_* fields). Default 1.
+    pub shadow_tuned: u32,
+    /// Non-zero: also a shadow with plain LRU. Default 0.
+    pub shadow_lru: u32,
+    /// Half-life of a shadow's score, in requests (0: no decay). Default 200.
+    pub shadow_half_life: u32,
+    /// Fixed alphas of further shadows (each with protection on and off),
+    /// or NULL for none (finite, >= 0). Read only during marconi_cache_new.
+    /// Default NULL.
+    pub shadow_alphas: *const f64,
+    /// Length of shadow_alphas (0 with NULL).
+    pub shadow_alphas_len: usize,
+    /// Relative lead a shadow's score needs over the rules in force to be
+    /// adopted (finite, >= 0). Default 0.
+    pub shadow_hysteresis: f64,
+    /// Capacity up to which the shadows see every request; above, they see
+    /// a hashed sample at a scaled capacity (> 0). Default 16 GiB.
+    pub shadow_exact_bytes: u64,
+    /// Leading tokens hashed to sample a request (> 0). Default 64.
+    pub shadow_sample_tokens: u32,
+    /// Reserved, must be 0. Added in version 3 of the struct.
+    pub reserved3: u32,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -246,9 +288,15 @@ pub struct marconi_cache_config {
 /// their defaults when a caller's struct is shorter.
 const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_adoption);
 
+/// The size of version 2 (up to reserved2): fields from tuner_max_window on
+/// take their defaults when a caller's struct is this short.
+#[cfg(test)]
+const CONFIG_V2_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_max_window);
+
 impl marconi_cache_config {
     fn defaults() -> Self {
         let tuner = TunerConfig::default();
+        let shadow = ShadowConfig::default();
         let model = ModelSpec::preset("paper-7b").expect("built-in preset");
         let base = CacheConfig::marconi(model.clone(), 1);
         marconi_cache_config {
@@ -277,9 +325,98 @@ impl marconi_cache_config {
             tuner_min_gain: tuner.min_gain,
             tuner_adoption: marconi_alpha_adoption::WhenReady as u32,
             reserved2: 0,
+            tuner_max_window: tuner.max_window,
+            tuner_retune_every: tuner.retune_every,
+            tuner_apply_after: tuner.apply_after,
+            tuner_tune_rules: u32::from(tuner.tune_rules),
+            shadows: u32::from(tuner.shadows.is_some()),
+            shadow_tuned: u32::from(shadow.tuned),
+            shadow_lru: u32::from(shadow.lru),
+            shadow_half_life: shadow.half_life,
+            shadow_alphas: std::ptr::null(),
+            shadow_alphas_len: 0,
+            shadow_hysteresis: shadow.hysteresis,
+            shadow_exact_bytes: shadow.exact_bytes,
+            shadow_sample_tokens: shadow.sample_tokens,
+            reserved3: 0,
         }
     }
+
+    /// Sets the policy fields (admission, eviction, alpha, tuning, shadows,
+    /// protect_branch_states) to those of `cfg`, a core preset; the model,
+    /// capacity, page size, checkpoint grid, decision log and tuner_adoption
+    /// are kept. Presets use the default alpha grid and no fixed shadow
+    /// alphas (what NULL grids mean here).
+    fn set_policy(&mut self, cfg: &CacheConfig) {
+        let (admission, block_size) = match cfg.admission {
+            AdmissionPolicy::Marconi => (marconi_admission::Marconi, self.block_size),
+            AdmissionPolicy::AllBlocks { block_size } => (marconi_admission::AllBlocks, block_size),
+            AdmissionPolicy::Oracle => (marconi_admission::Oracle, self.block_size),
+        };
+        self.admission = admission as u32;
+        self.block_size = block_size;
+        self.eviction = match cfg.eviction {
+            EvictionPolicy::Lru => marconi_eviction::Lru,
+            EvictionPolicy::FlopAware => marconi_eviction::FlopAware,
+        } as u32;
+        self.protect_branch_states = u32::from(cfg.protect_branch_states);
+        let t = match &cfg.alpha {
+            AlphaMode::Fixed(a) => {
+                self.alpha_mode = marconi_alpha_mode::Fixed as u32;
+                self.alpha = *a;
+                return;
+            }
+            AlphaMode::Auto(t) => t,
+        };
+        debug_assert_eq!(
+            t.grid,
+            TunerConfig::default().grid,
+            "presets use the default grid"
+        );
+        self.alpha_mode = marconi_alpha_mode::Auto as u32;
+        self.tuner_grid = std::ptr::null();
+        self.tuner_grid_len = 0;
+        self.tuner_bootstrap_factor = t.bootstrap_factor;
+        self.tuner_min_window = t.min_window;
+        self.tuner_max_window = t.max_window;
+        self.tuner_retune = u32::from(t.retune);
+        self.tuner_retune_neighbours = t.retune_neighbours;
+        self.tuner_retune_every = t.retune_every;
+        self.tuner_objective = match t.objective {
+            TuningObjective::FlopsSaved => marconi_tuning_objective::FlopsSaved,
+            TuningObjective::TokenHits => marconi_tuning_objective::TokenHits,
+        } as u32;
+        self.tuner_apply_after = t.apply_after;
+        self.tuner_min_gain = t.min_gain;
+        self.tuner_threads = t.threads;
+        self.tuner_tune_rules = u32::from(t.tune_rules);
+        self.shadows = u32::from(t.shadows.is_some());
+        let sh = t.shadows.clone().unwrap_or_default();
+        debug_assert!(sh.alphas.is_empty(), "presets have no fixed shadow alphas");
+        self.shadow_tuned = u32::from(sh.tuned);
+        self.shadow_lru = u32::from(sh.lru);
+        self.shadow_half_life = sh.half_life;
+        self.shadow_alphas = std::ptr::null();
+        self.shadow_alphas_len = 0;
+        self.shadow_hysteresis = sh.hysteresis;
+        self.shadow_exact_bytes = sh.exact_bytes;
+        self.shadow_sample_tokens = sh.sample_tokens;
+    }
 }
+
+/// A core preset: the configuration for a model under a capacity.
+type PresetFn = fn(ModelSpec, u64) -> CacheConfig;
+
+/// The policy presets marconi_cache_config_preset knows, with the core
+/// configuration each stands for.
+const POLICY_PRESETS: [(&str, PresetFn); 6] = [
+    ("marconi", CacheConfig::marconi),
+    ("marconi-paper", CacheConfig::marconi_paper),
+    ("marconi-tuned", CacheConfig::marconi_tuned),
+    ("marconi-shadow", CacheConfig::marconi_shadow),
+    ("sglang-plus", CacheConfig::sglang_plus),
+    ("vllm-plus", |m, c| CacheConfig::vllm_plus(m, c, 32)),
+];
 
 fn bad_config(detail: String) -> FfiError {
     FfiError::new(marconi_status::InvalidConfig, detail)
@@ -349,10 +486,14 @@ pub(crate) unsafe fn read_config(
 pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<CacheConfig> {
     // NULL first, as for arguments.
     let tuner_grid = c.tuner_grid;
+    let shadow_alphas = c.shadow_alphas;
     if c.alpha_mode == marconi_alpha_mode::Auto as u32 {
         require!(tuner_grid, len = c.tuner_grid_len);
+        if c.shadows != 0 {
+            require!(shadow_alphas, len = c.shadow_alphas_len);
+        }
     }
-    if c.reserved != 0 || c.reserved2 != 0 || c.model.reserved != 0 {
+    if c.reserved != 0 || c.reserved2 != 0 || c.reserved3 != 0 || c.model.reserved != 0 {
         return Err(bad_config("reserved fields must be 0".into()));
     }
     let model = if c.model_preset.is_null() {
@@ -395,6 +536,16 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
         }
     };
     let alpha = match c.alpha_mode {
+        0 if c.shadows != 0 || c.tuner_tune_rules != 0 => {
+            return Err(bad_config(format!(
+                "{} needs alpha_mode MARCONI_ALPHA_MODE_AUTO (alpha is fixed)",
+                if c.shadows != 0 {
+                    "shadows"
+                } else {
+                    "tuner_tune_rules"
+                }
+            )))
+        }
         0 => AlphaMode::Fixed(c.alpha),
         1 => {
             // SAFETY: tuner_grid follows the buffer contract (NULL with 0 allowed).
@@ -413,12 +564,30 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
             let mut tuner = TunerConfig {
                 bootstrap_factor: c.tuner_bootstrap_factor,
                 min_window: c.tuner_min_window,
+                max_window: c.tuner_max_window,
                 retune: c.tuner_retune != 0,
+                retune_every: c.tuner_retune_every,
                 objective,
+                apply_after: c.tuner_apply_after,
                 min_gain: c.tuner_min_gain,
                 retune_neighbours: c.tuner_retune_neighbours,
+                tune_rules: c.tuner_tune_rules != 0,
                 ..TunerConfig::default()
             };
+            if c.shadows != 0 {
+                // SAFETY: shadow_alphas follows the buffer contract (NULL with 0 allowed).
+                let alphas =
+                    unsafe { in_slice(c.shadow_alphas, c.shadow_alphas_len, "shadow_alphas") }?;
+                tuner.shadows = Some(ShadowConfig {
+                    alphas: alphas.to_vec(),
+                    tuned: c.shadow_tuned != 0,
+                    lru: c.shadow_lru != 0,
+                    half_life: c.shadow_half_life,
+                    hysteresis: c.shadow_hysteresis,
+                    exact_bytes: c.shadow_exact_bytes,
+                    sample_tokens: c.shadow_sample_tokens,
+                });
+            }
             if !grid.is_empty() {
                 tuner.grid = grid.to_vec();
             }
@@ -471,30 +640,126 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 ) -> marconi_status {
     boundary("marconi_cache_config_init", || {
         check_ptr!(cfg);
+        // SAFETY: forwarded contract (cfg has struct_size writable bytes).
+        unsafe { write_config(cfg, struct_size, &marconi_cache_config::defaults()) }
+    })
+}
+
+/// marconi_cache_config_init, then the policy fields of the named policy
+/// preset: "marconi" (the defaults), "marconi-paper" (the paper's exact
+/// rules: protect_branch_states 0, alpha tuned once for token hits),
+/// "marconi-tuned" (tuner_tune_rules 1, tuner_max_window 100),
+/// "marconi-shadow" (shadows 1 with the default shadow settings),
+/// "sglang-plus" (LRU eviction, fixed alpha 0) or "vllm-plus" (a state
+/// every 32 tokens, LRU). These are marconi-core's CacheConfig presets of
+/// the same names, except tuner_adoption, which stays
+/// MARCONI_ALPHA_ADOPTION_WHEN_READY (the core's presets adopt
+/// deterministically, for simulation). Set capacity_bytes (and the model)
+/// afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
+/// other name. A struct_size of an older version gets only the fields it
+/// has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
+/// before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE.
+///
+/// Thread safety: touches only `*cfg`.
+///
+/// # Safety
+///
+/// `cfg` is NULL or points to `struct_size` writable bytes; `policy` is
+/// NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_config_preset(
+    cfg: *mut marconi_cache_config,
+    struct_size: usize,
+    policy: *const c_char,
+) -> marconi_status {
+    boundary("marconi_cache_config_preset", || {
+        require!(cfg);
+        require!(policy);
+        check_ptr!(cfg);
+        check_ptr!(policy);
+        // SAFETY: policy is non-NULL and NUL-terminated by contract.
+        let name = unsafe { CStr::from_ptr(policy) }.to_string_lossy();
+        let make = POLICY_PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, f)| f)
+            .ok_or_else(|| {
+                FfiError::new(
+                    marconi_status::UnknownPreset,
+                    format!(
+                        "unknown policy preset {name:?} (known: {})",
+                        POLICY_PRESETS.map(|(n, _)| n).join(", ")
+                    ),
+                )
+            })?;
+        let mut d = marconi_cache_config::defaults();
+        let model = ModelSpec::preset("paper-7b").expect("built-in preset");
+        d.set_policy(&make(model, 1));
+        // An older caller gets only its fields: the preset must not need
+        // the others (they keep their defaults when it is read back).
         let ours = std::mem::size_of::<marconi_cache_config>();
-        if struct_size < CONFIG_V1_SIZE || struct_size > u32::MAX as usize {
+        let from = struct_size.clamp(CONFIG_V1_SIZE, ours);
+        if config_bytes(&d)[from..] != config_bytes(&marconi_cache_config::defaults())[from..] {
             return Err(FfiError::new(
                 marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size} is smaller than the first version ({CONFIG_V1_SIZE})"),
+                format!(
+                    "policy preset {name:?} needs fields a config struct of {struct_size} bytes lacks; rebuild against this marconi.h"
+                ),
             ));
         }
-        let mut d = marconi_cache_config::defaults();
-        d.struct_size = struct_size as u32;
-        let written = struct_size.min(ours);
-        // SAFETY: cfg has struct_size writable bytes (caller contract): an
-        // older caller gets the first struct_size bytes of the defaults; a
-        // newer one gets all of them and its tail past our fields is zeroed
-        // so that its unknown fields read as "not set".
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                std::ptr::addr_of!(d).cast::<u8>(),
-                cfg.cast::<u8>(),
-                written,
-            );
-            std::ptr::write_bytes(cfg.cast::<u8>().add(written), 0, struct_size - written);
-        }
-        Ok(())
+        // SAFETY: forwarded contract (cfg has struct_size writable bytes).
+        unsafe { write_config(cfg, struct_size, &d) }
     })
+}
+
+/// The bytes of a config (no padding: every field is 4 or 8 bytes, in
+/// 8-byte-aligned pairs; checked by a test).
+fn config_bytes(c: &marconi_cache_config) -> &[u8] {
+    // SAFETY: `c` is a whole, initialised struct without padding bytes.
+    unsafe {
+        std::slice::from_raw_parts(
+            std::ptr::addr_of!(*c).cast::<u8>(),
+            std::mem::size_of::<marconi_cache_config>(),
+        )
+    }
+}
+
+/// Writes the first `struct_size` bytes of `d` to `cfg` (zeroing a newer
+/// caller's tail) with struct_size set: marconi_cache_config_init's copy.
+///
+/// # Safety
+///
+/// `cfg` is non-NULL, aligned and points to `struct_size` writable bytes.
+unsafe fn write_config(
+    cfg: *mut marconi_cache_config,
+    struct_size: usize,
+    d: &marconi_cache_config,
+) -> FfiResult {
+    let ours = std::mem::size_of::<marconi_cache_config>();
+    if struct_size < CONFIG_V1_SIZE || struct_size > u32::MAX as usize {
+        return Err(FfiError::new(
+            marconi_status::UnsupportedStructSize,
+            format!(
+                "struct_size {struct_size} is smaller than the first version ({CONFIG_V1_SIZE})"
+            ),
+        ));
+    }
+    let mut d = *d;
+    d.struct_size = struct_size as u32;
+    let written = struct_size.min(ours);
+    // SAFETY: cfg has struct_size writable bytes (caller contract): an
+    // older caller gets the first struct_size bytes; a newer one gets all
+    // of them and its tail past our fields is zeroed so that its unknown
+    // fields read as "not set".
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            std::ptr::addr_of!(d).cast::<u8>(),
+            cfg.cast::<u8>(),
+            written,
+        );
+        std::ptr::write_bytes(cfg.cast::<u8>().add(written), 0, struct_size - written);
+    }
+    Ok(())
 }
 
 /// Writes the dimensions of the model preset `name` (NUL-terminated:
@@ -583,5 +848,193 @@ mod tests {
         c.tuner_adoption = 0;
         c.reserved2 = 1;
         assert!(unsafe { to_core_config(&c) }.is_err());
+    }
+
+    fn core_of(c: &marconi_cache_config) -> FfiResult<CacheConfig> {
+        // SAFETY: the tests' configs hold NULL or live pointers.
+        unsafe { to_core_config(c) }
+    }
+
+    /// The struct has no padding (config_bytes compares whole structs) and
+    /// version 3 starts right after version 2.
+    #[test]
+    fn the_layout_has_no_padding() {
+        let ours = std::mem::size_of::<marconi_cache_config>();
+        assert_eq!(
+            std::mem::offset_of!(marconi_cache_config, reserved3) + 4,
+            ours
+        );
+        assert_eq!(
+            std::mem::offset_of!(marconi_cache_config, reserved2) + 4,
+            CONFIG_V2_SIZE
+        );
+    }
+
+    /// A caller built against version 2 gets only its bytes written and
+    /// the version-3 fields' defaults (the window tuner, no shadows).
+    #[test]
+    fn a_version_2_caller_gets_the_tuning_defaults() {
+        let ours = std::mem::size_of::<marconi_cache_config>();
+        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
+        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
+        // SAFETY: buf has more than CONFIG_V2_SIZE writable, aligned bytes.
+        assert_eq!(
+            unsafe { marconi_cache_config_init(cfg, CONFIG_V2_SIZE) },
+            marconi_status::Ok
+        );
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(bytes[CONFIG_V2_SIZE..].iter().all(|&b| b == 0xA5));
+        // SAFETY: init wrote the first CONFIG_V2_SIZE bytes.
+        let mut c = unsafe { read_config(cfg) }.unwrap();
+        c.capacity_bytes = 1 << 30;
+        let AlphaMode::Auto(t) = core_of(&c).unwrap().alpha else {
+            panic!("alpha is tuned by default")
+        };
+        let d = TunerConfig::default();
+        assert_eq!(
+            (t.max_window, t.retune_every, t.apply_after, t.tune_rules),
+            (d.max_window, d.retune_every, d.apply_after, d.tune_rules)
+        );
+        assert_eq!(t.shadows, None);
+    }
+
+    /// Every policy preset is the core preset of the same name (with
+    /// when-ready adoption); an unknown name writes nothing.
+    #[test]
+    fn policy_presets_are_the_core_presets() {
+        let model = ModelSpec::preset("paper-7b").unwrap();
+        for (name, make) in POLICY_PRESETS {
+            let mut c = marconi_cache_config::defaults();
+            let cname = std::ffi::CString::new(name).unwrap();
+            let size = std::mem::size_of::<marconi_cache_config>();
+            // SAFETY: c is a whole struct; cname is NUL-terminated.
+            let st = unsafe { marconi_cache_config_preset(&mut c, size, cname.as_ptr()) };
+            assert_eq!(st, marconi_status::Ok, "{name}");
+            c.capacity_bytes = 5 << 30;
+            let mut got = core_of(&c).unwrap();
+            got.model.name = model.name.clone();
+            let mut want = make(model.clone(), 5 << 30);
+            if let AlphaMode::Auto(t) = &mut want.alpha {
+                t.adoption = AlphaAdoption::WhenReady;
+            }
+            assert_eq!(got, want, "{name}");
+        }
+        let mut c = marconi_cache_config::defaults();
+        c.page_size = 7;
+        let size = std::mem::size_of::<marconi_cache_config>();
+        // SAFETY: as above.
+        let st = unsafe { marconi_cache_config_preset(&mut c, size, c"marconi-exact".as_ptr()) };
+        assert_eq!(st, marconi_status::UnknownPreset);
+        assert_eq!(c.page_size, 7, "nothing written");
+    }
+
+    /// A version-2 struct can take the presets that need only its fields.
+    #[test]
+    fn a_short_struct_refuses_a_preset_it_cannot_hold() {
+        let mut c = marconi_cache_config::defaults();
+        // SAFETY: c is larger than CONFIG_V2_SIZE.
+        let st = unsafe {
+            marconi_cache_config_preset(&mut c, CONFIG_V2_SIZE, c"marconi-tuned".as_ptr())
+        };
+        assert_eq!(st, marconi_status::UnsupportedStructSize);
+        // SAFETY: as above.
+        let st = unsafe {
+            marconi_cache_config_preset(&mut c, CONFIG_V2_SIZE, c"marconi-paper".as_ptr())
+        };
+        assert_eq!(st, marconi_status::Ok);
+        assert_eq!(c.protect_branch_states, 0);
+        assert_eq!(c.struct_size as usize, CONFIG_V2_SIZE);
+    }
+
+    /// The version-3 fields map to the core's, and bad values are refused
+    /// with INVALID_CONFIG (or NULL_ARGUMENT), never accepted silently.
+    #[test]
+    fn tuning_fields_map_and_bad_ones_are_refused() {
+        let alphas = [0.5, 1.5];
+        let mut c = marconi_cache_config::defaults();
+        c.capacity_bytes = 1 << 30;
+        c.tuner_max_window = 300;
+        c.tuner_retune_every = 2;
+        c.tuner_apply_after = 0;
+        c.tuner_tune_rules = 1;
+        c.shadows = 1;
+        c.shadow_lru = 1;
+        c.shadow_half_life = 50;
+        c.shadow_alphas = alphas.as_ptr();
+        c.shadow_alphas_len = 2;
+        c.shadow_hysteresis = 0.25;
+        c.shadow_exact_bytes = 1 << 20;
+        c.shadow_sample_tokens = 16;
+        let AlphaMode::Auto(t) = core_of(&c).unwrap().alpha else {
+            panic!("auto")
+        };
+        assert_eq!(
+            (t.max_window, t.retune_every, t.apply_after, t.tune_rules),
+            (300, 2, 0, true)
+        );
+        assert_eq!(
+            t.shadows,
+            Some(ShadowConfig {
+                alphas: alphas.to_vec(),
+                tuned: true,
+                lru: true,
+                half_life: 50,
+                hysteresis: 0.25,
+                exact_bytes: 1 << 20,
+                sample_tokens: 16,
+            })
+        );
+        let refused = |f: &dyn Fn(&mut marconi_cache_config)| {
+            let mut b = c;
+            f(&mut b);
+            core_of(&b).unwrap_err()
+        };
+        let e = refused(&|b| b.shadow_alphas = std::ptr::null());
+        assert_eq!(e.status, marconi_status::NullArgument);
+        for (what, f) in [
+            (
+                "retune_every",
+                &(|b: &mut marconi_cache_config| b.tuner_retune_every = 0)
+                    as &dyn Fn(&mut marconi_cache_config),
+            ),
+            ("hysteresis", &|b| b.shadow_hysteresis = f64::NAN),
+            ("negative hysteresis", &|b| b.shadow_hysteresis = -1.0),
+            ("sample_tokens", &|b| b.shadow_sample_tokens = 0),
+            ("exact_bytes", &|b| b.shadow_exact_bytes = 0),
+            ("no rule set", &|b| {
+                b.shadow_alphas_len = 0;
+                b.shadow_tuned = 0;
+                b.shadow_lru = 0;
+            }),
+            ("reserved3", &|b| b.reserved3 = 1),
+            ("shadows with a fixed alpha", &|b| b.alpha_mode = 0),
+            ("tune_rules with a fixed alpha", &|b| {
+                b.alpha_mode = 0;
+                b.shadows = 0;
+            }),
+        ] {
+            let e = refused(f);
+            assert_eq!(
+                e.status,
+                marconi_status::InvalidConfig,
+                "{what}: {}",
+                e.detail
+            );
+        }
+        let negative = [-0.5];
+        let e = refused(&|b| {
+            b.shadow_alphas = negative.as_ptr();
+            b.shadow_alphas_len = 1;
+        });
+        assert_eq!(e.status, marconi_status::InvalidConfig, "{}", e.detail);
+        // Shadows off: the shadow fields are not read.
+        let mut off = c;
+        off.shadows = 0;
+        off.shadow_alphas = std::ptr::null();
+        off.shadow_sample_tokens = 0;
+        let AlphaMode::Auto(t) = core_of(&off).unwrap().alpha else {
+            panic!("auto")
+        };
+        assert_eq!(t.shadows, None);
     }
 }

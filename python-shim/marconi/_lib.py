@@ -92,6 +92,20 @@ class marconi_cache_config(Structure):
         ("tuner_min_gain", c_double),
         ("tuner_adoption", c_uint32),
         ("reserved2", c_uint32),
+        ("tuner_max_window", c_uint32),
+        ("tuner_retune_every", c_uint32),
+        ("tuner_apply_after", c_uint32),
+        ("tuner_tune_rules", c_uint32),
+        ("shadows", c_uint32),
+        ("shadow_tuned", c_uint32),
+        ("shadow_lru", c_uint32),
+        ("shadow_half_life", c_uint32),
+        ("shadow_alphas", POINTER(c_double)),
+        ("shadow_alphas_len", c_size_t),
+        ("shadow_hysteresis", c_double),
+        ("shadow_exact_bytes", c_uint64),
+        ("shadow_sample_tokens", c_uint32),
+        ("reserved3", c_uint32),
     ]
 
 
@@ -399,6 +413,7 @@ SIGNATURES = {
     "marconi_status_message": (c_size_t, [c_uint32, c_char_p, c_size_t]),
     "marconi_last_error": (c_size_t, [c_char_p, c_size_t]),
     "marconi_cache_config_init": (status_t, [POINTER(marconi_cache_config), c_size_t]),
+    "marconi_cache_config_preset": (status_t, [POINTER(marconi_cache_config), c_size_t, c_char_p]),
     "marconi_model_spec_preset": (status_t, [c_char_p, POINTER(marconi_model_spec)]),
     "marconi_model_spec_from_hf_config": (status_t, [c_char_p, c_size_t, POINTER(marconi_model_spec)]),
     "marconi_model_spec_from_gguf": (status_t, [c_char_p, POINTER(marconi_model_spec)]),
@@ -408,6 +423,10 @@ SIGNATURES = {
     "marconi_cache_lookup": (
         status_t,
         [_cache_p, c_uint64, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
+    ),
+    "marconi_cache_lookup_hinted": (
+        status_t,
+        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
     ),
     "marconi_cache_lease_kv_pages": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_lease_plan": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),

@@ -275,6 +275,21 @@ class PrefixCache:
     the search there: the same trace gives the same decisions on any
     machine, as marconi-core's PrefixCache and the simulator do).
 
+    policy: None, or a policy preset ("marconi", "marconi-paper",
+    "marconi-tuned", "marconi-shadow", "sglang-plus", "vllm-plus";
+    marconi_cache_config_preset) whose fields the other policy arguments
+    then override; every policy argument left at None keeps the preset's
+    value (the library's default without a preset). Tuning: tuner_grid,
+    tuner_objective, tuner_bootstrap_factor, tuner_min_window,
+    tuner_max_window (0: no limit), tuner_retune, tuner_retune_every,
+    tuner_retune_neighbours, tuner_apply_after, tuner_min_gain,
+    tuner_tune_rules (also tune the eviction rules); shadows: True (shadow
+    caches with the default settings), False, or a dict of shadow settings
+    (alphas, tuned, lru, half_life, hysteresis, exact_bytes, sample_tokens;
+    the marconi_cache_config shadow_* fields) that turns them on. A value
+    the library refuses raises MarconiError (INVALID_CONFIG) with its
+    reason.
+
     Every integer argument is checked against its C type before the call
     (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace
     1): TypeError for a bool, float or other non-integer, an OverflowError
@@ -289,16 +304,27 @@ class PrefixCache:
         *,
         page_size: int = 1,
         checkpoint_grid: int = 1,
-        admission: str = "marconi",
-        block_size: int = 32,
-        eviction: str = "flop_aware",
+        admission: Optional[str] = None,
+        block_size: Optional[int] = None,
+        eviction: Optional[str] = None,
         alpha: Optional[float] = None,
         tuner_grid: Optional[Sequence[float]] = None,
-        tuner_objective: str = "flops_saved",
+        tuner_objective: Optional[str] = None,
         tuner_threads: int = 0,
         tuner_adoption: str = "when_ready",
         decision_log: bool = False,
-        protect_branch_states: bool = True,
+        protect_branch_states: Optional[bool] = None,
+        policy: Optional[str] = None,
+        tuner_bootstrap_factor: Optional[int] = None,
+        tuner_min_window: Optional[int] = None,
+        tuner_max_window: Optional[int] = None,
+        tuner_retune: Optional[bool] = None,
+        tuner_retune_every: Optional[int] = None,
+        tuner_retune_neighbours: Optional[int] = None,
+        tuner_apply_after: Optional[int] = None,
+        tuner_min_gain: Optional[float] = None,
+        tuner_tune_rules: Optional[bool] = None,
+        shadows: Union[None, bool, Mapping] = None,
     ):
         # The lifetime state first, so that close() (from __del__) works on
         # an object whose __init__ raised.
@@ -317,7 +343,13 @@ class PrefixCache:
         (cleared by close(); Lease.released reads it)."""
         lib = _lib.load()
         cfg = _lib.marconi_cache_config()
-        _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
+        if policy is None:
+            _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
+        elif isinstance(policy, str) and "\0" not in policy:
+            st = lib.marconi_cache_config_preset(ctypes.byref(cfg), ctypes.sizeof(cfg), policy.encode())
+            _check(st, "marconi_cache_config_preset")
+        else:
+            raise TypeError(f"policy: expected a preset name, got {policy!r}")
         if isinstance(model, str):
             if "\0" in model:
                 raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
@@ -332,26 +364,71 @@ class PrefixCache:
                 setattr(cfg.model, k, _uint(v, f"model.{k}", hi))
         else:
             raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
-        if admission not in ADMISSION or eviction not in EVICTION or tuner_objective not in OBJECTIVE:
-            raise ValueError("admission, eviction or tuner_objective is not a known policy")
+        for name, value, known in (
+            ("admission", admission, ADMISSION),
+            ("eviction", eviction, EVICTION),
+            ("tuner_objective", tuner_objective, OBJECTIVE),
+        ):
+            if value is not None and value not in known:
+                raise ValueError(f"{name}: expected one of {sorted(known)}, got {value!r}")
         if tuner_adoption not in ADOPTION:
             raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
         cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
         cfg.page_size = page_size = _u32(page_size, "page_size")
         cfg.checkpoint_grid = _u32(checkpoint_grid, "checkpoint_grid")
-        cfg.admission = ADMISSION[admission]
-        cfg.block_size = _u32(block_size, "block_size")
-        cfg.eviction = EVICTION[eviction]
+        if admission is not None:
+            cfg.admission = ADMISSION[admission]
+        if eviction is not None:
+            cfg.eviction = EVICTION[eviction]
+        if tuner_objective is not None:
+            cfg.tuner_objective = OBJECTIVE[tuner_objective]
         cfg.decision_log = _flag(decision_log, "decision_log")
-        cfg.protect_branch_states = _flag(protect_branch_states, "protect_branch_states")
-        cfg.tuner_objective = OBJECTIVE[tuner_objective]
         cfg.tuner_threads = _u32(tuner_threads, "tuner_threads")
         cfg.tuner_adoption = ADOPTION[tuner_adoption]
-        if alpha is None:
-            cfg.alpha_mode = 1
-        else:
+        for name, value, conv in (
+            ("block_size", block_size, _u32),
+            ("protect_branch_states", protect_branch_states, _flag),
+            ("tuner_bootstrap_factor", tuner_bootstrap_factor, _u32),
+            ("tuner_min_window", tuner_min_window, _u32),
+            ("tuner_max_window", tuner_max_window, _u32),
+            ("tuner_retune", tuner_retune, _flag),
+            ("tuner_retune_every", tuner_retune_every, _u32),
+            ("tuner_retune_neighbours", tuner_retune_neighbours, _u32),
+            ("tuner_apply_after", tuner_apply_after, _u32),
+            ("tuner_min_gain", tuner_min_gain, _real),
+            ("tuner_tune_rules", tuner_tune_rules, _flag),
+        ):
+            if value is not None:
+                setattr(cfg, name, conv(value, name))
+        if alpha is not None:
             cfg.alpha_mode = 0
             cfg.alpha = _real(alpha, "alpha")
+        elif policy is None:
+            cfg.alpha_mode = 1
+        shadow_alphas = None
+        if shadows is not None:
+            if isinstance(shadows, Mapping):
+                settings = dict(shadows)
+                cfg.shadows = 1
+            else:
+                settings = {}
+                cfg.shadows = _flag(shadows, "shadows")
+            for k, v in settings.items():
+                if k == "alphas":
+                    values = [_real(x, f"shadows['alphas'][{i}]") for i, x in enumerate(v)]
+                    shadow_alphas = (ctypes.c_double * len(values))(*values)
+                    cfg.shadow_alphas = ctypes.cast(shadow_alphas, ctypes.POINTER(ctypes.c_double))
+                    cfg.shadow_alphas_len = len(values)
+                elif k in ("tuned", "lru"):
+                    setattr(cfg, f"shadow_{k}", _flag(v, f"shadows[{k!r}]"))
+                elif k in ("half_life", "sample_tokens"):
+                    setattr(cfg, f"shadow_{k}", _u32(v, f"shadows[{k!r}]"))
+                elif k == "exact_bytes":
+                    cfg.shadow_exact_bytes = _u64(v, "shadows['exact_bytes']")
+                elif k == "hysteresis":
+                    cfg.shadow_hysteresis = _real(v, "shadows['hysteresis']")
+                else:
+                    raise ValueError(f"shadows: unknown setting {k!r}")
         grid = None
         if tuner_grid is not None:
             values = [_real(x, f"tuner_grid[{i}]") for i, x in enumerate(tuner_grid)]
@@ -470,21 +547,38 @@ class PrefixCache:
 
     # -- the request cycle -----------------------------------------------
 
-    def lookup(self, tokens: Tokens, namespace: int = 0, dst_slot: Optional[int] = None) -> Lease:
+    def lookup(
+        self,
+        tokens: Tokens,
+        namespace: int = 0,
+        dst_slot: Optional[int] = None,
+        checkpoints: Optional[Tokens] = None,
+    ) -> Lease:
         """Looks up `tokens` (see Tokens for the accepted forms: a uint32 or
         int32 buffer is read in place): the usable hit, the KV pages and
         plan, and a lease (release it, or use it as a context manager). With
         `dst_slot` (the request's own state slot) the lease carries the copy
-        order when the hit resumes from a cached slot."""
+        order when the hit resumes from a cached slot.
+
+        `checkpoints`: application checkpoint hints, positions of `tokens`
+        later requests are expected to share (the end of a system prompt,
+        of tool definitions, of a document; marconi_cache_lookup_hinted).
+        Each is rounded down to the checkpoint grid and added to the plan
+        when above the hit, within the input and not already cached; others
+        are dropped silently."""
         ns = namespace if namespace.__class__ is int and 0 <= namespace <= U64_MAX else _u64(namespace, "namespace")
         dst = NO_SLOT if dst_slot is None else _u32(dst_slot, "dst_slot")
+        if checkpoints is not None:
+            src, n = _u32_source(tokens)
+            return self._lookup(src, n, ns, dst, _u32_source(checkpoints, "checkpoints"))
         if tokens.__class__ is _array and tokens.typecode == "I":
             return self._lookup(tokens, len(tokens), ns, dst)
         src, n = _u32_source(tokens)
         return self._lookup(src, n, ns, dst)
 
-    def _lookup(self, src: Any, n: int, ns: int, dst: int) -> Lease:
-        """lookup() of the first n tokens of a _u32_source() result."""
+    def _lookup(self, src: Any, n: int, ns: int, dst: int, hints: Optional[tuple] = None) -> Lease:
+        """lookup() of the first n tokens of a _u32_source() result, with
+        the hints of a _u32_source() result if given."""
         raw = _Lookup()
         lib = self._lib
         calls = self._calls
@@ -496,10 +590,18 @@ class PrefixCache:
             # The pointer exports the buffer (it cannot be resized under the call,
             # which runs without the GIL) until it is dropped right after the call.
             ptr = _U32.from_buffer(src) if src.__class__ is _array and n else _u32_arg(src, n)
-            st = lib.marconi_cache_lookup(h, ns, ptr, n, dst, raw)
-            del ptr
-            if st:
-                _check(st, "marconi_cache_lookup")
+            if hints is None:
+                st = lib.marconi_cache_lookup(h, ns, ptr, n, dst, raw)
+                del ptr
+                if st:
+                    _check(st, "marconi_cache_lookup")
+            else:
+                hsrc, hn = hints
+                hptr = _u32_arg(hsrc, hn)
+                st = lib.marconi_cache_lookup_hinted(h, ns, ptr, n, hptr, hn, dst, raw)
+                del ptr, hptr
+                if st:
+                    _check(st, "marconi_cache_lookup_hinted")
             lid = raw.lease
             try:
                 k = raw.n_kv_pages
@@ -633,14 +735,23 @@ class PrefixCache:
                 self._ended()
         self._live.discard(lid)  # the Lease (if any) now reads as released
 
-    def serve(self, input: Tokens, output: Tokens = (), namespace: int = 0, slots=None) -> Lease:
-        """One whole request as an engine runs it: lookup, save a state at
-        every planned position and at the end, admit input + output, release.
+    def serve(
+        self,
+        input: Tokens,
+        output: Tokens = (),
+        namespace: int = 0,
+        slots=None,
+        checkpoints: Optional[Tokens] = None,
+    ) -> Lease:
+        """One whole request as an engine runs it: lookup (with the
+        application `checkpoints`, as lookup()), save a state at every
+        planned position and at the end, admit input + output, release.
         `slots` is an optional callable returning a fresh slot id per state.
         Returns the (released) lease with the lookup's results."""
         ns = _u64(namespace, "namespace")
         full, n, n_in = _u32_concat(input, output, "input", "output")
-        with self._lookup(full, n_in, ns, NO_SLOT) as lease:
+        hints = None if checkpoints is None else _u32_source(checkpoints, "checkpoints")
+        with self._lookup(full, n_in, ns, NO_SLOT, hints) as lease:
             final = n - n % self.page_size
             positions = list(lease.plan)
             if final > 0 and final not in positions:

@@ -27,16 +27,37 @@ impl Admission for AllBlocks {
         (!plan.is_empty()).then_some((plan, PlanReason::Blocks))
     }
 
-    fn admissible(&self, position: u32, _plan: &[u32], _aligned: u32) -> bool {
-        position % self.block_size == 0
+    // A planned position off the block grid is an application checkpoint
+    // (`PrefixCache::lookup_hinted`); this policy's own plan holds block
+    // boundaries only.
+    fn admissible(&self, position: u32, plan: &[u32], _aligned: u32) -> bool {
+        position % self.block_size == 0 || plan.contains(&position)
     }
 
-    fn describe_admissible(&self, _plan: &[u32], _aligned: u32) -> String {
-        format!("multiples of the block size {}", self.block_size)
+    fn describe_admissible(&self, plan: &[u32], _aligned: u32) -> String {
+        let hinted: Vec<u32> = plan
+            .iter()
+            .copied()
+            .filter(|p| p % self.block_size != 0)
+            .collect();
+        if hinted.is_empty() {
+            format!("multiples of the block size {}", self.block_size)
+        } else {
+            format!(
+                "multiples of the block size {} or the application checkpoints {hinted:?}",
+                self.block_size
+            )
+        }
     }
 
-    fn states_to_save(&self, _plan: &[u32], hit: u32, len: u32, _aligned: u32) -> Vec<u32> {
-        block_positions(hit, self.block_size, len).collect()
+    fn states_to_save(&self, plan: &[u32], hit: u32, len: u32, _aligned: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = block_positions(hit, self.block_size, len).collect();
+        let before = v.len();
+        v.extend(plan.iter().copied().filter(|p| p % self.block_size != 0));
+        if v.len() > before {
+            v.sort_unstable();
+        }
+        v
     }
 }
 

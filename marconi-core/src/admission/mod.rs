@@ -114,6 +114,30 @@ pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Admission> {
     }
 }
 
+/// The application checkpoint hints a lookup adds to the policy's plan
+/// `planned` (ascending): each hint rounded down to `input.inner_grid`,
+/// kept when it is greater than the hit, at most the input length, not
+/// already cached on the matched path (`input.state_depths`) and not
+/// already planned; ascending, without duplicates. Every other hint is
+/// dropped silently (a hint is advice, and the application cannot know
+/// what is cached). The caller skips this where hits need no states.
+/// O(h log h) for h hints.
+pub(crate) fn app_checkpoints(input: &PlanInput<'_>, planned: &[u32], hints: &[u32]) -> Vec<u32> {
+    let mut out: Vec<u32> = hints
+        .iter()
+        .map(|&h| round_down(h, input.inner_grid))
+        .filter(|&p| {
+            p > input.hit
+                && p <= input.len
+                && !input.state_depths.contains(&p)
+                && !planned.contains(&p)
+        })
+        .collect();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// A state the engine saved, offered to the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct SavedState {

@@ -542,6 +542,120 @@ static void test_overflowing_models(void) {
   }
 }
 
+/* Application checkpoint hints: the first request of a new system prompt
+ * saves a state at the hinted end of the prompt, so the second request
+ * resumes from it; bad arguments are refused. */
+static void test_app_checkpoints(void) {
+  marconi_cache *cache = new_cache(UINT64_C(100000000000), 1, 1);
+  uint32_t first[300], second[300], hints[3] = {250, 5000, 250};
+  iota(first, 300, 0);
+  iota(second, 250, 0);
+  iota(second + 250, 50, 100000);
+  marconi_lookup l;
+  CHECK_EQ(marconi_cache_lookup_hinted(cache, 0, first, 300, NULL, 2, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup_hinted(NULL, 0, first, 300, hints, 3, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup_hinted(cache, 0, first, 0, hints, 3, MARCONI_NO_SLOT, &l),
+           MARCONI_STATUS_EMPTY_TOKENS);
+  CHECK_EQ(marconi_cache_lookup_hinted(cache, 0, first, 300, hints, 3, MARCONI_NO_SLOT, NULL),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(stats_of(cache).requests, 0); /* refused calls change nothing */
+  /* 5000 is past the input and the duplicate 250 is one checkpoint. */
+  OK(marconi_cache_lookup_hinted(cache, 0, first, 300, hints, 3, MARCONI_NO_SLOT, &l));
+  CHECK_EQ(l.hit_tokens, 0);
+  CHECK_EQ(l.n_plan, 1);
+  uint32_t plan[4] = {0};
+  size_t n_plan = 0;
+  OK(marconi_cache_lease_plan(cache, l.lease, plan, 4, &n_plan));
+  CHECK_EQ(n_plan, 1);
+  CHECK_EQ(plan[0], 250);
+  marconi_saved_state states[2] = {{250, 1}, {300, 2}};
+  uint8_t taken[2];
+  marconi_admit_result r;
+  OK(marconi_cache_admit(cache, l.lease, first, 300, states, 2, NULL, 0, taken, &r));
+  CHECK_EQ(r.states_taken, 2);
+  OK(marconi_cache_release(cache, l.lease));
+  /* NULL hints with 0: a plain lookup. */
+  OK(marconi_cache_lookup_hinted(cache, 0, second, 300, NULL, 0, MARCONI_NO_SLOT, &l));
+  CHECK_EQ(l.hit_tokens, 250);
+  CHECK_EQ(l.state_slot, 1);
+  OK(marconi_cache_release(cache, l.lease));
+  char log[8192] = {0};
+  size_t n_log = 0;
+  OK(marconi_cache_drain_log(cache, log, sizeof log - 1, &n_log)); /* NUL-terminated */
+  CHECK(strstr(log, "\"reason\":\"AppCheckpoint\"") != NULL);
+  OK(marconi_cache_check(cache));
+  marconi_cache_free(cache);
+}
+
+/* Policy presets and the tuning fields of version 3 of the config. */
+static void test_tuning_config(void) {
+  marconi_cache_config cfg;
+  OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-tuned"));
+  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_EQ(cfg.tuner_tune_rules, 1);
+  CHECK_EQ(cfg.tuner_max_window, 100);
+  CHECK_EQ(cfg.shadows, 0);
+  OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-paper"));
+  CHECK_EQ(cfg.protect_branch_states, 0);
+  CHECK_EQ(cfg.tuner_retune, 0);
+  CHECK_EQ(cfg.tuner_objective, MARCONI_TUNING_OBJECTIVE_TOKEN_HITS);
+  OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-shadow"));
+  CHECK_EQ(cfg.shadows, 1);
+  CHECK_EQ(cfg.shadow_tuned, 1);
+  CHECK_EQ(cfg.shadow_half_life, 200);
+  CHECK_EQ(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-best"),
+           MARCONI_STATUS_UNKNOWN_PRESET);
+  CHECK_EQ(marconi_cache_config_preset(&cfg, sizeof cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_config_preset(NULL, sizeof cfg, "marconi"), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_config_preset(&cfg, 8, "marconi"), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+
+  /* Shadows with fixed alphas, built and used. */
+  OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-shadow"));
+  double alphas[2] = {0.5, 2.0};
+  cfg.model_preset = "paper-7b";
+  cfg.capacity_bytes = UINT64_C(2000000000);
+  cfg.shadow_alphas = alphas;
+  cfg.shadow_alphas_len = 2;
+  cfg.shadow_lru = 1;
+  marconi_cache *cache = NULL;
+  OK(marconi_cache_new(&cfg, &cache));
+  uint32_t next_slot = 1, t[400];
+  for (uint32_t k = 0; k < 30; k++) {
+    iota(t, 200, 0);
+    iota(t + 200, 200, 1000 * (k + 1));
+    run_request(cache, t, 400, NULL, 0, &next_slot, NULL);
+  }
+  OK(marconi_cache_check(cache));
+  marconi_cache_free(cache);
+
+  /* Bad values: INVALID_CONFIG (or NULL_ARGUMENT), never a cache. */
+  marconi_cache_config bad;
+  cache = NULL;
+  OK(marconi_cache_config_preset(&bad, sizeof bad, "marconi-shadow"));
+  bad.capacity_bytes = UINT64_C(1000000000);
+  bad.shadow_alphas_len = 3; /* NULL with a length */
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_NULL_ARGUMENT);
+  bad.shadow_alphas_len = 0;
+  bad.shadow_hysteresis = -1.0;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  bad.shadow_hysteresis = 0.0;
+  bad.shadow_sample_tokens = 0;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  bad.shadow_sample_tokens = 64;
+  bad.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(strstr(last_error(), "shadows") != NULL);
+  bad.alpha_mode = MARCONI_ALPHA_MODE_AUTO;
+  bad.tuner_retune_every = 0;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  bad.tuner_retune_every = 4;
+  bad.reserved3 = 1;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(cache == NULL);
+}
+
 int main(void) {
   test_status_all();
   test_null_first();
@@ -551,6 +665,8 @@ int main(void) {
   test_eviction_reports();
   test_threads();
   test_bad_inputs();
+  test_app_checkpoints();
+  test_tuning_config();
   if (failures) {
     fprintf(stderr, "test_cache: %d failure(s)\n", failures);
     return 1;

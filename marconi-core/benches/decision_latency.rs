@@ -7,7 +7,10 @@
 //! minute; `-- --requests N` measures N requests, `-- --gap-us G` idles G µs
 //! between requests, unmeasured, as an engine does while it prefills and
 //! decodes: back to back, the search thread rarely finishes a search before
-//! the run ends). Goal (issue 10):
+//! the run ends; `-- --gap-spin` spends the gap busy instead of asleep, and
+//! `-- --gap-touch-kib N` busy writing N KiB, so that what the gap costs the
+//! next request (cold caches) can be told from the cache's own work). Goal
+//! (issue 10):
 //! p99 < 20 µs and max < 1 ms on one core: `taskset -c 0 cargo bench -p
 //! marconi-core --bench decision_latency -- --gap-us 200` runs the engine's
 //! thread and the search thread on one core. Ends with a table of every
@@ -121,28 +124,56 @@ fn us(ns: u64) -> String {
 /// of the tail. Zero where schedstat cannot be read.
 struct RunDelay {
     file: Option<File>,
+    stat: Option<File>,
     buf: String,
+}
+
+/// What the kernel counted for this thread at one point.
+#[derive(Clone, Copy, Default)]
+struct Sched {
+    /// Nanoseconds runnable but waiting for a CPU.
+    wait_ns: u64,
+    /// Times the thread was put on a CPU: more than zero during a request
+    /// means it left the CPU (preempted or blocked) in the middle of it.
+    slices: u64,
+    /// Minor page faults.
+    faults: u64,
 }
 
 impl RunDelay {
     fn new() -> Self {
         RunDelay {
             file: File::open("/proc/thread-self/schedstat").ok(),
+            stat: File::open("/proc/thread-self/stat").ok(),
             buf: String::new(),
         }
     }
 
-    fn ns(&mut self) -> u64 {
-        let Some(f) = &mut self.file else { return 0 };
-        self.buf.clear();
-        if f.rewind().is_err() || f.read_to_string(&mut self.buf).is_err() {
-            return 0;
+    fn read(&mut self) -> Sched {
+        let mut s = Sched::default();
+        if let Some(f) = &mut self.file {
+            self.buf.clear();
+            if f.rewind().is_ok() && f.read_to_string(&mut self.buf).is_ok() {
+                let mut w = self.buf.split_whitespace().skip(1);
+                s.wait_ns = w.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+                s.slices = w.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+            }
         }
-        self.buf
-            .split_whitespace()
-            .nth(1)
-            .and_then(|w| w.parse().ok())
-            .unwrap_or(0)
+        if let Some(f) = &mut self.stat {
+            self.buf.clear();
+            if f.rewind().is_ok() && f.read_to_string(&mut self.buf).is_ok() {
+                // Fields after the command's closing parenthesis: minflt is
+                // the 10th field of the line, the 8th after it.
+                if let Some(rest) = self.buf.rsplit_once(')').map(|r| r.1) {
+                    s.faults = rest
+                        .split_whitespace()
+                        .nth(7)
+                        .and_then(|w| w.parse().ok())
+                        .unwrap_or(0);
+                }
+            }
+        }
+        s
     }
 }
 
@@ -154,6 +185,53 @@ struct Setup {
     /// Idle time between requests (the engine's prefill and decode), not
     /// measured: gives the search thread time to finish, as in an engine.
     gap: Duration,
+    gap_kind: Gap,
+    /// KiB written in each gap under [`Gap::Touch`].
+    touch_kib: usize,
+}
+
+/// How the gap between two requests is spent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Gap {
+    /// Asleep (the default): the core idles, as an engine's thread does
+    /// while the GPU runs; its caches may go to other work meanwhile.
+    Sleep,
+    /// Busy on the core without touching memory or entering the kernel
+    /// (`--gap-spin`): the caches stay warm. On one core the search thread
+    /// then runs only when the scheduler preempts this one: for tuning off,
+    /// or with two cores.
+    Spin,
+    /// Busy writing a buffer of `--gap-touch-kib` KiB (`--gap-touch-kib N`),
+    /// handing the core to any other runnable thread (the search) after
+    /// each pass: other work of the engine's thread evicting the cache's
+    /// lines.
+    Touch,
+}
+
+/// Spends `gap` as `kind` says (`buf`: the memory `Touch` writes).
+fn idle(gap: Duration, kind: Gap, buf: &mut [u64]) {
+    if gap.is_zero() {
+        return;
+    }
+    match kind {
+        Gap::Sleep => std::thread::sleep(gap),
+        Gap::Spin | Gap::Touch => {
+            let t = Instant::now();
+            let mut round = 0u64;
+            while t.elapsed() < gap {
+                if kind == Gap::Touch {
+                    // One 64-byte line in eight words: every line written.
+                    for (i, w) in buf.iter_mut().enumerate().step_by(8) {
+                        *w = w.wrapping_add(i as u64 ^ round);
+                    }
+                    round += 1;
+                    std::thread::yield_now();
+                }
+                std::hint::spin_loop();
+            }
+            std::hint::black_box(&buf);
+        }
+    }
 }
 
 fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
@@ -162,7 +240,10 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         measured,
         capacity,
         gap,
+        gap_kind,
+        touch_kib,
     } = setup;
+    let mut other_work = vec![0u64; touch_kib * 1024 / 8];
     let mut c = PrefixCache::new(config(adoption, capacity)).expect("config");
     let mut w = Workload::new();
     let mut full = Vec::new();
@@ -193,23 +274,24 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
     let mut on_cpu = Vec::with_capacity(measured);
     let mut delay = RunDelay::new();
     // (ns, request, evictions during it, tuning round adopted during it, ns
-    // waiting for a CPU)
-    let mut slowest: Vec<(u64, usize, u64, bool, u64)> = Vec::new();
+    // waiting for a CPU, times it left the CPU, minor page faults)
+    let mut slowest: Vec<(u64, usize, u64, bool, u64, u64, u64)> = Vec::new();
     // Largest time less CPU wait of the requests that adopted a tuning
     // round (and, with re-tuning, cloned the cache for the next window),
     // and of the others.
     let (mut adopting_max, mut other_max) = (0u64, 0u64);
     for i in 0..measured {
         let input_len = w.next(&mut full);
-        if !gap.is_zero() {
-            std::thread::sleep(gap);
-        }
+        idle(gap, gap_kind, &mut other_work);
         let before = c.stats();
-        let waited = delay.ns();
+        let sched = delay.read();
         let t = Instant::now();
         c.serve_full(0, input_len, &full).expect("serve");
         let ns = t.elapsed().as_nanos() as u64;
-        let waited = delay.ns().saturating_sub(waited);
+        let after_sched = delay.read();
+        let waited = after_sched.wait_ns.saturating_sub(sched.wait_ns);
+        let switches = after_sched.slices.saturating_sub(sched.slices);
+        let faults = after_sched.faults.saturating_sub(sched.faults);
         times.push(ns);
         let ran = ns.saturating_sub(waited);
         on_cpu.push(ran);
@@ -228,6 +310,8 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
                 after.evictions - before.evictions,
                 adopted,
                 waited,
+                switches,
+                faults,
             ));
             slowest.sort_by_key(|s| std::cmp::Reverse(s.0 - s.4));
             slowest.truncate(5);
@@ -293,9 +377,10 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
         end.tuning_rounds - start.tuning_rounds,
         end.kv_bytes / c.token_bytes(),
     );
-    for (ns, i, ev, adopted, waited) in slowest {
+    for (ns, i, ev, adopted, waited, switches, faults) in slowest {
         println!(
-            "{:<14} slow: request {i:>6} {:>10}  waiting for a CPU {:>10}  evictions {ev:>3}{}",
+            "{:<14} slow: request {i:>6} {:>10}  waiting for a CPU {:>10}  off the CPU {switches} \
+             times  page faults {faults:>3}  evictions {ev:>3}{}",
             "",
             us(ns),
             us(waited),
@@ -324,18 +409,31 @@ fn main() {
         measured: arg("--requests", 20_000) as usize,
         capacity: 1_600_000,
         gap: Duration::from_micros(arg("--gap-us", 0)),
+        gap_kind: if args.iter().any(|a| a == "--gap-touch-kib") {
+            Gap::Touch
+        } else if args.iter().any(|a| a == "--gap-spin") {
+            Gap::Spin
+        } else {
+            Gap::Sleep
+        },
+        touch_kib: arg("--gap-touch-kib", 0) as usize,
     };
     // Linux counts only the CPUs this process may run on (`taskset`).
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     if !args.iter().any(|a| a == "--mode") {
         println!(
             "decision latency: {} requests measured after {} warm-up, paper-7b, budget {} tokens \
-         of KV (states included), 1 search thread, {} µs between requests, {cpus} CPU(s) \
+         of KV (states included), 1 search thread, {} µs between requests ({}), {cpus} CPU(s) \
          available to this process{}",
             setup.measured,
             setup.warm,
             setup.capacity,
             setup.gap.as_micros(),
+            match setup.gap_kind {
+                Gap::Sleep => "asleep".to_owned(),
+                Gap::Spin => "spinning".to_owned(),
+                Gap::Touch => format!("writing {} KiB", setup.touch_kib),
+            },
             if cpus == 1 {
                 " (the search thread shares the engine's core)"
             } else {

@@ -21,7 +21,7 @@ use crate::log::{Decision, DecisionLog};
 use crate::lookup::Lookup;
 use crate::shadow::Shadows;
 use crate::stats::Stats;
-use crate::tree::{NodeId, Tree, NIL};
+use crate::tree::{NodeId, Span, Tree, NIL};
 use crate::tuner::Tuner;
 
 /// Bytes charged for each cached token of a model without attention layers,
@@ -208,9 +208,12 @@ impl Core {
         while cur != NIL {
             let n = self.tree.node_mut(cur);
             n.leases += 1;
-            let first = n.leases == 1;
+            // Only a node in the index leaves it: one that is not (and not
+            // marked) has no entry to lose (a marked one is re-derived
+            // anyway).
+            let leaves_index = n.leases == 1 && n.cand.is_some();
             let parent = n.parent;
-            if first {
+            if leaves_index {
                 self.refresh(cur);
             }
             cur = parent;
@@ -223,9 +226,11 @@ impl Core {
             let n = self.tree.node_mut(cur);
             debug_assert!(n.leases > 0);
             n.leases -= 1;
-            let last = n.leases == 0;
+            // Only a node the policy would take can enter the index (its
+            // answer depends on the node's own fields, not on leases).
+            let may_enter = n.leases == 0 && self.eviction.is_candidate(n);
             let parent = n.parent;
-            if last {
+            if may_enter {
                 self.refresh(cur);
             }
             cur = parent;
@@ -281,7 +286,7 @@ impl Core {
             n.leases = 0;
             n.cand = None;
             n.dirty = false;
-            n.pages = Arc::default();
+            n.pages = Span::default();
             if polite && id % 64 == 63 {
                 std::thread::yield_now();
             }

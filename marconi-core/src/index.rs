@@ -66,7 +66,10 @@ pub(crate) struct Choice {
 /// is bounded below by its lower cut (no ordered set by efficiency per
 /// bucket: a looser bound costs a search a few more steps, a second set
 /// would cost every insert and removal two more ordered-set operations).
-type Bucket = BTreeSet<(u64, NodeId)>;
+type Bucket = BTreeSet<Entry>;
+
+/// A bucket's entry: last access, node.
+type Entry = (u64, NodeId);
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
@@ -77,6 +80,15 @@ pub(crate) struct Index {
     /// holds efficiencies in `[cuts[b - 1], cuts[b])`.
     cuts: Vec<f64>,
     buckets: Vec<Bucket>,
+    /// The first and last entry of each bucket (`None` when empty), kept
+    /// beside the sets: a search reads this one array instead of descending
+    /// into every bucket's set for its ends (two descents per bucket, each
+    /// a few cache lines: most of a search's memory traffic, and what makes
+    /// an eviction slow on a cold cache).
+    ends: Vec<Option<(Entry, Entry)>>,
+    /// The lowest and highest entries by efficiency (the normalisation
+    /// bounds), kept as `ends` is.
+    eff_ends: Option<((Key, NodeId), (Key, NodeId))>,
     /// Bucket of each indexed node, by node id.
     bucket_of: Vec<u8>,
     /// Candidate count at the last rebuild.
@@ -96,10 +108,48 @@ impl Index {
         self.cuts.partition_point(|&c| c <= eff)
     }
 
+    /// Inserts into bucket `b`'s set, extending its ends.
+    fn bucket_insert(&mut self, b: usize, e: Entry) {
+        self.buckets[b].insert(e);
+        self.ends[b] = Some(match self.ends[b] {
+            None => (e, e),
+            Some((first, last)) => (first.min(e), last.max(e)),
+        });
+    }
+
+    /// Removes from bucket `b`'s set; its ends are read again from the set
+    /// only when the entry was one of them.
+    fn bucket_remove(&mut self, b: usize, e: Entry) {
+        let set = &mut self.buckets[b];
+        set.remove(&e);
+        if self.ends[b].is_some_and(|(first, last)| e == first || e == last) {
+            self.ends[b] = set.first().copied().zip(set.last().copied());
+        }
+    }
+
+    fn eff_insert(&mut self, e: (Key, NodeId)) {
+        self.by_eff.insert(e);
+        self.eff_ends = Some(match self.eff_ends {
+            None => (e, e),
+            Some((lo, hi)) => (lo.min(e), hi.max(e)),
+        });
+    }
+
+    fn eff_remove(&mut self, e: (Key, NodeId)) {
+        self.by_eff.remove(&e);
+        if self.eff_ends.is_some_and(|(lo, hi)| e == lo || e == hi) {
+            self.eff_ends = self
+                .by_eff
+                .first()
+                .copied()
+                .zip(self.by_eff.last().copied());
+        }
+    }
+
     /// Two ordered-set insertions (the global set by efficiency, the
     /// bucket's set by time), O(log n); now and then a rebuild, amortised.
     pub(crate) fn insert(&mut self, id: NodeId, k: CandKey) {
-        self.by_eff.insert((Key(k.eff), id));
+        self.eff_insert((Key(k.eff), id));
         if self.bucket_of.len() <= id as usize {
             self.bucket_of.resize(id as usize + 1, 0);
         }
@@ -110,7 +160,7 @@ impl Index {
             return;
         }
         let b = self.bucket_for(k.eff);
-        self.buckets[b].insert((k.time, id));
+        self.bucket_insert(b, (k.time, id));
         self.bucket_of[id as usize] = b as u8;
     }
 
@@ -142,13 +192,49 @@ impl Index {
             self.buckets[b].insert((t, i));
             self.bucket_of[i as usize] = b as u8;
         }
+        self.ends = self
+            .buckets
+            .iter()
+            .map(|b| b.first().copied().zip(b.last().copied()))
+            .collect();
         self.built_at = n;
     }
 
     /// Two ordered-set removals, O(log n).
     pub(crate) fn remove(&mut self, id: NodeId, k: CandKey) {
-        self.by_eff.remove(&(Key(k.eff), id));
-        self.buckets[usize::from(self.bucket_of[id as usize])].remove(&(k.time, id));
+        self.eff_remove((Key(k.eff), id));
+        self.bucket_remove(usize::from(self.bucket_of[id as usize]), (k.time, id));
+    }
+
+    /// Moves `id` from key `old` to key `new`: when the efficiency stays
+    /// and so does the bucket (a refreshed access time, the usual change),
+    /// one removal and one insertion in the bucket's set only; otherwise
+    /// [`remove`](Self::remove) then [`insert`](Self::insert).
+    pub(crate) fn update(&mut self, id: NodeId, old: CandKey, new: CandKey) {
+        if old.eff.to_bits() == new.eff.to_bits() {
+            let b = usize::from(self.bucket_of[id as usize]);
+            self.bucket_remove(b, (old.time, id));
+            self.bucket_insert(b, (new.time, id));
+            return;
+        }
+        self.remove(id, old);
+        self.insert(id, new);
+    }
+
+    /// Panics unless the kept ends are the sets' ends (tests).
+    #[cfg(test)]
+    fn assert_ends(&self) {
+        assert_eq!(
+            self.eff_ends,
+            self.by_eff
+                .first()
+                .copied()
+                .zip(self.by_eff.last().copied())
+        );
+        assert_eq!(self.ends.len(), self.buckets.len());
+        for (b, e) in self.buckets.iter().zip(&self.ends) {
+            assert_eq!(*e, b.first().copied().zip(b.last().copied()));
+        }
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -177,16 +263,13 @@ impl Index {
         eff_of: impl Fn(NodeId) -> f64,
         accept: impl Fn(NodeId) -> bool,
     ) -> Option<Choice> {
-        let &(Key(e_lo), _) = self.by_eff.first()?;
-        let &(Key(e_hi), _) = self.by_eff.last()?;
+        let ((Key(e_lo), _), (Key(e_hi), _)) = self.eff_ends?;
         // The time bounds: the oldest of the buckets' oldest, the newest of
-        // their newest (one ordered-set end per bucket).
+        // their newest (the kept ends: no set is descended).
         let (mut t_lo, mut t_hi) = (u64::MAX, 0u64);
-        for b in &self.buckets {
-            if let (Some(&(first, _)), Some(&(last, _))) = (b.first(), b.last()) {
-                t_lo = t_lo.min(first);
-                t_hi = t_hi.max(last);
-            }
+        for &((first, _), (last, _)) in self.ends.iter().flatten() {
+            t_lo = t_lo.min(first);
+            t_hi = t_hi.max(last);
         }
         let (t_lo, t_hi) = (t_lo as f64, t_hi as f64);
         let score = |t: u64, e: f64| {
@@ -217,11 +300,11 @@ impl Index {
         };
         // Buckets in order of their lower bound, so a good victim is found early.
         let mut order: Vec<(f64, usize)> = self
-            .buckets
+            .ends
             .iter()
             .enumerate()
-            .filter_map(|(i, b)| {
-                let &(t, _) = b.first()?;
+            .filter_map(|(i, e)| {
+                let ((t, _), _) = (*e)?;
                 Some((score(t, e_min(i)).2, i))
             })
             .collect();
@@ -261,12 +344,7 @@ impl Index {
     /// buckets' first entries; each rejected candidate costs one step.
     fn oldest_where(&self, accept: impl Fn(NodeId) -> bool) -> Option<(u64, NodeId)> {
         use std::cmp::Reverse;
-        let oldest = self
-            .buckets
-            .iter()
-            .filter_map(|b| b.first())
-            .min()
-            .copied()?;
+        let oldest = self.ends.iter().flatten().map(|&(first, _)| first).min()?;
         if accept(oldest.1) {
             return Some(oldest);
         }
@@ -348,15 +426,25 @@ mod tests {
                     live[i] = false;
                 }
             }
-            // Refreshed candidates come back later with a newer time.
+            // Refreshed candidates come back later with a newer time; some
+            // indexed ones are moved in place (a new time, or a new
+            // efficiency too).
             let mut points = points.clone();
             for (i, p) in points.iter_mut().enumerate() {
                 if !live[i] && i % 2 == 0 {
                     p.0 += 100;
                     idx.insert(i as NodeId, CandKey { time: p.0, eff: p.1 });
                     live[i] = true;
+                } else if live[i] && i % 3 == 0 {
+                    let old = CandKey { time: p.0, eff: p.1 };
+                    p.0 += 50 + (i as u64 % 7);
+                    if i % 2 == 1 {
+                        p.1 = f64::from((i * 37 % 400) as u32) * 0.37;
+                    }
+                    idx.update(i as NodeId, old, CandKey { time: p.0, eff: p.1 });
                 }
             }
+            idx.assert_ends();
             let remaining: Vec<(u64, f64, u8)> =
                 points.iter().zip(&live).filter(|p| *p.1).map(|p| *p.0).collect();
             let ids: Vec<usize> = (0..points.len()).filter(|&i| live[i]).collect();

@@ -2,6 +2,7 @@
 //! walking. Byte accounting and policies live in `cache`.
 
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::sync::Arc;
 
 /// Index of a node in the arena.
@@ -17,15 +18,166 @@ pub(crate) struct StateRef {
     pub(crate) slot: Option<u32>,
 }
 
+/// A range of a shared buffer of `u32`s: an edge's tokens or its page ids.
+///
+/// Splitting an edge cuts its range in two over the same buffer (O(1), no
+/// copy). Merging a node into its child (an eviction) joins two ranges:
+/// O(1) when they are adjacent in one buffer (a chain one admission
+/// inserted, or the two halves of a split); when the parent's range ends
+/// a buffer it holds alone, the child's tokens are appended to it (the
+/// buffer grows as a `Vec` does); when the child holds its buffer alone
+/// with room before its range, the parent's are written there; else both
+/// are copied into a new buffer with as much room again after them. On
+/// the decision-latency workload nearly every merge appends: states go
+/// oldest first, so a node that absorbed its parent is soon absorbed into
+/// its own child, and the grown buffer travels down instead of being
+/// copied again at every step. A copy of the tree (the tuner's window
+/// snapshot) shares the buffers: a buffer held by more than one span is
+/// never written, only read or copied.
+///
+/// A buffer lives while any range of it does, so an edge may keep the
+/// tokens of evicted neighbours: a join copies an adjacent result into a
+/// tight buffer when the one it would keep is more than four times its
+/// content, and [`Tree::remove_leaf`] tightens the parent's buffers when
+/// the parent holds them alone (the usual case: the leaf evicted was the
+/// end of the parent's chain).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Span {
+    /// `None`: empty (no allocation for an empty edge or page list).
+    buf: Option<Arc<Vec<u32>>>,
+    start: u32,
+    end: u32,
+}
+
+impl Deref for Span {
+    type Target = [u32];
+
+    fn deref(&self) -> &[u32] {
+        match &self.buf {
+            Some(b) => &b[self.start as usize..self.end as usize],
+            None => &[],
+        }
+    }
+}
+
+impl Span {
+    /// The whole of `v`.
+    pub(crate) fn from_vec(v: Vec<u32>) -> Span {
+        if v.is_empty() {
+            return Span::default();
+        }
+        let end = u32::try_from(v.len()).expect("an edge is shorter than 2^32 tokens");
+        Span {
+            buf: Some(Arc::new(v)),
+            start: 0,
+            end,
+        }
+    }
+
+    /// `self[from..to]`, sharing the buffer.
+    pub(crate) fn slice(&self, from: usize, to: usize) -> Span {
+        debug_assert!(from <= to && to <= self.len());
+        if from == to {
+            return Span::default();
+        }
+        Span {
+            buf: self.buf.clone(),
+            start: self.start + from as u32,
+            end: self.start + to as u32,
+        }
+    }
+
+    /// Cuts after `at` items: (`self[..at]`, `self[at..]`), one buffer.
+    fn split_at(self, at: usize) -> (Span, Span) {
+        (self.slice(0, at), self.slice(at, self.len()))
+    }
+
+    /// Length of the buffer behind the range (0 when empty).
+    fn buf_len(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Whether the buffer holds much more than the range: more than four
+    /// times, and more than a small edge's worth.
+    fn wasteful(&self) -> bool {
+        let (len, cap) = (self.len(), self.buf_len());
+        cap > 64 && cap > 4 * len
+    }
+
+    /// Copies the range into a tight buffer when the buffer is wasteful
+    /// and this span holds it alone (a shared buffer is left as it is: the
+    /// other holders still read it).
+    fn tighten(&mut self) {
+        if self.wasteful() && self.buf.as_ref().is_some_and(|b| Arc::strong_count(b) == 1) {
+            *self = Span::from_vec(self.to_vec());
+        }
+    }
+
+    /// `head` followed by `tail`. O(1) when they are adjacent in one
+    /// buffer; O(`tail`) amortised when `head` holds its buffer alone and
+    /// ends it (the buffer grows as a `Vec` does); O(`head`) when `tail`
+    /// holds its buffer alone with room for `head` in front of its range;
+    /// else O(`head` + `tail`) into a new buffer with room for as much
+    /// again after it.
+    fn join(mut head: Span, mut tail: Span) -> Span {
+        if head.is_empty() {
+            return tail;
+        }
+        if tail.is_empty() {
+            return head;
+        }
+        let adjacent = match (&head.buf, &tail.buf) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b) && head.end == tail.start,
+            _ => false,
+        };
+        if adjacent {
+            let start = head.start;
+            drop(head);
+            tail.start = start;
+            if !tail.wasteful() {
+                return tail;
+            }
+            return Span::from_vec(tail.to_vec());
+        }
+        let (h, t) = (head.len(), tail.len());
+        let end = u32::try_from(h + t).expect("an edge is shorter than 2^32 tokens");
+        if head.start == 0 {
+            let head_end = head.end as usize;
+            if let Some(buf) = head.buf.as_mut().and_then(Arc::get_mut) {
+                if buf.len() == head_end {
+                    buf.extend_from_slice(&tail);
+                    head.end = end;
+                    return head;
+                }
+            }
+        }
+        if tail.start as usize >= h && !tail.wasteful() {
+            if let Some(buf) = tail.buf.as_mut().and_then(Arc::get_mut) {
+                let at = tail.start as usize - h;
+                buf[at..at + h].copy_from_slice(&head);
+                tail.start = at as u32;
+                return tail;
+            }
+        }
+        let mut v = Vec::with_capacity(2 * (h + t));
+        v.extend_from_slice(&head);
+        v.extend_from_slice(&tail);
+        Span {
+            buf: Some(Arc::new(v)),
+            start: 0,
+            end,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Node {
     pub(crate) parent: NodeId,
-    /// The edge label: tokens from the parent's end to this node's end.
-    /// Copy-on-write: a copy of the tree (the tuner's window snapshot)
-    /// shares the buffers instead of copying every cached token, and an edge
-    /// that changes while shared is copied then (`Arc::make_mut`), on a path
-    /// that walks that edge anyway.
-    pub(crate) tokens: Arc<Vec<u32>>,
+    /// The edge label: tokens from the parent's end to this node's end, a
+    /// range of a shared buffer ([`Span`]): a copy of the tree (the tuner's
+    /// window snapshot) shares the buffers instead of copying every cached
+    /// token, and splits and most merges copy no token.
+    pub(crate) tokens: Span,
     /// Prefix length at the end of the edge.
     pub(crate) depth: u32,
     /// Children keyed by their edge's first token, sorted.
@@ -34,7 +186,7 @@ pub(crate) struct Node {
     pub(crate) state: Option<StateRef>,
     /// The engine's KV page ids for this edge (`tokens.len() / page_size`),
     /// or empty when the engine does not track pages. Shared as `tokens` is.
-    pub(crate) pages: Arc<Vec<u32>>,
+    pub(crate) pages: Span,
     /// Logical time of the last access.
     pub(crate) last_access: u64,
     /// Leases whose pinned path runs through this node.
@@ -334,27 +486,23 @@ impl Tree {
         let (parent, head, head_pages, depth, leases, last_access) = {
             let n = self.node_mut(id);
             debug_assert!(at > 0 && (at as usize) < n.tokens.len());
-            let tokens = Arc::make_mut(&mut n.tokens);
-            let tail = tokens.split_off(at as usize);
-            let head = std::mem::replace(tokens, tail);
-            let head_pages = if n.pages.is_empty() {
-                Vec::new()
-            } else {
-                let pages = Arc::make_mut(&mut n.pages);
-                let tail_pages = pages.split_off((at / page_size) as usize);
-                std::mem::replace(pages, tail_pages)
-            };
+            // O(1): both halves keep ranges of the same buffers.
+            let (head, tail) = std::mem::take(&mut n.tokens).split_at(at as usize);
+            n.tokens = tail;
+            let page_cut = ((at / page_size) as usize).min(n.pages.len());
+            let (head_pages, tail_pages) = std::mem::take(&mut n.pages).split_at(page_cut);
+            n.pages = tail_pages;
             let depth = n.depth - (n.tokens.len() as u32);
             (n.parent, head, head_pages, depth, n.leases, n.last_access)
         };
         let second = self.node(id).tokens[0];
         let new = self.alloc(Node {
             parent,
-            tokens: Arc::new(head),
+            tokens: head,
             depth,
             children: vec![(second, id)],
             state: None,
-            pages: Arc::new(head_pages),
+            pages: head_pages,
             last_access,
             leases,
             cand: None,
@@ -368,6 +516,7 @@ impl Tree {
     }
 
     /// Adds a leaf under `parent` with the given edge.
+    #[cfg(test)]
     pub(crate) fn add_leaf(
         &mut self,
         parent: NodeId,
@@ -375,15 +524,27 @@ impl Tree {
         pages: Vec<u32>,
         now: u64,
     ) -> NodeId {
+        self.add_leaf_span(parent, Span::from_vec(tokens), Span::from_vec(pages), now)
+    }
+
+    /// Adds a leaf under `parent` with the given edge (a range of a buffer
+    /// that may hold a whole chain: see [`Span`]).
+    pub(crate) fn add_leaf_span(
+        &mut self,
+        parent: NodeId,
+        tokens: Span,
+        pages: Span,
+        now: u64,
+    ) -> NodeId {
         let depth = self.node(parent).depth + tokens.len() as u32;
         let first = tokens[0];
         let id = self.alloc(Node {
             parent,
-            tokens: Arc::new(tokens),
+            tokens,
             depth,
             children: Vec::new(),
             state: None,
-            pages: Arc::new(pages),
+            pages,
             last_access: now,
             leases: 0,
             cand: None,
@@ -401,8 +562,13 @@ impl Tree {
     pub(crate) fn remove_leaf(&mut self, id: NodeId) -> NodeId {
         let parent = self.node(id).parent;
         debug_assert!(self.node(id).children.is_empty() && parent != NIL);
-        self.node_mut(parent).remove_child(id);
         self.release(id);
+        let p = self.node_mut(parent);
+        p.remove_child(id);
+        // The leaf was often the end of its parent's chain: the buffer they
+        // shared is the parent's alone now.
+        p.tokens.tighten();
+        p.pages.tighten();
         parent
     }
 
@@ -422,15 +588,8 @@ impl Tree {
         };
         {
             let c = self.node_mut(child);
-            // Unshared (no snapshot holds it), the parent's buffer is reused.
-            let mut tokens = Arc::unwrap_or_clone(tokens);
-            tokens.extend_from_slice(&c.tokens);
-            c.tokens = Arc::new(tokens);
-            if !c.pages.is_empty() || !pages.is_empty() {
-                let mut pages = Arc::unwrap_or_clone(pages);
-                pages.extend_from_slice(&c.pages);
-                c.pages = Arc::new(pages);
-            }
+            c.tokens = Span::join(tokens, std::mem::take(&mut c.tokens));
+            c.pages = Span::join(pages, std::mem::take(&mut c.pages));
             c.parent = parent;
         }
         self.node_mut(parent).replace_child(id, child);
@@ -461,6 +620,63 @@ mod tests {
             bad[at] = 99;
             assert!(!t.path_starts_with(b, &bad), "{at}");
         }
+    }
+
+    /// Every way two spans are joined gives the concatenation, and a
+    /// shared buffer is never written.
+    #[test]
+    fn span_joins_and_splits() {
+        use super::Span;
+        let whole = Span::from_vec((0..100).collect());
+        let (a, b) = whole.clone().split_at(30);
+        assert_eq!(&a[..], &(0..30).collect::<Vec<u32>>()[..]);
+        assert_eq!(&b[..], &(30..100).collect::<Vec<u32>>()[..]);
+        // Adjacent in one buffer.
+        let j = Span::join(a.clone(), b.clone());
+        assert_eq!(&j[..], &whole[..]);
+        // Not adjacent: b then a, copied (both shared with `whole`).
+        let j = Span::join(b.clone(), a.clone());
+        let want: Vec<u32> = (30..100).chain(0..30).collect();
+        assert_eq!(&j[..], &want[..]);
+        assert_eq!(
+            &whole[..],
+            &(0..100).collect::<Vec<u32>>()[..],
+            "shared buffer unchanged"
+        );
+        // Appended in place to a buffer the head holds alone, then again.
+        let head = Span::from_vec(vec![7, 8]);
+        let j = Span::join(head, Span::from_vec(vec![9]));
+        let j = Span::join(j, Span::from_vec(vec![10, 11]));
+        assert_eq!(&j[..], &[7, 8, 9, 10, 11]);
+        // A head that shares its buffer (a snapshot's copy) is not written.
+        let snap = j.clone();
+        let k = Span::join(j, Span::from_vec(vec![12]));
+        assert_eq!(&k[..], &[7, 8, 9, 10, 11, 12]);
+        assert_eq!(&snap[..], &[7, 8, 9, 10, 11]);
+        // Written in front of a tail that holds its buffer alone with room.
+        let (front, tail) = Span::from_vec((0..10).collect()).split_at(4);
+        drop(front);
+        let j = Span::join(Span::from_vec(vec![50, 51]), tail);
+        assert_eq!(&j[..], &[50, 51, 4, 5, 6, 7, 8, 9]);
+        // Empty sides.
+        assert_eq!(&Span::join(Span::default(), b.clone())[..], &b[..]);
+        assert_eq!(&Span::join(b.clone(), Span::default())[..], &b[..]);
+    }
+
+    /// Evicting the end of a chain tightens what is left of its buffer.
+    #[test]
+    fn a_removed_leaf_tightens_its_parents_buffer() {
+        use super::Span;
+        let mut t = Tree::default();
+        let root = t.root_or_insert(0);
+        let chain = Span::from_vec((0..1000).collect());
+        let a = t.add_leaf_span(root, chain.slice(0, 100), Span::default(), 0);
+        let b = t.add_leaf_span(a, chain.slice(100, 1000), Span::default(), 0);
+        drop(chain);
+        assert_eq!(t.node(a).tokens.buf_len(), 1000);
+        assert_eq!(t.remove_leaf(b), a);
+        assert_eq!(t.node(a).tokens.buf_len(), 100);
+        assert_eq!(&t.node(a).tokens[..], &(0..100).collect::<Vec<u32>>()[..]);
     }
 
     #[test]

@@ -33,7 +33,7 @@ use crate::config::{AdmissionPolicy, CacheConfig};
 use crate::error::CacheError;
 use crate::eviction::UnitUse;
 use crate::log::{Decision, PlanReason};
-use crate::tree::{NodeId, StateRef, Tree, Walk};
+use crate::tree::{NodeId, Span, StateRef, Tree, Walk};
 
 pub(crate) use all_blocks::AllBlocks;
 pub(crate) use marconi::Marconi;
@@ -562,17 +562,30 @@ impl Core {
             .filter(|&p| p > m && p < aligned)
             .collect();
         cuts.push(aligned);
+        // One buffer for the chain's tokens and one for its pages, each
+        // node a range of them: a later merge of two of these nodes (an
+        // eviction of the state between them) copies nothing.
+        let chain = Span::from_vec(seq[m as usize..].to_vec());
+        let first_page = (m / page) as usize;
+        let chain_pages = if kv_pages.is_empty() {
+            Span::default()
+        } else {
+            Span::from_vec(kv_pages[first_page..(aligned / page) as usize].to_vec())
+        };
+        self.page_owner.extend(chain_pages.iter().copied());
         let (mut parent, mut start) = (parent, m);
         for end in cuts {
-            let pages = if kv_pages.is_empty() {
-                Vec::new()
+            let pages = if chain_pages.is_empty() {
+                Span::default()
             } else {
-                kv_pages[(start / page) as usize..(end / page) as usize].to_vec()
+                chain_pages.slice(
+                    (start / page) as usize - first_page,
+                    (end / page) as usize - first_page,
+                )
             };
-            self.page_owner.extend(pages.iter().copied());
-            let node = self.tree.add_leaf(
+            let node = self.tree.add_leaf_span(
                 parent,
-                seq[start as usize..end as usize].to_vec(),
+                chain.slice((start - m) as usize, (end - m) as usize),
                 pages,
                 self.clock,
             );

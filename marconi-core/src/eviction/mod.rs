@@ -284,14 +284,12 @@ impl Core {
     pub(crate) fn reindex(&mut self, id: NodeId) {
         let want = self.wanted_key(id);
         let have = self.tree.node(id).cand;
-        if want == have {
-            return;
-        }
-        if let Some(k) = have {
-            self.index.remove(id, k);
-        }
-        if let Some(k) = want {
-            self.index.insert(id, k);
+        match (have, want) {
+            (h, w) if h == w => return,
+            (Some(h), Some(w)) => self.index.update(id, h, w),
+            (Some(h), None) => self.index.remove(id, h),
+            (None, Some(w)) => self.index.insert(id, w),
+            (None, None) => {}
         }
         self.tree.node_mut(id).cand = want;
     }

@@ -1751,7 +1751,8 @@ marconi_status marconi_cache_lookup(const struct marconi_cache *cache,
  * With n_checkpoints 0 this is marconi_cache_lookup.
  *
  * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
- * for checkpoints NULL with n_checkpoints > 0.
+ * for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
+ * for n_checkpoints >= 2^32 - 1 (refused before the array is read).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *

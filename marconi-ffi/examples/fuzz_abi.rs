@@ -263,6 +263,15 @@ fn default_config() -> marconi_cache_config {
     unsafe { cfg.assume_init() }
 }
 
+const POLICY_PRESETS: [&CStr; 6] = [
+    c"marconi",
+    c"marconi-paper",
+    c"marconi-tuned",
+    c"marconi-shadow",
+    c"sglang-plus",
+    c"vllm-plus",
+];
+
 const PRESETS: [&CStr; 5] = [
     c"paper-7b",
     c"paper-7b-attn",
@@ -583,9 +592,41 @@ impl<'r> Worker<'r> {
         };
         let h = self.h(c);
         let mut l = marconi_lookup::default();
-        // SAFETY: live handle, input outlives the call, l is writable.
+        // A third of the lookups pass application checkpoint hints: in and
+        // out of range, duplicated, unaligned; the plan checks below and
+        // the admission of every planned position hold for them too.
+        let hints: Option<Vec<u32>> = self.rng.chance(1, 3).then(|| {
+            let n = input.len() as u32;
+            let k = self.rng.below(5);
+            (0..k)
+                .map(|_| match self.rng.below(5) {
+                    0 => self.rng.below(u64::from(n) + 2) as u32,
+                    1 => n,
+                    2 => u32::MAX,
+                    3 => 0,
+                    _ => n / 2,
+                })
+                .collect()
+        });
+        // SAFETY: live handle, input and hints outlive the call, l is writable.
         let st = self.call("lookup", || unsafe {
-            marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l)
+            match &hints {
+                None => marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l),
+                Some(hs) => marconi_cache_lookup_hinted(
+                    h,
+                    ns,
+                    input.as_ptr(),
+                    input.len(),
+                    if hs.is_empty() {
+                        ptr::null()
+                    } else {
+                        hs.as_ptr()
+                    },
+                    hs.len(),
+                    dst,
+                    &mut l,
+                ),
+            }
         });
         if !self.expect("lookup", st, &[St::Ok]) {
             return;
@@ -1254,7 +1295,7 @@ impl<'r> Worker<'r> {
         let mis_mut = buf.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<u32>();
         let lease = self.bad_lease(c);
         let live = self.leases.iter().position(|x| x.cache == c);
-        let kind = self.rng.below(30);
+        let kind = self.rng.below(32);
         let null_c: *const marconi_cache = ptr::null();
         // SAFETY (every call below): the library checks NULL, alignment and
         // lengths before touching a buffer; buffers that are read are valid
@@ -1321,6 +1362,38 @@ impl<'r> Worker<'r> {
                         marconi_cache_lookup(h, 0, mis, 4, MARCONI_NO_SLOT, &mut l)
                     }),
                     vec![St::InvalidArgument],
+                ),
+                30 => (
+                    "lookup_hinted NULL checkpoints with a length",
+                    self.call("lookup_hinted", || {
+                        marconi_cache_lookup_hinted(
+                            h,
+                            0,
+                            t.as_ptr(),
+                            t.len(),
+                            ptr::null(),
+                            1 + huge % 7,
+                            MARCONI_NO_SLOT,
+                            &mut l,
+                        )
+                    }),
+                    vec![St::NullArgument],
+                ),
+                31 => (
+                    "lookup_hinted huge checkpoint count",
+                    self.call("lookup_hinted", || {
+                        marconi_cache_lookup_hinted(
+                            h,
+                            0,
+                            t.as_ptr(),
+                            t.len(),
+                            t.as_ptr(),
+                            huge,
+                            MARCONI_NO_SLOT,
+                            &mut l,
+                        )
+                    }),
+                    vec![St::TooManyTokens],
                 ),
                 6 => (
                     "release unknown lease",
@@ -1684,7 +1757,8 @@ impl<'r> Worker<'r> {
         let mut cfg = default_config();
         cfg.capacity_bytes = 1 << 30;
         let grid = [0.5f64, 1.0];
-        let (what, want): (&str, St) = match self.rng.below(14) {
+        let alphas = [0.0f64, 2.0];
+        let (what, want): (&str, St) = match self.rng.below(18) {
             0 => {
                 cfg.capacity_bytes = 0;
                 ("capacity 0", St::InvalidConfig)
@@ -1748,6 +1822,46 @@ impl<'r> Worker<'r> {
                     _ => cfg.model.head_dim = u64::MAX,
                 }
                 ("model dimensions overflow", St::InvalidConfig)
+            }
+            13 => {
+                cfg.alpha_mode = 0;
+                if self.rng.chance(1, 2) {
+                    cfg.shadows = 1;
+                } else {
+                    cfg.tuner_tune_rules = 1;
+                }
+                (
+                    "shadows or rule tuning with a fixed alpha",
+                    St::InvalidConfig,
+                )
+            }
+            14 => {
+                cfg.shadows = 1;
+                cfg.shadow_alphas = ptr::null();
+                cfg.shadow_alphas_len = 1 + self.rng.below(1 << 20) as usize;
+                ("shadow_alphas NULL with a length", St::NullArgument)
+            }
+            15 => {
+                cfg.shadows = 1;
+                cfg.shadow_alphas = alphas.as_ptr();
+                cfg.shadow_alphas_len = 2;
+                cfg.shadow_exact_bytes = self.rng.pick(&[1, 1 << 20, u64::MAX]);
+                cfg.tuner_max_window = self.rng.pick(&[0, 8, 100]) as u32;
+                ("a valid config with shadows", St::Ok)
+            }
+            16 => {
+                let name = self.rng.pick(&POLICY_PRESETS);
+                // SAFETY: a NUL-terminated name and a whole struct.
+                let st = self.call("config_preset", || unsafe {
+                    marconi_cache_config_preset(
+                        &mut cfg,
+                        std::mem::size_of::<marconi_cache_config>(),
+                        name.as_ptr(),
+                    )
+                });
+                self.expect("config_preset", st, &[St::Ok]);
+                cfg.capacity_bytes = 1 << 30;
+                ("a policy preset", St::Ok)
             }
             _ => {
                 cfg.tuner_grid = grid.as_ptr();

@@ -436,7 +436,8 @@ pub unsafe extern "C" fn marconi_cache_lookup(
 /// With n_checkpoints 0 this is marconi_cache_lookup.
 ///
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
-/// for checkpoints NULL with n_checkpoints > 0.
+/// for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
+/// for n_checkpoints >= 2^32 - 1 (refused before the array is read).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -460,6 +461,10 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
+        // Refused before anything is read, as an oversized token count is:
+        // a model whose hits need no states ignores the hints, so without
+        // this a wild count would pass there and fault elsewhere.
+        tokens_len_ok(n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract of the header.
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
         // SAFETY: forwarded caller contract.

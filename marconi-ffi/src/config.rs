@@ -8,7 +8,9 @@ use marconi_core::{
     ShadowConfig, TunerConfig, TuningObjective,
 };
 
-use crate::status::{boundary, check_ptr, in_slice, marconi_status, require, FfiError, FfiResult};
+use crate::status::{
+    boundary, check_ptr, in_slice, marconi_status, read_versioned, require, FfiError, FfiResult,
+};
 
 /// Which recurrent states the cache asks for and accepts
 /// (values of marconi_cache_config.admission).
@@ -432,48 +434,15 @@ fn bad_config(detail: String) -> FfiError {
 pub(crate) unsafe fn read_config(
     cfg: *const marconi_cache_config,
 ) -> FfiResult<marconi_cache_config> {
-    // SAFETY: cfg is non-NULL and aligned (checked by the caller) and every
-    // version of the struct starts with the u32 struct_size.
-    let size = unsafe { cfg.cast::<u32>().read() } as usize;
-    if size < CONFIG_V1_SIZE {
-        return Err(FfiError::new(
-            marconi_status::UnsupportedStructSize,
-            format!(
-                "config struct_size is {size}, smaller than the first version ({CONFIG_V1_SIZE}); use marconi_cache_config_init"
-            ),
-        ));
+    // SAFETY: contract of this function; the config is plain data.
+    unsafe {
+        read_versioned(
+            cfg,
+            CONFIG_V1_SIZE,
+            marconi_cache_config::defaults(),
+            "config",
+        )
     }
-    let ours = std::mem::size_of::<marconi_cache_config>();
-    if size > ours {
-        // SAFETY: the caller's struct has `size` readable bytes.
-        let extra = unsafe { std::slice::from_raw_parts(cfg.cast::<u8>().add(ours), size - ours) };
-        if extra.iter().any(|&b| b != 0) {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!(
-                    "config struct_size is {size} and sets fields this library ({} bytes) does not know",
-                    ours
-                ),
-            ));
-        }
-    }
-    if size < ours {
-        // An older caller: its fields over the defaults of the rest.
-        let mut out = marconi_cache_config::defaults();
-        // SAFETY: the caller's struct has `size` readable bytes, `out` has
-        // `ours` > size writable ones, and every field is plain data (any
-        // bit pattern of the caller's fields is a valid value).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                cfg.cast::<u8>(),
-                std::ptr::addr_of_mut!(out).cast::<u8>(),
-                size,
-            );
-        }
-        return Ok(out);
-    }
-    // SAFETY: size >= ours, so a whole current struct is readable.
-    Ok(unsafe { cfg.read() })
 }
 
 /// Turns a C config into the core's, checking enum values and pointers. The

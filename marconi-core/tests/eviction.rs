@@ -245,6 +245,8 @@ fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
             alpha: AlphaMode::Fixed(0.0),
             protect_branch_states: protect,
             decision_log: true,
+            // At most the branch point's depth (100): protected.
+            protect_min_depth: 100,
             // Room for what the first three requests leave, so that the
             // fourth (10 new tokens and a state) evicts.
             ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
@@ -260,4 +262,45 @@ fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
     evict   Merge depth=100 edge=100 recency=0.000 eff=0.999 utility=0.000 freed=26787840
     evict   Leaf depth=100 edge=100 recency=0.000 eff=0.371 utility=0.000 freed=33341440
     ");
+}
+
+#[test]
+fn a_branch_point_shallower_than_protect_min_depth_is_not_protected() {
+    // The scenario above with protection on: a branch point at depth 100
+    // is protected when `protect_min_depth` is at most 100 and merged away
+    // as under the paper's rule when it is deeper (a few shared leading
+    // tokens are not a shared prompt).
+    let reqs = vec![
+        cat(&[range(0, 100), range(1000, 1100)]),
+        cat(&[range(0, 100), range(2000, 2100)]),
+        range(5000, 5100),
+        cat(&[range(0, 100), range(2000, 2100), range(3000, 3010)]),
+        range(7000, 7100),
+    ];
+    let run = |protect_min_depth: u32| {
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Fixed(0.0),
+            decision_log: true,
+            protect_min_depth,
+            ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
+        };
+        assert!(cfg.protect_branch_states);
+        evictions(PrefixCache::new(cfg).unwrap(), &reqs)
+    };
+    let paper_rules = {
+        let cfg = CacheConfig {
+            alpha: AlphaMode::Fixed(0.0),
+            decision_log: true,
+            protect_branch_states: false,
+            ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
+        };
+        evictions(PrefixCache::new(cfg).unwrap(), &reqs)
+    };
+    assert_eq!(run(101), paper_rules);
+    assert_ne!(run(100), paper_rules);
+    assert_eq!(run(0), run(100));
+    assert_eq!(
+        CacheConfig::marconi(paper(), 1).protect_min_depth,
+        marconi_core::DEFAULT_PROTECT_MIN_DEPTH
+    );
 }

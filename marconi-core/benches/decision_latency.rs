@@ -303,7 +303,7 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
             other_max = other_max.max(ran);
         }
         // Ranked by time less CPU wait: the cache's own stalls first.
-        if slowest.len() < 5 || ran > slowest[4].0 - slowest[4].4 {
+        if slowest.len() < 5 || ran > slowest[4].0.saturating_sub(slowest[4].4) {
             slowest.push((
                 ns,
                 warm + i,
@@ -313,7 +313,7 @@ fn run(name: &str, adoption: Option<AlphaAdoption>, setup: &Setup) {
                 switches,
                 faults,
             ));
-            slowest.sort_by_key(|s| std::cmp::Reverse(s.0 - s.4));
+            slowest.sort_by_key(|s| std::cmp::Reverse(s.0.saturating_sub(s.4)));
             slowest.truncate(5);
         }
     }

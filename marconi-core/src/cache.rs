@@ -260,7 +260,8 @@ impl Core {
     }
 
     /// Turns a plain clone into a copy for replaying a tuning window: no
-    /// leases, no log, nothing pending for the engine, no engine page ids
+    /// leases, no log, nothing pending for the engine, no engine page or
+    /// slot ids
     /// (replayed requests carry none, as [`serve`](Self::serve) requires),
     /// fresh counters, the index rebuilt. O(nodes · log nodes): the tuner
     /// runs it on the search thread, off the request path (which pays only
@@ -281,12 +282,18 @@ impl Core {
         c.index.clear();
         c.dirty.clear();
         c.page_owner.clear();
+        // Nor slot ids: replayed states carry none (the window snapshot
+        // leaves the owners out).
+        c.slot_owner.clear();
         for id in 0..c.tree.nodes.len() as NodeId {
             let n = c.tree.node_mut(id);
             n.leases = 0;
             n.cand = None;
             n.dirty = false;
             n.pages = Span::default();
+            if let Some(st) = &mut n.state {
+                st.slot = None;
+            }
             if polite && id % 64 == 63 {
                 std::thread::yield_now();
             }

@@ -450,8 +450,8 @@ impl Search {
 /// that opens the window. Leaves out what
 /// [`Core::prepare_for_replay`] rebuilds or drops on the search thread anyway
 /// (the eviction index, leases, the log, ids waiting for the engine, the
-/// engine's page ids), so the request pays for the slot owners and one
-/// reference per chunk of 16 nodes (`tree::Nodes`: copy-on-write chunks,
+/// engine's page and slot ids), so the request pays for one reference per
+/// chunk of 16 nodes (`tree::Nodes`: copy-on-write chunks,
 /// whose edge tokens and page lists are shared buffers too): a few µs at a
 /// million cached tokens and 1.8 k nodes.
 fn window_snapshot(core: &mut Core) -> Core {
@@ -460,12 +460,14 @@ fn window_snapshot(core: &mut Core) -> Core {
     let log = std::mem::replace(&mut core.log, DecisionLog::new(false));
     let freed = std::mem::take(&mut core.freed);
     let page_owner = std::mem::take(&mut core.page_owner);
+    let slot_owner = std::mem::take(&mut core.slot_owner);
     let snapshot = core.clone();
     core.index = index;
     core.leases = leases;
     core.log = log;
     core.freed = freed;
     core.page_owner = page_owner;
+    core.slot_owner = slot_owner;
     snapshot
 }
 

@@ -31,13 +31,14 @@ use crate::trace::Trace;
 use crate::units::format_bytes;
 
 /// The policies of every row, in table order.
-pub const POLICIES: [Policy; 7] = [
+pub const POLICIES: [Policy; 8] = [
     Policy::SglangPlus,
     Policy::VllmPlus,
     Policy::MarconiPaper,
     Policy::Marconi,
     Policy::MarconiTuned,
     Policy::MarconiShadow,
+    Policy::MarconiHinted,
     Policy::Clairvoyant,
 ];
 

@@ -410,6 +410,11 @@ struct CompareArgs {
     /// Policies (comma-separated; default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     policies: Vec<Policy>,
+    /// The built-in synthetic workload replayed without --trace (seed 0).
+    /// Its system prompts are the application checkpoints of
+    /// marconi-hinted (a trace file has none).
+    #[arg(long, value_enum, default_value_t = SynthKind::Agentic, conflicts_with = "trace")]
+    workload: SynthKind,
     #[command(flatten)]
     out: OutputArgs,
     #[command(flatten)]
@@ -574,14 +579,19 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
 }
 
 fn load(path: Option<&Path>) -> Result<(Trace, String), String> {
+    load_workload(path, SynthKind::Agentic)
+}
+
+/// The trace at `path`, or the built-in `kind` workload (seed 0).
+fn load_workload(path: Option<&Path>, kind: SynthKind) -> Result<(Trace, String), String> {
     match path {
         Some(p) => Ok((
             Trace::load(p).map_err(|e| format!("{}: {e}", p.display()))?,
             p.display().to_string(),
         )),
         None => Ok((
-            synth::generate(&SynthConfig::new(SynthKind::Agentic)),
-            "built-in agentic (synth seed 0)".into(),
+            synth::generate(&SynthConfig::new(kind)),
+            format!("built-in {kind} (synth seed 0)"),
         )),
     }
 }
@@ -785,7 +795,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
     let jobs = compare::policy_jobs(&base, &policies);
     validate(&jobs)?;
     out_dir(&a.out.out_dir)?;
-    let (trace, name) = load(a.trace.as_deref())?;
+    let (trace, name) = load_workload(a.trace.as_deref(), a.workload)?;
     let t0 = Instant::now();
     let replays = run_parallel(&trace, &jobs, a.out.threads, a.cache.quiet)?;
     let wall = t0.elapsed().as_secs_f64();

@@ -90,7 +90,7 @@ fn color(name: &str, i: usize) -> RGBColor {
     // Every policy, the opt-in ones after those `compare` runs by default.
     let all: Vec<Policy> = Policy::ALL
         .into_iter()
-        .chain([Policy::MarconiShadow])
+        .chain([Policy::MarconiShadow, Policy::MarconiHinted])
         .collect();
     let first = name.split_whitespace().next().unwrap_or("");
     let k = all

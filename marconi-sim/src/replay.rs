@@ -31,6 +31,12 @@ pub enum Policy {
     /// Marconi whose rules and α follow the best of its shadow caches
     /// (`CacheConfig::marconi_shadow`).
     MarconiShadow,
+    /// Marconi (`CacheConfig::marconi`) with application checkpoints: a
+    /// request whose input starts with a prefix the workload's application
+    /// knows is shared (`Trace::app_prefixes`: the generators' system
+    /// prompts) passes its end to `PrefixCache::lookup_hinted`. The same as
+    /// `marconi` on a trace without such prefixes (a trace file, ShareGPT).
+    MarconiHinted,
     /// SGLang+: Marconi's admission with LRU eviction.
     SglangPlus,
     /// vLLM+: a state every block (`--block-size`), LRU eviction.
@@ -66,6 +72,7 @@ impl Policy {
             Policy::MarconiPaper => "marconi-paper",
             Policy::MarconiTuned => "marconi-tuned",
             Policy::MarconiShadow => "marconi-shadow",
+            Policy::MarconiHinted => "marconi-hinted",
             Policy::Clairvoyant => "clairvoyant",
             Policy::SglangPlus => "sglang-plus",
             Policy::VllmPlus => "vllm-plus",
@@ -152,7 +159,7 @@ impl ReplayConfig {
         let m = self.model.clone();
         let c = self.capacity_bytes;
         let mut cfg = match self.policy {
-            Policy::Marconi => CacheConfig::marconi(m, c),
+            Policy::Marconi | Policy::MarconiHinted => CacheConfig::marconi(m, c),
             Policy::MarconiPaper => CacheConfig::marconi_paper(m, c),
             Policy::MarconiTuned => CacheConfig::marconi_tuned(m, c),
             Policy::MarconiShadow => CacheConfig::marconi_shadow(m, c),
@@ -162,7 +169,11 @@ impl ReplayConfig {
             Policy::NoCache | Policy::Clairvoyant => return None,
         };
         if let (
-            Policy::Marconi | Policy::MarconiPaper | Policy::MarconiTuned | Policy::MarconiShadow,
+            Policy::Marconi
+            | Policy::MarconiPaper
+            | Policy::MarconiTuned
+            | Policy::MarconiShadow
+            | Policy::MarconiHinted,
             Some(a),
         ) = (self.policy, self.alpha)
         {
@@ -292,12 +303,21 @@ pub fn replay(
     } else {
         let mut err = None;
         let mut n = 0u64;
+        let hinted = cfg.policy == Policy::MarconiHinted;
         trace.for_each(|r| {
             if err.is_some() {
                 return;
             }
-            let hit = match cache.as_mut() {
-                Some(c) => match c.serve_full(0, r.input_len, r.full) {
+            let served = cache.as_mut().map(|c| {
+                if hinted {
+                    let hints = trace.app_checkpoints(r.input());
+                    c.serve_full_hinted(0, r.input_len, r.full, &hints)
+                } else {
+                    c.serve_full(0, r.input_len, r.full)
+                }
+            });
+            let hit = match served {
+                Some(s) => match s {
                     Ok(s) => s.hit_tokens as usize,
                     Err(source) => {
                         err = Some(ReplayError::Request { id: r.id, source });
@@ -434,7 +454,12 @@ fn concurrent(
                 return;
             }
         }
-        let l = match cache.lookup(0, r.input()) {
+        let looked_up = if cfg.policy == Policy::MarconiHinted {
+            cache.lookup_hinted(0, r.input(), &trace.app_checkpoints(r.input()))
+        } else {
+            cache.lookup(0, r.input())
+        };
+        let l = match looked_up {
             Ok(l) => l,
             Err(source) => {
                 err = Some(ReplayError::Request { id: r.id, source });

@@ -188,12 +188,15 @@ fn round_us(t: f64) -> f64 {
 /// Generates the trace `cfg` describes.
 pub fn generate(cfg: &SynthConfig) -> Trace {
     let mut rng = Rng::new(cfg.seed ^ ((cfg.kind as u64) << 56));
+    let mut prefixes = Vec::new();
     let sessions = match cfg.kind {
-        SynthKind::Agentic => agentic(cfg, &mut rng),
-        SynthKind::Chat => chat(cfg, &mut rng),
-        SynthKind::Longout => longout(cfg, &mut rng),
+        SynthKind::Agentic => agentic(cfg, &mut rng, &mut prefixes),
+        SynthKind::Chat => chat(cfg, &mut rng, &mut prefixes),
+        SynthKind::Longout => longout(cfg, &mut rng, &mut prefixes),
     };
-    assemble(sessions, &cfg.timing)
+    let mut trace = assemble(sessions, &cfg.timing);
+    trace.app_prefixes = prefixes;
+    trace
 }
 
 fn starts(cfg: &SynthConfig, rng: &mut Rng) -> Vec<f64> {
@@ -209,10 +212,16 @@ fn starts(cfg: &SynthConfig, rng: &mut Rng) -> Vec<f64> {
 
 /// SWE-agent on SWE-bench: a shared system prompt and demonstration, an
 /// issue statement per session, then rounds of action and observation.
-fn agentic(cfg: &SynthConfig, rng: &mut Rng) -> Vec<Session> {
+/// The prefixes each generator's application knows are shared go to
+/// `prefixes` ([`Trace::app_prefixes`]): the system prompt with the
+/// demonstration (agentic: every run starts with both, so the end of the
+/// system prompt alone is never a branch point and is not declared), each
+/// system prompt (chat, longout).
+fn agentic(cfg: &SynthConfig, rng: &mut Rng, prefixes: &mut Vec<Vec<u32>>) -> Vec<Session> {
     let mut shared = rng.fork(1);
     let system = shared.tokens(1_800, VOCAB);
     let demo = shared.tokens(3_200, VOCAB);
+    prefixes.push([system.as_slice(), demo.as_slice()].concat());
     let max = cfg.max_input as usize;
     starts(cfg, rng)
         .into_iter()
@@ -249,12 +258,13 @@ fn agentic(cfg: &SynthConfig, rng: &mut Rng) -> Vec<Session> {
 
 /// ShareGPT-style: a few popular system prompts (Zipf-like popularity),
 /// short user messages, outputs of tens to hundreds of tokens.
-fn chat(cfg: &SynthConfig, rng: &mut Rng) -> Vec<Session> {
+fn chat(cfg: &SynthConfig, rng: &mut Rng, prefixes: &mut Vec<Vec<u32>>) -> Vec<Session> {
     let mut shared = rng.fork(2);
     let prompts: Vec<Vec<u32>> = [700, 450, 300, 200, 120]
         .iter()
         .map(|&n| shared.tokens(n, VOCAB))
         .collect();
+    prefixes.extend(prompts.iter().cloned());
     let weights: Vec<f64> = (1..=prompts.len()).map(|k| 1.0 / k as f64).collect();
     let total: f64 = weights.iter().sum::<f64>() / 0.7; // 30% have no system prompt
     chat_like(cfg, rng, |r| {
@@ -318,8 +328,9 @@ fn chat_like(
 }
 
 /// LMSys-style: a short shared system prompt, user messages, long outputs.
-fn longout(cfg: &SynthConfig, rng: &mut Rng) -> Vec<Session> {
+fn longout(cfg: &SynthConfig, rng: &mut Rng, prefixes: &mut Vec<Vec<u32>>) -> Vec<Session> {
     let mut shared = rng.fork(3);
     let prompt = shared.tokens(40, VOCAB);
+    prefixes.push(prompt.clone());
     chat_like(cfg, rng, |_| prompt.clone())
 }

@@ -792,10 +792,22 @@ impl<R: BufRead> TraceReader<R> {
 /// A whole trace in memory, compact: every request whose input starts with
 /// the full sequence of its session's previous request is stored as
 /// `extends` + `append`, whatever form the file used.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default)]
 pub struct Trace {
     /// The records in arrival order.
     pub records: Vec<Record>,
+    /// The prefixes the application knows are shared (system prompts, tool
+    /// definitions): a generator sets them, a trace file does not carry
+    /// them. A request whose input starts with one passes its length as an
+    /// application checkpoint under `marconi-hinted` (see
+    /// [`Trace::app_checkpoints`]). Not part of equality.
+    pub app_prefixes: Vec<Vec<u32>>,
+}
+
+impl PartialEq for Trace {
+    fn eq(&self, o: &Self) -> bool {
+        self.records == o.records
+    }
 }
 
 impl Trace {
@@ -822,7 +834,7 @@ impl Trace {
             prev.insert(r.session, r.id);
             records.push(r);
         }
-        Ok(Trace { records })
+        Ok(Trace::from_records(records))
     }
 
     /// Reads a trace file.
@@ -835,7 +847,25 @@ impl Trace {
     /// Records whose expansion cannot fail (the caller guarantees that the
     /// records come from a valid trace, e.g. a generator).
     pub fn from_records(records: Vec<Record>) -> Self {
-        Trace { records }
+        Trace {
+            records,
+            app_prefixes: Vec::new(),
+        }
+    }
+
+    /// The application checkpoints of an input: the lengths of the
+    /// [`app_prefixes`](Self::app_prefixes) it starts with (shorter than
+    /// the input), ascending.
+    pub fn app_checkpoints(&self, input: &[u32]) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .app_prefixes
+            .iter()
+            .filter(|p| !p.is_empty() && p.len() < input.len() && input.starts_with(p))
+            .map(|p| p.len() as u32)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// Calls `f` on every expanded request in order.

@@ -519,7 +519,7 @@ impl PrefixCache {
             (Some(_), None) => out.admitted.take(),
         }
         .map(|full| (out.ns, out.input_len as usize, full));
-        self.after_request(out);
+        self.after_request(out, None);
         if let (Some(s), Some((ns, input_len, full))) = (&mut self.shadows, shadowed) {
             s.after_request(&mut self.core, ns, input_len, &full);
         }
@@ -559,14 +559,11 @@ impl PrefixCache {
         if input_len > full.len() {
             return Err(CacheError::PrefixMismatch { input_len });
         }
-        let recording = self.tuner.as_ref().is_some_and(Tuner::recording);
-        let (served, mut out) =
-            self.core
-                .serve_hinted(ns, &full[..input_len], full, checkpoints)?;
-        if recording {
-            out.admitted = Some(full.to_vec());
-        }
-        self.after_request(out);
+        let (served, out) = self
+            .core
+            .serve_hinted(ns, &full[..input_len], full, checkpoints)?;
+        // A recording tuner copies `full` into its window's buffer.
+        self.after_request(out, Some(full));
         if let Some(s) = &mut self.shadows {
             s.after_request(&mut self.core, ns, input_len, full);
         }
@@ -585,9 +582,11 @@ impl PrefixCache {
         self.tuner.as_mut()
     }
 
-    fn after_request(&mut self, out: LeaseInfoOut) {
+    /// The tuner's turn after a request: `full` is the sequence admitted
+    /// when the caller has it (else the lease's record is used).
+    fn after_request(&mut self, out: LeaseInfoOut, full: Option<&[u32]>) {
         if let Some(t) = &mut self.tuner {
-            t.after_request(&mut self.core, out);
+            t.after_request(&mut self.core, out, full);
         }
     }
 

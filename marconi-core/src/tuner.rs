@@ -114,8 +114,57 @@ struct Candidate {
 struct Recorded {
     ns: u64,
     input_len: u32,
-    full: Vec<u32>,
+    /// The admitted sequence: `Window::tokens[start..end]`.
+    start: usize,
+    end: usize,
 }
+
+/// A window's requests, their sequences in one buffer: recording a request
+/// copies its tokens (O(request)) and allocates nothing once the buffers
+/// have grown, and the buffers come back from the search thread for the
+/// next window ([`Spare`]). Per-request sequences allocated by the
+/// engine's thread and freed in bulk by the search thread when the search
+/// ended would come back to the engine's allocator all at once, the next
+/// allocation of the engine's thread sorting thousands of freed blocks.
+#[derive(Clone, Debug, Default)]
+struct Window {
+    requests: Vec<Recorded>,
+    tokens: Vec<u32>,
+}
+
+impl Window {
+    fn push(&mut self, ns: u64, input_len: u32, full: &[u32]) {
+        let start = self.tokens.len();
+        self.tokens.extend_from_slice(full);
+        self.requests.push(Recorded {
+            ns,
+            input_len,
+            start,
+            end: self.tokens.len(),
+        });
+    }
+
+    fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Each request: namespace, input, input + output.
+    fn iter(&self) -> impl Iterator<Item = (u64, &[u32], &[u32])> {
+        self.requests.iter().map(|r| {
+            let full = &self.tokens[r.start..r.end];
+            (r.ns, &full[..r.input_len as usize], full)
+        })
+    }
+
+    fn clear(&mut self) {
+        self.requests.clear();
+        self.tokens.clear();
+    }
+}
+
+/// Where the search thread leaves a window's buffers, emptied, for the next
+/// window to reuse (taken with `try_lock`: never waited for).
+type Spare = Arc<Mutex<Option<Window>>>;
 
 /// What a grid search gives: the objective per grid value, or why it failed.
 type Outcome = Result<Vec<f64>, String>;
@@ -176,7 +225,9 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, St
 struct Job {
     snapshot: Core,
     grid: Vec<Candidate>,
-    window: Vec<Recorded>,
+    window: Window,
+    /// Where the emptied window goes for reuse.
+    spare: Spare,
     cfg: TunerConfig,
     /// Delivers the outcome however the job ends: run, panicking, or
     /// dropped unrun (a worker that died with jobs queued).
@@ -191,7 +242,8 @@ impl Job {
         let Job {
             mut snapshot,
             grid,
-            window,
+            mut window,
+            spare,
             cfg,
             mut deliver,
         } = self;
@@ -211,15 +263,16 @@ impl Job {
             snapshot.prepare_for_replay(polite);
             grid_search(&snapshot, &grid, &window, &cfg, cancel)
         }));
-        drop(deliver);
-        // The window's sequences were allocated by the engine's thread:
-        // freed a few at a time, handing the core back in between.
-        for (i, r) in window.into_iter().enumerate() {
-            drop(r);
-            if polite && i % 64 == 63 {
-                std::thread::yield_now();
-            }
+        // The window's buffers go back, emptied (O(1): no element to drop),
+        // before the outcome is delivered, so that the window opened by the
+        // request that adopts it finds them.
+        window.clear();
+        let mut slot = spare.lock().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            *slot = Some(window);
         }
+        drop(slot);
+        drop(deliver);
     }
 }
 
@@ -366,7 +419,7 @@ impl Search {
     fn start(
         snapshot: Core,
         grid: Vec<Candidate>,
-        window: Vec<Recorded>,
+        (window, spare): (Window, Spare),
         cfg: TunerConfig,
         worker: &Worker,
     ) -> Search {
@@ -377,6 +430,7 @@ impl Search {
             snapshot,
             grid: grid.clone(),
             window,
+            spare,
             cfg,
             deliver: Deliver {
                 slot: Arc::clone(&result),
@@ -480,7 +534,9 @@ pub(crate) struct Tuner {
     requests: u64,
     window_len: usize,
     snapshot: Option<Core>,
-    window: Vec<Recorded>,
+    window: Window,
+    /// The last window's buffers, back from the search thread.
+    spare: Spare,
     round: u32,
     /// The search thread, shared with the clones of the cache.
     worker: Arc<Worker>,
@@ -494,7 +550,8 @@ impl Tuner {
             requests: 0,
             window_len: 0,
             snapshot: None,
-            window: Vec::new(),
+            window: Window::default(),
+            spare: Spare::default(),
             round: 0,
             worker: Arc::new(Worker::new()),
         }
@@ -524,8 +581,27 @@ impl Tuner {
         self.worker.fork_for_test();
     }
 
-    /// Called once per finished request (lease released).
-    pub(crate) fn after_request(&mut self, core: &mut Core, out: LeaseInfoOut) {
+    /// Opens a window: the snapshot its replays start from, and the last
+    /// window's buffers if the search thread has handed them back.
+    fn open_window(&mut self, core: &mut Core) {
+        self.snapshot = Some(window_snapshot(core));
+        if let Ok(mut spare) = self.spare.try_lock() {
+            if let Some(w) = spare.take() {
+                self.window = w;
+            }
+        }
+        self.window.clear();
+    }
+
+    /// Called once per finished request (lease released), with the
+    /// sequence it admitted when the caller has it at hand (`full`; else
+    /// the one the lease kept, `out.admitted`).
+    pub(crate) fn after_request(
+        &mut self,
+        core: &mut Core,
+        out: LeaseInfoOut,
+        full: Option<&[u32]>,
+    ) {
         self.requests += 1;
         match &mut self.phase {
             Phase::Warmup => {
@@ -541,17 +617,13 @@ impl Tuner {
                             }),
                     )
                     .unwrap_or(usize::MAX);
-                    self.snapshot = Some(window_snapshot(core));
+                    self.open_window(core);
                     self.phase = Phase::Recording;
                 }
             }
             Phase::Recording => {
-                if let Some(full) = out.admitted.filter(|f| !f.is_empty()) {
-                    self.window.push(Recorded {
-                        ns: out.ns,
-                        input_len: out.input_len,
-                        full,
-                    });
+                if let Some(full) = full.or(out.admitted.as_deref()).filter(|f| !f.is_empty()) {
+                    self.window.push(out.ns, out.input_len, full);
                 }
                 if self.window.len() >= self.window_len {
                     let search = self.start_search(core);
@@ -565,7 +637,7 @@ impl Tuner {
             }
             Phase::Waiting(left) => {
                 if *left <= 1 {
-                    self.snapshot = Some(window_snapshot(core));
+                    self.open_window(core);
                     self.phase = Phase::Recording;
                 } else {
                     *left -= 1;
@@ -631,7 +703,14 @@ impl Tuner {
         let snapshot = self.snapshot.take().expect("recording has a snapshot");
         let grid = self.round_grid(core);
         let window = std::mem::take(&mut self.window);
-        Search::start(snapshot, grid, window, self.cfg.clone(), &self.worker)
+        let spare = Arc::clone(&self.spare);
+        Search::start(
+            snapshot,
+            grid,
+            (window, spare),
+            self.cfg.clone(),
+            &self.worker,
+        )
     }
 
     /// Adopts the search's result: once its delay has run out
@@ -723,7 +802,7 @@ impl Tuner {
         self.phase = match (self.cfg.retune, wait) {
             (false, _) => Phase::Done,
             (true, 0) => {
-                self.snapshot = Some(window_snapshot(core));
+                self.open_window(core);
                 Phase::Recording
             }
             (true, w) => Phase::Waiting(w),
@@ -738,7 +817,7 @@ impl Tuner {
 fn grid_search(
     snapshot: &Core,
     grid: &[Candidate],
-    window: &[Recorded],
+    window: &Window,
     cfg: &TunerConfig,
     cancel: &AtomicBool,
 ) -> Outcome {
@@ -796,7 +875,7 @@ fn grid_search(
 fn replay(
     snapshot: &Core,
     cand: Candidate,
-    window: &[Recorded],
+    window: &Window,
     objective: TuningObjective,
     polite: bool,
     cancel: &AtomicBool,
@@ -817,12 +896,12 @@ fn replay(
     let mut c = snapshot.clone();
     c.alpha = alpha;
     cand.rules.apply(&mut c);
-    for r in window {
+    for (ns, input, full) in window.iter() {
         if cancel.load(Ordering::Relaxed) {
             return Err("cancelled: the cache was dropped".into());
         }
         // Recorded requests were valid when they ran; a replay cannot fail.
-        let _ = c.serve(r.ns, &r.full[..r.input_len as usize], &r.full);
+        let _ = c.serve(ns, input, full);
         // Hands the core back to a runnable thread after each replayed
         // request (microseconds of work): where the search shares a core
         // with the engine's thread, that thread waits for one replayed

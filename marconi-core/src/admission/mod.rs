@@ -329,12 +329,12 @@ impl Core {
         if let Some(a) = anchor {
             self.unpin(a);
         }
-        let positions = outcome.states_taken.clone();
+        // Built only when a log or a tracing subscriber takes it.
         self.log.push(|| Decision::Admit {
             lease,
             tokens: tokens.len() as u32,
             new_kv,
-            states: positions,
+            states: outcome.states_taken.clone(),
             rejected: None,
         });
         self.finish_admit(lease, tokens);

@@ -721,7 +721,7 @@ typedef struct marconi_cache_config {
    */
   uint32_t tuner_retune_neighbours;
   /**
-   * Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
+   * Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.
    */
   double tuner_min_gain;
   /**
@@ -801,9 +801,12 @@ typedef struct marconi_cache_config {
    */
   uint32_t shadow_sample_tokens;
   /**
-   * Reserved, must be 0. Added in version 3 of the struct.
+   * The shallowest branch point protect_branch_states protects, in
+   * tokens (0: every branch point). Default 64: on real conversations
+   * most branch points are the first tokens unrelated prompts share by
+   * chance, not worth a whole state.
    */
-  uint32_t reserved3;
+  uint32_t protect_min_depth;
 } marconi_cache_config;
 
 /**

@@ -233,7 +233,7 @@ pub struct marconi_cache_config {
     /// and this many nearest grid values on each side (0: the whole grid
     /// every window). Default 2.
     pub tuner_retune_neighbours: u32,
-    /// Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.001.
+    /// Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.
     pub tuner_min_gain: f64,
     /// A marconi_alpha_adoption value. Default MARCONI_ALPHA_ADOPTION_WHEN_READY
     /// (also for callers built against the first version of this struct).
@@ -281,8 +281,11 @@ pub struct marconi_cache_config {
     pub shadow_exact_bytes: u64,
     /// Leading tokens hashed to sample a request (> 0). Default 64.
     pub shadow_sample_tokens: u32,
-    /// Reserved, must be 0. Added in version 3 of the struct.
-    pub reserved3: u32,
+    /// The shallowest branch point protect_branch_states protects, in
+    /// tokens (0: every branch point). Default 64: on real conversations
+    /// most branch points are the first tokens unrelated prompts share by
+    /// chance, not worth a whole state.
+    pub protect_min_depth: u32,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -340,7 +343,7 @@ impl marconi_cache_config {
             shadow_hysteresis: shadow.hysteresis,
             shadow_exact_bytes: shadow.exact_bytes,
             shadow_sample_tokens: shadow.sample_tokens,
-            reserved3: 0,
+            protect_min_depth: base.protect_min_depth,
         }
     }
 
@@ -362,6 +365,7 @@ impl marconi_cache_config {
             EvictionPolicy::FlopAware => marconi_eviction::FlopAware,
         } as u32;
         self.protect_branch_states = u32::from(cfg.protect_branch_states);
+        self.protect_min_depth = cfg.protect_min_depth;
         let t = match &cfg.alpha {
             AlphaMode::Fixed(a) => {
                 self.alpha_mode = marconi_alpha_mode::Fixed as u32;
@@ -462,7 +466,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
             require!(shadow_alphas, len = c.shadow_alphas_len);
         }
     }
-    if c.reserved != 0 || c.reserved2 != 0 || c.reserved3 != 0 || c.model.reserved != 0 {
+    if c.reserved != 0 || c.reserved2 != 0 || c.model.reserved != 0 {
         return Err(bad_config("reserved fields must be 0".into()));
     }
     let model = if c.model_preset.is_null() {
@@ -588,6 +592,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
     cfg.alpha = alpha;
     cfg.decision_log = c.decision_log != 0;
     cfg.protect_branch_states = c.protect_branch_states != 0;
+    cfg.protect_min_depth = c.protect_min_depth;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -830,7 +835,7 @@ mod tests {
     fn the_layout_has_no_padding() {
         let ours = std::mem::size_of::<marconi_cache_config>();
         assert_eq!(
-            std::mem::offset_of!(marconi_cache_config, reserved3) + 4,
+            std::mem::offset_of!(marconi_cache_config, protect_min_depth) + 4,
             ours
         );
         assert_eq!(
@@ -934,6 +939,8 @@ mod tests {
         c.shadow_hysteresis = 0.25;
         c.shadow_exact_bytes = 1 << 20;
         c.shadow_sample_tokens = 16;
+        c.protect_min_depth = 7;
+        assert_eq!(core_of(&c).unwrap().protect_min_depth, 7);
         let AlphaMode::Auto(t) = core_of(&c).unwrap().alpha else {
             panic!("auto")
         };
@@ -975,7 +982,6 @@ mod tests {
                 b.shadow_tuned = 0;
                 b.shadow_lru = 0;
             }),
-            ("reserved3", &|b| b.reserved3 = 1),
             ("shadows with a fixed alpha", &|b| b.alpha_mode = 0),
             ("tune_rules with a fixed alpha", &|b| {
                 b.alpha_mode = 0;

@@ -597,6 +597,7 @@ static void test_tuning_config(void) {
   CHECK_EQ(cfg.tuner_tune_rules, 1);
   CHECK_EQ(cfg.tuner_max_window, 100);
   CHECK_EQ(cfg.shadows, 0);
+  CHECK_EQ(cfg.protect_min_depth, 64);
   OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-paper"));
   CHECK_EQ(cfg.protect_branch_states, 0);
   CHECK_EQ(cfg.tuner_retune, 0);
@@ -651,7 +652,7 @@ static void test_tuning_config(void) {
   bad.tuner_retune_every = 0;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   bad.tuner_retune_every = 4;
-  bad.reserved3 = 1;
+  bad.reserved2 = 1;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(cache == NULL);
 }

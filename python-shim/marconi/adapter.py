@@ -101,9 +101,18 @@ class MarconiPrefixCache:
 
     # -- lookups and locks -------------------------------------------------
 
-    def match_prefix(self, key: Tokens, namespace: int = 0, dst_slot: Optional[int] = None, **_: Any) -> MatchResult:
-        """Looks up `key`; the usable prefix is result.last_device_node.hit_tokens."""
-        lease = self.cache.lookup(key, namespace, dst_slot)
+    def match_prefix(
+        self,
+        key: Tokens,
+        namespace: int = 0,
+        dst_slot: Optional[int] = None,
+        checkpoints: Optional[Tokens] = None,
+        **_: Any,
+    ) -> MatchResult:
+        """Looks up `key`; the usable prefix is result.last_device_node.hit_tokens.
+        `checkpoints`: application checkpoint hints (PrefixCache.lookup), e.g.
+        the end of the system prompt; they appear in the node's plan."""
+        lease = self.cache.lookup(key, namespace, dst_slot, checkpoints)
         try:
             node = MarconiNode(lease, key_len=lease.input_len)
             return MatchResult(lease.kv_pages, node, node)

@@ -6,7 +6,7 @@ import array
 
 import pytest
 
-from marconi import MarconiError, PrefixCache
+from marconi import MarconiError, MarconiPrefixCache, PrefixCache
 
 BIG = 100_000_000_000
 PROMPT = list(range(1000))
@@ -124,3 +124,18 @@ def test_tuning_settings_build_working_caches():
                 cache.serve(PROMPT[: 100 + 50 * (k % 3)] + list(range(2000 * (k + 1), 2000 * (k + 1) + 100)))
             assert cache.stats()["requests"] == 60
             cache.check()
+
+
+def test_the_adapter_passes_hints():
+    a = MarconiPrefixCache(BIG)
+    res = a.match_prefix(request(0), checkpoints=[1000])
+    node = res.last_device_node
+    assert node.plan == [1000]
+    a.inc_lock_ref(node)
+    a.dec_lock_ref(node)
+    res = a.match_prefix(request(0))
+    assert res.last_device_node.plan == []
+    a.inc_lock_ref(res.last_device_node)
+    a.dec_lock_ref(res.last_device_node)
+    a.cache.check()
+    a.cache.close()

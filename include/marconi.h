@@ -2611,6 +2611,31 @@ marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc
                                            struct marconi_pooled_lookup *out);
 
 /**
+ * marconi_pooled_cache_lookup with application checkpoint hints
+ * (`checkpoints[0..n_checkpoints]`, as marconi_cache_lookup_hinted takes
+ * them): the kept hints are in the lease's plan
+ * (marconi_pooled_cache_lease_plan); reserve a state slot for each.
+ *
+ * Errors: those of marconi_pooled_cache_lookup, MARCONI_STATUS_NULL_ARGUMENT
+ * for checkpoints NULL with n_checkpoints > 0, and
+ * MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_pooled_cache_lookup; `checkpoints` has n_checkpoints readable
+ * u32 (or is NULL with 0).
+ */
+marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_cache *pc,
+                                                  uint64_t ns,
+                                                  const uint32_t *tokens,
+                                                  size_t n_tokens,
+                                                  const uint32_t *checkpoints,
+                                                  size_t n_checkpoints,
+                                                  struct marconi_pooled_lookup *out);
+
+/**
  * Writes the KV page handles of a lease's hit into `buf[0..cap]` and their
  * number to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
  * written when cap is too small; NULL with cap 0 asks for the count).

@@ -269,48 +269,107 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup(
         require!(pc);
         require!(tokens, len = n_tokens);
         require!(out);
-        // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
-        if n_tokens >= u32::MAX as usize {
+        // SAFETY: forwarded caller contract; no hints.
+        unsafe { pooled_lookup(pc, ns, (tokens, n_tokens), &[], out) }
+    })
+}
+
+/// marconi_pooled_cache_lookup with application checkpoint hints
+/// (`checkpoints[0..n_checkpoints]`, as marconi_cache_lookup_hinted takes
+/// them): the kept hints are in the lease's plan
+/// (marconi_pooled_cache_lease_plan); reserve a state slot for each.
+///
+/// Errors: those of marconi_pooled_cache_lookup, MARCONI_STATUS_NULL_ARGUMENT
+/// for checkpoints NULL with n_checkpoints > 0, and
+/// MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_pooled_cache_lookup; `checkpoints` has n_checkpoints readable
+/// u32 (or is NULL with 0).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
+    pc: *const marconi_pooled_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    checkpoints: *const u32,
+    n_checkpoints: usize,
+    out: *mut marconi_pooled_lookup,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_lookup_hinted", || {
+        require!(pc);
+        require!(tokens, len = n_tokens);
+        require!(checkpoints, len = n_checkpoints);
+        require!(out);
+        if n_checkpoints >= u32::MAX as usize {
             return Err(FfiError::new(
                 marconi_status::TooManyTokens,
-                format!("tokens has {n_tokens} tokens, more than a sequence may hold"),
+                format!("checkpoints has {n_checkpoints} positions, more than a sequence may hold"),
             ));
         }
         // SAFETY: buffer contract.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        check_ptr!(out);
-        let mut g = h.lock()?;
-        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                "this process has issued 2^64 - 1 lease ids",
-            )
-        })?;
-        let l = with!(&mut g.joined, c => c.lookup(ns, tokens)).map_err(pooled_err)?;
-        let plan = with!(&g.joined, c => c.plan(l.lookup.lease).map(<[u32]>::to_vec))
-            .map_err(pooled_err)?;
-        let res = marconi_pooled_lookup {
-            lease: id,
-            hit_tokens: l.lookup.hit_tokens,
-            kv_matched_tokens: l.lookup.kv_matched_tokens,
-            state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
-            n_kv_pages: l.kv_pages.len() as u32,
-            n_plan: plan.len() as u32,
-            reserved: 0,
-        };
-        g.leases.insert(
-            id,
-            LeaseRec {
-                core: l.lookup.lease,
-                pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
-                plan,
-            },
-        );
-        // SAFETY: out checked non-NULL and aligned, writable by contract.
-        unsafe { out.write(res) };
-        Ok(())
+        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        // SAFETY: forwarded caller contract.
+        unsafe { pooled_lookup(pc, ns, (tokens, n_tokens), hints, out) }
     })
+}
+
+/// The body of marconi_pooled_cache_lookup(_hinted), after the NULL checks.
+///
+/// # Safety
+///
+/// As marconi_pooled_cache_lookup.
+unsafe fn pooled_lookup(
+    pc: *const marconi_pooled_cache,
+    ns: u64,
+    (tokens, n_tokens): (*const u32, usize),
+    hints: &[u32],
+    out: *mut marconi_pooled_lookup,
+) -> FfiResult {
+    // SAFETY: live handle or NULL.
+    let h = unsafe { handle(pc) }?;
+    if n_tokens >= u32::MAX as usize {
+        return Err(FfiError::new(
+            marconi_status::TooManyTokens,
+            format!("tokens has {n_tokens} tokens, more than a sequence may hold"),
+        ));
+    }
+    // SAFETY: buffer contract.
+    let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+    check_ptr!(out);
+    let mut g = h.lock()?;
+    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            "this process has issued 2^64 - 1 lease ids",
+        )
+    })?;
+    let l = with!(&mut g.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
+    let plan =
+        with!(&g.joined, c => c.plan(l.lookup.lease).map(<[u32]>::to_vec)).map_err(pooled_err)?;
+    let res = marconi_pooled_lookup {
+        lease: id,
+        hit_tokens: l.lookup.hit_tokens,
+        kv_matched_tokens: l.lookup.kv_matched_tokens,
+        state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
+        n_kv_pages: l.kv_pages.len() as u32,
+        n_plan: plan.len() as u32,
+        reserved: 0,
+    };
+    g.leases.insert(
+        id,
+        LeaseRec {
+            core: l.lookup.lease,
+            pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
+            plan,
+        },
+    );
+    // SAFETY: out checked non-NULL and aligned, writable by contract.
+    unsafe { out.write(res) };
+    Ok(())
 }
 
 fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {

@@ -441,7 +441,23 @@ impl<A: PoolAllocator> PooledCache<A> {
 
     /// Looks up `input` in namespace `ns`; see [`PrefixCache::lookup`].
     pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<PooledLookup, PooledError> {
-        let lookup = self.cache.lookup(ns, input)?;
+        self.lookup_hinted(ns, input, &[])
+    }
+
+    /// [`lookup`](Self::lookup) with application checkpoint hints
+    /// (`PrefixCache::lookup_hinted`): the kept hints are in the plan, and
+    /// their states are reserved and admitted like the others.
+    pub fn lookup_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<PooledLookup, PooledError> {
+        let lookup = if checkpoints.is_empty() {
+            self.cache.lookup(ns, input)?
+        } else {
+            self.cache.lookup_hinted(ns, input, checkpoints)?
+        };
         Ok(PooledLookup {
             kv_pages: lookup
                 .kv_pages

@@ -503,6 +503,10 @@ SIGNATURES = {
         status_t,
         [_pooled_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
     ),
+    "marconi_pooled_cache_lookup_hinted": (
+        status_t,
+        [_pooled_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
+    ),
     "marconi_pooled_cache_lease_kv_pages": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_pooled_cache_lease_plan": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_pooled_cache_reserve": (

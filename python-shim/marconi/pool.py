@@ -629,12 +629,26 @@ class PooledCache(_Native):
         finally:
             self._end()
 
-    def lookup(self, tokens: Any, namespace: int = 0) -> PooledLookup:
-        """Looks up `tokens` (as PrefixCache.lookup takes them)."""
+    def lookup(self, tokens: Any, namespace: int = 0, checkpoints: Any = None) -> PooledLookup:
+        """Looks up `tokens` (as PrefixCache.lookup takes them), with the
+        application `checkpoints` as PrefixCache.lookup takes them (the kept
+        ones are in the plan: reserve a state slot for each)."""
         ns = _u64(namespace, "namespace")
         src, n = _u32_source(tokens)
         out = _lib.marconi_pooled_lookup()
-        self._call("marconi_pooled_cache_lookup", ns, _u32_pointer(src, n), n, ctypes.byref(out))
+        if checkpoints is None:
+            self._call("marconi_pooled_cache_lookup", ns, _u32_pointer(src, n), n, ctypes.byref(out))
+        else:
+            hsrc, hn = _u32_source(checkpoints, "checkpoints")
+            self._call(
+                "marconi_pooled_cache_lookup_hinted",
+                ns,
+                _u32_pointer(src, n),
+                n,
+                _u32_pointer(hsrc, hn),
+                hn,
+                ctypes.byref(out),
+            )
         pages = self._list("marconi_pooled_cache_lease_kv_pages", out.lease) if out.n_kv_pages else array.array("I")
         plan_ = list(self._list("marconi_pooled_cache_lease_plan", out.lease)) if out.n_plan else []
         return PooledLookup(

@@ -139,3 +139,22 @@ def test_the_adapter_passes_hints():
     a.dec_lock_ref(res.last_device_node)
     a.cache.check()
     a.cache.close()
+
+
+def test_the_pooled_cache_takes_hints():
+    import marconi
+
+    p = marconi.plan("nemotron-h-8b", 1 << 30, page_size=16)
+    budget = 8 * p["state_slot_bytes"] + 2048 // 16 * p["kv_page_bytes"] + (4 << 20)
+    with marconi.PooledCache(budget, "nemotron-h-8b", page_size=16, alpha=1.0) as cache:
+        a = PROMPT[:320] + list(range(100_000, 100_080))
+        lease = cache.lookup(a, checkpoints=[330, 320])
+        assert lease.plan == [320]
+        cache.release(lease)
+        lease = cache.lookup(a, checkpoints=[])
+        assert lease.plan == []
+        cache.release(lease)
+        with pytest.raises(ValueError):
+            cache.lookup(a, checkpoints=[-1])
+        assert cache.stats()["leases"] == 0
+        cache.check()

@@ -281,10 +281,12 @@ static void check_invariants(fixture *f) {
   CHECK_EQ(nf, 0);
 }
 
-/* One request: `tokens[0..input]` looked up, `tokens[0..full]` admitted. */
-static int serve(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t full) {
+/* One request: `tokens[0..input]` looked up (with the application
+ * checkpoints `hints[0..n_hints]`), `tokens[0..full]` admitted. */
+static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t full,
+                        const uint32_t *hints, size_t n_hints) {
   marconi_pooled_lookup l;
-  OK(marconi_pooled_cache_lookup(f->pc, 0, tokens, input, &l));
+  OK(marconi_pooled_cache_lookup_hinted(f->pc, 0, tokens, input, hints, n_hints, &l));
   CHECK(l.hit_tokens < input);
   uint32_t hit_pages[MAX_UNITS];
   size_t n_hit = 0;
@@ -339,6 +341,50 @@ static int serve(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t fu
   CHECK_EQ(marconi_pooled_cache_release(f->pc, l.lease), MARCONI_STATUS_UNKNOWN_LEASE);
   check_invariants(f);
   return 1;
+}
+
+static int serve(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t full) {
+  return serve_hinted(f, tokens, input, full, NULL, 0);
+}
+
+/* An application checkpoint at the end of a shared 320-token prompt: the
+ * first request saves a state there (a slot reserved for it like any
+ * planned state), the second resumes from it. */
+static void test_hinted(void) {
+  marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
+  fixture *f = calloc(1, sizeof *f);
+  f->budget = 8 * p.state_slot_bytes + 2048 / PAGE * p.kv_page_bytes + (4u << 20);
+  f->pc = new_pooled("nemotron-h-8b", f->budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  static uint32_t a[512], b[512];
+  for (uint32_t i = 0; i < 512; i++) {
+    a[i] = i < 320 ? i : 100000 + i;
+    b[i] = i < 320 ? i : 200000 + i;
+  }
+  uint32_t hints[2] = {320, 330}; /* 330 rounds down to 320 (page 16) */
+  marconi_pooled_lookup l;
+  OK(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, hints, 2, &l));
+  CHECK_EQ(l.n_plan, 1);
+  uint32_t plan[4];
+  size_t n_plan = 0;
+  OK(marconi_pooled_cache_lease_plan(f->pc, l.lease, plan, 4, &n_plan));
+  CHECK_EQ(plan[0], 320);
+  OK(marconi_pooled_cache_release(f->pc, l.lease));
+  CHECK(serve_hinted(f, a, 400, 448, hints, 2));
+  OK(marconi_pooled_cache_lookup(f->pc, 0, b, 400, &l));
+  CHECK_EQ(l.hit_tokens, 320);
+  CHECK(l.state_handle != 0);
+  OK(marconi_pooled_cache_release(f->pc, l.lease));
+  /* Misuse: NULL hints with a count, a wild count; nothing leased. */
+  CHECK_EQ(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, NULL, 3, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, hints, SIZE_MAX, &l),
+           MARCONI_STATUS_TOO_MANY_TOKENS);
+  CHECK_EQ(marconi_pooled_cache_lookup_hinted(NULL, 0, a, 400, hints, 2, &l),
+           MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(stats_of(f->pc).leases, 0);
+  check_invariants(f);
+  marconi_pooled_cache_free(f->pc);
+  free(f);
 }
 
 static void test_cycle(uint32_t migration) {
@@ -467,6 +513,7 @@ int main(void) {
   test_cycle(MARCONI_POOL_MIGRATION_AVMP);
   test_cycle(MARCONI_POOL_MIGRATION_STATIC);
   test_misuse();
+  test_hinted();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -801,12 +801,15 @@ typedef struct marconi_cache_config {
    */
   uint32_t shadow_sample_tokens;
   /**
-   * The shallowest branch point protect_branch_states protects, in
-   * tokens (0: every branch point). Default 64: on real conversations
-   * most branch points are the first tokens unrelated prompts share by
-   * chance, not worth a whole state.
+   * The shallowest prefix treated as shared, in tokens: Marconi
+   * admission plans no branch checkpoint shallower and
+   * protect_branch_states protects no branch point shallower (0: every
+   * branch point, the paper's rule, as the marconi-paper and sglang-plus
+   * presets set). Default 16: on real conversations most branch points
+   * are the first tokens unrelated prompts share by chance, not worth a
+   * whole state.
    */
-  uint32_t protect_min_depth;
+  uint32_t min_branch_depth;
 } marconi_cache_config;
 
 /**
@@ -1983,7 +1986,9 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
  * other name. A struct_size of an older version gets only the fields it
  * has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
- * before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE.
+ * before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
+ * min_branch_depth, which such a caller gets at its default (16;
+ * marconi-paper and sglang-plus set 0).
  *
  * Thread safety: touches only `*cfg`.
  *

@@ -53,7 +53,7 @@ pub use admission::{AdmitOutcome, SavedState};
 pub use cache::{LeaseId, PrefixCache, Served, TOKEN_ID_BYTES};
 pub use config::{
     AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ShadowConfig,
-    TunerConfig, TuningObjective, DEFAULT_PROTECT_MIN_DEPTH,
+    TunerConfig, TuningObjective, DEFAULT_MIN_BRANCH_DEPTH,
 };
 pub use error::CacheError;
 pub use events::{CacheEvent, CachedChains};

@@ -3,10 +3,11 @@
 use marconi_core::{CacheConfig, CacheError, ModelSpec, PrefixCache, SavedState, Stats};
 
 fn cache() -> PrefixCache {
-    PrefixCache::new(CacheConfig::marconi(
-        ModelSpec::preset("paper-7b").unwrap(),
-        1_000_000_000,
-    ))
+    // Branch checkpoints at any depth: the calls below need a plan at 8.
+    PrefixCache::new(CacheConfig {
+        min_branch_depth: 0,
+        ..CacheConfig::marconi(ModelSpec::preset("paper-7b").unwrap(), 1_000_000_000)
+    })
     .unwrap()
 }
 

@@ -245,8 +245,6 @@ fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
             alpha: AlphaMode::Fixed(0.0),
             protect_branch_states: protect,
             decision_log: true,
-            // At most the branch point's depth (100): protected.
-            protect_min_depth: 100,
             // Room for what the first three requests leave, so that the
             // fourth (10 new tokens and a state) evicts.
             ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
@@ -265,42 +263,66 @@ fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
 }
 
 #[test]
-fn a_branch_point_shallower_than_protect_min_depth_is_not_protected() {
-    // The scenario above with protection on: a branch point at depth 100
-    // is protected when `protect_min_depth` is at most 100 and merged away
-    // as under the paper's rule when it is deeper (a few shared leading
-    // tokens are not a shared prompt).
+fn a_branch_point_shallower_than_min_branch_depth_is_not_protected() {
+    // S = 0..100 is cached whole first (its final state at 100), then
+    // extended twice (S becomes a branch point with a state), then the
+    // scenario above: the older branch goes, leaving S one child, and the
+    // next eviction merges S's state away unless S is protected, which it
+    // is only when `min_branch_depth` is at most its depth.
     let reqs = vec![
+        range(0, 100),
         cat(&[range(0, 100), range(1000, 1100)]),
         cat(&[range(0, 100), range(2000, 2100)]),
         range(5000, 5100),
         cat(&[range(0, 100), range(2000, 2100), range(3000, 3010)]),
         range(7000, 7100),
     ];
-    let run = |protect_min_depth: u32| {
+    let run = |protect: bool, min_branch_depth: u32| {
         let cfg = CacheConfig {
             alpha: AlphaMode::Fixed(0.0),
             decision_log: true,
-            protect_min_depth,
-            ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
-        };
-        assert!(cfg.protect_branch_states);
-        evictions(PrefixCache::new(cfg).unwrap(), &reqs)
-    };
-    let paper_rules = {
-        let cfg = CacheConfig {
-            alpha: AlphaMode::Fixed(0.0),
-            decision_log: true,
-            protect_branch_states: false,
+            protect_branch_states: protect,
+            min_branch_depth,
             ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
         };
         evictions(PrefixCache::new(cfg).unwrap(), &reqs)
     };
-    assert_eq!(run(101), paper_rules);
-    assert_ne!(run(100), paper_rules);
-    assert_eq!(run(0), run(100));
+    let paper_rules = run(false, 0);
+    assert!(paper_rules.contains("Merge depth=100"), "{paper_rules}");
+    assert_eq!(run(true, 101), paper_rules);
+    assert_ne!(run(true, 100), paper_rules);
+    assert!(!run(true, 100).contains("Merge"));
+    assert_eq!(run(true, 0), run(true, 100));
+}
+
+#[test]
+fn no_branch_checkpoint_is_planned_shallower_than_min_branch_depth() {
+    // Two requests share their first 100 tokens: the second plans a
+    // checkpoint at the branch (100), which a third request sharing the
+    // same 100 tokens resumes from, unless 100 is below `min_branch_depth`.
+    let hit = |min_branch_depth: u32| {
+        let mut c = PrefixCache::new(CacheConfig {
+            min_branch_depth,
+            ..CacheConfig::marconi(paper(), 1 << 40)
+        })
+        .unwrap();
+        c.serve(0, &cat(&[range(0, 100), range(1000, 1100)]), &[])
+            .unwrap();
+        c.serve(0, &cat(&[range(0, 100), range(2000, 2100)]), &[])
+            .unwrap();
+        c.check_invariants();
+        let l = c
+            .lookup(0, &cat(&[range(0, 100), range(3000, 3100)]))
+            .unwrap();
+        l.hit_tokens
+    };
+    assert_eq!(hit(0), 100);
+    assert_eq!(hit(100), 100);
+    assert_eq!(hit(101), 0);
     assert_eq!(
-        CacheConfig::marconi(paper(), 1).protect_min_depth,
-        marconi_core::DEFAULT_PROTECT_MIN_DEPTH
+        CacheConfig::marconi(paper(), 1).min_branch_depth,
+        marconi_core::DEFAULT_MIN_BRANCH_DEPTH
     );
+    assert_eq!(CacheConfig::marconi_paper(paper(), 1).min_branch_depth, 0);
+    assert_eq!(CacheConfig::sglang_plus(paper(), 1).min_branch_depth, 0);
 }

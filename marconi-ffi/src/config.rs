@@ -281,11 +281,14 @@ pub struct marconi_cache_config {
     pub shadow_exact_bytes: u64,
     /// Leading tokens hashed to sample a request (> 0). Default 64.
     pub shadow_sample_tokens: u32,
-    /// The shallowest branch point protect_branch_states protects, in
-    /// tokens (0: every branch point). Default 64: on real conversations
-    /// most branch points are the first tokens unrelated prompts share by
-    /// chance, not worth a whole state.
-    pub protect_min_depth: u32,
+    /// The shallowest prefix treated as shared, in tokens: Marconi
+    /// admission plans no branch checkpoint shallower and
+    /// protect_branch_states protects no branch point shallower (0: every
+    /// branch point, the paper's rule, as the marconi-paper and sglang-plus
+    /// presets set). Default 16: on real conversations most branch points
+    /// are the first tokens unrelated prompts share by chance, not worth a
+    /// whole state.
+    pub min_branch_depth: u32,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -343,7 +346,7 @@ impl marconi_cache_config {
             shadow_hysteresis: shadow.hysteresis,
             shadow_exact_bytes: shadow.exact_bytes,
             shadow_sample_tokens: shadow.sample_tokens,
-            protect_min_depth: base.protect_min_depth,
+            min_branch_depth: base.min_branch_depth,
         }
     }
 
@@ -365,7 +368,7 @@ impl marconi_cache_config {
             EvictionPolicy::FlopAware => marconi_eviction::FlopAware,
         } as u32;
         self.protect_branch_states = u32::from(cfg.protect_branch_states);
-        self.protect_min_depth = cfg.protect_min_depth;
+        self.min_branch_depth = cfg.min_branch_depth;
         let t = match &cfg.alpha {
             AlphaMode::Fixed(a) => {
                 self.alpha_mode = marconi_alpha_mode::Fixed as u32;
@@ -592,7 +595,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
     cfg.alpha = alpha;
     cfg.decision_log = c.decision_log != 0;
     cfg.protect_branch_states = c.protect_branch_states != 0;
-    cfg.protect_min_depth = c.protect_min_depth;
+    cfg.min_branch_depth = c.min_branch_depth;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -632,7 +635,9 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 /// afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
 /// other name. A struct_size of an older version gets only the fields it
 /// has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
-/// before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE.
+/// before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
+/// min_branch_depth, which such a caller gets at its default (16;
+/// marconi-paper and sglang-plus set 0).
 ///
 /// Thread safety: touches only `*cfg`.
 ///
@@ -670,10 +675,14 @@ pub unsafe extern "C" fn marconi_cache_config_preset(
         let model = ModelSpec::preset("paper-7b").expect("built-in preset");
         d.set_policy(&make(model, 1));
         // An older caller gets only its fields: the preset must not need
-        // the others (they keep their defaults when it is read back).
+        // the others (they keep their defaults when it is read back), but
+        // min_branch_depth, which only tunes the preset, is left at its
+        // default for a caller without it.
         let ours = std::mem::size_of::<marconi_cache_config>();
         let from = struct_size.clamp(CONFIG_V1_SIZE, ours);
-        if config_bytes(&d)[from..] != config_bytes(&marconi_cache_config::defaults())[from..] {
+        let mut lacking = marconi_cache_config::defaults();
+        lacking.min_branch_depth = d.min_branch_depth;
+        if config_bytes(&d)[from..] != config_bytes(&lacking)[from..] {
             return Err(FfiError::new(
                 marconi_status::UnsupportedStructSize,
                 format!(
@@ -835,7 +844,7 @@ mod tests {
     fn the_layout_has_no_padding() {
         let ours = std::mem::size_of::<marconi_cache_config>();
         assert_eq!(
-            std::mem::offset_of!(marconi_cache_config, protect_min_depth) + 4,
+            std::mem::offset_of!(marconi_cache_config, min_branch_depth) + 4,
             ours
         );
         assert_eq!(
@@ -939,8 +948,8 @@ mod tests {
         c.shadow_hysteresis = 0.25;
         c.shadow_exact_bytes = 1 << 20;
         c.shadow_sample_tokens = 16;
-        c.protect_min_depth = 7;
-        assert_eq!(core_of(&c).unwrap().protect_min_depth, 7);
+        c.min_branch_depth = 7;
+        assert_eq!(core_of(&c).unwrap().min_branch_depth, 7);
         let AlphaMode::Auto(t) = core_of(&c).unwrap().alpha else {
             panic!("auto")
         };

@@ -47,6 +47,9 @@ fn cfg(lru: bool) -> CacheConfig {
         CacheConfig::marconi(tiny(), 1)
     };
     c.page_size = PAGE;
+    // Branch checkpoints at any depth: these requests share prefixes of a
+    // few pages, which the default min_branch_depth would not checkpoint.
+    c.min_branch_depth = 0;
     if !lru {
         c.alpha = AlphaMode::Fixed(1.0);
     }

@@ -105,7 +105,7 @@ class marconi_cache_config(Structure):
         ("shadow_hysteresis", c_double),
         ("shadow_exact_bytes", c_uint64),
         ("shadow_sample_tokens", c_uint32),
-        ("protect_min_depth", c_uint32),
+        ("min_branch_depth", c_uint32),
     ]
 
 

@@ -279,8 +279,9 @@ class PrefixCache:
     "marconi-tuned", "marconi-shadow", "sglang-plus", "vllm-plus";
     marconi_cache_config_preset) whose fields the other policy arguments
     then override; every policy argument left at None keeps the preset's
-    value (the library's default without a preset). protect_min_depth:
-    the shallowest branch point protect_branch_states protects (tokens).
+    value (the library's default without a preset). min_branch_depth:
+    the shallowest prefix treated as shared (tokens): no branch checkpoint
+    and no branch protection shallower.
     Tuning: tuner_grid,
     tuner_objective, tuner_bootstrap_factor, tuner_min_window,
     tuner_max_window (0: no limit), tuner_retune, tuner_retune_every,
@@ -316,7 +317,7 @@ class PrefixCache:
         tuner_adoption: str = "when_ready",
         decision_log: bool = False,
         protect_branch_states: Optional[bool] = None,
-        protect_min_depth: Optional[int] = None,
+        min_branch_depth: Optional[int] = None,
         policy: Optional[str] = None,
         tuner_bootstrap_factor: Optional[int] = None,
         tuner_min_window: Optional[int] = None,
@@ -391,7 +392,7 @@ class PrefixCache:
         for name, value, conv in (
             ("block_size", block_size, _u32),
             ("protect_branch_states", protect_branch_states, _flag),
-            ("protect_min_depth", protect_min_depth, _u32),
+            ("min_branch_depth", min_branch_depth, _u32),
             ("tuner_bootstrap_factor", tuner_bootstrap_factor, _u32),
             ("tuner_min_window", tuner_min_window, _u32),
             ("tuner_max_window", tuner_max_window, _u32),

@@ -116,7 +116,7 @@ def test_tuning_settings_build_working_caches():
         {"shadows": {"alphas": [0.5, 2.0], "lru": True, "half_life": 20, "exact_bytes": 1 << 20}},
         {"policy": "marconi-paper", "protect_branch_states": True},
         {"tuner_bootstrap_factor": 2, "tuner_min_window": 4, "tuner_retune_every": 1, "tuner_min_gain": 0.01},
-        {"protect_min_depth": 0, "tuner_retune": False, "tuner_retune_neighbours": 0},
+        {"min_branch_depth": 0, "tuner_retune": False, "tuner_retune_neighbours": 0},
     ]
     for kwargs in settings:
         with PrefixCache(500_000_000, **kwargs) as cache:

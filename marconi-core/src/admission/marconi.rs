@@ -17,8 +17,16 @@ use crate::log::PlanReason;
 /// for attention-only models, whose every KV prefix is reusable without
 /// states; and for workloads that branch at unpredictable points of long
 /// documents, finer checkpoints may hit more if memory allows.
+///
+/// Beyond the paper, no branch checkpoint is planned shallower than
+/// `min_branch_depth` tokens ([`crate::CacheConfig::min_branch_depth`]): the
+/// first token or two that unrelated prompts share is not a shared prompt,
+/// and a state there costs a whole state's bytes to save a few tokens.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Marconi;
+pub(crate) struct Marconi {
+    /// The shallowest branch checkpoint planned, in tokens.
+    pub(crate) min_branch_depth: u32,
+}
 
 impl Admission for Marconi {
     fn plan(&self, input: &PlanInput<'_>) -> Option<(Vec<u32>, PlanReason)> {
@@ -46,6 +54,9 @@ impl Admission for Marconi {
                 (round_down(m, input.inner_grid), PlanReason::ExistingBranch)
             }
         };
+        if reason != PlanReason::PromptEnd && pos < self.min_branch_depth {
+            return None;
+        }
         (pos > hit && pos > 0 && !input.state_depths.contains(&pos)).then(|| (vec![pos], reason))
     }
 

@@ -108,7 +108,9 @@ pub(crate) trait Admission: std::fmt::Debug + Send + Sync {
 /// The policy a configuration names.
 pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Admission> {
     match cfg.admission {
-        AdmissionPolicy::Marconi => Arc::new(Marconi),
+        AdmissionPolicy::Marconi => Arc::new(Marconi {
+            min_branch_depth: cfg.min_branch_depth,
+        }),
         AdmissionPolicy::AllBlocks { block_size } => Arc::new(AllBlocks { block_size }),
         AdmissionPolicy::Oracle => Arc::new(Oracle),
     }

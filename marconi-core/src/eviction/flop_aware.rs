@@ -12,7 +12,7 @@ use crate::tree::Node;
 /// state: evicting those frees the state and merges the edge into the child.
 /// A hit refreshes only the node used (§4.3 (2)). Beyond the paper,
 /// `protect_branch_states` keeps a node that has ever had two children (a
-/// shared prompt) at least `protect_min_depth` tokens deep out of the merge
+/// shared prompt) at least `min_branch_depth` tokens deep out of the merge
 /// candidates until it is a leaf; a shallower branch point (the first word
 /// or two of unrelated prompts, which a real tokenizer makes common) is a
 /// merge candidate as in the paper.
@@ -25,8 +25,8 @@ use crate::tree::Node;
 pub(crate) struct FlopAware {
     /// See [`crate::CacheConfig::protect_branch_states`].
     pub(crate) protect_branch_states: bool,
-    /// See [`crate::CacheConfig::protect_min_depth`].
-    pub(crate) protect_min_depth: u32,
+    /// See [`crate::CacheConfig::min_branch_depth`].
+    pub(crate) min_branch_depth: u32,
 }
 
 impl Eviction for FlopAware {
@@ -36,7 +36,7 @@ impl Eviction for FlopAware {
                 && node.state.is_some()
                 && !(self.protect_branch_states
                     && node.was_branch
-                    && node.depth >= self.protect_min_depth))
+                    && node.depth >= self.min_branch_depth))
     }
 
     fn alpha(&self, tuned: f64) -> f64 {

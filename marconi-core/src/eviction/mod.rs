@@ -93,7 +93,7 @@ pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Eviction> {
         EvictionPolicy::Lru => Arc::new(Lru),
         EvictionPolicy::FlopAware => Arc::new(FlopAware {
             protect_branch_states: cfg.protect_branch_states,
-            protect_min_depth: cfg.protect_min_depth,
+            min_branch_depth: cfg.min_branch_depth,
         }),
     }
 }
@@ -172,7 +172,7 @@ pub struct Freed {
 impl Core {
     /// Puts other eviction rules in force: the policy is rebuilt from
     /// `eviction` and `protect_branch_states` (with the configuration's
-    /// `protect_min_depth`) and the candidate index
+    /// `min_branch_depth`) and the candidate index
     /// re-derived (which nodes are candidates depends on the rules).
     /// O(nodes log nodes); nothing when the rules are already in force.
     pub(crate) fn set_eviction_rules(&mut self, eviction: EvictionPolicy, protect: bool) {

@@ -597,9 +597,10 @@ static void test_tuning_config(void) {
   CHECK_EQ(cfg.tuner_tune_rules, 1);
   CHECK_EQ(cfg.tuner_max_window, 100);
   CHECK_EQ(cfg.shadows, 0);
-  CHECK_EQ(cfg.protect_min_depth, 64);
+  CHECK_EQ(cfg.min_branch_depth, 16);
   OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-paper"));
   CHECK_EQ(cfg.protect_branch_states, 0);
+  CHECK_EQ(cfg.min_branch_depth, 0);
   CHECK_EQ(cfg.tuner_retune, 0);
   CHECK_EQ(cfg.tuner_objective, MARCONI_TUNING_OBJECTIVE_TOKEN_HITS);
   OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-shadow"));

@@ -744,7 +744,7 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     )?;
     let fig = dir.join("battery.svg");
     let context = format!(
-        "{} ; {} traces, capacities {} of each working set{}",
+        "{}; {} traces, capacities {} of each working set{}",
         cfg.model.name,
         traces.len(),
         cfg.fractions

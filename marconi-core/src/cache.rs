@@ -65,6 +65,10 @@ pub(crate) struct LeaseInfo {
     /// The longest sequence admitted under this lease (kept only while the
     /// tuner records a window).
     pub(crate) admitted: Option<Vec<u32>>,
+    /// The application checkpoint hints the lookup was given, those within
+    /// the input (kept only while the tuner or the shadows record: their
+    /// replays pass them on). Empty without hints: no allocation.
+    pub(crate) hints: Vec<u32>,
 }
 
 /// Everything but the tuner: the state a tuning replay clones.
@@ -250,12 +254,18 @@ impl Core {
             ns: info.ns,
             input_len: info.input_len,
             admitted: info.admitted,
+            hints: info.hints,
         })
     }
 
-    pub(crate) fn set_recording(&mut self, lease: LeaseId) {
+    /// Keeps what the lease admits, and its `hints` within the input, for
+    /// the tuner's window or the shadows.
+    pub(crate) fn set_recording(&mut self, lease: LeaseId, hints: &[u32]) {
         if let Some(i) = self.leases.get_mut(&lease) {
             i.admitted = Some(Vec::new());
+            let len = i.input_len;
+            i.hints
+                .extend(hints.iter().copied().filter(|&h| h > 0 && h <= len));
         }
     }
 
@@ -309,19 +319,10 @@ impl Core {
         c.stats = Stats::default();
     }
 
-    /// Lookup, admission of every planned state and the final state, release:
-    /// a request that runs to completion before the next one arrives.
-    pub(crate) fn serve(
-        &mut self,
-        ns: u64,
-        input: &[u32],
-        full: &[u32],
-    ) -> Result<(Served, LeaseInfoOut), CacheError> {
-        self.serve_hinted(ns, input, full, &[])
-    }
-
-    /// [`serve`](Self::serve) whose lookup takes application checkpoint
-    /// hints.
+    /// Lookup (with application checkpoint `hints`; none: the plain
+    /// lookup), admission of every planned state and the final state,
+    /// release: a request that runs to completion before the next one
+    /// arrives.
     pub(crate) fn serve_hinted(
         &mut self,
         ns: u64,
@@ -363,6 +364,8 @@ pub(crate) struct LeaseInfoOut {
     pub(crate) ns: u64,
     pub(crate) input_len: u32,
     pub(crate) admitted: Option<Vec<u32>>,
+    /// The lookup's hints, when recorded ([`Core::set_recording`]).
+    pub(crate) hints: Vec<u32>,
 }
 
 fn gcd(a: u32, b: u32) -> u32 {
@@ -431,7 +434,7 @@ impl PrefixCache {
     pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
         let l = self.core.lookup(ns, input)?;
         if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
-            self.core.set_recording(l.lease);
+            self.core.set_recording(l.lease, &[]);
         }
         Ok(l)
     }
@@ -451,7 +454,8 @@ impl PrefixCache {
     /// without recurrent layers). The state admitted there is an ordinary
     /// checkpoint: eviction treats it like any other. With no hints this
     /// is [`lookup`](Self::lookup), decision for decision. α tuning
-    /// replays and shadow caches see the requests without their hints.
+    /// replays and shadow caches replay the request with its hints (those
+    /// within the input), so they score the cache that runs.
     pub fn lookup_hinted(
         &mut self,
         ns: u64,
@@ -463,7 +467,7 @@ impl PrefixCache {
             .lookup_walk_hinted(ns, input, true, checkpoints)
             .map(|(l, _)| l)?;
         if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
-            self.core.set_recording(l.lease);
+            self.core.set_recording(l.lease, checkpoints);
         }
         Ok(l)
     }
@@ -519,9 +523,10 @@ impl PrefixCache {
             (Some(_), None) => out.admitted.take(),
         }
         .map(|full| (out.ns, out.input_len as usize, full));
-        self.after_request(out, None);
+        let hints = std::mem::take(&mut out.hints);
+        self.after_request(out, None, &hints);
         if let (Some(s), Some((ns, input_len, full))) = (&mut self.shadows, shadowed) {
-            s.after_request(&mut self.core, ns, input_len, &full);
+            s.after_request(&mut self.core, ns, input_len, &full, &hints);
         }
         Ok(())
     }
@@ -562,10 +567,11 @@ impl PrefixCache {
         let (served, out) = self
             .core
             .serve_hinted(ns, &full[..input_len], full, checkpoints)?;
-        // A recording tuner copies `full` into its window's buffer.
-        self.after_request(out, Some(full));
+        // A recording tuner copies `full` and the hints into its window's
+        // buffers.
+        self.after_request(out, Some(full), checkpoints);
         if let Some(s) = &mut self.shadows {
-            s.after_request(&mut self.core, ns, input_len, full);
+            s.after_request(&mut self.core, ns, input_len, full, checkpoints);
         }
         Ok(served)
     }
@@ -583,10 +589,11 @@ impl PrefixCache {
     }
 
     /// The tuner's turn after a request: `full` is the sequence admitted
-    /// when the caller has it (else the lease's record is used).
-    fn after_request(&mut self, out: LeaseInfoOut, full: Option<&[u32]>) {
+    /// when the caller has it (else the lease's record is used); `hints`
+    /// the lookup's application checkpoints.
+    fn after_request(&mut self, out: LeaseInfoOut, full: Option<&[u32]>, hints: &[u32]) {
         if let Some(t) = &mut self.tuner {
-            t.after_request(&mut self.core, out, full);
+            t.after_request(&mut self.core, out, full, hints);
         }
     }
 
@@ -761,6 +768,65 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::fingerprint;
+    use crate::{
+        AlphaMode, CacheConfig, ModelSpec, PrefixCache, ShadowConfig, TunerConfig, TuningObjective,
+    };
+
+    /// Shadow caches serve each request with the hints its lookup was
+    /// given (whole requests and the engine's calls alike): pairs of
+    /// requests that share a fresh 1,000-token prompt, hinted at its end,
+    /// score hits in every shadow; without the hint, none.
+    #[test]
+    fn shadows_replay_the_hints() {
+        const STATE: u64 = 26_787_840;
+        const KV: u64 = 65_536;
+        for engine in [false, true] {
+            for hinted in [false, true] {
+                let cfg = CacheConfig {
+                    alpha: AlphaMode::Auto(TunerConfig {
+                        objective: TuningObjective::TokenHits,
+                        shadows: Some(ShadowConfig {
+                            alphas: vec![0.0],
+                            tuned: false,
+                            lru: true,
+                            half_life: 0,
+                            ..ShadowConfig::default()
+                        }),
+                        ..TunerConfig::default()
+                    }),
+                    ..CacheConfig::marconi(
+                        ModelSpec::preset("paper-7b").unwrap(),
+                        4 * STATE + 3_000 * KV,
+                    )
+                };
+                let mut c = PrefixCache::new(cfg).unwrap();
+                let hints: &[u32] = if hinted { &[1_000] } else { &[] };
+                for i in 0..40u32 {
+                    let prompt = 1_000_000 * (i / 2 + 1);
+                    let tail = prompt + 500_000 + 100 * (i % 2);
+                    let full: Vec<u32> = (prompt..prompt + 1_000).chain(tail..tail + 53).collect();
+                    if engine {
+                        let l = c.lookup_hinted(0, &full[..1_050], hints).unwrap();
+                        let states = c.states_to_save(&l, full.len());
+                        c.admit(l.lease, &full, &states, &[]).unwrap();
+                        c.release(l.lease).unwrap();
+                    } else {
+                        c.serve_full_hinted(0, 1_050, &full, hints).unwrap();
+                    }
+                }
+                let scores = c.shadows.as_ref().unwrap().scores();
+                assert!(scores.len() >= 2, "{scores:?}");
+                for s in scores {
+                    if hinted {
+                        // 20 pairs: most second requests hit the prompt.
+                        assert!(s >= 10_000.0, "engine {engine}: {s}");
+                    } else {
+                        assert_eq!(s, 0.0, "engine {engine}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn fingerprint_sees_every_position_and_the_length() {

@@ -221,6 +221,7 @@ impl Core {
                 input_fingerprint,
                 plan,
                 admitted: None,
+                hints: Vec::new(),
             },
         );
         lease

@@ -195,14 +195,16 @@ impl Shadows {
 
     /// A finished request: `full` (the longest sequence admitted, whose
     /// first `input_len` tokens were looked up) in namespace `ns`, served
-    /// by every shadow if sampled; then the best rules are adopted on
-    /// `core`. Empty `full` (nothing admitted): nothing to replay.
+    /// by every shadow if sampled with its application checkpoint `hints`;
+    /// then the best rules are adopted on `core`. Empty `full` (nothing
+    /// admitted): nothing to replay.
     pub(crate) fn after_request(
         &mut self,
         core: &mut Core,
         ns: u64,
         input_len: usize,
         full: &[u32],
+        hints: &[u32],
     ) {
         self.requests += 1;
         if full.is_empty() || input_len == 0 || input_len > full.len() {
@@ -226,12 +228,18 @@ impl Shadows {
             // The cache accepted this request; a shadow of the same model,
             // admission and grids accepts it too. Should it refuse, its
             // score simply gains nothing.
-            let _ = arm.cache.serve_full(ns, input_len, full);
+            let _ = arm.cache.serve_full_hinted(ns, input_len, full, hints);
             arm.score = arm.score * self.decay + (value(&arm.cache) - before);
         }
         self.adopt_best(core);
         // A tuned shadow's α follows its own tuning.
         core.alpha = self.arms[self.current].cache.alpha();
+    }
+
+    /// Each shadow's score, for tests.
+    #[cfg(test)]
+    pub(crate) fn scores(&self) -> Vec<f64> {
+        self.arms.iter().map(|a| a.score).collect()
     }
 
     fn adopt_best(&mut self, core: &mut Core) {

@@ -117,10 +117,15 @@ struct Recorded {
     /// The admitted sequence: `Window::tokens[start..end]`.
     start: usize,
     end: usize,
+    /// The lookup's application checkpoint hints:
+    /// `Window::hints[hints_start..hints_end]` (empty without hints).
+    hints_start: usize,
+    hints_end: usize,
 }
 
-/// A window's requests, their sequences in one buffer: recording a request
-/// copies its tokens (O(request)) and allocates nothing once the buffers
+/// A window's requests, their sequences in one buffer and their
+/// application checkpoint hints in another: recording a request copies its
+/// tokens and hints (O(request)) and allocates nothing once the buffers
 /// have grown, and the buffers come back from the search thread for the
 /// next window ([`Spare`]). Per-request sequences allocated by the
 /// engine's thread and freed in bulk by the search thread when the search
@@ -130,17 +135,26 @@ struct Recorded {
 struct Window {
     requests: Vec<Recorded>,
     tokens: Vec<u32>,
+    hints: Vec<u32>,
 }
 
 impl Window {
-    fn push(&mut self, ns: u64, input_len: u32, full: &[u32]) {
+    /// Records a request: `full` (its first `input_len` tokens the input)
+    /// looked up with `hints`; those past the input are not kept (the
+    /// lookup dropped them).
+    fn push(&mut self, ns: u64, input_len: u32, full: &[u32], hints: &[u32]) {
         let start = self.tokens.len();
         self.tokens.extend_from_slice(full);
+        let hints_start = self.hints.len();
+        self.hints
+            .extend(hints.iter().copied().filter(|&h| h > 0 && h <= input_len));
         self.requests.push(Recorded {
             ns,
             input_len,
             start,
             end: self.tokens.len(),
+            hints_start,
+            hints_end: self.hints.len(),
         });
     }
 
@@ -148,17 +162,19 @@ impl Window {
         self.requests.len()
     }
 
-    /// Each request: namespace, input, input + output.
-    fn iter(&self) -> impl Iterator<Item = (u64, &[u32], &[u32])> {
+    /// Each request: namespace, input, input + output, hints.
+    fn iter(&self) -> impl Iterator<Item = (u64, &[u32], &[u32], &[u32])> {
         self.requests.iter().map(|r| {
             let full = &self.tokens[r.start..r.end];
-            (r.ns, &full[..r.input_len as usize], full)
+            let hints = &self.hints[r.hints_start..r.hints_end];
+            (r.ns, &full[..r.input_len as usize], full, hints)
         })
     }
 
     fn clear(&mut self) {
         self.requests.clear();
         self.tokens.clear();
+        self.hints.clear();
     }
 }
 
@@ -595,12 +611,15 @@ impl Tuner {
 
     /// Called once per finished request (lease released), with the
     /// sequence it admitted when the caller has it at hand (`full`; else
-    /// the one the lease kept, `out.admitted`).
+    /// the one the lease kept, `out.admitted`) and the application
+    /// checkpoint hints its lookup was given (the window's replays pass
+    /// them to the same hinted lookup).
     pub(crate) fn after_request(
         &mut self,
         core: &mut Core,
         out: LeaseInfoOut,
         full: Option<&[u32]>,
+        hints: &[u32],
     ) {
         self.requests += 1;
         match &mut self.phase {
@@ -623,7 +642,7 @@ impl Tuner {
             }
             Phase::Recording => {
                 if let Some(full) = full.or(out.admitted.as_deref()).filter(|f| !f.is_empty()) {
-                    self.window.push(out.ns, out.input_len, full);
+                    self.window.push(out.ns, out.input_len, full, hints);
                 }
                 if self.window.len() >= self.window_len {
                     let search = self.start_search(core);
@@ -896,12 +915,13 @@ fn replay(
     let mut c = snapshot.clone();
     c.alpha = alpha;
     cand.rules.apply(&mut c);
-    for (ns, input, full) in window.iter() {
+    for (ns, input, full, hints) in window.iter() {
         if cancel.load(Ordering::Relaxed) {
             return Err("cancelled: the cache was dropped".into());
         }
         // Recorded requests were valid when they ran; a replay cannot fail.
-        let _ = c.serve(ns, input, full);
+        // With their hints, as the cache ran them (none: `serve` itself).
+        let _ = c.serve_hinted(ns, input, full, hints);
         // Hands the core back to a runnable thread after each replayed
         // request (microseconds of work): where the search shares a core
         // with the engine's thread, that thread waits for one replayed

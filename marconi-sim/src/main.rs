@@ -199,6 +199,12 @@ enum TraceCmd {
         /// Write every input in full instead of the compact `extends` form.
         #[arg(long)]
         full: bool,
+        /// Write the application checkpoints (the end of each shared system
+        /// prompt a request starts with) as each record's `checkpoints`, so
+        /// that `marconi-hinted` replays the file as the built-in workload.
+        /// Off by default: files stay byte for byte as before.
+        #[arg(long)]
+        checkpoints: bool,
     },
 }
 
@@ -563,6 +569,7 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             max_input,
             seed,
             full,
+            checkpoints,
         } => {
             let mut cfg = SynthConfig::new(kind);
             cfg.seed = seed;
@@ -573,7 +580,11 @@ fn trace_cmd(t: TraceCmd) -> CmdResult {
             if let Some(r) = session_rate {
                 cfg.session_rate = r;
             }
-            write_trace(&synth::generate(&cfg), &out, full)
+            let mut trace = synth::generate(&cfg);
+            if checkpoints {
+                trace = trace.with_app_checkpoints();
+            }
+            write_trace(&trace, &out, full)
         }
     }
 }

@@ -31,11 +31,12 @@ pub enum Policy {
     /// Marconi whose rules and α follow the best of its shadow caches
     /// (`CacheConfig::marconi_shadow`).
     MarconiShadow,
-    /// Marconi (`CacheConfig::marconi`) with application checkpoints: a
-    /// request whose input starts with a prefix the workload's application
-    /// knows is shared (`Trace::app_prefixes`: the generators' system
-    /// prompts) passes its end to `PrefixCache::lookup_hinted`. The same as
-    /// `marconi` on a trace without such prefixes (a trace file, ShareGPT).
+    /// Marconi (`CacheConfig::marconi`) with application checkpoints
+    /// (`Trace::hints`): a trace file's per-record `checkpoints`, and the
+    /// end of each prefix the workload's application knows is shared
+    /// (`Trace::app_prefixes`: the generators' system prompts) an input
+    /// starts with, go to `PrefixCache::lookup_hinted`. The same as
+    /// `marconi` on a trace without hints (e.g. ShareGPT).
     MarconiHinted,
     /// SGLang+: Marconi's admission with LRU eviction.
     SglangPlus,
@@ -310,7 +311,7 @@ pub fn replay(
             }
             let served = cache.as_mut().map(|c| {
                 if hinted {
-                    let hints = trace.app_checkpoints(r.input());
+                    let hints = trace.hints(&r);
                     c.serve_full_hinted(0, r.input_len, r.full, &hints)
                 } else {
                     c.serve_full(0, r.input_len, r.full)
@@ -455,7 +456,7 @@ fn concurrent(
             }
         }
         let looked_up = if cfg.policy == Policy::MarconiHinted {
-            cache.lookup_hinted(0, r.input(), &trace.app_checkpoints(r.input()))
+            cache.lookup_hinted(0, r.input(), &trace.hints(&r))
         } else {
             cache.lookup(0, r.input())
         };

@@ -173,6 +173,7 @@ pub fn assemble(sessions: Vec<Session>, timing: &Timing) -> Trace {
                 base,
                 tokens: it.append,
                 output: it.output,
+                checkpoints: Vec::new(),
             }
         })
         .collect();

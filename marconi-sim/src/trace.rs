@@ -10,6 +10,16 @@
 //! stay linear in size. Ids (`id`, `session`, `extends`) are integers in
 //! 0..2^64, token ids integers in 0..2^32, `arrival_s` a number >= 0.
 //!
+//! A record may carry `"checkpoints": [positions]`: application checkpoint
+//! hints, positions of its full input (after expansion, so counted from the
+//! start of the conversation in the compact form too) that the application
+//! declares shared with later requests (the end of a system prompt, of tool
+//! definitions, of a document). Each is an integer in 1..=input length; a
+//! position past the input is an error of its line. The `marconi-hinted`
+//! policy passes them to `PrefixCache::lookup_hinted`; the others ignore
+//! them. Absent means none: files without the field read as before, and
+//! the writer omits it when a record has none.
+//!
 //! **Memory bound.** Reading is streaming: the reader keeps, for every
 //! session, only the full token sequence of that session's latest request,
 //! so memory is independent of the trace's length. Sequences are shared, not
@@ -60,6 +70,10 @@ pub struct Record {
     pub tokens: Vec<u32>,
     /// The decoded output.
     pub output: Vec<u32>,
+    /// Application checkpoint hints: positions of the full input, each in
+    /// 1..=input length (checked when the record is expanded); empty when
+    /// the line has none.
+    pub checkpoints: Vec<u32>,
 }
 
 /// An expanded request: its full sequence (input then output).
@@ -75,6 +89,9 @@ pub struct Request<'a> {
     pub full: &'a [u32],
     /// Length of the input within `full`.
     pub input_len: usize,
+    /// The record's application checkpoint hints (positions of the input,
+    /// each in 1..=`input_len`).
+    pub checkpoints: &'a [u32],
     /// Where `full` is stored, for [`share`](Self::share).
     seg: &'a Arc<Seg>,
 }
@@ -87,7 +104,15 @@ impl PartialEq for Request<'_> {
             self.arrival_s,
             self.full,
             self.input_len,
-        ) == (o.id, o.session, o.arrival_s, o.full, o.input_len)
+            self.checkpoints,
+        ) == (
+            o.id,
+            o.session,
+            o.arrival_s,
+            o.full,
+            o.input_len,
+            o.checkpoints,
+        )
     }
 }
 
@@ -379,6 +404,7 @@ struct RawLine {
     extends: Option<u64>,
     append: Option<Tokens>,
     output: Option<Tokens>,
+    checkpoints: Option<Vec<u32>>,
 }
 
 #[derive(Serialize)]
@@ -393,6 +419,8 @@ struct OutLine<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     append: Option<&'a [u32]>,
     output: &'a [u32],
+    #[serde(skip_serializing_if = "<[u32]>::is_empty")]
+    checkpoints: &'a [u32],
 }
 
 /// Parses and checks lines one at a time (order of ids and arrivals, shape);
@@ -508,6 +536,7 @@ impl LineParser {
             base,
             tokens,
             output,
+            checkpoints: raw.checkpoints.unwrap_or_default(),
         }))
     }
 }
@@ -535,6 +564,8 @@ pub struct Expander {
     /// What `work` holds: `(serial, tokens of its own)` of each segment,
     /// root first, so that the next sequence reuses the common part.
     work_segs: Vec<(u64, usize)>,
+    /// The last expanded record's checkpoints ([`Request::checkpoints`]).
+    checkpoints: Vec<u32>,
 }
 
 impl Expander {
@@ -545,13 +576,15 @@ impl Expander {
 
     /// Expands `r`; the returned request borrows the expander until the
     /// next call. Errors (as a reason, changing nothing) if `r` extends an
-    /// unknown or superseded request, or has an empty input.
+    /// unknown or superseded request, has an empty input, or a checkpoint
+    /// outside 1..=input length.
     pub fn expand<'a>(&'a mut self, r: &Record) -> Result<Request<'a>, String> {
         let seg = match r.base {
             Base::Full => {
                 if r.tokens.is_empty() {
                     return Err("empty input".into());
                 }
+                check_checkpoints(&r.checkpoints, r.tokens.len())?;
                 // Reuse the session's storage when nothing else holds it.
                 let mut own = self
                     .take_latest(r.session)
@@ -570,6 +603,7 @@ impl Expander {
                          the latest request of its session)"
                     ));
                 };
+                check_checkpoints(&r.checkpoints, self.latest[&xs].1.len() + r.tokens.len())?;
                 let parent = if xs == r.session {
                     self.take_latest(xs).expect("an owned id has a sequence")
                 } else {
@@ -592,12 +626,15 @@ impl Expander {
             None => &seg.own[..],
             Some(_) => &self.work[..],
         };
+        self.checkpoints.clear();
+        self.checkpoints.extend_from_slice(&r.checkpoints);
         Ok(Request {
             id: r.id,
             session: r.session,
             arrival_s: r.arrival_s,
             full,
             input_len,
+            checkpoints: &self.checkpoints,
             seg,
         })
     }
@@ -706,6 +743,20 @@ impl Expander {
     }
 }
 
+/// Checks a record's application checkpoints against its input length.
+fn check_checkpoints(checkpoints: &[u32], input_len: usize) -> Result<(), String> {
+    match checkpoints
+        .iter()
+        .find(|&&c| c == 0 || c as usize > input_len)
+    {
+        Some(c) => Err(format!(
+            "checkpoint {c} is not a position of the input: checkpoints are in \
+             1..={input_len} (the input length)"
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Lines of a trace as bytes, decoded one at a time (so that invalid UTF-8
 /// is reported with its line), parsed, and counted (so that a trace without
 /// any request is an error).
@@ -797,10 +848,12 @@ pub struct Trace {
     /// The records in arrival order.
     pub records: Vec<Record>,
     /// The prefixes the application knows are shared (system prompts, tool
-    /// definitions): a generator sets them, a trace file does not carry
-    /// them. A request whose input starts with one passes its length as an
-    /// application checkpoint under `marconi-hinted` (see
-    /// [`Trace::app_checkpoints`]). Not part of equality.
+    /// definitions): a generator sets them, in memory only (a file carries
+    /// per-record [`Record::checkpoints`] instead: see
+    /// [`with_app_checkpoints`](Self::with_app_checkpoints)). A request
+    /// whose input starts with one passes its length as an application
+    /// checkpoint under `marconi-hinted` (see [`Trace::hints`]). Not part
+    /// of equality.
     pub app_prefixes: Vec<Vec<u32>>,
 }
 
@@ -866,6 +919,41 @@ impl Trace {
         v.sort_unstable();
         v.dedup();
         v
+    }
+
+    /// The application checkpoints `marconi-hinted` passes for `r`: its
+    /// record's [`checkpoints`](Record::checkpoints) and the
+    /// [`app_checkpoints`](Self::app_checkpoints) of its input, ascending,
+    /// without duplicates.
+    pub fn hints(&self, r: &Request<'_>) -> Vec<u32> {
+        let mut v = self.app_checkpoints(r.input());
+        if !r.checkpoints.is_empty() {
+            v.extend_from_slice(r.checkpoints);
+            v.sort_unstable();
+            v.dedup();
+        }
+        v
+    }
+
+    /// The trace with each record's [`app_checkpoints`](Self::app_checkpoints)
+    /// added to its [`checkpoints`](Record::checkpoints) (so that a file
+    /// written from it carries them) and no `app_prefixes` left: the
+    /// requests `marconi-hinted` passes are the same.
+    pub fn with_app_checkpoints(mut self) -> Self {
+        if self.app_prefixes.is_empty() {
+            return self;
+        }
+        let mut found = Vec::with_capacity(self.records.len());
+        self.for_each(|r| found.push(self.app_checkpoints(r.input())));
+        for (rec, add) in self.records.iter_mut().zip(found) {
+            if !add.is_empty() {
+                rec.checkpoints.extend(add);
+                rec.checkpoints.sort_unstable();
+                rec.checkpoints.dedup();
+            }
+        }
+        self.app_prefixes.clear();
+        self
     }
 
     /// Calls `f` on every expanded request in order.
@@ -951,6 +1039,7 @@ impl<W: Write> TraceWriter<W> {
                 extends,
                 append,
                 output: &r.output,
+                checkpoints: &r.checkpoints,
             },
         )?;
         self.out.write_all(b"\n")
@@ -968,6 +1057,7 @@ impl<W: Write> TraceWriter<W> {
                 extends: None,
                 append: None,
                 output: r.output(),
+                checkpoints: r.checkpoints,
             },
         )?;
         self.out.write_all(b"\n")

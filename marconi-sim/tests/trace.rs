@@ -412,6 +412,7 @@ fn a_long_chain_of_forks_expands_and_drops() {
             base: extends.map_or(Base::Full, Base::Extends),
             tokens,
             output,
+            checkpoints: Vec::new(),
         };
     let mut ex = Expander::new();
     let mut len = 0;

@@ -93,7 +93,10 @@ pub enum AlphaAdoption {
 /// length (one in `retune_every`) are tuned again over α = 0, the current α
 /// and its grid neighbours, so α follows a drifting workload. An α other than
 /// 0 is adopted only if it beats α = 0 on the window by `min_gain`
-/// (relative), so tuning never picks an α that did worse than LRU.
+/// (relative), so tuning never picks an α that did worse than LRU. With
+/// `retune` (and without `tune_rules`), a round moves away from the α in
+/// force only if the move gains on both halves of its window (a sign test
+/// against one noisy burst of requests; see README, "Battery").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TunerConfig {
     /// Candidate α values.

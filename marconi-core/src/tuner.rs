@@ -182,8 +182,9 @@ impl Window {
 /// window to reuse (taken with `try_lock`: never waited for).
 type Spare = Arc<Mutex<Option<Window>>>;
 
-/// What a grid search gives: the objective per grid value, or why it failed.
-type Outcome = Result<Vec<f64>, String>;
+/// What a grid search gives per grid value: the objective after the
+/// window, and what each half of the window added to it; or why it failed.
+type Outcome = Result<Vec<[f64; 3]>, String>;
 
 /// Where a search leaves its outcome, and the condition its waiter sleeps on.
 type Slot = Arc<(Mutex<Option<Outcome>>, Condvar)>;
@@ -769,6 +770,8 @@ impl Tuner {
             }
         };
         let grid = search.grid.clone();
+        let halves: Vec<[f64; 2]> = results.iter().map(|r| [r[1], r[2]]).collect();
+        let results: Vec<f64> = results.iter().map(|r| r[0]).collect();
         let at_zero = results[0];
         // Best objective; the smallest α wins ties (grid is ascending, 0 first).
         let (mut best, mut best_obj) = (0usize, at_zero);
@@ -782,6 +785,24 @@ impl Tuner {
         if best != 0 && best_obj < at_zero * (1.0 + self.cfg.min_gain) {
             best = 0;
             best_obj = at_zero;
+        }
+        // Retuning moves away from the candidate in force only when the
+        // move gains on both halves of the window: a gain that one burst of
+        // requests makes, and that the other half does not repeat, is
+        // noise (a cheap sign test; the paper's one-shot tuning and
+        // `tune_rules` take the best candidate as it is).
+        if self.cfg.retune && !self.cfg.tune_rules {
+            let now = Rules::of(core);
+            if let Some(cur) = grid
+                .iter()
+                .position(|c| c.alpha == core.alpha && c.rules == now)
+            {
+                let (b, c) = (halves[best], halves[cur]);
+                if best != cur && !(b[0] > c[0] && b[1] > c[1]) {
+                    best = cur;
+                    best_obj = results[cur];
+                }
+            }
         }
         let old = core.alpha;
         let new = grid[best].alpha;
@@ -898,7 +919,7 @@ fn replay(
     objective: TuningObjective,
     polite: bool,
     cancel: &AtomicBool,
-) -> Result<f64, String> {
+) -> Result<[f64; 3], String> {
     let alpha = cand.alpha;
     #[cfg(test)]
     if alpha.to_bits() == tests::FAULT_ALPHA.to_bits() {
@@ -912,10 +933,19 @@ fn replay(
     if alpha.to_bits() == tests::UNTIL_CANCELLED_ALPHA.to_bits() {
         tests::wait_for_cancel(cancel);
     }
+    let score = |c: &Core| match objective {
+        TuningObjective::FlopsSaved => c.stats.flops_saved,
+        TuningObjective::TokenHits => c.stats.hit_tokens as f64,
+    };
     let mut c = snapshot.clone();
     c.alpha = alpha;
     cand.rules.apply(&mut c);
-    for (ns, input, full, hints) in window.iter() {
+    let (start, half) = (score(&c), window.len() / 2);
+    let mut at_half = start;
+    for (i, (ns, input, full, hints)) in window.iter().enumerate() {
+        if i == half {
+            at_half = score(&c);
+        }
         if cancel.load(Ordering::Relaxed) {
             return Err("cancelled: the cache was dropped".into());
         }
@@ -932,10 +962,8 @@ fn replay(
             std::thread::yield_now();
         }
     }
-    Ok(match objective {
-        TuningObjective::FlopsSaved => c.stats.flops_saved,
-        TuningObjective::TokenHits => c.stats.hit_tokens as f64,
-    })
+    let end = score(&c);
+    Ok([end, at_half - start, end - at_half])
 }
 
 #[cfg(test)]

@@ -797,8 +797,7 @@ impl Tuner {
                 .iter()
                 .position(|c| c.alpha == core.alpha && c.rules == now)
             {
-                let (b, c) = (halves[best], halves[cur]);
-                if best != cur && !(b[0] > c[0] && b[1] > c[1]) {
+                if best != cur && !gains_on_both_halves(halves[best], halves[cur]) {
                     best = cur;
                     best_obj = results[cur];
                 }
@@ -848,6 +847,13 @@ impl Tuner {
             (true, w) => Phase::Waiting(w),
         };
     }
+}
+
+/// Whether a candidate whose replay added `best` to the objective on each
+/// half of the window did strictly better than the one in force (`now`) on
+/// both halves.
+fn gains_on_both_halves(best: [f64; 2], now: [f64; 2]) -> bool {
+    best[0] > now[0] && best[1] > now[1]
 }
 
 /// Replays `window` from `snapshot` once per α, in parallel threads; the
@@ -1087,6 +1093,17 @@ mod tests {
     /// page ids) still serve, so the search scores α on real hits. (Replays
     /// from a snapshot that kept its page ids were refused, every one, and
     /// every α scored 0.)
+    #[test]
+    fn a_move_needs_a_gain_on_both_halves_of_the_window() {
+        use super::gains_on_both_halves as both;
+        assert!(both([10.0, 10.0], [9.0, 9.0]));
+        // The whole-window gain of one burst, that the other half lost.
+        assert!(!both([30.0, 5.0], [10.0, 10.0]));
+        assert!(!both([5.0, 30.0], [10.0, 10.0]));
+        // A tie on one half is no evidence: the α in force stays.
+        assert!(!both([10.0, 12.0], [10.0, 10.0]));
+    }
+
     #[test]
     fn replays_of_a_page_tracking_cache_score_hits() {
         let cfg = CacheConfig {

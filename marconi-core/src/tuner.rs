@@ -1089,10 +1089,7 @@ mod tests {
         c.release(l.lease).unwrap();
     }
 
-    /// An engine that tracks KV pages: the window's replays (which carry no
-    /// page ids) still serve, so the search scores α on real hits. (Replays
-    /// from a snapshot that kept its page ids were refused, every one, and
-    /// every α scored 0.)
+    /// A retuning round moves only on a gain on both halves of its window.
     #[test]
     fn a_move_needs_a_gain_on_both_halves_of_the_window() {
         use super::gains_on_both_halves as both;
@@ -1104,6 +1101,10 @@ mod tests {
         assert!(!both([10.0, 12.0], [10.0, 10.0]));
     }
 
+    /// An engine that tracks KV pages: the window's replays (which carry no
+    /// page ids) still serve, so the search scores α on real hits. (Replays
+    /// from a snapshot that kept its page ids were refused, every one, and
+    /// every α scored 0.)
     #[test]
     fn replays_of_a_page_tracking_cache_score_hits() {
         let cfg = CacheConfig {

@@ -93,7 +93,7 @@ pub enum AlphaAdoption {
 /// length (one in `retune_every`) are tuned again over α = 0, the current α
 /// and its grid neighbours, so α follows a drifting workload. An α other than
 /// 0 is adopted only if it beats α = 0 on the window by `min_gain`
-/// (relative), so tuning never picks an α that did worse than LRU. With
+/// (relative to α = 0's score on the window), so tuning never picks an α that did worse than LRU. With
 /// `retune` (and without `tune_rules`), a round moves away from the α in
 /// force only if the move gains on both halves of its window (a sign test
 /// against one noisy burst of requests; see README, "Battery").
@@ -134,10 +134,12 @@ pub struct TunerConfig {
     /// deterministic) or as soon as it is ready (engines, never waits).
     #[serde(default)]
     pub adoption: AlphaAdoption,
-    /// Relative gain over α = 0 that a non-zero α must reach to be adopted
-    /// (default 0: the grid includes α = 0, so an adopted α never did worse
-    /// than LRU on its window; a margin trades responsiveness for
-    /// stability).
+    /// Relative gain over α = 0 that a non-zero α must reach to be adopted,
+    /// measured on the window: the best candidate's objective gained over
+    /// the window must exceed α = 0's by this fraction of α = 0's (what was
+    /// scored before the window does not count). Default 0: the grid
+    /// includes α = 0, so an adopted α never did worse than LRU on its
+    /// window; a margin trades responsiveness for stability.
     pub min_gain: f64,
     /// Threads for the grid search (0: one per available core).
     pub threads: u32,

@@ -770,22 +770,11 @@ impl Tuner {
             }
         };
         let grid = search.grid.clone();
+        let mut best = best_candidate(&results, self.cfg.min_gain);
         let halves: Vec<[f64; 2]> = results.iter().map(|r| [r[1], r[2]]).collect();
         let results: Vec<f64> = results.iter().map(|r| r[0]).collect();
         let at_zero = results[0];
-        // Best objective; the smallest α wins ties (grid is ascending, 0 first).
-        let (mut best, mut best_obj) = (0usize, at_zero);
-        for (i, &r) in results.iter().enumerate() {
-            if r > best_obj {
-                best = i;
-                best_obj = r;
-            }
-        }
-        // Never adopt an α that does not beat plain LRU on the window.
-        if best != 0 && best_obj < at_zero * (1.0 + self.cfg.min_gain) {
-            best = 0;
-            best_obj = at_zero;
-        }
+        let mut best_obj = results[best];
         // Retuning moves away from the candidate in force only when the
         // move gains on both halves of the window: a gain that one burst of
         // requests makes, and that the other half does not repeat, is
@@ -847,6 +836,27 @@ impl Tuner {
             (true, w) => Phase::Waiting(w),
         };
     }
+}
+
+/// The candidate with the best objective among `results` (one `[total,
+/// first half, second half]` per candidate, candidate 0 being α = 0 under
+/// the rules in force; the first wins ties), or 0 when it does not beat
+/// candidate 0 by `min_gain` relative to candidate 0's gain on the window
+/// itself (the window's own score, not the total since the cache started).
+fn best_candidate(results: &[[f64; 3]], min_gain: f64) -> usize {
+    let mut best = 0usize;
+    for (i, r) in results.iter().enumerate() {
+        if r[0] > results[best][0] {
+            best = i;
+        }
+    }
+    // Every replay starts from the same snapshot: the difference of the
+    // totals is the difference of the window scores.
+    let (zero, top) = (results[0], results[best]);
+    if best != 0 && top[0] - zero[0] < (zero[1] + zero[2]) * min_gain {
+        return 0;
+    }
+    best
 }
 
 /// Whether a candidate whose replay added `best` to the objective on each
@@ -1087,6 +1097,26 @@ mod tests {
         // The cache still serves, lookups included.
         let l = c.lookup(0, &(29_000..29_100).collect::<Vec<_>>()).unwrap();
         c.release(l.lease).unwrap();
+    }
+
+    /// `min_gain` is a margin on the window's own score.
+    #[test]
+    fn min_gain_is_relative_to_the_window_score() {
+        use super::best_candidate as best;
+        // 1000 scored before the window, 10 on it at α = 0.
+        let zero = [1010.0, 5.0, 5.0];
+        // +50 % on the window: adopted with a 10 % margin (the total since
+        // the cache started gains only 0.5 %).
+        assert_eq!(best(&[zero, [1015.0, 7.5, 7.5]], 0.1), 1);
+        // +5 % on the window: below the margin.
+        assert_eq!(best(&[zero, [1010.5, 5.0, 5.5]], 0.1), 0);
+        // No margin: the best total wins, the first one on a tie.
+        assert_eq!(best(&[zero, [1010.5, 5.0, 5.5]], 0.0), 1);
+        assert_eq!(
+            best(&[zero, [1012.0, 6.0, 6.0], [1012.0, 7.0, 5.0]], 0.0),
+            1
+        );
+        assert_eq!(best(&[zero, [1010.0, 4.0, 6.0]], 0.0), 0);
     }
 
     /// A retuning round moves only on a gain on both halves of its window.

@@ -721,7 +721,8 @@ typedef struct marconi_cache_config {
    */
   uint32_t tuner_retune_neighbours;
   /**
-   * Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.
+   * Relative gain over alpha = 0, on the tuning window's own score, that
+   * a non-zero alpha must reach. Default 0.
    */
   double tuner_min_gain;
   /**

@@ -233,7 +233,8 @@ pub struct marconi_cache_config {
     /// and this many nearest grid values on each side (0: the whole grid
     /// every window). Default 2.
     pub tuner_retune_neighbours: u32,
-    /// Relative gain over alpha = 0 a non-zero alpha must reach. Default 0.
+    /// Relative gain over alpha = 0, on the tuning window's own score, that
+    /// a non-zero alpha must reach. Default 0.
     pub tuner_min_gain: f64,
     /// A marconi_alpha_adoption value. Default MARCONI_ALPHA_ADOPTION_WHEN_READY
     /// (also for callers built against the first version of this struct).

@@ -23,7 +23,8 @@
 //!   decisions. A request served through the engine's separate calls is
 //!   replayed at its release with the longest sequence admitted; requests
 //!   that overlap in the engine are serialised in the shadows (their
-//!   order of release).
+//!   order of release). A request's application checkpoint hints (its
+//!   lookup's) are replayed with it, so a shadow plans as the cache did.
 //! - Each shadow's score is the tuner's objective (FLOPs saved or tokens
 //!   hit) of the requests it served, decayed by half every
 //!   [`half_life`](crate::ShadowConfig::half_life) requests. After every

@@ -96,7 +96,9 @@ pub enum AlphaAdoption {
 /// (relative to α = 0's score on the window), so tuning never picks an α that did worse than LRU. With
 /// `retune` (and without `tune_rules`), a round moves away from the α in
 /// force only if the move gains on both halves of its window (a sign test
-/// against one noisy burst of requests; see README, "Battery").
+/// against one noisy burst of requests; see README, "Battery"), or if it
+/// returns to α = 0 with the better total (a large α adopted on a lucky
+/// window must be able to go back).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TunerConfig {
     /// Candidate α values.

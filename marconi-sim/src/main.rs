@@ -90,6 +90,11 @@ struct BatteryArgs {
     /// Capacities as fractions of each trace's working set.
     #[arg(long, value_delimiter = ',', default_values_t = [0.05f64, 0.15, 0.4])]
     fractions: Vec<f64>,
+    /// Multiply every trace's sessions (synthetic sessions and ShareGPT
+    /// conversations) by this: longer traces, whose tuning windows hold
+    /// more requests (the default traces have 270 to 710 requests).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    scale: u32,
     /// A small battery (fewer sessions) for a smoke test.
     #[arg(long)]
     quick: bool,
@@ -699,7 +704,10 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     let mut cfg = battery::BatteryConfig::new(model);
     cfg.synth_seeds = a.seeds.clone();
     cfg.sharegpt_seeds = a.sharegpt_seeds.clone();
-    cfg.sharegpt_sessions = a.sharegpt_sessions;
+    cfg.sharegpt_sessions = a.sharegpt_sessions.saturating_mul(a.scale);
+    for (_, n) in &mut cfg.synth {
+        *n = n.saturating_mul(a.scale);
+    }
     cfg.fractions = a.fractions.clone();
     cfg.threads = a.out.threads;
     if a.quick {

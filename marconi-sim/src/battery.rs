@@ -14,6 +14,14 @@
 //! Capacities are fractions of each trace's working set (the KV bytes of
 //! its distinct tokens), so every trace is contended the same way whatever
 //! its size.
+//!
+//! A row at one capacity is a noisy judge: on the default battery, moving
+//! the capacity by 1 or 2 % moves one policy's token hit rate by up to 2.3
+//! (sglang-plus), 3.4 (marconi-paper) and 3.9 points (marconi), and
+//! marconi's margin on chat s1 at 15 % from +0.93 to −2.13, while the
+//! check allows 0.2. With [`BatteryConfig::jitter`] each row is the mean
+//! over that many capacities spread over ±[`JITTER_SPAN`] around it, and
+//! the checks are made on the means.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -46,6 +54,9 @@ pub const POLICIES: [Policy; 8] = [
 /// and marconi-paper by on a row and still "never lose" (issue 10 §3).
 pub const NEVER_LOSES_MARGIN: f64 = 0.2;
 
+/// How far the capacities of a jittered row spread around its own: ±2 %.
+pub const JITTER_SPAN: f64 = 0.02;
+
 /// A trace of the battery.
 #[derive(Clone, Debug)]
 pub struct BatteryTrace {
@@ -72,6 +83,9 @@ pub struct BatteryConfig {
     pub sharegpt_seeds: Vec<u64>,
     /// Capacities, as fractions of each trace's working set.
     pub fractions: Vec<f64>,
+    /// Capacities each row is the mean over (odd; 1: the row's own only):
+    /// `jitter` capacities evenly spread over ±[`JITTER_SPAN`] of it.
+    pub jitter: u32,
     /// Threads (0: one per core).
     pub threads: usize,
 }
@@ -92,6 +106,7 @@ impl BatteryConfig {
             sharegpt_sessions: 200,
             sharegpt_seeds: vec![0, 1, 2],
             fractions: vec![0.05, 0.15, 0.4],
+            jitter: 1,
             threads: 0,
         }
     }
@@ -167,18 +182,26 @@ pub struct Row {
     pub fraction: f64,
     /// Capacity in bytes.
     pub capacity_bytes: u64,
-    /// One report per policy of [`POLICIES`], in that order.
+    /// One report per policy of [`POLICIES`], in that order, at the
+    /// row's own capacity.
     pub reports: Vec<Report>,
+    /// Token hit rate (%) per policy of [`POLICIES`], the mean over the
+    /// row's jittered capacities ([`BatteryConfig::jitter`]; with none,
+    /// the reports' own).
+    pub hits: Vec<f64>,
+    /// Capacities the hit rates are the mean over.
+    pub capacities: usize,
 }
 
 impl Row {
-    /// Token hit rate of `p`, in %.
+    /// Token hit rate of `p`, in % (the mean over the row's jittered
+    /// capacities, if any).
     pub fn hit(&self, p: Policy) -> f64 {
         let i = POLICIES
             .iter()
             .position(|&q| q == p)
             .expect("a policy of the battery");
-        100.0 * self.reports[i].token_hit_rate
+        self.hits[i]
     }
 
     /// marconi − max(sglang-plus, marconi-paper), in points.
@@ -231,6 +254,7 @@ pub fn run(
     traces: &[BatteryTrace],
     tick: &(dyn Fn(u64) + Sync),
 ) -> Result<Vec<Row>, ReplayError> {
+    let jitter = jitter_factors(cfg.jitter)?;
     let mut rows = Vec::new();
     for t in traces {
         let working_set = distinct_kv_bytes(&t.trace, &cfg.model);
@@ -239,23 +263,58 @@ pub fn run(
         for &f in &cfg.fractions {
             let cap = ((working_set as f64 * f) as u64).max(1);
             caps.push((f, cap));
-            for &p in &POLICIES {
-                jobs.push(ReplayConfig::new(p, cfg.model.clone(), cap));
+            // The row's own capacity first: its reports are the row's.
+            for &j in &jitter {
+                let c = ((working_set as f64 * f * j) as u64).max(1);
+                for &p in &POLICIES {
+                    jobs.push(ReplayConfig::new(p, cfg.model.clone(), c));
+                }
             }
         }
         let replays = run_jobs(&t.trace, &jobs, cfg.threads, tick)?;
-        for ((f, cap), chunk) in caps.into_iter().zip(replays.chunks(POLICIES.len())) {
+        let per_row = POLICIES.len() * jitter.len();
+        for ((f, cap), chunk) in caps.into_iter().zip(replays.chunks(per_row)) {
+            let mut hits = vec![0.0; POLICIES.len()];
+            for runs in chunk.chunks(POLICIES.len()) {
+                for (h, r) in hits.iter_mut().zip(runs) {
+                    *h += 100.0 * r.report.token_hit_rate / jitter.len() as f64;
+                }
+            }
             rows.push(Row {
                 workload: t.workload.clone(),
                 seed: t.seed,
                 requests: t.trace.len(),
                 fraction: f,
                 capacity_bytes: cap,
-                reports: chunk.iter().map(|r| r.report.clone()).collect(),
+                reports: chunk[..POLICIES.len()]
+                    .iter()
+                    .map(|r| r.report.clone())
+                    .collect(),
+                hits,
+                capacities: jitter.len(),
             });
         }
     }
     Ok(rows)
+}
+
+/// The capacity factors of a row jittered `n` ways: 1 (the row's own)
+/// first, then the others evenly spread over 1 ± [`JITTER_SPAN`]. `n`
+/// must be odd (the row's own capacity is the middle one).
+pub fn jitter_factors(n: u32) -> Result<Vec<f64>, ReplayError> {
+    if n == 0 || n % 2 == 0 {
+        return Err(ReplayError::Config(
+            marconi_core::CacheError::InvalidConfig(format!(
+                "jitter {n}: the capacities per row must be odd (1, 3, 5...)"
+            )),
+        ));
+    }
+    let half = (n / 2) as i64;
+    let mut v = vec![1.0];
+    for k in (-half..=half).filter(|&k| k != 0) {
+        v.push(1.0 + JITTER_SPAN * k as f64 / half as f64);
+    }
+    Ok(v)
 }
 
 /// The markdown table: one row per trace and capacity, token hit rate (%)
@@ -348,8 +407,15 @@ pub fn summary(rows: &[Row]) -> String {
         .collect();
     let worst = rows.iter().map(Row::margin).fold(f64::INFINITY, f64::min);
     let mean_headroom = rows.iter().map(Row::headroom).sum::<f64>() / rows.len().max(1) as f64;
+    let jittered = match rows.first().map_or(1, |r| r.capacities) {
+        1 => String::new(),
+        n => format!(
+            " (each row the mean of {n} capacities within ±{:.0} %)",
+            100.0 * JITTER_SPAN
+        ),
+    };
     let mut s = format!(
-        "{} rows; marconi never loses (≥ max(sglang-plus, marconi-paper) − {NEVER_LOSES_MARGIN} points) on {}/{} (worst margin {worst:+.2}); \
+        "{} rows{jittered}; marconi never loses (≥ max(sglang-plus, marconi-paper) − {NEVER_LOSES_MARGIN} points) on {}/{} (worst margin {worst:+.2}); \
          clairvoyant ≥ every policy on {}/{}; mean headroom to clairvoyant {mean_headroom:.2} points",
         rows.len(),
         rows.len() - loses.len(),

@@ -95,6 +95,11 @@ struct BatteryArgs {
     /// more requests (the default traces have 270 to 710 requests).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     scale: u32,
+    /// Make each row the mean over this many capacities (odd) spread over
+    /// ±2 % of its own: one capacity alone is a noisy judge (a 1 % change
+    /// moves a row's margin by points).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=21))]
+    jitter: u32,
     /// A small battery (fewer sessions) for a smoke test.
     #[arg(long)]
     quick: bool,
@@ -709,6 +714,13 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
         *n = n.saturating_mul(a.scale);
     }
     cfg.fractions = a.fractions.clone();
+    if a.jitter % 2 == 0 {
+        return Err(format!(
+            "--jitter {}: the capacities per row must be odd (1, 3, 5...)",
+            a.jitter
+        ));
+    }
+    cfg.jitter = a.jitter;
     cfg.threads = a.out.threads;
     if a.quick {
         for (_, n) in &mut cfg.synth {
@@ -740,7 +752,10 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     }
     let requests: u64 = traces
         .iter()
-        .map(|t| (t.trace.len() * cfg.fractions.len() * battery::POLICIES.len()) as u64)
+        .map(|t| {
+            (t.trace.len() * cfg.fractions.len() * battery::POLICIES.len() * cfg.jitter as usize)
+                as u64
+        })
         .sum();
     let pb = progress::bar(requests, "battery", a.quiet);
     let rows = battery::run(&cfg, &traces, &|d| pb.inc(d)).map_err(|e| e.to_string())?;
@@ -763,7 +778,7 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     )?;
     let fig = dir.join("battery.svg");
     let context = format!(
-        "{}; {} traces, capacities {} of each working set{}",
+        "{}; {} traces, capacities {} of each working set{}{}",
         cfg.model.name,
         traces.len(),
         cfg.fractions
@@ -771,6 +786,11 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
             .map(|f| format!("{:.0}%", 100.0 * f))
             .collect::<Vec<_>>()
             .join(" / "),
+        if cfg.jitter > 1 {
+            format!(" (each the mean of {} within ±2 %)", cfg.jitter)
+        } else {
+            String::new()
+        },
         if sharegpt_note.is_some() {
             "; no ShareGPT"
         } else {
@@ -787,9 +807,14 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
             println!("note: {n}");
         }
         println!(
-            "{} traces × {} capacities × {} policies in {wall:.1}s; written: {}/battery.{{md,csv,json,svg}}",
+            "{} traces × {} capacities{} × {} policies in {wall:.1}s; written: {}/battery.{{md,csv,json,svg}}",
             traces.len(),
             cfg.fractions.len(),
+            if cfg.jitter > 1 {
+                format!(" × {} jittered", cfg.jitter)
+            } else {
+                String::new()
+            },
             battery::POLICIES.len(),
             dir.display()
         );

@@ -51,3 +51,67 @@ fn clairvoyant_at_least_every_policy() {
         assert!(r.reports.iter().all(|p| p.used_bytes <= r.capacity_bytes));
     }
 }
+
+#[test]
+fn jitter_factors_spread_evenly_around_the_row_capacity() {
+    assert_eq!(battery::jitter_factors(1).unwrap(), vec![1.0]);
+    let f = battery::jitter_factors(5).unwrap();
+    let want = [1.0, 0.98, 0.99, 1.01, 1.02];
+    assert_eq!(f.len(), want.len());
+    for (a, b) in f.iter().zip(want) {
+        assert!((a - b).abs() < 1e-12, "{f:?}");
+    }
+    for bad in [0, 2, 4] {
+        assert!(battery::jitter_factors(bad).is_err(), "{bad}");
+    }
+}
+
+/// A jittered row's hit rates are the means of the replays at its
+/// capacities (the row's own first), and its reports are the own
+/// capacity's.
+#[test]
+fn a_jittered_row_is_the_mean_of_its_capacities() {
+    let mut cfg = BatteryConfig::new(model());
+    cfg.synth.truncate(2);
+    cfg.synth_seeds = vec![3];
+    for (_, n) in &mut cfg.synth {
+        *n = (*n / 4).max(4);
+    }
+    cfg.fractions = vec![0.1];
+    cfg.jitter = 3;
+    let traces = battery::synth_traces(&cfg);
+    let rows = battery::run(&cfg, &traces, &|_| {}).unwrap();
+    assert_eq!(rows.len(), 2);
+    // Some policy's rate moves with the capacity, so a row that ignored
+    // its jittered capacities would fail the comparison below.
+    let mut moved = false;
+    for (r, t) in rows.iter().zip(&traces) {
+        assert_eq!(r.capacities, 3);
+        let ws = marconi_sim::clairvoyant::distinct_kv_bytes(&t.trace, &model());
+        for (i, &p) in POLICIES.iter().enumerate() {
+            let hit_at = |factor: f64| {
+                let cap = ((ws as f64 * 0.1 * factor) as u64).max(1);
+                let c = ReplayConfig::new(p, model(), cap);
+                100.0
+                    * replay(&t.trace, &c, &mut |_| {})
+                        .unwrap()
+                        .report
+                        .token_hit_rate
+            };
+            let own = hit_at(1.0);
+            let mean = (own + hit_at(0.98) + hit_at(1.02)) / 3.0;
+            moved |= (mean - own).abs() > 1e-6;
+            assert!(
+                (r.hit(p) - mean).abs() < 1e-9,
+                "{} {p}: {} vs {mean}",
+                r.label(),
+                r.hit(p)
+            );
+            assert!((100.0 * r.reports[i].token_hit_rate - own).abs() < 1e-9);
+        }
+    }
+    assert!(
+        moved,
+        "no policy's hit rate moved within ±2 % of the capacity"
+    );
+}

@@ -103,9 +103,13 @@ pub enum Decision {
         old: f64,
         /// α adopted.
         new: f64,
-        /// Objective at α = 0 on the window.
+        /// What α = 0 (under the rules in force) scored on the window:
+        /// prefill FLOPs saved, or tokens hit, by the window's requests
+        /// replayed from the window's start. (A shadow switch logs the
+        /// decayed score of the shadow followed until then.)
         objective_at_zero: f64,
-        /// Objective at the adopted α.
+        /// What the adopted α scored on the same window. (A shadow switch
+        /// logs the decayed score of the shadow followed from now.)
         objective_at_new: f64,
     },
     /// An α tuning round whose grid search failed (a panic inside a replay,

@@ -842,8 +842,10 @@ impl Tuner {
 /// The candidate with the best objective among `results` (one `[total,
 /// first half, second half]` per candidate, candidate 0 being α = 0 under
 /// the rules in force; the first wins ties), or 0 when it does not beat
-/// candidate 0 by `min_gain` relative to candidate 0's gain on the window
-/// itself (the window's own score, not the total since the cache started).
+/// candidate 0 by `min_gain` relative to candidate 0's score on the
+/// window. (Replays start from the window's snapshot with its statistics
+/// zeroed (`Core::prepare_for_replay`), so a total is the window's score
+/// and equals the sum of the halves.)
 fn best_candidate(results: &[[f64; 3]], min_gain: f64) -> usize {
     let mut best = 0usize;
     for (i, r) in results.iter().enumerate() {

@@ -214,3 +214,55 @@ fn rule_tuning_is_deterministic_and_keeps_the_cache_consistent() {
         assert!(cfg1.protect_branch_states);
     }
 }
+
+/// A round logs what the candidates scored on its window, not their
+/// totals since the cache started (the replays start from the window's
+/// snapshot with its statistics zeroed): a round that keeps the α in force
+/// replayed the window exactly as the cache ran it, so its logged score is
+/// the FLOPs the cache saved over `requests` consecutive requests before
+/// the round, after earlier hits.
+#[test]
+fn a_round_logs_the_window_score_not_the_total() {
+    let mut c = PrefixCache::new(CacheConfig {
+        decision_log: true,
+        ..cfg(AlphaMode::Auto(TunerConfig {
+            grid: vec![1.0],
+            threads: 1,
+            ..TunerConfig::default()
+        }))
+    })
+    .unwrap();
+    let mut saved = vec![0.0];
+    let mut kept = Vec::new();
+    for r in workload() {
+        c.serve(0, &r, &[]).unwrap();
+        saved.push(c.stats().flops_saved);
+        for d in c.drain_log() {
+            if let Decision::Alpha {
+                requests,
+                old,
+                new,
+                objective_at_new,
+                ..
+            } = d
+            {
+                if old == 1.0 && new == 1.0 {
+                    kept.push((saved.len() - 1, requests as usize, objective_at_new));
+                }
+            }
+        }
+    }
+    assert!(!kept.is_empty(), "no round kept alpha 1");
+    for (done, len, score) in kept {
+        // Hits before the window: a total would be no window's score.
+        assert!(saved[done - len] > 0.0);
+        let window = (len..=done).any(|end| {
+            let w = saved[end] - saved[end - len];
+            (w - score).abs() <= 1e-9 * w.abs().max(1.0)
+        });
+        assert!(
+            window,
+            "round after request {done}: {score} is no {len}-request window's score"
+        );
+    }
+}

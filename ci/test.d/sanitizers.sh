@@ -89,10 +89,10 @@ echo "--- Miri: marconi-core"
 if [ "${MIRI_FULL:-0}" = 1 ]; then
   CARGO_TARGET_DIR="$base/miri" cargo "+$nightly" miri test -p marconi-core
 else
-  # The α-search and index property tests take 5+ minutes under Miri, and the replay of a
-  # page-tracking cache 7 (single-threaded logic; marconi-core has no unsafe code):
-  # MIRI_FULL=1 runs them.
+  # The α-search and index property tests take 5+ minutes under Miri, the replay of a
+  # page-tracking cache 7, the shadow caches' hint replay 4.5 (single-threaded logic;
+  # marconi-core has no unsafe code): MIRI_FULL=1 runs them.
   CARGO_TARGET_DIR="$base/miri" cargo "+$nightly" miri test -p marconi-core --lib --test errors -- \
     --skip a_panicking_grid_search --skip threshold_search_equals_a_full_rescan \
-    --skip replays_of_a_page_tracking_cache_score_hits
+    --skip replays_of_a_page_tracking_cache_score_hits --skip shadows_replay_the_hints
 fi

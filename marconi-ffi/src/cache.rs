@@ -306,7 +306,7 @@ pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a ma
     Ok(unsafe { &*cache })
 }
 
-fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
+pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
     if n >= u32::MAX as usize {
         return Err(FfiError::new(
             marconi_status::TooManyTokens,

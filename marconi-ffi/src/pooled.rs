@@ -15,7 +15,8 @@ use marconi_gpu::snapshot::SlotPair;
 use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
 use crate::cache::{
-    marconi_admit_result, marconi_copy_order, marconi_saved_state, next_lease_id, NEXT_LEASE,
+    marconi_admit_result, marconi_copy_order, marconi_saved_state, next_lease_id, tokens_len_ok,
+    NEXT_LEASE,
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::pool::{
@@ -304,12 +305,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
-        if n_checkpoints >= u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::TooManyTokens,
-                format!("checkpoints has {n_checkpoints} positions, more than a sequence may hold"),
-            ));
-        }
+        tokens_len_ok(n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract.
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
         // SAFETY: forwarded caller contract.
@@ -331,12 +327,7 @@ unsafe fn pooled_lookup(
 ) -> FfiResult {
     // SAFETY: live handle or NULL.
     let h = unsafe { handle(pc) }?;
-    if n_tokens >= u32::MAX as usize {
-        return Err(FfiError::new(
-            marconi_status::TooManyTokens,
-            format!("tokens has {n_tokens} tokens, more than a sequence may hold"),
-        ));
-    }
+    tokens_len_ok(n_tokens, "tokens")?;
     // SAFETY: buffer contract.
     let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
     check_ptr!(out);

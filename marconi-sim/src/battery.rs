@@ -254,7 +254,8 @@ pub fn run(
     traces: &[BatteryTrace],
     tick: &(dyn Fn(u64) + Sync),
 ) -> Result<Vec<Row>, ReplayError> {
-    let jitter = jitter_factors(cfg.jitter)?;
+    let jitter = jitter_factors(cfg.jitter)
+        .map_err(|e| ReplayError::Config(marconi_core::CacheError::InvalidConfig(e)))?;
     let mut rows = Vec::new();
     for t in traces {
         let working_set = distinct_kv_bytes(&t.trace, &cfg.model);
@@ -301,12 +302,10 @@ pub fn run(
 /// The capacity factors of a row jittered `n` ways: 1 (the row's own)
 /// first, then the others evenly spread over 1 ± [`JITTER_SPAN`]. `n`
 /// must be odd (the row's own capacity is the middle one).
-pub fn jitter_factors(n: u32) -> Result<Vec<f64>, ReplayError> {
+pub fn jitter_factors(n: u32) -> Result<Vec<f64>, String> {
     if n == 0 || n % 2 == 0 {
-        return Err(ReplayError::Config(
-            marconi_core::CacheError::InvalidConfig(format!(
-                "jitter {n}: the capacities per row must be odd (1, 3, 5...)"
-            )),
+        return Err(format!(
+            "jitter {n}: the capacities per row must be odd (1, 3, 5...)"
         ));
     }
     let half = (n / 2) as i64;

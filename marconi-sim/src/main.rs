@@ -714,12 +714,8 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
         *n = n.saturating_mul(a.scale);
     }
     cfg.fractions = a.fractions.clone();
-    if a.jitter % 2 == 0 {
-        return Err(format!(
-            "--jitter {}: the capacities per row must be odd (1, 3, 5...)",
-            a.jitter
-        ));
-    }
+    // Refused before any trace is read (the battery checks it again).
+    battery::jitter_factors(a.jitter).map_err(|e| format!("--{e}"))?;
     cfg.jitter = a.jitter;
     cfg.threads = a.out.threads;
     if a.quick {

@@ -65,9 +65,10 @@ pub(crate) struct LeaseInfo {
     /// The longest sequence admitted under this lease (kept only while the
     /// tuner records a window).
     pub(crate) admitted: Option<Vec<u32>>,
-    /// The application checkpoint hints the lookup was given, those within
-    /// the input (kept only while the tuner or the shadows record: their
-    /// replays pass them on). Empty without hints: no allocation.
+    /// The application checkpoint hints the lookup was given (kept only
+    /// while the tuner or the shadows record: their replays pass them on;
+    /// the tuner's window keeps those within the input). Empty without
+    /// hints: no allocation.
     pub(crate) hints: Vec<u32>,
 }
 
@@ -258,14 +259,12 @@ impl Core {
         })
     }
 
-    /// Keeps what the lease admits, and its `hints` within the input, for
-    /// the tuner's window or the shadows.
+    /// Keeps what the lease admits, and its lookup's `hints`, for the
+    /// tuner's window or the shadows.
     pub(crate) fn set_recording(&mut self, lease: LeaseId, hints: &[u32]) {
         if let Some(i) = self.leases.get_mut(&lease) {
             i.admitted = Some(Vec::new());
-            let len = i.input_len;
-            i.hints
-                .extend(hints.iter().copied().filter(|&h| h > 0 && h <= len));
+            i.hints.extend_from_slice(hints);
         }
     }
 

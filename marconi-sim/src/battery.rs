@@ -197,11 +197,7 @@ impl Row {
     /// Token hit rate of `p`, in % (the mean over the row's jittered
     /// capacities, if any).
     pub fn hit(&self, p: Policy) -> f64 {
-        let i = POLICIES
-            .iter()
-            .position(|&q| q == p)
-            .expect("a policy of the battery");
-        self.hits[i]
+        self.hits[policy_index(p)]
     }
 
     /// marconi − max(sglang-plus, marconi-paper), in points.
@@ -391,6 +387,197 @@ pub fn csv(rows: &[Row]) -> String {
     s
 }
 
+/// One workload at one capacity fraction, over every seed of the battery:
+/// the mean token hit rate of each policy, and marconi against the
+/// reference that does better on average there.
+///
+/// This is the check "never loses" can be held to: a row (one trace at one
+/// capacity) compares marconi with whichever reference happened to do
+/// better on that trace, a choice only hindsight can make, and a 1 %
+/// change of capacity moves a row by points. A cell asks whether, for a
+/// kind of workload and a degree of contention, marconi is at least as
+/// good as the better of the two fixed rule sets, with a standard error
+/// that says how far the seeds can be trusted.
+#[derive(Clone, Debug, Serialize)]
+pub struct Cell {
+    /// Workload name.
+    pub workload: String,
+    /// Capacity as a fraction of each trace's working set.
+    pub fraction: f64,
+    /// Seeds (rows) averaged.
+    pub seeds: usize,
+    /// Mean token hit rate (%) per policy of [`POLICIES`], in that order.
+    pub hits: Vec<f64>,
+    /// The reference with the higher mean (sglang-plus on a tie).
+    pub reference: Policy,
+    /// mean(marconi) − mean(reference), in points.
+    pub margin: f64,
+    /// Standard error of that margin: the standard deviation of the
+    /// per-seed differences marconi − reference over √seeds (0 with one
+    /// seed).
+    pub stderr: f64,
+}
+
+impl Cell {
+    /// Mean token hit rate of `p`, in %.
+    pub fn hit(&self, p: Policy) -> f64 {
+        self.hits[policy_index(p)]
+    }
+
+    /// Whether marconi never loses on this cell's means.
+    pub fn never_loses(&self) -> bool {
+        self.margin >= -NEVER_LOSES_MARGIN
+    }
+
+    /// The cell's label: `sharegpt 15%`.
+    pub fn label(&self) -> String {
+        format!("{} {}%", self.workload, (100.0 * self.fraction).round())
+    }
+}
+
+fn policy_index(p: Policy) -> usize {
+    POLICIES
+        .iter()
+        .position(|&q| q == p)
+        .expect("a policy of the battery")
+}
+
+/// The rows grouped by workload and capacity fraction (in the order they
+/// first appear), each group averaged over its seeds.
+pub fn cells(rows: &[Row]) -> Vec<Cell> {
+    let mut groups: Vec<(&str, f64, Vec<&Row>)> = Vec::new();
+    for r in rows {
+        match groups
+            .iter_mut()
+            .find(|(w, f, _)| *w == r.workload && f.to_bits() == r.fraction.to_bits())
+        {
+            Some(g) => g.2.push(r),
+            None => groups.push((&r.workload, r.fraction, vec![r])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(workload, fraction, rs)| {
+            let n = rs.len() as f64;
+            let hits: Vec<f64> = (0..POLICIES.len())
+                .map(|i| rs.iter().map(|r| r.hits[i]).sum::<f64>() / n)
+                .collect();
+            let mean = |p: Policy| hits[policy_index(p)];
+            let reference = if mean(Policy::MarconiPaper) > mean(Policy::SglangPlus) {
+                Policy::MarconiPaper
+            } else {
+                Policy::SglangPlus
+            };
+            let diffs: Vec<f64> = rs
+                .iter()
+                .map(|r| r.hit(Policy::Marconi) - r.hit(reference))
+                .collect();
+            let margin = diffs.iter().sum::<f64>() / n;
+            let stderr = if rs.len() > 1 {
+                let var = diffs.iter().map(|d| (d - margin).powi(2)).sum::<f64>() / (n - 1.0);
+                (var / n).sqrt()
+            } else {
+                0.0
+            };
+            Cell {
+                workload: workload.to_string(),
+                fraction,
+                seeds: rs.len(),
+                hits,
+                reference,
+                margin,
+                stderr,
+            }
+        })
+        .collect()
+}
+
+/// The cells as a markdown table: mean token hit rate (%) per policy over
+/// the seeds, marconi's margin over the better reference with its standard
+/// error, and the headroom to the clairvoyant reference.
+pub fn cells_markdown(cells: &[Cell]) -> String {
+    let mut s = String::from("| workload | capacity | seeds |");
+    for p in POLICIES {
+        let _ = write!(s, " {} |", p.name());
+    }
+    s.push_str(" better reference | marconi − it (± s.e.) | clairvoyant − marconi |\n");
+    s.push_str("|---|---:|---:|");
+    for _ in POLICIES {
+        s.push_str("---:|");
+    }
+    s.push_str("---|---:|---:|\n");
+    for c in cells {
+        let _ = write!(
+            s,
+            "| {} | {:.0}% | {} |",
+            c.workload,
+            100.0 * c.fraction,
+            c.seeds
+        );
+        for p in POLICIES {
+            let _ = write!(s, " {:.2} |", c.hit(p));
+        }
+        let flag = if c.never_loses() { "" } else { " **LOSES**" };
+        let _ = writeln!(
+            s,
+            " {} | {:+.2} ± {:.2}{flag} | {:.2} |",
+            c.reference.name(),
+            c.margin,
+            c.stderr,
+            c.hit(Policy::Clairvoyant) - c.hit(Policy::Marconi)
+        );
+    }
+    s
+}
+
+/// One line on the cells: how many marconi never loses on, the worst.
+pub fn cells_summary(cells: &[Cell]) -> String {
+    let loses: Vec<String> = cells
+        .iter()
+        .filter(|c| !c.never_loses())
+        .map(Cell::label)
+        .collect();
+    let worst = cells.iter().min_by(|a, b| a.margin.total_cmp(&b.margin));
+    let seeds = cells.iter().map(|c| c.seeds).min().unwrap_or(0);
+    let mut s = format!(
+        "{} cells (workload × capacity, at least {seeds} seeds each); on the means over seeds, marconi never loses (≥ the better reference − {NEVER_LOSES_MARGIN} points) on {}/{}",
+        cells.len(),
+        cells.len() - loses.len(),
+        cells.len(),
+    );
+    if let Some(w) = worst {
+        let _ = write!(
+            s,
+            " (worst {}: {:+.2} ± {:.2} against {})",
+            w.label(),
+            w.margin,
+            w.stderr,
+            w.reference.name()
+        );
+    }
+    if !loses.is_empty() {
+        let _ = write!(s, "; loses on: {}", listing(&loses));
+    }
+    s
+}
+
+/// Labels joined by commas, the first [`LISTED`] of them and a count of
+/// the rest (a battery of many seeds can lose dozens of rows).
+fn listing(labels: &[String]) -> String {
+    let mut s = labels[..labels.len().min(LISTED)].join(", ");
+    if labels.len() > LISTED {
+        let _ = write!(
+            s,
+            " and {} more (battery.csv has every row)",
+            labels.len() - LISTED
+        );
+    }
+    s
+}
+
+/// Labels a summary line lists before it counts the rest.
+const LISTED: usize = 24;
+
 /// A summary: rows where marconi loses, rows where the bound is below, the
 /// worst margin and the mean headroom.
 pub fn summary(rows: &[Row]) -> String {
@@ -423,7 +610,7 @@ pub fn summary(rows: &[Row]) -> String {
         rows.len(),
     );
     if !loses.is_empty() {
-        let _ = write!(s, "\nmarconi loses on: {}", loses.join(", "));
+        let _ = write!(s, "\nmarconi loses on: {}", listing(&loses));
     }
     // The opt-in rule choice by shadow caches, held to the same check.
     let p = Policy::MarconiShadow;
@@ -443,10 +630,10 @@ pub fn summary(rows: &[Row]) -> String {
         rows.len()
     );
     if !shadow_loses.is_empty() {
-        let _ = write!(s, "; loses on: {}", shadow_loses.join(", "));
+        let _ = write!(s, "; loses on: {}", listing(&shadow_loses));
     }
     if !below.is_empty() {
-        let _ = write!(s, "\nclairvoyant below a policy on: {}", below.join(", "));
+        let _ = write!(s, "\nclairvoyant below a policy on: {}", listing(&below));
     }
     s
 }
@@ -506,4 +693,111 @@ pub fn figure(path: &Path, context: &str, rows: &[Row]) -> Result<(), String> {
         &series,
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row whose policies hit `sglang`, `paper` and `marconi` % (the
+    /// others 0, the clairvoyant 100).
+    fn row(workload: &str, seed: u64, fraction: f64, sglang: f64, paper: f64, marconi: f64) -> Row {
+        let mut hits = vec![0.0; POLICIES.len()];
+        hits[policy_index(Policy::SglangPlus)] = sglang;
+        hits[policy_index(Policy::MarconiPaper)] = paper;
+        hits[policy_index(Policy::Marconi)] = marconi;
+        hits[policy_index(Policy::Clairvoyant)] = 100.0;
+        Row {
+            workload: workload.into(),
+            seed,
+            requests: 10,
+            fraction,
+            capacity_bytes: 1,
+            reports: Vec::new(),
+            hits,
+            capacities: 1,
+        }
+    }
+
+    /// Each reference wins one seed by 2 points and marconi sits between:
+    /// it loses both rows (against a reference chosen per trace, with
+    /// hindsight) and ties the better reference on the means.
+    #[test]
+    fn a_cell_compares_means_with_the_better_reference_on_average() {
+        let rows = [
+            row("chat", 0, 0.05, 10.0, 12.0, 11.0),
+            row("chat", 1, 0.05, 12.0, 10.0, 11.0),
+            row("chat", 0, 0.4, 50.0, 60.0, 55.0),
+            row("chat", 1, 0.4, 52.0, 62.0, 61.0),
+            row("agentic", 0, 0.05, 5.0, 5.0, 5.0),
+        ];
+        assert!(rows[..2].iter().all(|r| !r.never_loses()));
+        let cells = cells(&rows);
+        let got: Vec<String> = cells.iter().map(Cell::label).collect();
+        assert_eq!(got, ["chat 5%", "chat 40%", "agentic 5%"]);
+
+        let c = &cells[0];
+        assert_eq!(c.seeds, 2);
+        assert_eq!(c.hit(Policy::Marconi), 11.0);
+        assert_eq!(c.hit(Policy::Clairvoyant), 100.0);
+        // A tie of the means goes to sglang-plus; the per-seed differences
+        // against it are +1 and -1: mean 0, standard error √2/√2.
+        assert_eq!(c.reference, Policy::SglangPlus);
+        assert!(c.margin.abs() < 1e-12);
+        assert!((c.stderr - 1.0).abs() < 1e-12, "{}", c.stderr);
+        assert!(c.never_loses());
+
+        // marconi-paper is better on average (61 against 51): differences
+        // -5 and -1, mean -3, standard deviation √8, error √8/√2 = 2.
+        let c = &cells[1];
+        assert_eq!(c.reference, Policy::MarconiPaper);
+        assert!((c.margin + 3.0).abs() < 1e-12);
+        assert!((c.stderr - 2.0).abs() < 1e-12, "{}", c.stderr);
+        assert!(!c.never_loses());
+
+        // One seed: no error to estimate.
+        assert_eq!((cells[2].seeds, cells[2].stderr), (1, 0.0));
+
+        let table = cells_markdown(&cells);
+        assert!(table.contains("| chat | 40% | 2 |"), "{table}");
+        assert!(table.contains("-3.00 ± 2.00 **LOSES**"), "{table}");
+        let line = cells_summary(&cells);
+        assert!(line.contains("on 2/3"), "{line}");
+        assert!(line.contains("loses on: chat 40%"), "{line}");
+        assert!(
+            line.contains("worst chat 40%: -3.00 ± 2.00 against marconi-paper"),
+            "{line}"
+        );
+    }
+
+    /// A margin exactly at the allowance still never loses; just below, it
+    /// loses (the same bar as a row's).
+    #[test]
+    fn a_cell_is_held_to_the_rows_allowance() {
+        let at = cells(&[row("w", 0, 0.1, 10.0, 9.0, 10.0 - NEVER_LOSES_MARGIN)]);
+        assert!(at[0].never_loses());
+        let below = cells(&[row(
+            "w",
+            0,
+            0.1,
+            10.0,
+            9.0,
+            10.0 - NEVER_LOSES_MARGIN - 1e-6,
+        )]);
+        assert!(!below[0].never_loses());
+    }
+
+    #[test]
+    fn a_long_listing_counts_what_it_leaves_out() {
+        let labels: Vec<String> = (0..LISTED + 3).map(|i| format!("r{i}")).collect();
+        let l = listing(&labels);
+        assert!(l.starts_with("r0, r1, "), "{l}");
+        assert!(l.contains(&format!("r{}", LISTED - 1)), "{l}");
+        assert!(!l.contains(&format!("r{},", LISTED)), "{l}");
+        assert!(
+            l.ends_with(" and 3 more (battery.csv has every row)"),
+            "{l}"
+        );
+        assert_eq!(listing(&labels[..2]), "r0, r1");
+    }
 }

@@ -71,13 +71,14 @@ struct BatteryArgs {
     /// Model preset.
     #[arg(long, default_value = "paper-7b")]
     model: String,
-    /// Seeds of every synthetic workload.
-    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 1])]
-    seeds: Vec<u64>,
+    /// Seeds of every synthetic workload: a comma list of seeds and
+    /// half-open ranges (`0..40` is 0 to 39).
+    #[arg(long, value_delimiter = ',', default_values = ["0", "1"], value_parser = parse_seeds)]
+    seeds: Vec<Vec<u64>>,
     /// Seeds of the ShareGPT samples (each a different random sample of
-    /// conversations).
-    #[arg(long, value_delimiter = ',', default_values_t = [0u64, 1, 2])]
-    sharegpt_seeds: Vec<u64>,
+    /// conversations), as --seeds.
+    #[arg(long, value_delimiter = ',', default_values = ["0", "1", "2"], value_parser = parse_seeds)]
+    sharegpt_seeds: Vec<Vec<u64>>,
     /// Conversations per ShareGPT sample.
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
     sharegpt_sessions: u32,
@@ -106,6 +107,10 @@ struct BatteryArgs {
     /// Fail when marconi loses on a row or the clairvoyant is below a policy.
     #[arg(long)]
     check: bool,
+    /// Fail when marconi loses on a cell: a workload at a capacity, its
+    /// token hit rates averaged over the seeds (the summary's last line).
+    #[arg(long)]
+    check_cells: bool,
     #[command(flatten)]
     out: OutputArgs,
     /// No progress display.
@@ -308,6 +313,30 @@ fn capacity(s: &str) -> Result<u64, String> {
 
 /// A model preset by name; an unknown name gets the nearest preset
 /// suggested.
+/// One item of a seed list: a seed (`7`) or a half-open range (`0..40`).
+fn parse_seeds(s: &str) -> Result<Vec<u64>, String> {
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .map_err(|e| format!("{x:?} is not a seed: {e}"))
+    };
+    match s.split_once("..") {
+        None => Ok(vec![num(s)?]),
+        Some((a, b)) => {
+            let (a, b) = (num(a)?, num(b)?);
+            if a >= b {
+                return Err(format!(
+                    "{s}: an empty range (it runs from {a} up to {b}, excluded)"
+                ));
+            }
+            if b - a > 10_000 {
+                return Err(format!("{s}: more than 10,000 seeds"));
+            }
+            Ok((a..b).collect())
+        }
+    }
+}
+
 fn preset(name: &str) -> Result<ModelSpec, String> {
     ModelSpec::preset(name).ok_or_else(|| {
         let nearest = PRESET_NAMES
@@ -707,8 +736,8 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     }
     out_dir(&a.out.out_dir)?;
     let mut cfg = battery::BatteryConfig::new(model);
-    cfg.synth_seeds = a.seeds.clone();
-    cfg.sharegpt_seeds = a.sharegpt_seeds.clone();
+    cfg.synth_seeds = a.seeds.concat();
+    cfg.sharegpt_seeds = a.sharegpt_seeds.concat();
     cfg.sharegpt_sessions = a.sharegpt_sessions.saturating_mul(a.scale);
     for (_, n) in &mut cfg.synth {
         *n = n.saturating_mul(a.scale);
@@ -765,8 +794,21 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
         std::fs::write(&f, text).map_err(|e| format!("{}: {e}", f.display()))
     };
     let table = battery::markdown(&rows);
+    let cells = battery::cells(&rows);
+    // Averages over seeds: only where a cell has more than one.
+    let (cells_table, cells_summary) = if cells.iter().any(|c| c.seeds > 1) {
+        (
+            battery::cells_markdown(&cells),
+            battery::cells_summary(&cells),
+        )
+    } else {
+        (String::new(), String::new())
+    };
     let summary = battery::summary(&rows);
-    write("battery.md", &format!("{table}\n{summary}\n"))?;
+    write(
+        "battery.md",
+        &format!("{table}\n{cells_table}\n{summary}\n{cells_summary}\n"),
+    )?;
     write("battery.csv", &battery::csv(&rows))?;
     write(
         "battery.json",
@@ -798,7 +840,14 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
         print_json(&rows)?;
     } else {
         print!("{table}");
+        if !cells_table.is_empty() {
+            println!();
+            print!("{cells_table}");
+        }
         println!("{summary}");
+        if !cells_summary.is_empty() {
+            println!("{cells_summary}");
+        }
         if let Some(n) = &sharegpt_note {
             println!("note: {n}");
         }
@@ -817,6 +866,9 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     }
     if a.check && rows.iter().any(|r| !r.never_loses() || !r.bound_holds()) {
         return Err("--check: a row fails (see the summary)".into());
+    }
+    if a.check_cells && cells.iter().any(|c| !c.never_loses()) {
+        return Err("--check-cells: marconi loses on a cell (see the summary)".into());
     }
     Ok(())
 }

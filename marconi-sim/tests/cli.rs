@@ -435,3 +435,37 @@ fn the_table_says_what_its_columns_and_alpha_mean() {
     assert_eq!(v["capacity_bytes"], 10_000_000_000u64);
     assert!(table.contains("capacity 10 GB"), "{table}");
 }
+
+/// Seed lists take half-open ranges; an empty or malformed one fails
+/// before any trace is made, saying which item is wrong.
+#[test]
+fn battery_seeds_take_ranges() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ok(&[
+        "battery",
+        "-q",
+        "--no-sharegpt",
+        "--quick",
+        "--seeds",
+        "2..4,7",
+        "--fractions",
+        "0.2",
+        "--out-dir",
+        s(dir.path()),
+    ]);
+    for seed in ["| 2 |", "| 3 |", "| 7 |"] {
+        assert!(out.contains(seed), "{seed} missing:\n{out}");
+    }
+    assert!(
+        !out.contains("| 4 |"),
+        "the range's end is excluded:\n{out}"
+    );
+    // Three seeds per workload: the per-cell means are printed.
+    assert!(out.contains("| agentic | 20% | 3 |"), "{out}");
+    assert!(
+        out.contains("3 cells (workload × capacity, at least 3 seeds each)"),
+        "{out}"
+    );
+    fails_with(&["battery", "--seeds", "4..4"], "4..4: an empty range");
+    fails_with(&["battery", "--seeds", "1,x"], "\"x\" is not a seed");
+}

@@ -22,6 +22,12 @@
 //! check allows 0.2. With [`BatteryConfig::jitter`] each row is the mean
 //! over that many capacities spread over ±[`JITTER_SPAN`] around it, and
 //! the checks are made on the means.
+//!
+//! A row also compares marconi with whichever reference did better on that
+//! one trace, a choice only hindsight makes. [`cells`] asks the question a
+//! default must answer: for a workload at a capacity, averaged over the
+//! seeds, is marconi at least the reference that does better on average
+//! ([`Cell`], with the standard error of the per-seed differences)?
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};

@@ -64,7 +64,9 @@ distinct tokens). Columns: token hit rate (%) per policy; marconi's margin
 over max(sglang-plus, marconi-paper) (it never loses when >= -0.2); the
 headroom to the clairvoyant reference. Writes battery.md, battery.csv,
 battery.json and battery.svg into --out-dir. Exit status 1 with --check
-when marconi loses on a row or the clairvoyant is below a policy.";
+when marconi loses on a row or the clairvoyant is below a policy; with
+several seeds, one line per workload and capacity averages them
+(--check-cells fails when marconi loses on such a cell).";
 
 #[derive(Args)]
 struct BatteryArgs {

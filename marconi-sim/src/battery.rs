@@ -318,24 +318,43 @@ pub fn jitter_factors(n: u32) -> Result<Vec<f64>, String> {
     Ok(v)
 }
 
+/// A markdown table's head: the `lead` columns, one column per policy of
+/// [`POLICIES`], the `tail` columns; then the rule line (`lead_rule`, a
+/// right-aligned rule per policy, `tail_rule`).
+fn table_head(lead: &[&str], lead_rule: &str, tail: &[&str], tail_rule: &str) -> String {
+    let mut s = String::from("|");
+    let names = POLICIES.iter().map(|p| p.name());
+    for c in lead
+        .iter()
+        .copied()
+        .chain(names)
+        .chain(tail.iter().copied())
+    {
+        let _ = write!(s, " {c} |");
+    }
+    s.push('\n');
+    s.push_str(lead_rule);
+    for _ in POLICIES {
+        s.push_str("---:|");
+    }
+    s.push_str(tail_rule);
+    s.push('\n');
+    s
+}
+
 /// The markdown table: one row per trace and capacity, token hit rate (%)
 /// per policy, marconi's margin over the better reference and its distance
 /// to the clairvoyant reference.
 pub fn markdown(rows: &[Row]) -> String {
-    let mut s = String::new();
-    let _ = write!(s, "| trace | seed | requests | capacity |");
-    for p in POLICIES {
-        let _ = write!(s, " {} |", p.name());
-    }
-    let _ = writeln!(
-        s,
-        " marconi − max(sglang-plus, marconi-paper) | clairvoyant − marconi |"
+    let mut s = table_head(
+        &["trace", "seed", "requests", "capacity"],
+        "|---|---:|---:|---:|",
+        &[
+            "marconi − max(sglang-plus, marconi-paper)",
+            "clairvoyant − marconi",
+        ],
+        "---:|---:|",
     );
-    let _ = write!(s, "|---|---:|---:|---:|");
-    for _ in POLICIES {
-        s.push_str("---:|");
-    }
-    s.push_str("---:|---:|\n");
     for r in rows {
         let _ = write!(
             s,
@@ -502,16 +521,16 @@ pub fn cells(rows: &[Row]) -> Vec<Cell> {
 /// the seeds, marconi's margin over the better reference with its standard
 /// error, and the headroom to the clairvoyant reference.
 pub fn cells_markdown(cells: &[Cell]) -> String {
-    let mut s = String::from("| workload | capacity | seeds |");
-    for p in POLICIES {
-        let _ = write!(s, " {} |", p.name());
-    }
-    s.push_str(" better reference | marconi − it (± s.e.) | clairvoyant − marconi |\n");
-    s.push_str("|---|---:|---:|");
-    for _ in POLICIES {
-        s.push_str("---:|");
-    }
-    s.push_str("---|---:|---:|\n");
+    let mut s = table_head(
+        &["workload", "capacity", "seeds"],
+        "|---|---:|---:|",
+        &[
+            "better reference",
+            "marconi − it (± s.e.)",
+            "clairvoyant − marconi",
+        ],
+        "---|---:|---:|",
+    );
     for c in cells {
         let _ = write!(
             s,

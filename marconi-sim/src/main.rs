@@ -313,8 +313,6 @@ fn capacity(s: &str) -> Result<u64, String> {
     }
 }
 
-/// A model preset by name; an unknown name gets the nearest preset
-/// suggested.
 /// One item of a seed list: a seed (`7`) or a half-open range (`0..40`).
 fn parse_seeds(s: &str) -> Result<Vec<u64>, String> {
     let num = |x: &str| {
@@ -339,6 +337,8 @@ fn parse_seeds(s: &str) -> Result<Vec<u64>, String> {
     }
 }
 
+/// A model preset by name; an unknown name gets the nearest preset
+/// suggested.
 fn preset(name: &str) -> Result<ModelSpec, String> {
     ModelSpec::preset(name).ok_or_else(|| {
         let nearest = PRESET_NAMES

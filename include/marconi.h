@@ -755,7 +755,9 @@ typedef struct marconi_cache_config {
   /**
    * Non-zero: each tuning round also tries protect_branch_states flipped
    * and plain LRU, and adopts the best rules with the best alpha.
-   * Default 0.
+   * Default 1 (0 before libmarconi's stop-20 defaults; the
+   * "marconi-paper" and "marconi-shadow" presets set 0). Ignored with a
+   * fixed alpha.
    */
   uint32_t tuner_tune_rules;
   /**
@@ -1986,8 +1988,9 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * deterministically, for simulation). Set capacity_bytes (and the model)
  * afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
  * other name. A struct_size of an older version gets only the fields it
- * has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
- * before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
+ * has: a preset whose fields it lacks (marconi-paper, marconi-tuned and
+ * marconi-shadow before version 3: they set tuner_tune_rules or the
+ * shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
  * min_branch_depth, which such a caller gets at its default (16;
  * marconi-paper and sglang-plus set 0).
  *

@@ -255,7 +255,9 @@ pub struct marconi_cache_config {
     pub tuner_apply_after: u32,
     /// Non-zero: each tuning round also tries protect_branch_states flipped
     /// and plain LRU, and adopts the best rules with the best alpha.
-    /// Default 0.
+    /// Default 1 (0 before libmarconi's stop-20 defaults; the
+    /// "marconi-paper" and "marconi-shadow" presets set 0). Ignored with a
+    /// fixed alpha.
     pub tuner_tune_rules: u32,
     /// Non-zero: the eviction rules and alpha are chosen by shadow caches
     /// (the shadow_* fields) instead of the window tuner. Needs
@@ -513,15 +515,12 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
         }
     };
     let alpha = match c.alpha_mode {
-        0 if c.shadows != 0 || c.tuner_tune_rules != 0 => {
-            return Err(bad_config(format!(
-                "{} needs alpha_mode MARCONI_ALPHA_MODE_AUTO (alpha is fixed)",
-                if c.shadows != 0 {
-                    "shadows"
-                } else {
-                    "tuner_tune_rules"
-                }
-            )))
+        // tuner_tune_rules is on by default: ignored with a fixed alpha,
+        // as the other tuner_* fields are.
+        0 if c.shadows != 0 => {
+            return Err(bad_config(
+                "shadows needs alpha_mode MARCONI_ALPHA_MODE_AUTO (alpha is fixed)".to_string(),
+            ))
         }
         0 => AlphaMode::Fixed(c.alpha),
         1 => {
@@ -635,8 +634,9 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 /// deterministically, for simulation). Set capacity_bytes (and the model)
 /// afterwards. MARCONI_STATUS_UNKNOWN_PRESET (nothing written) for any
 /// other name. A struct_size of an older version gets only the fields it
-/// has: a preset whose fields it lacks (marconi-tuned and marconi-shadow
-/// before version 3) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
+/// has: a preset whose fields it lacks (marconi-paper, marconi-tuned and
+/// marconi-shadow before version 3: they set tuner_tune_rules or the
+/// shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
 /// min_branch_depth, which such a caller gets at its default (16;
 /// marconi-paper and sglang-plus set 0).
 ///
@@ -912,6 +912,19 @@ mod tests {
         assert_eq!(c.page_size, 7, "nothing written");
     }
 
+    /// Rule tuning is on by default and means nothing with a fixed alpha:
+    /// a caller that fixes alpha on the defaults gets a fixed alpha, not
+    /// INVALID_CONFIG.
+    #[test]
+    fn a_fixed_alpha_ignores_the_default_rule_tuning() {
+        let mut c = marconi_cache_config::defaults();
+        assert_eq!(c.tuner_tune_rules, 1);
+        c.capacity_bytes = 1 << 30;
+        c.alpha_mode = marconi_alpha_mode::Fixed as u32;
+        c.alpha = 0.5;
+        assert_eq!(core_of(&c).unwrap().alpha, AlphaMode::Fixed(0.5));
+    }
+
     /// A version-2 struct can take the presets that need only its fields.
     #[test]
     fn a_short_struct_refuses_a_preset_it_cannot_hold() {
@@ -921,12 +934,18 @@ mod tests {
             marconi_cache_config_preset(&mut c, CONFIG_V2_SIZE, c"marconi-tuned".as_ptr())
         };
         assert_eq!(st, marconi_status::UnsupportedStructSize);
+        // marconi-paper turns the default rule tuning off: a version-3 field.
         // SAFETY: as above.
         let st = unsafe {
             marconi_cache_config_preset(&mut c, CONFIG_V2_SIZE, c"marconi-paper".as_ptr())
         };
+        assert_eq!(st, marconi_status::UnsupportedStructSize);
+        // SAFETY: as above.
+        let st =
+            unsafe { marconi_cache_config_preset(&mut c, CONFIG_V2_SIZE, c"sglang-plus".as_ptr()) };
         assert_eq!(st, marconi_status::Ok);
-        assert_eq!(c.protect_branch_states, 0);
+        assert_eq!(c.protect_branch_states, 1);
+        assert_eq!(c.alpha_mode, marconi_alpha_mode::Fixed as u32);
         assert_eq!(c.struct_size as usize, CONFIG_V2_SIZE);
     }
 
@@ -993,10 +1012,6 @@ mod tests {
                 b.shadow_lru = 0;
             }),
             ("shadows with a fixed alpha", &|b| b.alpha_mode = 0),
-            ("tune_rules with a fixed alpha", &|b| {
-                b.alpha_mode = 0;
-                b.shadows = 0;
-            }),
         ] {
             let e = refused(f);
             assert_eq!(

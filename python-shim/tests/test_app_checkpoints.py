@@ -62,7 +62,8 @@ def test_admitting_at_a_hint():
 @pytest.mark.parametrize(
     "policy, fields",
     [
-        ("marconi-paper", {"protect_branch_states": 0, "tuner_retune": 0, "tuner_objective": 1}),
+        ("marconi-paper", {"protect_branch_states": 0, "tuner_retune": 0, "tuner_objective": 1, "tuner_tune_rules": 0}),
+        ("marconi", {"tuner_tune_rules": 1, "tuner_max_window": 0, "shadows": 0}),
         ("marconi-tuned", {"tuner_tune_rules": 1, "tuner_max_window": 100, "shadows": 0}),
         ("marconi-shadow", {"shadows": 1, "shadow_tuned": 1, "shadow_half_life": 200}),
         ("sglang-plus", {"eviction": 0, "alpha_mode": 0}),
@@ -96,12 +97,14 @@ def test_unknown_policy_and_bad_tuning_values_are_refused():
         {"shadows": {"sample_tokens": 0}},
         {"shadows": {"tuned": False}},
         {"shadows": True, "alpha": 0.5},
-        {"tuner_tune_rules": True, "alpha": 0.5},
         {"shadows": {"alphas": [float("nan")]}},
     ):
         with pytest.raises(MarconiError) as e:
             PrefixCache(BIG, **kwargs)
         assert e.value.name == "INVALID_CONFIG", kwargs
+    # Rule tuning is on by default and ignored with a fixed alpha.
+    with PrefixCache(BIG, alpha=0.5) as cache:
+        assert cache.stats()["alpha"] == 0.5
     with pytest.raises(ValueError):
         PrefixCache(BIG, shadows={"colour": 1})
     with pytest.raises(ValueError):

@@ -1824,16 +1824,12 @@ impl<'r> Worker<'r> {
                 ("model dimensions overflow", St::InvalidConfig)
             }
             13 => {
+                // Rule tuning (tuner_tune_rules, on by default) is ignored
+                // with a fixed alpha; shadow caches are refused.
                 cfg.alpha_mode = 0;
-                if self.rng.chance(1, 2) {
-                    cfg.shadows = 1;
-                } else {
-                    cfg.tuner_tune_rules = 1;
-                }
-                (
-                    "shadows or rule tuning with a fixed alpha",
-                    St::InvalidConfig,
-                )
+                cfg.shadows = 1;
+                cfg.tuner_tune_rules = self.rng.below(2) as u32;
+                ("shadows with a fixed alpha", St::InvalidConfig)
             }
             14 => {
                 cfg.shadows = 1;

@@ -286,8 +286,9 @@ class PrefixCache:
     tuner_objective, tuner_bootstrap_factor, tuner_min_window,
     tuner_max_window (0: no limit), tuner_retune, tuner_retune_every,
     tuner_retune_neighbours, tuner_apply_after, tuner_min_gain,
-    tuner_tune_rules (also tune the eviction rules); shadows: True (shadow
-    caches with the default settings), False, or a dict of shadow settings
+    tuner_tune_rules (also tune the eviction rules; on by default, ignored
+    with a fixed alpha); shadows: True (shadow caches with the default
+    settings), False, or a dict of shadow settings
     (alphas, tuned, lru, half_life, hysteresis, exact_bytes, sample_tokens;
     the marconi_cache_config shadow_* fields) that turns them on. A value
     the library refuses raises MarconiError (INVALID_CONFIG) with its

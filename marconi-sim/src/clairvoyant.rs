@@ -268,58 +268,57 @@ struct Uses {
     state: Vec<Vec<u32>>,
 }
 
-impl Uses {
-    /// Targets: for each request, its reusable prefix cut to the deepest
-    /// position whose chain (KV to there plus one state) takes at most
-    /// `budget` bytes. A cut inside an edge splits the trie there (the
-    /// engine can checkpoint at any position it computes) when `inside`,
-    /// or falls back to the node boundary above it (often the end of a
-    /// shared prefix) when not.
-    ///
-    /// With `fallback`, a request is also a use of the state at the
-    /// deepest branch point above its target (a node where sequences of
-    /// the trace diverge: the end of a shared prefix), so that a replay
-    /// short of room for the request's own chain can still keep the
-    /// shared state every request of that prefix resumes from. Without
-    /// it, a budget that cuts each request's target inside its own
-    /// session never targets the shared prefix's end, and plain LRU,
-    /// which keeps that state, hits more (agentic at 5 % of the working
-    /// set: every request 210 tokens short of the 5,000-token prefix).
-    fn new(
-        h: &mut Hindsight,
-        kv_bpt: u64,
-        state_b: u64,
-        budget: u64,
-        inside: bool,
-        fallback: bool,
-    ) -> Self {
-        let max_depth = if budget == u64::MAX {
-            u32::MAX
-        } else {
-            u32::try_from(budget.saturating_sub(state_b) / kv_bpt.max(1)).unwrap_or(u32::MAX)
+/// Targets: for each request, its reusable prefix cut to the deepest
+/// position whose chain (KV to there plus one state) takes at most
+/// `budget` bytes. A cut inside an edge splits the trie there (the engine
+/// can checkpoint at any position it computes) when `inside`, or falls
+/// back to the node boundary above it (often the end of a shared prefix)
+/// when not. ROOT for a request with nothing to reuse.
+fn targets(h: &mut Hindsight, kv_bpt: u64, state_b: u64, budget: u64, inside: bool) -> Vec<u32> {
+    let max_depth = if budget == u64::MAX {
+        u32::MAX
+    } else {
+        u32::try_from(budget.saturating_sub(state_b) / kv_bpt.max(1)).unwrap_or(u32::MAX)
+    };
+    let mut path = Vec::new();
+    let mut targets = Vec::with_capacity(h.hit_end.len());
+    for k in 0..h.hit_end.len() {
+        h.path(h.hit_end[k], &mut path);
+        let n = path
+            .iter()
+            .take_while(|&&id| h.nodes[id as usize].depth <= max_depth)
+            .count();
+        let target = match path.get(n) {
+            // The cut falls inside the next node's edge.
+            Some(&id)
+                if inside && max_depth > h.nodes[h.nodes[id as usize].parent as usize].depth =>
+            {
+                let start = h.nodes[h.nodes[id as usize].parent as usize].depth;
+                h.split(id, (max_depth - start) as usize)
+            }
+            _ if n > 0 => path[n - 1],
+            _ => ROOT,
         };
-        let mut path = Vec::new();
-        let mut targets = Vec::with_capacity(h.hit_end.len());
-        for k in 0..h.hit_end.len() {
-            h.path(h.hit_end[k], &mut path);
-            let n = path
-                .iter()
-                .take_while(|&&id| h.nodes[id as usize].depth <= max_depth)
-                .count();
-            let target = match path.get(n) {
-                // The cut falls inside the next node's edge.
-                Some(&id)
-                    if inside
-                        && max_depth > h.nodes[h.nodes[id as usize].parent as usize].depth =>
-                {
-                    let start = h.nodes[h.nodes[id as usize].parent as usize].depth;
-                    h.split(id, (max_depth - start) as usize)
-                }
-                _ if n > 0 => path[n - 1],
-                _ => ROOT,
-            };
-            targets.push(target);
-        }
+        targets.push(target);
+    }
+    targets
+}
+
+impl Uses {
+    /// The uses of one choice of `targets` (one per request, from
+    /// [`targets`]): a request uses the KV of every node on the path to its
+    /// target and the state at the target.
+    ///
+    /// With `fallback`, a request also uses the state at the deepest branch
+    /// point above its target (a node where sequences of the trace diverge:
+    /// the end of a shared prefix), so that a replay short of room for the
+    /// request's own chain can still keep the shared state every request of
+    /// that prefix resumes from. Without it, a budget that cuts each
+    /// request's target inside its own session never targets the shared
+    /// prefix's end, and plain LRU, which keeps that state, hits more
+    /// (agentic at 5 % of the working set: every request 210 tokens short
+    /// of the 5,000-token prefix).
+    fn of(h: &Hindsight, targets: &[u32], fallback: bool) -> Self {
         let mut u = Uses {
             kv: vec![Vec::new(); h.nodes.len()],
             state: vec![Vec::new(); h.nodes.len()],
@@ -328,16 +327,23 @@ impl Uses {
             if t == ROOT {
                 continue;
             }
-            u.state[t as usize].push(k as u32);
+            let k = k as u32;
+            u.state[t as usize].push(k);
+            let mut branch = None;
             let mut cur = t;
-            let mut fell_back = !fallback;
             while cur != ROOT {
-                u.kv[cur as usize].push(k as u32);
-                if !fell_back && cur != t && h.nodes[cur as usize].children.len() > 1 {
-                    u.state[cur as usize].push(k as u32);
-                    fell_back = true;
+                u.kv[cur as usize].push(k);
+                if fallback
+                    && branch.is_none()
+                    && cur != t
+                    && h.nodes[cur as usize].children.len() > 1
+                {
+                    branch = Some(cur);
                 }
                 cur = h.nodes[cur as usize].parent;
+            }
+            if let Some(b) = branch {
+                u.state[b as usize].push(k);
             }
         }
         u
@@ -640,8 +646,9 @@ pub fn replay_clairvoyant(trace: &Trace, cfg: &ReplayConfig) -> Replay {
         };
         // Each choice cuts the trie where it needs, on its own copy.
         let mut h = h.clone();
+        let targets = targets(&mut h, kv_bpt, state_b, budget, inside);
         for fallback in [false, true] {
-            let u = Uses::new(&mut h, kv_bpt, state_b, budget, inside, fallback);
+            let u = Uses::of(&h, &targets, fallback);
             for variant in RULES.into_iter().flat_map(|r| [(r, true), (r, false)]) {
                 let run = bounded_replay(&h, &u, variant, capacity, kv_bpt, state_b, stateless);
                 let total: u64 = run.0.iter().map(|&x| u64::from(x)).sum();

@@ -755,7 +755,7 @@ typedef struct marconi_cache_config {
   /**
    * Non-zero: each tuning round also tries protect_branch_states flipped
    * and plain LRU, and adopts the best rules with the best alpha.
-   * Default 1 (0 before libmarconi's stop-20 defaults; the
+   * Default 1 (0 in earlier versions of this header; the
    * "marconi-paper" and "marconi-shadow" presets set 0). Ignored with a
    * fixed alpha.
    */

@@ -154,7 +154,7 @@ pub struct TunerConfig {
     /// LRU's leaf order), so the choice is made per workload from its own
     /// recent requests. A round that tunes the rules adopts its best
     /// candidate as it is (no sign test, see [`Self::retune`]). Default on
-    /// since stop 20: judged per workload and capacity over many seeds
+    /// (it was off before): judged per workload and capacity over many seeds
     /// (`marconi-sim battery --seeds 0..40`, README "Per cell, over many
     /// seeds"), it is the only setting measured that never loses on any
     /// cell of three sets of 40 seeds; without it marconi lost the

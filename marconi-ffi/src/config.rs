@@ -255,7 +255,7 @@ pub struct marconi_cache_config {
     pub tuner_apply_after: u32,
     /// Non-zero: each tuning round also tries protect_branch_states flipped
     /// and plain LRU, and adopts the best rules with the best alpha.
-    /// Default 1 (0 before libmarconi's stop-20 defaults; the
+    /// Default 1 (0 in earlier versions of this header; the
     /// "marconi-paper" and "marconi-shadow" presets set 0). Ignored with a
     /// fixed alpha.
     pub tuner_tune_rules: u32,

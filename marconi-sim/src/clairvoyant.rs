@@ -22,10 +22,14 @@
 //!    either exactly there (a checkpoint inside an edge) or at the node
 //!    boundary above (often the end of a shared prefix). A request `k` is
 //!    a use of the KV of every node on the path to its target and of the
-//!    state at the target; in the *fallback* variant of each choice, also
-//!    of the state at the deepest branch point above the target (where
-//!    sequences of the trace diverge, such as a shared prompt's end), the
-//!    state LRU keeps when no session's own chain fits.
+//!    state at the target. Each choice also runs two *fallback* variants
+//!    ([`Fallback`]): a request also uses the state at the deepest branch
+//!    point above its target (where sequences of the trace diverge, such
+//!    as a shared prompt's end: the state LRU keeps when no session's own
+//!    chain fits), and, in the second, also the state at the deepest
+//!    earlier request's target above it (a session's previous resume
+//!    point: the state a policy falls back to when the newest chain does
+//!    not fit).
 //! 3. **Bounded replay.** Requests in order under the byte budget, charged
 //!    as the core charges them (KV bytes per token on edges, one state's
 //!    bytes per checkpoint). A request hits the deepest cached state on its
@@ -304,47 +308,74 @@ fn targets(h: &mut Hindsight, kv_bpt: u64, state_b: u64, budget: u64, inside: bo
     targets
 }
 
+/// A second state a request also uses besides its target's (so that a
+/// replay short of room for the request's own chain can still keep a
+/// shallower state to resume from), or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fallback {
+    /// Only the target's state.
+    None,
+    /// The state at the deepest branch point above the target (a node where
+    /// sequences of the trace diverge: the end of a shared prefix). Without
+    /// it, a budget that cuts each request's target inside its own session
+    /// never targets the shared prefix's end, and plain LRU, which keeps
+    /// that state, hits more (agentic at 5 % of the working set: every
+    /// request 210 tokens short of the 5,000-token prefix).
+    Branch,
+    /// Both the branch point's state and the state at the deepest earlier
+    /// request's target above the target (in a session, the previous
+    /// turn's resume point). Without the latter, a state is kept only for
+    /// the requests that target it, and a policy that keeps the previous
+    /// turn's state hits more when the newest one does not fit
+    /// (`marconi-hinted` on agentic at 15 %, `--quick` seed 10: 6,030
+    /// tokens against the shared prefix's 5,000). A variant of its own, as
+    /// a second state kept per request is room taken from the chains.
+    BranchAndEarlier,
+}
+
+const FALLBACKS: [Fallback; 3] = [Fallback::None, Fallback::Branch, Fallback::BranchAndEarlier];
+
 impl Uses {
     /// The uses of one choice of `targets` (one per request, from
     /// [`targets`]): a request uses the KV of every node on the path to its
-    /// target and the state at the target.
-    ///
-    /// With `fallback`, a request also uses the state at the deepest branch
-    /// point above its target (a node where sequences of the trace diverge:
-    /// the end of a shared prefix), so that a replay short of room for the
-    /// request's own chain can still keep the shared state every request of
-    /// that prefix resumes from. Without it, a budget that cuts each
-    /// request's target inside its own session never targets the shared
-    /// prefix's end, and plain LRU, which keeps that state, hits more
-    /// (agentic at 5 % of the working set: every request 210 tokens short
-    /// of the 5,000-token prefix).
-    fn of(h: &Hindsight, targets: &[u32], fallback: bool) -> Self {
+    /// target and the state at the target, and the state the `fallback`
+    /// names.
+    fn of(h: &Hindsight, targets: &[u32], fallback: Fallback) -> Self {
         let mut u = Uses {
             kv: vec![Vec::new(); h.nodes.len()],
             state: vec![Vec::new(); h.nodes.len()],
         };
+        let mut targeted = vec![false; h.nodes.len()];
         for (k, &t) in targets.iter().enumerate() {
             if t == ROOT {
                 continue;
             }
             let k = k as u32;
             u.state[t as usize].push(k);
-            let mut branch = None;
+            let (mut branch, mut earlier) = (None, None);
             let mut cur = t;
             while cur != ROOT {
                 u.kv[cur as usize].push(k);
-                if fallback
-                    && branch.is_none()
-                    && cur != t
-                    && h.nodes[cur as usize].children.len() > 1
-                {
-                    branch = Some(cur);
+                if cur != t && fallback != Fallback::None {
+                    if branch.is_none() && h.nodes[cur as usize].children.len() > 1 {
+                        branch = Some(cur);
+                    }
+                    if earlier.is_none()
+                        && fallback == Fallback::BranchAndEarlier
+                        && targeted[cur as usize]
+                    {
+                        earlier = Some(cur);
+                    }
                 }
                 cur = h.nodes[cur as usize].parent;
             }
-            if let Some(b) = branch {
+            for b in [branch, earlier.filter(|&e| Some(e) != branch)]
+                .into_iter()
+                .flatten()
+            {
                 u.state[b as usize].push(k);
             }
+            targeted[t as usize] = true;
         }
         u
     }
@@ -647,7 +678,7 @@ pub fn replay_clairvoyant(trace: &Trace, cfg: &ReplayConfig) -> Replay {
         // Each choice cuts the trie where it needs, on its own copy.
         let mut h = h.clone();
         let targets = targets(&mut h, kv_bpt, state_b, budget, inside);
-        for fallback in [false, true] {
+        for fallback in FALLBACKS {
             let u = Uses::of(&h, &targets, fallback);
             for variant in RULES.into_iter().flat_map(|r| [(r, true), (r, false)]) {
                 let run = bounded_replay(&h, &u, variant, capacity, kv_bpt, state_b, stateless);

@@ -125,13 +125,7 @@ fn a_jittered_row_is_the_mean_of_its_capacities() {
 /// point above their target.
 #[test]
 fn clairvoyant_keeps_the_shared_prefix_state_when_sessions_do_not_fit() {
-    let mut cfg = BatteryConfig::new(model());
-    cfg.synth.truncate(1);
-    assert_eq!(cfg.synth[0].0, marconi_sim::synth::SynthKind::Agentic);
-    cfg.synth_seeds = vec![2];
-    cfg.fractions = vec![0.05];
-    let traces = battery::synth_traces(&cfg);
-    let rows = battery::run(&cfg, &traces, &|_| {}).unwrap();
+    let rows = agentic_row(2, 0.05, false);
     let r = &rows[0];
     assert!(
         r.hit(Policy::Clairvoyant) > r.hit(Policy::SglangPlus),
@@ -152,15 +146,7 @@ fn clairvoyant_keeps_the_shared_prefix_state_when_sessions_do_not_fit() {
 /// use the state at the deepest earlier request's target above its own.
 #[test]
 fn clairvoyant_keeps_the_previous_turns_state_when_the_newest_does_not_fit() {
-    let mut cfg = BatteryConfig::new(model());
-    cfg.synth.truncate(1);
-    assert_eq!(cfg.synth[0].0, marconi_sim::synth::SynthKind::Agentic);
-    // `battery --quick`'s session count.
-    cfg.synth[0].1 = (cfg.synth[0].1 / 4).max(3);
-    cfg.synth_seeds = vec![10];
-    cfg.fractions = vec![0.15];
-    let traces = battery::synth_traces(&cfg);
-    let rows = battery::run(&cfg, &traces, &|_| {}).unwrap();
+    let rows = agentic_row(10, 0.15, true);
     let r = &rows[0];
     assert!(
         r.hit(Policy::Clairvoyant) >= r.hit(Policy::MarconiHinted),
@@ -168,4 +154,19 @@ fn clairvoyant_keeps_the_previous_turns_state_when_the_newest_does_not_fit() {
         battery::markdown(&rows)
     );
     assert!(r.bound_holds(), "{}", battery::markdown(&rows));
+}
+
+/// The battery's row of the agentic workload of `seed` at `fraction` of
+/// its working set, with `battery --quick`'s session count when `quick`.
+fn agentic_row(seed: u64, fraction: f64, quick: bool) -> Vec<battery::Row> {
+    let mut cfg = BatteryConfig::new(model());
+    cfg.synth.truncate(1);
+    assert_eq!(cfg.synth[0].0, marconi_sim::synth::SynthKind::Agentic);
+    if quick {
+        cfg.synth[0].1 = (cfg.synth[0].1 / 4).max(3);
+    }
+    cfg.synth_seeds = vec![seed];
+    cfg.fractions = vec![fraction];
+    let traces = battery::synth_traces(&cfg);
+    battery::run(&cfg, &traces, &|_| {}).unwrap()
 }

@@ -23,7 +23,7 @@
 //!    boundary above (often the end of a shared prefix). A request `k` is
 //!    a use of the KV of every node on the path to its target and of the
 //!    state at the target. Each choice also runs two *fallback* variants
-//!    ([`Fallback`]): a request also uses the state at the deepest branch
+//!    (`Fallback`): a request also uses the state at the deepest branch
 //!    point above its target (where sequences of the trace diverge, such
 //!    as a shared prompt's end: the state LRU keeps when no session's own
 //!    chain fits), and, in the second, also the state at the deepest

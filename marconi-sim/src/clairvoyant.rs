@@ -266,9 +266,10 @@ struct Cached {
 }
 
 /// Which requests use each node, for one choice of targets: the KV of
-/// every node on the path to a request's target, the state at the target.
-struct Uses {
-    kv: Vec<Vec<u32>>,
+/// every node on the path to a request's target ([`kv_uses`], the same for
+/// every fallback), the state at the target and the fallback's.
+struct Uses<'a> {
+    kv: &'a [Vec<u32>],
     state: Vec<Vec<u32>>,
 }
 
@@ -335,37 +336,46 @@ enum Fallback {
 
 const FALLBACKS: [Fallback; 3] = [Fallback::None, Fallback::Branch, Fallback::BranchAndEarlier];
 
-impl Uses {
-    /// The uses of one choice of `targets` (one per request, from
-    /// [`targets`]): a request uses the KV of every node on the path to its
-    /// target and the state at the target, and the state the `fallback`
-    /// names.
-    fn of(h: &Hindsight, targets: &[u32], fallback: Fallback) -> Self {
-        let mut u = Uses {
-            kv: vec![Vec::new(); h.nodes.len()],
-            state: vec![Vec::new(); h.nodes.len()],
-        };
+/// The KV uses of one choice of `targets` (one per request, from
+/// [`targets`]): a request uses the KV of every node on the path to its
+/// target.
+fn kv_uses(h: &Hindsight, targets: &[u32]) -> Vec<Vec<u32>> {
+    let mut kv = vec![Vec::new(); h.nodes.len()];
+    for (k, &t) in targets.iter().enumerate() {
+        let mut cur = t;
+        while cur != ROOT {
+            kv[cur as usize].push(k as u32);
+            cur = h.nodes[cur as usize].parent;
+        }
+    }
+    kv
+}
+
+impl<'a> Uses<'a> {
+    /// The uses of one choice of `targets` with its KV uses `kv` (from
+    /// [`kv_uses`]): a request also uses the state at its target, and the
+    /// state the `fallback` names.
+    fn of(h: &Hindsight, kv: &'a [Vec<u32>], targets: &[u32], fallback: Fallback) -> Self {
+        let mut state = vec![Vec::new(); h.nodes.len()];
         let mut targeted = vec![false; h.nodes.len()];
+        let want_earlier = fallback == Fallback::BranchAndEarlier;
         for (k, &t) in targets.iter().enumerate() {
             if t == ROOT {
                 continue;
             }
             let k = k as u32;
-            u.state[t as usize].push(k);
+            state[t as usize].push(k);
+            if fallback == Fallback::None {
+                continue;
+            }
             let (mut branch, mut earlier) = (None, None);
-            let mut cur = t;
-            while cur != ROOT {
-                u.kv[cur as usize].push(k);
-                if cur != t && fallback != Fallback::None {
-                    if branch.is_none() && h.nodes[cur as usize].children.len() > 1 {
-                        branch = Some(cur);
-                    }
-                    if earlier.is_none()
-                        && fallback == Fallback::BranchAndEarlier
-                        && targeted[cur as usize]
-                    {
-                        earlier = Some(cur);
-                    }
+            let mut cur = h.nodes[t as usize].parent;
+            while cur != ROOT && (branch.is_none() || (want_earlier && earlier.is_none())) {
+                if branch.is_none() && h.nodes[cur as usize].children.len() > 1 {
+                    branch = Some(cur);
+                }
+                if want_earlier && earlier.is_none() && targeted[cur as usize] {
+                    earlier = Some(cur);
                 }
                 cur = h.nodes[cur as usize].parent;
             }
@@ -373,11 +383,11 @@ impl Uses {
                 .into_iter()
                 .flatten()
             {
-                u.state[b as usize].push(k);
+                state[b as usize].push(k);
             }
             targeted[t as usize] = true;
         }
-        u
+        Uses { kv, state }
     }
 }
 
@@ -395,7 +405,7 @@ enum Rule {
 /// The bounded replay.
 struct Bounded<'a> {
     h: &'a Hindsight,
-    u: &'a Uses,
+    u: &'a Uses<'a>,
     rule: Rule,
     stateless: bool,
     /// Whether unusable KV is dropped at once (`prune_up`).
@@ -588,7 +598,7 @@ type Run = (Vec<u32>, u64, u64, u64);
 #[allow(clippy::too_many_arguments)]
 fn bounded_replay(
     h: &Hindsight,
-    u: &Uses,
+    u: &Uses<'_>,
     variant: (Rule, bool),
     capacity: u64,
     kv_bpt: u64,
@@ -678,8 +688,9 @@ pub fn replay_clairvoyant(trace: &Trace, cfg: &ReplayConfig) -> Replay {
         // Each choice cuts the trie where it needs, on its own copy.
         let mut h = h.clone();
         let targets = targets(&mut h, kv_bpt, state_b, budget, inside);
+        let kv = kv_uses(&h, &targets);
         for fallback in FALLBACKS {
-            let u = Uses::of(&h, &targets, fallback);
+            let u = Uses::of(&h, &kv, &targets, fallback);
             for variant in RULES.into_iter().flat_map(|r| [(r, true), (r, false)]) {
                 let run = bounded_replay(&h, &u, variant, capacity, kv_bpt, state_b, stateless);
                 let total: u64 = run.0.iter().map(|&x| u64::from(x)).sum();

@@ -116,6 +116,16 @@ impl BatteryConfig {
             threads: 0,
         }
     }
+
+    /// Shrinks the battery to `battery --quick`'s smoke size: a quarter of
+    /// each synthetic workload's sessions (at least 3), at most 60 ShareGPT
+    /// conversations per sample.
+    pub fn quick(&mut self) {
+        for (_, n) in &mut self.synth {
+            *n = (*n / 4).max(3);
+        }
+        self.sharegpt_sessions = self.sharegpt_sessions.min(60);
+    }
 }
 
 /// The synthetic traces of `cfg`.

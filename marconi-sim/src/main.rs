@@ -750,10 +750,7 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     cfg.jitter = a.jitter;
     cfg.threads = a.out.threads;
     if a.quick {
-        for (_, n) in &mut cfg.synth {
-            *n = (*n / 4).max(3);
-        }
-        cfg.sharegpt_sessions = cfg.sharegpt_sessions.min(60);
+        cfg.quick();
     }
     let t0 = Instant::now();
     let mut traces = battery::synth_traces(&cfg);

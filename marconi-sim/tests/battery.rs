@@ -163,7 +163,7 @@ fn agentic_row(seed: u64, fraction: f64, quick: bool) -> Vec<battery::Row> {
     cfg.synth.truncate(1);
     assert_eq!(cfg.synth[0].0, marconi_sim::synth::SynthKind::Agentic);
     if quick {
-        cfg.synth[0].1 = (cfg.synth[0].1 / 4).max(3);
+        cfg.quick();
     }
     cfg.synth_seeds = vec![seed];
     cfg.fractions = vec![fraction];

@@ -813,6 +813,14 @@ typedef struct marconi_cache_config {
    * whole state.
    */
   uint32_t min_branch_depth;
+  /**
+   * FLOP-aware eviction: a superseded state (the leaf a request resumed
+   * from, once the request's own chain is admitted below it) counts as
+   * this many mean turn gaps older than its last use (finite, >= 0; 0:
+   * the paper's rule, as the marconi-paper and sglang-plus presets set).
+   * Default 1. Added in version 4 of the struct.
+   */
+  double superseded_age;
 } marconi_cache_config;
 
 /**
@@ -1991,8 +1999,8 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * has: a preset whose fields it lacks (marconi-paper, marconi-tuned and
  * marconi-shadow before version 3: they set tuner_tune_rules or the
  * shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
- * min_branch_depth, which such a caller gets at its default (16;
- * marconi-paper and sglang-plus set 0).
+ * min_branch_depth and superseded_age, which such a caller gets at their
+ * defaults (16 and 1; marconi-paper and sglang-plus set 0).
  *
  * Thread safety: touches only `*cfg`.
  *

@@ -53,6 +53,8 @@ pub(crate) struct LeaseInfo {
     pub(crate) ns: u64,
     /// Deepest pinned node (its ancestors are pinned too); NIL if none.
     pub(crate) pinned: NodeId,
+    /// The pinned node's last access before the lookup's hit refreshed it.
+    pub(crate) pinned_before_hit: u64,
     pub(crate) input_len: u32,
     /// Leading input tokens that the pinned path spells (the hit; 0 when
     /// nothing is pinned): the path cannot change while pinned, so an
@@ -112,6 +114,32 @@ pub(crate) struct Core {
     pub(crate) log: DecisionLog,
     /// Pending cache events, when the configuration enables them.
     pub(crate) events: Option<EventLog>,
+    /// The gaps between a state's previous use and the hit that
+    /// supersedes it (`Core::age_superseded`).
+    pub(crate) turn_gaps: MeanGap,
+}
+
+/// A running mean of logical-time gaps.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MeanGap {
+    sum: u64,
+    n: u64,
+}
+
+impl MeanGap {
+    pub(crate) fn add(&mut self, gap: u64) {
+        self.sum = self.sum.saturating_add(gap);
+        self.n += 1;
+    }
+
+    /// The mean, 0 before the first gap.
+    pub(crate) fn mean(&self) -> f64 {
+        if self.n == 0 {
+            0.0
+        } else {
+            self.sum as f64 / self.n as f64
+        }
+    }
 }
 
 /// Fingerprint of a token sequence: checks that an admission extends the
@@ -186,6 +214,7 @@ impl Core {
             tracks_pages: None,
             units: None,
             freed: Freed::default(),
+            turn_gaps: MeanGap::default(),
         })
     }
 

@@ -53,7 +53,7 @@ pub use admission::{AdmitOutcome, SavedState};
 pub use cache::{LeaseId, PrefixCache, Served, TOKEN_ID_BYTES};
 pub use config::{
     AdmissionPolicy, AlphaAdoption, AlphaMode, CacheConfig, EvictionPolicy, ShadowConfig,
-    TunerConfig, TuningObjective, DEFAULT_MIN_BRANCH_DEPTH,
+    TunerConfig, TuningObjective, DEFAULT_MIN_BRANCH_DEPTH, DEFAULT_SUPERSEDED_AGE,
 };
 pub use error::CacheError;
 pub use events::{CacheEvent, CachedChains};

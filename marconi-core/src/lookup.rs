@@ -114,6 +114,10 @@ impl Core {
             plan.extend_from_slice(&hinted);
             plan.sort_unstable();
         }
+        let before_hit = match usable.node {
+            NIL => 0,
+            id => self.tree.node(id).last_access,
+        };
         let (state_slot, kv_pages) = self.take_hit(usable.node, hit);
         // The hit's tokens are the pinned path's: an admission checks them
         // against the tree; only the rest is hashed, here and at admission.
@@ -125,7 +129,13 @@ impl Core {
         } else {
             0
         };
-        let lease = self.open_lease(ns, usable.node, (len, pinned_tokens), fp, plan.clone());
+        let lease = self.open_lease(
+            ns,
+            (usable.node, before_hit),
+            (len, pinned_tokens),
+            fp,
+            plan.clone(),
+        );
         let lookup = Lookup {
             lease,
             hit_tokens: hit,
@@ -204,7 +214,7 @@ impl Core {
     fn open_lease(
         &mut self,
         ns: u64,
-        pinned: NodeId,
+        (pinned, pinned_before_hit): (NodeId, u64),
         (input_len, pinned_tokens): (u32, u32),
         input_fingerprint: u64,
         plan: Vec<u32>,
@@ -216,6 +226,7 @@ impl Core {
             LeaseInfo {
                 ns,
                 pinned,
+                pinned_before_hit,
                 input_len,
                 pinned_tokens,
                 input_fingerprint,

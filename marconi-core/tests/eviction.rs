@@ -81,6 +81,39 @@ fn lru_baseline_evicts_leaves_only() {
     assert_snapshot!(evictions(cache(EvictionPolicy::Lru, 0.0, tight()), &reqs), @"evict   Leaf depth=150 edge=50 recency=0.000 eff=0.000 utility=0.000 freed=30064640");
 }
 
+/// A's state (0..100) is used by its next turn B (0..150) after an
+/// unrelated C was admitted: the hit refreshes A, though B's own state now
+/// serves the conversation. The paper's rules (`superseded_age` 0) then
+/// evict C, the oldest leaf; by default A counts one turn gap older than
+/// the hit (the gap from A's admission to B's lookup, the only one seen),
+/// as old as before C, so A's state goes and C stays.
+fn superseded_after_a_leaf() -> Vec<Vec<u32>> {
+    vec![
+        range(0, 100),
+        range(5000, 5100),
+        cat(&[range(0, 100), range(1000, 1050)]),
+        range(9000, 9100),
+    ]
+}
+
+#[test]
+fn a_superseded_state_goes_before_an_older_leaf() {
+    let reqs = superseded_after_a_leaf();
+    assert_snapshot!(evictions(cache(EvictionPolicy::FlopAware, 0.0, tight()), &reqs), @"evict   Merge depth=100 edge=100 recency=0.000 eff=1.000 utility=0.000 freed=26787840");
+}
+
+#[test]
+fn without_superseded_age_the_hit_keeps_the_superseded_state() {
+    let c = PrefixCache::new(CacheConfig {
+        alpha: AlphaMode::Fixed(0.0),
+        decision_log: true,
+        superseded_age: 0.0,
+        ..CacheConfig::marconi(paper(), tight())
+    })
+    .unwrap();
+    assert_snapshot!(evictions(c, &superseded_after_a_leaf()), @"evict   Leaf depth=100 edge=100 recency=0.000 eff=0.645 utility=0.000 freed=33341440");
+}
+
 /// An old long sequence and a recent short one; a third needs room for one.
 fn long_and_short() -> (Vec<Vec<u32>>, u64) {
     let reqs = vec![range(0, 4000), range(10_000, 10_050), range(20_000, 20_050)];
@@ -245,6 +278,9 @@ fn a_former_branch_point_keeps_its_state_until_it_is_a_leaf() {
             alpha: AlphaMode::Fixed(0.0),
             protect_branch_states: protect,
             decision_log: true,
+            // The fourth request supersedes the state at 200: aging it
+            // would add a merge; this test isolates branch protection.
+            superseded_age: 0.0,
             // Room for what the first three requests leave, so that the
             // fourth (10 new tokens and a state) evicts.
             ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
@@ -283,6 +319,8 @@ fn a_branch_point_shallower_than_min_branch_depth_is_not_protected() {
             decision_log: true,
             protect_branch_states: protect,
             min_branch_depth,
+            // As above: branch protection alone.
+            superseded_age: 0.0,
             ..CacheConfig::marconi(paper(), 400 * KV + 4 * STATE + 5 * KV)
         };
         evictions(PrefixCache::new(cfg).unwrap(), &reqs)

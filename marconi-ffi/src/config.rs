@@ -292,6 +292,12 @@ pub struct marconi_cache_config {
     /// are the first tokens unrelated prompts share by chance, not worth a
     /// whole state.
     pub min_branch_depth: u32,
+    /// FLOP-aware eviction: a superseded state (the leaf a request resumed
+    /// from, once the request's own chain is admitted below it) counts as
+    /// this many mean turn gaps older than its last use (finite, >= 0; 0:
+    /// the paper's rule, as the marconi-paper and sglang-plus presets set).
+    /// Default 1. Added in version 4 of the struct.
+    pub superseded_age: f64,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -303,6 +309,11 @@ const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_a
 /// take their defaults when a caller's struct is this short.
 #[cfg(test)]
 const CONFIG_V2_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_max_window);
+
+/// The size of version 3 (up to min_branch_depth): superseded_age takes its
+/// default when a caller's struct is this short.
+#[cfg(test)]
+const CONFIG_V3_SIZE: usize = std::mem::offset_of!(marconi_cache_config, superseded_age);
 
 impl marconi_cache_config {
     fn defaults() -> Self {
@@ -350,6 +361,7 @@ impl marconi_cache_config {
             shadow_exact_bytes: shadow.exact_bytes,
             shadow_sample_tokens: shadow.sample_tokens,
             min_branch_depth: base.min_branch_depth,
+            superseded_age: base.superseded_age,
         }
     }
 
@@ -372,6 +384,7 @@ impl marconi_cache_config {
         } as u32;
         self.protect_branch_states = u32::from(cfg.protect_branch_states);
         self.min_branch_depth = cfg.min_branch_depth;
+        self.superseded_age = cfg.superseded_age;
         let t = match &cfg.alpha {
             AlphaMode::Fixed(a) => {
                 self.alpha_mode = marconi_alpha_mode::Fixed as u32;
@@ -596,6 +609,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
     cfg.decision_log = c.decision_log != 0;
     cfg.protect_branch_states = c.protect_branch_states != 0;
     cfg.min_branch_depth = c.min_branch_depth;
+    cfg.superseded_age = c.superseded_age;
     cfg.validate()?;
     Ok(cfg)
 }
@@ -637,8 +651,8 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 /// has: a preset whose fields it lacks (marconi-paper, marconi-tuned and
 /// marconi-shadow before version 3: they set tuner_tune_rules or the
 /// shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
-/// min_branch_depth, which such a caller gets at its default (16;
-/// marconi-paper and sglang-plus set 0).
+/// min_branch_depth and superseded_age, which such a caller gets at their
+/// defaults (16 and 1; marconi-paper and sglang-plus set 0).
 ///
 /// Thread safety: touches only `*cfg`.
 ///
@@ -677,12 +691,13 @@ pub unsafe extern "C" fn marconi_cache_config_preset(
         d.set_policy(&make(model, 1));
         // An older caller gets only its fields: the preset must not need
         // the others (they keep their defaults when it is read back), but
-        // min_branch_depth, which only tunes the preset, is left at its
-        // default for a caller without it.
+        // min_branch_depth and superseded_age, which only tune the
+        // preset, are left at their defaults for a caller without them.
         let ours = std::mem::size_of::<marconi_cache_config>();
         let from = struct_size.clamp(CONFIG_V1_SIZE, ours);
         let mut lacking = marconi_cache_config::defaults();
         lacking.min_branch_depth = d.min_branch_depth;
+        lacking.superseded_age = d.superseded_age;
         if config_bytes(&d)[from..] != config_bytes(&lacking)[from..] {
             return Err(FfiError::new(
                 marconi_status::UnsupportedStructSize,
@@ -839,14 +854,18 @@ mod tests {
         unsafe { to_core_config(c) }
     }
 
-    /// The struct has no padding (config_bytes compares whole structs) and
-    /// version 3 starts right after version 2.
+    /// The struct has no padding (config_bytes compares whole structs),
+    /// version 3 starts right after version 2 and version 4 after 3.
     #[test]
     fn the_layout_has_no_padding() {
         let ours = std::mem::size_of::<marconi_cache_config>();
         assert_eq!(
-            std::mem::offset_of!(marconi_cache_config, min_branch_depth) + 4,
+            std::mem::offset_of!(marconi_cache_config, superseded_age) + 8,
             ours
+        );
+        assert_eq!(
+            std::mem::offset_of!(marconi_cache_config, min_branch_depth) + 4,
+            CONFIG_V3_SIZE
         );
         assert_eq!(
             std::mem::offset_of!(marconi_cache_config, reserved2) + 4,
@@ -947,6 +966,43 @@ mod tests {
         assert_eq!(c.protect_branch_states, 1);
         assert_eq!(c.alpha_mode, marconi_alpha_mode::Fixed as u32);
         assert_eq!(c.struct_size as usize, CONFIG_V2_SIZE);
+    }
+
+    /// superseded_age (version 4) maps to the core's, a NaN, infinite or
+    /// negative one is refused with INVALID_CONFIG, and a caller built
+    /// against version 3 gets only its bytes written and the default.
+    #[test]
+    fn superseded_age_maps_and_bad_values_are_refused() {
+        let mut c = marconi_cache_config::defaults();
+        c.capacity_bytes = 1 << 30;
+        assert_eq!(
+            core_of(&c).unwrap().superseded_age,
+            marconi_core::DEFAULT_SUPERSEDED_AGE
+        );
+        c.superseded_age = 0.5;
+        assert_eq!(core_of(&c).unwrap().superseded_age, 0.5);
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            c.superseded_age = bad;
+            let e = core_of(&c).unwrap_err();
+            assert_eq!(e.status, marconi_status::InvalidConfig, "{bad}");
+        }
+        let ours = std::mem::size_of::<marconi_cache_config>();
+        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
+        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
+        // SAFETY: buf has more than CONFIG_V3_SIZE writable, aligned bytes.
+        assert_eq!(
+            unsafe { marconi_cache_config_init(cfg, CONFIG_V3_SIZE) },
+            marconi_status::Ok
+        );
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(bytes[CONFIG_V3_SIZE..].iter().all(|&b| b == 0xA5));
+        // SAFETY: init wrote the first CONFIG_V3_SIZE bytes.
+        let mut c = unsafe { read_config(cfg) }.unwrap();
+        c.capacity_bytes = 1 << 30;
+        assert_eq!(
+            core_of(&c).unwrap().superseded_age,
+            marconi_core::DEFAULT_SUPERSEDED_AGE
+        );
     }
 
     /// The version-3 fields map to the core's, and bad values are refused

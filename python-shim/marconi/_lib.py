@@ -106,6 +106,7 @@ class marconi_cache_config(Structure):
         ("shadow_exact_bytes", c_uint64),
         ("shadow_sample_tokens", c_uint32),
         ("min_branch_depth", c_uint32),
+        ("superseded_age", c_double),
     ]
 
 

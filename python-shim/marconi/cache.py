@@ -281,7 +281,10 @@ class PrefixCache:
     then override; every policy argument left at None keeps the preset's
     value (the library's default without a preset). min_branch_depth:
     the shallowest prefix treated as shared (tokens): no branch checkpoint
-    and no branch protection shallower.
+    and no branch protection shallower. superseded_age: how many mean turn
+    gaps older than its last use a state counts once the request that
+    resumed from it takes a deeper state below it (FLOP-aware eviction;
+    default 1, 0 the paper's rule).
     Tuning: tuner_grid,
     tuner_objective, tuner_bootstrap_factor, tuner_min_window,
     tuner_max_window (0: no limit), tuner_retune, tuner_retune_every,
@@ -319,6 +322,7 @@ class PrefixCache:
         decision_log: bool = False,
         protect_branch_states: Optional[bool] = None,
         min_branch_depth: Optional[int] = None,
+        superseded_age: Optional[float] = None,
         policy: Optional[str] = None,
         tuner_bootstrap_factor: Optional[int] = None,
         tuner_min_window: Optional[int] = None,
@@ -394,6 +398,7 @@ class PrefixCache:
             ("block_size", block_size, _u32),
             ("protect_branch_states", protect_branch_states, _flag),
             ("min_branch_depth", min_branch_depth, _u32),
+            ("superseded_age", superseded_age, _real),
             ("tuner_bootstrap_factor", tuner_bootstrap_factor, _u32),
             ("tuner_min_window", tuner_min_window, _u32),
             ("tuner_max_window", tuner_max_window, _u32),

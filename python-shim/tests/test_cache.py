@@ -101,6 +101,22 @@ def test_errors_carry_status_and_detail_and_change_nothing():
     assert e.value.name == "INVALID_CONFIG"
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_a_bad_superseded_age_is_refused_with_its_reason(value):
+    with pytest.raises(MarconiError) as e:
+        PrefixCache(BIG, superseded_age=value)
+    assert e.value.name == "INVALID_CONFIG" and "superseded_age" in e.value.detail
+
+
+def test_superseded_age_is_passed_to_the_library():
+    for value in (0, 0.5, 2.0):
+        with PrefixCache(BIG, superseded_age=value) as cache:
+            assert cache.serve(list(range(40)), [1, 2]).hit_tokens == 0
+            assert cache.serve(list(range(40)) + [1, 2, 7], [3]).hit_tokens == 42
+    with pytest.raises(TypeError):
+        PrefixCache(BIG, superseded_age="2")
+
+
 def test_status_messages():
     assert marconi.status_message(0) == "ok"
     assert marconi.status_message(10) == "lease is unknown or already released"

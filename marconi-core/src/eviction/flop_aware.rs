@@ -15,7 +15,9 @@ use crate::tree::Node;
 /// shared prompt) at least `min_branch_depth` tokens deep out of the merge
 /// candidates until it is a leaf; a shallower branch point (the first word
 /// or two of unrelated prompts, which a real tokenizer makes common) is a
-/// merge candidate as in the paper.
+/// merge candidate as in the paper. Also beyond the paper,
+/// `superseded_age` moves a superseded state's last access back (a hit
+/// that its request then extends; [`crate::CacheConfig::superseded_age`]).
 ///
 /// Do not use it for attention-only models (every entry has about the same
 /// efficiency: it only adds cost over [`super::Lru`]), nor when α cannot be
@@ -27,6 +29,8 @@ pub(crate) struct FlopAware {
     pub(crate) protect_branch_states: bool,
     /// See [`crate::CacheConfig::min_branch_depth`].
     pub(crate) min_branch_depth: u32,
+    /// See [`crate::CacheConfig::superseded_age`].
+    pub(crate) superseded_age: f64,
 }
 
 impl Eviction for FlopAware {
@@ -45,6 +49,10 @@ impl Eviction for FlopAware {
 
     fn on_hit(&self) -> HitRefresh {
         HitRefresh::HitNode
+    }
+
+    fn superseded_age(&self) -> f64 {
+        self.superseded_age
     }
 
     fn tunes_alpha(&self) -> bool {

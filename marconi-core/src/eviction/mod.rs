@@ -81,6 +81,13 @@ pub(crate) trait Eviction: std::fmt::Debug + Send + Sync {
     /// Which nodes a hit refreshes. Called once per lookup with a hit.
     fn on_hit(&self) -> HitRefresh;
 
+    /// How much older than its last use a superseded state counts, in mean
+    /// turn gaps (see [`crate::CacheConfig::superseded_age`]): a state a
+    /// request resumed from and was then admitted below. MUST be finite
+    /// and ≥ 0; 0 leaves the hit's refresh as it is. Called once per
+    /// admission that supersedes a state.
+    fn superseded_age(&self) -> f64;
+
     /// Whether online α tuning ([`crate::AlphaMode::Auto`]) applies (only
     /// when [`alpha`](Self::alpha) uses the α it is given). Called once,
     /// when the cache is built.
@@ -94,6 +101,7 @@ pub(crate) fn from_config(cfg: &CacheConfig) -> Arc<dyn Eviction> {
         EvictionPolicy::FlopAware => Arc::new(FlopAware {
             protect_branch_states: cfg.protect_branch_states,
             min_branch_depth: cfg.min_branch_depth,
+            superseded_age: cfg.superseded_age,
         }),
     }
 }
@@ -299,6 +307,25 @@ impl Core {
     pub(crate) fn touch(&mut self, id: NodeId) {
         self.tree.node_mut(id).last_access = self.clock;
         self.refresh(id);
+    }
+
+    /// Ages `node`, a state that the admission under way supersedes (its
+    /// request's lookup hit it, refreshing it from `before_hit`, and the
+    /// request's new chain now hangs below it): the gap from `before_hit`
+    /// to the hit joins the mean turn gap, and the node's last access moves
+    /// back by the policy's `superseded_age` × that mean (paper §4.3 (1):
+    /// a one-child node's state is unlikely to be reused). O(log n): one
+    /// re-index.
+    pub(crate) fn age_superseded(&mut self, node: NodeId, before_hit: u64) {
+        let k = self.eviction.superseded_age();
+        if k <= 0.0 {
+            return;
+        }
+        let hit = self.tree.node(node).last_access;
+        self.turn_gaps.add(hit.saturating_sub(before_hit));
+        let back = (k * self.turn_gaps.mean()).min(u64::MAX as f64) as u64;
+        self.tree.node_mut(node).last_access = hit.saturating_sub(back);
+        self.refresh(node);
     }
 
     /// Refreshes what a hit on `hit_node` refreshes under the policy.

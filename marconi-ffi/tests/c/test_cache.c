@@ -598,9 +598,11 @@ static void test_tuning_config(void) {
   CHECK_EQ(cfg.tuner_max_window, 100);
   CHECK_EQ(cfg.shadows, 0);
   CHECK_EQ(cfg.min_branch_depth, 16);
+  CHECK(cfg.superseded_age == 1.0);
   OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-paper"));
   CHECK_EQ(cfg.protect_branch_states, 0);
   CHECK_EQ(cfg.min_branch_depth, 0);
+  CHECK(cfg.superseded_age == 0.0);
   CHECK_EQ(cfg.tuner_retune, 0);
   CHECK_EQ(cfg.tuner_objective, MARCONI_TUNING_OBJECTIVE_TOKEN_HITS);
   OK(marconi_cache_config_preset(&cfg, sizeof cfg, "marconi-shadow"));
@@ -655,6 +657,10 @@ static void test_tuning_config(void) {
   bad.tuner_retune_every = 4;
   bad.reserved2 = 1;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  bad.reserved2 = 0;
+  bad.superseded_age = -0.5;
+  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(strstr(last_error(), "superseded_age") != NULL);
   CHECK(cache == NULL);
 }
 

@@ -873,22 +873,29 @@ mod tests {
         );
     }
 
+    /// marconi_cache_config_init as a caller whose struct is `size` bytes
+    /// (an older version) calls it: only those bytes are written; then the
+    /// struct as this library reads it back (the rest at its defaults).
+    fn init_as_older(size: usize) -> marconi_cache_config {
+        let ours = std::mem::size_of::<marconi_cache_config>();
+        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
+        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
+        // SAFETY: buf has more than `size` writable, aligned bytes.
+        assert_eq!(
+            unsafe { marconi_cache_config_init(cfg, size) },
+            marconi_status::Ok
+        );
+        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        assert!(bytes[size..].iter().all(|&b| b == 0xA5));
+        // SAFETY: init wrote the first `size` bytes.
+        unsafe { read_config(cfg) }.unwrap()
+    }
+
     /// A caller built against version 2 gets only its bytes written and
     /// the version-3 fields' defaults (the window tuner, no shadows).
     #[test]
     fn a_version_2_caller_gets_the_tuning_defaults() {
-        let ours = std::mem::size_of::<marconi_cache_config>();
-        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
-        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
-        // SAFETY: buf has more than CONFIG_V2_SIZE writable, aligned bytes.
-        assert_eq!(
-            unsafe { marconi_cache_config_init(cfg, CONFIG_V2_SIZE) },
-            marconi_status::Ok
-        );
-        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        assert!(bytes[CONFIG_V2_SIZE..].iter().all(|&b| b == 0xA5));
-        // SAFETY: init wrote the first CONFIG_V2_SIZE bytes.
-        let mut c = unsafe { read_config(cfg) }.unwrap();
+        let mut c = init_as_older(CONFIG_V2_SIZE);
         c.capacity_bytes = 1 << 30;
         let AlphaMode::Auto(t) = core_of(&c).unwrap().alpha else {
             panic!("alpha is tuned by default")
@@ -986,18 +993,7 @@ mod tests {
             let e = core_of(&c).unwrap_err();
             assert_eq!(e.status, marconi_status::InvalidConfig, "{bad}");
         }
-        let ours = std::mem::size_of::<marconi_cache_config>();
-        let mut buf = vec![u64::from_ne_bytes([0xA5; 8]); ours.div_ceil(8) + 1];
-        let cfg = buf.as_mut_ptr().cast::<marconi_cache_config>();
-        // SAFETY: buf has more than CONFIG_V3_SIZE writable, aligned bytes.
-        assert_eq!(
-            unsafe { marconi_cache_config_init(cfg, CONFIG_V3_SIZE) },
-            marconi_status::Ok
-        );
-        let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
-        assert!(bytes[CONFIG_V3_SIZE..].iter().all(|&b| b == 0xA5));
-        // SAFETY: init wrote the first CONFIG_V3_SIZE bytes.
-        let mut c = unsafe { read_config(cfg) }.unwrap();
+        let mut c = init_as_older(CONFIG_V3_SIZE);
         c.capacity_bytes = 1 << 30;
         assert_eq!(
             core_of(&c).unwrap().superseded_age,

@@ -114,11 +114,7 @@ impl Core {
             plan.extend_from_slice(&hinted);
             plan.sort_unstable();
         }
-        let before_hit = match usable.node {
-            NIL => 0,
-            id => self.tree.node(id).last_access,
-        };
-        let (state_slot, kv_pages) = self.take_hit(usable.node, hit);
+        let (state_slot, kv_pages, before_hit) = self.take_hit(usable.node, hit);
         // The hit's tokens are the pinned path's: an admission checks them
         // against the tree; only the rest is hashed, here and at admission.
         let pinned_tokens = if usable.node == NIL { 0 } else { hit };
@@ -189,11 +185,14 @@ impl Core {
     }
 
     /// Refreshes and pins the node that carries a hit of `hit` tokens;
-    /// returns the state slot to resume from and the hit's page ids.
-    fn take_hit(&mut self, hit_node: NodeId, hit: u32) -> (Option<u32>, Vec<u32>) {
+    /// returns the state slot to resume from, the hit's page ids and the
+    /// node's last access before the refresh (0 without a hit).
+    fn take_hit(&mut self, hit_node: NodeId, hit: u32) -> (Option<u32>, Vec<u32>, u64) {
         let mut state_slot = None;
         let mut kv_pages = Vec::new();
+        let mut before_hit = 0;
         if hit_node != NIL {
+            before_hit = self.tree.node(hit_node).last_access;
             // Pinned first: the refreshed nodes are then out of the index
             // (leased), so their new access time costs no re-insertion
             // that the pin would undo at once. Same end state either way.
@@ -206,7 +205,7 @@ impl Core {
                 kv_pages = self.pages_up_to(hit_node, hit);
             }
         }
-        (state_slot, kv_pages)
+        (state_slot, kv_pages, before_hit)
     }
 
     /// Issues a lease pinning `pinned` (and its ancestors), whose path

@@ -226,52 +226,73 @@ fn no_deployable_policy_wins_every_row_a_fork_decides() {
         .iter()
         .copied()
         .filter(|&p| p != Policy::Clairvoyant);
-    let hits = |cap: u64| -> Vec<Vec<f64>> {
+    // One battery row per continuation at `cap`.
+    let rows = |cap: u64| -> Vec<battery::Row> {
         next.iter()
             .map(|n| {
                 let mut recs = prefix.to_vec();
                 recs.push(n.clone());
                 let t = Trace::from_records(recs);
-                POLICIES
+                let reports: Vec<_> = POLICIES
                     .iter()
                     .map(|&p| {
                         let c = ReplayConfig::new(p, m.clone(), cap);
-                        100.0 * replay(&t, &c, &mut |_| {}).unwrap().report.token_hit_rate
+                        replay(&t, &c, &mut |_| {}).unwrap().report
                     })
-                    .collect()
+                    .collect();
+                battery::Row {
+                    workload: "fork".into(),
+                    seed: 0,
+                    requests: t.len(),
+                    fraction: 1.0,
+                    capacity_bytes: cap,
+                    hits: reports.iter().map(|r| 100.0 * r.token_hit_rate).collect(),
+                    reports,
+                    capacities: 1,
+                }
             })
             .collect()
     };
-    let at = |row: &[f64], p: Policy| row[POLICIES.iter().position(|&q| q == p).unwrap()];
-    let reference = |row: &[f64]| at(row, Policy::SglangPlus).max(at(row, Policy::MarconiPaper));
     // Room for everything: every policy with Marconi's admission hits the
     // same on each continuation (vllm-plus's state every block needs more).
-    for row in hits(everything) {
+    for row in rows(everything) {
         for p in deployable.clone().filter(|&p| p != Policy::VllmPlus) {
-            assert_eq!(at(&row, p), reference(&row), "{p} with room for everything");
+            assert_eq!(row.margin_of(p), 0.0, "{p} with room for everything");
         }
     }
     // One state short.
-    let rows = hits(everything - m.state_bytes());
+    let rows = rows(everything - m.state_bytes());
     let (x, y) = (&rows[0], &rows[1]);
+    let gap = |r: &battery::Row, a, b| r.hit(a) - r.hit(b);
     assert!(
-        at(x, Policy::SglangPlus) > at(x, Policy::MarconiPaper) + 0.2,
-        "{x:?}"
+        gap(x, Policy::SglangPlus, Policy::MarconiPaper) > 0.2,
+        "{}",
+        battery::markdown(&rows)
     );
     assert!(
-        at(y, Policy::MarconiPaper) > at(y, Policy::SglangPlus) + 0.2,
-        "{y:?}"
+        gap(y, Policy::MarconiPaper, Policy::SglangPlus) > 0.2,
+        "{}",
+        battery::markdown(&rows)
     );
     for p in deployable {
         let worst = rows
             .iter()
-            .map(|row| at(row, p) - reference(row))
+            .map(|r| r.margin_of(p))
             .fold(f64::INFINITY, f64::min);
-        assert!(worst < -0.2, "{p} never lost by more than 0.2: {rows:?}");
+        assert!(
+            worst < -0.2,
+            "{p} never lost by more than 0.2\n{}",
+            battery::markdown(&rows)
+        );
     }
-    for row in &rows {
-        let best = POLICIES.iter().map(|&p| at(row, p)).fold(0.0, f64::max);
-        assert_eq!(at(row, Policy::Clairvoyant), best, "{rows:?}");
-        assert!(at(row, Policy::Clairvoyant) >= reference(row));
+    for r in &rows {
+        let best = POLICIES.iter().map(|&p| r.hit(p)).fold(0.0, f64::max);
+        assert_eq!(
+            r.hit(Policy::Clairvoyant),
+            best,
+            "{}",
+            battery::markdown(&rows)
+        );
+        assert!(r.margin_of(Policy::Clairvoyant) >= 0.0);
     }
 }

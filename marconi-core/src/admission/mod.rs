@@ -33,7 +33,7 @@ use crate::config::{AdmissionPolicy, CacheConfig};
 use crate::error::CacheError;
 use crate::eviction::UnitUse;
 use crate::log::{Decision, PlanReason};
-use crate::tree::{NodeId, Span, StateRef, Tree, Walk, NIL};
+use crate::tree::{NodeId, Span, StateRef, Tree, Walk};
 
 pub(crate) use all_blocks::AllBlocks;
 pub(crate) use marconi::Marconi;
@@ -319,17 +319,17 @@ impl Core {
         };
         let seq = &seq[..aligned as usize];
         let new_kv = aligned - m;
-        // The leaf the lookup resumed from, which this admission extends:
-        // superseded by the states the new chain takes.
-        let superseded = {
-            let info = &self.leases[&lease];
-            let extended = walk.partial.is_none()
-                && new_kv > 0
-                && info.pinned != NIL
-                && walk.path.last() == Some(&info.pinned)
-                && self.tree.node(info.pinned).children.is_empty();
-            extended.then_some((info.pinned, info.pinned_before_hit))
-        };
+        // The leaf the lookup resumed from, when this admission extends it
+        // (the anchor): superseded by the states the new chain takes.
+        let info = &self.leases[&lease];
+        let superseded = (walk.partial.is_none()
+            && new_kv > 0
+            && anchor == Some(info.pinned)
+            && self.tree.node(info.pinned).children.is_empty())
+        .then(|| {
+            let depth = self.tree.node(info.pinned).depth;
+            (info.pinned, info.pinned_before_hit, depth)
+        });
         if new_kv > 0 {
             self.insert_kv(&walk, root, seq, m, &new_states, kv_pages);
             if !kv_pages.is_empty() {
@@ -340,8 +340,7 @@ impl Core {
         self.place_states(root, seq, &new_states, &mut outcome);
         // Superseded only if a deeper state below it was taken (not when
         // the admission was truncated short of one).
-        if let Some((node, before_hit)) = superseded {
-            let depth = self.tree.node(node).depth;
+        if let Some((node, before_hit, depth)) = superseded {
             if outcome.states_taken.iter().any(|&p| p > depth) {
                 self.age_superseded(node, before_hit);
             }

@@ -30,11 +30,6 @@ impl Eviction for Lru {
         HitRefresh::Path
     }
 
-    fn superseded_age(&self) -> f64 {
-        // Only leaves are evicted: an inner node's time never counts.
-        0.0
-    }
-
     fn tunes_alpha(&self) -> bool {
         false
     }

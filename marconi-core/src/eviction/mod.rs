@@ -84,9 +84,12 @@ pub(crate) trait Eviction: std::fmt::Debug + Send + Sync {
     /// How much older than its last use a superseded state counts, in mean
     /// turn gaps (see [`crate::CacheConfig::superseded_age`]): a state a
     /// request resumed from and was then admitted below. MUST be finite
-    /// and ≥ 0; 0 leaves the hit's refresh as it is. Called once per
-    /// admission that supersedes a state.
-    fn superseded_age(&self) -> f64;
+    /// and ≥ 0; 0 (the default, for a policy that evicts only leaves, whose
+    /// inner nodes' times never count) leaves the hit's refresh as it is.
+    /// Called once per admission that supersedes a state.
+    fn superseded_age(&self) -> f64 {
+        0.0
+    }
 
     /// Whether online α tuning ([`crate::AlphaMode::Auto`]) applies (only
     /// when [`alpha`](Self::alpha) uses the α it is given). Called once,

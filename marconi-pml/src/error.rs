@@ -99,7 +99,9 @@ pub enum ErrorKind {
         first: Pos,
     },
     /// A `<param>` outside every module.
-    #[error("<param name=\"{name}\"> outside a module; a parameter belongs to the <module> around it")]
+    #[error(
+        "<param name=\"{name}\"> outside a module; a parameter belongs to the <module> around it"
+    )]
     ParamOutsideModule {
         /// The parameter.
         name: String,
@@ -187,7 +189,9 @@ pub enum ErrorKind {
         expected: String,
     },
     /// An argument longer than its parameter's `len`.
-    #[error("argument for param '{param}' of module '{module}' is {tokens} tokens; its len is {len}")]
+    #[error(
+        "argument for param '{param}' of module '{module}' is {tokens} tokens; its len is {len}"
+    )]
     ArgumentTooLong {
         /// The module.
         module: String,
@@ -199,7 +203,9 @@ pub enum ErrorKind {
         len: u32,
     },
     /// Text inside a module import (text goes before or after imports).
-    #[error("text inside the import of module '{module}'; put prompt text before or after <{module}>")]
+    #[error(
+        "text inside the import of module '{module}'; put prompt text before or after <{module}>"
+    )]
     TextInImport {
         /// The module.
         module: String,

@@ -95,7 +95,10 @@ pub struct Layout {
 impl Layout {
     /// Every token's position id, segment after segment.
     pub fn position_ids(&self) -> Vec<u32> {
-        self.segments.iter().flat_map(|s| s.start..s.end()).collect()
+        self.segments
+            .iter()
+            .flat_map(|s| s.start..s.end())
+            .collect()
     }
 
     /// Tokens whose states come from the module cache.
@@ -140,8 +143,10 @@ pub struct Encoded {
 }
 
 fn add(a: u32, b: u32, pos: Pos) -> Result<u32> {
-    a.checked_add(b)
-        .ok_or(Error::new(pos, ErrorKind::PositionOverflow { max: u32::MAX }))
+    a.checked_add(b).ok_or(Error::new(
+        pos,
+        ErrorKind::PositionOverflow { max: u32::MAX },
+    ))
 }
 
 fn len_of(n: usize, pos: Pos) -> Result<u32> {
@@ -220,7 +225,9 @@ impl Encoded {
 
     /// The schema's anonymous text (every prompt includes it), as segments.
     pub fn anonymous_segments(&self) -> Vec<Segment> {
-        (0..self.top.len()).filter_map(|i| self.anonymous(i)).collect()
+        (0..self.top.len())
+            .filter_map(|i| self.anonymous(i))
+            .collect()
     }
 
     fn anonymous(&self, i: usize) -> Option<Segment> {
@@ -348,7 +355,11 @@ fn encode_body(
                 let tokens = tok.tokenize(text);
                 let len = len_of(tokens.len(), *pos)?;
                 add(at, len, *pos)?;
-                Span { start: at, len, tokens }
+                Span {
+                    start: at,
+                    len,
+                    tokens,
+                }
             }
             Item::Param(i) => {
                 let m = schema.module(module.expect("the parser puts params in modules"));
@@ -394,7 +405,15 @@ fn encode_module(
     modules: &mut Vec<(Span, Vec<Span>)>,
 ) -> Result<u32> {
     let mut spans = Vec::new();
-    let end = encode_body(schema, &schema.module(m).body, Some(m), start, tok, modules, &mut spans)?;
+    let end = encode_body(
+        schema,
+        &schema.module(m).body,
+        Some(m),
+        start,
+        tok,
+        modules,
+        &mut spans,
+    )?;
     modules[m.0] = (
         Span {
             start,

@@ -69,8 +69,8 @@ impl Prompt {
     /// inside another: each with its line and column. Argument lengths are
     /// checked by the layout, which knows the tokenizer.
     pub fn parse(text: &str, schema: &Schema) -> Result<Prompt> {
-        Self::parse_with(text, |name| (name == schema.name()).then_some(schema)).map_err(|e| {
-            match e.kind {
+        Self::parse_with(text, |name| (name == schema.name()).then_some(schema)).map_err(
+            |e| match e.kind {
                 ErrorKind::UnknownSchema { named, .. } => Error::new(
                     e.pos,
                     ErrorKind::SchemaMismatch {
@@ -79,8 +79,8 @@ impl Prompt {
                     },
                 ),
                 _ => e,
-            }
-        })
+            },
+        )
     }
 
     /// Parses a prompt whose schema `lookup` finds by name.

@@ -284,7 +284,8 @@ impl Parser {
                     };
                     let mut expected = "<module>, <union>, <system>, <user>, <assistant> or text";
                     if module.is_some() {
-                        expected = "<module>, <union>, <param>, <system>, <user>, <assistant> or text";
+                        expected =
+                            "<module>, <union>, <param>, <system>, <user>, <assistant> or text";
                     }
                     return Err(Error::new(
                         xml::node_pos(c),

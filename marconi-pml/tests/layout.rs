@@ -33,7 +33,9 @@ fn lay(schema: &str, prompt: &str, tok: &mut dyn Tokenizer) -> (Encoded, Layout)
     let s = Schema::parse(schema).unwrap_or_else(|e| panic!("schema: {e}"));
     let enc = Encoded::new(s, tok).unwrap();
     let p = Prompt::parse(prompt, enc.schema()).unwrap_or_else(|e| panic!("prompt: {e}"));
-    let l = enc.layout(&p, tok).unwrap_or_else(|e| panic!("layout: {e}"));
+    let l = enc
+        .layout(&p, tok)
+        .unwrap_or_else(|e| panic!("layout: {e}"));
     (enc, l)
 }
 

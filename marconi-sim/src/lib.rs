@@ -15,12 +15,14 @@
 //! * [`pools`]: the cache over real pool layouts (static, AVMP, unified)
 //!   at one memory budget.
 //! * [`plot`]: SVG figures.
+//! * [`pml`]: Prompt Markup Language layouts (`marconi-sim pml`).
 
 pub mod battery;
 pub mod clairvoyant;
 pub mod compare;
 pub mod paper;
 pub mod plot;
+pub mod pml;
 pub mod pools;
 pub mod progress;
 pub mod replay;

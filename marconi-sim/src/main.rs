@@ -56,6 +56,8 @@ enum Cmd {
     Pools(pools_cmd::PoolsArgs),
     /// Start-up memory plan: KV tokens and state slots per split, largest batch × context, AVMP's split on a trace.
     Plan(pools_cmd::PlanArgs),
+    /// Lay a Prompt Markup Language prompt out over its schema: segments, position ids, cached or computed.
+    Pml(marconi_sim::pml::PmlArgs),
 }
 
 const BATTERY_HELP: &str = "\
@@ -521,6 +523,7 @@ fn main() -> ExitCode {
         Cmd::Battery(a) => battery_cmd(a),
         Cmd::Pools(a) => pools_cmd::pools(a),
         Cmd::Plan(a) => pools_cmd::plan(a),
+        Cmd::Pml(a) => marconi_sim::pml::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,182 @@
+//! `marconi-sim pml` end to end: the JSON layout of hand-checked schemas
+//! and prompts, the table as a snapshot, and bad input failing with
+//! `file:line:column` and a non-zero exit, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../marconi-pml/tests/fixtures")
+        .join(name)
+}
+
+fn pml(schema: &Path, prompt: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_marconi-sim"))
+        .arg("pml")
+        .arg("--schema")
+        .arg(schema)
+        .arg("--prompt")
+        .arg(prompt)
+        .args(extra)
+        .output()
+        .expect("runs")
+}
+
+/// `(name, kind, start, len, cached)` per segment of `--json`.
+fn segments(o: &Output) -> Vec<(Option<String>, String, u64, u64, bool)> {
+    assert!(
+        o.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let obj = v.as_object().unwrap();
+    assert_eq!(obj.keys().collect::<Vec<_>>(), ["segments"]);
+    obj["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let s = s.as_object().unwrap();
+            assert_eq!(s.len(), 5, "{s:?}");
+            (
+                s["name"].as_str().map(String::from),
+                s["kind"].as_str().unwrap().to_string(),
+                s["start"].as_u64().unwrap(),
+                s["len"].as_u64().unwrap(),
+                s["cached"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn seg(
+    name: Option<&str>,
+    kind: &str,
+    start: u64,
+    len: u64,
+    cached: bool,
+) -> (Option<String>, String, u64, u64, bool) {
+    (name.map(String::from), kind.to_string(), start, len, cached)
+}
+
+#[test]
+fn travel_bytes_json() {
+    // Hand-computed in marconi-pml's tests/layout.rs (nested modules).
+    let o = pml(
+        &fixture("travel_schema.xml"),
+        &fixture("travel_prompt.xml"),
+        &["--json"],
+    );
+    assert_eq!(
+        segments(&o),
+        [
+            seg(None, "anonymous", 0, 15, true),
+            seg(Some("travel-plan"), "module", 15, 7, true),
+            seg(Some("days"), "param", 22, 2, false),
+            seg(Some("travel-plan"), "module", 26, 5, true),
+            seg(Some("overseas"), "module", 31, 7, true),
+            seg(Some("rome"), "module", 38, 12, true),
+            seg(Some("overseas"), "module", 50, 9, true),
+            seg(Some("travel-plan"), "module", 59, 4, true),
+            seg(None, "anonymous", 63, 15, true),
+            seg(None, "text", 78, 9, false),
+        ]
+    );
+}
+
+#[test]
+fn figure2_tiktoken_json() {
+    // cl100k_base: "Plan a trip of" 4 tokens, "3 days" 2, "." 1; the union
+    // (tokyo 9 tokens, miami 7) starts at 7 and ends at 16; the prompt's
+    // text follows miami's end.
+    let o = pml(
+        &fixture("figure2_schema.xml"),
+        &fixture("figure2_prompt.xml"),
+        &["--json", "--tokenizer", "tiktoken"],
+    );
+    assert_eq!(
+        segments(&o),
+        [
+            seg(Some("trip-plan"), "module", 0, 4, true),
+            seg(Some("duration"), "param", 4, 2, false),
+            seg(Some("trip-plan"), "module", 6, 1, true),
+            seg(Some("miami"), "module", 7, 7, true),
+            seg(None, "text", 14, 5, false),
+        ]
+    );
+}
+
+#[test]
+fn figure2_tiktoken_table() {
+    let o = pml(
+        &fixture("figure2_schema.xml"),
+        &fixture("figure2_prompt.xml"),
+        &["--tokenizer", "tiktoken"],
+    );
+    assert!(o.status.success());
+    insta::assert_snapshot!(String::from_utf8(o.stdout).unwrap());
+}
+
+fn fails(schema: &str, prompt: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, p) = (dir.path().join("s.xml"), dir.path().join("p.xml"));
+    std::fs::write(&s, schema).unwrap();
+    std::fs::write(&p, prompt).unwrap();
+    let o = pml(&s, &p, &["--json"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(o.stdout.is_empty());
+    let err = String::from_utf8(o.stderr).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    err.replace(dir.path().to_str().unwrap(), "DIR")
+}
+
+#[test]
+fn bad_input_names_file_line_and_column() {
+    let ok_schema =
+        "<schema name='s'>\n<module name='a'><param name='p' len='2'/></module>\n</schema>";
+    assert_eq!(
+        fails(
+            "<schema name='s'>\n  <module name='a'><param name='p' len='0'/></module>\n</schema>",
+            "<prompt schema='s'/>"
+        ),
+        "marconi-sim: DIR/s.xml:2:36: len=\"0\" of param 'p' is not a positive integer\n"
+    );
+    assert_eq!(
+        fails(ok_schema, "<prompt schema='s'>\n\n   <b/></prompt>"),
+        "marconi-sim: DIR/p.xml:3:4: unknown module 'b' in schema 's'; expected one of: <a>, <system>, <user>, <assistant> or text\n"
+    );
+    assert_eq!(
+        fails(ok_schema, "<prompt schema='s'><a p='abc'/></prompt>"),
+        "marconi-sim: DIR/p.xml:1:23: argument for param 'p' of module 'a' is 3 tokens; its len is 2\n"
+    );
+    assert_eq!(
+        fails(ok_schema, "<prompt schema='t'/>"),
+        "marconi-sim: DIR/p.xml:1:9: prompt uses schema 't' but the schema given is 's'\n"
+    );
+    assert_eq!(
+        fails(ok_schema, "<prompt schema='s'>"),
+        "marconi-sim: DIR/p.xml:1:1: malformed XML: the root node was opened but never closed\n"
+    );
+}
+
+#[test]
+fn unreadable_and_non_utf8_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, p) = (dir.path().join("s.xml"), dir.path().join("p.xml"));
+    std::fs::write(&s, b"<schema name='s'>\n  caf\xe9</schema>").unwrap();
+    std::fs::write(&p, "<prompt schema='s'/>").unwrap();
+    let o = pml(&s, &p, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8(o.stderr).unwrap();
+    assert_eq!(
+        err,
+        format!("marconi-sim: {}:2:6: not UTF-8\n", s.display())
+    );
+    let o = pml(&dir.path().join("missing.xml"), &p, &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8(o.stderr)
+        .unwrap()
+        .contains("missing.xml: No such file"));
+}

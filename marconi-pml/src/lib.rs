@@ -13,6 +13,10 @@
 //!   duration="3 days"/>`), nested imports, its own text.
 //! * [`Encoded`] and [`Layout`]: position ids (§3.3, §3.4): which segments
 //!   of a prompt are cached module content and which the engine computes.
+//! * [`ReusePlan`]: what a lookup reuses, and how, under a named
+//!   [`ReuseMode`]: every module for attention-only models; for hybrid
+//!   models the exact leading run of modules, and optionally the modules
+//!   after it by approximate state composition.
 //!
 //! Every error carries the line and column it was found at ([`Error`]).
 //! Pure: no I/O, no unsafe; the engine's tokenizer comes in as a
@@ -38,10 +42,12 @@
 mod error;
 mod layout;
 mod prompt;
+mod reuse;
 mod schema;
 mod xml;
 
 pub use error::{Error, ErrorKind, Pos, Result};
 pub use layout::{ByteTokenizer, Encoded, Layout, Segment, SegmentKind, Tokenizer};
 pub use prompt::{Argument, Import, Prompt, PromptItem};
+pub use reuse::{namespace, Reuse, ReuseMode, ReusePlan};
 pub use schema::{Item, Module, ModuleId, Param, Schema};

@@ -67,6 +67,11 @@
 #define MARCONI_NO_SEQ UINT64_MAX
 
 /**
+ * The size of `marconi_pml_error::message`.
+ */
+#define MARCONI_PML_ERROR_MESSAGE_BYTES 256
+
+/**
  * The result of every fallible call. Values are explicit and never reused
  * once released; new values are only appended. The numeric value is part of
  * the ABI.
@@ -197,6 +202,41 @@ enum marconi_status
 typedef enum marconi_status marconi_status;
 #else
 typedef uint32_t marconi_status;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a segment of a layout is.
+ */
+enum marconi_pml_segment_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Text of a named module: cached.
+   */
+  MARCONI_PML_SEGMENT_KIND_MODULE = 0,
+  /**
+   * The schema's text outside every module (an anonymous module every
+   * prompt includes): cached.
+   */
+  MARCONI_PML_SEGMENT_KIND_ANONYMOUS = 1,
+  /**
+   * A parameter's argument, at the positions the parameter reserves:
+   * computed.
+   */
+  MARCONI_PML_SEGMENT_KIND_PARAM = 2,
+  /**
+   * The prompt's own text: computed.
+   */
+  MARCONI_PML_SEGMENT_KIND_TEXT = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pml_segment_kind marconi_pml_segment_kind;
+#else
+typedef uint32_t marconi_pml_segment_kind;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -514,6 +554,12 @@ typedef struct marconi_cache marconi_cache;
  * marconi_events_free.
  */
 typedef struct marconi_events marconi_events;
+
+/**
+ * A registered schema: parsed, tokenized and laid out once. Immutable: any
+ * number of threads may lay prompts out over it at once.
+ */
+typedef struct marconi_pml_schema marconi_pml_schema;
 
 /**
  * A pool handle: opaque to C. Create with marconi_pool_new, free with
@@ -1307,6 +1353,78 @@ typedef struct marconi_converged_split {
    */
   uint64_t evictions_for_memory;
 } marconi_converged_split;
+
+/**
+ * The engine's tokenizer: writes the token ids of `text[0..text_len]`
+ * (UTF-8, not NUL-terminated) into `out[0..cap]` and returns their count.
+ * When the count is larger than `cap` it returns the count without
+ * writing (or writing at most `cap`) and is called again with a buffer of
+ * that size. A negative return is a tokenizer failure (the call fails with
+ * MARCONI_STATUS_INVALID_ARGUMENT). It must return the same tokens for the
+ * same text within one call. `user` is passed through unchanged.
+ */
+typedef int64_t (*marconi_pml_tokenize_fn)(void *user,
+                                           const uint8_t *text,
+                                           size_t text_len,
+                                           uint32_t *out,
+                                           size_t cap);
+
+/**
+ * Where and why a schema or prompt was refused: 1-based line and column in
+ * the document (0 when the error has no place, such as a tokenizer
+ * failure) and the reason, NUL-terminated, truncated to fit.
+ */
+typedef struct marconi_pml_error {
+  /**
+   * 1-based line; 0 when the error has no place in the document.
+   */
+  uint32_t line;
+  /**
+   * 1-based column (characters); 0 when the error has no place.
+   */
+  uint32_t col;
+  /**
+   * The reason ("unknown module 'b' in schema 's'; expected ...").
+   */
+  char message[MARCONI_PML_ERROR_MESSAGE_BYTES];
+} marconi_pml_error;
+
+/**
+ * One run of tokens at consecutive position ids.
+ */
+typedef struct marconi_pml_segment {
+  /**
+   * What it is.
+   */
+  marconi_pml_segment_kind kind;
+  /**
+   * Whether its states come from the module cache (module and anonymous
+   * text) or must be computed (arguments, prompt text).
+   */
+  bool cached;
+  /**
+   * First position id.
+   */
+  uint32_t start;
+  /**
+   * Token count: positions start .. start + len.
+   */
+  uint32_t len;
+  /**
+   * Index of its module in the schema (marconi_pml_name), -1 for
+   * anonymous and prompt text.
+   */
+  int32_t module;
+  /**
+   * Index of the parameter in its module for kind PARAM, else -1.
+   */
+  int32_t param;
+  /**
+   * Where its token ids start in the `tokens` output of
+   * marconi_pml_layout.
+   */
+  size_t tokens_offset;
+} marconi_pml_segment;
 
 /**
  * Everything a pool is built from. Versioned by size: set struct_size with
@@ -2313,6 +2431,115 @@ marconi_status marconi_plan_converged_split(const struct marconi_plan_request *r
                                             const uint32_t *input_lens,
                                             size_t n_requests,
                                             struct marconi_converged_split *out);
+
+/**
+ * Parses the schema `xml[0..xml_len]` (UTF-8), tokenizes its text with
+ * `tokenize` (NULL: one token per byte) and fixes every module's position
+ * ids; writes the handle to `*out` (caller frees with
+ * marconi_pml_schema_free).
+ *
+ * MARCONI_STATUS_INVALID_ARGUMENT: the schema is not UTF-8 or not valid
+ * PML (`*err`, when not NULL, gets the line, column and reason; the
+ * documented exception to "outputs only on success"), or the tokenizer
+ * failed. MARCONI_STATUS_EMPTY_TOKENS: `xml_len` is 0.
+ *
+ * Thread safety: touches only its arguments; `tokenize` is called on the
+ * calling thread before the function returns.
+ *
+ * # Safety
+ *
+ * `xml` points to `xml_len` readable bytes; `out` is writable; `err` is
+ * NULL or writable; `tokenize` is NULL or follows its contract with `user`.
+ */
+marconi_status marconi_pml_schema_new(const uint8_t *xml,
+                                      size_t xml_len,
+                                      marconi_pml_tokenize_fn tokenize,
+                                      void *user,
+                                      struct marconi_pml_schema **out,
+                                      struct marconi_pml_error *err);
+
+/**
+ * Frees a schema. NULL is a no-op.
+ *
+ * Thread safety: must not run concurrently with any other call on this
+ * schema; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `schema` is NULL or a handle from marconi_pml_schema_new not yet freed.
+ */
+void marconi_pml_schema_free(struct marconi_pml_schema *schema);
+
+/**
+ * Writes the schema's module count, the positions it spans (`0 ..
+ * *total_positions`) and its cache namespace (a hash of the schema's name,
+ * modules and tokens: the `ns` for marconi_cache_lookup of its exact
+ * leading modules).
+ *
+ * Thread safety: any number of threads.
+ *
+ * # Safety
+ *
+ * `schema` is a live handle; the outputs are writable.
+ */
+marconi_status marconi_pml_schema_info(const struct marconi_pml_schema *schema,
+                                       size_t *n_modules,
+                                       uint32_t *total_positions,
+                                       uint64_t *namespace_);
+
+/**
+ * Writes the name of module `module` (param < 0) or of parameter `param`
+ * of that module into `buf[0..cap]`, NUL-terminated, truncated like
+ * marconi_status_message; returns the full length without the NUL, 0 for
+ * a NULL schema or an index out of range.
+ *
+ * Thread safety: any number of threads.
+ *
+ * # Safety
+ *
+ * `schema` is NULL or a live handle; `buf` is NULL or has `cap` writable
+ * bytes.
+ */
+size_t marconi_pml_name(const struct marconi_pml_schema *schema,
+                        int32_t module,
+                        int32_t param,
+                        char *buf,
+                        size_t cap);
+
+/**
+ * Parses the prompt `xml[0..xml_len]` (UTF-8) against `schema` and lays it
+ * out: `segments[0..*n_segments]` in the order the engine concatenates
+ * them, and every segment's token ids in `tokens[0..*n_tokens]` (segment
+ * i's at `tokens_offset`, `len` of them). Arguments and prompt text are
+ * tokenized with `tokenize` (NULL: one token per byte; use the tokenizer
+ * the schema was registered with).
+ *
+ * MARCONI_STATUS_BUFFER_TOO_SMALL: writes only the needed counts to
+ * `*n_segments` and `*n_tokens`. MARCONI_STATUS_INVALID_ARGUMENT: the
+ * prompt is not UTF-8 or not valid PML for this schema (`*err`, when not
+ * NULL, gets the line, column and reason), or the tokenizer failed.
+ * MARCONI_STATUS_EMPTY_TOKENS: `xml_len` is 0.
+ *
+ * Thread safety: any number of threads per schema.
+ *
+ * # Safety
+ *
+ * `schema` is a live handle; `xml` has `xml_len` readable bytes;
+ * `segments` and `tokens` are NULL with capacity 0 or have their capacity
+ * writable; the counts and `err` (or NULL) are writable.
+ */
+marconi_status marconi_pml_layout(const struct marconi_pml_schema *schema,
+                                  const uint8_t *xml,
+                                  size_t xml_len,
+                                  marconi_pml_tokenize_fn tokenize,
+                                  void *user,
+                                  struct marconi_pml_segment *segments,
+                                  size_t segments_cap,
+                                  size_t *n_segments,
+                                  uint32_t *tokens,
+                                  size_t tokens_cap,
+                                  size_t *n_tokens,
+                                  struct marconi_pml_error *err);
 
 /**
  * Writes the default configuration into `*cfg` (backend MEMFD, AVMP

@@ -28,6 +28,7 @@ pub mod events;
 pub mod gguf;
 pub mod hf_config;
 pub mod plan;
+pub mod pml;
 pub mod pool;
 pub mod pooled;
 pub mod status;
@@ -43,6 +44,10 @@ pub use config::{
 pub use events::{
     marconi_event_layout, marconi_events, marconi_events_config, marconi_hash_format,
     MARCONI_NO_SEQ,
+};
+pub use pml::{
+    marconi_pml_error, marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind,
+    marconi_pml_tokenize_fn,
 };
 pub use plan::{marconi_converged_split, marconi_memory_plan, marconi_plan_request};
 pub use pool::{

@@ -46,7 +46,7 @@ pub const MARCONI_PML_ERROR_MESSAGE_BYTES: usize = 256;
 /// the document (0 when the error has no place, such as a tokenizer
 /// failure) and the reason, NUL-terminated, truncated to fit.
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct marconi_pml_error {
     /// 1-based line; 0 when the error has no place in the document.
     pub line: u32,
@@ -111,7 +111,15 @@ impl Tokenizer for Callback {
             // SAFETY: text is valid for text.len() bytes and buf for
             // buf.len() writable u32s; the callback's contract bounds its
             // writes by cap.
-            let n = unsafe { (self.f)(self.user, text.as_ptr(), text.len(), buf.as_mut_ptr(), buf.len()) };
+            let n = unsafe {
+                (self.f)(
+                    self.user,
+                    text.as_ptr(),
+                    text.len(),
+                    buf.as_mut_ptr(),
+                    buf.len(),
+                )
+            };
             if !(0..=MAX_TEXT_TOKENS).contains(&n) {
                 self.failed = Some(format!("tokenizer returned {n}"));
                 return Vec::new();
@@ -185,9 +193,15 @@ fn document<'a>(bytes: &'a [u8], err: *mut marconi_pml_error, what: &str) -> Ffi
         let good = std::str::from_utf8(&bytes[..e.valid_up_to()]).unwrap_or("");
         let line = good.matches('\n').count() + 1;
         let col = good.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
-        let (line, col) = (u32::try_from(line).unwrap_or(u32::MAX), u32::try_from(col).unwrap_or(u32::MAX));
+        let (line, col) = (
+            u32::try_from(line).unwrap_or(u32::MAX),
+            u32::try_from(col).unwrap_or(u32::MAX),
+        );
         write_error(err, line, col, "not UTF-8");
-        FfiError::new(marconi_status::InvalidArgument, format!("{what}:{line}:{col}: not UTF-8"))
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what}:{line}:{col}: not UTF-8"),
+        )
     })
 }
 
@@ -360,7 +374,6 @@ pub unsafe extern "C" fn marconi_pml_name(
 /// `segments` and `tokens` are NULL with capacity 0 or have their capacity
 /// writable; the counts and `err` (or NULL) are writable.
 #[no_mangle]
-#[expect(clippy::too_many_arguments, reason = "the C calling convention: object, inputs, outputs")]
 pub unsafe extern "C" fn marconi_pml_layout(
     schema: *const marconi_pml_schema,
     xml: *const u8,
@@ -397,7 +410,8 @@ pub unsafe extern "C" fn marconi_pml_layout(
         // SAFETY: as above.
         let tok_out = unsafe { out_slice(tokens, tokens_cap, "tokens") }?;
         let text = document(bytes, err, "prompt")?;
-        let prompt = Prompt::parse(text, s.enc.schema()).map_err(|e| pml_error(&e, err, "prompt"))?;
+        let prompt =
+            Prompt::parse(text, s.enc.schema()).map_err(|e| pml_error(&e, err, "prompt"))?;
         let layout = with_tokenizer(tokenize, user, |t| s.enc.layout(&prompt, t))?
             .map_err(|e| pml_error(&e, err, "prompt"))?;
         let need_tokens: usize = layout.segments.iter().map(|g| g.tokens.len()).sum();
@@ -419,7 +433,9 @@ pub unsafe extern "C" fn marconi_pml_layout(
         }
         let mut at = 0usize;
         for (g, o) in layout.segments.iter().zip(seg_out.iter_mut()) {
-            let module = g.module.map_or(-1, |m| i32::try_from(m.0).unwrap_or(i32::MAX));
+            let module = g
+                .module
+                .map_or(-1, |m| i32::try_from(m.0).unwrap_or(i32::MAX));
             let param = match (g.kind, g.module) {
                 (SegmentKind::Param, Some(m)) => s
                     .enc

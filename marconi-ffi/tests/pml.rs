@@ -56,10 +56,7 @@ fn message(e: &marconi_pml_error) -> String {
         .to_string()
 }
 
-fn schema(
-    xml: &str,
-    tok: marconi_pml_tokenize_fn,
-) -> Result<*mut marconi_pml_schema, (marconi_status, marconi_pml_error)> {
+fn schema(xml: &str, tok: marconi_pml_tokenize_fn) -> Result<*mut marconi_pml_schema, Failure> {
     let mut out = null_mut();
     let mut err = new_error();
     // SAFETY: valid buffers.
@@ -69,17 +66,20 @@ fn schema(
     if st == marconi_status::Ok {
         Ok(out)
     } else {
-        Err((st, err))
+        Err(Box::new((st, err)))
     }
 }
 
 type Layout = (Vec<marconi_pml_segment>, Vec<u32>);
 
+/// A refused call: its status and error (boxed: the error holds 256 bytes).
+type Failure = Box<(marconi_status, marconi_pml_error)>;
+
 fn layout(
     s: *const marconi_pml_schema,
     xml: &str,
     tok: marconi_pml_tokenize_fn,
-) -> Result<Layout, (marconi_status, marconi_pml_error)> {
+) -> Result<Layout, Failure> {
     let mut segs = vec![
         marconi_pml_segment {
             kind: marconi_pml_segment_kind::Text,
@@ -113,7 +113,7 @@ fn layout(
         )
     };
     if st != marconi_status::Ok {
-        return Err((st, err));
+        return Err(Box::new((st, err)));
     }
     segs.truncate(ns);
     toks.truncate(nt);
@@ -183,7 +183,7 @@ fn figure2_with_a_word_tokenizer_callback() {
 
 #[test]
 fn bad_pml_gets_line_column_and_reason() {
-    let (st, e) = schema(
+    let (st, e) = *schema(
         "<schema name='s'>\n  <module name='a'><param name='p' len='x'/></module></schema>",
         None,
     )
@@ -196,7 +196,7 @@ fn bad_pml_gets_line_column_and_reason() {
     );
 
     let s = schema(SCHEMA, None).unwrap();
-    let (st, e) = layout(s, PROMPT, None).unwrap_err();
+    let (st, e) = *layout(s, PROMPT, None).unwrap_err();
     assert_eq!(st, marconi_status::InvalidArgument);
     assert_eq!((e.line, e.col), (2, 14));
     assert_eq!(
@@ -204,14 +204,14 @@ fn bad_pml_gets_line_column_and_reason() {
         "argument for param 'duration' of module 'trip-plan' is 6 tokens; its len is 2"
     );
 
-    let (_, e) = layout(s, "<prompt schema='cities'><tokyo/><miami/></prompt>", None).unwrap_err();
+    let (_, e) = *layout(s, "<prompt schema='cities'><tokyo/><miami/></prompt>", None).unwrap_err();
     assert_eq!((e.line, e.col), (1, 33));
     assert_eq!(
         message(&e),
         "modules 'tokyo' and 'miami' are members of one <union>; import at most one"
     );
 
-    let (_, e) = layout(s, "<prompt schema='cities'>\n\u{e9}\u{0}", None).unwrap_err();
+    let (_, e) = *layout(s, "<prompt schema='cities'>\n\u{e9}\u{0}", None).unwrap_err();
     assert_eq!(e.line, 2);
 
     let bad = b"<prompt schema='cities'>\n ab\xff</prompt>";
@@ -245,7 +245,7 @@ fn bad_pml_gets_line_column_and_reason() {
         "<schema name='s'><module name='{}'/><module name='{0}'/></schema>",
         "m".repeat(400)
     );
-    let (_, e) = schema(&long, None).unwrap_err();
+    let (_, e) = *schema(&long, None).unwrap_err();
     assert_eq!(message(&e).len(), MARCONI_PML_ERROR_MESSAGE_BYTES - 1);
     // SAFETY: a live handle, freed once.
     unsafe { marconi_pml_schema_free(s) };

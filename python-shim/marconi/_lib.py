@@ -26,6 +26,8 @@ from ctypes import (
 )
 from pathlib import Path
 
+from . import _pml_abi
+
 LIB_ENV = "MARCONI_LIBRARY"
 """Environment variable naming the shared library to load (a file path)."""
 
@@ -400,6 +402,7 @@ STRUCTS = {
         marconi_events_config,
     )
 }
+STRUCTS.update(_pml_abi.PML_STRUCTS)
 """Every struct of the header, by its C name."""
 
 _cache_p = c_void_p
@@ -563,6 +566,7 @@ SIGNATURES = {
     "marconi_events_publish": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint64)]),
     "marconi_events_endpoint": (status_t, [_events_p, c_uint32, c_char_p, c_size_t, _size_p]),
 }
+SIGNATURES.update(_pml_abi.PML_SIGNATURES)
 """Every function of the header: name -> (restype, argtypes)."""
 
 

@@ -16,6 +16,8 @@ SCALARS = {
     "double": ctypes.c_double,
     "bool": ctypes.c_bool,
     "marconi_status": ctypes.c_uint32,
+    "marconi_pml_segment_kind": ctypes.c_uint32,
+    "marconi_pml_tokenize_fn": _lib._pml_abi.TOKENIZE_FN,
 }
 
 
@@ -26,9 +28,11 @@ def c_to_ctypes(decl: str):
     base = t.replace("*", "").strip()
     if base == "void" and stars == 0:
         return None
+    if base == "void" and stars == 1:
+        return ctypes.c_void_p
     if base == "char" and stars == 1:
         return ctypes.c_char_p
-    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache", "marconi_events"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"
@@ -59,6 +63,8 @@ def header_structs(text: str) -> dict:
                 ty, name = decl.rsplit(" ", 1)
                 while name.startswith("*"):
                     ty, name = ty + "*", name[1:]
+                if "[" in name:  # a fixed array field
+                    name, ty = name.split("[")[0], ty + "[]"
                 fields.append((name, ty))
         out[m.group(1)] = fields
     return out
@@ -83,7 +89,10 @@ def test_every_struct_matches_the_header(header_text):
         cls = _lib.STRUCTS[name]
         assert [f for f, _ in cls._fields_] == [f for f, _ in fields], name
         for (fname, ctype), (_, pytype) in zip(fields, cls._fields_):
-            want = c_to_ctypes(ctype)
+            if ctype == "char[]":  # char message[MARCONI_PML_ERROR_MESSAGE_BYTES]
+                want = ctypes.c_char * _lib._pml_abi.MESSAGE_BYTES
+            else:
+                want = c_to_ctypes(ctype)
             if (name in ("marconi_cache_config", "marconi_plan_request") and fname == "model_preset") or (
                 name == "marconi_events_config" and ctype == "const char*"
             ):

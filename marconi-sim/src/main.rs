@@ -58,6 +58,8 @@ enum Cmd {
     Plan(pools_cmd::PlanArgs),
     /// Lay a Prompt Markup Language prompt out over its schema: segments, position ids, cached or computed.
     Pml(marconi_sim::pml::PmlArgs),
+    /// Replay PML prompts (files, or generated from schemas): module hit rate, tokens reused per reuse mode.
+    PmlReplay(marconi_sim::pml::PmlReplayArgs),
 }
 
 const BATTERY_HELP: &str = "\
@@ -524,6 +526,7 @@ fn main() -> ExitCode {
         Cmd::Pools(a) => pools_cmd::pools(a),
         Cmd::Plan(a) => pools_cmd::plan(a),
         Cmd::Pml(a) => marconi_sim::pml::run(a),
+        Cmd::PmlReplay(a) => marconi_sim::pml::replay_run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -180,3 +180,116 @@ fn unreadable_and_non_utf8_files() {
         .unwrap()
         .contains("missing.xml: No such file"));
 }
+
+fn replay_json(args: &[&str]) -> serde_json::Value {
+    let o = Command::new(env!("CARGO_BIN_EXE_marconi-sim"))
+        .arg("pml-replay")
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("runs");
+    assert!(
+        o.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+#[test]
+fn replay_two_prompts_by_hand() {
+    // Figure 2 twice, cl100k_base: 19 tokens each, 12 of module content.
+    // The second prompt's two imports hit. Exact: trip-plan's first piece
+    // (0..4; the argument ends the run). Composed, window 16: the later
+    // pieces are 1 and 7 tokens long, all recomputed.
+    let (s, p) = (fixture("figure2_schema.xml"), fixture("figure2_prompt.xml"));
+    let v = replay_json(&[
+        "--schema",
+        s.to_str().unwrap(),
+        "--prompt",
+        p.to_str().unwrap(),
+        "--prompt",
+        p.to_str().unwrap(),
+        "--tokenizer",
+        "tiktoken",
+    ]);
+    let n = |k: &str| v[k].as_u64().unwrap();
+    assert_eq!(
+        [
+            n("prompts"),
+            n("tokens"),
+            n("module_tokens"),
+            n("imports"),
+            n("module_hits")
+        ],
+        [2, 38, 24, 4, 2]
+    );
+    assert_eq!(
+        [
+            n("reused_attention"),
+            n("reused_exact"),
+            n("reused_composed")
+        ],
+        [24, 8, 8]
+    );
+    assert_eq!(v["module_hit_rate"].as_f64(), Some(0.5));
+}
+
+#[test]
+fn replay_generated_prompts() {
+    let (a, b) = (fixture("travel_schema.xml"), fixture("figure2_schema.xml"));
+    let args = [
+        "--schema",
+        a.to_str().unwrap(),
+        "--schema",
+        b.to_str().unwrap(),
+        "--synth",
+        "300",
+        "--seed",
+        "7",
+        "--window",
+        "2",
+    ];
+    let v = replay_json(&args);
+    assert_eq!(v, replay_json(&args), "seeded: same figures");
+    let n = |k: &str| v[k].as_u64().unwrap();
+    assert_eq!(n("prompts"), 300);
+    assert!(n("imports") > 300 && n("module_hits") < n("imports"));
+    assert!(n("reused_exact") <= n("reused_composed"));
+    assert!(n("reused_composed") <= n("reused_attention"));
+    assert_eq!(n("reused_attention"), n("module_tokens"));
+    assert!(n("module_tokens") < n("tokens"));
+    assert!(n("reused_exact") > 0);
+}
+
+#[test]
+fn replay_refuses_bad_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.xml");
+    std::fs::write(&p, "<prompt schema='nope'/>").unwrap();
+    let s = fixture("figure2_schema.xml");
+    let o = Command::new(env!("CARGO_BIN_EXE_marconi-sim"))
+        .args([
+            "pml-replay",
+            "--schema",
+            s.to_str().unwrap(),
+            "--prompt",
+            p.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8(o.stderr).unwrap(),
+        format!(
+            "marconi-sim: {}:1:9: prompt uses schema 'nope', which is not registered\n",
+            p.display()
+        )
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_marconi-sim"))
+        .args(["pml-replay", "--schema", s.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8(o.stderr).unwrap().contains("no prompt"));
+}

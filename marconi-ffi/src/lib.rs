@@ -45,11 +45,11 @@ pub use events::{
     marconi_event_layout, marconi_events, marconi_events_config, marconi_hash_format,
     MARCONI_NO_SEQ,
 };
+pub use plan::{marconi_converged_split, marconi_memory_plan, marconi_plan_request};
 pub use pml::{
     marconi_pml_error, marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind,
     marconi_pml_tokenize_fn,
 };
-pub use plan::{marconi_converged_split, marconi_memory_plan, marconi_plan_request};
 pub use pool::{
     marconi_migration, marconi_pool, marconi_pool_backend, marconi_pool_config, marconi_pool_kind,
     marconi_pool_migration, marconi_pool_stats, marconi_promote_mode, marconi_state_buffer,

@@ -210,6 +210,12 @@ pub enum ErrorKind {
         /// The module.
         module: String,
     },
+    /// Modules nested deeper than the parser follows.
+    #[error("modules nested deeper than {max}; expected at most {max} levels")]
+    TooDeep {
+        /// The deepest nesting accepted.
+        max: u32,
+    },
     /// More position ids than a u32 holds.
     #[error("the layout needs more than {max} position ids")]
     PositionOverflow {

@@ -50,4 +50,4 @@ pub use error::{Error, ErrorKind, Pos, Result};
 pub use layout::{ByteTokenizer, Encoded, Layout, Segment, SegmentKind, Tokenizer};
 pub use prompt::{Argument, Import, Prompt, PromptItem};
 pub use reuse::{namespace, Reuse, ReuseMode, ReusePlan};
-pub use schema::{Item, Module, ModuleId, Param, Schema};
+pub use schema::{Item, Module, ModuleId, Param, Schema, MAX_DEPTH};

@@ -8,6 +8,11 @@ use roxmltree::Node;
 use crate::error::{Error, ErrorKind, Pos, Result};
 use crate::xml::{self, ROLES};
 
+/// The deepest module nesting a schema may have. Parsing, encoding and
+/// layout recurse once per level; the bound keeps them far from the stack's
+/// end on any thread (a stack overflow would abort the host process).
+pub const MAX_DEPTH: u32 = 32;
+
 /// A module's index in [`Schema::modules`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ModuleId(pub usize);
@@ -62,6 +67,8 @@ pub struct Module {
     pub params: Vec<Param>,
     /// Where `<module>` is.
     pub pos: Pos,
+    /// Its nesting level: 1 at the top level, at most [`MAX_DEPTH`].
+    pub depth: u32,
 }
 
 /// A parsed schema.
@@ -311,6 +318,10 @@ impl Parser {
         let name = xml::required(node, "name")?;
         xml::check_name("module", name, xml::attr_pos(node, "name"))?;
         let pos = xml::node_pos(node);
+        let depth = parent.map_or(1, |p| self.modules[p.0].depth + 1);
+        if depth > MAX_DEPTH {
+            return Err(Error::new(pos, ErrorKind::TooDeep { max: MAX_DEPTH }));
+        }
         if let Some(&first) = self.by_name.get(name) {
             return Err(Error::new(
                 xml::attr_pos(node, "name"),
@@ -328,6 +339,7 @@ impl Parser {
             body: Vec::new(),
             params: Vec::new(),
             pos,
+            depth,
         });
         self.by_name.insert(name.into(), id);
         let mut body = Vec::new();

@@ -225,3 +225,59 @@ fn position_overflow_is_an_error() {
         "1:95: the layout needs more than 4294967295 position ids"
     );
 }
+
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    let n = 20_000;
+    let mut s = String::from("<schema name='d'>");
+    for i in 0..n {
+        s.push_str(&format!("<module name='m{i}'>"));
+    }
+    s.push_str(&"</module>".repeat(n));
+    s.push_str("</schema>");
+    let e = Schema::parse(&s).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "1:616: modules nested deeper than 32; expected at most 32 levels"
+    );
+    let mut u = String::from("<schema name='u'>");
+    for i in 0..n {
+        u.push_str(&format!("<union><module name='m{i}'>"));
+    }
+    u.push_str(&"</module></union>".repeat(n));
+    u.push_str("</schema>");
+    assert!(Schema::parse(&u).is_err());
+    // Deep elements that are not modules fail on the first one.
+    let e = Schema::parse(&format!(
+        "<schema name='x'>{}</schema>",
+        "<a>".repeat(n) + &"</a>".repeat(n)
+    ))
+    .unwrap_err();
+    assert!(
+        e.to_string().starts_with("1:18: unknown element <a>"),
+        "{e}"
+    );
+    let schema = Schema::parse("<schema name='p'><module name='a'/></schema>").unwrap();
+    let deep = format!(
+        "<prompt schema='p'>{}</prompt>",
+        "<a>".repeat(n) + &"</a>".repeat(n)
+    );
+    assert!(Prompt::parse(&deep, &schema).is_err());
+}
+
+#[test]
+fn the_deepest_nesting_allowed_lays_out() {
+    let n = marconi_pml::MAX_DEPTH as usize;
+    let open: String = (0..n).map(|i| format!("<module name='m{i}'>x")).collect();
+    let schema = format!("<schema name='d'>{open}{}</schema>", "</module>".repeat(n));
+    let enc = Encoded::new(Schema::parse(&schema).unwrap(), &mut ByteTokenizer).unwrap();
+    let imports: String = (0..n).map(|i| format!("<m{i}>")).collect();
+    let close: String = (0..n).rev().map(|i| format!("</m{i}>")).collect();
+    let p = Prompt::parse(
+        &format!("<prompt schema='d'>{imports}{close}</prompt>"),
+        enc.schema(),
+    )
+    .unwrap();
+    let l = enc.layout(&p, &mut ByteTokenizer).unwrap();
+    assert_eq!(l.position_ids(), (0..n as u32).collect::<Vec<_>>());
+}

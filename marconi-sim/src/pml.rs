@@ -258,7 +258,13 @@ pub fn replay_prompts(
             which = i;
             Some(schemas[i].schema())
         })
-        .map_err(|e| format!("{name}:{e}"))?;
+        .map_err(|mut e| {
+            if let marconi_pml::ErrorKind::UnknownSchema { known, .. } = &mut e.kind {
+                let names: Vec<&str> = schemas.iter().map(|s| s.schema().name()).collect();
+                *known = format!(" (registered: {})", names.join(", "));
+            }
+            format!("{name}:{e}")
+        })?;
         let enc = &schemas[which];
         let l = enc
             .layout(&prompt, tok)

@@ -282,7 +282,7 @@ fn replay_refuses_bad_input() {
     assert_eq!(
         String::from_utf8(o.stderr).unwrap(),
         format!(
-            "marconi-sim: {}:1:9: prompt uses schema 'nope', which is not registered\n",
+            "marconi-sim: {}:1:9: prompt uses schema 'nope', which is not registered (registered: cities)\n",
             p.display()
         )
     );

@@ -377,3 +377,31 @@ fn a_failing_tokenizer_fails_the_call() {
         assert!(out.is_null());
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+    /// Arbitrary bytes as a schema or a prompt: OK or INVALID_ARGUMENT
+    /// with a place, never a panic.
+    #[test]
+    fn arbitrary_bytes_are_refused_cleanly(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 1..300)) {
+        let mut out = null_mut();
+        let mut err = new_error();
+        // SAFETY: valid buffers.
+        let st = unsafe { marconi_pml_schema_new(bytes.as_ptr(), bytes.len(), None, null_mut(), &mut out, &mut err) };
+        proptest::prop_assert!(st == marconi_status::Ok || st == marconi_status::InvalidArgument, "{st:?}");
+        if st == marconi_status::Ok {
+            // SAFETY: a live handle, freed once.
+            unsafe { marconi_pml_schema_free(out) };
+        } else {
+            proptest::prop_assert!(err.line >= 1 && err.col >= 1);
+        }
+        let s = schema(SCHEMA, None).unwrap();
+        let (mut ns, mut nt) = (0, 0);
+        // SAFETY: valid buffers; empty outputs.
+        let st = unsafe { marconi_pml_layout(s, bytes.as_ptr(), bytes.len(), None, null_mut(), null_mut(), 0, &mut ns, null_mut(), 0, &mut nt, &mut err) };
+        proptest::prop_assert!(matches!(st, marconi_status::Ok | marconi_status::InvalidArgument | marconi_status::BufferTooSmall), "{st:?}");
+        // SAFETY: a live handle, freed once.
+        unsafe { marconi_pml_schema_free(s) };
+    }
+}

@@ -281,3 +281,15 @@ fn the_deepest_nesting_allowed_lays_out() {
     let l = enc.layout(&p, &mut ByteTokenizer).unwrap();
     assert_eq!(l.position_ids(), (0..n as u32).collect::<Vec<_>>());
 }
+
+#[test]
+fn the_deepest_nesting_fits_a_small_thread_stack() {
+    // Engines run requests on threads with small stacks; 32 levels of
+    // parsing, encoding and layout fit in 256 KiB.
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(the_deepest_nesting_allowed_lays_out)
+        .unwrap()
+        .join()
+        .unwrap();
+}

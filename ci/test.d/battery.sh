@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The battery smoke (issue 10 §3): every policy and the clairvoyant
+# The battery smoke: every policy and the clairvoyant
 # reference on small synthetic traces (2 seeds per workload) and, when the
 # ShareGPT data can be had (pip, network), 3 small samples of it, at 3
 # capacities; the battery says so and runs the synthetic rows when it

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-engine routing smoke (issue 13 item 4): `marconi-sim route` on a
+# The multi-engine routing smoke: `marconi-sim route` on a
 # small built-in chat trace (4 engines, evictions), every routing at two
 # load weights; fails unless the router's index, fed by the engines'
 # events, agreed with every routed engine's own lookup (idx miss = 0) and

@@ -1125,7 +1125,7 @@ mod tests {
         out.lease
     }
 
-    /// Regression (issue 9, item 6): lease ids were a 24-bit cache
+    /// Regression: lease ids were a 24-bit cache
     /// generation over a per-cache number, so the 2^24-th cache after A
     /// accepted A's leases. Ids now come once from a process-wide sequence
     /// that refuses to wrap: forced to its end, it stops instead of repeating.

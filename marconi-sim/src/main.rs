@@ -45,7 +45,7 @@ enum Cmd {
     Avmp(AvmpArgs),
     /// The paper's end-to-end comparison over many traces per workload (Figs. 7–9 box plots).
     Paper(PaperArgs),
-    /// N engines behind a router: round robin vs KV overlap vs resumable overlap (issue 13).
+    /// N engines behind a router: round robin vs KV overlap vs resumable overlap.
     #[command(after_help = marconi_sim::route::COLUMNS)]
     Route(marconi_sim::route_cli::RouteArgs),
     /// Every policy and the clairvoyant reference × a battery of traces

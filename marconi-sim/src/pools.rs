@@ -1,4 +1,4 @@
-//! The joined system in simulation (issue 11 item 4): one trace through the
+//! The joined system in simulation: one trace through the
 //! prefix cache over real pool layouts (`marconi_gpu::pooled`) at a fixed
 //! memory budget, beside today's single byte budget.
 //!

@@ -4,8 +4,8 @@
 # load weights; fails unless the router's index, fed by the engines'
 # events, agreed with every routed engine's own lookup (idx miss = 0) and
 # the figures were written. Budget: 2 minutes on 2 cores (the release build
-# of the test run is reused). The full experiment: README, "Routing across
-# engines". The index's own tests (loopback ZeroMQ included) run with the
+# of the test run is reused). The full experiment: docs/routing.md.
+# The index's own tests (loopback ZeroMQ included) run with the
 # workspace's `cargo test`.
 # Runs from the repository root.
 set -euo pipefail

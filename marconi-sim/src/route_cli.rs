@@ -64,6 +64,9 @@ pub struct RouteArgs {
     /// Print the reports as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// No progress display.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// Runs the experiment and prints its table.
@@ -118,7 +121,10 @@ pub fn run(a: RouteArgs) -> Result<(), String> {
     };
     let jobs = route::jobs(&base, &a.lambda);
     let t0 = Instant::now();
-    let reports = route::run_all(&trace, &jobs, a.threads).map_err(|e| e.to_string())?;
+    let sp = crate::progress::spinner(&format!("routing ({} runs)", jobs.len()), a.quiet);
+    let reports = route::run_all(&trace, &jobs, a.threads).map_err(|e| e.to_string());
+    sp.finish_and_clear();
+    let reports = reports?;
     let wall = t0.elapsed().as_secs_f64();
     let context = format!(
         "{} engines ({}, {} each, {}-token pages), {} on {}",

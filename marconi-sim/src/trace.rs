@@ -892,8 +892,9 @@ impl Trace {
 
     /// Reads a trace file.
     pub fn load(path: &Path) -> Result<Self, TraceError> {
-        let f = std::fs::File::open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        // The caller names the path (once) in its message: every error of
+        // the read, not only this one, needs it.
+        let f = std::fs::File::open(path)?;
         Self::read(io::BufReader::with_capacity(1 << 20, f))
     }
 

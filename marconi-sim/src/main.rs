@@ -108,7 +108,7 @@ struct BatteryArgs {
     quick: bool,
     /// Fail when marconi loses on a row or the clairvoyant is below a policy.
     /// A bar for a fixed battery, not a guarantee: no deployable policy
-    /// can hold it on every trace (README, "Per cell, over many seeds").
+    /// can hold it on every trace (docs/results.md, "Per cell, over many seeds").
     #[arg(long)]
     check: bool,
     /// Fail when marconi loses on a cell: a workload at a capacity, its

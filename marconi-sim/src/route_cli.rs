@@ -188,7 +188,13 @@ pub fn figures(dir: &Path, context: &str, reports: &[RouteReport]) -> Result<Vec
                         .map_or(f64::NAN, f);
                     lambdas.iter().map(|&l| (l, y)).collect()
                 };
-                (name.to_string(), pts)
+                // Round robin ignores λ: one value, drawn flat and named so.
+                let label = if r.uses_lambda() {
+                    name.to_string()
+                } else {
+                    format!("{name} (no λ)")
+                };
+                (label, pts)
             })
             .collect()
     };

@@ -475,7 +475,7 @@ impl LineParser {
         if self.last.is_none() && text.trim_start().starts_with('[') {
             return Err(err(
                 "a JSON array: a trace is JSON lines, one request object per line \
-                 (see the README's trace format); `marconi-sim trace sharegpt --path FILE` \
+                 (see docs/simulator.md, trace format); `marconi-sim trace sharegpt --path FILE` \
                  turns the ShareGPT data set into one"
                     .into(),
             ));

@@ -53,6 +53,7 @@ enum Cmd {
     #[command(after_help = BATTERY_HELP)]
     Battery(BatteryArgs),
     /// The cache over real pools at one memory budget: static splits (swept), AVMP, unified, single budget.
+    #[command(after_help = marconi_sim::pools::COLUMNS)]
     Pools(pools_cmd::PoolsArgs),
     /// Start-up memory plan: KV tokens and state slots per split, largest batch × context, AVMP's split on a trace.
     Plan(pools_cmd::PlanArgs),

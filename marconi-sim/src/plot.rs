@@ -348,6 +348,38 @@ pub fn lines(
     y_label: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> PlotResult {
+    lines_with(
+        path,
+        title,
+        context,
+        x_axis,
+        y_label,
+        series,
+        &LineOpts::default(),
+    )
+}
+
+/// How [`lines_with`] draws its series.
+#[derive(Clone, Debug, Default)]
+pub struct LineOpts {
+    /// Earlier series wider (CDFs that may coincide), instead of all 2 px.
+    pub wide_first: bool,
+    /// Names of reference series (a value that does not depend on x): a
+    /// thin line without markers.
+    pub references: Vec<String>,
+}
+
+/// [`lines`] with drawing options.
+pub fn lines_with(
+    path: &Path,
+    title: &str,
+    context: &str,
+    x_axis: &XAxis<'_>,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    opts: &LineOpts,
+) -> PlotResult {
+    let is_reference = |name: &str| opts.references.iter().any(|r| r == name);
     // A log axis is drawn as a linear one over log10(x): one coordinate
     // type for both, ticks where they are asked for.
     let log = x_axis.log;
@@ -400,11 +432,16 @@ pub fn lines(
     let mut marks = Vec::with_capacity(series.len());
     for (i, (name, p)) in series.iter().enumerate() {
         let c = color(name, i);
-        let width = line_width(i, series.len());
+        let reference = is_reference(name);
+        let width = match (reference, opts.wide_first) {
+            (true, _) => 1,
+            (false, true) => line_width(i, series.len()),
+            (false, false) => 2,
+        };
         chart
             .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(width)))
             .map_err(err)?;
-        let marker = p.len() <= 40;
+        let marker = !reference && p.len() <= 40;
         if marker {
             chart
                 .draw_series(p.iter().map(|&q| Circle::new(q, 4, c.filled())))
@@ -450,7 +487,19 @@ pub fn cdf(
         log: true,
         ticks: Vec::new(),
     };
-    lines(path, title, context, &x, "fraction of requests", &curves)
+    let opts = LineOpts {
+        wide_first: true,
+        ..LineOpts::default()
+    };
+    lines_with(
+        path,
+        title,
+        context,
+        &x,
+        "fraction of requests",
+        &curves,
+        &opts,
+    )
 }
 
 /// Bars over categories: `values[series][group]`, `None` for no bar; one
@@ -519,7 +568,11 @@ fn bar_chart(
     }
     if let Some(la) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| n.as_str()).collect();
-        legend(&la, &names, &vec![Mark::Patch { opacity: 1.0 }; names.len()])?;
+        legend(
+            &la,
+            &names,
+            &vec![Mark::Patch { opacity: 1.0 }; names.len()],
+        )?;
     }
     root.present().map_err(err)
 }
@@ -644,7 +697,16 @@ pub fn boxes(
     }
     if let Some(la) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| n.as_str()).collect();
-        legend(&la, &names, &vec![Mark::Patch { opacity: BOX_OPACITY }; names.len()])?;
+        legend(
+            &la,
+            &names,
+            &vec![
+                Mark::Patch {
+                    opacity: BOX_OPACITY
+                };
+                names.len()
+            ],
+        )?;
     }
     root.present().map_err(err)
 }

@@ -28,13 +28,16 @@ pub fn bar(len: u64, label: &str, quiet: bool) -> ProgressBar {
             // indicatif's {eta} follows the rate of the last few seconds,
             // which a burst of cheap steps (a fast policy finishing) makes
             // say 1 s with 15 s to go; this one uses the mean rate so far.
-            .with_key("mean_eta", |s: &ProgressState, w: &mut dyn std::fmt::Write| {
-                let _ = write!(
-                    w,
-                    "{}",
-                    mean_eta(s.pos(), s.len(), s.elapsed()).map_or("?".to_owned(), format_secs)
-                );
-            })
+            .with_key(
+                "mean_eta",
+                |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = write!(
+                        w,
+                        "{}",
+                        mean_eta(s.pos(), s.len(), s.elapsed()).map_or("?".to_owned(), format_secs)
+                    );
+                },
+            )
             .progress_chars("=> "),
     );
     pb.set_prefix(label.to_owned());
@@ -72,7 +75,9 @@ pub fn mean_eta(pos: u64, len: Option<u64>, elapsed: Duration) -> Option<Duratio
         return None;
     }
     let left = len.saturating_sub(pos) as f64;
-    Some(Duration::from_secs_f64(elapsed.as_secs_f64() * left / pos as f64))
+    Some(Duration::from_secs_f64(
+        elapsed.as_secs_f64() * left / pos as f64,
+    ))
 }
 
 /// `42s`, `3m05s`, `1h02m`.
@@ -158,7 +163,10 @@ mod tests {
         assert_eq!(format_secs(eta), "15s");
         assert_eq!(mean_eta(0, Some(10), Duration::from_secs(3)), None);
         assert_eq!(mean_eta(5, None, Duration::from_secs(3)), None);
-        assert_eq!(mean_eta(10, Some(10), Duration::from_secs(3)), Some(Duration::ZERO));
+        assert_eq!(
+            mean_eta(10, Some(10), Duration::from_secs(3)),
+            Some(Duration::ZERO)
+        );
         assert_eq!(format_secs(Duration::from_secs(185)), "3m05s");
         assert_eq!(format_secs(Duration::from_secs(3_720)), "1h02m");
     }
@@ -173,7 +181,10 @@ mod tests {
         let log = LogLines::new(Duration::ZERO);
         let before = *log.last.lock().unwrap();
         log.write_line("replaying [==>   ] 2/10").unwrap();
-        assert!(*log.last.lock().unwrap() > before, "a line after the period moves the clock");
+        assert!(
+            *log.last.lock().unwrap() > before,
+            "a line after the period moves the clock"
+        );
         let t = *log.last.lock().unwrap();
         log.write_line("   ").unwrap();
         assert_eq!(*log.last.lock().unwrap(), t, "blank lines are not printed");

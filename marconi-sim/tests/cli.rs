@@ -495,3 +495,21 @@ fn route_takes_quiet() {
     let help = String::from_utf8(o.stdout).unwrap();
     assert!(help.contains("-q, --quiet"), "{help}");
 }
+
+#[test]
+fn pools_help_explains_every_column() {
+    let help = String::from_utf8(sim(&["pools", "--help"]).stdout).unwrap();
+    for col in [
+        "refused",
+        "ssm frac",
+        "moved",
+        "migrations",
+        "rejected",
+        "tok hit",
+    ] {
+        assert!(
+            help.contains(&format!("  {col} ")),
+            "{col} not explained:\n{help}"
+        );
+    }
+}

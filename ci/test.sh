@@ -8,8 +8,8 @@
 # `--release --features marconi-core/strict-checks` with overflow checks on;
 # the C and Python steps build libmarconi as users get it (default features).
 # Downloads (nightly toolchain, Python wheels, llama.cpp) are cached under the
-# target dir or rustup's home; the nightly toolchain is fetched in the
-# background while the first steps compile.
+# target dir or rustup's home; the nightly toolchain and the PyTorch step
+# (mostly downloads) run in the background while the first steps compile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -66,6 +66,37 @@ else
   prefetch_pid=
 fi
 
+# Steps that mostly download (torch and transformers, ~5 GB) run in the
+# background from the start, in their own process group (stopped if the run
+# ends first), their output kept and printed when they are waited for.
+background=(ci/test.d/torch-engine.sh)
+declare -A bg_pid=() bg_log=()
+for extra in "${background[@]}"; do
+  [ -e "$extra" ] || continue
+  bg_log[$extra]="$(mktemp "${TMPDIR:-/tmp}/marconi-bg.XXXXXX")"
+  setsid bash -c 't0=$SECONDS; rc=0; bash "$1" >"$2" 2>&1 || rc=$?; echo "$((SECONDS - t0)) $rc" >"$2.done"' \
+    _ "$extra" "${bg_log[$extra]}" &
+  bg_pid[$extra]=$!
+done
+stop_background() {
+  local extra
+  for extra in "${!bg_pid[@]}"; do
+    kill -- "-${bg_pid[$extra]}" 2>/dev/null || true
+    rm -f "${bg_log[$extra]}" "${bg_log[$extra]}.done"
+  done
+}
+trap 'summary; stop_background' EXIT
+wait_background() { # wait_background SCRIPT: its output, then its status
+  local extra="$1" secs rc
+  wait "${bg_pid[$extra]}" || true
+  unset "bg_pid[$extra]"
+  cat "${bg_log[$extra]}"
+  read -r secs rc <"${bg_log[$extra]}.done" || { secs=0; rc=1; }
+  rm -f "${bg_log[$extra]}" "${bg_log[$extra]}.done"
+  echo "(ran in the background: ${secs} s)"
+  return "$rc"
+}
+
 # (Each helper chains with &&: errexit does not apply inside a function that
 # step runs under `||`.)
 fuzz_smoke() {
@@ -96,7 +127,11 @@ rm -f "$prefetch_log"
 # Crate-specific steps (C ABI, Python, engines, simulator smokes).
 for extra in ci/test.d/*.sh; do
   [ -e "$extra" ] || continue
-  step "$extra" bash "$extra"
+  if [ -n "${bg_pid[$extra]:-}" ]; then
+    step "$extra (started in the background at the beginning)" wait_background "$extra"
+  else
+    step "$extra" bash "$extra"
+  fi
 done
 echo
 echo "ci/test.sh: all green"

@@ -117,7 +117,9 @@ step "snapshots" bash ci/check-snapshots.sh
 # Every crate packages (versions on path dependencies, licenses, readme, files
 # inside each crate); the build of the packaged crates is `cargo package
 # --workspace` (docs/testing.md), left out here: it compiles everything again.
-step "publish dry run (packaging, in dependency order)" cargo publish --workspace --dry-run --no-verify
+# --allow-dirty: the working tree is what is tested.
+step "publish dry run (packaging, in dependency order)" \
+  cargo publish --workspace --dry-run --no-verify --allow-dirty
 # Not on the AVMP replay: a recount per operation makes its 240 runs take minutes.
 step "marconi-gpu allocator tests with its strict checks" \
   cargo test -p marconi-gpu --release --features strict-checks --lib --test allocator --test physical

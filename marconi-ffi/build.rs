@@ -2,7 +2,7 @@
 //! record `libmarconi.so.<abi>` and refuse an ABI-incompatible install.
 
 fn main() {
-    // Follows the ABI policy in the README: within 0.x a minor version keeps
+    // Follows the ABI policy in docs/c-abi.md: within 0.x a minor version keeps
     // the ABI, from 1.0 a major version does (cargo-c's convention too).
     let major = env("CARGO_PKG_VERSION_MAJOR");
     let abi = if major == "0" {

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The multi-engine routing smoke (issue 13 item 4): `marconi-sim route` on a
+# The multi-engine routing smoke: `marconi-sim route` on a
 # small built-in chat trace (4 engines, evictions), every routing at two
 # load weights; fails unless the router's index, fed by the engines'
 # events, agreed with every routed engine's own lookup (idx miss = 0) and
 # the figures were written. Budget: 2 minutes on 2 cores (the release build
-# of the test run is reused). The full experiment: README, "Routing across
-# engines". The index's own tests (loopback ZeroMQ included) run with the
+# of the test run is reused). The full experiment: docs/routing.md.
+# The index's own tests (loopback ZeroMQ included) run with the
 # workspace's `cargo test`.
 # Runs from the repository root.
 set -euo pipefail

@@ -10,7 +10,7 @@
 //! the run ends; `-- --gap-spin` spends the gap busy instead of asleep, and
 //! `-- --gap-touch-kib N` busy writing N KiB, so that what the gap costs the
 //! next request (cold caches) can be told from the cache's own work). Goal
-//! (issue 10):
+//! (the latency goals):
 //! p99 < 20 µs and max < 1 ms on one core: `taskset -c 0 cargo bench -p
 //! marconi-core --bench decision_latency -- --gap-us 200` runs the engine's
 //! thread and the search thread on one core. Ends with a table of every

@@ -96,7 +96,7 @@ pub enum AlphaAdoption {
 /// (relative to α = 0's score on the window), so tuning never picks an α that did worse than LRU. With
 /// `retune` (and without `tune_rules`), a round moves away from the α in
 /// force only if the move gains on both halves of its window (a sign test
-/// against one noisy burst of requests; see README, "Battery"), or if it
+/// against one noisy burst of requests; see docs/results.md, "Battery"), or if it
 /// returns to α = 0 with the better total (a large α adopted on a lucky
 /// window must be able to go back).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -155,7 +155,7 @@ pub struct TunerConfig {
     /// recent requests. A round that tunes the rules adopts its best
     /// candidate as it is (no sign test, see [`Self::retune`]). Default on
     /// (it was off before): judged per workload and capacity over many seeds
-    /// (`marconi-sim battery --seeds 0..40`, README "Per cell, over many
+    /// (`marconi-sim battery --seeds 0..40`, docs/results.md "Per cell, over many
     /// seeds"), it is the only setting measured that never loses on any
     /// cell of three sets of 40 seeds; without it marconi lost the
     /// longout 5 % cell on two of them (−0.30 and −0.42 points against
@@ -187,7 +187,7 @@ pub struct TunerConfig {
 ///
 /// The default (two window-tuned shadows, protection on and off, scores
 /// halved every 200 requests) is the best of the variants measured on the
-/// battery of `marconi-sim battery` (README, "Battery"): adding plain LRU
+/// battery of `marconi-sim battery` (docs/results.md, "Battery"): adding plain LRU
 /// or α = 0 shadows made the cache switch more and lose more rows.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ShadowConfig {
@@ -327,7 +327,7 @@ pub struct CacheConfig {
     /// supersedes it (logical time, measured on every such hit): with 1 it
     /// counts about as if the hit had not refreshed it. A later hit on it
     /// (a branch from that turn) refreshes it as any hit does. Measured on
-    /// `marconi-sim battery` over 120 seeds (README, "Superseded states"):
+    /// `marconi-sim battery` over 120 seeds (docs/results.md, "Superseded states"):
     /// 1 raises marconi's mean token hit rate by 0.7 to 0.8 points; 2 and
     /// 3 by 1.3 to 1.6, but lose the chat 5 % cell (tuning noise at that
     /// capacity, which they shift against marconi).
@@ -355,7 +355,7 @@ impl CacheConfig {
     /// metric); tuning for token hits instead gave the same token hit rate
     /// on every row of the default battery and of `--seeds 5,6
     /// --sharegpt-seeds 7,8`. Averaged over the seeds of each workload and
-    /// capacity (README, "Per cell, over many seeds") it is within 0.2
+    /// capacity (docs/results.md, "Per cell, over many seeds") it is within 0.2
     /// points of the better of sglang-plus and marconi-paper on every cell
     /// of three sets of 40 seeds; on single traces it still loses some
     /// rows, where LRU or the paper's rules keep a few more conversations.

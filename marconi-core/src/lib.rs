@@ -64,3 +64,10 @@ pub use log::{Decision, EvictKind, PlanReason};
 pub use lookup::Lookup;
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;
+
+/// The README's Rust snippet, compiled and run as a doctest so that it stays
+/// true (`cargo test -p marconi-core --doc`). Only under `cfg(doctest)`: the
+/// README lies outside the published crate.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

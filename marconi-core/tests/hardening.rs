@@ -1,4 +1,4 @@
-//! Shapes and sizes that adversarial testing found mishandled (issue 9):
+//! Shapes and sizes that adversarial testing found mishandled:
 //! pages larger than one token, byte products that overflow 64 bits,
 //! positions near 2^32, models without attention layers.
 

@@ -32,10 +32,16 @@ pub(crate) static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
 /// The next C lease id from `counter`, or None once the 2^64 − 1 ids are
 /// spent (the counter stays there: it never wraps). Never 0.
 pub(crate) fn next_lease_id(counter: &AtomicU64) -> Option<u64> {
-    let n = counter
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
-        .ok()?;
-    Some(scramble(n))
+    // A compare-exchange loop rather than `fetch_update`, which nightly
+    // deprecates (renamed `try_update`, not in the minimum Rust version).
+    let mut n = counter.load(Ordering::Relaxed);
+    loop {
+        let next = n.checked_add(1)?;
+        match counter.compare_exchange_weak(n, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(scramble(n)),
+            Err(now) => n = now,
+        }
+    }
 }
 
 /// A bijection of u64 (SplitMix64's finaliser: each xor-shift and each
@@ -1125,7 +1131,7 @@ mod tests {
         out.lease
     }
 
-    /// Regression (issue 9, item 6): lease ids were a 24-bit cache
+    /// Regression: lease ids were a 24-bit cache
     /// generation over a per-cache number, so the 2^24-th cache after A
     /// accepted A's leases. Ids now come once from a process-wide sequence
     /// that refuses to wrap: forced to its end, it stops instead of repeating.

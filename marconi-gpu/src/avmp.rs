@@ -1,4 +1,4 @@
-//! Replay harness reproducing Table 1 of the AVMP paper (seed 002) from the
+//! Replay harness reproducing Table 1 of the AVMP paper from the
 //! authors' 12 request traces, with the prototype's exact replay semantics
 //! (`marconi-gpu/data/avmp/README.md`, built into the crate: [`builtin_traces`],
 //! [`builtin_golden`]).

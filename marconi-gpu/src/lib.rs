@@ -14,7 +14,33 @@
 //! - [`pooled`]: the prefix cache over the pools ([`pooled::PooledCache`]):
 //!   admission allocates handles, eviction frees them, capacity is the pools'.
 //!
-//! See ARCHITECTURE.md at the repository root.
+//! Two pools over one budget, a KV page and a state block allocated, the
+//! block resolved to its bytes, freed, and a freed handle refused:
+//!
+//! ```
+//! use marconi_gpu::{AllocError, DualPool, DualPoolConfig, MigrationPolicy, PoolAllocator, PoolKind};
+//!
+//! let mut pools = DualPool::new(
+//!     "example",
+//!     DualPoolConfig {
+//!         total_bytes: 64 << 20,
+//!         ssm_ratio: 0.5,
+//!         kv_unit: 64 << 10,  // one KV page
+//!         ssm_unit: 2 << 20,  // one request's recurrent state
+//!         policy: MigrationPolicy::Static,
+//!     },
+//! )?;
+//! let mut handles = Vec::new();
+//! pools.allocate(PoolKind::Kv, 1, &mut handles)?;
+//! pools.allocate(PoolKind::Ssm, 1, &mut handles)?;
+//! let state = pools.resolve(handles[1])?;
+//! assert_eq!((state.table, state.unit_bytes), (PoolKind::Ssm, 2 << 20));
+//! pools.free(handles[1])?;
+//! assert_eq!(pools.free(handles[1]), Err(AllocError::DoubleFree(handles[1].raw())));
+//! # Ok::<(), AllocError>(())
+//! ```
+//!
+//! The libmarconi repository's ARCHITECTURE.md maps the code.
 
 pub mod alloc;
 pub mod avmp;

@@ -1,4 +1,4 @@
-//! The battery (issue 10 §3): every policy, the clairvoyant reference
+//! The battery: every policy, the clairvoyant reference
 //! included, over a battery of traces (the synthetic generators with
 //! several seeds, and real ShareGPT conversations with several samples) at
 //! several capacities; one table, one figure, and the two checks the
@@ -57,7 +57,7 @@ pub const POLICIES: [Policy; 8] = [
 ];
 
 /// Points of token hit rate marconi may trail the better of sglang-plus
-/// and marconi-paper by on a row and still "never lose" (issue 10 §3).
+/// and marconi-paper by on a row and still "never lose".
 pub const NEVER_LOSES_MARGIN: f64 = 0.2;
 
 /// How far the capacities of a jittered row spread around its own: ±2 %.

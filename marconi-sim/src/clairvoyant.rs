@@ -1,5 +1,5 @@
 //! The clairvoyant reference at equal capacity: a simulator-only policy
-//! that knows every future request (issue 10 §3), so the headroom of the
+//! that knows every future request, so the headroom of the
 //! deployable policies at a given byte budget shows. Not deployable, and
 //! not a proven optimum (see "What it assumes").
 //!

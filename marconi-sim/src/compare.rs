@@ -72,7 +72,7 @@ pub fn policy_jobs(base: &ReplayConfig, policies: &[Policy]) -> Vec<ReplayConfig
 }
 
 /// What each column of [`table`] means (`compare --help`, `replay --help`
-/// and the README print this).
+/// and docs/simulator.md print this).
 pub const COLUMNS: &str = "\
 Columns of the table:
   policy      the caching policy replayed
@@ -184,6 +184,9 @@ pub const LENGTH_BINS: [u32; 10] = [
     0, 1_000, 2_000, 4_000, 7_000, 10_000, 15_000, 20_000, 30_000, 45_000,
 ];
 
+/// Below this many requests, an input-length bin's label gives its count.
+const FEW_REQUESTS: u64 = 30;
+
 /// `1k`-style token counts for bin labels.
 fn kilo(v: u32) -> String {
     if v >= 1_000 && v % 1_000 == 0 {
@@ -264,12 +267,24 @@ pub fn figures(dir: &Path, context: &str, replays: &[Replay]) -> Result<Vec<Stri
         .collect();
     // Labelled by LENGTH_BINS, not by the used edges: when the longest
     // input is below the next edge, the last used bin still ends there.
-    let labels = bin_labels(&LENGTH_BINS);
+    // A bin with few requests says so: its mean is a handful of requests.
+    let bin_requests = |b: usize| per_bin.iter().map(|bins| bins[b].2).max().unwrap_or(0);
+    let labels: Vec<String> = bin_labels(&LENGTH_BINS)
+        .into_iter()
+        .enumerate()
+        .map(|(b, l)| {
+            if b < edges.len() && bin_requests(b) < FEW_REQUESTS {
+                format!("{l} (n={})", bin_requests(b))
+            } else {
+                l
+            }
+        })
+        .collect();
     let groups: Vec<String> = used.iter().map(|&b| labels[b].clone()).collect();
     let f = dir.join("hit_by_length.svg");
     plot::grouped_bars(
         &f,
-        "Mean token hit rate by input length",
+        "Mean token hit rate by input length (no-cache: 0, not drawn)",
         context,
         "input length (tokens)",
         "mean token hit rate (%)",
@@ -311,7 +326,7 @@ pub fn figures(dir: &Path, context: &str, replays: &[Replay]) -> Result<Vec<Stri
                     .map(|&b| Some(100.0 * (hm[b].1 - hg[b].1)))
                     .collect(),
             )],
-            Some(&|v| format!("{v:+.1}")),
+            Some(&plot::signed),
         )?;
         written.push(f.display().to_string());
     }

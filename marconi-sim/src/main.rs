@@ -45,7 +45,7 @@ enum Cmd {
     Avmp(AvmpArgs),
     /// The paper's end-to-end comparison over many traces per workload (Figs. 7–9 box plots).
     Paper(PaperArgs),
-    /// N engines behind a router: round robin vs KV overlap vs resumable overlap (issue 13).
+    /// N engines behind a router: round robin vs KV overlap vs resumable overlap.
     #[command(after_help = marconi_sim::route::COLUMNS)]
     Route(marconi_sim::route_cli::RouteArgs),
     /// Every policy and the clairvoyant reference × a battery of traces
@@ -53,6 +53,7 @@ enum Cmd {
     #[command(after_help = BATTERY_HELP)]
     Battery(BatteryArgs),
     /// The cache over real pools at one memory budget: static splits (swept), AVMP, unified, single budget.
+    #[command(after_help = marconi_sim::pools::COLUMNS)]
     Pools(pools_cmd::PoolsArgs),
     /// Start-up memory plan: KV tokens and state slots per split, largest batch × context, AVMP's split on a trace.
     Plan(pools_cmd::PlanArgs),
@@ -112,7 +113,7 @@ struct BatteryArgs {
     quick: bool,
     /// Fail when marconi loses on a row or the clairvoyant is below a policy.
     /// A bar for a fixed battery, not a guarantee: no deployable policy
-    /// can hold it on every trace (README, "Per cell, over many seeds").
+    /// can hold it on every trace (docs/results.md, "Per cell, over many seeds").
     #[arg(long)]
     check: bool,
     /// Fail when marconi loses on a cell: a workload at a capacity, its

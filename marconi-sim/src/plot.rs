@@ -219,31 +219,44 @@ fn frame<'a>(
     }
 }
 
-/// How a legend entry shows its series.
+/// How a legend entry shows its series: as the chart draws it.
 #[derive(Clone, Copy)]
 enum Mark {
-    /// A line with a marker (line charts).
-    Line,
-    /// A filled patch (bars, boxes).
-    Patch,
+    /// A line of this stroke width, with a marker when the chart draws
+    /// markers on the series.
+    Line { width: u32, marker: bool },
+    /// A patch filled at this opacity (bars 1.0, boxes less), outlined.
+    Patch { opacity: f64 },
+}
+
+/// Stroke width of line series `i` of `n`: the first drawn widest, so that a
+/// curve drawn later on top of an equal one leaves it visible.
+fn line_width(i: usize, n: usize) -> u32 {
+    if n <= 1 {
+        2
+    } else {
+        2 + (4 * (n - 1 - i) / (n - 1)) as u32
+    }
 }
 
 /// One entry per name, top-down in the legend column.
-fn legend<S: AsRef<str>>(area: &Area<'_>, names: &[S], mark: Mark) -> PlotResult {
+fn legend<S: AsRef<str>>(area: &Area<'_>, names: &[S], marks: &[Mark]) -> PlotResult {
     let style = TextStyle::from((FONT, 14).into_font()).pos(Pos::new(HPos::Left, VPos::Center));
-    for (i, name) in names.iter().enumerate() {
+    for (i, (name, mark)) in names.iter().zip(marks).enumerate() {
         let (c, y) = (color(name.as_ref(), i), 30 + 24 * i as i32);
-        match mark {
-            Mark::Line => {
-                area.draw(&PathElement::new([(4, y), (30, y)], c.stroke_width(2)))
+        match *mark {
+            Mark::Line { width, marker } => {
+                area.draw(&PathElement::new([(4, y), (30, y)], c.stroke_width(width)))
                     .map_err(err)?;
-                area.draw(&Circle::new((17, y), 3, c.filled()))
-                    .map_err(err)?;
+                if marker {
+                    area.draw(&Circle::new((17, y), 4, c.filled()))
+                        .map_err(err)?;
+                }
             }
-            Mark::Patch => {
+            Mark::Patch { opacity } => {
                 area.draw(&Rectangle::new(
                     [(6, y - 7), (28, y + 7)],
-                    c.mix(0.6).filled(),
+                    c.mix(opacity).filled(),
                 ))
                 .map_err(err)?;
                 area.draw(&Rectangle::new(
@@ -335,6 +348,38 @@ pub fn lines(
     y_label: &str,
     series: &[(String, Vec<(f64, f64)>)],
 ) -> PlotResult {
+    lines_with(
+        path,
+        title,
+        context,
+        x_axis,
+        y_label,
+        series,
+        &LineOpts::default(),
+    )
+}
+
+/// How [`lines_with`] draws its series.
+#[derive(Clone, Debug, Default)]
+pub struct LineOpts {
+    /// Earlier series wider (CDFs that may coincide), instead of all 2 px.
+    pub wide_first: bool,
+    /// Names of reference series (a value that does not depend on x): a
+    /// thin line without markers.
+    pub references: Vec<String>,
+}
+
+/// [`lines`] with drawing options.
+pub fn lines_with(
+    path: &Path,
+    title: &str,
+    context: &str,
+    x_axis: &XAxis<'_>,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    opts: &LineOpts,
+) -> PlotResult {
+    let is_reference = |name: &str| opts.references.iter().any(|r| r == name);
     // A log axis is drawn as a linear one over log10(x): one coordinate
     // type for both, ticks where they are asked for.
     let log = x_axis.log;
@@ -384,20 +429,29 @@ pub fn lines(
     let mut chart = chart(&area, xr, x_ticks, yr, y_ticks)?;
     let x_fmt = |v: &f64| number(if log { 10f64.powf(*v) } else { *v });
     mesh(&mut chart, x_axis.label, y_label, &x_fmt, true)?;
+    let mut marks = Vec::with_capacity(series.len());
     for (i, (name, p)) in series.iter().enumerate() {
         let c = color(name, i);
+        let reference = is_reference(name);
+        let width = match (reference, opts.wide_first) {
+            (true, _) => 1,
+            (false, true) => line_width(i, series.len()),
+            (false, false) => 2,
+        };
         chart
-            .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(2)))
+            .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(width)))
             .map_err(err)?;
-        if p.len() <= 40 {
+        let marker = !reference && p.len() <= 40;
+        if marker {
             chart
                 .draw_series(p.iter().map(|&q| Circle::new(q, 4, c.filled())))
                 .map_err(err)?;
         }
+        marks.push(Mark::Line { width, marker });
     }
     if let Some(l) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| *n).collect();
-        legend(&l, &names, Mark::Line)?;
+        legend(&l, &names, &marks)?;
     }
     root.present().map_err(err)
 }
@@ -433,7 +487,19 @@ pub fn cdf(
         log: true,
         ticks: Vec::new(),
     };
-    lines(path, title, context, &x, "fraction of requests", &curves)
+    let opts = LineOpts {
+        wide_first: true,
+        ..LineOpts::default()
+    };
+    lines_with(
+        path,
+        title,
+        context,
+        &x,
+        "fraction of requests",
+        &curves,
+        &opts,
+    )
 }
 
 /// Bars over categories: `values[series][group]`, `None` for no bar; one
@@ -502,7 +568,11 @@ fn bar_chart(
     }
     if let Some(la) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| n.as_str()).collect();
-        legend(&la, &names, Mark::Patch)?;
+        legend(
+            &la,
+            &names,
+            &vec![Mark::Patch { opacity: 1.0 }; names.len()],
+        )?;
     }
     root.present().map_err(err)
 }
@@ -610,7 +680,7 @@ pub fn boxes(
             let (l, r, mid) = (left + width * 0.1, left + width * 0.9, left + width * 0.5);
             chart
                 .draw_series([
-                    Rectangle::new([(l, q1), (r, q3)], c.mix(0.35).filled()),
+                    Rectangle::new([(l, q1), (r, q3)], c.mix(BOX_OPACITY).filled()),
                     Rectangle::new([(l, q1), (r, q3)], c.stroke_width(2)),
                 ])
                 .map_err(err)?;
@@ -627,14 +697,53 @@ pub fn boxes(
     }
     if let Some(la) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| n.as_str()).collect();
-        legend(&la, &names, Mark::Patch)?;
+        legend(
+            &la,
+            &names,
+            &vec![
+                Mark::Patch {
+                    opacity: BOX_OPACITY
+                };
+                names.len()
+            ],
+        )?;
     }
     root.present().map_err(err)
+}
+
+/// Opacity of a box's fill (its outline is opaque); its legend swatch too.
+const BOX_OPACITY: f64 = 0.35;
+
+/// A signed value with one decimal for bar labels: `+1.2`, `-0.4`, and `0.0`
+/// (not `+0.0` or `-0.0`) for what rounds to zero.
+pub fn signed(v: f64) -> String {
+    let r = (v * 10.0).round() / 10.0;
+    if r == 0.0 {
+        "0.0".to_owned()
+    } else {
+        format!("{r:+.1}")
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signed_labels_have_no_signed_zero() {
+        assert_eq!(signed(0.04), "0.0");
+        assert_eq!(signed(-0.04), "0.0");
+        assert_eq!(signed(-0.0), "0.0");
+        assert_eq!(signed(1.25), "+1.3");
+        assert_eq!(signed(-0.06), "-0.1");
+    }
+
+    #[test]
+    fn earlier_lines_are_wider() {
+        assert_eq!(line_width(0, 1), 2);
+        assert_eq!((line_width(0, 8), line_width(7, 8)), (6, 2));
+        assert!((0..7).all(|i| line_width(i, 8) >= line_width(i + 1, 8)));
+    }
 
     #[test]
     fn numbers_read_as_people_write_them() {

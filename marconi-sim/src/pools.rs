@@ -1,4 +1,4 @@
-//! The joined system in simulation (issue 11 item 4): one trace through the
+//! The joined system in simulation: one trace through the
 //! prefix cache over real pool layouts (`marconi_gpu::pooled`) at a fixed
 //! memory budget, beside today's single byte budget.
 //!
@@ -201,6 +201,26 @@ pub fn run_all(
         .map(|r| r.unwrap_or_else(|| Err("not run".into())))
         .collect()
 }
+
+/// What each column of [`table`] means (`pools --help` prints this).
+pub const COLUMNS: &str = "\
+Columns of the table:
+  layout      static:F (two pools, the state pool holding fraction F of the
+              budget, never moved), avmp (two pools starting at 0.5, free
+              capacity migrating to the pool that is short), unified (one
+              pool of units padded to the larger kind), single (one byte
+              budget, no pools: an upper reference)
+  tok hit     input tokens served from the cache / all input tokens
+  FLOP sav    prefill FLOPs saved / prefill FLOPs without a cache
+  refused     requests refused for lack of memory: their working pages and
+              state slots could not be reserved even after eviction
+  rejected    admissions that cached nothing
+  migrations  capacity migrations between the two pools (avmp)
+  moved       bytes the donor pools gave up over those migrations
+  evictions   cache entries evicted (for memory and at admission)
+  ssm frac    the state pool's share of the pools' bytes at the end
+              (- for single)
+";
 
 /// The table: every layout, then the best static split and how AVMP and
 /// unified compare with it (token hit rate, percentage points).

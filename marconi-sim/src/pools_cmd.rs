@@ -1,4 +1,4 @@
-//! The `pools` and `plan` subcommands (issue 11 items 2 and 4).
+//! The `pools` and `plan` subcommands.
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -64,6 +64,9 @@ pub struct RouteArgs {
     /// Print the reports as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// No progress display.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// Runs the experiment and prints its table.
@@ -118,25 +121,27 @@ pub fn run(a: RouteArgs) -> Result<(), String> {
     };
     let jobs = route::jobs(&base, &a.lambda);
     let t0 = Instant::now();
-    let reports = route::run_all(&trace, &jobs, a.threads).map_err(|e| e.to_string())?;
+    let sp = crate::progress::spinner(&format!("routing ({} runs)", jobs.len()), a.quiet);
+    let reports = route::run_all(&trace, &jobs, a.threads).map_err(|e| e.to_string());
+    sp.finish_and_clear();
+    let reports = reports?;
     let wall = t0.elapsed().as_secs_f64();
-    let context = format!(
-        "{} engines ({}, {} each, {}-token pages), {} on {}",
+    let setup = format!(
+        "{} engines ({}, {} each, {}-token pages), {}",
         a.engines,
         a.policy,
         format_bytes(capacity),
         a.page_size,
         base.model.name,
-        name
     );
-    let files = figures(&a.out_dir, &context, &reports)?;
+    let files = figures(&a.out_dir, &format!("{setup} on {name}"), &reports)?;
     if a.json {
         let out = serde_json::to_string_pretty(&reports).map_err(|e| e.to_string())?;
         println!("{out}");
         return Ok(());
     }
     println!(
-        "trace: {name}: {} requests, {} input tokens; {context}",
+        "trace: {name}: {} requests, {} input tokens; {setup}",
         number(trace.len() as f64),
         number(reports.first().map_or(0, |r| r.input_tokens) as f64),
     );
@@ -182,7 +187,13 @@ pub fn figures(dir: &Path, context: &str, reports: &[RouteReport]) -> Result<Vec
                         .map_or(f64::NAN, f);
                     lambdas.iter().map(|&l| (l, y)).collect()
                 };
-                (name.to_string(), pts)
+                // Round robin ignores λ: one value, drawn flat and named so.
+                let label = if r.uses_lambda() {
+                    name.to_string()
+                } else {
+                    format!("{name} (no λ)") // plotted as a reference line
+                };
+                (label, pts)
             })
             .collect()
     };
@@ -219,7 +230,15 @@ pub fn figures(dir: &Path, context: &str, reports: &[RouteReport]) -> Result<Vec
         ),
     ] {
         let path = dir.join(file);
-        plot::lines(&path, title, context, &x, y, &series(f))
+        let opts = plot::LineOpts {
+            references: Routing::ALL
+                .iter()
+                .filter(|r| !r.uses_lambda())
+                .map(|r| format!("{} (no λ)", r.name()))
+                .collect(),
+            ..plot::LineOpts::default()
+        };
+        plot::lines_with(&path, title, context, &x, y, &series(f), &opts)
             .map_err(|e| format!("{}: {e}", path.display()))?;
         files.push(path.display().to_string());
     }

@@ -475,7 +475,7 @@ impl LineParser {
         if self.last.is_none() && text.trim_start().starts_with('[') {
             return Err(err(
                 "a JSON array: a trace is JSON lines, one request object per line \
-                 (see the README's trace format); `marconi-sim trace sharegpt --path FILE` \
+                 (see docs/simulator.md, trace format); `marconi-sim trace sharegpt --path FILE` \
                  turns the ShareGPT data set into one"
                     .into(),
             ));
@@ -892,8 +892,9 @@ impl Trace {
 
     /// Reads a trace file.
     pub fn load(path: &Path) -> Result<Self, TraceError> {
-        let f = std::fs::File::open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        // The caller names the path (once) in its message: every error of
+        // the read, not only this one, needs it.
+        let f = std::fs::File::open(path)?;
         Self::read(io::BufReader::with_capacity(1 << 20, f))
     }
 

@@ -469,3 +469,47 @@ fn battery_seeds_take_ranges() {
     fails_with(&["battery", "--seeds", "4..4"], "4..4: an empty range");
     fails_with(&["battery", "--seeds", "1,x"], "\"x\" is not a seed");
 }
+
+#[test]
+fn a_missing_trace_is_named_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.jsonl");
+    let m = s(&missing);
+    for args in [
+        vec!["replay", "--trace", m, "--policy", "marconi"],
+        vec!["compare", "--trace", m],
+        vec!["route", "--trace", m],
+        vec!["pools", "--trace", m],
+    ] {
+        let o = sim(&args);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8(o.stderr).unwrap();
+        assert_eq!(err.matches("missing.jsonl").count(), 1, "{args:?}: {err}");
+        assert!(err.contains("No such file"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn route_takes_quiet() {
+    let o = sim(&["route", "--help"]);
+    let help = String::from_utf8(o.stdout).unwrap();
+    assert!(help.contains("-q, --quiet"), "{help}");
+}
+
+#[test]
+fn pools_help_explains_every_column() {
+    let help = String::from_utf8(sim(&["pools", "--help"]).stdout).unwrap();
+    for col in [
+        "refused",
+        "ssm frac",
+        "moved",
+        "migrations",
+        "rejected",
+        "tok hit",
+    ] {
+        assert!(
+            help.contains(&format!("  {col} ")),
+            "{col} not explained:\n{help}"
+        );
+    }
+}

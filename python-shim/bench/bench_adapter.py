@@ -186,7 +186,7 @@ def main() -> None:
         a = best(run_adapter, data, join_arrays, args.repeat)
         print(f"{'trace, array(I)':<22} {floor:>12.1f} {d:>9.1f} {a:>9.1f} {a / d:>14.2f}x")
         print(f"  (the trace: tests/data/{TRACE.name}, {len(data)} requests, {mean_in:,.0f} input tokens on average)")
-    print("goals (issue 14): adapter within 1.5x of direct; direct <= 20 µs on a 10k-token input")
+    print("goals: adapter within 1.5x of direct; direct <= 20 µs on a 10k-token input")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Misuse that must be refused cleanly (issue 9, item 7): copies of a cache,
+"""Misuse that must be refused cleanly: copies of a cache,
 close() racing other threads, integers that do not fit the C types, leases
 leaked or released twice on error paths, and error details that must name
 the failing call."""

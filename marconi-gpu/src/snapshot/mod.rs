@@ -4,7 +4,7 @@
 //! A recurrent (Mamba/SSM) layer overwrites its state in place, so a prefix cache
 //! keeps *snapshots*: the state at a checkpoint is copied into a cache slot, and
 //! on a hit the cached state is copied into the request's own slot before the
-//! request updates it (copy-on-write, as SGLang does, seed 004). Speculative
+//! request updates it (copy-on-write, as SGLang does). Speculative
 //! decoding gives each candidate token its own slot (a *fork* of the request's
 //! state into k slots) and, once the verifier accepts a candidate, *promotes* that
 //! slot to be the request's state: a handle swap where the engine allows it, a

@@ -362,8 +362,9 @@ impl Worker {
                     break; // peer gone or over its high-water mark
                 }
             }
+            // vLLM 0.33 sends the end marker with an empty topic frame.
             let _ = if self.cfg.replay_topic {
-                router.send_multipart([id, b"", topic, &END_SEQ, b""], zmq::DONTWAIT)
+                router.send_multipart([id, b"", b"", &END_SEQ, b""], zmq::DONTWAIT)
             } else {
                 router.send_multipart([id, b"", &END_SEQ, b""], zmq::DONTWAIT)
             };

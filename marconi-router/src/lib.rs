@@ -11,10 +11,13 @@
 //! - [`index`]: the index and its events;
 //! - [`hash`]: the chained block hashes, from token ids;
 //! - [`wire`]: the `KVEventBatch` payload decoder;
-//! - [`sub`]: the ZeroMQ subscriber with replay of gaps.
+//! - [`sub`]: the ZeroMQ subscriber with replay of gaps;
+//! - [`serve`]: NVIDIA Dynamo's standalone indexer HTTP API with
+//!   resumable scores (the `marconi-router serve` binary).
 
 pub mod hash;
 pub mod index;
+pub mod serve;
 pub mod sub;
 pub mod wire;
 

@@ -21,6 +21,9 @@ use crate::hash::{ChainHasher, RequestKeys, DEFAULT_SEED};
 use crate::index::{BlockHash, EngineId, Overlap};
 use crate::sub::{EngineEndpoint, SubError, Subscriber};
 
+/// Largest request body read (a query of 16 M tokens fits).
+const MAX_BODY: u64 = 64 << 20;
+
 /// How a [`Service`] hashes and repairs.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
@@ -468,7 +471,14 @@ impl Service {
             })) {
                 Ok(Some(mut req)) => {
                     let mut body = Vec::new();
-                    let reply = match std::io::Read::read_to_end(req.as_reader(), &mut body) {
+                    let read = std::io::Read::read_to_end(
+                        &mut std::io::Read::take(req.as_reader(), MAX_BODY + 1),
+                        &mut body,
+                    );
+                    let reply = match read {
+                        Ok(n) if n as u64 > MAX_BODY => {
+                            Reply::error(413, "request body over 64 MiB")
+                        }
                         Ok(_) => self.handle(req.method().as_str(), req.url(), &body),
                         Err(e) => Reply::error(400, e.to_string()),
                     };

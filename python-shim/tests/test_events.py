@@ -225,6 +225,8 @@ def test_warm_cache_and_misuse():
         ev.drain()
     with pytest.raises(marconi.MarconiError):
         marconi.CacheEvents(cache, endpoint="nonsense://x")
+    with pytest.raises(ValueError):
+        marconi.CacheEvents(cache, namespaces="tenant")
     cache.close()
     with pytest.raises(ValueError):
         marconi.CacheEvents(cache)

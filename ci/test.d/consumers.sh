@@ -70,7 +70,8 @@ echo "--- $venv: pip install pytest msgspec pyzmq cbor2 pydantic==2.13.5"
 "$venv/bin/python" -m pip install --quiet pytest msgspec pyzmq cbor2 "pydantic==2.13.5"
 
 echo "--- cargo build --release -p marconi-ffi -p marconi-router (default features: the publisher)"
-cargo build --release -p marconi-ffi -p marconi-router --bins
+cargo build --release -p marconi-ffi
+cargo build --release -p marconi-router --bin marconi-router
 lib="$(pwd)/$target/release/libmarconi.so"
 readelf -d "$lib" | grep -q 'NEEDED.*libstdc++' && { echo "libmarconi.so needs libstdc++" >&2; exit 1; }
 

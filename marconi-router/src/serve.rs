@@ -381,8 +381,8 @@ impl Service {
     pub fn workers(&self) -> Reply {
         let mut out = Vec::new();
         for ((model, group), g) in &self.groups {
-            let mut by_id: BTreeMap<u64, (Map<String, Value>, Map<String, Value>)> =
-                BTreeMap::new();
+            // instance -> (endpoints by rank, listeners by rank)
+            let mut by_id: BTreeMap<u64, (JsonMap, JsonMap)> = BTreeMap::new();
             for w in g.workers.iter().filter(|w| !w.gone) {
                 let e = by_id.entry(w.instance_id).or_default();
                 e.0.insert(w.dp_rank.to_string(), json!(w.endpoint));
@@ -499,6 +499,8 @@ impl Service {
         Ok(())
     }
 }
+
+type JsonMap = Map<String, Value>;
 
 fn entry<'a>(m: &'a mut Map<String, Value>, k: &str) -> &'a mut Map<String, Value> {
     m.entry(k.to_string())

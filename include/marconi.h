@@ -522,7 +522,8 @@ enum marconi_event_namespaces
    */
   MARCONI_EVENT_NAMESPACES_LORA = 1,
   /**
-   * The earlier form: extra keys [n] (an integer) on every block.
+   * The earlier form: every block has the extra keys (n), an array
+   * holding the integer n.
    */
   MARCONI_EVENT_NAMESPACES_EXTRA_KEYS = 2,
 };

@@ -50,7 +50,8 @@ pub enum marconi_event_namespaces {
     /// As vLLM's LoRA adapter named "n" (empty path): every block is
     /// hashed with (("lora", "n", ""),), lora_name "n".
     Lora = 1,
-    /// The earlier form: extra keys [n] (an integer) on every block.
+    /// The earlier form: every block has the extra keys (n), an array
+    /// holding the integer n.
     ExtraKeys = 2,
 }
 

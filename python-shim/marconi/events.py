@@ -6,8 +6,8 @@
     payload = ev.drain()                            # one msgpack KVEventBatch, b"" if nothing changed
     sock.send_multipart([topic, seq.to_bytes(8, "big"), payload])   # publish it yourself
 
-or let libmarconi publish with vLLM's framing (a library built with the
-`publisher` feature: has_publisher()):
+or let libmarconi publish with vLLM's framing (the default build has the
+publisher, pure Rust; has_publisher() says whether the loaded library does):
 
     ev = marconi.CacheEvents(cache, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
     seq = ev.publish()                              # None if nothing changed

@@ -544,6 +544,38 @@ typedef uint32_t marconi_event_layout;
 #endif // __cplusplus
 
 /**
+ * How a cache namespace n != 0 is published (docs/events.md §2).
+ */
+enum marconi_event_namespaces
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * As vLLM's cache_salt "n": the first block of a chain is hashed with
+   * (("cache_salt", "n"),) and published with extra_keys ["n"].
+   */
+  MARCONI_EVENT_NAMESPACES_CACHE_SALT = 0,
+  /**
+   * As vLLM's LoRA adapter named "n" (empty path): every block is
+   * hashed with (("lora", "n", ""),), lora_name "n".
+   */
+  MARCONI_EVENT_NAMESPACES_LORA = 1,
+  /**
+   * The earlier form: every block has the extra keys (n), an array
+   * holding the integer n.
+   */
+  MARCONI_EVENT_NAMESPACES_EXTRA_KEYS = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_event_namespaces marconi_event_namespaces;
+#else
+typedef uint32_t marconi_event_namespaces;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -1162,9 +1194,11 @@ typedef struct marconi_events_config {
    */
   uint32_t replay_topic;
   /**
-   * Reserved, must be 0.
+   * A marconi_event_namespaces value: how a cache namespace n != 0
+   * enters the hashes and extra_keys. Default (0)
+   * MARCONI_EVENT_NAMESPACES_CACHE_SALT, vLLM's cache_salt "n".
    */
-  uint32_t reserved;
+  uint32_t namespaces;
 } marconi_events_config;
 
 /**

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Cache events (docs/events.md) against real consumers: builds libmarconi
-# with the ZeroMQ publisher (cargo feature `publisher`: a vendored libzmq,
-# whose build ci/test.sh's workspace tests have already done), runs the C
-# test of the events ABI under ASan/UBSan, then the Python tests in their own
-# venv (pytest, msgspec, pyzmq, cbor2 from PyPI): a subscriber written from
-# vLLM's schema decodes the stream, recomputes every block hash with vLLM's
-# sha256_cbor and rebuilds the cached set, over loopback ZeroMQ with gaps
-# repaired by replay. MARCONI_EVENTS_STRICT=1 turns any skip into a failure.
-# Restores the default (publisher-less) libmarconi afterwards. Runs from the
-# repository root.
+# Cache events (docs/events.md): builds libmarconi (its default build has
+# the ZeroMQ publisher, pure Rust), runs the C test of the events ABI under
+# ASan/UBSan, then the Python tests in their own venv (pytest, msgspec,
+# pyzmq, cbor2 from PyPI): a subscriber written from vLLM's schema decodes
+# the stream, recomputes every block hash with vLLM's sha256_cbor and
+# rebuilds the cached set, over loopback ZeroMQ with gaps repaired by
+# replay. MARCONI_EVENTS_STRICT=1 turns any skip into a failure. The real
+# consumers (vLLM's own classes, Dynamo's indexer): ci/test.d/consumers.sh.
+# Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -18,14 +17,12 @@ command -v "$python" >/dev/null || python=python3
 work="$(mktemp -d "${TMPDIR:-/tmp}/marconi-events.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
-echo "--- cargo build --release -p marconi-ffi --features publisher"
-cargo build --release -p marconi-ffi --features publisher
+echo "--- cargo build --release -p marconi-ffi"
+cargo build --release -p marconi-ffi
 cp "$target/release/libmarconi.so" "$work/libmarconi.so"
 # Programs linked against it record its SONAME: give it that name too.
 soname="$(readelf -d "$work/libmarconi.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]$/\1/p')"
 [ -z "$soname" ] || ln -sfn libmarconi.so "$work/$soname"
-# The default artifacts (no libzmq) back for the other steps.
-cargo build --release -p marconi-ffi
 
 echo "--- C test of the events ABI (ASan + UBSan)"
 gcc -std=c11 -Wall -Wextra -Wpedantic -Werror -g -O1 -Iinclude \

@@ -132,7 +132,7 @@ impl Encoder {
             return Err(ConfigError::ZeroBlockSize);
         }
         Ok(Encoder {
-            hasher: BlockHasher::new(&cfg.seed),
+            hasher: BlockHasher::new(&cfg.seed).with_namespaces(cfg.wire.namespaces),
             cfg,
             secret: random_secret(),
             memo: HashMap::default(),

@@ -11,10 +11,30 @@ pub type Digest32 = [u8; 32];
 /// `PYTHONHASHSEED` is not set).
 pub const DEFAULT_SEED: &str = "vllm-none-hash";
 
+/// How a cache namespace `n != 0` enters the block hashes and the events'
+/// extra keys (docs/events.md §2). Namespace 0 has no extra keys in every
+/// mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Namespaces {
+    /// As vLLM hashes a request with `cache_salt = str(n)`: the first block
+    /// of a chain has the extra keys `(("cache_salt", "n"),)`, the others
+    /// none; events publish `["n"]` for that block (vLLM's untagged form).
+    #[default]
+    CacheSalt,
+    /// As vLLM hashes a request with the LoRA adapter named `str(n)` and an
+    /// empty path: every block has `(("lora", "n", ""),)`; events publish
+    /// `["n"]` per block and `lora_name` `"n"`.
+    Lora,
+    /// libmarconi's earlier form: every block has the extra keys `[n]` (an
+    /// integer), published as is. No vLLM emits it, so no router maps it.
+    ExtraKeys,
+}
+
 /// Computes block digests for one seed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockHasher {
     none_hash: Digest32,
+    namespaces: Namespaces,
 }
 
 impl Default for BlockHasher {
@@ -31,7 +51,19 @@ impl BlockHasher {
         buf.extend_from_slice(seed.as_bytes());
         BlockHasher {
             none_hash: Sha256::digest(&buf).into(),
+            namespaces: Namespaces::default(),
         }
+    }
+
+    /// This hasher with namespaces hashed as `namespaces` says.
+    pub fn with_namespaces(mut self, namespaces: Namespaces) -> Self {
+        self.namespaces = namespaces;
+        self
+    }
+
+    /// How namespaces are hashed.
+    pub fn namespaces(&self) -> Namespaces {
+        self.namespaces
     }
 
     /// The parent of block 0.
@@ -40,16 +72,18 @@ impl BlockHasher {
     }
 
     /// The digest of a block of `tokens` after `parent` (`None`: the first
-    /// block of a chain), with the extra keys `[ns]` when `ns != 0`
-    /// (`null` otherwise).
+    /// block of a chain), with the extra keys of namespace `ns` (none when
+    /// `ns` is 0; see [`Namespaces`]).
     pub fn hash_block(&self, parent: Option<&Digest32>, tokens: &[u32], ns: u64) -> Digest32 {
         let mut buf = Vec::with_capacity(40 + tokens.len() * 5);
-        cbor_block(
-            &mut buf,
-            parent.unwrap_or(&self.none_hash),
-            tokens,
-            (ns != 0).then_some(ns),
-        );
+        let extra = match (ns, self.namespaces) {
+            (0, _) => Extra::None,
+            (_, Namespaces::CacheSalt) if parent.is_some() => Extra::None,
+            (n, Namespaces::CacheSalt) => Extra::Salt(n),
+            (n, Namespaces::Lora) => Extra::Lora(n),
+            (n, Namespaces::ExtraKeys) => Extra::Int(n),
+        };
+        cbor_block(&mut buf, parent.unwrap_or(&self.none_hash), tokens, extra);
         Sha256::digest(&buf).into()
     }
 
@@ -94,8 +128,26 @@ fn cbor_head(buf: &mut Vec<u8>, major: u8, arg: u64) {
     }
 }
 
+/// A block's extra keys.
+#[derive(Clone, Copy, Debug)]
+enum Extra {
+    /// `None`.
+    None,
+    /// `(("cache_salt", str(n)),)`.
+    Salt(u64),
+    /// `(("lora", str(n), ""),)`.
+    Lora(u64),
+    /// `[n]`.
+    Int(u64),
+}
+
+fn cbor_text(buf: &mut Vec<u8>, s: &str) {
+    cbor_head(buf, 3, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
+}
+
 /// `CBOR((parent, tuple(tokens), extra))` as cbor2 writes it.
-pub(crate) fn cbor_block(buf: &mut Vec<u8>, parent: &Digest32, tokens: &[u32], ns: Option<u64>) {
+fn cbor_block(buf: &mut Vec<u8>, parent: &Digest32, tokens: &[u32], extra: Extra) {
     cbor_head(buf, 4, 3);
     cbor_head(buf, 2, 32);
     buf.extend_from_slice(parent);
@@ -103,9 +155,22 @@ pub(crate) fn cbor_block(buf: &mut Vec<u8>, parent: &Digest32, tokens: &[u32], n
     for &t in tokens {
         cbor_head(buf, 0, u64::from(t));
     }
-    match ns {
-        None => buf.push(0xf6),
-        Some(n) => {
+    match extra {
+        Extra::None => buf.push(0xf6),
+        Extra::Salt(n) => {
+            cbor_head(buf, 4, 1);
+            cbor_head(buf, 4, 2);
+            cbor_text(buf, "cache_salt");
+            cbor_text(buf, &n.to_string());
+        }
+        Extra::Lora(n) => {
+            cbor_head(buf, 4, 1);
+            cbor_head(buf, 4, 3);
+            cbor_text(buf, "lora");
+            cbor_text(buf, &n.to_string());
+            cbor_text(buf, "");
+        }
+        Extra::Int(n) => {
             cbor_head(buf, 4, 1);
             cbor_head(buf, 0, n);
         }

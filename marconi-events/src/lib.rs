@@ -41,7 +41,7 @@ mod publisher;
 pub mod wire;
 
 pub use encoder::{to_decoded, ConfigError, Encoder, EncoderConfig, Mirror};
-pub use hash::{external, BlockHasher, Digest32, DEFAULT_SEED};
+pub use hash::{external, BlockHasher, Digest32, Namespaces, DEFAULT_SEED};
 #[cfg(feature = "publisher")]
 pub use publisher::{PublishError, Publisher, PublisherConfig, PublisherStats, END_SEQ};
 pub use wire::{

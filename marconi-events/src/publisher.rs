@@ -2,25 +2,35 @@
 //! PUB `[topic, seq, payload]`, a ROUTER that replays buffered batches from
 //! a sequence number, then an end marker.
 //!
-//! The sockets live on one background thread (ZeroMQ sockets are not
-//! thread-safe); [`Publisher::publish`] hands a payload to it through an
-//! inproc PUSH/PULL pair with a bounded queue and never blocks: on a full
-//! queue the batch is dropped and its sequence number skipped, so
-//! subscribers see the loss as a gap.
+//! ZeroMQ is spoken by the pure-Rust [`zeromq`] crate (ZMTP 3, interoperable
+//! with libzmq, pyzmq and the ZeroMQ stacks routers use), so the library
+//! links no C++ runtime. The sockets live on one background thread running
+//! a single-threaded tokio runtime; [`Publisher::publish`] hands a payload
+//! to it through a bounded queue and never blocks: on a full queue the
+//! batch is dropped and its sequence number skipped, so subscribers see the
+//! loss as a gap. PUB itself drops for a subscriber that does not keep up
+//! (the gap is repaired by replay).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// vLLM's end-of-replay sequence: `(-1).to_bytes(8, "big", signed=True)`.
 pub const END_SEQ: [u8; 8] = [0xff; 8];
 
+/// How long one replay reply may wait for a peer that does not read.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// What a [`Publisher`] is built from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PublisherConfig {
-    /// PUB endpoint: bound when it contains `*` or `::` or is `ipc://` /
-    /// `inproc://` (vLLM's rule), connected otherwise.
+    /// PUB endpoint: bound when it contains `*` or `::` or is `ipc://`
+    /// (vLLM's rule), connected otherwise. A `*` port binds a free port.
     pub endpoint: String,
     /// ROUTER endpoint for replay (bound); `None` for no replay.
     pub replay_endpoint: Option<String>,
@@ -28,7 +38,9 @@ pub struct PublisherConfig {
     pub topic: Vec<u8>,
     /// Batches kept for replay (vLLM's `buffer_steps`).
     pub buffer_steps: usize,
-    /// PUB high-water mark (vLLM's `hwm`).
+    /// vLLM's `hwm`: checked (>= 0) and kept for configuration
+    /// compatibility; the pure-Rust PUB bounds each subscriber's queue
+    /// itself and drops past it.
     pub hwm: i32,
     /// Batches waiting for the publisher thread before `publish` drops
     /// (vLLM's `max_queue_size`).
@@ -58,13 +70,13 @@ pub enum PublishError {
     /// A bad configuration value.
     #[error("invalid publisher configuration: {0}")]
     Config(String),
-    /// A ZeroMQ call failed (bind, connect, ...).
+    /// A ZeroMQ operation failed (bind, connect, ...).
     #[error("zeromq: {what}: {err}")]
     Zmq {
         /// What was being done.
         what: String,
-        /// The ZeroMQ error.
-        err: zmq::Error,
+        /// The error.
+        err: String,
     },
     /// The queue to the publisher thread is full; the batch was dropped
     /// (its sequence number is skipped).
@@ -75,9 +87,12 @@ pub enum PublishError {
     Stopped,
 }
 
-fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> PublishError {
+fn zerr<E: std::fmt::Display>(what: impl Into<String>) -> impl FnOnce(E) -> PublishError {
     let what = what.into();
-    move |err| PublishError::Zmq { what, err }
+    move |err| PublishError::Zmq {
+        what,
+        err: err.to_string(),
+    }
 }
 
 /// Counters of a publisher.
@@ -91,35 +106,85 @@ pub struct PublisherStats {
     pub replays: u64,
 }
 
-#[derive(Default)]
-struct Shared {
-    replays: AtomicU64,
-}
+type Batch = (u64, Vec<u8>);
 
 /// The publisher: see the module documentation.
 pub struct Publisher {
-    push: Mutex<zmq::Socket>,
+    /// `None` once dropping (the thread then drains the queue and stops).
+    tx: Mutex<Option<mpsc::Sender<Batch>>>,
     next_seq: AtomicU64,
     dropped: AtomicU64,
-    stop: Arc<AtomicBool>,
-    shared: Arc<Shared>,
+    replays: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
-    inproc: String,
     endpoint: String,
     replay_endpoint: Option<String>,
 }
 
-fn last_endpoint(s: &zmq::Socket) -> Option<String> {
-    s.get_last_endpoint().ok().and_then(Result::ok)
-}
-
-static INSTANCE: AtomicU64 = AtomicU64::new(0);
-
+/// vLLM's rule: bind, or connect.
 fn binds(endpoint: &str) -> bool {
     endpoint.contains('*')
         || endpoint.contains("::")
         || endpoint.starts_with("ipc://")
         || endpoint.starts_with("inproc://")
+}
+
+/// libzmq's wildcards in the form the `zeromq` crate binds: `tcp://*:p`
+/// (every interface) and `tcp://host:*` (a free port).
+fn bind_form(endpoint: &str) -> String {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return endpoint.to_string();
+    };
+    let (host, port) = rest.rsplit_once(':').unwrap_or((rest, "*"));
+    let host = if host == "*" { "0.0.0.0" } else { host };
+    let port = if port == "*" { "0" } else { port };
+    format!("tcp://{host}:{port}")
+}
+
+struct Sockets {
+    pub_sock: PubSocket,
+    router: Option<RouterSocket>,
+    endpoint: String,
+    replay_endpoint: Option<String>,
+}
+
+async fn open(cfg: &PublisherConfig) -> Result<Sockets, PublishError> {
+    if cfg.endpoint.starts_with("inproc://") {
+        return Err(PublishError::Config(
+            "inproc:// endpoints are not supported (tcp:// or ipc://)".into(),
+        ));
+    }
+    let mut pub_sock = PubSocket::new();
+    let endpoint = if binds(&cfg.endpoint) {
+        let ep = bind_form(&cfg.endpoint);
+        pub_sock
+            .bind(&ep)
+            .await
+            .map_err(zerr(format!("bind {}", cfg.endpoint)))?
+            .to_string()
+    } else {
+        pub_sock
+            .connect(&cfg.endpoint)
+            .await
+            .map_err(zerr(format!("connect {}", cfg.endpoint)))?;
+        cfg.endpoint.clone()
+    };
+    let (router, replay_endpoint) = match &cfg.replay_endpoint {
+        Some(ep) => {
+            let mut r = RouterSocket::new();
+            let bound = r
+                .bind(&bind_form(ep))
+                .await
+                .map_err(zerr(format!("bind {ep}")))?;
+            (Some(r), Some(bound.to_string()))
+        }
+        None => (None, None),
+    };
+    Ok(Sockets {
+        pub_sock,
+        router,
+        endpoint,
+        replay_endpoint,
+    })
 }
 
 impl Publisher {
@@ -134,69 +199,61 @@ impl Publisher {
                 cfg.hwm, cfg.max_queue
             )));
         }
-        let ctx = zmq::Context::new();
-        let pub_sock = ctx.socket(zmq::PUB).map_err(zerr("PUB socket"))?;
-        pub_sock.set_sndhwm(cfg.hwm).map_err(zerr("PUB hwm"))?;
-        pub_sock.set_linger(0).map_err(zerr("PUB linger"))?;
-        if binds(&cfg.endpoint) {
-            pub_sock
-                .bind(&cfg.endpoint)
-                .map_err(zerr(format!("bind {}", cfg.endpoint)))?;
-        } else {
-            pub_sock
-                .connect(&cfg.endpoint)
-                .map_err(zerr(format!("connect {}", cfg.endpoint)))?;
-        }
-        let endpoint = last_endpoint(&pub_sock).unwrap_or_else(|| cfg.endpoint.clone());
-        let router = match &cfg.replay_endpoint {
-            Some(ep) => {
-                let r = ctx.socket(zmq::ROUTER).map_err(zerr("ROUTER socket"))?;
-                r.set_linger(0).map_err(zerr("ROUTER linger"))?;
-                r.bind(ep).map_err(zerr(format!("bind {ep}")))?;
-                Some(r)
-            }
-            None => None,
-        };
-        let replay_endpoint = router.as_ref().map(|r| {
-            last_endpoint(r).unwrap_or_else(|| cfg.replay_endpoint.clone().unwrap_or_default())
-        });
-        let inproc = format!(
-            "inproc://marconi-events-{}-{}",
-            std::process::id(),
-            INSTANCE.fetch_add(1, Ordering::Relaxed)
-        );
-        let pull = ctx.socket(zmq::PULL).map_err(zerr("PULL socket"))?;
-        pull.set_rcvhwm(cfg.max_queue).map_err(zerr("PULL hwm"))?;
-        pull.bind(&inproc).map_err(zerr("bind inproc"))?;
-        let push = ctx.socket(zmq::PUSH).map_err(zerr("PUSH socket"))?;
-        push.set_sndhwm(cfg.max_queue).map_err(zerr("PUSH hwm"))?;
-        push.set_linger(0).map_err(zerr("PUSH linger"))?;
-        push.connect(&inproc).map_err(zerr("connect inproc"))?;
-
-        let stop = Arc::new(AtomicBool::new(false));
-        let shared = Arc::new(Shared::default());
-        let worker = Worker {
-            pub_sock,
-            router,
-            pull,
-            buffer: VecDeque::with_capacity(cfg.buffer_steps.min(4096)),
-            cfg,
-            stop: Arc::clone(&stop),
-            shared: Arc::clone(&shared),
-            _ctx: ctx,
-        };
+        let (tx, rx) = mpsc::channel::<Batch>(cfg.max_queue as usize);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let replays = Arc::new(AtomicU64::new(0));
+        let worker_replays = Arc::clone(&replays);
         let thread = std::thread::Builder::new()
             .name("marconi-events".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(zerr("tokio runtime")(e)));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let s = match open(&cfg).await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok((s.endpoint.clone(), s.replay_endpoint.clone())));
+                    Worker {
+                        pub_sock: s.pub_sock,
+                        router: s.router,
+                        buffer: VecDeque::with_capacity(cfg.buffer_steps.min(4096)),
+                        cfg,
+                        replays: worker_replays,
+                    }
+                    .run(rx)
+                    .await;
+                });
+            })
             .map_err(|e| PublishError::Config(format!("cannot spawn the publisher thread: {e}")))?;
+        let (endpoint, replay_endpoint) = match ready_rx.recv() {
+            Ok(Ok(eps)) => eps,
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(PublishError::Stopped);
+            }
+        };
         Ok(Publisher {
-            push: Mutex::new(push),
+            tx: Mutex::new(Some(tx)),
             next_seq: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
-            stop,
-            shared,
+            replays,
             thread: Some(thread),
-            inproc,
             endpoint,
             replay_endpoint,
         })
@@ -206,24 +263,22 @@ impl Publisher {
     /// on a full queue the batch is dropped, its number skipped, and
     /// [`PublishError::QueueFull`] returned.
     pub fn publish(&self, payload: Vec<u8>) -> Result<u64, PublishError> {
-        let push = match self.push.lock() {
+        let tx = match self.tx.lock() {
             Ok(g) => g,
             Err(p) => p.into_inner(),
         };
+        let Some(tx) = tx.as_ref() else {
+            return Err(PublishError::Stopped);
+        };
         // The number is taken under the lock so queue order is seq order.
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let res = push.send_multipart([seq.to_be_bytes().to_vec(), payload], zmq::DONTWAIT);
-        match res {
+        match tx.try_send((seq, payload)) {
             Ok(()) => Ok(seq),
-            Err(zmq::Error::EAGAIN) => {
+            Err(mpsc::error::TrySendError::Full(_)) => {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
                 Err(PublishError::QueueFull(seq))
             }
-            Err(zmq::Error::ETERM) => Err(PublishError::Stopped),
-            Err(err) => Err(PublishError::Zmq {
-                what: "queue a batch".into(),
-                err,
-            }),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(PublishError::Stopped),
         }
     }
 
@@ -234,7 +289,7 @@ impl Publisher {
         PublisherStats {
             queued: next - dropped,
             dropped,
-            replays: self.shared.replays.load(Ordering::Relaxed),
+            replays: self.replays.load(Ordering::Relaxed),
         }
     }
 
@@ -252,18 +307,15 @@ impl Publisher {
     pub fn replay_endpoint(&self) -> Option<&str> {
         self.replay_endpoint.as_deref()
     }
-
-    /// The inproc endpoint of the queue (diagnostics).
-    pub fn queue_endpoint(&self) -> &str {
-        &self.inproc
-    }
 }
 
 impl Drop for Publisher {
-    /// Sends what is queued, then stops the thread (within about 50 ms of
-    /// the queue running empty) and closes the sockets without lingering.
+    /// Sends what is queued, then stops the thread and closes the sockets.
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
+        match self.tx.lock() {
+            Ok(mut g) => drop(g.take()),
+            Err(p) => drop(p.into_inner().take()),
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -271,103 +323,107 @@ impl Drop for Publisher {
 }
 
 struct Worker {
-    pub_sock: zmq::Socket,
-    router: Option<zmq::Socket>,
-    pull: zmq::Socket,
-    buffer: VecDeque<(u64, Vec<u8>)>,
+    pub_sock: PubSocket,
+    router: Option<RouterSocket>,
+    buffer: VecDeque<Batch>,
     cfg: PublisherConfig,
-    stop: Arc<AtomicBool>,
-    shared: Arc<Shared>,
-    // Dropped last: the sockets above close first.
-    _ctx: zmq::Context,
+    replays: Arc<AtomicU64>,
+}
+
+/// The next replay request, or never without a ROUTER.
+async fn next_request(router: &mut Option<RouterSocket>) -> Option<ZmqMessage> {
+    match router {
+        Some(r) => r.recv().await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+fn message(frames: Vec<Vec<u8>>) -> Option<ZmqMessage> {
+    ZmqMessage::try_from(
+        frames
+            .into_iter()
+            .map(Into::into)
+            .collect::<Vec<bytes::Bytes>>(),
+    )
+    .ok()
 }
 
 impl Worker {
-    fn run(mut self) {
+    /// Until the queue closes and runs empty: publishes queued batches,
+    /// keeping them for replay, and answers replay requests.
+    async fn run(mut self, mut rx: mpsc::Receiver<Batch>) {
         loop {
-            let stopping = self.stop.load(Ordering::Acquire);
-            let (pull_ready, router_ready) = {
-                let mut items = vec![self.pull.as_poll_item(zmq::POLLIN)];
-                if let Some(r) = &self.router {
-                    items.push(r.as_poll_item(zmq::POLLIN));
-                }
-                let timeout = if stopping { 0 } else { 50 };
-                match zmq::poll(&mut items, timeout) {
-                    Ok(_) => (
-                        items[0].is_readable(),
-                        items.get(1).is_some_and(|i| i.is_readable()),
-                    ),
-                    Err(zmq::Error::EINTR) => continue,
-                    Err(_) => return,
-                }
-            };
-            if router_ready {
-                self.serve_replays();
+            tokio::select! {
+                batch = rx.recv() => match batch {
+                    Some((seq, payload)) => self.forward(seq, payload).await,
+                    None => break,
+                },
+                Some(req) = next_request(&mut self.router) => self.serve_replay(req).await,
             }
-            if pull_ready {
-                self.forward_queued();
-            }
-            if stopping && !pull_ready {
-                return;
-            }
+        }
+        let _ = self.pub_sock.close().await;
+        if let Some(r) = self.router.take() {
+            let _ = r.close().await;
         }
     }
 
-    /// Publishes every queued batch and keeps it for replay.
-    fn forward_queued(&mut self) {
-        while let Ok(frames) = self.pull.recv_multipart(zmq::DONTWAIT) {
-            let [seq, payload]: [Vec<u8>; 2] = match frames.try_into() {
-                Ok(f) => f,
-                Err(_) => continue,
-            };
-            let Ok(seq_bytes) = <[u8; 8]>::try_from(seq.as_slice()) else {
-                continue;
-            };
-            // PUB never blocks: past the high-water mark it drops, and the
-            // subscriber sees a gap it repairs by replay.
-            let _ = self.pub_sock.send_multipart(
-                [self.cfg.topic.as_slice(), &seq_bytes, payload.as_slice()],
-                zmq::DONTWAIT,
-            );
-            if self.buffer.len() == self.cfg.buffer_steps {
-                self.buffer.pop_front();
-            }
-            self.buffer
-                .push_back((u64::from_be_bytes(seq_bytes), payload));
+    /// Publishes one batch and keeps it for replay.
+    async fn forward(&mut self, seq: u64, payload: Vec<u8>) {
+        let frames = vec![
+            self.cfg.topic.clone(),
+            seq.to_be_bytes().to_vec(),
+            payload.clone(),
+        ];
+        if let Some(m) = message(frames) {
+            // PUB never waits on a subscriber: past its queue it drops,
+            // and the subscriber sees a gap it repairs by replay.
+            let _ = self.pub_sock.send(m).await;
         }
+        if self.buffer.len() == self.cfg.buffer_steps {
+            self.buffer.pop_front();
+        }
+        self.buffer.push_back((seq, payload));
     }
 
-    /// Answers every waiting replay request.
-    fn serve_replays(&mut self) {
-        let Some(router) = &self.router else { return };
-        while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
-            // [identity, "", start seq]; anything else is ignored (vLLM too).
-            if frames.len() != 3 || !frames[1].is_empty() {
-                continue;
-            }
-            let Ok(start) = <[u8; 8]>::try_from(frames[2].as_slice()) else {
-                continue;
-            };
-            let start = u64::from_be_bytes(start);
-            let id = frames[0].as_slice();
-            let topic = self.cfg.topic.as_slice();
-            for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
-                let seq = seq.to_be_bytes();
-                let r = if self.cfg.replay_topic {
-                    router.send_multipart([id, b"", topic, &seq, payload], zmq::DONTWAIT)
-                } else {
-                    router.send_multipart([id, b"", &seq, payload], zmq::DONTWAIT)
-                };
-                if r.is_err() {
-                    break; // peer gone or over its high-water mark
-                }
-            }
-            let _ = if self.cfg.replay_topic {
-                router.send_multipart([id, b"", topic, &END_SEQ, b""], zmq::DONTWAIT)
-            } else {
-                router.send_multipart([id, b"", &END_SEQ, b""], zmq::DONTWAIT)
-            };
-            self.shared.replays.fetch_add(1, Ordering::Relaxed);
+    /// Answers one replay request `[identity, "", start seq]` (anything
+    /// else is ignored, as vLLM does): the buffered batches from `start`,
+    /// then vLLM 0.33's end marker with an empty topic frame.
+    async fn serve_replay(&mut self, req: ZmqMessage) {
+        let frames = req.into_vec();
+        if frames.len() != 3 || !frames[1].is_empty() {
+            return;
         }
+        let Ok(start) = <[u8; 8]>::try_from(&frames[2][..]) else {
+            return;
+        };
+        let start = u64::from_be_bytes(start);
+        let id = frames[0].to_vec();
+        let Some(router) = self.router.as_mut() else {
+            return;
+        };
+        let topic = self.cfg.topic.clone();
+        for (seq, payload) in self.buffer.iter().filter(|(s, _)| *s >= start) {
+            let mut f = vec![id.clone(), Vec::new()];
+            if self.cfg.replay_topic {
+                f.push(topic.clone());
+            }
+            f.push(seq.to_be_bytes().to_vec());
+            f.push(payload.clone());
+            let Some(m) = message(f) else { return };
+            match tokio::time::timeout(REPLY_TIMEOUT, router.send(m)).await {
+                Ok(Ok(())) => {}
+                _ => return, // peer gone or not reading
+            }
+        }
+        let mut f = vec![id, Vec::new()];
+        if self.cfg.replay_topic {
+            f.push(Vec::new());
+        }
+        f.push(END_SEQ.to_vec());
+        f.push(Vec::new());
+        if let Some(m) = message(f) {
+            let _ = tokio::time::timeout(REPLY_TIMEOUT, router.send(m)).await;
+        }
+        self.replays.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -7,7 +7,7 @@ use std::io::Cursor;
 
 use rmp::encode as enc;
 
-use crate::hash::Digest32;
+use crate::hash::{Digest32, Namespaces};
 
 /// Group of the attention KV blocks.
 pub const GROUP_KV: u32 = 0;
@@ -52,7 +52,7 @@ pub enum WireEvent {
         token_ids: Vec<u32>,
         /// Tokens per block.
         block_size: u32,
-        /// The namespace, published as extra keys `[ns]` per block when not 0.
+        /// The namespace (0: none), published as [`WireOptions::namespaces`] says.
         ns: u64,
         /// [`GROUP_KV`] or [`GROUP_STATE`].
         group_idx: u32,
@@ -81,6 +81,9 @@ pub struct WireOptions {
     pub medium: String,
     /// The batch's `data_parallel_rank`.
     pub data_parallel_rank: i64,
+    /// How namespaces are published (and hashed: the encoder's hasher
+    /// follows this).
+    pub namespaces: Namespaces,
 }
 
 impl Default for WireOptions {
@@ -90,6 +93,7 @@ impl Default for WireOptions {
             layout: Layout::Map,
             medium: "GPU".into(),
             data_parallel_rank: 0,
+            namespaces: Namespaces::default(),
         }
     }
 }
@@ -135,10 +139,34 @@ fn write_tokens(buf: &mut Vec<u8>, ts: &[u32]) {
     }
 }
 
-fn write_extra(buf: &mut Vec<u8>, blocks: usize, ns: u64) {
+/// `extra_keys`, one entry per block (vLLM's untagged form): the first
+/// block of a chain is the one whose parent is `None`.
+fn write_extra(buf: &mut Vec<u8>, blocks: usize, ns: u64, first_is_root: bool, m: Namespaces) {
+    let name = ns.to_string();
     ok(enc::write_array_len(buf, blocks as u32));
-    for _ in 0..blocks {
-        ok(enc::write_array_len(buf, 1));
+    for i in 0..blocks {
+        match m {
+            Namespaces::CacheSalt if i > 0 || !first_is_root => ok(enc::write_nil(buf)),
+            Namespaces::CacheSalt | Namespaces::Lora => {
+                ok(enc::write_array_len(buf, 1));
+                ok(enc::write_str(buf, &name));
+            }
+            Namespaces::ExtraKeys => {
+                ok(enc::write_array_len(buf, 1));
+                ok(enc::write_uint(buf, ns));
+            }
+        }
+    }
+}
+
+/// `lora_id` and `lora_name`: a namespace's number and name under
+/// [`Namespaces::Lora`], else `nil`.
+fn write_lora(buf: &mut Vec<u8>, ns: u64, m: Namespaces, name_field: bool) {
+    if ns == 0 || m != Namespaces::Lora {
+        ok(enc::write_nil(buf));
+    } else if name_field {
+        ok(enc::write_str(buf, &ns.to_string()));
+    } else {
         ok(enc::write_uint(buf, ns));
     }
 }
@@ -172,14 +200,15 @@ pub fn write_event(buf: &mut Vec<u8>, e: &WireEvent, o: &WireOptions) {
             ok(enc::write_str(buf, "block_size"));
             ok(enc::write_uint(buf, u64::from(*block_size)));
             ok(enc::write_str(buf, "lora_id"));
-            ok(enc::write_nil(buf));
+            write_lora(buf, *ns, o.namespaces, false);
             ok(enc::write_str(buf, "medium"));
             ok(enc::write_str(buf, &o.medium));
             ok(enc::write_str(buf, "lora_name"));
-            ok(enc::write_nil(buf));
+            write_lora(buf, *ns, o.namespaces, true);
             if *ns != 0 {
                 ok(enc::write_str(buf, "extra_keys"));
-                write_extra(buf, block_hashes.len(), *ns);
+                let root = parent_block_hash.is_none();
+                write_extra(buf, block_hashes.len(), *ns, root, o.namespaces);
             }
             ok(enc::write_str(buf, "group_idx"));
             ok(enc::write_uint(buf, u64::from(*group_idx)));
@@ -211,11 +240,12 @@ pub fn write_event(buf: &mut Vec<u8>, e: &WireEvent, o: &WireOptions) {
             write_opt_hash(buf, parent_block_hash, f);
             write_tokens(buf, token_ids);
             ok(enc::write_uint(buf, u64::from(*block_size)));
-            ok(enc::write_nil(buf)); // lora_id
+            write_lora(buf, *ns, o.namespaces, false);
             ok(enc::write_str(buf, &o.medium));
-            ok(enc::write_nil(buf)); // lora_name
+            write_lora(buf, *ns, o.namespaces, true);
             if *ns != 0 {
-                write_extra(buf, block_hashes.len(), *ns);
+                let root = parent_block_hash.is_none();
+                write_extra(buf, block_hashes.len(), *ns, root, o.namespaces);
             } else {
                 ok(enc::write_nil(buf));
             }

@@ -1,7 +1,7 @@
 //! The test vectors of docs/events.md §2 (computed with Python's cbor2 +
 //! hashlib, i.e. vLLM's `sha256_cbor`).
 
-use marconi_events::{external, BlockHasher};
+use marconi_events::{external, BlockHasher, Namespaces};
 
 fn hex(d: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
@@ -56,7 +56,35 @@ fn integer_widths_and_namespaces() {
         "deaa46fcabbf6b126d28ad1292550fb894177c76c7b8e270e04824cbf674d83f"
     );
     assert_eq!(external(&d), 16161207721250838591);
-    let d = h.hash_block(None, &[1, 2, 3, 4], 7);
+    // Namespace 7 as vLLM hashes `cache_salt = "7"` (the default): the
+    // first block's extra keys (("cache_salt", "7"),), the others none.
+    let chain = h.chain(&[1, 2, 3, 4, 5, 6, 7, 8], 4, 7);
+    assert_eq!(
+        hex(&chain[0]),
+        "d7316a0e913e38db7ed69444a59e96ee58dafb72d76666030cbd4bcd3ff9cf70"
+    );
+    assert_eq!(external(&chain[0]), 917973243967164272);
+    assert_eq!(
+        hex(&chain[1]),
+        "38b59c52169b8f6dd4e26bd3605a528c6c355d5dbc10a257a78fa8c6675b777f"
+    );
+    assert_eq!(external(&chain[1]), 12074054696094627711);
+    // As vLLM hashes the LoRA adapter named "7" with an empty path: every
+    // block (("lora", "7", ""),).
+    let lora = BlockHasher::default().with_namespaces(Namespaces::Lora);
+    let chain = lora.chain(&[1, 2, 3, 4, 5, 6, 7, 8], 4, 7);
+    assert_eq!(
+        hex(&chain[0]),
+        "c1a2aaeb66efdc051463483b14f3ac7ef1c4e523810bd134e89988840ac04788"
+    );
+    assert_eq!(
+        hex(&chain[1]),
+        "6384f3eb667215ad0e5e6869363d498db1f932551aacc301cfd29f33ec996c30"
+    );
+    assert_eq!(external(&chain[1]), 14975206756321946672);
+    // The earlier form: extra keys [7] on every block.
+    let ints = BlockHasher::default().with_namespaces(Namespaces::ExtraKeys);
+    let d = ints.hash_block(None, &[1, 2, 3, 4], 7);
     assert_eq!(
         hex(&d),
         "bddf41fde67fbb9268664a0097956ad2f829e3c3d59c4880b62c02ed570b587f"

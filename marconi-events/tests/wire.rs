@@ -1,6 +1,7 @@
 //! The MessagePack layout against msgspec's bytes for vLLM's structs
 //! (docs/events.md §3), and decode round trips.
 
+use marconi_events::Namespaces;
 use marconi_events::{
     decode_batch, encode_batch, to_decoded, DecodedEvent, HashFormat, Layout, WireEvent,
     WireOptions, GROUP_KV, GROUP_STATE,
@@ -89,22 +90,30 @@ fn rich() -> Vec<WireEvent> {
 
 #[test]
 fn round_trip_in_every_layout_and_hash_form() {
-    for layout in [Layout::Map, Layout::Array] {
-        for hash_format in [HashFormat::Int, HashFormat::Bytes] {
-            let o = WireOptions {
-                layout,
-                hash_format,
-                medium: "GPU".into(),
-                data_parallel_rank: 3,
-            };
-            let events = rich();
-            let b = decode_batch(&encode_batch(2.25, &events, &o)).unwrap();
-            assert_eq!(b.ts, 2.25);
-            assert_eq!(b.data_parallel_rank, Some(3));
-            assert_eq!(b.unknown, 0);
-            let want: Vec<DecodedEvent> = events.iter().map(to_decoded).collect();
-            assert_eq!(b.events, want, "{layout:?} {hash_format:?}");
-        }
+    let namespaces = [
+        Namespaces::CacheSalt,
+        Namespaces::Lora,
+        Namespaces::ExtraKeys,
+    ];
+    for (layout, hash_format, namespaces) in [Layout::Map, Layout::Array]
+        .into_iter()
+        .flat_map(|l| [HashFormat::Int, HashFormat::Bytes].map(|h| (l, h)))
+        .flat_map(|(l, h)| namespaces.map(|n| (l, h, n)))
+    {
+        let o = WireOptions {
+            layout,
+            hash_format,
+            medium: "GPU".into(),
+            data_parallel_rank: 3,
+            namespaces,
+        };
+        let events = rich();
+        let b = decode_batch(&encode_batch(2.25, &events, &o)).unwrap();
+        assert_eq!(b.ts, 2.25);
+        assert_eq!(b.data_parallel_rank, Some(3));
+        assert_eq!(b.unknown, 0);
+        let want: Vec<DecodedEvent> = events.iter().map(to_decoded).collect();
+        assert_eq!(b.events, want, "{layout:?} {hash_format:?} {namespaces:?}");
     }
 }
 

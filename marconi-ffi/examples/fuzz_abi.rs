@@ -2595,8 +2595,8 @@ impl<'r> Worker<'r> {
                 ("layout out of range", St::InvalidConfig)
             }
             2 => {
-                cfg.reserved = 1;
-                ("reserved set", St::InvalidConfig)
+                cfg.namespaces = 3 + self.rng.below(100) as u32;
+                ("namespaces out of range", St::InvalidConfig)
             }
             3 if marconi_events_has_publisher() == 0 => {
                 cfg.endpoint = ep.as_ptr();

@@ -7,7 +7,7 @@
 use std::ffi::{c_char, CStr};
 use std::sync::{Mutex, MutexGuard};
 
-use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, WireOptions};
+use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, WireOptions};
 
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
@@ -38,6 +38,21 @@ pub enum marconi_event_layout {
     Map = 0,
     /// Tagged arrays with every field (earlier vLLM).
     Array = 1,
+}
+
+/// How a cache namespace n != 0 is published (docs/events.md §2).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_event_namespaces {
+    /// As vLLM's cache_salt "n": the first block of a chain is hashed with
+    /// (("cache_salt", "n"),) and published with extra_keys ["n"].
+    CacheSalt = 0,
+    /// As vLLM's LoRA adapter named "n" (empty path): every block is
+    /// hashed with (("lora", "n", ""),), lora_name "n".
+    Lora = 1,
+    /// The earlier form: every block has the extra keys (n), an array
+    /// holding the integer n.
+    ExtraKeys = 2,
 }
 
 /// Configuration of an events handle. Versioned by size: fill it with
@@ -83,8 +98,10 @@ pub struct marconi_events_config {
     /// ([topic, seq, payload], vLLM after PR #45177); 0: [seq, payload].
     /// Default 1.
     pub replay_topic: u32,
-    /// Reserved, must be 0.
-    pub reserved: u32,
+    /// A marconi_event_namespaces value: how a cache namespace n != 0
+    /// enters the hashes and extra_keys. Default (0)
+    /// MARCONI_EVENT_NAMESPACES_CACHE_SALT, vLLM's cache_salt "n".
+    pub namespaces: u32,
 }
 
 impl marconi_events_config {
@@ -104,7 +121,7 @@ impl marconi_events_config {
             hwm: 100_000,
             max_queue: 100_000,
             replay_topic: 1,
-            reserved: 0,
+            namespaces: marconi_event_namespaces::CacheSalt as u32,
         }
     }
 }
@@ -265,12 +282,17 @@ pub unsafe extern "C" fn marconi_events_new(
         check_ptr!(out);
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.
         let c = unsafe { read_events_config(cfg) }?;
-        if c.reserved != 0 {
-            return Err(FfiError::new(
-                marconi_status::InvalidConfig,
-                "reserved is not 0",
-            ));
-        }
+        let namespaces = match c.namespaces {
+            0 => Namespaces::CacheSalt,
+            1 => Namespaces::Lora,
+            2 => Namespaces::ExtraKeys,
+            v => {
+                return Err(FfiError::new(
+                    marconi_status::InvalidConfig,
+                    format!("namespaces {v} is not a marconi_event_namespaces"),
+                ))
+            }
+        };
         let hash_format = match c.hash_format {
             0 => HashFormat::Int,
             1 => HashFormat::Bytes,
@@ -310,6 +332,7 @@ pub unsafe extern "C" fn marconi_events_new(
             layout,
             medium: medium.unwrap_or_else(|| "GPU".into()),
             data_parallel_rank: c.data_parallel_rank,
+            namespaces,
         };
         let enc = Encoder::new(ecfg)
             .map_err(|e| FfiError::new(marconi_status::InvalidConfig, e.to_string()))?;

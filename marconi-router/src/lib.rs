@@ -11,7 +11,9 @@
 //! - [`index`]: the index and its events;
 //! - [`hash`]: the chained block hashes, from token ids;
 //! - [`wire`]: the `KVEventBatch` payload decoder;
-//! - [`sub`]: the ZeroMQ subscriber with replay of gaps.
+//! - [`sub`]: the ZeroMQ subscriber with replay of gaps;
+//! - [`serve`]: NVIDIA Dynamo's standalone indexer HTTP API with
+//!   resumable scores (the `marconi-router serve` binary).
 //!
 //! One engine caches 4 blocks of 16 tokens and a state after the second;
 //! a request sharing those 64 tokens (and going on) can skip 32 of them on
@@ -41,6 +43,7 @@
 
 pub mod hash;
 pub mod index;
+pub mod serve;
 pub mod sub;
 pub mod wire;
 

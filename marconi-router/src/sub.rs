@@ -118,33 +118,43 @@ impl Subscriber {
         engines: &[EngineEndpoint],
         replay_timeout: Duration,
     ) -> Result<Self, SubError> {
-        let mut index = Index::new(block_size)?;
-        let ctx = zmq::Context::new();
-        let mut conns = Vec::with_capacity(engines.len());
-        for ep in engines {
-            let id = index.add_engine(ep.name.clone())?;
-            let sub = ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
-            sub.set_linger(0).map_err(zerr("linger"))?;
-            sub.set_rcvhwm(0).map_err(zerr("receive high-water mark"))?;
-            sub.set_subscribe(&ep.topic).map_err(zerr("subscribe"))?;
-            sub.connect(&ep.events)
-                .map_err(zerr(format!("connect {}", ep.events)))?;
-            conns.push(Conn {
-                id,
-                endpoint: ep.clone(),
-                sub,
-                replay: None,
-                groups: Groups::default(),
-                stats: FeedStats::default(),
-                drop_next: 0,
-            });
-        }
-        Ok(Subscriber {
-            ctx,
-            conns,
-            index,
+        let mut sub = Subscriber {
+            ctx: zmq::Context::new(),
+            conns: Vec::with_capacity(engines.len()),
+            index: Index::new(block_size)?,
             replay_timeout,
-        })
+        };
+        for ep in engines {
+            sub.add_engine(ep)?;
+        }
+        Ok(sub)
+    }
+
+    /// Connects to one more engine (its id is the next index); its first
+    /// batch with a sequence number above 0 is repaired from 0 by replay.
+    pub fn add_engine(&mut self, ep: &EngineEndpoint) -> Result<EngineId, SubError> {
+        let id = self.index.add_engine(ep.name.clone())?;
+        let sub = self.ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
+        sub.set_linger(0).map_err(zerr("linger"))?;
+        sub.set_rcvhwm(0).map_err(zerr("receive high-water mark"))?;
+        sub.set_subscribe(&ep.topic).map_err(zerr("subscribe"))?;
+        sub.connect(&ep.events)
+            .map_err(zerr(format!("connect {}", ep.events)))?;
+        self.conns.push(Conn {
+            id,
+            endpoint: ep.clone(),
+            sub,
+            replay: None,
+            groups: Groups::default(),
+            stats: FeedStats::default(),
+            drop_next: 0,
+        });
+        Ok(id)
+    }
+
+    /// Forgets what engine `e` holds (its stream is still read).
+    pub fn clear_engine(&mut self, e: EngineId) -> Result<(), IndexError> {
+        self.index.clear_engine(e)
     }
 
     /// The index.

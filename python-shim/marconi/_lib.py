@@ -375,7 +375,7 @@ class marconi_events_config(Structure):
         ("hwm", c_int32),
         ("max_queue", c_int32),
         ("replay_topic", c_uint32),
-        ("reserved", c_uint32),
+        ("namespaces", c_uint32),
     ]
 
 

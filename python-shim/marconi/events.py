@@ -6,8 +6,8 @@
     payload = ev.drain()                            # one msgpack KVEventBatch, b"" if nothing changed
     sock.send_multipart([topic, seq.to_bytes(8, "big"), payload])   # publish it yourself
 
-or let libmarconi publish with vLLM's framing (a library built with the
-`publisher` feature: has_publisher()):
+or let libmarconi publish with vLLM's framing (the default build has the
+publisher, pure Rust; has_publisher() says whether the loaded library does):
 
     ev = marconi.CacheEvents(cache, endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558")
     seq = ev.publish()                              # None if nothing changed
@@ -26,6 +26,9 @@ from .cache import PrefixCache, _check, _real
 
 HASH_FORMAT = {"int": 0, "bytes": 1}
 LAYOUT = {"map": 0, "array": 1}
+NAMESPACES = {"cache_salt": 0, "lora": 1, "extra_keys": 2}
+"""How a namespace n != 0 is published: vLLM's cache_salt "n" (default),
+vLLM's LoRA adapter named "n", or the earlier extra keys [n]."""
 NO_SEQ = 2**64 - 1
 """MARCONI_NO_SEQ: marconi_events_publish published nothing."""
 
@@ -76,6 +79,7 @@ class CacheEvents:
         hwm: int = 100_000,
         max_queue: int = 100_000,
         replay_topic: bool = True,
+        namespaces: str = "cache_salt",
     ):
         self._h: Optional[ctypes.c_void_p] = None
         self._lock = threading.Lock()
@@ -83,6 +87,8 @@ class CacheEvents:
             raise TypeError("cache: expected a marconi.PrefixCache")
         if hash_format not in HASH_FORMAT or layout not in LAYOUT:
             raise ValueError(f"hash_format must be one of {sorted(HASH_FORMAT)}, layout one of {sorted(LAYOUT)}")
+        if namespaces not in NAMESPACES:
+            raise ValueError(f"namespaces must be one of {sorted(NAMESPACES)}")
         for name, v in (("data_parallel_rank", data_parallel_rank), ("buffer_steps", buffer_steps),
                         ("hwm", hwm), ("max_queue", max_queue)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -105,6 +111,7 @@ class CacheEvents:
         cfg.hwm = hwm
         cfg.max_queue = max_queue
         cfg.replay_topic = int(bool(replay_topic))
+        cfg.namespaces = NAMESPACES[namespaces]
         h = ctypes.c_void_p()
         ch = cache._begin()
         try:

@@ -86,8 +86,9 @@ class Consumer:
     """Rebuilds the cached set from decoded batches and recomputes every
     stored hash from its tokens and parent (vLLM's hash_block_tokens)."""
 
-    def __init__(self, array_like: bool):
+    def __init__(self, array_like: bool, namespaces: str = "cache_salt"):
         self.array_like = array_like
+        self.namespaces = namespaces
         self.Batch, self.Stored, self.Removed, self.Cleared = vllm_structs(array_like)
         self.decoder = msgspec.msgpack.Decoder(type=self.Batch)
         self.set: set[tuple[int, int]] = set()
@@ -108,7 +109,7 @@ class Consumer:
             assert len(ev.token_ids) == bs * len(ev.block_hashes)
             blocks = [ev.token_ids[i * bs:(i + 1) * bs] for i in range(len(ev.block_hashes))]
         for h, toks, extra in zip(ev.block_hashes, blocks, ns_keys):
-            d = sha256_cbor((parent, tuple(toks), None if extra is None else tuple(extra)))
+            d = sha256_cbor((parent, tuple(toks), self.hash_keys(extra)))
             if isinstance(h, bytes):
                 assert h == d
             else:
@@ -116,6 +117,18 @@ class Consumer:
             self.digest[as_int(h)] = d
             self.verified += 1
             parent = d
+
+    def hash_keys(self, extra):
+        """A block's hashed extra keys from its published ones: vLLM tags
+        a cache salt ("cache_salt", salt) and a LoRA adapter ("lora", name,
+        path); libmarconi's LoRA namespaces have an empty path."""
+        if extra is None:
+            return None
+        if self.namespaces == "cache_salt":
+            return tuple(("cache_salt", k) for k in extra)
+        if self.namespaces == "lora":
+            return tuple(("lora", k, "") for k in extra)
+        return tuple(extra)
 
     def apply(self, payload: bytes) -> None:
         batch = self.decoder.decode(payload)
@@ -162,7 +175,7 @@ def check_against_cache(cache, ev, consumer: Consumer) -> None:
     """The rebuilt set equals the cache's content: the snapshot batch
     (derived from the tree, not from the stream), and the cache's own byte
     counters (cached tokens = KV blocks x page size; states)."""
-    snap = Consumer(consumer.array_like)
+    snap = Consumer(consumer.array_like, consumer.namespaces)
     snap.apply(ev.snapshot(ts=0.0))
     assert consumer.set == snap.set
     st = cache.stats()
@@ -174,10 +187,11 @@ def check_against_cache(cache, ev, consumer: Consumer) -> None:
 @pytest.mark.parametrize("layout", ["map", "array"])
 @pytest.mark.parametrize("hash_format", ["int", "bytes"])
 @pytest.mark.parametrize("page", [1, 4])
-def test_drained_stream_rebuilds_the_cached_set_after_evictions(layout, hash_format, page):
+@pytest.mark.parametrize("namespaces", ["cache_salt", "lora", "extra_keys"])
+def test_drained_stream_rebuilds_the_cached_set_after_evictions(layout, hash_format, page, namespaces):
     cache = small_cache(page)
-    ev = marconi.CacheEvents(cache, layout=layout, hash_format=hash_format)
-    consumer = Consumer(array_like=(layout == "array"))
+    ev = marconi.CacheEvents(cache, layout=layout, hash_format=hash_format, namespaces=namespaces)
+    consumer = Consumer(array_like=(layout == "array"), namespaces=namespaces)
     for i, (ns, ctx, out) in enumerate(workload(page, 250)):
         cache.serve(ctx, out, namespace=ns)
         payload = ev.drain(ts=float(i))
@@ -211,6 +225,8 @@ def test_warm_cache_and_misuse():
         ev.drain()
     with pytest.raises(marconi.MarconiError):
         marconi.CacheEvents(cache, endpoint="nonsense://x")
+    with pytest.raises(ValueError):
+        marconi.CacheEvents(cache, namespaces="tenant")
     cache.close()
     with pytest.raises(ValueError):
         marconi.CacheEvents(cache)

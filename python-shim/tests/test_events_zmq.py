@@ -49,10 +49,11 @@ class Subscriber:
         while True:
             assert self.replay.poll(5000), "replay answers"
             _, topic, seq, payload = self.replay.recv_multipart()
-            assert topic == self.topic
             if not payload:
-                assert seq == END_SEQ
+                # vLLM 0.33's end marker: an empty topic frame.
+                assert seq == END_SEQ and topic == b""
                 return
+            assert topic == self.topic
             seq = int.from_bytes(seq, "big")
             assert seq <= self.next, "still in the replay buffer"
             self.apply(seq, payload)

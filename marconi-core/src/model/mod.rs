@@ -2,6 +2,9 @@
 //! byte formulas the cache needs (Marconi appendix A, Table 1, generalised to
 //! grouped-query attention, the Mamba expand factor, MoE and the conv state).
 
+pub mod gguf;
+pub mod hf_config;
+
 use serde::{Deserialize, Serialize};
 
 /// What the cache needs to know about a model: how many layers of each kind,

@@ -232,7 +232,8 @@ impl Core {
             // The final state (the admitted length rounded down to the
             // page size) is admissible under every policy; a policy rules
             // on the others.
-            if s.position != aligned && !self.admission.admissible(s.position, &info.plan, aligned) {
+            if s.position != aligned && !self.admission.admissible(s.position, &info.plan, aligned)
+            {
                 return Err(CacheError::NotPlanned {
                     position: s.position,
                     allowed: self.admission.describe_admissible(&info.plan, aligned),

@@ -226,15 +226,6 @@ impl ModelSpec {
         if self.dtype_bytes == 0 || self.state_dtype_bytes == 0 {
             return Err("dtype sizes must be > 0".into());
         }
-        if self.attn_layers > 0 && self.kv_heads > self.n_heads {
-            return Err(format!(
-                "{} KV heads for {} query heads: each KV head serves one or more query heads",
-                self.kv_heads, self.n_heads
-            ));
-        }
-        if self.moe_layers > 0 && self.moe_top_k == 0 {
-            return Err("MoE layers with 0 experts a token".into());
-        }
         // Every integer product the byte and FLOP formulas form, checked,
         // whether or not the model has layers of that kind: the formulas are
         // public and must not wrap (or panic with overflow checks on).
@@ -246,6 +237,15 @@ impl ModelSpec {
         }
         if self.n_heads.checked_mul(self.head_dim).is_none() {
             return Err("query width n_heads * head_dim overflows 64 bits".into());
+        }
+        if self.attn_layers > 0 && self.kv_heads > self.n_heads {
+            return Err(format!(
+                "{} KV heads for {} query heads: each KV head serves one or more query heads",
+                self.kv_heads, self.n_heads
+            ));
+        }
+        if self.moe_layers > 0 && self.moe_top_k == 0 {
+            return Err("MoE layers with 0 experts a token".into());
         }
         Ok(())
     }

@@ -351,7 +351,7 @@ fn mutate_gguf(rng: &mut Rng, mut g: Gguf) -> Gguf {
             }
             7 => {
                 // Another architecture's name over these keys.
-                let arch = rng.pick(&marconi_core::GGUF_ARCHITECTURES);
+                let arch = rng.pick(marconi_core::GGUF_ARCHITECTURES);
                 if let Some(e) = g.iter_mut().find(|(k, _)| k == "general.architecture") {
                     e.1 = V::Str(arch.into());
                 }
@@ -514,7 +514,7 @@ fn mutate_hf(rng: &mut Rng, mut v: Value) -> Value {
                 obj.insert(k, x);
             }
             6 => {
-                let fam = rng.pick(&marconi_core::HF_MODEL_TYPES);
+                let fam = rng.pick(marconi_core::HF_MODEL_TYPES);
                 obj.insert("model_type".into(), fam.into());
             }
             _ => {

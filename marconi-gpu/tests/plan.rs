@@ -148,13 +148,23 @@ fn contexts_beyond_the_budget_fit_no_batch_and_keep_the_fraction_in_range() {
     let m = ModelSpec::preset("jamba-1.5-mini").unwrap();
     for page in [1, 16, 4096] {
         let p = plan(&m, page, 10 * GIB).unwrap();
-        for context in [p.max_kv_tokens + 1, 1 << 40, 1 << 60, u64::MAX - 1, u64::MAX] {
+        for context in [
+            p.max_kv_tokens + 1,
+            1 << 40,
+            1 << 60,
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
             for layout in [
                 PoolLayout::Static { ssm_fraction: 0.5 },
                 PoolLayout::Avmp { ssm_fraction: 0.5 },
                 PoolLayout::Unified,
             ] {
-                assert_eq!(p.max_batch(context, layout).unwrap(), 0, "{context} {layout:?}");
+                assert_eq!(
+                    p.max_batch(context, layout).unwrap(),
+                    0,
+                    "{context} {layout:?}"
+                );
             }
             let f = p.fraction_for_context(context);
             assert!(f > 0.0 && f <= 1.0, "page {page} context {context}: {f}");

@@ -706,7 +706,8 @@ mod tests {
             Ok((2, 2))
         );
         let bad_key = |key: &'static str| move |e: &GgufError| matches!(e, GgufError::BadKey { key: k, .. } if *k == format!("nemotron_h.{key}"));
-        let cases: Vec<(Vec<u8>, Box<dyn Fn(&GgufError) -> bool>)> = vec![
+        type Check = Box<dyn Fn(&GgufError) -> bool>;
+        let cases: Vec<(Vec<u8>, Check)> = vec![
             (
                 nemotron_with(&[("ssm.group_count", 0)], &[]),
                 Box::new(bad_key("ssm.group_count")),

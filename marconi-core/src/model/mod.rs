@@ -209,7 +209,7 @@ impl ModelSpec {
     /// a reader accepts always builds a cache. What a spec no longer holds
     /// (the convolution width before llama.cpp drops a column, the Mamba-2
     /// group count, the expert count) is checked by the readers with
-    /// [`dims`]'s checks, shared by both.
+    /// the checks of the crate's `model::dims`, shared by both.
     pub fn validate(&self) -> Result<(), String> {
         if self.attn_layers == 0 && self.ssm_layers == 0 {
             return Err("model has neither attention nor SSM layers: nothing to cache".into());

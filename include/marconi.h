@@ -1303,14 +1303,15 @@ typedef struct marconi_memory_plan {
    */
   uint64_t split_state_slots;
   /**
-   * The state fraction a batch of context_tokens-token sequences uses
-   * (0 when context_tokens is 0).
+   * The state fraction a batch of context_tokens-token sequences uses,
+   * in (0, 1] (0 when context_tokens is 0).
    */
   double fraction_for_context;
   /**
    * Largest batch of context_tokens-token sequences: static split at
    * state_fraction, AVMP (capacity follows demand), unified table (0 when
-   * context_tokens is 0).
+   * context_tokens is 0 or not one such sequence fits, whatever its
+   * length).
    */
   uint64_t max_batch_static;
   /**
@@ -2244,7 +2245,8 @@ uint32_t marconi_events_has_publisher(void);
 /**
  * Drains the changes of `cache` since the last drain as one encoded
  * KVEventBatch (msgpack, docs/events.md) into `buf[0..cap]` and writes its
- * length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing changed. `ts`
+ * length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing a subscriber
+ * sees changed (also when only states changed and state events are off). `ts`
  * is the batch's timestamp (seconds since the Unix epoch, finite). When the
  * batch does not fit (NULL with cap 0 is a size query), returns
  * MARCONI_STATUS_BUFFER_TOO_SMALL with its size in `*out_len` and keeps it
@@ -2344,7 +2346,8 @@ marconi_status marconi_events_endpoint(const struct marconi_events *events,
  * state with conv_kernel - 1 columns.
  *
  * MARCONI_STATUS_INVALID_ARGUMENT: the file cannot be opened or read, is
- * not GGUF, or breaks the format; MARCONI_STATUS_INVALID_CONFIG: it is
+ * not a regular file (a directory, FIFO, socket or device: refused without
+ * blocking), is not GGUF, or breaks the format; MARCONI_STATUS_INVALID_CONFIG: it is
  * GGUF but its architecture is not supported, a key is missing or
  * impossible, or the model it describes cannot drive a cache. The detail
  * (marconi_last_error) names the path and the key. `*out` is written only

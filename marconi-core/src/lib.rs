@@ -37,8 +37,6 @@ mod config;
 mod error;
 mod events;
 mod eviction;
-pub mod gguf;
-pub mod hf_config;
 mod index;
 mod invariants;
 mod log;
@@ -62,6 +60,7 @@ pub use gguf::{GgufError, GGUF_ARCHITECTURES};
 pub use hf_config::{HfConfigError, HF_MODEL_TYPES};
 pub use log::{Decision, EvictKind, PlanReason};
 pub use lookup::Lookup;
+pub use model::{gguf, hf_config};
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;
 

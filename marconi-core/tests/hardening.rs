@@ -327,3 +327,51 @@ fn a_mismatched_pinned_prefix_is_reported_before_a_bad_page_list() {
     c.check_invariants();
     c.release(l.lease).unwrap();
 }
+
+#[test]
+fn the_final_state_is_admissible_between_block_boundaries() {
+    // Block 8 over pages of 4: a 30-token sequence ends at 28 (rounded down
+    // to the page), between the block boundaries 24 and 32. The final state
+    // is admissible under every policy, so the admission keeps it and the
+    // next turn resumes there.
+    let mut c = PrefixCache::new(CacheConfig {
+        page_size: 4,
+        ..CacheConfig::vllm_plus(paper(), u64::MAX / 2, 8)
+    })
+    .unwrap();
+    let l = c.lookup(0, &range(0, 20)).unwrap();
+    assert_eq!(l.plan, vec![8, 16]);
+    let states: Vec<SavedState> = [8, 16, 24, 28]
+        .iter()
+        .zip(1..)
+        .map(|(&position, slot)| SavedState {
+            position,
+            slot: Some(slot),
+        })
+        .collect();
+    let a = c.admit(l.lease, &range(0, 30), &states, &[]).unwrap();
+    assert!(a.slots_returned.is_empty(), "{a:?}");
+    c.release(l.lease).unwrap();
+    let l = c.lookup(0, &range(0, 40)).unwrap();
+    assert_eq!((l.hit_tokens, l.state_slot), (28, Some(4)));
+    c.release(l.lease).unwrap();
+    // Off the grid and not final: still refused, naming the final position.
+    let l = c.lookup(0, &range(100, 130)).unwrap();
+    let e = c
+        .admit(
+            l.lease,
+            &range(100, 130),
+            &[SavedState {
+                position: 12,
+                slot: Some(9),
+            }],
+            &[],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, marconi_core::CacheError::NotPlanned { position: 12, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("final position 28"), "{e}");
+    c.release(l.lease).unwrap();
+}

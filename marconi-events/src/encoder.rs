@@ -396,6 +396,15 @@ impl Encoder {
         let wire = self.translate(events);
         encode_batch(ts, &wire, &self.cfg.wire)
     }
+
+    /// [`encode`](Self::encode), or `None` when no event reaches the wire
+    /// (state events off and only states changed, stores of less than a
+    /// block): a drain or a publisher then has no batch to hand on, rather
+    /// than an empty one.
+    pub fn encode_changes(&mut self, ts: f64, events: &[CacheEvent]) -> Option<Vec<u8>> {
+        let wire = self.translate(events);
+        (!wire.is_empty()).then(|| encode_batch(ts, &wire, &self.cfg.wire))
+    }
 }
 
 /// The cached set a subscriber rebuilds: `(group_idx, hash)` pairs, hashes

@@ -464,7 +464,8 @@ unsafe fn give(payload: &[u8], buf: &mut [u8], out_len: *mut usize) -> FfiResult
 
 /// Drains the changes of `cache` since the last drain as one encoded
 /// KVEventBatch (msgpack, docs/events.md) into `buf[0..cap]` and writes its
-/// length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing changed. `ts`
+/// length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing a subscriber
+/// sees changed (also when only states changed and state events are off). `ts`
 /// is the batch's timestamp (seconds since the Unix epoch, finite). When the
 /// batch does not fit (NULL with cap 0 is a size query), returns
 /// MARCONI_STATUS_BUFFER_TOO_SMALL with its size in `*out_len` and keeps it
@@ -502,12 +503,14 @@ pub unsafe extern "C" fn marconi_events_drain(
         same_blocks(&g, h)?;
         if g.pending.is_none() {
             let evs = h.with_core(|c| c.drain_events())?;
-            if evs.is_empty() {
+            // Changes a subscriber never sees (states with state events
+            // off, less than a block) make no batch.
+            let Some(batch) = g.enc.encode_changes(ts, &evs) else {
                 // SAFETY: out_len checked above.
                 unsafe { out_len.write(0) };
                 return Ok(());
-            }
-            g.pending = Some(g.enc.encode(ts, &evs));
+            };
+            g.pending = Some(batch);
         }
         let payload = g.pending.as_deref().expect("set above");
         // SAFETY: out_len checked above.
@@ -628,8 +631,8 @@ fn publish_locked(g: &mut Inner, h: &marconi_cache, ts: f64) -> FfiResult<u64> {
         seq = send(b)?;
     }
     let evs = h.with_core(|c| c.drain_events())?;
-    if !evs.is_empty() {
-        seq = send(enc.encode(ts, &evs))?;
+    if let Some(batch) = enc.encode_changes(ts, &evs) {
+        seq = send(batch)?;
     }
     Ok(seq)
 }

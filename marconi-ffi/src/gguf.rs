@@ -74,6 +74,66 @@ fn spec_from_reader(mut file: impl Read, what: &str) -> FfiResult<ModelSpec> {
     }
 }
 
+/// Opens `path` for reading if it is a regular file, without ever blocking:
+/// the open is non-blocking (a FIFO without a writer would otherwise block
+/// the open, and one with a writer the reads, for ever) and the type is
+/// checked on the opened file, so a path swapped between a check and the
+/// open cannot slip through. Directories, FIFOs, sockets and devices
+/// (`/dev/zero`) are refused with MARCONI_STATUS_INVALID_ARGUMENT.
+pub(crate) fn open_regular(path: &std::path::Path, shown: &str) -> FfiResult<std::fs::File> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        opts.custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
+    }
+    let file = opts.open(path).map_err(|e| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{shown}: cannot open: {e}"),
+        )
+    })?;
+    let kind = file
+        .metadata()
+        .map_err(|e| {
+            FfiError::new(
+                marconi_status::InvalidArgument,
+                format!("{shown}: cannot read its type: {e}"),
+            )
+        })?
+        .file_type();
+    if !kind.is_file() {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{shown}: not a regular file ({})", describe(kind)),
+        ));
+    }
+    Ok(file)
+}
+
+/// A file type in words, for the error.
+fn describe(kind: std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            return "a FIFO";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+        if kind.is_char_device() || kind.is_block_device() {
+            return "a device";
+        }
+    }
+    if kind.is_dir() {
+        "a directory"
+    } else {
+        "not a file"
+    }
+}
+
 /// Writes into `*out` the dimensions of the model in the GGUF file at `path`
 /// (NUL-terminated, any bytes the OS accepts), read from the file's header
 /// and metadata only (at most 256 MiB of it; tensor data is never read).
@@ -85,7 +145,8 @@ fn spec_from_reader(mut file: impl Read, what: &str) -> FfiResult<ModelSpec> {
 /// state with conv_kernel - 1 columns.
 ///
 /// MARCONI_STATUS_INVALID_ARGUMENT: the file cannot be opened or read, is
-/// not GGUF, or breaks the format; MARCONI_STATUS_INVALID_CONFIG: it is
+/// not a regular file (a directory, FIFO, socket or device: refused without
+/// blocking), is not GGUF, or breaks the format; MARCONI_STATUS_INVALID_CONFIG: it is
 /// GGUF but its architecture is not supported, a key is missing or
 /// impossible, or the model it describes cannot drive a cache. The detail
 /// (marconi_last_error) names the path and the key. `*out` is written only
@@ -118,12 +179,7 @@ pub unsafe extern "C" fn marconi_model_spec_from_gguf(
                 format!("{shown}: path is not UTF-8"),
             )
         })?;
-        let file = std::fs::File::open(path).map_err(|e| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                format!("{shown}: cannot open: {e}"),
-            )
-        })?;
+        let file = open_regular(std::path::Path::new(path), &shown)?;
         let m = spec_from_reader(file, &shown)?;
         write_spec(&m, out);
         Ok(())

@@ -74,12 +74,13 @@ pub struct marconi_memory_plan {
     pub split_kv_tokens: u64,
     /// State slots of that split.
     pub split_state_slots: u64,
-    /// The state fraction a batch of context_tokens-token sequences uses
-    /// (0 when context_tokens is 0).
+    /// The state fraction a batch of context_tokens-token sequences uses,
+    /// in (0, 1] (0 when context_tokens is 0).
     pub fraction_for_context: f64,
     /// Largest batch of context_tokens-token sequences: static split at
     /// state_fraction, AVMP (capacity follows demand), unified table (0 when
-    /// context_tokens is 0).
+    /// context_tokens is 0 or not one such sequence fits, whatever its
+    /// length).
     pub max_batch_static: u64,
     /// As max_batch_static, AVMP.
     pub max_batch_avmp: u64,

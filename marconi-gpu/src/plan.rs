@@ -74,6 +74,20 @@ pub fn plan(
     model
         .validate()
         .map_err(|e| AllocError::InvalidConfig(format!("model: {e}")))?;
+    // A page or a slot larger than the budget is refused before the unit
+    // sizes are aligned (an alignment near 2^64 would wrap).
+    let kv_per_token = match model.kv_bytes_per_token() {
+        0 => marconi_core::TOKEN_ID_BYTES,
+        b => b,
+    };
+    let page_bytes = kv_per_token.checked_mul(u64::from(page_size));
+    if page_bytes.is_none_or(|b| b > budget_bytes) || model.state_bytes() > budget_bytes {
+        return Err(AllocError::InvalidConfig(format!(
+            "a budget of {budget_bytes} bytes holds less than one page of {page_size} tokens \
+             ({kv_per_token} bytes a token) and one slot ({} bytes)",
+            model.state_bytes()
+        )));
+    }
     let (kv_page_bytes, state_slot_bytes) = unit_sizes(model, page_size);
     if state_slot_bytes == 0 {
         return Err(AllocError::InvalidConfig(
@@ -131,17 +145,31 @@ impl MemoryPlan {
     }
 
     /// The state fraction a batch of `context`-token sequences uses when
-    /// nothing else is cached: `slot / (pages · page + slot)`.
+    /// nothing else is cached: `slot / (pages · page + slot)`, in `(0, 1]`
+    /// for every context (formed in floating point: a context whose KV
+    /// exceeds 64 bits of bytes gives a fraction near 0, never a wrapped
+    /// product).
     #[must_use]
     pub fn fraction_for_context(&self, context: u64) -> f64 {
-        let kv = self.pages_per_sequence(context) * self.kv_page_bytes;
-        #[expect(clippy::cast_precision_loss, reason = "a ratio")]
-        let f = self.state_slot_bytes as f64 / (kv + self.state_slot_bytes) as f64;
-        f
+        #[expect(clippy::cast_precision_loss, reason = "a ratio of byte counts")]
+        let (kv, slot) = (
+            self.pages_per_sequence(context) as f64 * self.kv_page_bytes as f64,
+            self.state_slot_bytes as f64,
+        );
+        (slot / (kv + slot)).min(1.0)
+    }
+
+    /// Bytes one running sequence of `context` tokens holds (its pages and
+    /// one state slot); `None` beyond 64 bits, where no batch fits.
+    fn sequence_bytes(&self, context: u64) -> Option<u64> {
+        self.pages_per_sequence(context)
+            .checked_mul(self.kv_page_bytes)?
+            .checked_add(self.state_slot_bytes)
     }
 
     /// The largest batch of `context`-token sequences that fits under
-    /// `layout` (module documentation).
+    /// `layout` (module documentation); 0 when not one sequence fits, also
+    /// for contexts whose size exceeds 64 bits.
     pub fn max_batch(&self, context: u64, layout: PoolLayout) -> Result<u64, AllocError> {
         let pages = self.pages_per_sequence(context.max(1));
         Ok(match layout {
@@ -149,10 +177,12 @@ impl MemoryPlan {
                 let s = self.split(ssm_fraction)?;
                 (s.kv_pages / pages).min(s.state_slots)
             }
-            PoolLayout::Avmp { .. } => {
-                self.budget_bytes / (pages * self.kv_page_bytes + self.state_slot_bytes)
-            }
-            PoolLayout::Unified => self.unified_units / (pages + 1),
+            PoolLayout::Avmp { .. } => self
+                .sequence_bytes(context.max(1))
+                .map_or(0, |b| self.budget_bytes / b),
+            PoolLayout::Unified => pages
+                .checked_add(1)
+                .map_or(0, |units| self.unified_units / units),
         })
     }
 
@@ -175,7 +205,7 @@ impl MemoryPlan {
             }
             PoolLayout::Unified => (self.unified_units / batch).saturating_sub(1),
         };
-        Ok(pages * u64::from(self.page_size))
+        Ok(pages.saturating_mul(u64::from(self.page_size)))
     }
 }
 

@@ -139,3 +139,50 @@ fn avmp_moves_the_split_toward_what_the_trace_needs() {
     assert!(c.stats.migrations > 0 && c.stats.bytes_migrated > 0);
     assert_eq!(c.stats.refused, 0);
 }
+
+#[test]
+fn contexts_beyond_the_budget_fit_no_batch_and_keep_the_fraction_in_range() {
+    // Contexts up to u64::MAX tokens, where pages · page bytes exceeds 64
+    // bits: no sequence fits (batch 0 under every layout, never a wrapped
+    // product or a division by zero) and the state fraction stays in (0, 1].
+    let m = ModelSpec::preset("jamba-1.5-mini").unwrap();
+    for page in [1, 16, 4096] {
+        let p = plan(&m, page, 10 * GIB).unwrap();
+        for context in [
+            p.max_kv_tokens + 1,
+            1 << 40,
+            1 << 60,
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            for layout in [
+                PoolLayout::Static { ssm_fraction: 0.5 },
+                PoolLayout::Avmp { ssm_fraction: 0.5 },
+                PoolLayout::Unified,
+            ] {
+                assert_eq!(
+                    p.max_batch(context, layout).unwrap(),
+                    0,
+                    "{context} {layout:?}"
+                );
+            }
+            let f = p.fraction_for_context(context);
+            assert!(f > 0.0 && f <= 1.0, "page {page} context {context}: {f}");
+        }
+        for batch in [u64::MAX, 1 << 40] {
+            assert_eq!(
+                p.max_context(batch, PoolLayout::Avmp { ssm_fraction: 0.5 })
+                    .unwrap(),
+                0
+            );
+        }
+    }
+    // A page larger than the budget, or one whose size exceeds 64 bits, is
+    // refused rather than aligned past 2^64.
+    let mut wide = m.clone();
+    wide.kv_heads = 1 << 20;
+    wide.n_heads = 1 << 20;
+    wide.head_dim = 1 << 16;
+    assert!(plan(&wide, u32::MAX, u64::MAX).is_err());
+    assert!(plan(&m, u32::MAX, GIB).is_err());
+}

@@ -4,13 +4,42 @@ from a preset or from a Hugging Face config.json."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
 from . import _lib
 from .cache import _check
+
+
+# The most bytes of a config.json read (the library refuses more).
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_config_file(path: "os.PathLike[str]") -> bytes:
+    """The bytes of the regular file at `path`, at most _MAX_CONFIG_BYTES + 1
+    (the library refuses a longer text). Opened without blocking and checked
+    on the opened file: a FIFO, directory or device raises OSError instead
+    of blocking the caller or reading for ever."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        chunks = []
+        left = _MAX_CONFIG_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _from_struct(raw: _lib.marconi_model_spec) -> dict:
@@ -29,13 +58,14 @@ class ModelSpec(dict):
         """Reads a Hugging Face config (marconi_model_spec_from_hf_config):
         `config` is the JSON text (str or bytes), a path to config.json (an
         os.PathLike), a dict of its fields, or an object with
-        to_json_string() (a transformers PretrainedConfig). Raises
+        to_json_string() (a transformers PretrainedConfig); a path that is
+        not a regular file (FIFO, directory, device) raises OSError without
+        blocking. Raises
         MarconiError (INVALID_ARGUMENT for text that is not a JSON object,
         INVALID_CONFIG for an unsupported model_type or a missing field, named
         in the detail)."""
         if isinstance(config, os.PathLike):
-            with open(config, "rb") as f:
-                text = f.read()
+            text = _read_config_file(config)
         elif isinstance(config, bytes):
             text = config
         elif isinstance(config, str):

@@ -74,3 +74,22 @@ def test_errors_name_the_file_and_key(tmp_path):
         marconi.model_spec_from_gguf("a\0b")
     with pytest.raises(TypeError):
         marconi.model_spec_from_gguf_bytes("GGUF")
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "m.gguf"
+    os.mkfifo(fifo)  # no writer: a blocking open would never return
+    for path in (fifo, tmp_path, "/dev/zero"):
+        with pytest.raises(marconi.MarconiError) as e:
+            marconi.model_spec_from_gguf(path)
+        assert e.value.name == "INVALID_ARGUMENT" and "not a regular file" in e.value.detail
+
+
+def test_impossible_models_are_invalid_config():
+    for key, value in [("nemotron_h.ssm.group_count", 0), ("nemotron_h.embedding_length", 0)]:
+        kv = [(k, value if k == key else v) for k, v in NEMOTRON]
+        with pytest.raises(marconi.MarconiError) as e:
+            marconi.model_spec_from_gguf_bytes(gguf(kv))
+        assert e.value.name == "INVALID_CONFIG", key

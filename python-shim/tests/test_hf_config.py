@@ -97,3 +97,43 @@ def test_bad_configs_are_clear_errors(bad, status, words):
 def test_wrong_types_are_refused_before_the_library():
     with pytest.raises(TypeError):
         marconi.ModelSpec.from_hf_config(42)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("conv_kernel", 0), ("n_groups", 0), ("num_key_value_heads", 8)],
+)
+def test_impossible_models_are_refused(field, value):
+    with pytest.raises(marconi.MarconiError) as e:
+        marconi.ModelSpec.from_hf_config(dict(TINY, **{field: value}))
+    assert e.value.name == "INVALID_CONFIG"
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    import os
+    import pathlib
+
+    import threading
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)  # no writer: a plain open() would block for ever
+    raised = []
+
+    def read_all():
+        for path in (fifo, tmp_path, pathlib.Path("/dev/zero")):
+            try:
+                marconi.ModelSpec.from_hf_config(path)
+            except OSError:
+                raised.append(path)
+
+    # On a thread, so that a regression fails here instead of hanging.
+    t = threading.Thread(target=read_all, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "from_hf_config blocked on a non-regular file"
+    assert raised == [fifo, tmp_path, pathlib.Path("/dev/zero")]
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * ((16 << 20) + 10))
+    with pytest.raises(marconi.MarconiError) as e:
+        marconi.ModelSpec.from_hf_config(big)
+    assert e.value.name == "INVALID_ARGUMENT"

@@ -29,22 +29,29 @@ impl Admission for AllBlocks {
 
     // A planned position off the block grid is an application checkpoint
     // (`PrefixCache::lookup_hinted`); this policy's own plan holds block
-    // boundaries only.
-    fn admissible(&self, position: u32, plan: &[u32], _aligned: u32) -> bool {
-        position % self.block_size == 0 || plan.contains(&position)
+    // boundaries only. The final state (the admitted length rounded down to
+    // the page size) is admissible under every policy that keeps states,
+    // also where the block is larger than the page and the final position
+    // falls between two block boundaries.
+    fn admissible(&self, position: u32, plan: &[u32], aligned: u32) -> bool {
+        position % self.block_size == 0 || position == aligned || plan.contains(&position)
     }
 
-    fn describe_admissible(&self, plan: &[u32], _aligned: u32) -> String {
+    fn describe_admissible(&self, plan: &[u32], aligned: u32) -> String {
         let hinted: Vec<u32> = plan
             .iter()
             .copied()
             .filter(|p| p % self.block_size != 0)
             .collect();
         if hinted.is_empty() {
-            format!("multiples of the block size {}", self.block_size)
+            format!(
+                "multiples of the block size {} or the final position {aligned}",
+                self.block_size
+            )
         } else {
             format!(
-                "multiples of the block size {} or the application checkpoints {hinted:?}",
+                "multiples of the block size {}, the application checkpoints {hinted:?} \
+                 or the final position {aligned}",
                 self.block_size
             )
         }

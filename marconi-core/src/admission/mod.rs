@@ -88,7 +88,9 @@ pub(crate) trait Admission: std::fmt::Debug + Send + Sync {
 
     /// Whether an offered state at `position` is accepted, given the
     /// lease's `plan` and the admitted length rounded down to the page
-    /// size (`aligned`). The caller guarantees `0 < position <= tokens`.
+    /// size (`aligned`). The caller guarantees `0 < position <= tokens`
+    /// and accepts `position == aligned` (the final state) without asking,
+    /// so a policy's grid never refuses the state an engine always saves.
     /// A refusal fails the whole admission with
     /// [`CacheError::NotPlanned`]. O(plan length), per offered state.
     fn admissible(&self, position: u32, plan: &[u32], aligned: u32) -> bool;
@@ -227,7 +229,11 @@ impl Core {
                     len: tokens.len(),
                 });
             }
-            if !self.admission.admissible(s.position, &info.plan, aligned) {
+            // The final state (the admitted length rounded down to the
+            // page size) is admissible under every policy; a policy rules
+            // on the others.
+            if s.position != aligned && !self.admission.admissible(s.position, &info.plan, aligned)
+            {
                 return Err(CacheError::NotPlanned {
                     position: s.position,
                     allowed: self.admission.describe_admissible(&info.plan, aligned),

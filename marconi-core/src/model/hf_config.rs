@@ -34,7 +34,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::model::ModelSpec;
+use crate::model::{dims, ModelSpec};
 
 /// Why a `config.json` could not be turned into a [`ModelSpec`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -134,6 +134,24 @@ impl<'a> Fields<'a> {
             }
         }
         Err(self.missing(&fields.join("\" or \"")))
+    }
+
+    /// A convolution width (`model::dims::conv_width`).
+    fn conv_width(&self, field: &str) -> Result<u64, HfConfigError> {
+        dims::conv_width(self.u64(field)?).map_err(|r| self.bad(field, r))
+    }
+
+    /// A Mamba-2 group count (`model::dims::groups`).
+    fn groups(&self, field: &str) -> Result<u64, HfConfigError> {
+        dims::groups(self.u64(field)?).map_err(|r| self.bad(field, r))
+    }
+
+    /// `num_experts_per_tok`, checked against the expert count `count_field`
+    /// when the config has it (`model::dims::experts_used`).
+    fn experts_used(&self, count_field: &str) -> Result<u64, HfConfigError> {
+        let field = "num_experts_per_tok";
+        dims::experts_used(self.u64(field)?, self.opt_u64(count_field)?)
+            .map_err(|r| self.bad(field, r))
     }
 
     /// A count that must fit a layer counter.
@@ -457,7 +475,7 @@ fn nemotron_h(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
     };
     m.ffn_dim = dense;
     if moe > 0 {
-        let top_k = f.u64("num_experts_per_tok")?;
+        let top_k = f.experts_used("n_routed_experts")?;
         let routed = f.u64("moe_intermediate_size")?;
         let shared = f
             .opt_u64("moe_shared_expert_intermediate_size")?
@@ -477,8 +495,8 @@ fn nemotron_h(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
             heads: f.u64("mamba_num_heads")?,
             head_dim: f.u64("mamba_head_dim")?,
             d_state: f.u64("ssm_state_size")?,
-            groups: f.u64("n_groups")?,
-            conv_kernel: f.u64("conv_kernel")?,
+            groups: f.groups("n_groups")?,
+            conv_kernel: f.conv_width("conv_kernel")?,
         }
         .fill(f, &mut m)?;
     }
@@ -512,8 +530,8 @@ fn mamba2_prefixed(f: &Fields<'_>, inner_field: Option<&str>) -> Result<Mamba2, 
         heads,
         head_dim,
         d_state: f.u64("mamba_d_state")?,
-        groups: f.u64("mamba_n_groups")?,
-        conv_kernel: f.u64("mamba_d_conv")?,
+        groups: f.groups("mamba_n_groups")?,
+        conv_kernel: f.conv_width("mamba_d_conv")?,
     })
 }
 
@@ -575,7 +593,7 @@ fn granite_moe_hybrid(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
     let shared = f.opt_u64("shared_intermediate_size")?.unwrap_or(0);
     if experts > 0 {
         // Every layer: a MoE block plus the shared MLP, folded into one width.
-        let top_k = f.u64("num_experts_per_tok")?;
+        let top_k = f.experts_used("num_local_experts")?;
         m.moe_layers = f.u32_of(field, layers)?;
         m.moe_top_k = 1;
         m.ffn_dim = moe_width(f, top_k, f.u64("intermediate_size")?, shared)?;
@@ -659,8 +677,8 @@ fn zamba2(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
         heads,
         head_dim,
         d_state: f.u64("mamba_d_state")?,
-        groups: f.u64("mamba_ngroups")?,
-        conv_kernel: f.u64("mamba_d_conv")?,
+        groups: f.groups("mamba_ngroups")?,
+        conv_kernel: f.conv_width("mamba_d_conv")?,
     }
     .fill(f, &mut m)?;
     Ok(m)
@@ -700,7 +718,7 @@ fn jamba(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
     m.moe_layers = f.u32_of("expert_layer_period", moe)?;
     m.mlp_layers = f.u32_of("num_hidden_layers", layers - moe)?;
     m.moe_top_k = if moe > 0 {
-        f.u32_of("num_experts_per_tok", f.u64("num_experts_per_tok")?)?
+        f.u32_of("num_experts_per_tok", f.experts_used("num_experts")?)?
     } else {
         0
     };
@@ -737,7 +755,7 @@ fn mamba1(
     m.ssm_state_channels = inner;
     m.conv_channels = inner;
     m.d_state = f.u64(d_state)?;
-    m.conv_kernel = f.u64(conv)?;
+    m.conv_kernel = f.conv_width(conv)?;
     Ok(())
 }
 
@@ -751,8 +769,8 @@ fn mamba2(f: &Fields<'_>) -> Result<ModelSpec, HfConfigError> {
         heads,
         head_dim,
         d_state: f.u64("state_size")?,
-        groups: f.u64("n_groups")?,
-        conv_kernel: f.u64("conv_kernel")?,
+        groups: f.groups("n_groups")?,
+        conv_kernel: f.conv_width("conv_kernel")?,
     }
     .fill(f, &mut m)?;
     Ok(m)
@@ -979,6 +997,51 @@ mod tests {
         "intermediate_size": 14336, "mamba_d_state": 16, "mamba_d_conv": 4,
         "mamba_expand": 2, "torch_dtype": "bfloat16"
     }"#;
+
+    /// `json` with `field` set to `value`.
+    fn with(json: &str, field: &str, value: Value) -> String {
+        let mut v: Value = serde_json::from_str(json).unwrap();
+        v.as_object_mut().unwrap().insert(field.into(), value);
+        v.to_string()
+    }
+
+    #[test]
+    fn impossible_models_are_refused_naming_the_field() {
+        let granite = r#"{
+            "model_type": "granitemoehybrid", "hidden_size": 64, "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
+            "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2
+        }"#;
+        // (config, field, value, the field the error names)
+        let cases = [
+            (NEMOTRON_H_8B, "n_groups", 0, "n_groups"),
+            (NEMOTRON_H_8B, "conv_kernel", 0, "conv_kernel"),
+            (NEMOTRON_H_8B, "num_key_value_heads", 64, ""),
+            (JAMBA_MINI, "mamba_d_conv", 0, "mamba_d_conv"),
+            (JAMBA_MINI, "num_experts_per_tok", 0, "num_experts_per_tok"),
+            (JAMBA_MINI, "num_experts_per_tok", 17, "num_experts_per_tok"),
+            (JAMBA_MINI, "num_key_value_heads", 33, ""),
+            (BAMBA, "mamba_n_groups", 0, "mamba_n_groups"),
+            (BAMBA, "mamba_d_conv", 0, "mamba_d_conv"),
+            (granite, "num_experts_per_tok", 0, "num_experts_per_tok"),
+            (granite, "num_experts_per_tok", 9, "num_experts_per_tok"),
+            (granite, "mamba_n_groups", 0, "mamba_n_groups"),
+        ];
+        for (json, field, value, named) in cases {
+            assert!(ModelSpec::from_hf_config(json).is_ok(), "{json}");
+            let e = ModelSpec::from_hf_config(&with(json, field, value.into())).unwrap_err();
+            match &e {
+                HfConfigError::BadField { field: f, .. } => assert_eq!(f, named, "{e}"),
+                HfConfigError::Invalid { reason, .. } => {
+                    assert!(named.is_empty() && reason.contains("KV heads"), "{e}")
+                }
+                _ => panic!("{field} = {value}: {e}"),
+            }
+        }
+    }
 
     /// A Bamba-9B-shaped config (32 layers, attention at 9, 18, 27).
     const BAMBA: &str = r#"{

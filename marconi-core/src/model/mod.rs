@@ -2,6 +2,46 @@
 //! byte formulas the cache needs (Marconi appendix A, Table 1, generalised to
 //! grouped-query attention, the Mamba expand factor, MoE and the conv state).
 
+pub mod gguf;
+pub mod hf_config;
+
+/// Checks of the dimensions a model file gives that a [`ModelSpec`] no
+/// longer holds, shared by both readers (each names its own key in the
+/// error). Each returns the reason a value is impossible.
+pub(crate) mod dims {
+    /// A convolution width (`d_conv`, `conv_kernel`, llama.cpp's
+    /// `ssm.conv_kernel`): at least 1.
+    pub(crate) fn conv_width(width: u64) -> Result<u64, String> {
+        if width == 0 {
+            return Err("a convolution of width 0".into());
+        }
+        Ok(width)
+    }
+
+    /// The Mamba-2 group count (B and C are shared within a group): at
+    /// least 1.
+    pub(crate) fn groups(groups: u64) -> Result<u64, String> {
+        if groups == 0 {
+            return Err("0 groups: Mamba-2 has at least one B/C group".into());
+        }
+        Ok(groups)
+    }
+
+    /// Experts a token (`used`) out of `count` routed experts (`None` where
+    /// the file does not say): at least 1, at most the count.
+    pub(crate) fn experts_used(used: u64, count: Option<u64>) -> Result<u64, String> {
+        if used == 0 {
+            return Err("0 experts a token".into());
+        }
+        match count {
+            Some(count) if used > count => {
+                Err(format!("{used} experts a token out of {count} experts"))
+            }
+            _ => Ok(used),
+        }
+    }
+}
+
 use serde::{Deserialize, Serialize};
 
 /// What the cache needs to know about a model: how many layers of each kind,
@@ -160,8 +200,16 @@ impl ModelSpec {
     }
 
     /// Checks that the description can drive a cache: at least one stateful
-    /// layer, non-zero dimensions where a layer kind is present, and sizes that
-    /// do not overflow.
+    /// layer, non-zero dimensions where a layer kind is present, no more KV
+    /// heads than query heads, at least one expert a token where MoE layers
+    /// are present, and sizes that do not overflow. Both model readers
+    /// ([`from_hf_config`](Self::from_hf_config),
+    /// [`from_gguf`](Self::from_gguf)) end with it, and every cache
+    /// ([`crate::CacheConfig::validate`]) and plan starts with it, so a spec
+    /// a reader accepts always builds a cache. What a spec no longer holds
+    /// (the convolution width before llama.cpp drops a column, the Mamba-2
+    /// group count, the expert count) is checked by the readers with
+    /// the checks of the crate's `model::dims`, shared by both.
     pub fn validate(&self) -> Result<(), String> {
         if self.attn_layers == 0 && self.ssm_layers == 0 {
             return Err("model has neither attention nor SSM layers: nothing to cache".into());
@@ -189,6 +237,15 @@ impl ModelSpec {
         }
         if self.n_heads.checked_mul(self.head_dim).is_none() {
             return Err("query width n_heads * head_dim overflows 64 bits".into());
+        }
+        if self.attn_layers > 0 && self.kv_heads > self.n_heads {
+            return Err(format!(
+                "{} KV heads for {} query heads: each KV head serves one or more query heads",
+                self.kv_heads, self.n_heads
+            ));
+        }
+        if self.moe_layers > 0 && self.moe_top_k == 0 {
+            return Err("MoE layers with 0 experts a token".into());
         }
         Ok(())
     }

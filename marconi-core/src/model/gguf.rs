@@ -35,7 +35,7 @@
 
 use std::fmt;
 
-use crate::model::ModelSpec;
+use crate::model::{dims, ModelSpec};
 
 /// The GGUF magic, "GGUF" read as a little-endian u32.
 const MAGIC: [u8; 4] = *b"GGUF";
@@ -69,6 +69,10 @@ pub enum GgufError {
         /// What is wrong with it.
         reason: String,
     },
+    /// Every key is well formed, but the model they describe cannot drive
+    /// a cache ([`ModelSpec::validate`]'s reason).
+    #[error("the model it describes is not usable: {0}")]
+    Unusable(String),
 }
 
 /// The architectures [`ModelSpec::from_gguf`] maps.
@@ -445,6 +449,10 @@ impl ModelSpec {
         };
         let experts = k.opt_u64("expert_count")?.unwrap_or(0);
         let experts_used = k.opt_u64("expert_used_count")?.unwrap_or(0);
+        if experts_used > experts {
+            dims::experts_used(experts_used, Some(experts))
+                .map_err(|r| k.bad("expert_used_count", r))?;
+        }
         let all: Vec<usize> = (0..n).collect();
         let layers = match arch {
             "nemotron_h" | "nemotron_h_moe" => {
@@ -496,6 +504,10 @@ impl ModelSpec {
                 moe: 0,
             },
         };
+        if layers.moe > 0 {
+            dims::experts_used(experts_used, Some(experts))
+                .map_err(|r| k.bad("expert_used_count", r))?;
+        }
         let n_heads = uniform(&k, "attention.head_count", &heads, &layers.attn)?;
         let kv_heads = uniform(&k, "attention.head_count_kv", &heads_kv, &layers.attn)?;
         let ffn_layers: Vec<usize> = all.iter().copied().filter(|&i| ff[i] != 0).collect();
@@ -524,15 +536,15 @@ impl ModelSpec {
         } else {
             let inner = k.u64("ssm.inner_size")?;
             let state = k.u64("ssm.state_size")?;
-            let conv = k.u64("ssm.conv_kernel")?;
+            let conv = dims::conv_width(k.u64("ssm.conv_kernel")?)
+                .map_err(|r| k.bad("ssm.conv_kernel", r))?;
+            // Mamba-1 has no groups; every Mamba-2 mixer has at least one
+            // (llama.cpp requires the key).
             let groups = if arch == "mamba" {
                 0
             } else {
-                k.opt_u64("ssm.group_count")?.unwrap_or(0)
+                dims::groups(k.u64("ssm.group_count")?).map_err(|r| k.bad("ssm.group_count", r))?
             };
-            if conv == 0 {
-                return Err(k.bad("ssm.conv_kernel", "0"));
-            }
             let channels = groups
                 .checked_mul(2)
                 .and_then(|g| g.checked_mul(state))
@@ -570,9 +582,7 @@ impl ModelSpec {
             dtype_bytes: 2,
             state_dtype_bytes: 4,
         };
-        spec.validate().map_err(|e| {
-            GgufError::Malformed(format!("the model it describes is not usable: {e}"))
-        })?;
+        spec.validate().map_err(GgufError::Unusable)?;
         Ok(spec)
     }
 }
@@ -647,6 +657,105 @@ mod tests {
         w.kv_u32("nemotron_h.ssm.group_count", 2);
         w.kv_u32("nemotron_h.context_length", 4096);
         w.0
+    }
+
+    /// The Nemotron-H of [`nemotron`] with u32 keys (without the
+    /// architecture prefix) replaced or added and per-layer arrays replaced.
+    fn nemotron_with(u32s: &[(&str, u32)], arrays: &[(&str, [i32; 6])]) -> Vec<u8> {
+        let mut keys: Vec<(String, u32)> = [
+            ("block_count", 6),
+            ("embedding_length", 256),
+            ("ssm.conv_kernel", 4),
+            ("ssm.inner_size", 512),
+            ("ssm.state_size", 64),
+            ("ssm.group_count", 2),
+        ]
+        .iter()
+        .map(|&(k, v)| (k.to_owned(), v))
+        .collect();
+        for &(k, v) in u32s {
+            keys.retain(|(old, _)| old != k);
+            keys.push((k.to_owned(), v));
+        }
+        let mut lists: Vec<(&str, [i32; 6])> = vec![
+            ("attention.head_count", [0, 4, 0, 0, 0, 0]),
+            ("attention.head_count_kv", [0, 2, 0, 0, 0, 0]),
+            ("feed_forward_length", [0, 0, 512, 0, 512, 0]),
+        ];
+        for &(k, v) in arrays {
+            lists.retain(|(old, _)| *old != k);
+            lists.push((k, v));
+        }
+        let mut w = W::header(3, 0, (1 + keys.len() + lists.len()) as u64);
+        w.kv_str("general.architecture", "nemotron_h");
+        for (k, v) in &keys {
+            w.kv_u32(&format!("nemotron_h.{k}"), *v);
+        }
+        for (k, v) in &lists {
+            w.kv_i32s(&format!("nemotron_h.{k}"), v);
+        }
+        w.0
+    }
+
+    #[test]
+    fn impossible_models_are_refused_naming_the_key() {
+        assert!(ModelSpec::from_gguf(&nemotron_with(&[], &[])).is_ok());
+        let moe = [("expert_count", 4), ("expert_used_count", 2)];
+        assert_eq!(
+            ModelSpec::from_gguf(&nemotron_with(&moe, &[])).map(|m| (m.moe_layers, m.moe_top_k)),
+            Ok((2, 2))
+        );
+        let bad_key = |key: &'static str| move |e: &GgufError| matches!(e, GgufError::BadKey { key: k, .. } if *k == format!("nemotron_h.{key}"));
+        type Check = Box<dyn Fn(&GgufError) -> bool>;
+        let cases: Vec<(Vec<u8>, Check)> = vec![
+            (
+                nemotron_with(&[("ssm.group_count", 0)], &[]),
+                Box::new(bad_key("ssm.group_count")),
+            ),
+            (
+                nemotron_with(&[("ssm.conv_kernel", 0)], &[]),
+                Box::new(bad_key("ssm.conv_kernel")),
+            ),
+            (
+                nemotron_with(&[("expert_count", 4), ("expert_used_count", 8)], &[]),
+                Box::new(bad_key("expert_used_count")),
+            ),
+            (
+                nemotron_with(&[("expert_count", 4), ("expert_used_count", 0)], &[]),
+                Box::new(bad_key("expert_used_count")),
+            ),
+            (
+                nemotron_with(&[], &[("attention.head_count_kv", [0, 8, 0, 0, 0, 0])]),
+                Box::new(
+                    |e: &GgufError| matches!(e, GgufError::Unusable(r) if r.contains("KV heads")),
+                ),
+            ),
+            // Well formed, but no model: the spec's validation refuses it.
+            (
+                nemotron_with(&[("embedding_length", 0)], &[]),
+                Box::new(|e: &GgufError| matches!(e, GgufError::Unusable(_))),
+            ),
+        ];
+        for (i, (bytes, want)) in cases.iter().enumerate() {
+            let e = ModelSpec::from_gguf(bytes).expect_err(&format!("case {i}"));
+            assert!(want(&e), "case {i}: {e:?}");
+        }
+        let mut w = W::header(3, 0, 7);
+        w.kv_str("general.architecture", "mamba2");
+        for (k, v) in [
+            ("block_count", 2),
+            ("embedding_length", 64),
+            ("ssm.conv_kernel", 4),
+            ("ssm.inner_size", 128),
+            ("ssm.state_size", 16),
+            ("ssm.time_step_rank", 4),
+        ] {
+            w.kv_u32(&format!("mamba2.{k}"), v);
+        }
+        assert_eq!(
+            ModelSpec::from_gguf(&w.0),
+            Err(GgufError::MissingKey("mamba2.ssm.group_count".into()))
+        );
     }
 
     #[test]

@@ -1,0 +1,502 @@
+//! Through the C ABI: what adversarial use of the header found mishandled.
+//! The final state under all-blocks admission with blocks larger than pages
+//! (plain cache and cache over pools), planning far beyond the budget,
+//! model paths that are not regular files, impossible models, and a drain
+//! with nothing a subscriber sees.
+
+use std::ffi::CString;
+use std::mem::{size_of, MaybeUninit};
+use std::ptr;
+
+use marconi::cache::*;
+use marconi::config::*;
+use marconi::events::*;
+use marconi::gguf::{marconi_model_spec_from_gguf, marconi_model_spec_from_gguf_bytes};
+use marconi::hf_config::marconi_model_spec_from_hf_config;
+use marconi::plan::*;
+use marconi::pool::*;
+use marconi::pooled::*;
+use marconi::status::marconi_status;
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; 512];
+    // SAFETY: buf has 512 writable bytes.
+    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
+    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
+}
+
+fn ok(s: marconi_status) {
+    assert_eq!(s, marconi_status::Ok, "{}", last_error());
+}
+
+/// An all-blocks configuration: blocks of 8 tokens over pages of 4.
+fn all_blocks_config() -> marconi_cache_config {
+    let mut cfg = MaybeUninit::<marconi_cache_config>::uninit();
+    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
+    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
+    // SAFETY: initialised above.
+    let mut cfg = unsafe { cfg.assume_init() };
+    cfg.capacity_bytes = 1 << 40;
+    cfg.page_size = 4;
+    cfg.admission = marconi_admission::AllBlocks as u32;
+    cfg.block_size = 8;
+    cfg
+}
+
+fn states(positions: &[u32], slots: &[u32]) -> Vec<marconi_saved_state> {
+    positions
+        .iter()
+        .zip(slots)
+        .map(|(&position, &slot)| marconi_saved_state { position, slot })
+        .collect()
+}
+
+#[test]
+fn all_blocks_admits_the_final_state_between_block_boundaries() {
+    let cfg = all_blocks_config();
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let input: Vec<u32> = (0..20).collect();
+    let full: Vec<u32> = (0..30).collect();
+    let mut l = marconi_lookup::default();
+    // SAFETY: live handle, valid buffers.
+    ok(unsafe {
+        marconi_cache_lookup(
+            cache,
+            0,
+            input.as_ptr(),
+            input.len(),
+            MARCONI_NO_SLOT,
+            &mut l,
+        )
+    });
+    // 30 tokens end at 28 (pages of 4), between the blocks 24 and 32.
+    let s = states(&[8, 16, 24, 28], &[1, 2, 3, 4]);
+    let mut taken = [0u8; 4];
+    let mut out = marconi_admit_result::default();
+    // SAFETY: live handle, valid buffers and lengths.
+    ok(unsafe {
+        marconi_cache_admit(
+            cache,
+            l.lease,
+            full.as_ptr(),
+            full.len(),
+            s.as_ptr(),
+            s.len(),
+            ptr::null(),
+            0,
+            taken.as_mut_ptr(),
+            &mut out,
+        )
+    });
+    assert_eq!((out.states_taken, taken), (4, [1; 4]));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(cache, l.lease) });
+    let next: Vec<u32> = (0..40).collect();
+    // SAFETY: live handle, valid buffers.
+    ok(unsafe {
+        marconi_cache_lookup(cache, 0, next.as_ptr(), next.len(), MARCONI_NO_SLOT, &mut l)
+    });
+    assert_eq!((l.hit_tokens, l.state_slot), (28, 4));
+    // SAFETY: live handle and lease; the handle is freed once.
+    unsafe {
+        ok(marconi_cache_release(cache, l.lease));
+        marconi_cache_free(cache);
+    }
+}
+
+#[test]
+fn all_blocks_over_pools_admits_the_final_state() {
+    let cfg = all_blocks_config();
+    let mut pool = MaybeUninit::<marconi_pool_config>::uninit();
+    // SAFETY: pool has sizeof(marconi_pool_config) writable bytes.
+    ok(unsafe { marconi_pool_config_init(pool.as_mut_ptr(), size_of::<marconi_pool_config>()) });
+    // SAFETY: initialised above.
+    let mut pool = unsafe { pool.assume_init() };
+    pool.budget_bytes = 8 << 30; // backend NONE: handles only, no memory
+    let mut pc = ptr::null_mut();
+    // SAFETY: valid configs and out pointer.
+    ok(unsafe { marconi_pooled_cache_new(&cfg, &pool, &mut pc) });
+    let input: Vec<u32> = (0..20).collect();
+    let full: Vec<u32> = (0..30).collect();
+    let mut l = marconi_pooled_lookup::default();
+    // SAFETY: live handle, valid buffers.
+    ok(unsafe { marconi_pooled_cache_lookup(pc, 0, input.as_ptr(), input.len(), &mut l) });
+    let (mut pages, mut slots) = ([0u32; 7], [0u32; 4]);
+    // SAFETY: live handle; buffers of the given capacities.
+    ok(unsafe {
+        marconi_pooled_cache_reserve(pc, 7, 4, pages.as_mut_ptr(), 7, slots.as_mut_ptr(), 4)
+    });
+    let s = states(&[8, 16, 24, 28], &slots);
+    let mut taken = [0u8; 4];
+    let mut out = marconi_admit_result::default();
+    // SAFETY: live handle, valid buffers and lengths.
+    ok(unsafe {
+        marconi_pooled_cache_admit(
+            pc,
+            l.lease,
+            full.as_ptr(),
+            full.len(),
+            s.as_ptr(),
+            s.len(),
+            pages.as_ptr(),
+            pages.len(),
+            taken.as_mut_ptr(),
+            &mut out,
+        )
+    });
+    assert_eq!((out.states_taken, taken), (4, [1; 4]));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_pooled_cache_release(pc, l.lease) });
+    let next: Vec<u32> = (0..40).collect();
+    // SAFETY: live handle, valid buffers.
+    ok(unsafe { marconi_pooled_cache_lookup(pc, 0, next.as_ptr(), next.len(), &mut l) });
+    assert_eq!((l.hit_tokens, l.state_handle), (28, slots[3]));
+    // SAFETY: live handle and lease; the handle is freed once.
+    unsafe {
+        ok(marconi_pooled_cache_release(pc, l.lease));
+        marconi_pooled_cache_free(pc);
+    }
+}
+
+fn plan_request(context: u64, batch: u64) -> marconi_plan_request {
+    let mut r = MaybeUninit::<marconi_plan_request>::uninit();
+    // SAFETY: r has sizeof(marconi_plan_request) writable bytes.
+    ok(unsafe { marconi_plan_request_init(r.as_mut_ptr(), size_of::<marconi_plan_request>()) });
+    // SAFETY: initialised above.
+    let mut r = unsafe { r.assume_init() };
+    r.budget_bytes = 10 << 30;
+    r.context_tokens = context;
+    r.batch = batch;
+    r
+}
+
+fn plan(r: &marconi_plan_request) -> (marconi_status, marconi_memory_plan) {
+    let mut out = marconi_memory_plan {
+        struct_size: size_of::<marconi_memory_plan>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: valid request and output struct of its declared size.
+    let st = unsafe { marconi_plan(r, &mut out) };
+    (st, out)
+}
+
+#[test]
+fn plans_beyond_the_budget_fit_nothing_and_never_panic() {
+    for context in [1 << 40, 1 << 62, u64::MAX - 1, u64::MAX] {
+        for page in [1, 16, 1 << 20] {
+            let mut r = plan_request(context, u64::MAX);
+            r.page_size = page;
+            let (st, p) = plan(&r);
+            assert_ne!(st, marconi_status::Panic, "{}", last_error());
+            if st != marconi_status::Ok {
+                assert_eq!(st, marconi_status::InvalidConfig, "{}", last_error());
+                continue;
+            }
+            assert!(
+                p.fraction_for_context > 0.0 && p.fraction_for_context <= 1.0,
+                "context {context} page {page}: {}",
+                p.fraction_for_context
+            );
+            assert_eq!(
+                (p.max_batch_static, p.max_batch_avmp, p.max_batch_unified),
+                (0, 0, 0),
+                "context {context} page {page}"
+            );
+            assert_eq!(
+                (
+                    p.max_context_static,
+                    p.max_context_avmp,
+                    p.max_context_unified
+                ),
+                (0, 0, 0)
+            );
+        }
+    }
+    // A page of u32::MAX tokens exceeds the budget: a refusal, not a panic.
+    let mut r = plan_request(1, 1);
+    r.page_size = u32::MAX;
+    assert_eq!(plan(&r).0, marconi_status::InvalidConfig);
+}
+
+/// A path in a fresh directory under the system temp dir.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("marconi-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn gguf_path(p: &std::path::Path) -> (marconi_status, marconi_model_spec) {
+    let c = CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+    let mut out = marconi_model_spec::default();
+    // SAFETY: NUL-terminated path, writable out.
+    let st = unsafe { marconi_model_spec_from_gguf(c.as_ptr(), &mut out) };
+    (st, out)
+}
+
+#[test]
+fn a_model_path_that_is_not_a_regular_file_is_refused_without_blocking() {
+    let dir = TempDir::new("fifo");
+    let fifo = dir.0.join("m.gguf");
+    let c = CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    // The call runs on a thread so that a regression fails here instead of
+    // hanging the test run: a FIFO without a writer blocks a plain open.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let paths = [
+        fifo.clone(),
+        dir.0.clone(),
+        "/dev/zero".into(),
+        "/dev/null".into(),
+    ];
+    std::thread::spawn(move || {
+        for p in paths {
+            let (st, out) = gguf_path(&p);
+            tx.send((p, st, out, last_error())).unwrap();
+        }
+    });
+    for _ in 0..4 {
+        let (p, st, out, e) = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the reader returns within 10 s");
+        assert_eq!(st, marconi_status::InvalidArgument, "{p:?}: {e}");
+        assert!(e.contains("not a regular file"), "{p:?}: {e}");
+        assert_eq!(out, marconi_model_spec::default());
+    }
+    // A writer that never closes used to make the reads wait for ever: the
+    // writer's end is opened first (non-blocking needs a reader, so this
+    // opens both ends of the FIFO on the test's side).
+    let reader = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags_nonblock()
+        .open(&fifo)
+        .unwrap();
+    let _writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (st, _) = gguf_path(&fifo);
+        tx.send(st).unwrap();
+    });
+    let st = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the reader returns within 10 s");
+    assert_eq!(st, marconi_status::InvalidArgument);
+    drop(reader);
+}
+
+/// `OpenOptions::custom_flags(O_NONBLOCK)` under a short name.
+trait NonBlock {
+    fn custom_flags_nonblock(&mut self) -> &mut Self;
+}
+
+impl NonBlock for std::fs::OpenOptions {
+    fn custom_flags_nonblock(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(libc::O_NONBLOCK)
+    }
+}
+
+/// A GGUF v3 file of a Mamba-2 with `u32s` (keys without the `mamba2.`
+/// prefix) replacing its keys.
+fn mamba2_gguf(u32s: &[(&str, u32)]) -> Vec<u8> {
+    let mut keys = vec![
+        ("block_count", 2),
+        ("embedding_length", 64),
+        ("ssm.conv_kernel", 4),
+        ("ssm.inner_size", 128),
+        ("ssm.state_size", 16),
+        ("ssm.group_count", 1),
+    ];
+    for &(k, v) in u32s {
+        keys.retain(|(o, _)| *o != k);
+        keys.push((k, v));
+    }
+    let mut b = b"GGUF".to_vec();
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes());
+    b.extend_from_slice(&(keys.len() as u64 + 1).to_le_bytes());
+    let s = |b: &mut Vec<u8>, x: &str| {
+        b.extend_from_slice(&(x.len() as u64).to_le_bytes());
+        b.extend_from_slice(x.as_bytes());
+    };
+    s(&mut b, "general.architecture");
+    b.extend_from_slice(&8u32.to_le_bytes());
+    s(&mut b, "mamba2");
+    for (k, v) in keys {
+        s(&mut b, &format!("mamba2.{k}"));
+        b.extend_from_slice(&4u32.to_le_bytes());
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+#[test]
+fn impossible_models_are_invalid_config() {
+    let mut out = marconi_model_spec::default();
+    let b = mamba2_gguf(&[]);
+    // SAFETY: valid buffers.
+    ok(unsafe { marconi_model_spec_from_gguf_bytes(b.as_ptr(), b.len(), &mut out) });
+    for bad in [
+        ("ssm.group_count", 0),
+        ("ssm.conv_kernel", 0),
+        // Well formed, but no model: the header says INVALID_CONFIG.
+        ("embedding_length", 0),
+        ("ssm.state_size", 0),
+    ] {
+        let b = mamba2_gguf(&[bad]);
+        let mut out = marconi_model_spec::default();
+        // SAFETY: valid buffers.
+        let st = unsafe { marconi_model_spec_from_gguf_bytes(b.as_ptr(), b.len(), &mut out) };
+        assert_eq!(
+            st,
+            marconi_status::InvalidConfig,
+            "{bad:?}: {}",
+            last_error()
+        );
+        assert_eq!(out, marconi_model_spec::default());
+    }
+    let jamba = r#"{"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 4,
+        "attn_layer_period": 4, "attn_layer_offset": 1, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}"#;
+    let hf = |json: &str| {
+        let mut out = marconi_model_spec::default();
+        // SAFETY: valid buffers.
+        let st = unsafe {
+            marconi_model_spec_from_hf_config(json.as_ptr().cast(), json.len(), &mut out)
+        };
+        (st, last_error())
+    };
+    assert_eq!(hf(jamba).0, marconi_status::Ok);
+    for (from, to) in [
+        (r#""mamba_d_conv": 4"#, r#""mamba_d_conv": 0"#),
+        (r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 0"#),
+        (r#""num_experts_per_tok": 2"#, r#""num_experts_per_tok": 5"#),
+        (r#""num_key_value_heads": 2"#, r#""num_key_value_heads": 8"#),
+    ] {
+        let (st, e) = hf(&jamba.replace(from, to));
+        assert_eq!(st, marconi_status::InvalidConfig, "{to}: {e}");
+    }
+    // A hand-written spec goes through the same validation.
+    let mut cfg = all_blocks_config();
+    cfg.model_preset = ptr::null();
+    // SAFETY: valid buffers.
+    ok(unsafe {
+        marconi_model_spec_from_hf_config(jamba.as_ptr().cast(), jamba.len(), &mut cfg.model)
+    });
+    cfg.model.kv_heads = cfg.model.n_heads + 1;
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    assert_eq!(
+        unsafe { marconi_cache_new(&cfg, &mut cache) },
+        marconi_status::InvalidConfig
+    );
+    assert!(cache.is_null());
+}
+
+#[test]
+fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
+    let mut cfg = all_blocks_config();
+    cfg.admission = marconi_admission::Marconi as u32;
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
+    // SAFETY: ecfg has sizeof(marconi_events_config) writable bytes.
+    ok(unsafe {
+        marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
+    });
+    // SAFETY: initialised above.
+    let mut ecfg = unsafe { ecfg.assume_init() };
+    ecfg.states = 0;
+    let mut events = ptr::null_mut();
+    // SAFETY: live cache, valid config and out pointer.
+    ok(unsafe { marconi_events_new(cache, &ecfg, &mut events) });
+    let mut buf = vec![0u8; 4096];
+    let mut len = usize::MAX;
+    let drain = |len: &mut usize, buf: &mut [u8]| {
+        // SAFETY: live handles, buf of its length, writable len.
+        ok(unsafe { marconi_events_drain(events, cache, 1.0, buf.as_mut_ptr(), buf.len(), len) });
+    };
+    // First turn: KV and a state; the drain carries the KV blocks.
+    let seq: Vec<u32> = (0..16).collect();
+    let mut l = marconi_lookup::default();
+    let mut out = marconi_admit_result::default();
+    // SAFETY: live handle, valid buffers.
+    unsafe {
+        ok(marconi_cache_lookup(
+            cache,
+            0,
+            seq.as_ptr(),
+            seq.len(),
+            MARCONI_NO_SLOT,
+            &mut l,
+        ));
+        let s = states(&[16], &[1]);
+        ok(marconi_cache_admit(
+            cache,
+            l.lease,
+            seq.as_ptr(),
+            seq.len(),
+            s.as_ptr(),
+            1,
+            ptr::null(),
+            0,
+            ptr::null_mut(),
+            &mut out,
+        ));
+        ok(marconi_cache_release(cache, l.lease));
+    }
+    drain(&mut len, &mut buf);
+    assert!(len > 12, "the KV blocks make a batch ({len} bytes)");
+    // Second: the same 16 tokens again, a state at 12 only (a state
+    // change, no new KV): nothing a subscriber without states sees.
+    // SAFETY: live handle, valid buffers.
+    unsafe {
+        ok(marconi_cache_lookup(
+            cache,
+            0,
+            seq.as_ptr(),
+            13,
+            MARCONI_NO_SLOT,
+            &mut l,
+        ));
+        let s = states(&[12], &[2]);
+        ok(marconi_cache_admit(
+            cache,
+            l.lease,
+            seq.as_ptr(),
+            13,
+            s.as_ptr(),
+            1,
+            ptr::null(),
+            0,
+            ptr::null_mut(),
+            &mut out,
+        ));
+        ok(marconi_cache_release(cache, l.lease));
+    }
+    assert_eq!(out.states_taken, 1, "the state at 12 is new");
+    len = usize::MAX;
+    drain(&mut len, &mut buf);
+    assert_eq!(len, 0, "no batch, not an empty one");
+    // SAFETY: live handles, each freed once.
+    unsafe {
+        marconi_events_free(events, cache);
+        marconi_cache_free(cache);
+    }
+}

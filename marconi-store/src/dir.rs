@@ -46,7 +46,10 @@ impl DirStore {
         let m = fs::metadata(&root)
             .map_err(|e| ConfigError(format!("cannot read {}: {e}", root.display())))?;
         if !m.is_dir() {
-            return Err(ConfigError(format!("{} is not a directory", root.display())));
+            return Err(ConfigError(format!(
+                "{} is not a directory",
+                root.display()
+            )));
         }
         Ok(DirStore {
             root,
@@ -201,4 +204,3 @@ impl Store for DirStore {
         Ok(())
     }
 }
-

@@ -163,7 +163,10 @@ mod tests {
         assert_eq!(open(&e, &seal(&e, &[])), Ok(HEADER_LEN..HEADER_LEN));
 
         assert_eq!(open(&e, &sealed[..50]), Err(Refusal::Truncated));
-        assert_eq!(open(&e, &sealed[..sealed.len() - 1]), Err(Refusal::Truncated));
+        assert_eq!(
+            open(&e, &sealed[..sealed.len() - 1]),
+            Err(Refusal::Truncated)
+        );
         let mut longer = sealed.clone();
         longer.push(0);
         assert_eq!(open(&e, &longer), Err(Refusal::Corrupt));

@@ -250,6 +250,10 @@ mod tests {
         let s4 = k.state_key(&t, 4).unwrap();
         let s5 = k.state_key(&t, 5).unwrap();
         assert!(s4 != s5 && s4 != s6);
-        assert_ne!(s4.digest, k.kv_keys(&t)[0].digest, "a state is not its block");
+        assert_ne!(
+            s4.digest,
+            k.kv_keys(&t)[0].digest,
+            "a state is not its block"
+        );
     }
 }

@@ -90,7 +90,9 @@ impl RedisStore {
     /// A store for `cfg` (no connection is opened yet).
     pub fn new(cfg: RedisConfig) -> Result<RedisStore, ConfigError> {
         if cfg.timeout.is_zero() || cfg.connect_timeout.is_zero() {
-            return Err(ConfigError("timeout and connect_timeout must be > 0".into()));
+            return Err(ConfigError(
+                "timeout and connect_timeout must be > 0".into(),
+            ));
         }
         let client = Client::open(cfg.url.as_str())
             .map_err(|e| ConfigError(format!("redis url {:?}: {e}", cfg.url)))?;
@@ -231,7 +233,9 @@ impl Store for RedisStore {
         }
         let r = self.run(&p)?;
         if r.len() != names.len() {
-            return Err(StoreError::Failed("GETRANGE: wrong number of replies".into()));
+            return Err(StoreError::Failed(
+                "GETRANGE: wrong number of replies".into(),
+            ));
         }
         r.into_iter()
             .map(|v| match v {

@@ -394,7 +394,12 @@ impl StoreTier {
     /// position is not in `1..=tokens.len()` or the value is over
     /// `max_value_bytes`; a store failure is returned (and counted), and an
     /// engine may ignore it: the value is simply not there later.
-    pub fn put_state(&self, tokens: &[u32], position: usize, value: &[u8]) -> Result<(), StoreError> {
+    pub fn put_state(
+        &self,
+        tokens: &[u32],
+        position: usize,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
         let key = self.state_key(tokens, position)?;
         self.put(&[key], &[value])
     }
@@ -431,7 +436,12 @@ impl StoreTier {
 
     /// Writes KV blocks `first_block..first_block + blocks.len()` of
     /// `tokens` (full blocks of `block_size` tokens).
-    pub fn put_kv(&self, tokens: &[u32], first_block: usize, blocks: &[&[u8]]) -> Result<(), StoreError> {
+    pub fn put_kv(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        blocks: &[&[u8]],
+    ) -> Result<(), StoreError> {
         let keys = self.kv_range(tokens, first_block, blocks.len())?;
         self.put(&keys, blocks)
     }

@@ -208,6 +208,14 @@ const MAGIC: u64 = 0x6d63_7374_6f72_6531; // "mcstore1"
 /// A store handle: opaque to C. Create with marconi_store_new, free with
 /// marconi_store_free. Safe to call from several threads at once.
 pub struct marconi_store {
+    _private: [u8; 0],
+}
+
+/// What a `*marconi_store` points to. `repr(C)`: the magic is its first 8
+/// bytes, all that is read of a pointer before it is known to be a store
+/// handle.
+#[repr(C)]
+struct StoreHandle {
     magic: u64,
     tier: StoreTier,
 }
@@ -215,16 +223,19 @@ pub struct marconi_store {
 /// # Safety
 ///
 /// `store` is NULL or a live handle from marconi_store_new.
-unsafe fn store_handle<'a>(store: *const marconi_store) -> FfiResult<&'a marconi_store> {
+unsafe fn store_handle<'a>(store: *const marconi_store) -> FfiResult<&'a StoreHandle> {
+    let store = store.cast::<StoreHandle>();
     check_ptr!(store);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract.
-    let s = unsafe { &*store };
-    if s.magic != MAGIC {
+    // SAFETY: non-NULL and aligned (checked); a live handle by the caller's
+    // contract, whose magic (its first field) is read first.
+    if unsafe { store.cast::<u64>().read() } != MAGIC {
         return Err(FfiError::new(
             marconi_status::InvalidArgument,
             "store is not a marconi_store handle",
         ));
     }
+    // SAFETY: as above; only shared references are formed (Sync).
+    let s = unsafe { &*store };
     Ok(s)
 }
 
@@ -490,9 +501,9 @@ pub unsafe extern "C" fn marconi_store_new(
             }
         };
         let tier = StoreTier::new(store, tc).map_err(config_error)?;
-        let h = Box::new(marconi_store { magic: MAGIC, tier });
+        let h = Box::new(StoreHandle { magic: MAGIC, tier });
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        unsafe { out.write(Box::into_raw(h)) };
+        unsafe { out.write(Box::into_raw(h).cast::<marconi_store>()) };
         Ok(())
     })
 }
@@ -516,7 +527,7 @@ pub unsafe extern "C" fn marconi_store_free(store: *mut marconi_store) {
             return;
         }
         // SAFETY: from Box::into_raw in marconi_store_new, freed once.
-        let mut b = unsafe { Box::from_raw(store) };
+        let mut b = unsafe { Box::from_raw(store.cast::<StoreHandle>()) };
         b.magic = 0;
         drop(b);
     })

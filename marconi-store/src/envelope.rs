@@ -12,7 +12,7 @@
 //! | 16..48 | model/layout fingerprint                               |
 //! | 48..80 | digest of the key the value was written under          |
 //! | 80..88 | payload length                                         |
-//! | 88..96 | XXH3-64 of bytes 0..88 then the payload                |
+//! | 88..96 | XXH3-64 of the payload seeded with XXH3-64 of 0..88    |
 //!
 //! Checks run cheapest first and the first failure names the miss:
 //! truncated (shorter than a header or than its length says), corrupt (bad
@@ -21,7 +21,7 @@
 //! keys). A value passes only when every field matches what the reader
 //! expects and the checksum holds.
 
-use xxhash_rust::xxh3::Xxh3Default;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::key::{Fingerprint, KeyKind, StoreKey};
 
@@ -31,9 +31,6 @@ pub const MAGIC: [u8; 8] = *b"MRCNSTOR";
 pub const FORMAT_VERSION: u16 = 1;
 /// Bytes before the payload.
 pub const HEADER_LEN: usize = 96;
-/// Bytes hashed and copied per step when sealing, so the copy's
-/// destination is still in cache when it is hashed.
-const CHUNK: usize = 64 * 1024;
 
 /// What a reader expects of a value (and what a writer seals into it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,22 +71,21 @@ fn header(e: &Expect, len: u64) -> [u8; HEADER_LEN] {
     h
 }
 
+/// The checksum of an envelope: XXH3-64 of the payload, seeded with the
+/// XXH3-64 of the header's first 88 bytes (one pass over the payload).
+fn checksum(head: &[u8], payload: &[u8]) -> u64 {
+    xxh3_64_with_seed(payload, xxh3_64(head))
+}
+
 /// The envelope of `payload` for `e`: header then payload, sealed with the
-/// checksum. Copies and hashes the payload in one pass of cache-sized
-/// chunks.
+/// checksum.
 pub fn seal(e: &Expect, payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     let mut h = header(e, payload.len() as u64);
-    let mut x = Xxh3Default::new();
-    x.update(&h[..88]);
+    let sum = checksum(&h[..88], payload);
+    h[88..96].copy_from_slice(&sum.to_le_bytes());
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&h);
-    for c in payload.chunks(CHUNK) {
-        let at = out.len();
-        out.extend_from_slice(c);
-        x.update(&out[at..]);
-    }
-    h[88..96].copy_from_slice(&x.digest().to_le_bytes());
-    out[88..96].copy_from_slice(&h[88..96]);
+    out.extend_from_slice(payload);
     out
 }
 
@@ -119,10 +115,7 @@ pub fn open(e: &Expect, bytes: &[u8]) -> Result<std::ops::Range<usize>, Refusal>
     if body > len || KeyKind::from_u8(h[10]).is_none() || h[11] != 0 {
         return Err(Refusal::Corrupt);
     }
-    let mut x = Xxh3Default::new();
-    x.update(&h[..88]);
-    x.update(&bytes[HEADER_LEN..]);
-    if x.digest() != le64(88..96) {
+    if checksum(&h[..88], &bytes[HEADER_LEN..]) != le64(88..96) {
         return Err(Refusal::Corrupt);
     }
     // The header is intact: what remains is whether it is ours.

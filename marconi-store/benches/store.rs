@@ -3,6 +3,11 @@
 //! directory store and, when redis-server is on PATH, a Redis started on
 //! 127.0.0.1. Run: `cargo bench -p marconi-store --bench store`.
 
+#![expect(
+    missing_docs,
+    reason = "criterion_group! generates an undocumented function"
+)]
+
 #[path = "../tests/common.rs"]
 mod common;
 

@@ -15,7 +15,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use marconi_store::envelope::{open, seal, Expect};
+use marconi_store::envelope::{open, seal, seal_header, Expect};
 use marconi_store::{
     DirStore, Fingerprint, KeyKind, Lookup, RedisConfig, RedisStore, StoreKey, StoreTier,
     TierConfig,
@@ -57,6 +57,9 @@ fn envelope(c: &mut Criterion) {
         );
         g.bench_with_input(BenchmarkId::new("seal", mib), &payload, |b, p| {
             b.iter(|| black_box(seal(&e, p)))
+        });
+        g.bench_with_input(BenchmarkId::new("seal_header", mib), &payload, |b, p| {
+            b.iter(|| black_box(seal_header(&e, p)))
         });
         let sealed = seal(&e, &payload);
         g.bench_with_input(BenchmarkId::new("open_verify", mib), &sealed, |b, s| {

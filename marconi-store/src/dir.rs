@@ -112,7 +112,7 @@ impl DirStore {
         Ok(Fetched::Value(buf))
     }
 
-    fn put_one(&self, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    fn put_one(&self, name: &str, parts: &[&[u8]]) -> Result<(), StoreError> {
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self
             .root
@@ -123,7 +123,9 @@ impl DirStore {
                 .create_new(true)
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(&tmp)?;
-            f.write_all(bytes)?;
+            for p in parts {
+                f.write_all(p)?;
+            }
             drop(f);
             fs::rename(&tmp, self.root.join(name))
         };
@@ -176,7 +178,17 @@ impl Store for DirStore {
         let start = Instant::now();
         for (n, b) in items {
             self.deadline(start)?;
-            self.put_one(n, b)?;
+            self.put_one(n, &[b])?;
+        }
+        Ok(())
+    }
+
+    fn batch_put_parts(&self, items: &[(&str, [&[u8]; 2])]) -> Result<(), StoreError> {
+        check_names(items.iter().map(|(n, _)| *n))?;
+        let start = Instant::now();
+        for (n, parts) in items {
+            self.deadline(start)?;
+            self.put_one(n, parts)?;
         }
         Ok(())
     }

@@ -77,12 +77,20 @@ fn checksum(head: &[u8], payload: &[u8]) -> u64 {
     xxh3_64_with_seed(payload, xxh3_64(head))
 }
 
-/// The envelope of `payload` for `e`: header then payload, sealed with the
-/// checksum.
-pub fn seal(e: &Expect, payload: &[u8]) -> Vec<u8> {
+/// The sealed header of `payload`'s envelope for `e` (the envelope is this
+/// header followed by the payload): one hashing pass, no copy, for stores
+/// that write the two parts one after the other.
+pub fn seal_header(e: &Expect, payload: &[u8]) -> [u8; HEADER_LEN] {
     let mut h = header(e, payload.len() as u64);
     let sum = checksum(&h[..88], payload);
     h[88..96].copy_from_slice(&sum.to_le_bytes());
+    h
+}
+
+/// The envelope of `payload` for `e`: header then payload, sealed with the
+/// checksum.
+pub fn seal(e: &Expect, payload: &[u8]) -> Vec<u8> {
+    let h = seal_header(e, payload);
     let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&h);
     out.extend_from_slice(payload);
@@ -153,6 +161,7 @@ mod tests {
         let sealed = seal(&e, &payload);
         assert_eq!(sealed.len(), HEADER_LEN + payload.len());
         assert_eq!(&sealed[open(&e, &sealed).unwrap()], &payload[..]);
+        assert_eq!(seal_header(&e, &payload)[..], sealed[..HEADER_LEN]);
         assert_eq!(open(&e, &seal(&e, &[])), Ok(HEADER_LEN..HEADER_LEN));
 
         assert_eq!(open(&e, &sealed[..50]), Err(Refusal::Truncated));

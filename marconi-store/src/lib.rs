@@ -77,6 +77,19 @@ pub trait Store: Send + Sync {
     fn batch_get(&self, names: &[&str], max_bytes: usize) -> Result<Vec<Fetched>, StoreError>;
     /// Stores each `(name, bytes)`, replacing what was there.
     fn batch_put(&self, items: &[(&str, &[u8])]) -> Result<(), StoreError>;
+    /// Stores each `(name, [head, body])` as the object `head ++ body`.
+    /// The default joins the parts and calls [`Store::batch_put`]; a store
+    /// that can write them one after the other without the copy (a file)
+    /// overrides it.
+    fn batch_put_parts(&self, items: &[(&str, [&[u8]; 2])]) -> Result<(), StoreError> {
+        let joined: Vec<Vec<u8>> = items.iter().map(|(_, p)| p.concat()).collect();
+        let refs: Vec<(&str, &[u8])> = items
+            .iter()
+            .zip(&joined)
+            .map(|((n, _), b)| (*n, b.as_slice()))
+            .collect();
+        self.batch_put(&refs)
+    }
     /// Removes the objects under `names` (absent names are not an error).
     fn delete(&self, names: &[&str]) -> Result<(), StoreError>;
 }

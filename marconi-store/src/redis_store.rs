@@ -4,7 +4,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use redis::{Client, Connection, Value};
+use redis::{Client, Connection, RedisWrite, ToRedisArgs, Value};
 
 use crate::error::{ConfigError, StoreError};
 use crate::{check_names, Fetched, Store};
@@ -185,6 +185,23 @@ impl RedisStore {
     }
 }
 
+/// An object given in two parts, written as one argument straight into the
+/// command buffer (no joined copy first).
+struct Parts<'a>([&'a [u8]; 2]);
+
+impl ToRedisArgs for Parts<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + RedisWrite,
+    {
+        let mut w = out.writer_for_next_arg();
+        for p in self.0 {
+            // The writer appends to the command's Vec: it cannot fail.
+            let _ = std::io::Write::write_all(&mut w, p);
+        }
+    }
+}
+
 fn unexpected(what: &str, v: &Value) -> StoreError {
     StoreError::Failed(format!("unexpected reply to {what}: {v:?}"))
 }
@@ -256,6 +273,22 @@ impl Store for RedisStore {
         let mut p = redis::pipe();
         for (n, b) in items {
             p.cmd("SET").arg(*n).arg(*b);
+            if self.cfg.ttl_s > 0 {
+                p.arg("EX").arg(self.cfg.ttl_s);
+            }
+            p.ignore();
+        }
+        self.run(&p).map(drop)
+    }
+
+    fn batch_put_parts(&self, items: &[(&str, [&[u8]; 2])]) -> Result<(), StoreError> {
+        check_names(items.iter().map(|(n, _)| *n))?;
+        if items.is_empty() {
+            return Ok(());
+        }
+        let mut p = redis::pipe();
+        for (n, parts) in items {
+            p.cmd("SET").arg(*n).arg(Parts(*parts));
             if self.cfg.ttl_s > 0 {
                 p.arg("EX").arg(self.cfg.ttl_s);
             }

@@ -313,17 +313,18 @@ impl StoreTier {
             )));
         }
         let names: Vec<String> = keys.iter().map(|k| self.name(k)).collect();
-        let sealed: Vec<Vec<u8>> = keys
+        let heads: Vec<[u8; HEADER_LEN]> = keys
             .iter()
             .zip(payloads)
-            .map(|(k, p)| envelope::seal(&self.expect(*k), p))
+            .map(|(k, p)| envelope::seal_header(&self.expect(*k), p))
             .collect();
-        let items: Vec<(&str, &[u8])> = names
+        let items: Vec<(&str, [&[u8]; 2])> = names
             .iter()
-            .map(String::as_str)
-            .zip(sealed.iter().map(Vec::as_slice))
+            .zip(&heads)
+            .zip(payloads)
+            .map(|((n, h), p)| (n.as_str(), [&h[..], *p]))
             .collect();
-        match self.store.batch_put(&items) {
+        match self.store.batch_put_parts(&items) {
             Ok(()) => {
                 add(&self.counters.puts, keys.len() as u64);
                 let bytes: usize = payloads.iter().map(|p| p.len()).sum();

@@ -3243,7 +3243,7 @@ marconi_status marconi_store_delete_state(const struct marconi_store *store,
  * MARCONI_STATUS_INVALID_ARGUMENT when the blocks are not all full blocks
  * of `tokens`, n_blocks or block_bytes is 0, or block_bytes is over
  * max_value_bytes; MARCONI_STATUS_BACKEND_FAILURE when the store did not
- * take them.
+ * take them (it may have taken some: a later read verifies each block).
  *
  * Thread safety: safe to call concurrently on the same store.
  *

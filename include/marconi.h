@@ -17,7 +17,9 @@
  *    return MARCONI_STATUS_OK (the documented exception: a "needed size"
  *    output on MARCONI_STATUS_BUFFER_TOO_SMALL); a failing call changes
  *    nothing in the cache, and marconi_last_error() describes it;
- *  - no pointer passed in is kept after the call returns;
+ *  - no pointer passed in is kept after the call returns (the exception:
+ *    the callbacks and user pointer of a marconi_store_config, kept until
+ *    marconi_store_free);
  *  - a Rust panic never unwinds into the caller: it becomes
  *    MARCONI_STATUS_PANIC, and its message and location go to
  *    marconi_last_error() (and a `tracing` event), never to stderr;
@@ -70,6 +72,23 @@
  * The size of `marconi_pml_error::message`.
  */
 #define MARCONI_PML_ERROR_MESSAGE_BYTES 256
+
+/**
+ * A callback's result: success (get: `*len` bytes written; exists: the
+ * object is absent is MARCONI_STORE_CB_ABSENT).
+ */
+#define MARCONI_STORE_CB_OK 0
+
+/**
+ * A callback's result: no object under that name.
+ */
+#define MARCONI_STORE_CB_ABSENT 1
+
+/**
+ * get's result: the buffer is too small; `*len` is the object's size and
+ * nothing was written.
+ */
+#define MARCONI_STORE_CB_TOO_SMALL 2
 
 /**
  * The result of every fallible call. Values are explicit and never reused
@@ -576,6 +595,36 @@ typedef uint32_t marconi_event_namespaces;
 #endif // __cplusplus
 
 /**
+ * Which store a handle uses.
+ */
+enum marconi_store_backend
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * A local directory (`location`: its path; created when missing).
+   */
+  MARCONI_STORE_BACKEND_DIR = 0,
+  /**
+   * Redis or Valkey (`location`: "redis://host:port[/db]").
+   */
+  MARCONI_STORE_BACKEND_REDIS = 1,
+  /**
+   * The engine's store, through the `get`, `put`, `exists` and `del`
+   * callbacks of the configuration (`location` unused).
+   */
+  MARCONI_STORE_BACKEND_CALLBACK = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_store_backend marconi_store_backend;
+#else
+typedef uint32_t marconi_store_backend;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -604,6 +653,12 @@ typedef struct marconi_pool marconi_pool;
  * free with marconi_pooled_cache_free.
  */
 typedef struct marconi_pooled_cache marconi_pooled_cache;
+
+/**
+ * A store handle: opaque to C. Create with marconi_store_new, free with
+ * marconi_store_free. Safe to call from several threads at once.
+ */
+typedef struct marconi_store marconi_store;
 
 /**
  * A model's layer composition and dimensions (see marconi-core's ModelSpec
@@ -1803,6 +1858,212 @@ typedef struct marconi_pooled_stats {
    */
   uint64_t leases;
 } marconi_pooled_stats;
+
+/**
+ * Reads the object `name` (NUL-terminated) into `buf[0..cap]`: returns
+ * MARCONI_STORE_CB_OK with its size in `*len`, MARCONI_STORE_CB_ABSENT,
+ * MARCONI_STORE_CB_TOO_SMALL with its size in `*len`, or anything else
+ * for a failure (a miss). `name` and `buf` are valid only during the call.
+ */
+typedef int32_t (*marconi_store_get_fn)(void *user,
+                                        const char *name,
+                                        uint8_t *buf,
+                                        size_t cap,
+                                        size_t *len);
+
+/**
+ * Writes `data[0..len]` as the object `name`, replacing it: returns
+ * MARCONI_STORE_CB_OK, or anything else for a failure.
+ */
+typedef int32_t (*marconi_store_put_fn)(void *user,
+                                        const char *name,
+                                        const uint8_t *data,
+                                        size_t len);
+
+/**
+ * Whether the object `name` exists: MARCONI_STORE_CB_OK (yes),
+ * MARCONI_STORE_CB_ABSENT (no), anything else for a failure.
+ */
+typedef int32_t (*marconi_store_exists_fn)(void *user, const char *name);
+
+/**
+ * Removes the object `name` (absent is success): MARCONI_STORE_CB_OK, or
+ * anything else for a failure.
+ */
+typedef int32_t (*marconi_store_delete_fn)(void *user, const char *name);
+
+/**
+ * Configuration of a store handle. Versioned by size: fill it with
+ * marconi_store_config_init(&cfg, sizeof cfg), then set fields. Strings
+ * are read only during marconi_store_new.
+ */
+typedef struct marconi_store_config {
+  /**
+   * sizeof(marconi_store_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_store_backend value. Default MARCONI_STORE_BACKEND_DIR.
+   */
+  uint32_t backend;
+  /**
+   * The directory (DIR) or the URL (REDIS); unused by CALLBACK.
+   * Required for DIR and REDIS.
+   */
+  const char *location;
+  /**
+   * What makes two engines' values interchangeable: the model (name or
+   * config digest), dtype, parallel layout... Required; engines share
+   * entries exactly when this string is equal.
+   */
+  const char *model;
+  /**
+   * Prepended to object names ([A-Za-z0-9._:-], not starting with a
+   * dot), or NULL for "marconi-".
+   */
+  const char *prefix;
+  /**
+   * An operator's partition of the store (tenant, deployment), or NULL
+   * for none.
+   */
+  const char *namespace_;
+  /**
+   * The seed of the block hashes' NONE_HASH (vLLM's PYTHONHASHSEED), or
+   * NULL for vLLM's default "vllm-none-hash".
+   */
+  const char *seed;
+  /**
+   * The extra key of every block hash (as marconi_events; 0: none).
+   */
+  uint64_t ns;
+  /**
+   * Tokens per KV block. Required (> 0).
+   */
+  uint32_t block_size;
+  /**
+   * The engine's value layout version (bump it when its block or state
+   * byte layout changes). Default 1.
+   */
+  uint32_t layout_version;
+  /**
+   * Bound of one store call (DIR, CALLBACK) or of each socket read and
+   * write (REDIS), in milliseconds. Default 50.
+   */
+  uint32_t timeout_ms;
+  /**
+   * REDIS: bound of opening a connection, in milliseconds. Default 50.
+   */
+  uint32_t connect_timeout_ms;
+  /**
+   * The largest value read or written, in bytes. Default 256 MiB.
+   */
+  uint64_t max_value_bytes;
+  /**
+   * REDIS: expiry of the objects written, in seconds (0: none). Default 0.
+   */
+  uint64_t ttl_s;
+  /**
+   * CALLBACK: reads an object. Required for CALLBACK.
+   */
+  marconi_store_get_fn get;
+  /**
+   * CALLBACK: writes an object. Required for CALLBACK.
+   */
+  marconi_store_put_fn put;
+  /**
+   * CALLBACK: whether an object exists. Required for CALLBACK.
+   */
+  marconi_store_exists_fn exists;
+  /**
+   * CALLBACK: removes an object. Required for CALLBACK.
+   */
+  marconi_store_delete_fn del;
+  /**
+   * CALLBACK: passed to every callback. The callbacks are called from
+   * the threads that call the store handle, possibly at once: they and
+   * `user` must be thread-safe, and live until marconi_store_free.
+   */
+  void *user;
+} marconi_store_config;
+
+/**
+ * A store's counters (marconi_store_stats): hits, misses by kind, writes.
+ * Set struct_size to sizeof(marconi_store_stats) before the call.
+ */
+typedef struct marconi_store_stats {
+  /**
+   * sizeof(marconi_store_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Values returned (verified).
+   */
+  uint64_t hits;
+  /**
+   * Misses: no object.
+   */
+  uint64_t absent;
+  /**
+   * Misses: shorter than its envelope says.
+   */
+  uint64_t truncated;
+  /**
+   * Misses: bad magic or checksum.
+   */
+  uint64_t corrupt;
+  /**
+   * Misses: another envelope format or layout version.
+   */
+  uint64_t version;
+  /**
+   * Misses: another model's value.
+   */
+  uint64_t foreign_model;
+  /**
+   * Misses: a value written under another key (copied or swapped).
+   */
+  uint64_t wrong_key;
+  /**
+   * Misses: over max_value_bytes, or a KV block of another size.
+   */
+  uint64_t oversized;
+  /**
+   * Misses: not a plain object (directory, symlink, FIFO, Redis list).
+   */
+  uint64_t not_regular;
+  /**
+   * Misses: the store timed out.
+   */
+  uint64_t timeout;
+  /**
+   * Misses: the store was unreachable (or in reconnection backoff).
+   */
+  uint64_t unavailable;
+  /**
+   * Misses: the store answered with an error.
+   */
+  uint64_t failed;
+  /**
+   * Values written.
+   */
+  uint64_t puts;
+  /**
+   * Values the store failed to write.
+   */
+  uint64_t put_failures;
+  /**
+   * Payload bytes returned.
+   */
+  uint64_t bytes_read;
+  /**
+   * Payload bytes written.
+   */
+  uint64_t bytes_written;
+} marconi_store_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -3134,6 +3395,191 @@ marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
  * `pc` is a live handle or NULL.
  */
 marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc);
+
+/**
+ * Fills `*cfg` with the defaults (documented per field) and sets
+ * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than this library's struct.
+ *
+ * Thread safety: touches only `*cfg`.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_store_config_init(struct marconi_store_config *cfg, size_t struct_size);
+
+/**
+ * Creates a store handle from `*cfg` and writes it to `*out` (free it
+ * with marconi_store_free). Opens no connection (REDIS connects on first
+ * use); creates the directory (DIR). MARCONI_STATUS_INVALID_CONFIG (reason
+ * in marconi_last_error) for a missing model or location, block_size 0,
+ * timeout_ms 0, a bad URL, prefix or backend, or a CALLBACK backend
+ * without all four callbacks.
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or initialised by marconi_store_config_init; `out` is
+ * writable or NULL.
+ */
+marconi_status marconi_store_new(const struct marconi_store_config *cfg,
+                                 struct marconi_store **out);
+
+/**
+ * Frees a store handle (closes its connections). NULL is a no-op.
+ *
+ * Thread safety: no other call may use the handle during or after this.
+ *
+ * # Safety
+ *
+ * `store` is NULL or a live handle from marconi_store_new, freed once.
+ */
+void marconi_store_free(struct marconi_store *store);
+
+/**
+ * Writes the recurrent state after `tokens[0..position]`
+ * (`data[0..len]`, at most max_value_bytes) to the store.
+ * MARCONI_STATUS_POSITION_OUT_OF_RANGE unless 1 <= position <= n_tokens;
+ * MARCONI_STATUS_BACKEND_FAILURE when the store did not take it (the
+ * engine may ignore it: the state is then simply not found later).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32 and `data`
+ * len bytes (either NULL only with length 0).
+ */
+marconi_status marconi_store_put_state(const struct marconi_store *store,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       size_t position,
+                                       const uint8_t *data,
+                                       size_t len);
+
+/**
+ * Reads the recurrent state after `tokens[0..position]` into `buf`: on a
+ * hit writes its size to `*out_len` and 1 to `*out_found`; on a miss (no
+ * value, or one that failed verification, or a store that is down or
+ * slow) writes 0 to both. MARCONI_STATUS_BUFFER_TOO_SMALL, with the
+ * state's size in `*out_len` and nothing else written, when it is larger
+ * than `cap`. MARCONI_STATUS_POSITION_OUT_OF_RANGE unless
+ * 1 <= position <= n_tokens.
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
+ * cap writable bytes (NULL only with cap 0); `out_len`, `out_found` are
+ * writable.
+ */
+marconi_status marconi_store_get_state(const struct marconi_store *store,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       size_t position,
+                                       uint8_t *buf,
+                                       size_t cap,
+                                       size_t *out_len,
+                                       uint32_t *out_found);
+
+/**
+ * Removes the state after `tokens[0..position]` from the store.
+ * MARCONI_STATUS_BACKEND_FAILURE when the store failed.
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32.
+ */
+marconi_status marconi_store_delete_state(const struct marconi_store *store,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          size_t position);
+
+/**
+ * Writes KV blocks `first_block .. first_block + n_blocks` of `tokens`
+ * (full blocks of block_size tokens), `block_bytes` bytes each, laid out
+ * one after the other in `data` (`n_blocks * block_bytes` bytes).
+ * MARCONI_STATUS_INVALID_ARGUMENT when the blocks are not all full blocks
+ * of `tokens`, n_blocks or block_bytes is 0, or block_bytes is over
+ * max_value_bytes; MARCONI_STATUS_BACKEND_FAILURE when the store did not
+ * take them (it may have taken some: a later read verifies each block).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32; `data` has
+ * n_blocks * block_bytes readable bytes.
+ */
+marconi_status marconi_store_put_kv(const struct marconi_store *store,
+                                    const uint32_t *tokens,
+                                    size_t n_tokens,
+                                    size_t first_block,
+                                    size_t n_blocks,
+                                    const uint8_t *data,
+                                    size_t block_bytes);
+
+/**
+ * Reads KV blocks of `tokens` from `first_block`, each exactly
+ * `block_bytes` bytes, into `buf` one after the other: at most
+ * `cap / block_bytes` blocks and no further than the tokens' full blocks,
+ * in one store call. Writes the number of consecutive verified blocks
+ * from `first_block` to `*out_blocks` (0 on a miss of the first, and when
+ * the store is down or slow). MARCONI_STATUS_INVALID_ARGUMENT when
+ * block_bytes is 0 or first_block is past the tokens' full blocks.
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
+ * cap writable bytes (NULL only with cap 0); `out_blocks` is writable.
+ */
+marconi_status marconi_store_get_kv(const struct marconi_store *store,
+                                    const uint32_t *tokens,
+                                    size_t n_tokens,
+                                    size_t first_block,
+                                    size_t block_bytes,
+                                    uint8_t *buf,
+                                    size_t cap,
+                                    size_t *out_blocks);
+
+/**
+ * Writes to `*out_blocks` how many of `tokens`' full blocks, from block
+ * 0, the store says it has (one existence query, no value read: a hint
+ * that marconi_store_get_kv verifies). 0 when the store is down or slow.
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `tokens` has n_tokens u32;
+ * `out_blocks` is writable.
+ */
+marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       size_t *out_blocks);
+
+/**
+ * Writes the store's counters to `*out`. Set out->struct_size to
+ * sizeof(marconi_store_stats) first: only that many bytes are written (at
+ * least 8), so callers compiled against an older header keep working.
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * `store` is a live handle or NULL; `out` is NULL or points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_store_stats(const struct marconi_store *store,
+                                   struct marconi_store_stats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -32,6 +32,7 @@ pub mod pml;
 pub mod pool;
 pub mod pooled;
 pub mod status;
+pub mod store;
 
 pub use cache::{
     marconi_admit_result, marconi_cache, marconi_copy_order, marconi_lookup, marconi_saved_state,
@@ -57,6 +58,11 @@ pub use pool::{
 };
 pub use pooled::{marconi_pooled_cache, marconi_pooled_lookup, marconi_pooled_stats};
 pub use status::marconi_status;
+pub use store::{
+    marconi_store, marconi_store_backend, marconi_store_config, marconi_store_delete_fn,
+    marconi_store_exists_fn, marconi_store_get_fn, marconi_store_put_fn, marconi_store_stats,
+    MARCONI_STORE_CB_ABSENT, MARCONI_STORE_CB_OK, MARCONI_STORE_CB_TOO_SMALL,
+};
 
 /// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.
 const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");

@@ -47,6 +47,7 @@ from .pool import (
     snapshot_promote,
 )
 from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
+from .store import Store
 
 __all__ = [
     "NO_SLOT",
@@ -58,6 +59,7 @@ __all__ = [
     "MarconiPrefixCache",
     "MatchResult",
     "ModelSpec",
+    "Store",
     "OutOfRangeError",
     "Pool",
     "PooledAdmit",

@@ -379,6 +379,83 @@ class marconi_events_config(Structure):
     ]
 
 
+# The store tier (marconi-ffi/src/store.rs, docs/store.md).
+marconi_store_get_fn = ctypes.CFUNCTYPE(
+    c_int32, c_void_p, c_char_p, POINTER(c_uint8), c_size_t, POINTER(c_size_t)
+)
+"""int32_t (*)(void *user, const char *name, uint8_t *buf, size_t cap, size_t *len)"""
+marconi_store_put_fn = ctypes.CFUNCTYPE(c_int32, c_void_p, c_char_p, POINTER(c_uint8), c_size_t)
+"""int32_t (*)(void *user, const char *name, const uint8_t *data, size_t len)"""
+marconi_store_exists_fn = ctypes.CFUNCTYPE(c_int32, c_void_p, c_char_p)
+"""int32_t (*)(void *user, const char *name)"""
+marconi_store_delete_fn = ctypes.CFUNCTYPE(c_int32, c_void_p, c_char_p)
+"""int32_t (*)(void *user, const char *name)"""
+
+CALLBACK_TYPES = {
+    "marconi_store_get_fn": marconi_store_get_fn,
+    "marconi_store_put_fn": marconi_store_put_fn,
+    "marconi_store_exists_fn": marconi_store_exists_fn,
+    "marconi_store_delete_fn": marconi_store_delete_fn,
+}
+"""Every function-pointer typedef of the header, by its C name."""
+
+STORE_CB_OK = 0
+STORE_CB_ABSENT = 1
+STORE_CB_TOO_SMALL = 2
+
+
+class marconi_store_config(Structure):
+    """struct marconi_store_config (docs/store.md)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("backend", c_uint32),
+        ("location", c_char_p),
+        ("model", c_char_p),
+        ("prefix", c_char_p),
+        ("namespace_", c_char_p),
+        ("seed", c_char_p),
+        ("ns", c_uint64),
+        ("block_size", c_uint32),
+        ("layout_version", c_uint32),
+        ("timeout_ms", c_uint32),
+        ("connect_timeout_ms", c_uint32),
+        ("max_value_bytes", c_uint64),
+        ("ttl_s", c_uint64),
+        ("get", marconi_store_get_fn),
+        ("put", marconi_store_put_fn),
+        ("exists", marconi_store_exists_fn),
+        ("del", marconi_store_delete_fn),
+        ("user", c_void_p),
+    ]
+
+
+STORE_STATS_FIELDS = [
+    "hits",
+    "absent",
+    "truncated",
+    "corrupt",
+    "version",
+    "foreign_model",
+    "wrong_key",
+    "oversized",
+    "not_regular",
+    "timeout",
+    "unavailable",
+    "failed",
+    "puts",
+    "put_failures",
+    "bytes_read",
+    "bytes_written",
+]
+
+
+class marconi_store_stats(Structure):
+    """struct marconi_store_stats."""
+
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(f, c_uint64) for f in STORE_STATS_FIELDS]
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -400,6 +477,8 @@ STRUCTS = {
         marconi_pooled_lookup,
         marconi_pooled_stats,
         marconi_events_config,
+        marconi_store_config,
+        marconi_store_stats,
     )
 }
 STRUCTS.update(_pml_abi.PML_STRUCTS)
@@ -409,6 +488,8 @@ _cache_p = c_void_p
 _pool_p = c_void_p
 _events_p = c_void_p
 _pooled_p = c_void_p
+_store_p = c_void_p
+_u8_p = POINTER(c_uint8)
 _u32_p = POINTER(c_uint32)
 _size_p = POINTER(c_size_t)
 
@@ -565,6 +646,23 @@ SIGNATURES = {
     ),
     "marconi_events_publish": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint64)]),
     "marconi_events_endpoint": (status_t, [_events_p, c_uint32, c_char_p, c_size_t, _size_p]),
+    # The store tier (marconi-ffi/src/store.rs, docs/store.md).
+    "marconi_store_config_init": (status_t, [POINTER(marconi_store_config), c_size_t]),
+    "marconi_store_new": (status_t, [POINTER(marconi_store_config), POINTER(_store_p)]),
+    "marconi_store_free": (None, [_store_p]),
+    "marconi_store_put_state": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t]),
+    "marconi_store_get_state": (
+        status_t,
+        [_store_p, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t, _size_p, _u32_p],
+    ),
+    "marconi_store_delete_state": (status_t, [_store_p, _u32_p, c_size_t, c_size_t]),
+    "marconi_store_put_kv": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t]),
+    "marconi_store_get_kv": (
+        status_t,
+        [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
+    ),
+    "marconi_store_kv_prefix": (status_t, [_store_p, _u32_p, c_size_t, _size_p]),
+    "marconi_store_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
 }
 SIGNATURES.update(_pml_abi.PML_SIGNATURES)
 """Every function of the header: name -> (restype, argtypes)."""

@@ -46,6 +46,7 @@ mod lookup;
 mod model;
 mod shadow;
 mod stats;
+mod tiers;
 mod tree;
 mod tuner;
 
@@ -64,3 +65,7 @@ pub use log::{Decision, EvictKind, PlanReason};
 pub use lookup::Lookup;
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;
+pub use tiers::{
+    LoadOrder, LoadWhat, Move, Tier, TierConfig, TierSpec, TierStats, TieredCache, TieredLookup,
+    WriteMode,
+};

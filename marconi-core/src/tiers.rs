@@ -417,6 +417,17 @@ impl TieredCache {
     /// it complete and the device's lease and plan. Release with
     /// [`release`](Self::release).
     pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<TieredLookup, CacheError> {
+        self.lookup_hinted(ns, input, &[])
+    }
+
+    /// [`lookup`](Self::lookup) with application checkpoint hints for the
+    /// device ([`PrefixCache::lookup_hinted`]).
+    pub fn lookup_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
         let mut probes: [Option<Probe>; 2] = [None, None];
         let mut leases: [Option<u64>; 2] = [None, None];
         let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
@@ -441,12 +452,11 @@ impl TieredCache {
         // The longest lower hit is hinted so that the device plans its state
         // (promotion); dropped by the device when not above its own hit.
         let best_lower = probes.iter().flatten().map(|p| p.hit).max().unwrap_or(0);
-        let hints: &[u32] = if self.cfg.promote && best_lower > 0 {
-            std::slice::from_ref(&best_lower)
-        } else {
-            &[]
-        };
-        let device = match self.device.lookup_hinted(ns, input, hints) {
+        let mut hints = checkpoints.to_vec();
+        if self.cfg.promote && best_lower > 0 {
+            hints.push(best_lower);
+        }
+        let device = match self.device.lookup_hinted(ns, input, &hints) {
             Ok(d) => d,
             Err(e) => {
                 self.release_lower(&leases);
@@ -737,10 +747,21 @@ impl TieredCache {
         input_len: usize,
         full: &[u32],
     ) -> Result<TieredLookup, CacheError> {
+        self.serve_full_hinted(ns, input_len, full, &[])
+    }
+
+    /// [`serve_full`](Self::serve_full) with application checkpoint hints.
+    pub fn serve_full_hinted(
+        &mut self,
+        ns: u64,
+        input_len: usize,
+        full: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
         if input_len > full.len() {
             return Err(CacheError::PrefixMismatch { input_len });
         }
-        let l = self.lookup(ns, &full[..input_len])?;
+        let l = self.lookup_hinted(ns, &full[..input_len], checkpoints)?;
         let mut states = self.device.states_to_save(&l.device, full.len());
         states.retain(|s| {
             s.position > l.hit_tokens || (s.position == l.hit_tokens && l.tier != Tier::Device)

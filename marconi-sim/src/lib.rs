@@ -30,6 +30,7 @@ pub mod route_cli;
 pub mod route_feed;
 pub mod sharegpt;
 pub mod synth;
+pub mod tiers;
 pub mod trace;
 pub mod ttft;
 pub mod units;

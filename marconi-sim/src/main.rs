@@ -116,6 +116,8 @@ struct BatteryArgs {
     #[arg(long)]
     check_cells: bool,
     #[command(flatten)]
+    tiers: marconi_sim::tiers::TierArgs,
+    #[command(flatten)]
     out: OutputArgs,
     /// No progress display.
     #[arg(long, short)]
@@ -264,6 +266,8 @@ struct CacheArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+    #[command(flatten)]
+    tiers: marconi_sim::tiers::TierArgs,
 }
 
 /// A finite number > 0.
@@ -423,6 +427,10 @@ impl CacheArgs {
                 efficiency: self.gpu_efficiency,
             },
         };
+        c.tiers = self.tiers.sim(self.gpu_flops * self.gpu_efficiency);
+        if let Some(t) = &c.tiers {
+            c.capacity_bytes = t.sizes.device;
+        }
         c.validate().map_err(|e| e.to_string())?;
         Ok(c)
     }
@@ -751,6 +759,7 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     battery::jitter_factors(a.jitter).map_err(|e| format!("--{e}"))?;
     cfg.jitter = a.jitter;
     cfg.threads = a.out.threads;
+    cfg.tiers = a.tiers.sim(989e12 * 0.4);
     if a.quick {
         cfg.quick();
     }

@@ -22,8 +22,6 @@
 //! Pure like the rest of core: no clock, no I/O; times are arithmetic on
 //! configured rates.
 
-use std::sync::Arc;
-
 use serde::Serialize;
 
 use crate::admission::{AdmitOutcome, SavedState};
@@ -212,6 +210,7 @@ pub struct TieredLookup {
     /// the hit; with promotion the hit's own position, whose state the
     /// engine loaded).
     pub plan: Vec<u32>,
+    ns: u64,
     leases: [Option<u64>; 2],
 }
 
@@ -521,6 +520,7 @@ impl TieredCache {
             recompute_s,
             declined,
             plan,
+            ns,
             leases,
         })
     }
@@ -621,6 +621,17 @@ impl TieredCache {
     ) -> Result<AdmitOutcome, CacheError> {
         let out = self.device.admit(l.device.lease, tokens, states, kv_pages)?;
         self.settle()?;
+        // What the device could not hold (a sequence larger than the room
+        // left by leased entries) is in the engine's working memory: it goes
+        // straight to the host rather than being lost.
+        if self.lower[0].is_some() && (out.rejected.is_some() || out.truncated_to.is_some()) {
+            for s in states {
+                if !out.states_taken.contains(&s.position) {
+                    self.write_lower(0, l.ns, s.position, tokens)?;
+                    self.settle_host()?;
+                }
+            }
+        }
         Ok(out)
     }
 
@@ -681,14 +692,22 @@ impl TieredCache {
             };
             self.write_lower(i, ns, position, prefix)?;
         }
-        if i == 0 && self.lower[1].is_some() {
-            let ev = self.lower[0]
-                .as_mut()
-                .map(|l| l.cache.drain_events())
-                .unwrap_or_default();
-            self.move_down(1, &ev)?;
+        if i == 0 {
+            self.settle_host()?;
         }
         Ok(())
+    }
+
+    /// Moves the host's evictions or stores into the store.
+    fn settle_host(&mut self) -> Result<(), CacheError> {
+        if self.lower[1].is_none() {
+            return Ok(());
+        }
+        let ev = self.lower[0]
+            .as_mut()
+            .map(|l| l.cache.drain_events())
+            .unwrap_or_default();
+        self.move_down(1, &ev)
     }
 
     fn write_lower(
@@ -696,7 +715,7 @@ impl TieredCache {
         i: usize,
         ns: u64,
         position: u32,
-        prefix: &Arc<[u32]>,
+        prefix: &[u32],
     ) -> Result<(), CacheError> {
         let p = position as usize;
         if p == 0 || p > prefix.len() {

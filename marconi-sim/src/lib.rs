@@ -31,6 +31,7 @@ pub mod route_feed;
 pub mod sharegpt;
 pub mod synth;
 pub mod tiers;
+pub mod tiers_cmd;
 pub mod trace;
 pub mod ttft;
 pub mod units;

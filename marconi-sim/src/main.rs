@@ -56,6 +56,8 @@ enum Cmd {
     Pools(pools_cmd::PoolsArgs),
     /// Start-up memory plan: KV tokens and state slots per split, largest batch × context, AVMP's split on a trace.
     Plan(pools_cmd::PlanArgs),
+    /// Device + host (+ store) tiers on the built-in workloads: hit rate by tier, TTFT, bytes moved, against one tier.
+    Tiers(marconi_sim::tiers_cmd::TiersArgs),
 }
 
 const BATTERY_HELP: &str = "\
@@ -529,6 +531,7 @@ fn main() -> ExitCode {
         Cmd::Battery(a) => battery_cmd(a),
         Cmd::Pools(a) => pools_cmd::pools(a),
         Cmd::Plan(a) => pools_cmd::plan(a),
+        Cmd::Tiers(a) => marconi_sim::tiers_cmd::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

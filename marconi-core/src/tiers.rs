@@ -96,6 +96,9 @@ pub struct TierConfig {
     /// Load every longer lower-tier hit, without weighing it against
     /// recomputing (the HiCache-like baseline).
     pub always_load: bool,
+    /// Plan on the device the checkpoints the lower tiers' admission
+    /// plans (branch points of paths only a lower tier still holds).
+    pub lower_plans: bool,
 }
 
 impl TierConfig {
@@ -110,6 +113,7 @@ impl TierConfig {
             write: WriteMode::Back,
             promote: true,
             always_load: false,
+            lower_plans: true,
         }
     }
 
@@ -119,6 +123,7 @@ impl TierConfig {
         TierConfig {
             write: WriteMode::Through,
             always_load: true,
+            lower_plans: false,
             ..TierConfig::marconi(host, store)
         }
     }
@@ -454,6 +459,15 @@ impl TieredCache {
         let mut hints = checkpoints.to_vec();
         if self.cfg.promote && best_lower > 0 {
             hints.push(best_lower);
+        }
+        // The branch points a lower tier sees (its admission plans them
+        // where the input leaves a path it holds) are branch points of the
+        // whole cache: the device plans them too, or a small device would
+        // only ever see the branches it still holds.
+        if self.cfg.lower_plans {
+            for lk in lower_lookups.iter().flatten() {
+                hints.extend_from_slice(&lk.plan);
+            }
         }
         let device = match self.device.lookup_hinted(ns, input, &hints) {
             Ok(d) => d,

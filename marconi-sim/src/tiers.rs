@@ -110,6 +110,9 @@ pub struct TierSim {
     /// A fixed α for the lower tiers' FLOP-aware eviction (default: tuned
     /// online like the device's).
     pub lower_alpha: Option<f64>,
+    /// Marconi only: the device plans the lower tiers' branch checkpoints
+    /// (default on).
+    pub lower_plans: bool,
 }
 
 impl TierSim {
@@ -128,6 +131,7 @@ impl TierSim {
             store_latency: 1e-3,
             compute_flops: 989e12 * 0.4,
             lower_alpha: None,
+            lower_plans: true,
         }
     }
 
@@ -185,6 +189,7 @@ impl TierSim {
         };
         t.compute_flops = self.compute_flops;
         t.promote = self.promote;
+        t.lower_plans &= self.lower_plans;
         if let Some(w) = self.write {
             t.write = w;
         }
@@ -207,6 +212,9 @@ impl TierSim {
         }
         if !self.promote {
             s.push_str("/no-promote");
+        }
+        if !self.lower_plans {
+            s.push_str("/no-lower-plans");
         }
         s
     }

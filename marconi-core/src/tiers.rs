@@ -102,7 +102,9 @@ pub struct TierConfig {
 }
 
 impl TierConfig {
-    /// Marconi's tiers: write-back demotion, promotion on hit, a hit loaded
+    /// Marconi's tiers: write-back demotion, no promotion of a hit's state
+    /// (the request's own KV and final state reach the device anyway), the
+    /// lower tiers' branch checkpoints planned on the device, a hit loaded
     /// only when loading beats recomputing. `compute_flops` 989e12 × 0.4
     /// (an H100 SXM in bf16 at 40 % utilisation).
     pub fn marconi(host: Option<TierSpec>, store: Option<TierSpec>) -> Self {
@@ -111,7 +113,7 @@ impl TierConfig {
             store,
             compute_flops: 989e12 * 0.4,
             write: WriteMode::Back,
-            promote: true,
+            promote: false,
             always_load: false,
             lower_plans: true,
         }
@@ -122,6 +124,7 @@ impl TierConfig {
     pub fn hicache(host: Option<TierSpec>, store: Option<TierSpec>) -> Self {
         TierConfig {
             write: WriteMode::Through,
+            promote: true,
             always_load: true,
             lower_plans: false,
             ..TierConfig::marconi(host, store)

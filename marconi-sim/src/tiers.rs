@@ -95,8 +95,9 @@ pub struct TierSim {
     pub policy: TierPolicy,
     /// Write mode (default: the policy's).
     pub write: Option<WriteMode>,
-    /// Promotion on hit (default: on).
-    pub promote: bool,
+    /// Promotion of a lower-tier hit's state to the device (default: the
+    /// policy's: off for marconi, on for hicache).
+    pub promote: Option<bool>,
     /// Host → device bandwidth, bytes/s.
     pub host_bandwidth: f64,
     /// Store → device bandwidth, bytes/s.
@@ -124,7 +125,7 @@ impl TierSim {
             sizes,
             policy: TierPolicy::Marconi,
             write: None,
-            promote: true,
+            promote: None,
             host_bandwidth: 25e9,
             store_bandwidth: 5e9,
             host_latency: 10e-6,
@@ -188,7 +189,9 @@ impl TierSim {
             TierPolicy::Hicache => TierConfig::hicache(host, store),
         };
         t.compute_flops = self.compute_flops;
-        t.promote = self.promote;
+        if let Some(p) = self.promote {
+            t.promote = p;
+        }
         t.lower_plans &= self.lower_plans;
         if let Some(w) = self.write {
             t.write = w;
@@ -197,11 +200,12 @@ impl TierSim {
     }
 
     /// A short name of the variant (`marconi`, `hicache`, with `/through`,
-    /// `/back`, `/no-promote` where they differ from the policy's default).
+    /// `/back`, `/promote`, `/no-promote` where they differ from the
+    /// policy's default).
     pub fn label(&self) -> String {
-        let (name, default_write) = match self.policy {
-            TierPolicy::Marconi => ("marconi", WriteMode::Back),
-            TierPolicy::Hicache => ("hicache", WriteMode::Through),
+        let (name, default_write, default_promote) = match self.policy {
+            TierPolicy::Marconi => ("marconi", WriteMode::Back, false),
+            TierPolicy::Hicache => ("hicache", WriteMode::Through, true),
         };
         let mut s = name.to_string();
         match self.write {
@@ -210,8 +214,10 @@ impl TierSim {
             }
             _ => {}
         }
-        if !self.promote {
-            s.push_str("/no-promote");
+        match self.promote {
+            Some(true) if !default_promote => s.push_str("/promote"),
+            Some(false) if default_promote => s.push_str("/no-promote"),
+            _ => {}
         }
         if !self.lower_plans {
             s.push_str("/no-lower-plans");
@@ -359,9 +365,10 @@ pub struct TierArgs {
     /// Write mode (default: back for marconi, through for hicache).
     #[arg(long, value_enum)]
     pub tier_write: Option<WriteArg>,
-    /// Do not save a lower-tier hit's state on the device.
+    /// Save a lower-tier hit's state on the device too (default: false for
+    /// marconi, true for hicache).
     #[arg(long)]
-    pub no_promote: bool,
+    pub tier_promote: Option<bool>,
     /// Host → device bandwidth, GB/s.
     #[arg(long, default_value_t = 25.0, value_parser = positive)]
     pub host_gbps: f64,
@@ -408,7 +415,7 @@ impl TierArgs {
                 WriteArg::Back => WriteMode::Back,
                 WriteArg::Through => WriteMode::Through,
             }),
-            promote: !self.no_promote,
+            promote: self.tier_promote,
             host_bandwidth: self.host_gbps * 1e9,
             store_bandwidth: self.store_gbps * 1e9,
             host_latency: self.host_latency_us * 1e-6,

@@ -99,6 +99,11 @@ pub struct TierConfig {
     /// Plan on the device the checkpoints the lower tiers' admission
     /// plans (branch points of paths only a lower tier still holds).
     pub lower_plans: bool,
+    /// Leave the moves into the lower tiers to [`TieredCache::settle`],
+    /// called by the engine off the request path (between decode steps),
+    /// instead of doing them in `admit` and `release`. Decisions are the
+    /// same as long as `settle` runs before the next lookup.
+    pub defer_moves: bool,
 }
 
 impl TierConfig {
@@ -116,6 +121,7 @@ impl TierConfig {
             promote: false,
             always_load: false,
             lower_plans: true,
+            defer_moves: false,
         }
     }
 
@@ -637,7 +643,9 @@ impl TieredCache {
         kv_pages: &[u32],
     ) -> Result<AdmitOutcome, CacheError> {
         let out = self.device.admit(l.device.lease, tokens, states, kv_pages)?;
-        self.settle()?;
+        if !self.cfg.defer_moves {
+            self.settle()?;
+        }
         // What the device could not hold (a sequence larger than the room
         // left by leased entries) is in the engine's working memory: it goes
         // straight to the host rather than being lost.
@@ -656,6 +664,9 @@ impl TieredCache {
     pub fn release(&mut self, l: &TieredLookup) -> Result<(), CacheError> {
         self.release_lower(&l.leases);
         self.device.release(l.device.lease)?;
+        if self.cfg.defer_moves {
+            return Ok(());
+        }
         self.settle()
     }
 
@@ -668,8 +679,10 @@ impl TieredCache {
         std::mem::take(&mut self.device_events)
     }
 
-    /// Moves the device's (and the host's) evictions or stores down.
-    fn settle(&mut self) -> Result<(), CacheError> {
+    /// Moves what the device evicted (write-back) or stored (write-through)
+    /// since the last call into the host, and the host's into the store.
+    /// `admit` and `release` call it unless [`TierConfig::defer_moves`].
+    pub fn settle(&mut self) -> Result<(), CacheError> {
         if self.lower[0].is_none() {
             return Ok(());
         }

@@ -109,7 +109,10 @@ fn main() {
     let mut requests = 4000usize;
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--requests") {
-        requests = args.get(i + 1).and_then(|s| s.parse().ok()).unwrap_or(requests);
+        requests = args
+            .get(i + 1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(requests);
     }
     let dev = 100_000;
     let mut tiers = TierConfig::marconi(Some(spec(8 * dev, 25.0)), Some(spec(32 * dev, 5.0)));

@@ -143,7 +143,10 @@ impl TierConfig {
             return bad("a store tier needs a host tier above it".into());
         }
         if !(self.compute_flops.is_finite() && self.compute_flops > 0.0) {
-            return bad(format!("compute FLOP/s {} is not finite and > 0", self.compute_flops));
+            return bad(format!(
+                "compute FLOP/s {} is not finite and > 0",
+                self.compute_flops
+            ));
         }
         for (name, t) in [("host", &self.host), ("store", &self.store)] {
             let Some(t) = t else { continue };
@@ -154,7 +157,10 @@ impl TierConfig {
                 ));
             }
             if !(t.latency_s.is_finite() && t.latency_s >= 0.0) {
-                return bad(format!("{name} latency {} s is not finite and >= 0", t.latency_s));
+                return bad(format!(
+                    "{name} latency {} s is not finite and >= 0",
+                    t.latency_s
+                ));
             }
             if t.cache.model != device.model || t.cache.page_size != device.page_size {
                 return bad(format!(
@@ -585,7 +591,10 @@ impl TieredCache {
             match lk {
                 Some(l) if !l.kv_pages.is_empty() => {
                     let (s, e) = ((start / page) as usize, (end / page) as usize);
-                    l.kv_pages.get(s..e).map(<[u32]>::to_vec).unwrap_or_default()
+                    l.kv_pages
+                        .get(s..e)
+                        .map(<[u32]>::to_vec)
+                        .unwrap_or_default()
                 }
                 _ => Vec::new(),
             }
@@ -642,7 +651,9 @@ impl TieredCache {
         states: &[SavedState],
         kv_pages: &[u32],
     ) -> Result<AdmitOutcome, CacheError> {
-        let out = self.device.admit(l.device.lease, tokens, states, kv_pages)?;
+        let out = self
+            .device
+            .admit(l.device.lease, tokens, states, kv_pages)?;
         if !self.cfg.defer_moves {
             self.settle()?;
         }

@@ -97,7 +97,10 @@ fn check_hit(l: &marconi_core::TieredLookup, input: &[u32], holds: &[bool; 3]) {
         return;
     }
     assert!(l.hit_tokens > d);
-    assert!(holds[l.tier.index()], "the hit's tier held no state at the hit");
+    assert!(
+        holds[l.tier.index()],
+        "the hit's tier held no state at the hit"
+    );
     // The KV loads tile [device KV match, hit), then the state at the hit.
     let mut at = l.device.kv_matched_tokens.min(l.hit_tokens);
     let (last, kv) = l.loads.split_last().unwrap();
@@ -121,7 +124,10 @@ fn check_hit(l: &marconi_core::TieredLookup, input: &[u32], holds: &[bool; 3]) {
             slot: None
         }
     );
-    assert!(l.load_s < l.recompute_s, "a load slower than recomputing was taken");
+    assert!(
+        l.load_s < l.recompute_s,
+        "a load slower than recomputing was taken"
+    );
     assert!(l.hit_tokens < input.len() as u32);
 }
 
@@ -203,7 +209,9 @@ impl ChainsForCheck for TieredCache {
         }
         lens.sort_unstable();
         lens.dedup();
-        lens.into_iter().map(|h| (h, holds_state(self, input, h))).collect()
+        lens.into_iter()
+            .map(|h| (h, holds_state(self, input, h)))
+            .collect()
     }
 }
 
@@ -270,7 +278,13 @@ fn the_host_turns_device_evictions_into_hits() {
 #[test]
 fn a_sequence_larger_than_the_device_reaches_the_host() {
     // The device holds 20 tokens: every conversation is refused there.
-    let mut c = tiered(chain_bytes(20), chain_bytes(4_000), chain_bytes(8_000), WriteMode::Back, 25.0);
+    let mut c = tiered(
+        chain_bytes(20),
+        chain_bytes(4_000),
+        chain_bytes(8_000),
+        WriteMode::Back,
+        25.0,
+    );
     let mut hits = 0;
     for (input, output) in workload(4, 3, 5) {
         let mut full = input.clone();
@@ -313,14 +327,14 @@ fn bad_tier_configurations_are_refused() {
             )),
             None,
         ),
-        TierConfig::marconi(
-            Some(spec(CacheConfig::marconi(model(), 0), 25.0)),
-            None,
-        ),
+        TierConfig::marconi(Some(spec(CacheConfig::marconi(model(), 0), 25.0)), None),
     ];
     for t in cases {
         assert!(
-            matches!(TieredCache::new(dev.clone(), t.clone()), Err(CacheError::InvalidConfig(_))),
+            matches!(
+                TieredCache::new(dev.clone(), t.clone()),
+                Err(CacheError::InvalidConfig(_))
+            ),
             "accepted {t:?}"
         );
     }

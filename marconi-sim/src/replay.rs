@@ -291,7 +291,10 @@ pub fn replay(
     let start = Instant::now();
     cfg.validate()?;
     if let Some(t) = &cfg.tiers {
-        if !matches!(cfg.policy, Policy::NoCache | Policy::Oracle | Policy::Clairvoyant) {
+        if !matches!(
+            cfg.policy,
+            Policy::NoCache | Policy::Oracle | Policy::Clairvoyant
+        ) {
             return crate::tiers::replay_tiered(trace, cfg, t, progress);
         }
     }

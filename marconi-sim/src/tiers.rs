@@ -12,7 +12,7 @@ use std::time::Instant;
 use marconi_core::{CacheConfig, Tier, TierConfig, TierSpec, TieredCache, WriteMode};
 use serde::Serialize;
 
-use crate::replay::{percentile, Outcome, Policy, ReplayConfig, ReplayError, Replay, Report};
+use crate::replay::{percentile, Outcome, Policy, Replay, ReplayConfig, ReplayError, Report};
 use crate::trace::Trace;
 use crate::units::parse_bytes;
 
@@ -209,9 +209,11 @@ impl TierSim {
         };
         let mut s = name.to_string();
         match self.write {
-            Some(w) if w != default_write => {
-                s.push_str(if w == WriteMode::Back { "/back" } else { "/through" })
-            }
+            Some(w) if w != default_write => s.push_str(if w == WriteMode::Back {
+                "/back"
+            } else {
+                "/through"
+            }),
             _ => {}
         }
         match self.promote {
@@ -261,15 +263,13 @@ pub fn replay_tiered(
     progress: &mut dyn FnMut(u64),
 ) -> Result<Replay, ReplayError> {
     let start = Instant::now();
-    let bad = |s: &str| {
-        ReplayError::Config(marconi_core::CacheError::InvalidConfig(s.to_string()))
-    };
+    let bad = |s: &str| ReplayError::Config(marconi_core::CacheError::InvalidConfig(s.to_string()));
     if cfg.concurrent {
         return Err(bad("--tiers replays are sequential (no --concurrent)"));
     }
-    let (dev, tc) = tiers
-        .configs(cfg)
-        .ok_or_else(|| bad("--tiers applies to the core policies (not no-cache, oracle, clairvoyant)"))?;
+    let (dev, tc) = tiers.configs(cfg).ok_or_else(|| {
+        bad("--tiers applies to the core policies (not no-cache, oracle, clairvoyant)")
+    })?;
     let mut cache = TieredCache::new(dev, tc).map_err(ReplayError::Config)?;
     let mut outcomes = Vec::with_capacity(trace.len());
     let mut err = None;
@@ -281,7 +281,9 @@ pub fn replay_tiered(
         let hints = if hinted { trace.hints(&r) } else { Vec::new() };
         match cache.serve_full_hinted(0, r.input_len, r.full, &hints) {
             Ok(l) => {
-                let ttft = cfg.ttft.ttft_ms(&cfg.model, l.hit_tokens as usize, r.input_len);
+                let ttft = cfg
+                    .ttft
+                    .ttft_ms(&cfg.model, l.hit_tokens as usize, r.input_len);
                 outcomes.push(Outcome {
                     input_len: r.input_len as u32,
                     hit_tokens: l.hit_tokens,

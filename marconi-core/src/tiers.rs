@@ -247,7 +247,7 @@ pub struct Move {
     pub bytes: u64,
 }
 
-/// Counters per tier (index [`Tier::index`]).
+/// Counters per tier (index [`Tier::index`]), counted at each lookup.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct TierStats {
     /// Requests looked up.
@@ -540,7 +540,7 @@ impl TieredCache {
             .copied()
             .filter(|&p| p > hit || (p == hit && tier != Tier::Device))
             .collect();
-        Ok(TieredLookup {
+        let l = TieredLookup {
             device,
             hit_tokens: hit,
             tier,
@@ -551,7 +551,9 @@ impl TieredCache {
             plan,
             ns,
             leases,
-        })
+        };
+        self.account(&l, input.len());
+        Ok(l)
     }
 
     /// Bytes each lower tier (host, store) would load for a hit of `hit`
@@ -830,11 +832,10 @@ impl TieredCache {
         let released = self.release(&l);
         admitted?;
         released?;
-        self.account(&l, input_len);
         Ok(l)
     }
 
-    /// Counts a served request.
+    /// Counts a looked-up request.
     fn account(&mut self, l: &TieredLookup, input_len: usize) {
         let m = &self.device.config().model;
         let s = &mut self.stats;

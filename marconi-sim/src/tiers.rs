@@ -114,6 +114,9 @@ pub struct TierSim {
     /// Marconi only: the device plans the lower tiers' branch checkpoints
     /// (default on).
     pub lower_plans: bool,
+    /// Load every longer lower-tier hit without weighing it against
+    /// recomputing (default: the policy's; hicache always loads).
+    pub always_load: Option<bool>,
 }
 
 impl TierSim {
@@ -133,6 +136,7 @@ impl TierSim {
             compute_flops: 989e12 * 0.4,
             lower_alpha: None,
             lower_plans: true,
+            always_load: None,
         }
     }
 
@@ -193,6 +197,9 @@ impl TierSim {
             t.promote = p;
         }
         t.lower_plans &= self.lower_plans;
+        if let Some(a) = self.always_load {
+            t.always_load = a;
+        }
         if let Some(w) = self.write {
             t.write = w;
         }
@@ -223,6 +230,9 @@ impl TierSim {
         }
         if !self.lower_plans {
             s.push_str("/no-lower-plans");
+        }
+        if self.always_load == Some(true) && self.policy == TierPolicy::Marconi {
+            s.push_str("/always-load");
         }
         s
     }

@@ -37,7 +37,7 @@ pub struct TiersArgs {
     pub store_ratio: Option<f64>,
     /// Tier variants: `marconi` or `hicache`, optionally followed by
     /// `/back` or `/through` (write mode), `/promote` or `/no-promote`,
-    /// `/no-lower-plans`.
+    /// `/no-lower-plans`, `/always-load`.
     #[arg(long, value_delimiter = ',', default_values = ["marconi", "hicache"])]
     pub variants: Vec<String>,
     /// Host → device GB/s.
@@ -46,6 +46,9 @@ pub struct TiersArgs {
     /// Store → device GB/s.
     #[arg(long, default_value_t = 5.0)]
     pub store_gbps: f64,
+    /// Latency of one load from the host, µs.
+    #[arg(long, default_value_t = 10.0)]
+    pub host_latency_us: f64,
     /// Fixed α for the lower tiers (default: tuned online).
     #[arg(long)]
     pub tier_alpha: Option<f64>,
@@ -86,15 +89,17 @@ fn variant(name: &str, sizes: TierSizes, a: &TiersArgs) -> Result<(Policy, TierS
             "promote" => t.promote = Some(true),
             "no-promote" => t.promote = Some(false),
             "no-lower-plans" => t.lower_plans = false,
+            "always-load" => t.always_load = Some(true),
             _ => {
                 return Err(format!(
-                    "--variants: {p:?} in {name:?} (back, through, promote, no-promote, no-lower-plans)"
+                    "--variants: {p:?} in {name:?} (back, through, promote, no-promote, no-lower-plans, always-load)"
                 ))
             }
         }
     }
     t.host_bandwidth = a.host_gbps * 1e9;
     t.store_bandwidth = a.store_gbps * 1e9;
+    t.host_latency = a.host_latency_us * 1e-6;
     t.lower_alpha = a.tier_alpha;
     Ok((policy, t))
 }

@@ -14,9 +14,9 @@ out="$(mktemp -d "${TMPDIR:-/tmp}/marconi-tiers.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
 sim=(cargo run --release -q -p marconi-sim --features marconi-core/strict-checks --)
 "${sim[@]}" trace synth --kind chat --sessions 120 --seed 9 --out "$out/chat.jsonl" > /dev/null
-"${sim[@]}" replay --trace "$out/chat.jsonl" --policy marconi --capacity 100MB --json -q > "$out/one.json"
+"${sim[@]}" replay --trace "$out/chat.jsonl" --policy marconi --capacity 300MB --json -q > "$out/one.json"
 "${sim[@]}" replay --trace "$out/chat.jsonl" --policy marconi \
-  --tiers device:100MB,host:800MB,store:2GB --json -q > "$out/tiers.json"
+  --tiers device:300MB,host:2400MB,store:6GB --json -q > "$out/tiers.json"
 python3 - "$out/one.json" "$out/tiers.json" <<'PY'
 import json, sys
 one = json.load(open(sys.argv[1]))

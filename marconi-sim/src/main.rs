@@ -908,7 +908,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         "{} on {}, {}",
         base.model.name,
         name,
-        format_bytes(a.capacity)
+        format_bytes(base.capacity_bytes)
     );
     let files = compare::figures(&a.out.out_dir, &title, &replays)?;
     if a.out.json {
@@ -920,7 +920,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         number(trace.len() as f64),
         number(input as f64),
         base.model.name,
-        format_bytes(a.capacity),
+        format_bytes(base.capacity_bytes),
         if base.concurrent { "; concurrent" } else { "" }
     );
     print!("{}", compare::table(&replays));

@@ -44,6 +44,7 @@ mod lookup;
 mod model;
 mod shadow;
 mod stats;
+mod tiers;
 mod tree;
 mod tuner;
 
@@ -63,6 +64,10 @@ pub use lookup::Lookup;
 pub use model::{gguf, hf_config};
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;
+pub use tiers::{
+    LoadOrder, LoadWhat, Move, Tier, TierConfig, TierSpec, TierStats, TieredCache, TieredLookup,
+    WriteMode,
+};
 
 /// The README's Rust snippet, compiled and run as a doctest so that it stays
 /// true (`cargo test -p marconi-core --doc`). Only under `cfg(doctest)`: the

@@ -94,6 +94,9 @@ pub struct BatteryConfig {
     pub jitter: u32,
     /// Threads (0: one per core).
     pub threads: usize,
+    /// Tiers below the device (`--tiers`), scaled to each capacity: the
+    /// device gets the row's capacity, the host and store their multiple.
+    pub tiers: Option<crate::tiers::TierSim>,
 }
 
 impl BatteryConfig {
@@ -114,6 +117,7 @@ impl BatteryConfig {
             fractions: vec![0.05, 0.15, 0.4],
             jitter: 1,
             threads: 0,
+            tiers: None,
         }
     }
 
@@ -280,7 +284,9 @@ pub fn run(
             for &j in &jitter {
                 let c = ((working_set as f64 * f * j) as u64).max(1);
                 for &p in &POLICIES {
-                    jobs.push(ReplayConfig::new(p, cfg.model.clone(), c));
+                    let mut job = ReplayConfig::new(p, cfg.model.clone(), c);
+                    job.tiers = cfg.tiers.as_ref().map(|t| t.scaled_to(c));
+                    jobs.push(job);
                 }
             }
         }

@@ -751,6 +751,7 @@ pub fn replay_clairvoyant(trace: &Trace, cfg: &ReplayConfig) -> Replay {
         tuning_rounds: 0,
         used_bytes: used,
         wall_s: start.elapsed().as_secs_f64(),
+        tiers: None,
     };
     Replay { report, outcomes }
 }

@@ -32,6 +32,8 @@ pub mod route_cli;
 pub mod route_feed;
 pub mod sharegpt;
 pub mod synth;
+pub mod tiers;
+pub mod tiers_cmd;
 pub mod trace;
 pub mod ttft;
 pub mod units;

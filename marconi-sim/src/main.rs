@@ -61,6 +61,8 @@ enum Cmd {
     Pml(marconi_sim::pml::PmlArgs),
     /// Replay PML prompts (files, or generated from schemas): module hit rate, tokens reused per reuse mode.
     PmlReplay(marconi_sim::pml::PmlReplayArgs),
+    /// Device + host (+ store) tiers on the built-in workloads: hit rate by tier, TTFT, bytes moved, against one tier.
+    Tiers(marconi_sim::tiers_cmd::TiersArgs),
 }
 
 const BATTERY_HELP: &str = "\
@@ -120,6 +122,8 @@ struct BatteryArgs {
     /// token hit rates averaged over the seeds (the summary's last line).
     #[arg(long)]
     check_cells: bool,
+    #[command(flatten)]
+    tiers: marconi_sim::tiers::TierArgs,
     #[command(flatten)]
     out: OutputArgs,
     /// No progress display.
@@ -269,6 +273,8 @@ struct CacheArgs {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+    #[command(flatten)]
+    tiers: marconi_sim::tiers::TierArgs,
 }
 
 /// A finite number > 0.
@@ -428,6 +434,10 @@ impl CacheArgs {
                 efficiency: self.gpu_efficiency,
             },
         };
+        c.tiers = self.tiers.sim(self.gpu_flops * self.gpu_efficiency);
+        if let Some(t) = &c.tiers {
+            c.capacity_bytes = t.sizes.device;
+        }
         c.validate().map_err(|e| e.to_string())?;
         Ok(c)
     }
@@ -528,6 +538,7 @@ fn main() -> ExitCode {
         Cmd::Plan(a) => pools_cmd::plan(a),
         Cmd::Pml(a) => marconi_sim::pml::run(a),
         Cmd::PmlReplay(a) => marconi_sim::pml::replay_run(a),
+        Cmd::Tiers(a) => marconi_sim::tiers_cmd::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -758,6 +769,7 @@ fn battery_cmd(a: BatteryArgs) -> CmdResult {
     battery::jitter_factors(a.jitter).map_err(|e| format!("--{e}"))?;
     cfg.jitter = a.jitter;
     cfg.threads = a.out.threads;
+    cfg.tiers = a.tiers.sim(989e12 * 0.4);
     if a.quick {
         cfg.quick();
     }
@@ -903,7 +915,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         "{} on {}, {}",
         base.model.name,
         name,
-        format_bytes(a.capacity)
+        format_bytes(base.capacity_bytes)
     );
     let files = compare::figures(&a.out.out_dir, &title, &replays)?;
     if a.out.json {
@@ -915,7 +927,7 @@ fn compare_cmd(a: CompareArgs) -> CmdResult {
         number(trace.len() as f64),
         number(input as f64),
         base.model.name,
-        format_bytes(a.capacity),
+        format_bytes(base.capacity_bytes),
         if base.concurrent { "; concurrent" } else { "" }
     );
     print!("{}", compare::table(&replays));

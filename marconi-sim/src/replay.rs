@@ -108,6 +108,9 @@ pub struct ReplayConfig {
     pub ttft: TtftModel,
     /// Decode time per output token in ms (concurrent mode's durations).
     pub decode_ms_per_token: f64,
+    /// Host and store tiers below the device (`--tiers`; the device's size
+    /// is then `tiers.sizes.device`). `None`: one tier, as always.
+    pub tiers: Option<crate::tiers::TierSim>,
 }
 
 impl ReplayConfig {
@@ -123,6 +126,7 @@ impl ReplayConfig {
             concurrent: false,
             ttft: TtftModel::default(),
             decode_ms_per_token: 20.0,
+            tiers: None,
         }
     }
 
@@ -245,6 +249,9 @@ pub struct Report {
     pub used_bytes: u64,
     /// Wall-clock seconds of the replay.
     pub wall_s: f64,
+    /// Per-tier figures of a `--tiers` replay (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<crate::tiers::TierReport>,
 }
 
 /// A replay's summary and per-request outcomes (in trace order).
@@ -283,6 +290,14 @@ pub fn replay(
 ) -> Result<Replay, ReplayError> {
     let start = Instant::now();
     cfg.validate()?;
+    if let Some(t) = &cfg.tiers {
+        if !matches!(
+            cfg.policy,
+            Policy::NoCache | Policy::Oracle | Policy::Clairvoyant
+        ) {
+            return crate::tiers::replay_tiered(trace, cfg, t, progress);
+        }
+    }
     if cfg.policy == Policy::Clairvoyant {
         let r = crate::clairvoyant::replay_clairvoyant(trace, cfg);
         progress(r.outcomes.len() as u64);
@@ -383,6 +398,7 @@ pub fn replay(
         tuning_rounds: stats.tuning_rounds,
         used_bytes: cache.as_ref().map_or(0, PrefixCache::used_bytes),
         wall_s: start.elapsed().as_secs_f64(),
+        tiers: None,
     };
     Ok(Replay { report, outcomes })
 }

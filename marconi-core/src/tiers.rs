@@ -1,0 +1,869 @@
+//! Memory tiers below the device: a host tier and a store tier, each a
+//! prefix cache of its own, fed by what the device (or the tier above)
+//! evicts or writes through, and read back by a lookup that weighs loading
+//! against recomputing.
+//!
+//! [`TieredCache`] keeps the device's [`PrefixCache`] exactly as it is
+//! (with no lower tier it is that cache, call for call) and adds up to two
+//! lower tiers. Each lower tier holds whole chains: a state at position `p`
+//! together with the KV of `0..p` (prefixes shared in its tree), so a hit
+//! there is complete once the KV the device lacks and the state are
+//! loaded. Each tier judges what it keeps with its own eviction policy
+//! (FLOP-aware utility for Marconi, LRU for the HiCache-like baseline).
+//!
+//! A lookup probes every tier, then picks the hit that saves the most time:
+//! the prefill FLOPs of the tokens it skips beyond the device's own hit, at
+//! [`TierConfig::compute_flops`], less the time to load what the device lacks
+//! (bytes / the tier's bandwidth + its per-load latency). A lower-tier hit
+//! that loads slower than it recomputes is declined (and counted). The
+//! chosen hit comes with its [`LoadOrder`]s: the KV token range and the
+//! state, from which tier, with the lower tier's ids when it tracks them.
+//!
+//! Pure like the rest of core: no clock, no I/O; times are arithmetic on
+//! configured rates.
+
+use serde::Serialize;
+
+use crate::admission::{AdmitOutcome, SavedState};
+use crate::cache::PrefixCache;
+use crate::config::CacheConfig;
+use crate::error::CacheError;
+use crate::events::CacheEvent;
+use crate::lookup::Lookup;
+
+/// Where an entry lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tier {
+    /// The engine's GPU memory: the [`PrefixCache`] the engine resumes from.
+    Device,
+    /// Host memory (pinned RAM), PCIe-class bandwidth.
+    Host,
+    /// A store (local disk, a remote key-value store), slower still.
+    Store,
+}
+
+impl Tier {
+    /// Index into per-tier arrays (device 0, host 1, store 2).
+    pub fn index(self) -> usize {
+        match self {
+            Tier::Device => 0,
+            Tier::Host => 1,
+            Tier::Store => 2,
+        }
+    }
+}
+
+/// When a lower tier receives an entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WriteMode {
+    /// When the tier above evicts it (demotion; write-back). The lower tier
+    /// holds what the upper one dropped, plus what it kept from before.
+    Back,
+    /// As soon as the tier above stores it (write-through, as SGLang's
+    /// HiCache does): the lower tier also holds what the upper one holds.
+    Through,
+}
+
+/// One lower tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierSpec {
+    /// The tier's cache: capacity in bytes, admission and eviction policy
+    /// (its tokens and states; the model must be the device's).
+    pub cache: CacheConfig,
+    /// Bytes per second from this tier into the device.
+    pub bandwidth_bytes_per_s: f64,
+    /// Fixed cost of one load from this tier, seconds.
+    pub latency_s: f64,
+}
+
+/// The tiers below the device and how entries move between them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierConfig {
+    /// The host tier (required for a store tier).
+    pub host: Option<TierSpec>,
+    /// The store tier, below the host.
+    pub store: Option<TierSpec>,
+    /// Effective prefill FLOP/s of the device (peak × utilisation): what a
+    /// skipped token is worth in time.
+    pub compute_flops: f64,
+    /// When entries reach the lower tiers.
+    pub write: WriteMode,
+    /// Save the state of a lower-tier hit on the device with the request
+    /// (its KV goes in with the request's admission either way).
+    pub promote: bool,
+    /// Load every longer lower-tier hit, without weighing it against
+    /// recomputing (the HiCache-like baseline).
+    pub always_load: bool,
+    /// Plan on the device the checkpoints the lower tiers' admission
+    /// plans (branch points of paths only a lower tier still holds).
+    pub lower_plans: bool,
+    /// Leave the moves into the lower tiers to [`TieredCache::settle`],
+    /// called by the engine off the request path (between decode steps),
+    /// instead of doing them in `admit` and `release`. Decisions are the
+    /// same as long as `settle` runs before the next lookup.
+    pub defer_moves: bool,
+}
+
+impl TierConfig {
+    /// Marconi's tiers: write-back demotion, no promotion of a hit's state
+    /// (the request's own KV and final state reach the device anyway), the
+    /// lower tiers' branch checkpoints planned on the device, a hit loaded
+    /// only when loading beats recomputing. `compute_flops` 989e12 × 0.4
+    /// (an H100 SXM in bf16 at 40 % utilisation).
+    pub fn marconi(host: Option<TierSpec>, store: Option<TierSpec>) -> Self {
+        TierConfig {
+            host,
+            store,
+            compute_flops: 989e12 * 0.4,
+            write: WriteMode::Back,
+            promote: false,
+            always_load: false,
+            lower_plans: true,
+            defer_moves: false,
+        }
+    }
+
+    /// The HiCache-like baseline: write-through, promotion, every longer
+    /// hit loaded (the tiers' caches should be LRU: `CacheConfig::sglang_plus`).
+    pub fn hicache(host: Option<TierSpec>, store: Option<TierSpec>) -> Self {
+        TierConfig {
+            write: WriteMode::Through,
+            promote: true,
+            always_load: true,
+            lower_plans: false,
+            ..TierConfig::marconi(host, store)
+        }
+    }
+
+    fn validate(&self, device: &CacheConfig) -> Result<(), CacheError> {
+        let bad = |s: String| Err(CacheError::InvalidConfig(s));
+        if self.store.is_some() && self.host.is_none() {
+            return bad("a store tier needs a host tier above it".into());
+        }
+        if !(self.compute_flops.is_finite() && self.compute_flops > 0.0) {
+            return bad(format!(
+                "compute FLOP/s {} is not finite and > 0",
+                self.compute_flops
+            ));
+        }
+        for (name, t) in [("host", &self.host), ("store", &self.store)] {
+            let Some(t) = t else { continue };
+            if !(t.bandwidth_bytes_per_s.is_finite() && t.bandwidth_bytes_per_s > 0.0) {
+                return bad(format!(
+                    "{name} bandwidth {} B/s is not finite and > 0",
+                    t.bandwidth_bytes_per_s
+                ));
+            }
+            if !(t.latency_s.is_finite() && t.latency_s >= 0.0) {
+                return bad(format!(
+                    "{name} latency {} s is not finite and >= 0",
+                    t.latency_s
+                ));
+            }
+            if t.cache.model != device.model || t.cache.page_size != device.page_size {
+                return bad(format!(
+                    "{name} tier must cache the device's model with its page size"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a load moves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum LoadWhat {
+    /// The KV of tokens `start..end` (page-aligned), with the tier's page
+    /// ids for them when the tier tracks pages (empty otherwise).
+    Kv {
+        /// First token.
+        start: u32,
+        /// End (exclusive).
+        end: u32,
+        /// The tier's page ids of `start..end`, when tracked.
+        pages: Vec<u32>,
+    },
+    /// The recurrent state at `position`, with the tier's slot id when
+    /// tracked.
+    State {
+        /// Tokens the state covers.
+        position: u32,
+        /// The tier's slot id, when tracked.
+        slot: Option<u32>,
+    },
+}
+
+/// One load the engine carries out before it prefills: from `tier` into
+/// the request's own device pages and state slot (where a device hit's
+/// state is copied too).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LoadOrder {
+    /// The tier read.
+    pub tier: Tier,
+    /// What is read.
+    pub what: LoadWhat,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// What [`TieredCache::lookup`] found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TieredLookup {
+    /// The device's lookup (its lease, device hit and plan).
+    pub device: Lookup,
+    /// Tokens the engine may skip once the loads are done (at least the
+    /// device's hit).
+    pub hit_tokens: u32,
+    /// The tier whose state the hit resumes from.
+    pub tier: Tier,
+    /// Loads to carry out before prefill (empty for a device hit).
+    pub loads: Vec<LoadOrder>,
+    /// Modelled time of the loads, seconds.
+    pub load_s: f64,
+    /// Modelled time to recompute `device.hit_tokens..hit_tokens` instead.
+    pub recompute_s: f64,
+    /// A longer lower-tier hit left unused because recomputing is faster.
+    pub declined: Option<(Tier, u32)>,
+    /// Positions to save states at during this prefill (ascending, above
+    /// the hit; with promotion the hit's own position, whose state the
+    /// engine loaded).
+    pub plan: Vec<u32>,
+    ns: u64,
+    leases: [Option<u64>; 2],
+}
+
+/// An entry written into a lower tier (the engine copies its bytes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Move {
+    /// The tier written.
+    pub to: Tier,
+    /// Namespace.
+    pub ns: u64,
+    /// The state's position; the chain is its first `position` tokens.
+    pub position: u32,
+    /// Bytes of the chain (its KV and the state) the tier charges anew.
+    pub bytes: u64,
+}
+
+/// Counters per tier (index [`Tier::index`]), counted at each lookup.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct TierStats {
+    /// Requests looked up.
+    pub requests: u64,
+    /// Input tokens looked up.
+    pub input_tokens: u64,
+    /// Tokens skipped, all tiers.
+    pub hit_tokens: u64,
+    /// Tokens skipped, by the tier of the state resumed from.
+    pub hit_tokens_by_tier: [u64; 3],
+    /// Requests whose hit resumed from each tier.
+    pub hits_by_tier: [u64; 3],
+    /// Bytes loaded from each tier into the device.
+    pub bytes_loaded: [u64; 3],
+    /// Bytes written into each tier (demotions or write-through).
+    pub bytes_written: [u64; 3],
+    /// Entries written into each tier.
+    pub writes: [u64; 3],
+    /// Entries not demoted: their reload would cost more than recomputing.
+    pub demotions_skipped: u64,
+    /// Longer lower-tier hits declined: recomputing was faster.
+    pub loads_declined: u64,
+    /// Modelled load time, seconds, all requests.
+    pub load_s: f64,
+    /// Prefill FLOPs saved, all tiers.
+    pub flops_saved: f64,
+    /// Prefill FLOPs with no cache.
+    pub flops_total: f64,
+}
+
+impl TierStats {
+    /// `hit_tokens / input_tokens`.
+    pub fn token_hit_rate(&self) -> f64 {
+        ratio(self.hit_tokens as f64, self.input_tokens as f64)
+    }
+
+    /// Tokens skipped from `tier`'s states / input tokens.
+    pub fn tier_hit_rate(&self, tier: Tier) -> f64 {
+        ratio(
+            self.hit_tokens_by_tier[tier.index()] as f64,
+            self.input_tokens as f64,
+        )
+    }
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+struct Lower {
+    cache: PrefixCache,
+    bandwidth: f64,
+    latency: f64,
+}
+
+/// A device [`PrefixCache`] with a host and optionally a store tier below it.
+pub struct TieredCache {
+    device: PrefixCache,
+    lower: [Option<Lower>; 2],
+    cfg: TierConfig,
+    stats: TierStats,
+    moves: Vec<Move>,
+    /// Whether the device's events were asked for by the caller (else they
+    /// are consumed here).
+    device_events_wanted: bool,
+    /// The device's events kept for the caller.
+    device_events: Vec<CacheEvent>,
+}
+
+/// A candidate hit in one lower tier.
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    hit: u32,
+    kv: u32,
+}
+
+impl TieredCache {
+    /// A tiered cache; with no lower tier it behaves as `PrefixCache::new(device)`.
+    pub fn new(device: CacheConfig, tiers: TierConfig) -> Result<Self, CacheError> {
+        tiers.validate(&device)?;
+        let wanted = device.events;
+        let mut dev = device.clone();
+        dev.events = wanted || tiers.host.is_some();
+        let mut lower: [Option<Lower>; 2] = [None, None];
+        for (i, spec) in [&tiers.host, &tiers.store].into_iter().enumerate() {
+            if let Some(s) = spec {
+                let mut c = s.cache.clone();
+                // The host's evictions feed the store.
+                c.events = i == 0 && tiers.store.is_some();
+                lower[i] = Some(Lower {
+                    cache: PrefixCache::new(c)?,
+                    bandwidth: s.bandwidth_bytes_per_s,
+                    latency: s.latency_s,
+                });
+            }
+        }
+        Ok(TieredCache {
+            device: PrefixCache::new(dev)?,
+            lower,
+            cfg: tiers,
+            stats: TierStats::default(),
+            moves: Vec::new(),
+            device_events_wanted: wanted,
+            device_events: Vec::new(),
+        })
+    }
+
+    /// The device cache.
+    pub fn device(&self) -> &PrefixCache {
+        &self.device
+    }
+
+    /// The cache of a lower tier (`None` for the device or an absent tier).
+    pub fn tier(&self, tier: Tier) -> Option<&PrefixCache> {
+        match tier {
+            Tier::Device => Some(&self.device),
+            Tier::Host => self.lower[0].as_ref().map(|l| &l.cache),
+            Tier::Store => self.lower[1].as_ref().map(|l| &l.cache),
+        }
+    }
+
+    /// The tier configuration.
+    pub fn config(&self) -> &TierConfig {
+        &self.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &TierStats {
+        &self.stats
+    }
+
+    /// Bytes each tier holds (device, host, store; 0 where absent).
+    pub fn used_bytes(&self) -> [u64; 3] {
+        let mut b = [self.device.used_bytes(), 0, 0];
+        for (i, l) in self.lower.iter().enumerate() {
+            b[i + 1] = l.as_ref().map_or(0, |l| l.cache.used_bytes());
+        }
+        b
+    }
+
+    /// Capacity of each tier in bytes (0 where absent).
+    pub fn capacity_bytes(&self) -> [u64; 3] {
+        let mut b = [self.device.config().capacity_bytes, 0, 0];
+        for (i, l) in self.lower.iter().enumerate() {
+            b[i + 1] = l.as_ref().map_or(0, |l| l.cache.config().capacity_bytes);
+        }
+        b
+    }
+
+    /// The entries written into lower tiers since the last call (the
+    /// engine copies them before the upper tier's ids are reused).
+    pub fn drain_moves(&mut self) -> Vec<Move> {
+        std::mem::take(&mut self.moves)
+    }
+
+    /// Modelled seconds to load `bytes` from lower tier `i` (0 host, 1 store).
+    fn load_time(&self, i: usize, bytes: u64) -> f64 {
+        match &self.lower[i] {
+            Some(l) if bytes > 0 => l.latency + bytes as f64 / l.bandwidth,
+            _ => 0.0,
+        }
+    }
+
+    fn recompute_time(&self, from: u32, to: u32) -> f64 {
+        if to <= from {
+            return 0.0;
+        }
+        let m = &self.device.config().model;
+        m.prefill_flops(from as u64, to as u64) / self.cfg.compute_flops
+    }
+
+    fn kv_bytes(&self, tokens: u32) -> u64 {
+        let m = &self.device.config().model;
+        (tokens as u64).saturating_mul(m.kv_bytes_per_token())
+    }
+
+    fn state_bytes(&self) -> u64 {
+        self.device.config().model.state_bytes()
+    }
+
+    /// Looks `input` up in every tier: the usable hit, the loads that make
+    /// it complete and the device's lease and plan. Release with
+    /// [`release`](Self::release).
+    pub fn lookup(&mut self, ns: u64, input: &[u32]) -> Result<TieredLookup, CacheError> {
+        self.lookup_hinted(ns, input, &[])
+    }
+
+    /// [`lookup`](Self::lookup) with application checkpoint hints for the
+    /// device ([`PrefixCache::lookup_hinted`]).
+    pub fn lookup_hinted(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
+        let mut probes: [Option<Probe>; 2] = [None, None];
+        let mut leases: [Option<u64>; 2] = [None, None];
+        let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
+        for i in 0..2 {
+            let Some(l) = self.lower[i].as_mut() else {
+                continue;
+            };
+            let lk = match l.cache.lookup(ns, input) {
+                Ok(lk) => lk,
+                Err(e) => {
+                    self.release_lower(&leases);
+                    return Err(e);
+                }
+            };
+            leases[i] = Some(lk.lease);
+            probes[i] = Some(Probe {
+                hit: lk.hit_tokens,
+                kv: lk.kv_matched_tokens,
+            });
+            lower_lookups[i] = Some(lk);
+        }
+        // The longest lower hit is hinted so that the device plans its state
+        // (promotion); dropped by the device when not above its own hit.
+        let best_lower = probes.iter().flatten().map(|p| p.hit).max().unwrap_or(0);
+        let mut hints = checkpoints.to_vec();
+        if self.cfg.promote && best_lower > 0 {
+            hints.push(best_lower);
+        }
+        // The branch points a lower tier sees (its admission plans them
+        // where the input leaves a path it holds) are branch points of the
+        // whole cache: the device plans them too, or a small device would
+        // only ever see the branches it still holds.
+        if self.cfg.lower_plans {
+            for lk in lower_lookups.iter().flatten() {
+                hints.extend_from_slice(&lk.plan);
+            }
+        }
+        let device = match self.device.lookup_hinted(ns, input, &hints) {
+            Ok(d) => d,
+            Err(e) => {
+                self.release_lower(&leases);
+                return Err(e);
+            }
+        };
+        let d = device.hit_tokens;
+        let dkv = device.kv_matched_tokens;
+        // Choose the hit that saves the most time.
+        let mut best: (f64, Tier, u32, f64, f64) = (0.0, Tier::Device, d, 0.0, 0.0);
+        let mut declined = None;
+        for i in 0..2 {
+            let Some(p) = probes[i] else { continue };
+            if p.hit <= d {
+                continue;
+            }
+            let load = self.load_plan(i, p.hit, dkv, &probes);
+            let load_s: f64 = load
+                .iter()
+                .enumerate()
+                .map(|(t, &b)| self.load_time(t, b))
+                .sum();
+            let recompute_s = self.recompute_time(d, p.hit);
+            let gain = recompute_s - load_s;
+            let tier = if i == 0 { Tier::Host } else { Tier::Store };
+            if !self.cfg.always_load && gain <= 0.0 {
+                if declined.is_none_or(|(_, h)| h < p.hit) {
+                    declined = Some((tier, p.hit));
+                }
+                continue;
+            }
+            let better = if self.cfg.always_load {
+                p.hit > best.2 || best.1 == Tier::Device
+            } else {
+                gain > best.0
+            };
+            if better {
+                best = (gain, tier, p.hit, load_s, recompute_s);
+            }
+        }
+        let (_, tier, hit, load_s, recompute_s) = best;
+        if declined.is_some_and(|(_, h)| h <= hit) {
+            declined = None;
+        }
+        let loads = if tier == Tier::Device {
+            Vec::new()
+        } else {
+            self.load_orders(tier, hit, dkv, &probes, &lower_lookups)
+        };
+        let plan = device
+            .plan
+            .iter()
+            .copied()
+            .filter(|&p| p > hit || (p == hit && tier != Tier::Device))
+            .collect();
+        let l = TieredLookup {
+            device,
+            hit_tokens: hit,
+            tier,
+            loads,
+            load_s,
+            recompute_s,
+            declined,
+            plan,
+            ns,
+            leases,
+        };
+        self.account(&l, input.len());
+        Ok(l)
+    }
+
+    /// Bytes each lower tier (host, store) would load for a hit of `hit`
+    /// tokens whose state is in lower tier `i`: the KV the device lacks
+    /// (from the host where it holds it, it is faster) and the state.
+    fn load_plan(&self, i: usize, hit: u32, dkv: u32, probes: &[Option<Probe>; 2]) -> [u64; 2] {
+        let mut b = [0u64; 2];
+        let host_kv = if i == 1 {
+            probes[0].map_or(0, |p| p.kv.min(hit))
+        } else {
+            hit
+        };
+        let from_host_end = host_kv.max(dkv);
+        b[0] = self.kv_bytes(from_host_end.saturating_sub(dkv));
+        b[i] = b[i].saturating_add(self.kv_bytes(hit.saturating_sub(from_host_end)));
+        b[i] = b[i].saturating_add(self.state_bytes());
+        b
+    }
+
+    fn load_orders(
+        &self,
+        tier: Tier,
+        hit: u32,
+        dkv: u32,
+        probes: &[Option<Probe>; 2],
+        lookups: &[Option<Lookup>; 2],
+    ) -> Vec<LoadOrder> {
+        let i = tier.index() - 1;
+        let host_kv = if i == 1 {
+            probes[0].map_or(0, |p| p.kv.min(hit))
+        } else {
+            hit
+        };
+        let split = host_kv.max(dkv);
+        let page = self.device.config().page_size;
+        let pages = |lk: &Option<Lookup>, start: u32, end: u32| -> Vec<u32> {
+            match lk {
+                Some(l) if !l.kv_pages.is_empty() => {
+                    let (s, e) = ((start / page) as usize, (end / page) as usize);
+                    l.kv_pages
+                        .get(s..e)
+                        .map(<[u32]>::to_vec)
+                        .unwrap_or_default()
+                }
+                _ => Vec::new(),
+            }
+        };
+        let mut out = Vec::new();
+        if split > dkv {
+            out.push(LoadOrder {
+                tier: Tier::Host,
+                what: LoadWhat::Kv {
+                    start: dkv,
+                    end: split,
+                    pages: pages(&lookups[0], dkv, split),
+                },
+                bytes: self.kv_bytes(split - dkv),
+            });
+        }
+        if hit > split {
+            out.push(LoadOrder {
+                tier,
+                what: LoadWhat::Kv {
+                    start: split,
+                    end: hit,
+                    pages: pages(&lookups[i], split, hit),
+                },
+                bytes: self.kv_bytes(hit - split),
+            });
+        }
+        out.push(LoadOrder {
+            tier,
+            what: LoadWhat::State {
+                position: hit,
+                slot: lookups[i].as_ref().and_then(|l| l.state_slot),
+            },
+            bytes: self.state_bytes(),
+        });
+        out
+    }
+
+    fn release_lower(&mut self, leases: &[Option<u64>; 2]) {
+        for (l, lease) in self.lower.iter_mut().zip(leases) {
+            if let (Some(l), Some(lease)) = (l.as_mut(), lease) {
+                // A lease this cache issued a moment ago: cannot be unknown.
+                let _ = l.cache.release(*lease);
+            }
+        }
+    }
+
+    /// Admits the request into the device (as [`PrefixCache::admit`]) and
+    /// moves what the device evicted or stored into the lower tiers.
+    pub fn admit(
+        &mut self,
+        l: &TieredLookup,
+        tokens: &[u32],
+        states: &[SavedState],
+        kv_pages: &[u32],
+    ) -> Result<AdmitOutcome, CacheError> {
+        let out = self
+            .device
+            .admit(l.device.lease, tokens, states, kv_pages)?;
+        if !self.cfg.defer_moves {
+            self.settle()?;
+        }
+        // What the device could not hold (a sequence larger than the room
+        // left by leased entries) is in the engine's working memory: it goes
+        // straight to the host rather than being lost.
+        if self.lower[0].is_some() && (out.rejected.is_some() || out.truncated_to.is_some()) {
+            for s in states {
+                if !out.states_taken.contains(&s.position) {
+                    self.write_lower(0, l.ns, s.position, tokens)?;
+                    self.settle_host()?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Releases the lookup's leases in every tier.
+    pub fn release(&mut self, l: &TieredLookup) -> Result<(), CacheError> {
+        self.release_lower(&l.leases);
+        self.device.release(l.device.lease)?;
+        if self.cfg.defer_moves {
+            return Ok(());
+        }
+        self.settle()
+    }
+
+    /// The device's events, when the device configuration asked for them
+    /// (the tiers read them too, to move entries down).
+    pub fn drain_device_events(&mut self) -> Vec<CacheEvent> {
+        if self.lower[0].is_none() {
+            return self.device.drain_events();
+        }
+        std::mem::take(&mut self.device_events)
+    }
+
+    /// Moves what the device evicted (write-back) or stored (write-through)
+    /// since the last call into the host, and the host's into the store.
+    /// `admit` and `release` call it unless [`TierConfig::defer_moves`].
+    pub fn settle(&mut self) -> Result<(), CacheError> {
+        if self.lower[0].is_none() {
+            return Ok(());
+        }
+        let events = self.device.drain_events();
+        let moved = self.move_down(0, &events);
+        if self.device_events_wanted {
+            self.device_events.extend(events);
+        }
+        moved
+    }
+
+    /// Writes the entries `events` (of the tier above lower tier `i`)
+    /// describe into lower tier `i`, then its own into the next.
+    fn move_down(&mut self, i: usize, events: &[CacheEvent]) -> Result<(), CacheError> {
+        if self.lower[i].is_none() {
+            return Ok(());
+        }
+        for e in events {
+            let (ns, position, prefix) = match (e, self.cfg.write) {
+                (
+                    CacheEvent::StateRemoved {
+                        ns,
+                        position,
+                        prefix,
+                    },
+                    WriteMode::Back,
+                )
+                | (
+                    CacheEvent::StateStored {
+                        ns,
+                        position,
+                        prefix,
+                    },
+                    WriteMode::Through,
+                ) => (*ns, *position, prefix),
+                _ => continue,
+            };
+            self.write_lower(i, ns, position, prefix)?;
+        }
+        if i == 0 {
+            self.settle_host()?;
+        }
+        Ok(())
+    }
+
+    /// Moves the host's evictions or stores into the store.
+    fn settle_host(&mut self) -> Result<(), CacheError> {
+        if self.lower[1].is_none() {
+            return Ok(());
+        }
+        let ev = self.lower[0]
+            .as_mut()
+            .map(|l| l.cache.drain_events())
+            .unwrap_or_default();
+        self.move_down(1, &ev)
+    }
+
+    fn write_lower(
+        &mut self,
+        i: usize,
+        ns: u64,
+        position: u32,
+        prefix: &[u32],
+    ) -> Result<(), CacheError> {
+        let p = position as usize;
+        if p == 0 || p > prefix.len() {
+            return Ok(());
+        }
+        let chain_bytes = self.kv_bytes(position).saturating_add(self.state_bytes());
+        if !self.cfg.always_load
+            && self.load_time(i, chain_bytes) >= self.recompute_time(0, position)
+        {
+            self.stats.demotions_skipped += 1;
+            return Ok(());
+        }
+        let Some(l) = self.lower[i].as_mut() else {
+            return Ok(());
+        };
+        let tokens = &prefix[..p];
+        let before = l.cache.used_bytes();
+        let lk = l.cache.lookup(ns, tokens)?;
+        let state = [SavedState {
+            position,
+            slot: None,
+        }];
+        let admitted = l.cache.admit(lk.lease, tokens, &state, &[]);
+        l.cache.release(lk.lease)?;
+        let out = admitted?;
+        let after = l.cache.used_bytes();
+        if out.rejected.is_none() {
+            let tier = if i == 0 { Tier::Host } else { Tier::Store };
+            let bytes = after.saturating_sub(before);
+            self.stats.bytes_written[tier.index()] += bytes;
+            self.stats.writes[tier.index()] += 1;
+            self.moves.push(Move {
+                to: tier,
+                ns,
+                position,
+                bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// One whole request, as a sequential simulator runs it: lookup, the
+    /// loads, admission of `full` with the planned states above the hit and
+    /// the final state, release. `full[..input_len]` is the input.
+    pub fn serve_full(
+        &mut self,
+        ns: u64,
+        input_len: usize,
+        full: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
+        self.serve_full_hinted(ns, input_len, full, &[])
+    }
+
+    /// [`serve_full`](Self::serve_full) with application checkpoint hints.
+    pub fn serve_full_hinted(
+        &mut self,
+        ns: u64,
+        input_len: usize,
+        full: &[u32],
+        checkpoints: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
+        if input_len > full.len() {
+            return Err(CacheError::PrefixMismatch { input_len });
+        }
+        let l = self.lookup_hinted(ns, &full[..input_len], checkpoints)?;
+        let mut states = self.device.states_to_save(&l.device, full.len());
+        states.retain(|s| {
+            s.position > l.hit_tokens || (s.position == l.hit_tokens && l.tier != Tier::Device)
+        });
+        let admitted = self.admit(&l, full, &states, &[]);
+        let released = self.release(&l);
+        admitted?;
+        released?;
+        Ok(l)
+    }
+
+    /// Counts a looked-up request.
+    fn account(&mut self, l: &TieredLookup, input_len: usize) {
+        let m = &self.device.config().model;
+        let s = &mut self.stats;
+        s.requests += 1;
+        s.input_tokens += input_len as u64;
+        s.hit_tokens += l.hit_tokens as u64;
+        if l.hit_tokens > 0 {
+            s.hit_tokens_by_tier[l.tier.index()] += l.hit_tokens as u64;
+            s.hits_by_tier[l.tier.index()] += 1;
+        }
+        for o in &l.loads {
+            s.bytes_loaded[o.tier.index()] += o.bytes;
+        }
+        if l.declined.is_some() {
+            s.loads_declined += 1;
+        }
+        s.load_s += l.load_s;
+        s.flops_saved += m.prefill_flops(0, l.hit_tokens as u64);
+        s.flops_total += m.prefill_flops(0, input_len as u64);
+    }
+
+    /// Checks every tier's invariants and that none holds more than its
+    /// capacity (panics otherwise; for tests).
+    pub fn check_invariants(&self) {
+        self.device.check_invariants();
+        for l in self.lower.iter().flatten() {
+            l.cache.check_invariants();
+            assert!(l.cache.used_bytes() <= l.cache.config().capacity_bytes);
+        }
+    }
+}

@@ -66,6 +66,10 @@ void set_tensor_data(ggml_tensor *t, void *ud) {
     ggml_backend_tensor_set(t, v.data(), 0, ggml_nbytes(t));
 }
 
+void quiet_log(ggml_log_level level, const char *text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -108,6 +112,7 @@ int main(int argc, char **argv) {
     gguf_set_val_u32(g, "nemotron_h.ssm.time_step_rank", 8);
     gguf_set_val_u32(g, "nemotron_h.ssm.group_count", 2);
 
+    llama_log_set(quiet_log, nullptr);
     llama_backend_init();
     TensorInit init{seed, 0.3f};
     llama_model *model = llama_model_init_from_user(g, set_tensor_data, &init, llama_model_default_params());

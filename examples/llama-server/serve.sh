@@ -40,7 +40,7 @@ out="$("$here/build.sh" | tail -1)"
 # One recurrent state of tiny-nemotron-h.gguf (llama_state_seq_get_size_ext
 # with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, as stock's checkpoints store it),
 # in KiB: the bytes stock's 32 checkpoints per slot may hold.
-CKPT_KIB=401
+CKPT_KIB=412
 ckpts=32
 
 args=(--model "$out/tiny-nemotron-h.gguf" --host 127.0.0.1 --port "$port" --parallel "$parallel"

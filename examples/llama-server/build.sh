@@ -9,6 +9,8 @@
 #   - the random-weight hybrid GGUF, tiny-nemotron-h.gguf.
 # Prints the directory holding llama-server and the GGUF as its last line.
 set -euo pipefail
+# As CI builds libmarconi (a different profile setting would rebuild it).
+export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS="${CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS:-true}"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 cd "$root"

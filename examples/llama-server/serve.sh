@@ -44,7 +44,7 @@ CKPT_KIB=412
 ckpts=32
 
 args=(--model "$out/tiny-nemotron-h.gguf" --host 127.0.0.1 --port "$port" --parallel "$parallel"
-      --ctx-size $((4096 * parallel)) --threads 2 --seed 0 --no-warmup --metrics)
+      --ctx-size $((4096 * parallel)) --threads 2 --seed 0 --no-warmup --metrics --flash-attn off)
 case "$cache" in
   marconi) args+=(--marconi --marconi-mib $((mib + (ckpts * parallel * CKPT_KIB + 1023) / 1024))) ;;
   stock)   args+=(--cache-ram "$mib" --ctx-checkpoints "$ckpts") ;;

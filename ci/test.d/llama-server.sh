@@ -19,5 +19,5 @@ echo "--- examples/llama-server/build.sh"
 examples/llama-server/build.sh >/dev/null
 echo "built in $((SECONDS - start)) s"
 echo "--- side by side: off, stock, libmarconi (short workload)"
-python3 examples/llama-server/side_by_side.py --requests 32 --sessions 8 --mib 4 --parallel 3 --clients 4
+python3 examples/llama-server/side_by_side.py --requests 16 --sessions 5 --mib 4 --parallel 3 --clients 4
 echo "llama-server step: $((SECONDS - start)) s"

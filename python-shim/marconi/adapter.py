@@ -627,75 +627,90 @@ class SGLangTreeCache(MarconiPrefixCache):
             prefix_len = n
         else:
             prefix_len = min(matched, n)
-        dup: list[int] = []
-        for p in range(len(pages)):
-            if p not in taken and p * ps >= prev:
-                dup.extend(indices[p * ps : (p + 1) * ps])
+        # The duplicates: positions the tree already held before this insert,
+        # from prev_prefix_len on (before it, they are the tree's own). What
+        # the cache did not take beyond them (no space) stays the caller's.
+        dup = indices[max(prev, 0) : prefix_len] if prev < prefix_len else []
         if dup:
             self.token_to_kv_pool_allocator.free(_like(value, dup))
         self._give_back()
         node = self._node_for(tokens, ns)
-        return self._InsertResult(
+        result = self._InsertResult(
             prefix_len=prefix_len,
             total_len=n,
             last_device_node=node,
             mamba_exist=bool(states) and not res.taken[0],
         )
+        # Leading positions of the key whose KV the tree now owns (the caller
+        # must not free them): what was cached plus what the cache took.
+        result.tree_kv_len = max(prefix_len, taken.stop * ps if len(taken) else 0)
+        return result
 
     def _node_for(self, tokens: list[int], ns: int) -> SGLangNode:
         with self._lookup(tokens, ns) as lease:
             return self._node(lease, tokens, ns)
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        """Inserts the request's KV up to `up_to` (and, once it is finished,
-        hands its Mamba state to the tree or frees it), repoints its row onto
+        """A finished request: inserts its KV up to `up_to` with its Mamba
+        state (the tree takes the slot, or it is freed), repoints its row onto
         the tree's KV, moves its lock onto the new node and advances
-        cache_protected_len."""
-        kv = getattr(req, "kv", req)
+        cache_protected_len past all the KV the tree now owns.
+
+        A running request (a chunk's checkpoint) is left as it is: libmarconi
+        pins only prefixes that end at a state, so KV cached before the
+        request ends would be evictable under the running request's row.
+        Its KV and state are admitted when it finishes."""
         finished = bool(req.finished()) if callable(getattr(req, "finished", None)) else False
+        if finished:
+            self._checkpoint_finished(req, up_to)
+
+    def _checkpoint_finished(self, req: Any, up_to: int) -> None:
+        kv = getattr(req, "kv", req)
         ids = getattr(req, "full_untruncated_fill_ids", None)
         if ids is None:
             ids = list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
         tokens = _tokens_of(ids)[:up_to]
         ps = self.page_size
         n = (len(tokens) // ps) * ps
-        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
-        values = row[:n]
         slot = getattr(kv, "mamba_pool_idx", None)
-        offer = finished and slot is not None and n == len(tokens) and n > 0
         protected = int(getattr(kv, "cache_protected_len", 0) or 0)
-        if self.disable or n == 0:
-            if finished and slot is not None:
+        if self.disable or n <= protected:
+            if slot is not None:
                 self._free_slot(slot)
                 kv.mamba_pool_idx = None
             return
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        values = row[:n]
+        # The state is the one after all `up_to` tokens: offered only when
+        # that is a page boundary (libmarconi keeps states at page ends).
+        offer = slot is not None and n == len(tokens)
         key = _Key(tokens[:n], getattr(req, "extra_key", None))
-        result = self.insert(
-            _Insert(key, values, _like(slot, [int(slot)]) if offer else None, protected)
-        )
-        if finished and slot is not None:
+        result = self.insert(_Insert(key, values, _like(slot, [int(slot)]) if offer else None, protected))
+        if slot is not None:
             if not offer or result.mamba_exist:
                 self._free_slot(slot)
             kv.mamba_pool_idx = None
         node = result.last_device_node
-        new_len = node.hit_tokens if node.hit_tokens >= protected else protected
-        # The row now reads the tree's KV where the tree kept its own copy.
-        if node.hit_tokens > protected:
-            new = node.device_indices[protected : node.hit_tokens]
-            row[protected : node.hit_tokens] = _like(values, new) if not isinstance(row, list) else new
+        owned_by_tree = max(protected, result.tree_kv_len)
+        # The row reads the tree's KV where the tree kept its own copy (and
+        # freed the request's duplicate).
+        h = min(node.hit_tokens, owned_by_tree)
+        if h > protected:
+            new = node.device_indices[protected:h]
+            row[protected:h] = _like(values, new) if not isinstance(row, list) else new
         old = getattr(req, "lock", None)
         new_lock = self.lock(node)
         self.unlock(old)
         req.lock = new_lock
         req.last_node = node
-        kv.cache_protected_len = new_len
+        kv.cache_protected_len = owned_by_tree
         if hasattr(kv, "cache_inserted_len"):
             kv.cache_inserted_len = max(kv.cache_inserted_len, n)
 
     def cache_unfinished_req(self, req: Any, **kwargs: Any) -> None:
         """Older SGLang's name for a checkpoint of a running request."""
         ids = getattr(req, "fill_ids", None) or list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
-        self.checkpoint(req, up_to=len(ids))
+        self.checkpoint(req, up_to=len(ids))  # a running request: see checkpoint
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         """Older SGLang's name for releasing a finished request's row
@@ -705,7 +720,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         ids = getattr(req, "fill_ids", None) or list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
         owned = len(ids)
         if is_insert:
-            self.checkpoint(req, up_to=owned)
+            self._checkpoint_finished(req, owned)
         protected = int(getattr(kv, "cache_protected_len", 0) or 0)
         self.free_kv_row(kv, [(protected, owned)])
         self.unlock(getattr(req, "lock", None))
@@ -866,6 +881,40 @@ class SGLangTreeCache(MarconiPrefixCache):
         pass
 
     def finish(self, handle: Any, outcome: Any) -> None:
+        pass
+
+    # -- tiers libmarconi's SGLang cache has none of (no host tier, no storage,
+    # no sliding windows): what SGLang's base class answers for a cache without them.
+
+    def init_load_back(self, params: Any) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True
+
+    def finish_storage_prefetch_admission(self, handle: Any, fulfilled_tokens: int, reason: Optional[str]) -> None:
+        pass
+
+    def discard_storage_prefetch_accounting(self, handle: Any) -> None:
+        pass
+
+    def waiting_storage_span(self, request: Any) -> None:
+        return None
+
+    def pop_prefetch_loaded_span(self, handle: Any) -> tuple[int, None]:
+        return 0, None
+
+    def ready_to_load_host_cache(self) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    def check_hicache_events(self) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    @property
+    def swa_retain_window(self) -> None:
+        return None
+
+    def evict_sliding_windows(self, req: Any, pre_len: int, *, eviction_interval: int = 1) -> None:
         pass
 
     def release_session(self, session_id: str) -> None:

@@ -246,18 +246,17 @@ def _tokens_of(key: Any) -> list[int]:
 
 
 def _ints(value: Any) -> list[int]:
-    """A tensor, array or sequence of ints as a flat list."""
+    """A tensor, array or sequence of ints as a flat list (converted in
+    bulk; libmarconi checks every value's range when it reads them)."""
     if value is None:
         return []
     tolist = getattr(value, "tolist", None)
-    out = tolist() if tolist is not None else list(value)
-    flat: list[int] = []
-    for v in out:
-        if isinstance(v, list):
-            flat.extend(int(x) for x in v)
-        else:
-            flat.append(int(v))
-    return flat
+    out = tolist() if tolist is not None else value
+    if out.__class__ is not list:
+        out = list(out)
+    if out and out[0].__class__ is list:  # a column ([[i], [j]]) or a 2-d value
+        out = [x for row in out for x in row]
+    return out
 
 
 def _like(ref: Any, ids: list[int]) -> Any:
@@ -482,7 +481,8 @@ class SGLangTreeCache(MarconiPrefixCache):
     def _node(self, lease: Lease, tokens: list[int], ns: int) -> SGLangNode:
         hit = lease.hit_tokens
         ps = self.page_size
-        indices = [p * ps + i for p in lease.kv_pages for i in range(ps)][:hit]
+        pages = lease.kv_pages
+        indices = pages[:hit] if ps == 1 else [p * ps + i for p in pages for i in range(ps)][:hit]
         node = SGLangNode(self._next_id, ns, tokens[:hit], indices, lease.state_slot)
         self._next_id += 1
         return node
@@ -619,6 +619,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         with self.cache.lookup(tokens, ns) as lease:
             res = lease.admit(tokens, states, pages)
             matched = lease.kv_matched_tokens
+            was_hit, hit_pages = lease.hit_tokens, lease.kv_pages
         taken = res.kv_pages_taken
         # The tokens already cached before this insert (SGLang's prefix_len).
         if len(taken):
@@ -634,7 +635,14 @@ class SGLangTreeCache(MarconiPrefixCache):
         if dup:
             self.token_to_kv_pool_allocator.free(_like(value, dup))
         self._give_back()
-        node = self._node_for(tokens, ns)
+        if states and res.taken[0] and ps == 1 and len(taken) and taken.start == was_hit and taken.stop == n:
+            # The usual case (a conversation's next turn): the path is the hit's
+            # KV then the pages just taken, and the state at its end is the one
+            # just admitted: no second lookup.
+            node = SGLangNode(self._next_id, ns, tokens, hit_pages[:was_hit] + indices[was_hit:], states[0][1])
+            self._next_id += 1
+        else:
+            node = self._node_for(tokens, ns)
         result = self._InsertResult(
             prefix_len=prefix_len,
             total_len=n,

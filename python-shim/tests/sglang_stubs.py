@@ -20,13 +20,14 @@ class FreeList:
     def __init__(self, size: int, what: str):
         self.size = size
         self.what = what
-        self._free = list(range(1, size + 1))
+        self._free = list(range(size, 0, -1))  # handed out from the end: 1, 2, ...
         self._out: set[int] = set()
 
     def alloc(self, n: int) -> Optional[list[int]]:
         if n > len(self._free):
             return None
-        got, self._free = self._free[:n], self._free[n:]
+        got = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
         self._out.update(got)
         return got
 

@@ -12,10 +12,11 @@ the protected prefix -> unlock. Pools are the test stand-ins
 (tests/sglang_stubs.py), sized so that nothing is evicted; token ids are
 Python lists, as SGLang's Req holds them.
 
---sglang also runs SGLang's own UnifiedRadixCache (FULL + MAMBA) through
-insert + match_prefix on the same requests, if SGLang and torch import here
-(they need SGLang's dependencies: torch, triton, ...); without them it says
-so and exits non-zero.
+Then match_prefix + insert alone per request (no lock, no row), and with
+--sglang the same calls through SGLang's own UnifiedRadixCache (FULL +
+MAMBA, its Rust tree core, its CPU pools), if SGLang imports here: the
+extracted wheel on PYTHONPATH and its imported dependencies installed (see
+docs/sglang.md for the command); without them it says so and exits non-zero.
 
 Prints CPU microseconds per request (time.process_time), the best of
 --repeat runs.
@@ -37,6 +38,7 @@ from sglang_stubs import (  # noqa: E402
     CacheInitParams,
     FreeList,
     HybridReqToTokenPool,
+    InsertParams,
     MatchPrefixParams,
     RadixKey,
     Req,
@@ -75,13 +77,93 @@ def run_marconi(requests, model: str) -> float:
     return dt / len(requests)
 
 
+def run_marconi_tree(requests, model: str) -> float:
+    """match_prefix + insert per request (the calls run_sglang makes)."""
+    longest = max(len(i) + len(o) for i, o in requests)
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    rtp = HybridReqToTokenPool(2, len(requests) + 4, longest + 1)
+    alloc = FreeList(total, "KV indices")
+    tree = MarconiPrefixCache(CacheInitParams(rtp, alloc), model)
+    t0 = time.process_time()
+    for inp, out in requests:
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(inp)))
+        k = m.device_prefix_len
+        full = inp + out
+        value = list(tree.path_device_indices(m.last_device_node))[:k] + alloc.alloc(len(full) - k)
+        tree.insert(InsertParams(key=RadixKey(full), value=value, mamba_value=rtp.mamba_allocator.alloc(1), prev_prefix_len=k))
+    dt = time.process_time() - t0
+    assert tree.cache.stats()["evictions"] == 0
+    return dt / len(requests)
+
+
+def _sglang_tree(total_tokens: int, n_states: int):
+    """SGLang's UnifiedRadixCache (FULL + MAMBA, its Rust tree core) over its
+    own CPU pools, small layers (the tree's cost does not depend on them).
+    Harness only: two runtime_context lookups that read a model config are
+    given fixed values (a chunk of 64 tokens, a checkpoint grid of 1)."""
+    import sglang.srt.runtime_context as rc
+
+    rc.mamba_cache_chunk_size = lambda: 64
+    rc.mamba_checkpoint_grid = lambda page_size=1: 1
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams as SParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool as SReqPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
+    layers, full = 4, [3]
+    mamba = [i for i in range(layers) if i not in full]
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=32, state_size=8, conv_kernel=4
+        )
+        cache_params = Mamba2CacheParams(shape=shape, layers=mamba)
+    rtp = SReqPool(
+        size=2, mamba_size=n_states, mamba_spec_state_size=2, max_context_len=64, device="cpu",
+        enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=mamba,
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
+    )
+    pool = HybridLinearKVPool(
+        size=total_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+        full_attention_layer_ids=full, device="cpu", enable_memory_saver=False, mamba_pool=rtp.mamba_pool,
+    )
+    alloc = TokenToKVPoolAllocator(size=total_tokens, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+    tree = UnifiedRadixCache(
+        params=SParams(
+            req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1, disable=False,
+            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+        )
+    )
+    return tree, alloc, rtp
+
+
 def run_sglang(requests) -> float:
-    import torch  # noqa: F401
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    """The same match_prefix + insert per request through SGLang's own cache;
+    keys are array('q') as SGLang 0.5.23's RadixKey takes them."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams as SInsert
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams as SMatch
     from sglang.srt.mem_cache.radix_cache import RadixKey as SKey
 
-    raise SystemExit("SGLang imported, but building its UnifiedRadixCache here is not written: " + repr((InsertParams, SMatch, SKey)))
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    tree, alloc, rtp = _sglang_tree(total, len(requests) + 4)
+    t0 = time.process_time()
+    for inp, out in requests:
+        m = tree.match_prefix(SMatch(key=SKey(array("q", inp))))
+        k = m.device_prefix_len
+        full = inp + out
+        prefix = tree.path_device_indices(m.last_device_node)[:k]
+        value = torch.cat([prefix.to(torch.int64), alloc.alloc(len(full) - k).to(torch.int64)])
+        tree.insert(SInsert(key=SKey(array("q", full)), value=value, mamba_value=rtp.mamba_allocator.alloc(1), prev_prefix_len=k))
+    return (time.process_time() - t0) / len(requests)
 
 
 def main() -> None:
@@ -97,12 +179,15 @@ def main() -> None:
     print(f"{len(requests)} requests, mean input {mean:.0f} tokens")
     ours = min(run_marconi(requests, a.model) for _ in range(a.repeat))
     print(f"libmarconi (SGLangTreeCache): {ours * 1e6:10.1f} us CPU / request")
+    tree = min(run_marconi_tree(requests, a.model) for _ in range(a.repeat))
+    print(f"libmarconi, match_prefix + insert: {tree * 1e6:10.1f} us CPU / request")
     if a.sglang:
         try:
             theirs = min(run_sglang(requests) for _ in range(a.repeat))
         except ImportError as e:
             sys.exit(f"SGLang's UnifiedRadixCache does not import here: {e}")
-        print(f"SGLang UnifiedRadixCache:     {theirs * 1e6:10.1f} us CPU / request ({theirs / ours:.1f}x)")
+        print(f"SGLang UnifiedRadixCache, match_prefix + insert: {theirs * 1e6:10.1f} us CPU / request"
+              f" ({theirs / tree:.1f}x libmarconi's)")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ end) and `kv_pages` (one page id per full page of input + output).
 
 from __future__ import annotations
 
+from array import array as _array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -259,6 +260,18 @@ def _ints(value: Any) -> list[int]:
     return out
 
 
+def _u32_array(ids: Any) -> Optional[_array]:
+    """`ids` as a new array('I') (one bulk conversion, read in place by
+    the library), or None when a value is not a uint32 (the caller then
+    passes the original, and the library's check names the value)."""
+    if any(v.__class__ is bool for v in ids[:1]):
+        return None
+    try:
+        return _array("I", ids)
+    except (OverflowError, TypeError, ValueError):
+        return None
+
+
 def _like(ref: Any, ids: list[int]) -> Any:
     """`ids` as the same kind of container as `ref` (a torch tensor on the
     same device when `ref` is one), so SGLang's allocators get what they take."""
@@ -476,7 +489,11 @@ class SGLangTreeCache(MarconiPrefixCache):
     # -- lookups ------------------------------------------------------------------
 
     def _lookup(self, tokens: list[int], ns: int, dst: Optional[int] = None) -> Lease:
-        return self.cache.lookup(tokens + [_SENTINEL], ns, dst)
+        key = _u32_array(tokens)
+        if key is None:  # out of range: the library names the bad value
+            return self.cache.lookup(list(tokens) + [_SENTINEL], ns, dst)
+        key.append(_SENTINEL)
+        return self.cache.lookup(key, ns, dst)
 
     def _node(self, lease: Lease, tokens: list[int], ns: int) -> SGLangNode:
         hit = lease.hit_tokens
@@ -616,8 +633,12 @@ class SGLangTreeCache(MarconiPrefixCache):
         if n == 0:
             return self._InsertResult(prefix_len=0, total_len=0, last_device_node=self.root_node, mamba_exist=bool(mamba))
         pages = indices[::ps] if ps == 1 else [indices[i] // ps for i in range(0, n, ps)]
-        with self.cache.lookup(tokens, ns) as lease:
-            res = lease.admit(tokens, states, pages)
+        # Converted once, read in place by both calls.
+        key = _u32_array(tokens)
+        key = tokens if key is None else key
+        page_ids = _u32_array(pages)
+        with self.cache.lookup(key, ns) as lease:
+            res = lease.admit(key, states, pages if page_ids is None else page_ids)
             matched = lease.kv_matched_tokens
             was_hit, hit_pages = lease.hit_tokens, lease.kv_pages
         taken = res.kv_pages_taken

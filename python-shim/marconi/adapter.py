@@ -524,7 +524,10 @@ class SGLangTreeCache(MarconiPrefixCache):
             return self._miss(kv_matched)
         req = getattr(params, "req", None)
         if getattr(params, "cow_mamba", False) and req is not None and node.state_slot is not None:
-            self._copy_state_into(req, node.state_slot)
+            if not self._copy_state_into(req, node):
+                # No slot for the request's copy even after evicting a state:
+                # a miss, never a hit whose state the request does not hold.
+                return self._miss(kv_matched)
         return self._match(node, kv_matched)
 
     def _miss(self, kv_matched: int) -> Any:
@@ -543,23 +546,45 @@ class SGLangTreeCache(MarconiPrefixCache):
         )
         return result
 
-    def _copy_state_into(self, req: Any, src: int) -> None:
+    def _copy_state_into(self, req: Any, node: SGLangNode) -> bool:
+        """Gives the request a copy of the node's state: as SGLang's Mamba
+        component does, deferred to the batch (req.kv.mamba_cow_src_index)
+        when the request has that field, else copied now
+        (mamba_pool.copy_from). A slot is allocated if the request has none,
+        evicting one state if the pool is empty (the node locked meanwhile).
+        False when no slot can be had."""
         kv = getattr(req, "kv", req)
+        src = node.state_slot
         dst = getattr(kv, "mamba_pool_idx", None)
         if dst is None:
-            if self._mamba_allocator is None:
-                return
-            got = self._mamba_allocator.alloc(1)
-            if got is None:
-                return
-            dst = got[0] if len(got) else None
-            if dst is None:
-                return
+            alloc = self._mamba_allocator
+            if alloc is None:
+                return False
+            got = alloc.alloc(1)
+            if got is None or len(got) == 0:
+                self.inc_lock_ref(node)
+                try:
+                    self.evict(_Evict(0, 1))
+                finally:
+                    self.dec_lock_ref(node)
+                got = alloc.alloc(1)
+                if got is None or len(got) == 0 or node.state_slot != src:
+                    if got is not None and len(got):
+                        alloc.free(got)
+                    return False
+            dst = got[0]
             kv.mamba_pool_idx = dst
+        ref = dst if type(dst).__module__.startswith("torch") else None
+        if hasattr(kv, "mamba_cow_src_index"):
+            kv.mamba_cow_src_index = _like(ref, [src])
+            if hasattr(kv, "mamba_needs_clear"):
+                kv.mamba_needs_clear = False
+            return True
         pool = self._mamba_pool
-        if pool is not None and hasattr(pool, "copy_from"):
-            ref = dst if type(dst).__module__.startswith("torch") else None
-            pool.copy_from(_like(ref, [src]), _like(ref, [int(dst)]))
+        if pool is None or not hasattr(pool, "copy_from"):
+            return False
+        pool.copy_from(_like(ref, [src]), _like(ref, [int(dst)]))
+        return True
 
     def touch_prefix(self, key: Any) -> None:
         """A lookup without a copy: refreshes the prefix's recency."""
@@ -960,6 +985,12 @@ class SGLangTreeCache(MarconiPrefixCache):
 class _Key:
     token_ids: list
     extra_key: Any = None
+
+
+@dataclass
+class _Evict:
+    num_tokens: int
+    mamba_num: int
 
 
 @dataclass

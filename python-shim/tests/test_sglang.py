@@ -363,3 +363,42 @@ def test_needs_a_mamba_pool():
 
     with pytest.raises(ValueError, match="mamba"):
         MarconiPrefixCache(CacheInitParams(req_to_token_pool=Plain(), token_to_kv_pool_allocator=FreeList(8, "kv")))
+
+
+def test_cow_is_deferred_to_the_batch_as_sglangs():
+    """With SGLang's ReqKvInfo fields, the copy is left to the batch
+    (mamba_cow_src_index), as SGLang's Mamba component does."""
+    tree, alloc, rtp, make_req = build_tree()
+    req1 = make_req()
+    src = req1.mamba_pool_idx
+    insert(tree, alloc, req1, [1, 2, 3, 4])
+    req2 = Req()
+    req2.kv.mamba_cow_src_index = None
+    req2.kv.mamba_needs_clear = True
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5]), cow_mamba=True, req=req2))
+    assert m.device_prefix_len == 4
+    assert req2.kv.mamba_cow_src_index == [src]
+    assert req2.kv.mamba_needs_clear is False
+    assert req2.mamba_pool_idx is not None and req2.mamba_pool_idx != src
+
+
+def test_no_slot_for_the_copy_is_a_miss():
+    """A hit the request cannot hold a state copy for is a miss, never a
+    hit over a state it does not have; a state is evicted to make room
+    first, but not the matched node's."""
+    tree, alloc, rtp, make_req = build_tree(mamba_cache_size=2)
+    insert(tree, alloc, make_req(), [1, 2, 3])
+    insert(tree, alloc, make_req(), [7, 8, 9])
+    assert rtp.mamba_allocator.available_size() == 0
+    req = Req()
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]), cow_mamba=True, req=req))
+    # [7, 8, 9]'s state made room: a hit with the request's own copy.
+    assert m.device_prefix_len == 3 and req.mamba_pool_idx is not None
+    assert hit(tree, [7, 8, 9]) == 0
+    req2 = Req()  # now no state but the locked-for-copy one is left to evict
+    tree.inc_lock_ref(m.last_device_node)
+    m2 = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]), cow_mamba=True, req=req2))
+    assert m2.device_prefix_len == 0 and req2.mamba_pool_idx is None
+    assert m2.last_device_node is tree.root_node
+    tree.dec_lock_ref(m.last_device_node)
+    tree.sanity_check()

@@ -411,6 +411,10 @@ class SGLangTreeCache(MarconiPrefixCache):
         self._DecResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "DecLockRefResult", _DecLockRefResult)
         self._TreeLock = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "TreeLock", _TreeLock)
         self._next_id = 1
+        # SGLang's pools hold torch tensors: the index lists handed back are
+        # tensors on their device from the start (lists with list pools).
+        rows = getattr(self.req_to_token_pool, "req_to_token", None)
+        self._index_ref = rows if type(rows).__module__.startswith("torch") else None
         self.cache: Optional[PrefixCache] = None
         self.reset()
 
@@ -644,7 +648,8 @@ class SGLangTreeCache(MarconiPrefixCache):
         not take the offered state (the caller keeps or frees it)."""
         tokens = _tokens_of(params.key)
         value = params.value
-        self._index_ref = value if value is not None and type(value).__module__.startswith("torch") else getattr(self, "_index_ref", None)
+        if value is not None and type(value).__module__.startswith("torch"):
+            self._index_ref = value
         ps = self.page_size
         n = (len(tokens) // ps) * ps
         tokens = tokens[:n]

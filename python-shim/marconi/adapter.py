@@ -30,10 +30,11 @@ end) and `kv_pages` (one page id per full page of input + output).
 
 from __future__ import annotations
 
+from array import array as _array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from ._convert import U64_MAX, Tokens, _u32_concat, _uint
+from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _uint
 from .cache import AdmitResult, Lease, PrefixCache
 
 
@@ -86,7 +87,17 @@ class MatchResult(NamedTuple):
 
 class MarconiPrefixCache:
     """A drop-in for a Python engine's radix prefix cache, backed by
-    libmarconi (see the module docstring for the mapping)."""
+    libmarconi (see the module docstring for the mapping).
+
+    Given SGLang's CacheInitParams (anything with a token_to_kv_pool_allocator)
+    instead of a capacity, it is the SGLang 0.5.23 tree cache over SGLang's
+    pools (SGLangTreeCache)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        first = args[0] if args else kwargs.get("params")
+        if cls is MarconiPrefixCache and hasattr(first, "token_to_kv_pool_allocator"):
+            return object.__new__(SGLangTreeCache)
+        return object.__new__(cls)
 
     def __init__(self, capacity_bytes: int, model: Any = "paper-7b", **config: Any):
         self._args = ((capacity_bytes, model), config)
@@ -207,3 +218,805 @@ class MarconiPrefixCache:
     def pretty_print(self) -> None:
         """Prints the stats."""
         print(self.cache.stats())
+
+
+# -- SGLang 0.5.23 (BasePrefixCache over SGLang's own pools) -----------------
+#
+# SGLang's tree caches take parameter objects (MatchPrefixParams,
+# InsertParams, EvictParams, DecLockRefParams) and return MatchResult /
+# InsertResult / EvictResult / IncLockRefResult; the pools
+# (params.req_to_token_pool, params.token_to_kv_pool_allocator and the
+# Mamba slot allocator) are SGLang's. The adapter reads those objects by
+# attribute name and builds its results from SGLang's own classes when
+# SGLang is importable (otherwise from the stand-ins below, which have the
+# same field names), so this module imports nothing from SGLang at load time.
+
+_SENTINEL = U32_MAX
+"""Appended to a key looked up for SGLang: libmarconi's hit is always
+shorter than what is looked up (one token is left to compute), while
+SGLang's callers already pass the key they want matched in full."""
+
+
+def _tokens_of(key: Any) -> list[int]:
+    """The token ids of a RadixKey (or of a plain sequence / tensor)."""
+    ids = getattr(key, "token_ids", key)
+    if ids is None:
+        return []
+    tolist = getattr(ids, "tolist", None)
+    return list(tolist() if tolist is not None else ids)
+
+
+def _ints(value: Any) -> list[int]:
+    """A tensor, array or sequence of ints as a flat list (converted in
+    bulk; libmarconi checks every value's range when it reads them)."""
+    if value is None:
+        return []
+    tolist = getattr(value, "tolist", None)
+    out = tolist() if tolist is not None else value
+    if out.__class__ is not list:
+        out = list(out)
+    if out and out[0].__class__ is list:  # a column ([[i], [j]]) or a 2-d value
+        out = [x for row in out for x in row]
+    return out
+
+
+def _u32_array(ids: Any) -> Optional[_array]:
+    """`ids` as a new array('I') (one bulk conversion, read in place by
+    the library), or None when a value is not a uint32 (the caller then
+    passes the original, and the library's check names the value)."""
+    if any(v.__class__ is bool for v in ids[:1]):
+        return None
+    try:
+        return _array("I", ids)
+    except (OverflowError, TypeError, ValueError):
+        return None
+
+
+def _like(ref: Any, ids: list[int]) -> Any:
+    """`ids` as the same kind of container as `ref` (a torch tensor on the
+    same device when `ref` is one), so SGLang's allocators get what they take."""
+    if ref is not None and type(ref).__module__.startswith("torch"):
+        import torch
+
+        return torch.tensor(ids, dtype=torch.int64, device=ref.device)
+    return list(ids)
+
+
+def _namespace(key: Any) -> int:
+    """RadixKey.extra_key (and cache_salt) as a libmarconi namespace: the
+    same strings always give the same namespace; none gives 0."""
+    extra = getattr(key, "extra_key", None)
+    salt = getattr(key, "cache_salt", None)
+    if extra is None and salt is None:
+        return 0
+    import hashlib
+
+    digest = hashlib.blake2b(repr((extra, salt)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _sglang_class(module: str, name: str, fallback: Any) -> Any:
+    try:
+        mod = __import__(module, fromlist=[name])
+        return getattr(mod, name)
+    except Exception:  # SGLang absent or not importable here (no GPU stack)
+        return fallback
+
+
+@dataclass
+class _MatchResult:
+    device_prefix_len: int
+    last_device_node: Any
+    last_host_node: Any
+    best_match_node: Any
+    host_hit_length: int = 0
+    swa_host_hit_length: int = 0
+    swa_branching_seqlen: Optional[int] = None
+    mamba_host_hit_length: int = 0
+    mamba_branching_seqlen: Optional[int] = None
+    cache_protected_len: Optional[int] = None
+    full_kv_hit_length: int = 0
+    cache_actions: tuple = ()
+    last_visited_node_id: Optional[int] = None
+    full_device_match_len: Optional[int] = None
+
+
+@dataclass
+class _InsertResult:
+    prefix_len: int
+    total_len: int = 0
+    last_device_node: Any = None
+    mamba_exist: bool = False
+    swa_branch_inserted: bool = False
+
+
+@dataclass
+class _EvictResult:
+    num_tokens_evicted: int = 0
+    swa_num_tokens_evicted: int = 0
+    mamba_num_evicted: int = 0
+
+
+@dataclass
+class _IncLockRefResult:
+    delta: Optional[int] = None
+    node_id: Optional[int] = None
+
+    def to_dec_params(self) -> Any:
+        return None
+
+
+@dataclass
+class _DecLockRefResult:
+    delta: Optional[int] = None
+
+
+@dataclass
+class _TreeLock:
+    node: Any
+    receipt: Any = None
+    swa_released: bool = False
+
+
+@dataclass(eq=False)
+class SGLangNode:
+    """The "last node" SGLang keeps in req.last_node: one matched prefix
+    (its tokens, KV indices and state slot) and, while locked, the
+    libmarconi lease that pins it."""
+
+    node_id: int
+    namespace: int
+    tokens: list[int]
+    device_indices: list[int]
+    state_slot: Optional[int] = None
+    lease: Optional[Lease] = None
+    lock_ref: int = 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class SGLangTreeCache(MarconiPrefixCache):
+    """SGLang 0.5.23's BasePrefixCache interface for hybrid (Mamba) models,
+    over libmarconi and SGLang's pools: the KV indices and Mamba slots the
+    cache keeps are SGLang's, handed back to SGLang's allocators when
+    libmarconi evicts them. See docs/sglang.md for the mapping and for what
+    differs by design (admission without a branch, FLOP-aware eviction)."""
+
+    disable = False
+    cache_controller = None
+    metrics_collector = None
+    buffer_pipeline = None
+    storage_prefetch_retries = None
+    kv_events = None
+    draft_swa_window = 0
+    sliding_window_size = None
+    enable_session_radix_cache = False
+
+    def __init__(self, params: Any, model: Any = "paper-7b", **config: Any):
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = int(getattr(params, "page_size", 1) or 1)
+        self.disable = bool(getattr(params, "disable", False))
+        self._model = model
+        self._config = dict(config)
+        self._config.setdefault("page_size", self.page_size)
+        self._mamba_allocator = getattr(self.req_to_token_pool, "mamba_allocator", None)
+        self._mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
+        self._MatchResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "MatchResult", _MatchResult)
+        self._InsertResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "InsertResult", _InsertResult)
+        self._EvictResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "EvictResult", _EvictResult)
+        self._IncResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "IncLockRefResult", _IncLockRefResult)
+        self._DecResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "DecLockRefResult", _DecLockRefResult)
+        self._TreeLock = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "TreeLock", _TreeLock)
+        self._next_id = 1
+        # SGLang's pools hold torch tensors: the index lists handed back are
+        # tensors on their device from the start (lists with list pools).
+        rows = getattr(self.req_to_token_pool, "req_to_token", None)
+        self._index_ref = rows if type(rows).__module__.startswith("torch") else None
+        self.cache: Optional[PrefixCache] = None
+        self.reset()
+
+    # -- construction ---------------------------------------------------------
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        alloc = self.token_to_kv_pool_allocator
+        kv = int(getattr(alloc, "size", 0) or alloc.available_size())
+        m = self._mamba_allocator
+        if m is None:
+            raise ValueError("req_to_token_pool has no mamba_allocator: libmarconi's SGLang cache is for hybrid (Mamba) models")
+        slots = int(getattr(m, "size", 0) or getattr(self._mamba_pool, "size", 0) or m.available_size())
+        if kv <= 0 or slots <= 0:
+            raise ValueError(f"empty pools: {kv} KV tokens, {slots} Mamba slots")
+        return kv, slots
+
+    def reset(self) -> None:
+        """Drops everything; the KV indices and slots the cache held go back
+        to SGLang's allocators."""
+        if self.cache is not None and not self.cache.closed:
+            self.cache.evict(U64_MAX)
+            self._give_back()
+            self.cache.close()
+        kv, slots = self._pool_sizes()
+        with PrefixCache(1 << 40, self._model, **self._config) as probe:
+            s = probe.stats()
+        self._kv_bpt = max(1, s["kv_bytes_per_token"])
+        self._state_b = max(1, s["state_bytes_per_entry"])
+        # One byte budget the size of SGLang's pools: libmarconi never keeps
+        # more KV or states than the pools hold.
+        self._capacity = kv * self._kv_bpt + slots * self._state_b
+        self.cache = PrefixCache(self._capacity, self._model, **self._config)
+        self.root_node = SGLangNode(0, 0, [], [])
+        self._locked: dict[int, SGLangNode] = {}
+
+    # -- what the cache is -------------------------------------------------------
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_auxiliary_swa(self) -> bool:
+        return False
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def supports_fast_match_prefix(self) -> bool:
+        return False
+
+    def swa_reprefill_tail_tokens(self, req: Any = None) -> int:
+        return 0
+
+    def swa_retain_floor(self, req: Any) -> None:
+        return None
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> SGLangNode:
+        return self.root_node
+
+    def resolve_node_handle(self, node_handle: Any) -> Any:
+        return node_handle
+
+    def is_root(self, node: Any) -> bool:
+        return node is self.root_node
+
+    def dfs_weight_order(self, node_handles: Any) -> list[int]:
+        """Request indices with the deepest matches first (requests on the
+        same node together), in place of SGLang's walk of its tree."""
+        return sorted(range(len(node_handles)), key=lambda i: (-node_handles[i].hit_tokens, node_handles[i].node_id, i))
+
+    def rotation_base_of(self, node: Any) -> None:
+        return None
+
+    # -- lookups ------------------------------------------------------------------
+
+    def _lookup(self, tokens: list[int], ns: int, dst: Optional[int] = None) -> Lease:
+        key = _u32_array(tokens)
+        if key is None:  # out of range: the library names the bad value
+            return self.cache.lookup(list(tokens) + [_SENTINEL], ns, dst)
+        key.append(_SENTINEL)
+        return self.cache.lookup(key, ns, dst)
+
+    def _node(self, lease: Lease, tokens: list[int], ns: int) -> SGLangNode:
+        hit = lease.hit_tokens
+        ps = self.page_size
+        pages = lease.kv_pages
+        indices = pages[:hit] if ps == 1 else [p * ps + i for p in pages for i in range(ps)][:hit]
+        node = SGLangNode(self._next_id, ns, tokens[:hit], indices, lease.state_slot)
+        self._next_id += 1
+        return node
+
+    def match_prefix(self, params: Any) -> Any:
+        """The longest cached prefix of params.key that has a Mamba state
+        (libmarconi resumes only from a state). Pins nothing: lock() pins.
+        With params.cow_mamba and params.req, the state is copied into the
+        request's own Mamba slot (allocated here if it has none)."""
+        key = params.key
+        tokens = _tokens_of(key)
+        limit = getattr(key, "limit", None)
+        if isinstance(limit, int) and limit >= 0:
+            tokens = tokens[:limit]
+        ns = _namespace(key)
+        if self.disable or not tokens:
+            return self._miss(len(tokens))
+        with self._lookup(tokens, ns) as lease:
+            node = self._node(lease, tokens, ns)
+            kv_matched = min(lease.kv_matched_tokens, len(tokens))
+        if node.hit_tokens == 0:
+            return self._miss(kv_matched)
+        req = getattr(params, "req", None)
+        if getattr(params, "cow_mamba", False) and req is not None and node.state_slot is not None:
+            if not self._copy_state_into(req, node):
+                # No slot for the request's copy even after evicting a state:
+                # a miss, never a hit whose state the request does not hold.
+                return self._miss(kv_matched)
+        return self._match(node, kv_matched)
+
+    def _miss(self, kv_matched: int) -> Any:
+        return self._match(self.root_node, kv_matched)
+
+    def _match(self, node: SGLangNode, kv_matched: int) -> Any:
+        result = self._MatchResult(
+            device_prefix_len=node.hit_tokens,
+            last_device_node=node,
+            last_host_node=node,
+            best_match_node=node,
+            # The deepest page-aligned prefix whose KV is cached: a state saved
+            # there would make it a hit (SGLang's branching point).
+            mamba_branching_seqlen=(kv_matched // self.page_size) * self.page_size if kv_matched > node.hit_tokens else None,
+            full_kv_hit_length=max(kv_matched, node.hit_tokens),
+        )
+        return result
+
+    def _copy_state_into(self, req: Any, node: SGLangNode) -> bool:
+        """Gives the request a copy of the node's state: as SGLang's Mamba
+        component does, deferred to the batch (req.kv.mamba_cow_src_index)
+        when the request has that field, else copied now
+        (mamba_pool.copy_from). A slot is allocated if the request has none,
+        evicting one state if the pool is empty (the node locked meanwhile).
+        False when no slot can be had."""
+        kv = getattr(req, "kv", req)
+        src = node.state_slot
+        dst = getattr(kv, "mamba_pool_idx", None)
+        if dst is None:
+            alloc = self._mamba_allocator
+            if alloc is None:
+                return False
+            got = alloc.alloc(1)
+            if got is None or len(got) == 0:
+                self.inc_lock_ref(node)
+                try:
+                    self.evict(_Evict(0, 1))
+                finally:
+                    self.dec_lock_ref(node)
+                got = alloc.alloc(1)
+                if got is None or len(got) == 0 or node.state_slot != src:
+                    if got is not None and len(got):
+                        alloc.free(got)
+                    return False
+            dst = got[0]
+            kv.mamba_pool_idx = dst
+        ref = dst if type(dst).__module__.startswith("torch") else None
+        if hasattr(kv, "mamba_cow_src_index"):
+            kv.mamba_cow_src_index = _like(ref, [src])
+            if hasattr(kv, "mamba_needs_clear"):
+                kv.mamba_needs_clear = False
+            return True
+        pool = self._mamba_pool
+        if pool is None or not hasattr(pool, "copy_from"):
+            return False
+        pool.copy_from(_like(ref, [src]), _like(ref, [int(dst)]))
+        return True
+
+    def touch_prefix(self, key: Any) -> None:
+        """A lookup without a copy: refreshes the prefix's recency."""
+        tokens = _tokens_of(key)
+        if tokens and not self.disable:
+            with self._lookup(tokens, _namespace(key)):
+                pass
+
+    # -- locks --------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: Any) -> Any:
+        """Pins the node's prefix (a libmarconi lease) until dec_lock_ref."""
+        if not isinstance(node, SGLangNode):
+            raise TypeError(f"node: expected a node from this cache's match_prefix, got {type(node).__name__}")
+        if node is not self.root_node:
+            if node.lock_ref == 0:
+                lease = self._lookup(node.tokens, node.namespace)
+                if lease.hit_tokens < node.hit_tokens:
+                    # Evicted since the match: the pin covers what is still there.
+                    node.tokens = node.tokens[: lease.hit_tokens]
+                    node.device_indices = node.device_indices[: lease.hit_tokens]
+                    node.state_slot = lease.state_slot
+                node.lease = lease
+                self._locked[node.node_id] = node
+            node.lock_ref += 1
+        return self._IncResult(delta=0, node_id=node.node_id)
+
+    def dec_lock_ref(self, node: Any, params: Any = None) -> Any:
+        if not isinstance(node, SGLangNode):
+            raise TypeError(f"node: expected a node from this cache's match_prefix, got {type(node).__name__}")
+        if node is not self.root_node:
+            if node.lock_ref <= 0:
+                raise ValueError("dec_lock_ref without inc_lock_ref")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._locked.pop(node.node_id, None)
+                lease, node.lease = node.lease, None
+                if lease is not None:
+                    lease._release_if_live()
+        return self._DecResult(delta=0)
+
+    def lock(self, node: Any) -> Any:
+        self.inc_lock_ref(node)
+        return self._TreeLock(node, None)
+
+    def unlock(self, lock: Any) -> None:
+        if lock is not None:
+            self.dec_lock_ref(lock.node)
+
+    # -- insertion ------------------------------------------------------------------
+
+    def insert(self, params: Any) -> Any:
+        """Caches params.key with its KV indices params.value and, when given,
+        the Mamba state params.mamba_value at the key's end. Duplicate KV
+        (indices from params.prev_prefix_len on that the tree already holds)
+        goes back to the allocator; result.mamba_exist says the cache did
+        not take the offered state (the caller keeps or frees it)."""
+        tokens = _tokens_of(params.key)
+        value = params.value
+        if value is not None and type(value).__module__.startswith("torch"):
+            self._index_ref = value
+        ps = self.page_size
+        n = (len(tokens) // ps) * ps
+        tokens = tokens[:n]
+        indices = _ints(value)[:n]
+        if len(indices) < n:
+            raise ValueError(f"value: {len(indices)} KV indices for a key of {n} tokens")
+        ns = _namespace(params.key)
+        mamba = _ints(getattr(params, "mamba_value", None))
+        states = [(n, mamba[0])] if mamba and n > 0 else []
+        prev = max(0, int(getattr(params, "prev_prefix_len", 0) or 0))
+        if n == 0:
+            return self._InsertResult(prefix_len=0, total_len=0, last_device_node=self.root_node, mamba_exist=bool(mamba))
+        pages = indices[::ps] if ps == 1 else [indices[i] // ps for i in range(0, n, ps)]
+        # Converted once, read in place by both calls.
+        key = _u32_array(tokens)
+        key = tokens if key is None else key
+        page_ids = _u32_array(pages)
+        with self.cache.lookup(key, ns) as lease:
+            res = lease.admit(key, states, pages if page_ids is None else page_ids)
+            matched = lease.kv_matched_tokens
+            was_hit, hit_pages = lease.hit_tokens, lease.kv_pages
+        taken = res.kv_pages_taken
+        # The tokens already cached before this insert (SGLang's prefix_len).
+        if len(taken):
+            prefix_len = taken.start * ps
+        elif not res.rejected and res.truncated_to is None:
+            prefix_len = n
+        else:
+            prefix_len = min(matched, n)
+        # The duplicates: positions the tree already held before this insert,
+        # from prev_prefix_len on (before it, they are the tree's own). What
+        # the cache did not take beyond them (no space) stays the caller's.
+        dup = indices[max(prev, 0) : prefix_len] if prev < prefix_len else []
+        if dup:
+            self.token_to_kv_pool_allocator.free(_like(value, dup))
+        self._give_back()
+        if states and res.taken[0] and ps == 1 and len(taken) and taken.start == was_hit and taken.stop == n:
+            # The usual case (a conversation's next turn): the path is the hit's
+            # KV then the pages just taken, and the state at its end is the one
+            # just admitted: no second lookup.
+            node = SGLangNode(self._next_id, ns, tokens, hit_pages[:was_hit] + indices[was_hit:], states[0][1])
+            self._next_id += 1
+        else:
+            node = self._node_for(tokens, ns)
+        result = self._InsertResult(
+            prefix_len=prefix_len,
+            total_len=n,
+            last_device_node=node,
+            mamba_exist=bool(states) and not res.taken[0],
+        )
+        # Leading positions of the key whose KV the tree now owns (the caller
+        # must not free them): what was cached plus what the cache took.
+        result.tree_kv_len = max(prefix_len, taken.stop * ps if len(taken) else 0)
+        return result
+
+    def _node_for(self, tokens: list[int], ns: int) -> SGLangNode:
+        with self._lookup(tokens, ns) as lease:
+            return self._node(lease, tokens, ns)
+
+    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        """A finished request: inserts its KV up to `up_to` with its Mamba
+        state (the tree takes the slot, or it is freed), repoints its row onto
+        the tree's KV, moves its lock onto the new node and advances
+        cache_protected_len past all the KV the tree now owns.
+
+        A running request (a chunk's checkpoint) is left as it is: libmarconi
+        pins only prefixes that end at a state, so KV cached before the
+        request ends would be evictable under the running request's row.
+        Its KV and state are admitted when it finishes."""
+        finished = bool(req.finished()) if callable(getattr(req, "finished", None)) else False
+        if finished:
+            self._checkpoint_finished(req, up_to)
+
+    def _checkpoint_finished(self, req: Any, up_to: int) -> None:
+        kv = getattr(req, "kv", req)
+        ids = getattr(req, "full_untruncated_fill_ids", None)
+        if ids is None:
+            ids = list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
+        tokens = _tokens_of(ids)[:up_to]
+        ps = self.page_size
+        n = (len(tokens) // ps) * ps
+        slot = getattr(kv, "mamba_pool_idx", None)
+        protected = int(getattr(kv, "cache_protected_len", 0) or 0)
+        if self.disable or n <= protected:
+            if slot is not None:
+                self._free_slot(slot)
+                kv.mamba_pool_idx = None
+            return
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        values = row[:n]
+        # The state is the one after all `up_to` tokens: offered only when
+        # that is a page boundary (libmarconi keeps states at page ends).
+        offer = slot is not None and n == len(tokens)
+        key = _Key(tokens[:n], getattr(req, "extra_key", None))
+        result = self.insert(_Insert(key, values, _like(slot, [int(slot)]) if offer else None, protected))
+        if slot is not None:
+            if not offer or result.mamba_exist:
+                self._free_slot(slot)
+            kv.mamba_pool_idx = None
+        node = result.last_device_node
+        owned_by_tree = max(protected, result.tree_kv_len)
+        # The row reads the tree's KV where the tree kept its own copy (and
+        # freed the request's duplicate).
+        h = min(node.hit_tokens, owned_by_tree)
+        if h > protected:
+            new = node.device_indices[protected:h]
+            row[protected:h] = _like(values, new) if not isinstance(row, list) else new
+        old = getattr(req, "lock", None)
+        new_lock = self.lock(node)
+        self.unlock(old)
+        req.lock = new_lock
+        req.last_node = node
+        kv.cache_protected_len = owned_by_tree
+        if hasattr(kv, "cache_inserted_len"):
+            kv.cache_inserted_len = max(kv.cache_inserted_len, n)
+
+    def cache_unfinished_req(self, req: Any, **kwargs: Any) -> None:
+        """Older SGLang's name for a checkpoint of a running request."""
+        ids = getattr(req, "fill_ids", None) or list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
+        self.checkpoint(req, up_to=len(ids))  # a running request: see checkpoint
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
+        """Older SGLang's name for releasing a finished request's row
+        (SGLang 0.5.23's release_kv_cache): checkpoint it when `is_insert`,
+        free the KV the tree did not take, drop the lock."""
+        kv = getattr(req, "kv", req)
+        ids = getattr(req, "fill_ids", None) or list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
+        owned = len(ids)
+        if is_insert:
+            self._checkpoint_finished(req, owned)
+        protected = int(getattr(kv, "cache_protected_len", 0) or 0)
+        self.free_kv_row(kv, [(protected, owned)])
+        self.unlock(getattr(req, "lock", None))
+        req.lock = None
+        slot = getattr(kv, "mamba_pool_idx", None)
+        if slot is not None:
+            self._free_slot(slot)
+            kv.mamba_pool_idx = None
+
+    def _free_slot(self, slot: Any) -> None:
+        if self._mamba_allocator is not None:
+            ref = slot if type(slot).__module__.startswith("torch") else None
+            self._mamba_allocator.free(_like(ref, [int(slot)]))
+
+    def path_device_indices(self, node: Any) -> Any:
+        return _like(getattr(self, "_index_ref", None), list(node.device_indices))
+
+    def prefix_device_indices(self, req: Any) -> Any:
+        path = self.path_device_indices(req.last_node)
+        if len(path) < req.prefix_len:
+            raise ValueError(f"request {getattr(req, 'rid', '?')}: prefix_len {req.prefix_len} beyond its node ({len(path)})")
+        return path[: req.prefix_len]
+
+    def free_kv_row(self, kv: Any, ranges: list) -> None:
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        for start, end in ranges:
+            if end > start:
+                self.token_to_kv_pool_allocator.free(row[start:end])
+
+    def maybe_hand_to_session(self, req: Any) -> None:
+        pass
+
+    def claim_kv_row(self, req: Any) -> bool:
+        return False
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        pass
+
+    # -- eviction -------------------------------------------------------------------
+
+    def _give_back(self) -> tuple[int, int]:
+        """Hands the KV indices and Mamba slots libmarconi freed to SGLang's
+        allocators; returns (tokens, slots) handed back."""
+        pages, slots = self.cache.drain_freed()
+        ps = self.page_size
+        ref = getattr(self, "_index_ref", None)
+        if pages:
+            idx = [p * ps + i for p in pages for i in range(ps)]
+            self.token_to_kv_pool_allocator.free(_like(ref, idx))
+        if slots:
+            self._mamba_allocator.free(_like(ref, slots))
+        return len(pages) * ps, len(slots)
+
+    def evict(self, params: Any) -> Any:
+        """Evicts at least params.num_tokens tokens of KV and params.mamba_num
+        Mamba states (as SGLang counts them: amounts to free, not targets),
+        or all that is evictable; libmarconi picks what (FLOP-aware)."""
+        want_kv = max(0, int(getattr(params, "num_tokens", 0) or 0))
+        want_states = max(0, int(getattr(params, "mamba_num", 0) or 0))
+        got_kv = got_states = 0
+        # Each round frees at least one node or stops: bounded by the node count.
+        for _ in range(self.cache.stats()["nodes"] + 1):
+            if got_kv >= want_kv and got_states >= want_states:
+                break
+            s = self.cache.stats()
+            free = s["capacity_bytes"] - s["used_bytes"]
+            need = max(want_kv - got_kv, 0) * self._kv_bpt + max(want_states - got_states, 0) * self._state_b
+            self.cache.evict(min(free + max(need, 1), U64_MAX))
+            k, m = self._give_back()
+            if k == 0 and m == 0:
+                break
+            got_kv += k
+            got_states += m
+        return self._EvictResult(num_tokens_evicted=got_kv, mamba_num_evicted=got_states)
+
+    def evict_for_alloc(self, params: Any, *, allocation_reclaim_satisfied: Optional[Callable[[], bool]] = None) -> Any:
+        if allocation_reclaim_satisfied is not None:
+            raise NotImplementedError("libmarconi's cache does not support joint reclaim")
+        return self.evict(params)
+
+    # -- sizes and diagnostics ----------------------------------------------------------
+
+    def _pinned(self) -> tuple[int, int]:
+        kv = max((n.hit_tokens for n in self._locked.values()), default=0)
+        states = len({n.state_slot for n in self._locked.values() if n.state_slot is not None})
+        return kv, states
+
+    def full_evictable_size(self) -> int:
+        kv = self.cache.stats()["kv_bytes"] // self._kv_bpt
+        return max(0, kv - self._pinned()[0])
+
+    def evictable_size(self) -> int:
+        return self.full_evictable_size()
+
+    def mamba_evictable_size(self) -> int:
+        return max(0, self.cache.stats()["states"] - self._pinned()[1])
+
+    def protected_size(self) -> int:
+        return self._pinned()[0]
+
+    def full_protected_size(self) -> int:
+        return self._pinned()[0]
+
+    def mamba_protected_size(self) -> int:
+        return self._pinned()[1]
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def swa_protected_size(self) -> int:
+        return 0
+
+    def swa_transient_size(self) -> int:
+        return 0
+
+    def total_size(self) -> tuple[int, int]:
+        s = self.cache.stats()
+        return s["kv_bytes"] // self._kv_bpt, s["states"]
+
+    def available_and_evictable_str(self) -> str:
+        avail = self.token_to_kv_pool_allocator.available_size()
+        ev = self.full_evictable_size()
+        m_avail = self._mamba_allocator.available_size()
+        m_ev = self.mamba_evictable_size()
+        return (
+            f"Available full tokens: {avail + ev} (full_available_size={avail} + full_evictable_size_={ev})\n"
+            f"Available mamba: {m_avail + m_ev} (available_size={m_avail} + component_evictable_size_={m_ev})\n"
+        )
+
+    def sanity_check(self) -> None:
+        """libmarconi's own invariant check, plus: the cache never holds more
+        KV or states than SGLang's pools."""
+        self.cache.check()
+        kv, slots = self._pool_sizes()
+        total_kv, states = self.total_size()
+        if total_kv > kv or states > slots:
+            raise AssertionError(f"cache holds {total_kv} KV tokens / {states} states, pools {kv} / {slots}")
+
+    def pretty_print(self) -> None:
+        print(self.cache.stats())
+
+    def init_metrics_collector(self) -> None:
+        """libmarconi keeps its own counters (pretty_print, PrefixCache.stats)."""
+
+    def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None:
+        pass
+
+    def take_events(self) -> list:
+        return []
+
+    def flush_pending_backups(self) -> None:
+        pass
+
+    def release_host_resources(self) -> None:
+        pass
+
+    def release_aborted_request(self, handle: Any) -> None:
+        pass
+
+    def finish(self, handle: Any, outcome: Any) -> None:
+        pass
+
+    # -- tiers libmarconi's SGLang cache has none of (no host tier, no storage,
+    # no sliding windows): what SGLang's base class answers for a cache without them.
+
+    def init_load_back(self, params: Any) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True
+
+    def finish_storage_prefetch_admission(self, handle: Any, fulfilled_tokens: int, reason: Optional[str]) -> None:
+        pass
+
+    def discard_storage_prefetch_accounting(self, handle: Any) -> None:
+        pass
+
+    def waiting_storage_span(self, request: Any) -> None:
+        return None
+
+    def pop_prefetch_loaded_span(self, handle: Any) -> tuple[int, None]:
+        return 0, None
+
+    def ready_to_load_host_cache(self) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    def check_hicache_events(self) -> Any:
+        raise NotImplementedError("libmarconi's SGLang cache has no host tier")
+
+    @property
+    def swa_retain_window(self) -> None:
+        return None
+
+    def evict_sliding_windows(self, req: Any, pre_len: int, *, eviction_interval: int = 1) -> None:
+        pass
+
+    def release_session(self, session_id: str) -> None:
+        pass
+
+    def release_radix_session(self, session_id: str) -> None:
+        pass
+
+    def session_records(self) -> dict:
+        return {}
+
+
+@dataclass
+class _Key:
+    token_ids: list
+    extra_key: Any = None
+
+
+@dataclass
+class _Evict:
+    num_tokens: int
+    mamba_num: int
+
+
+@dataclass
+class _Insert:
+    key: Any
+    value: Any
+    mamba_value: Any
+    prev_prefix_len: int
+
+
+def sglang_factory(ctx: Any) -> SGLangTreeCache:
+    """SGLang's RadixCacheFactory: builds the cache from a
+    TreeCacheBuildContext (its CacheInitParams and pools)."""
+    if not getattr(ctx, "is_hybrid_ssm", True):
+        raise NotImplementedError("libmarconi's SGLang cache is for hybrid (Mamba) models")
+    return SGLangTreeCache(ctx.params)
+
+
+def register_with_sglang(name: str = "marconi") -> None:
+    """Registers the cache with SGLang (register_radix_cache_backend), so
+    that `--radix-cache-backend marconi` selects it."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+
+    register_radix_cache_backend(name, sglang_factory)

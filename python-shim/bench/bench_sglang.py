@@ -1,0 +1,194 @@
+"""CPU time per request of libmarconi as SGLang 0.5.23's tree cache.
+
+    python python-shim/bench/bench_sglang.py [--requests N] [--tokens T] [--sglang]
+
+Multi-turn conversations (bench_adapter.conversations: inputs of about T
+tokens, 10,000 by default, each turn the conversation so far plus a new
+message) served through the tree-cache calls SGLang's scheduler makes for a
+Full + Mamba model: match_prefix (copy-on-write into the request's Mamba
+slot) -> lock -> checkpoint of the finished request (insert with its KV
+indices and state; duplicates back to the allocator) -> free the row past
+the protected prefix -> unlock. Pools are the test stand-ins
+(tests/sglang_stubs.py), sized so that nothing is evicted; token ids are
+Python lists, as SGLang's Req holds them.
+
+Then match_prefix + insert alone per request (no lock, no row), and with
+--sglang the same calls through SGLang's own UnifiedRadixCache (FULL +
+MAMBA, its Rust tree core, its CPU pools), if SGLang imports here: the
+extracted wheel on PYTHONPATH and its imported dependencies installed (see
+docs/sglang.md for the command); without them it says so and exits non-zero.
+
+Prints CPU microseconds per request (time.process_time), the best of
+--repeat runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from bench_adapter import conversations  # noqa: E402
+from sglang_stubs import (  # noqa: E402
+    CacheInitParams,
+    FreeList,
+    HybridReqToTokenPool,
+    InsertParams,
+    MatchPrefixParams,
+    RadixKey,
+    Req,
+)
+
+from marconi import MarconiPrefixCache  # noqa: E402
+
+
+def run_marconi(requests, model: str) -> float:
+    longest = max(len(i) + len(o) for i, o in requests)
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    rtp = HybridReqToTokenPool(2, len(requests) + 4, longest + 1)
+    alloc = FreeList(total, "KV indices")
+    tree = MarconiPrefixCache(CacheInitParams(rtp, alloc), model)
+    t0 = time.process_time()
+    for inp, out in requests:
+        req = Req(inp)
+        rtp.alloc([req])
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(inp), cow_mamba=True, req=req))
+        req.last_node, req.prefix_len = m.last_device_node, m.device_prefix_len
+        req.lock = tree.lock(req.last_node)
+        n = len(inp) + len(out)
+        row = rtp.req_to_token[req.req_pool_idx]
+        row[: req.prefix_len] = tree.prefix_device_indices(req)
+        row[req.prefix_len : n] = alloc.alloc(n - req.prefix_len)
+        req.kv.cache_protected_len = req.prefix_len
+        req.output_ids = out
+        req._finished = True
+        tree.checkpoint(req, up_to=n)
+        tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, n)])
+        tree.unlock(req.lock)
+        rtp.free(req)
+    dt = time.process_time() - t0
+    s = tree.cache.stats()
+    assert s["states"] > 0 and s["evictions"] == 0, s
+    return dt / len(requests)
+
+
+def run_marconi_tree(requests, model: str) -> float:
+    """match_prefix + insert per request (the calls run_sglang makes)."""
+    longest = max(len(i) + len(o) for i, o in requests)
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    rtp = HybridReqToTokenPool(2, len(requests) + 4, longest + 1)
+    alloc = FreeList(total, "KV indices")
+    tree = MarconiPrefixCache(CacheInitParams(rtp, alloc), model)
+    t0 = time.process_time()
+    for inp, out in requests:
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(inp)))
+        k = m.device_prefix_len
+        full = inp + out
+        value = list(tree.path_device_indices(m.last_device_node))[:k] + alloc.alloc(len(full) - k)
+        tree.insert(InsertParams(key=RadixKey(full), value=value, mamba_value=rtp.mamba_allocator.alloc(1), prev_prefix_len=k))
+    dt = time.process_time() - t0
+    assert tree.cache.stats()["evictions"] == 0
+    return dt / len(requests)
+
+
+def _sglang_tree(total_tokens: int, n_states: int):
+    """SGLang's UnifiedRadixCache (FULL + MAMBA, its Rust tree core) over its
+    own CPU pools, small layers (the tree's cost does not depend on them).
+    Harness only: two runtime_context lookups that read a model config are
+    given fixed values (a chunk of 64 tokens, a checkpoint grid of 1)."""
+    import sglang.srt.runtime_context as rc
+
+    rc.mamba_cache_chunk_size = lambda: 64
+    rc.mamba_checkpoint_grid = lambda page_size=1: 1
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams as SParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool as SReqPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
+    layers, full = 4, [3]
+    mamba = [i for i in range(layers) if i not in full]
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=32, state_size=8, conv_kernel=4
+        )
+        cache_params = Mamba2CacheParams(shape=shape, layers=mamba)
+    rtp = SReqPool(
+        size=2, mamba_size=n_states, mamba_spec_state_size=2, max_context_len=64, device="cpu",
+        enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=mamba,
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
+    )
+    pool = HybridLinearKVPool(
+        size=total_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
+        full_attention_layer_ids=full, device="cpu", enable_memory_saver=False, mamba_pool=rtp.mamba_pool,
+    )
+    alloc = TokenToKVPoolAllocator(size=total_tokens, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
+    tree = UnifiedRadixCache(
+        params=SParams(
+            req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1, disable=False,
+            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+        )
+    )
+    return tree, alloc, rtp
+
+
+def run_sglang(requests) -> float:
+    """The same match_prefix + insert per request through SGLang's own cache;
+    keys are array('q') as SGLang 0.5.23's RadixKey takes them."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams as SInsert
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams as SMatch
+    from sglang.srt.mem_cache.radix_cache import RadixKey as SKey
+
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    tree, alloc, rtp = _sglang_tree(total, len(requests) + 4)
+    t0 = time.process_time()
+    for inp, out in requests:
+        m = tree.match_prefix(SMatch(key=SKey(array("q", inp))))
+        k = m.device_prefix_len
+        full = inp + out
+        prefix = tree.path_device_indices(m.last_device_node)[:k]
+        value = torch.cat([prefix.to(torch.int64), alloc.alloc(len(full) - k).to(torch.int64)])
+        tree.insert(SInsert(key=SKey(array("q", full)), value=value, mamba_value=rtp.mamba_allocator.alloc(1), prev_prefix_len=k))
+    return (time.process_time() - t0) / len(requests)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
+    ap.add_argument("--tokens", type=int, default=10_000, help="input length, about (default 10000)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs, best taken (default 3)")
+    ap.add_argument("--model", default="nemotron-h-8b", help="libmarconi model preset")
+    ap.add_argument("--sglang", action="store_true", help="also run SGLang's own UnifiedRadixCache")
+    a = ap.parse_args()
+    requests = conversations(a.requests, a.tokens)
+    mean = sum(len(i) for i, _ in requests) / len(requests)
+    print(f"{len(requests)} requests, mean input {mean:.0f} tokens")
+    ours = min(run_marconi(requests, a.model) for _ in range(a.repeat))
+    print(f"libmarconi (SGLangTreeCache): {ours * 1e6:10.1f} us CPU / request")
+    tree = min(run_marconi_tree(requests, a.model) for _ in range(a.repeat))
+    print(f"libmarconi, match_prefix + insert: {tree * 1e6:10.1f} us CPU / request")
+    if a.sglang:
+        try:
+            theirs = min(run_sglang(requests) for _ in range(a.repeat))
+        except ImportError as e:
+            sys.exit(f"SGLang's UnifiedRadixCache does not import here: {e}")
+        print(f"SGLang UnifiedRadixCache, match_prefix + insert: {theirs * 1e6:10.1f} us CPU / request"
+              f" ({theirs / tree:.1f}x libmarconi's)")
+
+
+if __name__ == "__main__":
+    main()

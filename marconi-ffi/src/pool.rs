@@ -5,10 +5,8 @@
 //! operations (copy batches, fork, promote) over a pool's state slots or a
 //! caller's buffer.
 //!
-//! Handles are `marconi-gpu`'s 32-bit virtual handles: bit 31 is the pool
-//! (0 KV, 1 state), the rest a unit index and a generation that is never 0,
-//! so 0 is never a live handle and a freed (or freed and reused) handle is
-//! refused with MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE.
+//! Handles are `marconi-gpu`'s 64-bit virtual handles (the guarantees are
+//! written on `marconi_pool`, in the header).
 
 use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
@@ -308,6 +306,27 @@ impl Backing {
 
 /// A pool handle: opaque to C. Create with marconi_pool_new, free with
 /// marconi_pool_free.
+///
+/// Unit handles (uint64_t; the same for a cache over pools) are opaque
+/// values; their layout is not part of the ABI. What holds, for the life of
+/// the process:
+///  - 0 is never a live handle, and every handle is below 2^63 (it fits an
+///    int64_t, e.g. a torch.int64 tensor);
+///  - a handle is accepted only by the pool (or cache over pools) that
+///    issued it: every live pool has its own pool id inside its handles, so
+///    a handle given to another live pool is MARCONI_STATUS_UNKNOWN_HANDLE
+///    and the other pool's units are untouched. Pool ids are reused only
+///    after 2^20 - 1 pools have been created in the process, the longest
+///    freed first; a handle of a freed pool must not be used anyway;
+///  - a handle whose unit was freed (or evicted) is refused: as
+///    MARCONI_STATUS_DOUBLE_FREE until the unit is allocated again, then as
+///    MARCONI_STATUS_UNKNOWN_HANDLE, however many times the unit is reused.
+///    Each unit has at least 2^10 - 1 generations (2^42 handles per pool,
+///    split between unit index and generation); a unit freed at its last
+///    generation is retired, never allocated again, and no longer counted
+///    in its pool's capacity (marconi_pool_stats.kv_retired,
+///    state_retired). A handle value is therefore never issued twice by one
+///    pool.
 pub struct marconi_pool {
     inner: Mutex<PoolInner>,
 }
@@ -803,7 +822,8 @@ pub unsafe extern "C" fn marconi_pool_config_init(
 /// marconi_pool_free). MARCONI_STATUS_INVALID_CONFIG with the reason in
 /// marconi_last_error for a configuration that cannot make a pool (a zero
 /// budget or unit size, a state_fraction outside (0, 1), a budget of fewer
-/// than two chunks, more units than a 32-bit handle can name, ...);
+/// than two chunks, a unit larger than the budget, more than 2^32 - 1
+/// units, 2^20 - 1 pools live at once, ...);
 /// MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
 /// on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
 /// the operating system or the driver refuses the memory.

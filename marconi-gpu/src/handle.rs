@@ -54,7 +54,11 @@ pub const POOL_ID_BITS: u32 = 20;
 pub const MAX_POOL_ID: u32 = (1 << POOL_ID_BITS) - 1;
 
 /// Bits shared by the unit index and the generation (below the pool id).
-pub const UNIT_BITS: u32 = 63 - POOL_ID_BITS;
+pub const UNIT_BITS: u32 = 62 - POOL_ID_BITS;
+
+/// The pool-kind bit (0 KV, 1 SSM); bit 63 is always 0, so a handle fits a
+/// signed 64-bit integer (a torch.int64 tensor, an int64_t) unchanged.
+const KIND_BIT: u32 = 62;
 
 /// Fewest generation bits a layout may keep (a unit is reused
 /// `2^generation_bits - 1` times, then retired).
@@ -62,9 +66,9 @@ pub const MIN_GENERATION_BITS: u32 = UNIT_BITS - 32;
 
 /// An opaque 64-bit handle to one allocated unit (a KV page or an SSM block).
 ///
-/// Bit 63 is the pool kind (0 = KV, 1 = SSM); bits 43..=62 the id of the
-/// allocator that issued it ([`PoolId`], distinct among live allocators);
-/// the low 43 bits hold the unit index (high part) and a generation (low
+/// Bit 63 is 0; bit 62 is the pool kind (0 = KV, 1 = SSM); bits 42..=61 the
+/// id of the allocator that issued it ([`PoolId`], distinct among live
+/// allocators); the low 42 bits hold the unit index (high part) and a generation (low
 /// part), split per allocator by [`HandleLayout`] so that the index field fits
 /// the largest pool the budget allows and every other bit goes to the
 /// generation (at least [`MIN_GENERATION_BITS`]). A generation is never 0, so
@@ -96,7 +100,7 @@ impl VirtualHandle {
     /// The pool encoded in the kind bit (needs no allocator).
     #[must_use]
     pub fn pool(self) -> PoolKind {
-        if self.0 >> 63 == 0 {
+        if (self.0 >> KIND_BIT) & 1 == 0 {
             PoolKind::Kv
         } else {
             PoolKind::Ssm
@@ -170,7 +174,7 @@ impl Drop for PoolId {
     }
 }
 
-/// How an allocator splits the 43 unit bits between unit index and
+/// How an allocator splits the 42 unit bits between unit index and
 /// generation, and the allocator's pool id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HandleLayout {
@@ -187,6 +191,16 @@ impl HandleLayout {
         let index_bits = (u32::BITS - max_units.saturating_sub(1).leading_zeros()).max(1);
         HandleLayout {
             index_bits,
+            pool_id: pool_id.get(),
+        }
+    }
+
+    /// A layout keeping only `generation_bits` generation bits (tests of
+    /// retirement, which real layouts reach after at least 2^10 - 1 reuses).
+    #[cfg(test)]
+    pub(crate) fn with_generation_bits(generation_bits: u32, pool_id: &PoolId) -> Self {
+        HandleLayout {
+            index_bits: UNIT_BITS - generation_bits,
             pool_id: pool_id.get(),
         }
     }
@@ -222,7 +236,7 @@ impl HandleLayout {
     pub fn encode(self, pool: PoolKind, index: u32, generation: u64) -> VirtualHandle {
         let tag = match pool {
             PoolKind::Kv => 0,
-            PoolKind::Ssm => 1u64 << 63,
+            PoolKind::Ssm => 1u64 << KIND_BIT,
         };
         VirtualHandle(
             tag | (u64::from(self.pool_id) << UNIT_BITS)
@@ -261,7 +275,7 @@ mod tests {
         let id = PoolId::acquire().unwrap();
         let l = HandleLayout::for_max_units(16_384, &id);
         assert_eq!(l.index_bits(), 14);
-        assert_eq!(l.generation_bits(), 29);
+        assert_eq!(l.generation_bits(), 28);
         for (pool, idx, g) in [
             (PoolKind::Kv, 0, 1),
             (PoolKind::Ssm, 16_383, l.max_generation()),
@@ -275,6 +289,7 @@ mod tests {
         let widest = HandleLayout::for_max_units(u32::MAX, &id);
         assert_eq!(widest.generation_bits(), MIN_GENERATION_BITS);
         let h = widest.encode(PoolKind::Ssm, u32::MAX, widest.max_generation());
+        assert_eq!(h.raw() >> 63, 0, "a handle fits an int64");
         assert_eq!(
             widest.decode(h),
             Some((PoolKind::Ssm, u32::MAX, widest.max_generation()))

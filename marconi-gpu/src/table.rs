@@ -305,3 +305,40 @@ impl UnitTable {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handle::PoolId;
+
+    #[test]
+    fn a_unit_at_its_last_generation_is_retired_not_reused() {
+        let id = PoolId::acquire().unwrap();
+        let layout = HandleLayout::with_generation_bits(3, &id);
+        let mut t = UnitTable::new(PoolKind::Kv, 128, 2, 4);
+        let mut issued = Vec::new();
+        let mut out = Vec::new();
+        // Unit 0 has generations 1..=7, then retires; unit 1 takes over.
+        for _ in 0..10 {
+            out.clear();
+            t.alloc(layout, PoolKind::Kv, 1, &mut out).unwrap();
+            let h = out[0];
+            assert!(!issued.contains(&h), "{h:?} issued twice");
+            t.free(layout, h).unwrap();
+            issued.push(h);
+        }
+        assert_eq!(t.retired_total(), 1);
+        assert_eq!((t.capacity(), t.extent(), t.free_units()), (1, 2, 1));
+        for &h in &issued {
+            assert!(t.check_live(layout, h).is_err());
+        }
+        // Shrinking past the retired unit and growing back keeps it retired.
+        assert!(t.shrink(0));
+        assert!(t.grow(4));
+        assert_eq!((t.capacity(), t.extent(), t.free_units()), (3, 4, 3));
+        out.clear();
+        t.alloc(layout, PoolKind::Kv, 3, &mut out).unwrap();
+        assert!(out.iter().all(|&h| layout.index_of(h) != 0));
+        assert!(t.alloc(layout, PoolKind::Kv, 1, &mut out).is_err());
+    }
+}

@@ -293,8 +293,13 @@ fn a_stale_lease_never_reaches_another_cache() {
 }
 
 /// A pool or a cache over pools shared between threads (internally locked).
-#[derive(Clone, Copy)]
 struct SharedPtr<T>(*mut T);
+impl<T> Clone for SharedPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedPtr<T> {}
 // SAFETY: marconi_pool and marconi_pooled_cache are internally locked; the
 // ABI allows concurrent calls on them.
 unsafe impl<T> Send for SharedPtr<T> {}
@@ -390,7 +395,6 @@ fn threads_share_two_pools_and_never_cross_handles() {
 /// Threads run whole requests through one shared cache over pools.
 #[test]
 fn threads_share_a_cache_over_pools() {
-    use marconi::pool::*;
     use marconi::pooled::*;
     let mut cc = default_cache_config();
     cc.model_preset = c"nemotron-h-8b".as_ptr();

@@ -273,7 +273,8 @@ fn default_config() -> marconi_cache_config {
 fn pool_config() -> marconi_pool_config {
     let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
     // SAFETY: cfg has sizeof(marconi_pool_config) writable bytes.
-    let st = unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) };
+    let st =
+        unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) };
     assert_eq!(st, St::Ok);
     // SAFETY: initialised by marconi_pool_config_init.
     unsafe { cfg.assume_init() }
@@ -296,14 +297,16 @@ fn unit_bytes<'a>(p: *const marconi_pool, h: u64) -> Option<&'a mut [u8]> {
     let st = unsafe { marconi_pool_resolve(p, &h, 1, &mut l, 1) };
     // SAFETY: a live unit's address is mapped for unit_bytes while its
     // handle is live; only the calling worker uses it.
-    (st == St::Ok && l.address != 0)
-        .then(|| unsafe { std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize) })
+    (st == St::Ok && l.address != 0).then(|| unsafe {
+        std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize)
+    })
 }
 
 /// The handles a cache over pools holds (`held`) or drains as evicted.
 fn pooled_list(c: *const marconi_pooled_cache, held: bool) -> Vec<u64> {
     let mut n = 0usize;
-    type List = unsafe extern "C" fn(*const marconi_pooled_cache, *mut u64, usize, *mut usize) -> St;
+    type List =
+        unsafe extern "C" fn(*const marconi_pooled_cache, *mut u64, usize, *mut usize) -> St;
     let f: List = if held {
         marconi_pooled_cache_held
     } else {
@@ -2353,12 +2356,20 @@ impl<'r> Worker<'r> {
             let st = self.call("pool_resolve (foreign)", || unsafe {
                 marconi_pool_resolve(q, &h, 1, &mut l, 1)
             });
-            self.expect("pool_resolve of another pool's handle", st, &[St::UnknownHandle]);
+            self.expect(
+                "pool_resolve of another pool's handle",
+                st,
+                &[St::UnknownHandle],
+            );
             // SAFETY: one readable handle.
             let st = self.call("pool_free_units (foreign)", || unsafe {
                 marconi_pool_free_units(q, &h, 1)
             });
-            self.expect("pool_free_units of another pool's handle", st, &[St::UnknownHandle]);
+            self.expect(
+                "pool_free_units of another pool's handle",
+                st,
+                &[St::UnknownHandle],
+            );
             if pool_free_units(q) != before {
                 finding!(self, "a pool freed a unit for another pool's handle {h:#x}");
             }
@@ -2388,7 +2399,11 @@ impl<'r> Worker<'r> {
                     break;
                 }
                 if !seen.insert(h) {
-                    finding!(self, "pool reissued handle {h:#x} after {} cycles", issued.len());
+                    finding!(
+                        self,
+                        "pool reissued handle {h:#x} after {} cycles",
+                        issued.len()
+                    );
                     break;
                 }
                 // SAFETY: one readable handle.
@@ -2418,13 +2433,21 @@ impl<'r> Worker<'r> {
                 let st = self.call("pool_free_units (stale)", || unsafe {
                     marconi_pool_free_units(p, &old, 1)
                 });
-                self.expect("pool_free_units of a stale handle", st, &[St::UnknownHandle]);
+                self.expect(
+                    "pool_free_units of a stale handle",
+                    st,
+                    &[St::UnknownHandle],
+                );
                 if let Some(&q) = pools.first() {
                     // SAFETY: as above.
                     let st = self.call("pool_free_units (foreign)", || unsafe {
                         marconi_pool_free_units(q, &h, 1)
                     });
-                    self.expect("pool_free_units of another pool's handle", st, &[St::UnknownHandle]);
+                    self.expect(
+                        "pool_free_units of another pool's handle",
+                        st,
+                        &[St::UnknownHandle],
+                    );
                 }
             }
             // SAFETY: freed once.
@@ -2514,7 +2537,9 @@ impl<'r> Worker<'r> {
             let st = unsafe { marconi_pooled_cache_check(c) };
             self.expect("pooled_cache_check", st, &[St::Ok]);
             // SAFETY: freed once.
-            self.call("pooled_cache_free", || unsafe { marconi_pooled_cache_free(c) });
+            self.call("pooled_cache_free", || unsafe {
+                marconi_pooled_cache_free(c)
+            });
         }
     }
 
@@ -2552,7 +2577,15 @@ impl<'r> Worker<'r> {
         let (mut pg, mut sl) = (vec![0u64; want], [0u64; 2]);
         // SAFETY: writable buffers of their lengths.
         let st = self.call("pooled_cache_reserve", || unsafe {
-            marconi_pooled_cache_reserve(c, want as u32, 2, pg.as_mut_ptr(), want, sl.as_mut_ptr(), 2)
+            marconi_pooled_cache_reserve(
+                c,
+                want as u32,
+                2,
+                pg.as_mut_ptr(),
+                want,
+                sl.as_mut_ptr(),
+                2,
+            )
         });
         if !self.expect("pooled_cache_reserve", st, &[St::Ok, St::OutOfMemory]) || st != St::Ok {
             // SAFETY: live lease.
@@ -2628,9 +2661,16 @@ impl<'r> Worker<'r> {
                         &mut r,
                     )
                 });
-                self.expect(&format!("pooled_cache_admit with source {src}"), st, &[want]);
+                self.expect(
+                    &format!("pooled_cache_admit with source {src}"),
+                    st,
+                    &[want],
+                );
                 if pooled_list(c, true) != before {
-                    finding!(self, "a refused pooled admit (source {src}) changed what the cache holds");
+                    finding!(
+                        self,
+                        "a refused pooled admit (source {src}) changed what the cache holds"
+                    );
                 }
             }
         }
@@ -2669,13 +2709,20 @@ impl<'r> Worker<'r> {
         mine.push(sl[1]);
         let now = pooled_list(c, true);
         if let Some(h) = mine.iter().find(|h| now.contains(h)) {
-            finding!(self, "pooled admit: {h:#x} is both the caller's and the cache's");
+            finding!(
+                self,
+                "pooled admit: {h:#x} is both the caller's and the cache's"
+            );
         }
         // SAFETY: mine readable.
         let st = self.call("pooled_cache_free_units", || unsafe {
             marconi_pooled_cache_free_units(c, mine.as_ptr(), mine.len())
         });
-        self.expect("pooled_cache_free_units of the caller's units", st, &[St::Ok]);
+        self.expect(
+            "pooled_cache_free_units of the caller's units",
+            st,
+            &[St::Ok],
+        );
         stale.extend_from_slice(&mine);
         stale.extend(pooled_list(c, false));
         // SAFETY: live lease.

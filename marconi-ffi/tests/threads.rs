@@ -355,30 +355,40 @@ fn threads_share_two_pools_and_never_cross_handles() {
                 for r in 0..150u32 {
                     let mut h = [0u64; 3];
                     // SAFETY: h has 3 writable handles.
-                    let st = unsafe { marconi_pool_allocate(mine.get(), r % 2, 3, h.as_mut_ptr(), 3) };
+                    let st =
+                        unsafe { marconi_pool_allocate(mine.get(), r % 2, 3, h.as_mut_ptr(), 3) };
                     if st != marconi_status::Ok {
                         assert_eq!(st, marconi_status::OutOfMemory, "{}", last_error());
                         continue;
                     }
                     let mut l = [marconi_unit_location::default(); 3];
                     // SAFETY: 3 handles, 3 locations.
-                    ok(unsafe { marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3) });
+                    ok(unsafe {
+                        marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3)
+                    });
                     for x in &l {
                         // SAFETY: a live unit of this thread, mapped while live.
                         unsafe { ptr::write_bytes(x.address as *mut u8, t + 1, 64) };
                     }
                     // SAFETY: one handle, one location.
-                    let st = unsafe { marconi_pool_resolve(other.get(), h.as_ptr(), 1, l.as_mut_ptr(), 1) };
+                    let st = unsafe {
+                        marconi_pool_resolve(other.get(), h.as_ptr(), 1, l.as_mut_ptr(), 1)
+                    };
                     assert_eq!(st, marconi_status::UnknownHandle);
                     // SAFETY: one readable handle.
                     let st = unsafe { marconi_pool_free_units(other.get(), h.as_ptr(), 1) };
                     assert_eq!(st, marconi_status::UnknownHandle);
                     // SAFETY: 3 handles, 3 locations.
-                    ok(unsafe { marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3) });
+                    ok(unsafe {
+                        marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3)
+                    });
                     for x in &l {
                         // SAFETY: as above.
                         let v = unsafe { std::slice::from_raw_parts(x.address as *const u8, 64) };
-                        assert!(v.iter().all(|&c| c == t + 1), "a unit changed under its owner");
+                        assert!(
+                            v.iter().all(|&c| c == t + 1),
+                            "a unit changed under its owner"
+                        );
                     }
                     // SAFETY: 3 readable handles.
                     ok(unsafe { marconi_pool_free_units(mine.get(), h.as_ptr(), 3) });
@@ -411,24 +421,46 @@ fn threads_share_a_cache_over_pools() {
             s.spawn(move || {
                 for r in 0..40u32 {
                     let tokens: Vec<u32> = (0..64 + (r % 5) * 16)
-                        .map(|i| if i < 48 { i + 1 } else { t * 100_000 + r * 1000 + i })
+                        .map(|i| {
+                            if i < 48 {
+                                i + 1
+                            } else {
+                                t * 100_000 + r * 1000 + i
+                            }
+                        })
                         .collect();
                     let c = shared.get();
                     let mut l = marconi_pooled_lookup::default();
                     let input = tokens.len() - 2;
                     // SAFETY: tokens readable, l writable.
-                    ok(unsafe { marconi_pooled_cache_lookup(c, 0, tokens.as_ptr(), input, &mut l) });
+                    ok(unsafe {
+                        marconi_pooled_cache_lookup(c, 0, tokens.as_ptr(), input, &mut l)
+                    });
                     let mut hit = vec![0u64; l.n_kv_pages as usize];
                     let mut n = 0;
                     // SAFETY: hit has n_kv_pages writable handles.
                     ok(unsafe {
-                        marconi_pooled_cache_lease_kv_pages(c, l.lease, hit.as_mut_ptr(), hit.len(), &mut n)
+                        marconi_pooled_cache_lease_kv_pages(
+                            c,
+                            l.lease,
+                            hit.as_mut_ptr(),
+                            hit.len(),
+                            &mut n,
+                        )
                     });
                     let want = tokens.len() / PAGE as usize - hit.len();
                     let (mut pg, mut sl) = (vec![0u64; want], [0u64; 1]);
                     // SAFETY: writable buffers of their lengths.
                     let st = unsafe {
-                        marconi_pooled_cache_reserve(c, want as u32, 1, pg.as_mut_ptr(), want, sl.as_mut_ptr(), 1)
+                        marconi_pooled_cache_reserve(
+                            c,
+                            want as u32,
+                            1,
+                            pg.as_mut_ptr(),
+                            want,
+                            sl.as_mut_ptr(),
+                            1,
+                        )
                     };
                     if st != marconi_status::Ok {
                         assert_eq!(st, marconi_status::OutOfMemory, "{}", last_error());
@@ -443,17 +475,28 @@ fn threads_share_a_cache_over_pools() {
                         reserved: 0,
                         state_handle: sl[0],
                     }];
-                    let (mut taken, mut res) = ([0u8; 1], marconi::cache::marconi_admit_result::default());
+                    let (mut taken, mut res) =
+                        ([0u8; 1], marconi::cache::marconi_admit_result::default());
                     // SAFETY: every buffer sized as passed.
                     ok(unsafe {
                         marconi_pooled_cache_admit(
-                            c, l.lease, tokens.as_ptr(), tokens.len(), st.as_ptr(), 1,
-                            pages.as_ptr(), pages.len(), taken.as_mut_ptr(), &mut res,
+                            c,
+                            l.lease,
+                            tokens.as_ptr(),
+                            tokens.len(),
+                            st.as_ptr(),
+                            1,
+                            pages.as_ptr(),
+                            pages.len(),
+                            taken.as_mut_ptr(),
+                            &mut res,
                         )
                     });
                     let range = res.kv_pages_taken_start as usize..res.kv_pages_taken_end as usize;
-                    let mut mine: Vec<u64> =
-                        (hit.len()..pages.len()).filter(|i| !range.contains(i)).map(|i| pages[i]).collect();
+                    let mut mine: Vec<u64> = (hit.len()..pages.len())
+                        .filter(|i| !range.contains(i))
+                        .map(|i| pages[i])
+                        .collect();
                     if taken[0] == 0 {
                         mine.push(sl[0]);
                     }

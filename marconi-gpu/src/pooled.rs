@@ -448,7 +448,7 @@ impl<A: PoolAllocator> PooledCache<A> {
 
     /// The handle of the unit core knows as `id` of `kind`: the live handle at
     /// that index (the cache holds the unit, so it is live).
-    fn from_core(&self, kind: PoolKind, id: u32) -> Result<VirtualHandle, PooledError> {
+    fn handle_of(&self, kind: PoolKind, id: u32) -> Result<VirtualHandle, PooledError> {
         self.pool
             .live_handle_at(kind, id)
             .ok_or_else(|| AllocError::ForeignHandle(u64::from(id)).into())
@@ -463,7 +463,7 @@ impl<A: PoolAllocator> PooledCache<A> {
             .map(|i| (PoolKind::Kv, i))
             .chain(f.state_slots.into_iter().map(|i| (PoolKind::Ssm, i)));
         for (kind, id) in units {
-            let h = self.from_core(kind, id)?;
+            let h = self.handle_of(kind, id)?;
             let was_held = self.held.remove(&h.raw());
             debug_assert!(was_held, "core freed a handle it did not hold");
             self.pool.free(h)?;
@@ -494,11 +494,11 @@ impl<A: PoolAllocator> PooledCache<A> {
         let pages: Result<Vec<VirtualHandle>, PooledError> = lookup
             .kv_pages
             .iter()
-            .map(|&i| self.from_core(PoolKind::Kv, i))
+            .map(|&i| self.handle_of(PoolKind::Kv, i))
             .collect();
         let slot = lookup
             .state_slot
-            .map(|i| self.from_core(PoolKind::Ssm, i))
+            .map(|i| self.handle_of(PoolKind::Ssm, i))
             .transpose();
         let (kv_pages, state_slot) = match (pages, slot) {
             (Ok(p), Ok(s)) => (p, s),

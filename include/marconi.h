@@ -2792,7 +2792,7 @@ marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *p
  * at another position), a handle of another pool or cache, a stale or
  * made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
  * MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
- * MARCONI_STATUS_DUPLICATE_SLOT; states[i].reserved not 0 is
+ * MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
  * MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
  * nothing changes on error.
  *

@@ -42,11 +42,11 @@
 /** Version of this header (from Cargo.toml); compare with marconi_version(). */
 #define MARCONI_VERSION_MAJOR 0
 /** Minor version of this header. */
-#define MARCONI_VERSION_MINOR 1
+#define MARCONI_VERSION_MINOR 2
 /** Patch version of this header. */
 #define MARCONI_VERSION_PATCH 0
 /** "MAJOR.MINOR.PATCH". */
-#define MARCONI_VERSION_STRING "0.1.0"
+#define MARCONI_VERSION_STRING "0.2.0"
 
 /**
  * Every marconi_status, in value order, as an array initialiser:
@@ -188,7 +188,8 @@ enum marconi_status
   MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE = 19,
   /**
    * A pool handle is not live: 0, stale (its unit was freed and reused),
-   * of another pool or pool kind.
+   * of another pool, cache over pools or pool kind, or one the call does
+   * not accept (a page the cache holds for another prefix).
    */
   MARCONI_STATUS_UNKNOWN_HANDLE = 20,
   /**
@@ -645,6 +646,27 @@ typedef struct marconi_pml_schema marconi_pml_schema;
 /**
  * A pool handle: opaque to C. Create with marconi_pool_new, free with
  * marconi_pool_free.
+ *
+ * Unit handles (uint64_t; the same for a cache over pools) are opaque
+ * values; their layout is not part of the ABI. What holds, for the life of
+ * the process:
+ *  - 0 is never a live handle, and every handle is below 2^63 (it fits an
+ *    int64_t, e.g. a torch.int64 tensor);
+ *  - a handle is accepted only by the pool (or cache over pools) that
+ *    issued it: every live pool has its own pool id inside its handles, so
+ *    a handle given to another live pool is MARCONI_STATUS_UNKNOWN_HANDLE
+ *    and the other pool's units are untouched. Pool ids are reused only
+ *    after 2^20 - 1 pools have been created in the process, the longest
+ *    freed first; a handle of a freed pool must not be used anyway;
+ *  - a handle whose unit was freed (or evicted) is refused: as
+ *    MARCONI_STATUS_DOUBLE_FREE until the unit is allocated again, then as
+ *    MARCONI_STATUS_UNKNOWN_HANDLE, however many times the unit is reused.
+ *    Each unit has at least 2^10 - 1 generations (2^42 handles per pool,
+ *    split between unit index and generation); a unit freed at its last
+ *    generation is retired, never allocated again, and no longer counted
+ *    in its pool's capacity (marconi_pool_stats.kv_retired,
+ *    state_retired). A handle value is therefore never issued twice by one
+ *    pool.
  */
 typedef struct marconi_pool marconi_pool;
 
@@ -1698,7 +1720,31 @@ typedef struct marconi_pool_stats {
    * Allocate and free calls served (the allocator's logical clock).
    */
   uint64_t ops;
+  /**
+   * KV units retired: freed at their last generation, never allocated
+   * again (not counted in kv_capacity).
+   */
+  uint64_t kv_retired;
+  /**
+   * State units retired (not counted in state_capacity).
+   */
+  uint64_t state_retired;
 } marconi_pool_stats;
+
+/**
+ * One state copy between two state handles of a pool (or of a cache over
+ * pools): the state behind src_state into the unit behind dst_state.
+ */
+typedef struct marconi_state_copy {
+  /**
+   * The state handle to read.
+   */
+  uint64_t src_state;
+  /**
+   * The state handle to write.
+   */
+  uint64_t dst_state;
+} marconi_state_copy;
 
 /**
  * The state buffer of marconi_snapshot_*: a layer-major tensor
@@ -1747,7 +1793,7 @@ typedef struct marconi_pooled_lookup {
    * the request reserved, e.g. with marconi_pooled_cache_copy_states),
    * or 0 when there is no hit.
    */
-  uint32_t state_handle;
+  uint64_t state_handle;
   /**
    * The cache's KV page handles of the first hit_tokens tokens
    * (marconi_pooled_cache_lease_kv_pages): read them, never free them;
@@ -1758,11 +1804,26 @@ typedef struct marconi_pooled_lookup {
    * Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
    */
   uint32_t n_plan;
+} marconi_pooled_lookup;
+
+/**
+ * A recurrent state the engine saved into a state slot it reserved,
+ * offered to marconi_pooled_cache_admit.
+ */
+typedef struct marconi_pooled_state {
   /**
-   * Must be ignored (padding made explicit).
+   * Tokens the state covers (a planned position or the final one).
+   */
+  uint32_t position;
+  /**
+   * Must be 0.
    */
   uint32_t reserved;
-} marconi_pooled_lookup;
+  /**
+   * The state-slot handle holding it (from marconi_pooled_cache_reserve).
+   */
+  uint64_t state_handle;
+} marconi_pooled_state;
 
 /**
  * Counters of a cache over pools. Versioned by size: set struct_size to
@@ -2070,7 +2131,7 @@ extern "C" {
 #endif // __cplusplus
 
 /**
- * The library version as a static NUL-terminated string ("0.1.0"); equals
+ * The library version as a static NUL-terminated string ("0.2.0"); equals
  * MARCONI_VERSION_STRING of the header the library was built with. Never
  * NULL; the caller must not free it.
  *
@@ -2859,7 +2920,8 @@ marconi_status marconi_pool_config_init(struct marconi_pool_config *cfg, size_t 
  * marconi_pool_free). MARCONI_STATUS_INVALID_CONFIG with the reason in
  * marconi_last_error for a configuration that cannot make a pool (a zero
  * budget or unit size, a state_fraction outside (0, 1), a budget of fewer
- * than two chunks, more units than a 32-bit handle can name, ...);
+ * than two chunks, a unit larger than the budget, more than 2^32 - 1
+ * units, 2^20 - 1 pools live at once, ...);
  * MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
  * on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
  * the operating system or the driver refuses the memory.
@@ -2900,12 +2962,12 @@ void marconi_pool_free(struct marconi_pool *pool);
  *
  * # Safety
  *
- * `pool` is a live handle or NULL; `out` has cap writable u32 (or is NULL).
+ * `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
                                      uint32_t kind,
                                      size_t n,
-                                     uint32_t *out,
+                                     uint64_t *out,
                                      size_t cap);
 
 /**
@@ -2920,10 +2982,10 @@ marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
  *
  * # Safety
  *
- * `pool` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+ * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
-                                       const uint32_t *handles,
+                                       const uint64_t *handles,
                                        size_t n);
 
 /**
@@ -2937,11 +2999,11 @@ marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
  *
  * # Safety
  *
- * `pool` is a live handle or NULL; `handles` has n readable u32 (or is
+ * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
  * NULL); `out` has cap writable elements (or is NULL).
  */
 marconi_status marconi_pool_resolve(const struct marconi_pool *pool,
-                                    const uint32_t *handles,
+                                    const uint64_t *handles,
                                     size_t n,
                                     struct marconi_unit_location *out,
                                     size_t cap);
@@ -2983,7 +3045,7 @@ marconi_status marconi_pool_get_stats(const struct marconi_pool *pool,
 
 /**
  * Copies state slots of the pool's state pool: for each pair, the state
- * behind handle src_slot into the unit behind handle dst_slot (both state
+ * behind handle src_state into the unit behind handle dst_state (both state
  * handles, live). The batch is checked whole before any byte moves: every
  * handle live and a state slot (MARCONI_STATUS_UNKNOWN_HANDLE /
  * MARCONI_STATUS_DOUBLE_FREE), no pair copying onto itself, no destination
@@ -3000,7 +3062,7 @@ marconi_status marconi_pool_get_stats(const struct marconi_pool *pool,
  * `pool` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
  */
 marconi_status marconi_pool_copy_states(const struct marconi_pool *pool,
-                                        const struct marconi_copy_order *pairs,
+                                        const struct marconi_state_copy *pairs,
                                         size_t n);
 
 /**
@@ -3012,11 +3074,11 @@ marconi_status marconi_pool_copy_states(const struct marconi_pool *pool,
  *
  * # Safety
  *
- * `pool` is a live handle or NULL; `dsts` has n readable u32 (or is NULL).
+ * `pool` is a live handle or NULL; `dsts` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_fork_state(const struct marconi_pool *pool,
-                                       uint32_t src,
-                                       const uint32_t *dsts,
+                                       uint64_t src,
+                                       const uint64_t *dsts,
                                        size_t n);
 
 /**
@@ -3032,16 +3094,16 @@ marconi_status marconi_pool_fork_state(const struct marconi_pool *pool,
  *
  * # Safety
  *
- * `pool` is a live handle or NULL; `candidates` has n readable u32 (or is
- * NULL); `out_state` is writable or NULL.
+ * `pool` is a live handle or NULL; `candidates` has n readable uint64_t (or
+ * is NULL); `out_state` is writable or NULL.
  */
 marconi_status marconi_pool_promote_state(const struct marconi_pool *pool,
-                                          uint32_t state,
-                                          const uint32_t *candidates,
+                                          uint64_t state,
+                                          const uint64_t *candidates,
                                           size_t n,
                                           size_t accepted,
                                           uint32_t mode,
-                                          uint32_t *out_state);
+                                          uint64_t *out_state);
 
 /**
  * Runs a batch of copy orders over a caller's state buffer: for each pair,
@@ -3186,24 +3248,24 @@ marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_ca
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
- * `out_len` is writable or NULL.
+ * `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+ * NULL); `out_len` is writable or NULL.
  */
 marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_cache *pc,
                                                    uint64_t lease,
-                                                   uint32_t *buf,
+                                                   uint64_t *buf,
                                                    size_t cap,
                                                    size_t *out_len);
 
 /**
  * Writes a lease's planned checkpoint positions (as
- * marconi_pooled_cache_lease_kv_pages).
+ * marconi_pooled_cache_lease_kv_pages, into uint32_t).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
- * As marconi_pooled_cache_lease_kv_pages.
+ * As marconi_pooled_cache_lease_kv_pages; `buf` has cap writable uint32_t.
  */
 marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache *pc,
                                                uint64_t lease,
@@ -3228,28 +3290,36 @@ marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache
  * # Safety
  *
  * `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
- * state_cap writable u32 (or are NULL with a capacity 0).
+ * state_cap writable uint64_t (or are NULL with a capacity 0).
  */
 marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *pc,
                                             uint32_t kv_pages,
                                             uint32_t state_slots,
-                                            uint32_t *kv_out,
+                                            uint64_t *kv_out,
                                             size_t kv_cap,
-                                            uint32_t *state_out,
+                                            uint64_t *state_out,
                                             size_t state_cap);
 
 /**
  * Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
  * output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
  * full page of tokens: the lease's hit pages, then pages the caller
- * reserved) and the states saved (`states[i].slot`: a state handle the
- * caller reserved). The cache takes the units it keeps: the pages
+ * reserved) and the states saved (`states[i].state_handle`: a state handle
+ * the caller reserved). The cache takes the units it keeps: the pages
  * kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
  * slots of the states with `taken[i] = 1` (`taken` may be NULL when
  * n_states is 0). Every other unit passed in stays the caller's: free it
- * with marconi_pooled_cache_free_units (or reuse it). Errors as
- * marconi_cache_admit, plus MARCONI_STATUS_UNKNOWN_HANDLE for a page or
- * slot the caller does not hold; nothing changes on error.
+ * with marconi_pooled_cache_free_units (or reuse it). Every handle is
+ * checked before anything changes: a page is a page the caller holds, or
+ * the page the cache holds at that very position for this lease (the hit
+ * pages lease_kv_pages lists, and pages an earlier admit of the lease
+ * took); any other page the cache holds (another prefix's, or the hit's
+ * at another position), a handle of another pool or cache, a stale or
+ * made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
+ * MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
+ * MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
+ * MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
+ * nothing changes on error.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3263,9 +3333,9 @@ marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
                                           uint64_t lease,
                                           const uint32_t *tokens,
                                           size_t n_tokens,
-                                          const struct marconi_saved_state *states,
+                                          const struct marconi_pooled_state *states,
                                           size_t n_states,
-                                          const uint32_t *kv_pages,
+                                          const uint64_t *kv_pages,
                                           size_t n_kv_pages,
                                           uint8_t *taken,
                                           struct marconi_admit_result *out);
@@ -3273,16 +3343,17 @@ marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
 /**
  * Frees `handles[0..n]`, units the caller holds (reserved, not taken by
  * the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
- * the caller does not hold (the cache's, freed, made up).
+ * the caller does not hold (the cache's, another pool's or cache's, freed,
+ * made up), MARCONI_STATUS_DOUBLE_FREE for one listed twice.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+ * `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache *pc,
-                                               const uint32_t *handles,
+                                               const uint64_t *handles,
                                                size_t n);
 
 /**
@@ -3308,11 +3379,11 @@ marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *p
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
- * `out_len` is writable or NULL.
+ * `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+ * NULL); `out_len` is writable or NULL.
  */
 marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cache *pc,
-                                                uint32_t *buf,
+                                                uint64_t *buf,
                                                 size_t cap,
                                                 size_t *out_len);
 
@@ -3329,7 +3400,7 @@ marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cach
  * As marconi_pooled_cache_drain_freed.
  */
 marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
-                                         uint32_t *buf,
+                                         uint64_t *buf,
                                          size_t cap,
                                          size_t *out_len);
 
@@ -3341,11 +3412,11 @@ marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `handles` has n readable u32 (or is
+ * `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is
  * NULL); `out` has cap writable elements (or is NULL).
  */
 marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *pc,
-                                            const uint32_t *handles,
+                                            const uint64_t *handles,
                                             size_t n,
                                             struct marconi_unit_location *out,
                                             size_t cap);
@@ -3365,7 +3436,7 @@ marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *p
  * `pc` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
  */
 marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cache *pc,
-                                                const struct marconi_copy_order *pairs,
+                                                const struct marconi_state_copy *pairs,
                                                 size_t n);
 
 /**

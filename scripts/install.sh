@@ -74,7 +74,7 @@ done
 version="$(sed -n 's/^#define MARCONI_VERSION_STRING "\(.*\)"$/\1/p' include/marconi.h)"
 [ -n "$version" ] || die "no MARCONI_VERSION_STRING in include/marconi.h"
 
-# With a SONAME (libmarconi.so.0.1), install libmarconi.so.0.1.0 and the usual
+# With a SONAME (libmarconi.so.0.2), install libmarconi.so.0.2.0 and the usual
 # two links; without one, programs record "libmarconi.so" itself.
 soname="$(readelf -d "$built/libmarconi.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]$/\1/p')"
 if [ -n "$soname" ]; then

@@ -16,7 +16,7 @@ echo "--- cargo build --release -p marconi-ffi"
 cargo build --release -p marconi-ffi
 test -f "$lib/libmarconi.so" && test -f "$lib/libmarconi.a"
 lib="$(cd "$lib" && pwd)"
-# Programs linked here record the library's SONAME (libmarconi.so.0.1 when
+# Programs linked here record the library's SONAME (libmarconi.so.0.2 when
 # marconi-ffi sets one); give it the name scripts/install.sh gives it.
 soname="$(readelf -d "$lib/libmarconi.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]$/\1/p')"
 [ -z "$soname" ] || ln -sfn libmarconi.so "$lib/$soname"

@@ -6,7 +6,10 @@
 #   ASan  libmarconi built with -Zsanitizer=address (-Zbuild-std): the C tests
 #         linked against it (gcc's ASan runtime), marconi-ffi's Rust tests
 #         (multithreaded test included) and a short C-ABI fuzz campaign.
-#   TSan  the C tests, marconi-ffi's multithreaded test and a multithreaded fuzz campaign.
+#   TSan  the C tests (the pool test's threads on one pool included),
+#         marconi-ffi's multithreaded tests (a shared cache, two shared pools
+#         with handles passed across, a shared cache over pools) and a
+#         multithreaded fuzz campaign.
 #   Miri  marconi-ffi's unit tests (its unsafe boundary) and a few marconi-core
 #         tests: its search worker's threads and its error paths (MIRI_FULL=1:
 #         every marconi-core test; slow).
@@ -75,6 +78,12 @@ g++ "$base/san-thread/test_cache.o" "$base/san-thread/test_include_twice.o" "$ts
   -Wl,--whole-archive "$tsan_rt" -Wl,--no-whole-archive -lpthread -ldl -lm -lrt \
   -o "$base/san-thread/test_cache"
 TSAN_OPTIONS="halt_on_error=1" "$base/san-thread/test_cache"
+echo "--- TSan: the pool C test (threads sharing a memfd pool)"
+gcc -std=c11 -g -O1 -Iinclude -fsanitize=thread -c marconi-ffi/tests/c/test_pool.c -o "$base/san-thread/test_pool.o"
+g++ "$base/san-thread/test_pool.o" "$tsan_lib/libmarconi.a" \
+  -Wl,--whole-archive "$tsan_rt" -Wl,--no-whole-archive -lpthread -ldl -lm -lrt \
+  -o "$base/san-thread/test_pool"
+TSAN_OPTIONS="halt_on_error=1" "$base/san-thread/test_pool"
 if [ -e "$tsan_lib/examples/fuzz_abi" ]; then
   echo "--- TSan: C-ABI fuzz smoke, 4 threads on shared caches"
   TSAN_OPTIONS="halt_on_error=1" "$tsan_lib/examples/fuzz_abi" --seed 2 --calls "$fuzz_calls" --threads 4

@@ -44,8 +44,15 @@ use marconi::cache::*;
 use marconi::config::*;
 use marconi::events::*;
 use marconi::pool::*;
+use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
+
+/// Whether a pool handle names a state unit (marconi-gpu's handle layout:
+/// the fuzzer is this project's own code and may read it).
+fn is_state(h: u64) -> bool {
+    marconi_gpu::VirtualHandle::from_raw(h).pool() == marconi_gpu::PoolKind::Ssm
+}
 
 // ---------------------------------------------------------------- rng ----
 
@@ -261,6 +268,59 @@ fn default_config() -> marconi_cache_config {
     assert_eq!(st, St::Ok);
     // SAFETY: initialised by marconi_cache_config_init.
     unsafe { cfg.assume_init() }
+}
+
+fn pool_config() -> marconi_pool_config {
+    let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
+    // SAFETY: cfg has sizeof(marconi_pool_config) writable bytes.
+    let st =
+        unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) };
+    assert_eq!(st, St::Ok);
+    // SAFETY: initialised by marconi_pool_config_init.
+    unsafe { cfg.assume_init() }
+}
+
+fn pool_free_units(p: *const marconi_pool) -> (u64, u64) {
+    let mut s = marconi_pool_stats {
+        struct_size: size_of::<marconi_pool_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live pool, s writable.
+    unsafe { marconi_pool_get_stats(p, &mut s) };
+    (s.kv_free, s.state_free)
+}
+
+/// The bytes of a live memfd unit, or None when the pool refuses the handle.
+fn unit_bytes<'a>(p: *const marconi_pool, h: u64) -> Option<&'a mut [u8]> {
+    let mut l = marconi_unit_location::default();
+    // SAFETY: one handle, one location.
+    let st = unsafe { marconi_pool_resolve(p, &h, 1, &mut l, 1) };
+    // SAFETY: a live unit's address is mapped for unit_bytes while its
+    // handle is live; only the calling worker uses it.
+    (st == St::Ok && l.address != 0).then(|| unsafe {
+        std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize)
+    })
+}
+
+/// The handles a cache over pools holds (`held`) or drains as evicted.
+fn pooled_list(c: *const marconi_pooled_cache, held: bool) -> Vec<u64> {
+    let mut n = 0usize;
+    type List =
+        unsafe extern "C" fn(*const marconi_pooled_cache, *mut u64, usize, *mut usize) -> St;
+    let f: List = if held {
+        marconi_pooled_cache_held
+    } else {
+        marconi_pooled_cache_drain_freed
+    };
+    // SAFETY: NULL with cap 0 asks for the count.
+    unsafe { f(c, ptr::null_mut(), 0, &mut n) };
+    let mut v = vec![0u64; n];
+    // SAFETY: v has n writable handles.
+    let st = unsafe { f(c, v.as_mut_ptr(), n, &mut n) };
+    if st != St::Ok {
+        v.clear();
+    }
+    v
 }
 
 const POLICY_PRESETS: [&CStr; 6] = [
@@ -1971,8 +2031,8 @@ impl<'r> Worker<'r> {
             }
             return;
         }
-        let mut live: HashMap<u32, u8> = HashMap::new();
-        let mut freed: Vec<u32> = Vec::new();
+        let mut live: HashMap<u64, u8> = HashMap::new();
+        let mut freed: Vec<u64> = Vec::new();
         let mut byte = 1u8;
         let stats = |w: &mut Self| -> Option<marconi_pool_stats> {
             let mut s = marconi_pool_stats {
@@ -1991,11 +2051,11 @@ impl<'r> Worker<'r> {
             unsafe { std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize) }
         };
         for _ in 0..self.rng.range(1, 24) {
-            let pick = |w: &mut Self, state_only: bool| -> Option<u32> {
-                let mut v: Vec<u32> = live
+            let pick = |w: &mut Self, state_only: bool| -> Option<u64> {
+                let mut v: Vec<u64> = live
                     .keys()
                     .copied()
-                    .filter(|h| !state_only || h >> 31 == 1)
+                    .filter(|&h| !state_only || is_state(h))
                     .collect();
                 v.sort_unstable();
                 (!v.is_empty()).then(|| v[w.rng.below(v.len() as u64) as usize])
@@ -2004,8 +2064,8 @@ impl<'r> Worker<'r> {
                 0 | 1 => {
                     let kind = self.rng.below(2) as u32;
                     let n = self.rng.below(20) as usize;
-                    let mut out = vec![0u32; n];
-                    // SAFETY: out has n writable u32.
+                    let mut out = vec![0u64; n];
+                    // SAFETY: out has n writable handles.
                     let st = self.call("pool_allocate", || unsafe {
                         marconi_pool_allocate(p, kind, n, out.as_mut_ptr(), n)
                     });
@@ -2029,7 +2089,7 @@ impl<'r> Worker<'r> {
                     }
                 }
                 2 => {
-                    let mut hs: Vec<u32> = (0..self.rng.below(4))
+                    let mut hs: Vec<u64> = (0..self.rng.below(4))
                         .filter_map(|_| pick(self, false))
                         .collect();
                     let distinct = hs.iter().collect::<HashSet<_>>().len() == hs.len();
@@ -2054,7 +2114,7 @@ impl<'r> Worker<'r> {
                     }
                 }
                 3 => {
-                    let raw = self.rng.next() as u32;
+                    let raw = self.rng.next();
                     if !live.contains_key(&raw) {
                         let mut l = marconi_unit_location::default();
                         // SAFETY: one handle, one location.
@@ -2069,18 +2129,18 @@ impl<'r> Worker<'r> {
                     }
                 }
                 4 => {
-                    let pairs: Vec<marconi_copy_order> = (0..self.rng.below(4))
+                    let pairs: Vec<marconi_state_copy> = (0..self.rng.below(4))
                         .filter_map(|_| {
-                            Some(marconi_copy_order {
-                                src_slot: pick(self, true)?,
-                                dst_slot: pick(self, true)?,
+                            Some(marconi_state_copy {
+                                src_state: pick(self, true)?,
+                                dst_state: pick(self, true)?,
                             })
                         })
                         .collect();
-                    let dsts: Vec<u32> = pairs.iter().map(|q| q.dst_slot).collect();
-                    let valid = pairs.iter().all(|q| q.src_slot != q.dst_slot)
+                    let dsts: Vec<u64> = pairs.iter().map(|q| q.dst_state).collect();
+                    let valid = pairs.iter().all(|q| q.src_state != q.dst_state)
                         && dsts.iter().collect::<HashSet<_>>().len() == dsts.len()
-                        && !pairs.iter().any(|q| dsts.contains(&q.src_slot));
+                        && !pairs.iter().any(|q| dsts.contains(&q.src_state));
                     // SAFETY: pairs readable.
                     let st = self.call("pool_copy_states", || unsafe {
                         marconi_pool_copy_states(p, pairs.as_ptr(), pairs.len())
@@ -2093,16 +2153,16 @@ impl<'r> Worker<'r> {
                         &[St::Unsupported]
                     };
                     if self.expect("pool_copy_states", st, want) && st == St::Ok {
-                        let moved: Vec<(u32, u8)> = pairs
+                        let moved: Vec<(u64, u8)> = pairs
                             .iter()
-                            .map(|q| (q.dst_slot, live[&q.src_slot]))
+                            .map(|q| (q.dst_state, live[&q.src_state]))
                             .collect();
                         live.extend(moved);
                     }
                 }
                 5 => {
                     if let Some(s) = pick(self, true) {
-                        let c: Vec<u32> = (0..self.rng.below(3))
+                        let c: Vec<u64> = (0..self.rng.below(3))
                             .filter_map(|_| pick(self, true))
                             .collect();
                         let accepted = self.rng.below(c.len() as u64 + 1) as usize;
@@ -2112,7 +2172,7 @@ impl<'r> Worker<'r> {
                         let valid = accepted < c.len()
                             && mode < 2
                             && all.iter().collect::<HashSet<_>>().len() == all.len();
-                        let mut now = 0u32;
+                        let mut now = 0u64;
                         // SAFETY: c readable, now writable.
                         let st = self.call("pool_promote_state", || unsafe {
                             marconi_pool_promote_state(
@@ -2178,7 +2238,7 @@ impl<'r> Worker<'r> {
             }
             // The model against the pool after every call.
             let Some(s) = stats(self) else { return };
-            let live_kv = live.keys().filter(|h| *h >> 31 == 0).count() as u64;
+            let live_kv = live.keys().filter(|&&h| !is_state(h)).count() as u64;
             let live_st = live.len() as u64 - live_kv;
             if s.kv_free + live_kv != s.kv_capacity || s.state_free + live_st != s.state_capacity {
                 finding!(
@@ -2239,6 +2299,440 @@ impl<'r> Worker<'r> {
         self.expect("snapshot_copy", st, want);
         // SAFETY: freed once, never used again.
         self.call("pool_free", || unsafe { marconi_pool_free(p) });
+    }
+
+    /// Several pools and caches over pools at once, handles passed to the
+    /// wrong one, long reuse cycles of one unit with every stale copy kept
+    /// and replayed, and admits with handles from every source: the caller's
+    /// reserved units, the lease's own cached pages, pages the cache holds
+    /// elsewhere, another cache's, stale and duplicated ones. A handle given
+    /// to anything but its owner must be refused and leave the owner's unit
+    /// untouched; a stale handle must never be accepted.
+    fn op_pools_cross(&mut self) {
+        let mut pools = Vec::new();
+        for _ in 0..self.rng.range(2, 4) {
+            let mut cfg = pool_config();
+            cfg.backend = 1;
+            cfg.chunk_bytes = 64 << 10;
+            cfg.budget_bytes = 1 << 20;
+            cfg.kv_page_bytes = 4 << 10;
+            cfg.state_slot_bytes = 16 << 10;
+            if let Some(p) = self.new_pool(&cfg) {
+                pools.push(p);
+            }
+        }
+        // Units owned per pool: (handle, byte written).
+        let mut owned: Vec<Vec<(u64, u8)>> = vec![Vec::new(); pools.len()];
+        for (i, &p) in pools.iter().enumerate() {
+            let kind = self.rng.below(2) as u32;
+            let mut out = [0u64; 3];
+            // SAFETY: out has 3 writable handles.
+            let st = self.call("pool_allocate", || unsafe {
+                marconi_pool_allocate(p, kind, 3, out.as_mut_ptr(), 3)
+            });
+            if self.expect("pool_allocate (cross)", st, &[St::Ok]) {
+                for (k, &h) in out.iter().enumerate() {
+                    let b = (i * 3 + k + 1) as u8;
+                    if let Some(u) = unit_bytes(p, h) {
+                        u.fill(b);
+                    }
+                    owned[i].push((h, b));
+                }
+            }
+        }
+        for _ in 0..self.rng.range(1, 8) {
+            if pools.len() < 2 {
+                break;
+            }
+            let i = self.rng.below(pools.len() as u64) as usize;
+            let j = (i + 1 + self.rng.below(pools.len() as u64 - 1) as usize) % pools.len();
+            let Some(&(h, b)) = owned[i].get(self.rng.below(3) as usize) else {
+                continue;
+            };
+            let before = pool_free_units(pools[j]);
+            let mut l = marconi_unit_location::default();
+            let (q, other) = (pools[j], pools[i]);
+            // SAFETY: one handle, one location.
+            let st = self.call("pool_resolve (foreign)", || unsafe {
+                marconi_pool_resolve(q, &h, 1, &mut l, 1)
+            });
+            self.expect(
+                "pool_resolve of another pool's handle",
+                st,
+                &[St::UnknownHandle],
+            );
+            // SAFETY: one readable handle.
+            let st = self.call("pool_free_units (foreign)", || unsafe {
+                marconi_pool_free_units(q, &h, 1)
+            });
+            self.expect(
+                "pool_free_units of another pool's handle",
+                st,
+                &[St::UnknownHandle],
+            );
+            if pool_free_units(q) != before {
+                finding!(self, "a pool freed a unit for another pool's handle {h:#x}");
+            }
+            match unit_bytes(other, h) {
+                Some(u) if u.iter().all(|&x| x == b) => {}
+                _ => finding!(self, "the owner of {h:#x} lost it or its bytes"),
+            }
+        }
+        // Long reuse of one unit: every earlier handle stays refused.
+        let mut big = pool_config();
+        big.backend = 0;
+        big.budget_bytes = 128 << 20;
+        big.kv_page_bytes = 128;
+        big.state_slot_bytes = 128;
+        big.migration = 0;
+        if let Some(p) = self.new_pool(&big) {
+            let cycles = self.rng.range(2_100, 2_600);
+            let mut issued: Vec<u64> = Vec::with_capacity(cycles as usize);
+            let mut seen = HashSet::new();
+            for _ in 0..cycles {
+                let mut h = 0u64;
+                // SAFETY: one writable handle.
+                let st = self.call("pool_allocate (reuse)", || unsafe {
+                    marconi_pool_allocate(p, 0, 1, &mut h, 1)
+                });
+                if !self.expect("pool_allocate (reuse)", st, &[St::Ok]) {
+                    break;
+                }
+                if !seen.insert(h) {
+                    finding!(
+                        self,
+                        "pool reissued handle {h:#x} after {} cycles",
+                        issued.len()
+                    );
+                    break;
+                }
+                // SAFETY: one readable handle.
+                let st = self.call("pool_free_units (reuse)", || unsafe {
+                    marconi_pool_free_units(p, &h, 1)
+                });
+                self.expect("pool_free_units (reuse)", st, &[St::Ok]);
+                issued.push(h);
+            }
+            let mut h = 0u64;
+            // SAFETY: one writable handle.
+            let st = self.call("pool_allocate (reuse)", || unsafe {
+                marconi_pool_allocate(p, 0, 1, &mut h, 1)
+            });
+            self.expect("pool_allocate (reuse)", st, &[St::Ok]);
+            for &old in &issued {
+                let mut l = marconi_unit_location::default();
+                // SAFETY: one handle, one location.
+                let st = unsafe { marconi_pool_resolve(p, &old, 1, &mut l, 1) };
+                if st == St::Ok {
+                    finding!(self, "stale handle {old:#x} accepted after {cycles} reuses");
+                    break;
+                }
+            }
+            if let Some(&old) = issued.first() {
+                // SAFETY: one readable handle.
+                let st = self.call("pool_free_units (stale)", || unsafe {
+                    marconi_pool_free_units(p, &old, 1)
+                });
+                self.expect(
+                    "pool_free_units of a stale handle",
+                    st,
+                    &[St::UnknownHandle],
+                );
+                if let Some(&q) = pools.first() {
+                    // SAFETY: as above.
+                    let st = self.call("pool_free_units (foreign)", || unsafe {
+                        marconi_pool_free_units(q, &h, 1)
+                    });
+                    self.expect(
+                        "pool_free_units of another pool's handle",
+                        st,
+                        &[St::UnknownHandle],
+                    );
+                }
+            }
+            // SAFETY: freed once.
+            self.call("pool_free", || unsafe { marconi_pool_free(p) });
+        }
+        for (i, &p) in pools.iter().enumerate() {
+            let hs: Vec<u64> = owned[i].iter().map(|o| o.0).collect();
+            // SAFETY: hs readable.
+            let st = self.call("pool_free_units", || unsafe {
+                marconi_pool_free_units(p, hs.as_ptr(), hs.len())
+            });
+            self.expect("pool_free_units of the owner's units", st, &[St::Ok]);
+            // SAFETY: freed once, never used again.
+            self.call("pool_free", || unsafe { marconi_pool_free(p) });
+        }
+        self.op_pooled_admits();
+    }
+
+    fn new_pool(&mut self, cfg: &marconi_pool_config) -> Option<*mut marconi_pool> {
+        let mut p: *mut marconi_pool = ptr::null_mut();
+        // SAFETY: a whole config; p writable.
+        let st = self.call("pool_new", || unsafe { marconi_pool_new(cfg, &mut p) });
+        self.expect("pool_new (cross)", st, &[St::Ok]).then_some(p)
+    }
+
+    /// Two caches over pools; in each, a request caches a sequence, then a
+    /// request sharing part of it (KV matched past the usable hit) admits
+    /// with a page or slot from one source; bad sources must be refused with
+    /// nothing changed, good ones accepted.
+    fn op_pooled_admits(&mut self) {
+        let mut caches = Vec::new();
+        for _ in 0..2 {
+            let mut cc = default_config();
+            cc.model_preset = c"nemotron-h-8b".as_ptr();
+            cc.page_size = 16;
+            let mut pc = pool_config();
+            pc.backend = 0;
+            pc.budget_bytes = 8 << 30;
+            pc.kv_page_bytes = 0;
+            pc.state_slot_bytes = 0;
+            let mut c: *mut marconi_pooled_cache = ptr::null_mut();
+            // SAFETY: whole configs; c writable.
+            let st = self.call("pooled_cache_new", || unsafe {
+                marconi_pooled_cache_new(&cc, &pc, &mut c)
+            });
+            if self.expect("pooled_cache_new", st, &[St::Ok]) {
+                caches.push(c);
+            }
+        }
+        if caches.len() < 2 {
+            for c in caches {
+                // SAFETY: freed once.
+                unsafe { marconi_pooled_cache_free(c) };
+            }
+            return;
+        }
+        // A reservation of the other cache: foreign handles.
+        let (mut fpg, mut fsl) = ([0u64; 2], [0u64; 1]);
+        let other = caches[1];
+        // SAFETY: writable buffers.
+        let st = self.call("pooled_cache_reserve", || unsafe {
+            marconi_pooled_cache_reserve(other, 2, 1, fpg.as_mut_ptr(), 2, fsl.as_mut_ptr(), 1)
+        });
+        self.expect("pooled_cache_reserve (other)", st, &[St::Ok]);
+        let c = caches[0];
+        let base: Vec<u32> = (0..self.rng.range(64, 160))
+            .map(|_| self.rng.below(50_000) as u32 + 1)
+            .collect();
+        let mut stale: Vec<u64> = Vec::new();
+        self.pooled_request(c, &base, base.len() as u32 - 4, None, &mut stale, &[]);
+        for _ in 0..self.rng.range(2, 6) {
+            let keep = self.rng.range(16, base.len() as u64 - 8) as usize;
+            let mut t = base[..keep].to_vec();
+            t.extend((0..self.rng.range(20, 60)).map(|_| self.rng.below(50_000) as u32 + 60_000));
+            let source = self.rng.below(7) as u8;
+            let input = t.len() as u32 - 3;
+            self.pooled_request(c, &t, input, Some(source), &mut stale, &fpg);
+        }
+        // SAFETY: the other cache's units, freed once.
+        let st = unsafe { marconi_pooled_cache_free_units(other, fpg.as_ptr(), 2) };
+        self.expect("pooled_cache_free_units (other)", st, &[St::Ok]);
+        // SAFETY: as above.
+        let st = unsafe { marconi_pooled_cache_free_units(other, fsl.as_ptr(), 1) };
+        self.expect("pooled_cache_free_units (other)", st, &[St::Ok]);
+        for c in caches {
+            // SAFETY: live handle.
+            let st = unsafe { marconi_pooled_cache_check(c) };
+            self.expect("pooled_cache_check", st, &[St::Ok]);
+            // SAFETY: freed once.
+            self.call("pooled_cache_free", || unsafe {
+                marconi_pooled_cache_free(c)
+            });
+        }
+    }
+
+    /// One request through cache `c`; with `source`, first an admit whose
+    /// page or slot list carries a handle from that source (0 the caller's:
+    /// valid; 1 a page the cache holds elsewhere; 2 another cache's page;
+    /// 3 a stale handle; 4 a reserved page twice; 5 a reserved slot twice;
+    /// 6 the lease's own hit page at another position).
+    fn pooled_request(
+        &mut self,
+        c: *mut marconi_pooled_cache,
+        tokens: &[u32],
+        input: u32,
+        source: Option<u8>,
+        stale: &mut Vec<u64>,
+        foreign: &[u64],
+    ) {
+        let mut l = marconi_pooled_lookup::default();
+        // SAFETY: tokens readable, l writable.
+        let st = self.call("pooled_cache_lookup", || unsafe {
+            marconi_pooled_cache_lookup(c, 0, tokens.as_ptr(), input as usize, &mut l)
+        });
+        if !self.expect("pooled_cache_lookup", st, &[St::Ok]) {
+            return;
+        }
+        let mut hit = vec![0u64; l.n_kv_pages as usize];
+        let mut n = 0usize;
+        // SAFETY: hit has n_kv_pages writable handles.
+        let st = unsafe {
+            marconi_pooled_cache_lease_kv_pages(c, l.lease, hit.as_mut_ptr(), hit.len(), &mut n)
+        };
+        self.expect("pooled_cache_lease_kv_pages", st, &[St::Ok]);
+        let full_pages = tokens.len() / 16;
+        let want = full_pages.saturating_sub(hit.len());
+        let (mut pg, mut sl) = (vec![0u64; want], [0u64; 2]);
+        // SAFETY: writable buffers of their lengths.
+        let st = self.call("pooled_cache_reserve", || unsafe {
+            marconi_pooled_cache_reserve(
+                c,
+                want as u32,
+                2,
+                pg.as_mut_ptr(),
+                want,
+                sl.as_mut_ptr(),
+                2,
+            )
+        });
+        if !self.expect("pooled_cache_reserve", st, &[St::Ok, St::OutOfMemory]) || st != St::Ok {
+            // SAFETY: live lease.
+            unsafe { marconi_pooled_cache_release(c, l.lease) };
+            return;
+        }
+        let mut pages = hit.clone();
+        pages.extend_from_slice(&pg);
+        let states = [marconi_pooled_state {
+            position: (tokens.len() / 16 * 16) as u32,
+            reserved: 0,
+            state_handle: sl[0],
+        }];
+        let held = pooled_list(c, true);
+        let before = held.clone();
+        if let Some(src) = source {
+            let mut bad_pages = pages.clone();
+            let mut bad_states = states.to_vec();
+            let at = hit.len().min(pages.len().saturating_sub(1));
+            let want: Option<St> = match src {
+                1 => held
+                    .iter()
+                    .find(|h| !is_state(**h) && !hit.contains(h))
+                    .map(|&h| {
+                        bad_pages[at] = h;
+                        St::UnknownHandle
+                    }),
+                2 => {
+                    bad_pages[at] = foreign[0];
+                    Some(St::UnknownHandle)
+                }
+                3 => stale.last().map(|&h| {
+                    if is_state(h) {
+                        bad_states[0].state_handle = h;
+                    } else {
+                        bad_pages[at] = h;
+                    }
+                    St::UnknownHandle
+                }),
+                4 if pg.len() >= 2 => {
+                    bad_pages[hit.len() + 1] = pg[0];
+                    Some(St::DuplicatePage)
+                }
+                5 => {
+                    bad_states.push(marconi_pooled_state {
+                        position: 16,
+                        reserved: 0,
+                        state_handle: sl[0],
+                    });
+                    Some(St::DuplicateSlot)
+                }
+                6 if hit.len() >= 2 => {
+                    bad_pages.swap(0, 1);
+                    Some(St::UnknownHandle)
+                }
+                _ => None,
+            };
+            if let Some(want) = want {
+                let mut taken = vec![0u8; bad_states.len()];
+                let mut r = marconi_admit_result::default();
+                // SAFETY: every buffer readable/writable for its length.
+                let st = self.call("pooled_cache_admit (bad)", || unsafe {
+                    marconi_pooled_cache_admit(
+                        c,
+                        l.lease,
+                        tokens.as_ptr(),
+                        tokens.len(),
+                        bad_states.as_ptr(),
+                        bad_states.len(),
+                        bad_pages.as_ptr(),
+                        bad_pages.len(),
+                        taken.as_mut_ptr(),
+                        &mut r,
+                    )
+                });
+                self.expect(
+                    &format!("pooled_cache_admit with source {src}"),
+                    st,
+                    &[want],
+                );
+                if pooled_list(c, true) != before {
+                    finding!(
+                        self,
+                        "a refused pooled admit (source {src}) changed what the cache holds"
+                    );
+                }
+            }
+        }
+        let mut taken = [0u8; 1];
+        let mut r = marconi_admit_result::default();
+        // SAFETY: as above.
+        let st = self.call("pooled_cache_admit", || unsafe {
+            marconi_pooled_cache_admit(
+                c,
+                l.lease,
+                tokens.as_ptr(),
+                tokens.len(),
+                states.as_ptr(),
+                1,
+                pages.as_ptr(),
+                pages.len(),
+                taken.as_mut_ptr(),
+                &mut r,
+            )
+        });
+        let mut mine: Vec<u64> = Vec::new();
+        if self.expect("pooled_cache_admit", st, &[St::Ok]) {
+            let range = r.kv_pages_taken_start as usize..r.kv_pages_taken_end as usize;
+            mine.extend(
+                (hit.len()..pages.len())
+                    .filter(|i| !range.contains(i))
+                    .map(|i| pages[i]),
+            );
+            if taken[0] == 0 {
+                mine.push(sl[0]);
+            }
+        } else {
+            mine.extend_from_slice(&pg);
+            mine.push(sl[0]);
+        }
+        mine.push(sl[1]);
+        let now = pooled_list(c, true);
+        if let Some(h) = mine.iter().find(|h| now.contains(h)) {
+            finding!(
+                self,
+                "pooled admit: {h:#x} is both the caller's and the cache's"
+            );
+        }
+        // SAFETY: mine readable.
+        let st = self.call("pooled_cache_free_units", || unsafe {
+            marconi_pooled_cache_free_units(c, mine.as_ptr(), mine.len())
+        });
+        self.expect(
+            "pooled_cache_free_units of the caller's units",
+            st,
+            &[St::Ok],
+        );
+        stale.extend_from_slice(&mine);
+        stale.extend(pooled_list(c, false));
+        // SAFETY: live lease.
+        let st = self.call("pooled_cache_release", || unsafe {
+            marconi_pooled_cache_release(c, l.lease)
+        });
+        self.expect("pooled_cache_release", st, &[St::Ok]);
+        // SAFETY: live handle.
+        let st = unsafe { marconi_pooled_cache_check(c) };
+        self.expect("pooled_cache_check", st, &[St::Ok]);
     }
 
     fn op_messages(&mut self) {
@@ -2889,7 +3383,13 @@ impl<'r> Worker<'r> {
             73..=74 => self.op_drain_log(c),
             75..=91 => self.op_bad(c),
             92 => self.op_config(),
-            93 => self.op_pool(),
+            93 => {
+                if self.rng.chance(1, 3) {
+                    self.op_pools_cross()
+                } else {
+                    self.op_pool()
+                }
+            }
             94 => self.op_events(c),
             95 => self.op_messages(),
             96..=98 => self.op_owned_again(c),

@@ -67,7 +67,7 @@ pub use store::{
 /// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.
 const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 
-/// The library version as a static NUL-terminated string ("0.1.0"); equals
+/// The library version as a static NUL-terminated string ("0.2.0"); equals
 /// MARCONI_VERSION_STRING of the header the library was built with. Never
 /// NULL; the caller must not free it.
 ///

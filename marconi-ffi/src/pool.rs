@@ -5,10 +5,8 @@
 //! operations (copy batches, fork, promote) over a pool's state slots or a
 //! caller's buffer.
 //!
-//! Handles are `marconi-gpu`'s 32-bit virtual handles: bit 31 is the pool
-//! (0 KV, 1 state), the rest a unit index and a generation that is never 0,
-//! so 0 is never a live handle and a freed (or freed and reused) handle is
-//! refused with MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE.
+//! Handles are `marconi-gpu`'s 64-bit virtual handles (the guarantees are
+//! written on `marconi_pool`, in the header).
 
 use std::collections::HashSet;
 use std::sync::{Mutex, MutexGuard};
@@ -228,6 +226,22 @@ pub struct marconi_pool_stats {
     pub physical_bytes: u64,
     /// Allocate and free calls served (the allocator's logical clock).
     pub ops: u64,
+    /// KV units retired: freed at their last generation, never allocated
+    /// again (not counted in kv_capacity).
+    pub kv_retired: u64,
+    /// State units retired (not counted in state_capacity).
+    pub state_retired: u64,
+}
+
+/// One state copy between two state handles of a pool (or of a cache over
+/// pools): the state behind src_state into the unit behind dst_state.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_state_copy {
+    /// The state handle to read.
+    pub src_state: u64,
+    /// The state handle to write.
+    pub dst_state: u64,
 }
 
 /// Smallest struct_size accepted by marconi_pool_get_stats (up to budget_bytes).
@@ -292,6 +306,27 @@ impl Backing {
 
 /// A pool handle: opaque to C. Create with marconi_pool_new, free with
 /// marconi_pool_free.
+///
+/// Unit handles (uint64_t; the same for a cache over pools) are opaque
+/// values; their layout is not part of the ABI. What holds, for the life of
+/// the process:
+///  - 0 is never a live handle, and every handle is below 2^63 (it fits an
+///    int64_t, e.g. a torch.int64 tensor);
+///  - a handle is accepted only by the pool (or cache over pools) that
+///    issued it: every live pool has its own pool id inside its handles, so
+///    a handle given to another live pool is MARCONI_STATUS_UNKNOWN_HANDLE
+///    and the other pool's units are untouched. Pool ids are reused only
+///    after 2^20 - 1 pools have been created in the process, the longest
+///    freed first; a handle of a freed pool must not be used anyway;
+///  - a handle whose unit was freed (or evicted) is refused: as
+///    MARCONI_STATUS_DOUBLE_FREE until the unit is allocated again, then as
+///    MARCONI_STATUS_UNKNOWN_HANDLE, however many times the unit is reused.
+///    Each unit has at least 2^10 - 1 generations (2^42 handles per pool,
+///    split between unit index and generation); a unit freed at its last
+///    generation is retired, never allocated again, and no longer counted
+///    in its pool's capacity (marconi_pool_stats.kv_retired,
+///    state_retired). A handle value is therefore never issued twice by one
+///    pool.
 pub struct marconi_pool {
     inner: Mutex<PoolInner>,
 }
@@ -377,6 +412,14 @@ fn dual_config(c: &marconi_pool_config, chunk: Option<u64>) -> FfiResult<(DualPo
         return Err(invalid_config(format!(
             "budget_bytes {} is not in 1..=2^52",
             c.budget_bytes
+        )));
+    }
+    // A unit larger than the whole budget would leave its pool at capacity 0
+    // for ever.
+    if c.kv_page_bytes > c.budget_bytes || c.state_slot_bytes > c.budget_bytes {
+        return Err(invalid_config(format!(
+            "kv_page_bytes {} and state_slot_bytes {} must each fit budget_bytes {}",
+            c.kv_page_bytes, c.state_slot_bytes, c.budget_bytes
         )));
     }
     let policy = match c.migration {
@@ -592,7 +635,7 @@ mod cuda {
             pool: &BackedPool<CudaPhysical>,
             pairs: Vec<SlotPair>,
         ) -> FfiResult {
-            let slots = pool.capacity(PoolKind::Ssm);
+            let slots = pool.extent(PoolKind::Ssm);
             let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
             if batch.is_empty() {
                 return Ok(());
@@ -625,7 +668,7 @@ mod cuda {
 /// Runs a batch of (src, dst) state-unit indices of a memfd pool on the
 /// host (a StateArena over the state pool's mapping).
 pub(crate) fn copy_states_in(p: &BackedPool<MemfdBackend>, pairs: Vec<SlotPair>) -> FfiResult {
-    let slots = p.capacity(PoolKind::Ssm);
+    let slots = p.extent(PoolKind::Ssm);
     let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
     if batch.is_empty() {
         return Ok(());
@@ -637,7 +680,7 @@ pub(crate) fn copy_states_in(p: &BackedPool<MemfdBackend>, pairs: Vec<SlotPair>)
     let slot_bytes = usize::try_from(p.unit_bytes(PoolKind::Ssm))
         .map_err(|_| FfiError::new(marconi_status::InvalidArgument, "state unit too large"))?;
     // SAFETY: the state pool's first `slots` units are mapped read-write
-    // (BackedPool maps chunks covering its capacity); the arena lives only
+    // (BackedPool maps chunks covering its extent); the arena lives only
     // for this call, under the owner's lock, so no migration unmaps them
     // meanwhile. The engine's own accesses to the slots named here are its
     // business, as with memcpy.
@@ -650,7 +693,7 @@ pub(crate) fn copy_states_in(p: &BackedPool<MemfdBackend>, pairs: Vec<SlotPair>)
 /// unit's offset to its address.
 pub(crate) fn location(
     a: &dyn PoolAllocator,
-    raw: u32,
+    raw: u64,
     address: &dyn Fn(PoolKind, u64) -> u64,
 ) -> FfiResult<marconi_unit_location> {
     let h = VirtualHandle::from_raw(raw);
@@ -682,7 +725,7 @@ impl PoolInner {
 
     /// The state-unit index of each state handle in `handles`, after checking
     /// every one is live and of the state pool.
-    fn state_indices(&self, handles: &[u32], what: &str) -> FfiResult<Vec<u32>> {
+    fn state_indices(&self, handles: &[u64], what: &str) -> FfiResult<Vec<u32>> {
         let a = self.backing.alloc();
         handles
             .iter()
@@ -692,7 +735,7 @@ impl PoolInner {
                 if h.pool() != PoolKind::Ssm {
                     return Err(FfiError::new(
                         marconi_status::UnknownHandle,
-                        format!("{what}[{i}]: handle {raw:#010x} is a KV page, not a state slot"),
+                        format!("{what}[{i}]: handle {raw:#018x} is a KV page, not a state slot"),
                     ));
                 }
                 a.resolve(h).map_err(|e| {
@@ -706,7 +749,7 @@ impl PoolInner {
 
     /// Runs a batch of (src, dst) state-unit indices on the backend.
     fn run_copy(&mut self, pairs: Vec<SlotPair>) -> FfiResult {
-        let slots = self.backing.alloc().capacity(PoolKind::Ssm);
+        let slots = self.backing.alloc().extent(PoolKind::Ssm);
         // Validated here for every backend, so NONE refuses a bad batch as
         // the others do before saying it cannot copy.
         let batch = CopyBatch::new(pairs, slots).map_err(snap_err)?;
@@ -779,7 +822,8 @@ pub unsafe extern "C" fn marconi_pool_config_init(
 /// marconi_pool_free). MARCONI_STATUS_INVALID_CONFIG with the reason in
 /// marconi_last_error for a configuration that cannot make a pool (a zero
 /// budget or unit size, a state_fraction outside (0, 1), a budget of fewer
-/// than two chunks, more units than a 32-bit handle can name, ...);
+/// than two chunks, a unit larger than the budget, more than 2^32 - 1
+/// units, 2^20 - 1 pools live at once, ...);
 /// MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
 /// on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
 /// the operating system or the driver refuses the memory.
@@ -852,13 +896,13 @@ pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
 ///
 /// # Safety
 ///
-/// `pool` is a live handle or NULL; `out` has cap writable u32 (or is NULL).
+/// `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_allocate(
     pool: *const marconi_pool,
     kind: u32,
     n: usize,
-    out: *mut u32,
+    out: *mut u64,
     cap: usize,
 ) -> marconi_status {
     boundary("marconi_pool_allocate", || {
@@ -925,11 +969,11 @@ pub unsafe extern "C" fn marconi_pool_allocate(
 ///
 /// # Safety
 ///
-/// `pool` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_free_units(
     pool: *const marconi_pool,
-    handles: *const u32,
+    handles: *const u64,
     n: usize,
 ) -> marconi_status {
     boundary("marconi_pool_free_units", || {
@@ -945,7 +989,7 @@ pub unsafe extern "C" fn marconi_pool_free_units(
             if !seen.insert(raw) {
                 return Err(FfiError::new(
                     marconi_status::DoubleFree,
-                    format!("handles[{i}]: {raw:#010x} is listed twice"),
+                    format!("handles[{i}]: {raw:#018x} is listed twice"),
                 ));
             }
             g.backing
@@ -975,12 +1019,12 @@ pub unsafe extern "C" fn marconi_pool_free_units(
 ///
 /// # Safety
 ///
-/// `pool` is a live handle or NULL; `handles` has n readable u32 (or is
+/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
 /// NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_resolve(
     pool: *const marconi_pool,
-    handles: *const u32,
+    handles: *const u64,
     n: usize,
     out: *mut marconi_unit_location,
     cap: usize,
@@ -1148,6 +1192,8 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
             budget_chunks,
             physical_bytes: physical,
             ops: st.ops,
+            kv_retired: a.retired_units(PoolKind::Kv),
+            state_retired: a.retired_units(PoolKind::Ssm),
         };
         // SAFETY: out has `size` writable bytes (contract), checked above.
         unsafe { write_versioned(&s, out, size) };
@@ -1156,7 +1202,7 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
 }
 
 /// Copies state slots of the pool's state pool: for each pair, the state
-/// behind handle src_slot into the unit behind handle dst_slot (both state
+/// behind handle src_state into the unit behind handle dst_state (both state
 /// handles, live). The batch is checked whole before any byte moves: every
 /// handle live and a state slot (MARCONI_STATUS_UNKNOWN_HANDLE /
 /// MARCONI_STATUS_DOUBLE_FREE), no pair copying onto itself, no destination
@@ -1174,7 +1220,7 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_copy_states(
     pool: *const marconi_pool,
-    pairs: *const marconi_copy_order,
+    pairs: *const marconi_state_copy,
     n: usize,
 ) -> marconi_status {
     boundary("marconi_pool_copy_states", || {
@@ -1185,10 +1231,10 @@ pub unsafe extern "C" fn marconi_pool_copy_states(
         // SAFETY: buffer contract of the header.
         let pairs = unsafe { in_slice(pairs, n, "pairs") }?;
         let mut g = p.lock()?;
-        let srcs: Vec<u32> = pairs.iter().map(|p| p.src_slot).collect();
-        let dsts: Vec<u32> = pairs.iter().map(|p| p.dst_slot).collect();
-        let s = g.state_indices(&srcs, "pairs.src_slot")?;
-        let d = g.state_indices(&dsts, "pairs.dst_slot")?;
+        let srcs: Vec<u64> = pairs.iter().map(|p| p.src_state).collect();
+        let dsts: Vec<u64> = pairs.iter().map(|p| p.dst_state).collect();
+        let s = g.state_indices(&srcs, "pairs.src_state")?;
+        let d = g.state_indices(&dsts, "pairs.dst_state")?;
         g.run_copy(
             s.iter()
                 .zip(&d)
@@ -1206,12 +1252,12 @@ pub unsafe extern "C" fn marconi_pool_copy_states(
 ///
 /// # Safety
 ///
-/// `pool` is a live handle or NULL; `dsts` has n readable u32 (or is NULL).
+/// `pool` is a live handle or NULL; `dsts` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_fork_state(
     pool: *const marconi_pool,
-    src: u32,
-    dsts: *const u32,
+    src: u64,
+    dsts: *const u64,
     n: usize,
 ) -> marconi_status {
     boundary("marconi_pool_fork_state", || {
@@ -1251,17 +1297,17 @@ fn promote_mode(mode: u32) -> FfiResult<PromoteMode> {
 ///
 /// # Safety
 ///
-/// `pool` is a live handle or NULL; `candidates` has n readable u32 (or is
-/// NULL); `out_state` is writable or NULL.
+/// `pool` is a live handle or NULL; `candidates` has n readable uint64_t (or
+/// is NULL); `out_state` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_promote_state(
     pool: *const marconi_pool,
-    state: u32,
-    candidates: *const u32,
+    state: u64,
+    candidates: *const u64,
     n: usize,
     accepted: usize,
     mode: u32,
-    out_state: *mut u32,
+    out_state: *mut u64,
 ) -> marconi_status {
     boundary("marconi_pool_promote_state", || {
         require!(pool);
@@ -1276,7 +1322,7 @@ pub unsafe extern "C" fn marconi_pool_promote_state(
         let mut g = p.lock()?;
         let s = g.state_indices(&[state], "state")?[0];
         let c = g.state_indices(candidates, "candidates")?;
-        let slots = g.backing.alloc().capacity(PoolKind::Ssm);
+        let slots = g.backing.alloc().extent(PoolKind::Ssm);
         let (promotion, batch) = plan_promotion(s, &c, accepted, mode, slots).map_err(snap_err)?;
         g.run_copy(batch.pairs().to_vec())?;
         let winner = if promotion.copied.is_some() {

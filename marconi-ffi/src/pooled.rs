@@ -14,14 +14,11 @@ use marconi_gpu::pooled::{unit_sizes, PooledCache, PooledError, PooledState, Poo
 use marconi_gpu::snapshot::SlotPair;
 use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
-use crate::cache::{
-    marconi_admit_result, marconi_copy_order, marconi_saved_state, next_lease_id, tokens_len_ok,
-    NEXT_LEASE,
-};
+use crate::cache::{marconi_admit_result, next_lease_id, tokens_len_ok, NEXT_LEASE};
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::pool::{
     alloc_err, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
-    marconi_pool_config, marconi_unit_location, read_pool_config, Backing,
+    marconi_pool_config, marconi_state_copy, marconi_unit_location, read_pool_config, Backing,
 };
 use crate::status::{
     boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
@@ -58,7 +55,7 @@ macro_rules! with {
 
 struct LeaseRec {
     core: LeaseId,
-    pages: Vec<u32>,
+    pages: Vec<u64>,
     plan: Vec<u32>,
 }
 
@@ -67,7 +64,7 @@ struct Inner {
     leases: HashMap<u64, LeaseRec>,
     backend: marconi_pool_backend,
     /// Evicted handles not yet drained by the engine.
-    freed: Vec<u32>,
+    freed: Vec<u64>,
 }
 
 impl marconi_pooled_cache {
@@ -103,6 +100,13 @@ pub(crate) fn pooled_err(e: PooledError) -> FfiError {
         e @ PooledError::NotCallers { .. } => {
             FfiError::new(marconi_status::UnknownHandle, e.to_string())
         }
+        e @ PooledError::Duplicate {
+            kind: PoolKind::Kv, ..
+        } => FfiError::new(marconi_status::DuplicatePage, e.to_string()),
+        e @ PooledError::Duplicate {
+            kind: PoolKind::Ssm,
+            ..
+        } => FfiError::new(marconi_status::DuplicateSlot, e.to_string()),
         e @ PooledError::InvalidConfig(_) => {
             FfiError::new(marconi_status::InvalidConfig, e.to_string())
         }
@@ -236,15 +240,26 @@ pub struct marconi_pooled_lookup {
     /// The cache's state-slot handle to resume from (copy it into a slot
     /// the request reserved, e.g. with marconi_pooled_cache_copy_states),
     /// or 0 when there is no hit.
-    pub state_handle: u32,
+    pub state_handle: u64,
     /// The cache's KV page handles of the first hit_tokens tokens
     /// (marconi_pooled_cache_lease_kv_pages): read them, never free them;
     /// valid while the lease is held.
     pub n_kv_pages: u32,
     /// Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
     pub n_plan: u32,
-    /// Must be ignored (padding made explicit).
+}
+
+/// A recurrent state the engine saved into a state slot it reserved,
+/// offered to marconi_pooled_cache_admit.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_pooled_state {
+    /// Tokens the state covers (a planned position or the final one).
+    pub position: u32,
+    /// Must be 0.
     pub reserved: u32,
+    /// The state-slot handle holding it (from marconi_pooled_cache_reserve).
+    pub state_handle: u64,
 }
 
 /// Looks up `tokens[0..n_tokens]` in namespace `ns` and writes the hit, the
@@ -348,7 +363,6 @@ unsafe fn pooled_lookup(
         state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
         n_kv_pages: l.kv_pages.len() as u32,
         n_plan: plan.len() as u32,
-        reserved: 0,
     };
     g.leases.insert(
         id,
@@ -363,7 +377,7 @@ unsafe fn pooled_lookup(
     Ok(())
 }
 
-fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {
+fn copy_list<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
     // SAFETY: out_len was checked non-NULL and aligned by the caller.
     unsafe { out_len.write(list.len()) };
     if buf.len() < list.len() {
@@ -376,19 +390,19 @@ fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {
     Ok(())
 }
 
-/// Copies a lease's list (`pages`: KV page handles, else the plan).
+/// Copies a lease's list (`pick`: its KV page handles or its plan).
 ///
 /// # Safety
 ///
 /// As the exported functions below.
-unsafe fn lease_list(
+unsafe fn lease_list<T: Copy>(
     name: &str,
     pc: *const marconi_pooled_cache,
     lease: u64,
-    buf: *mut u32,
+    buf: *mut T,
     cap: usize,
     out_len: *mut usize,
-    pages: bool,
+    pick: fn(&LeaseRec) -> &[T],
 ) -> marconi_status {
     boundary(name, || {
         require!(pc);
@@ -401,7 +415,7 @@ unsafe fn lease_list(
         check_ptr!(out_len);
         let g = h.lock()?;
         let rec = g.core_lease(lease)?;
-        copy_list(if pages { &rec.pages } else { &rec.plan }, buf, out_len)
+        copy_list(pick(rec), buf, out_len)
     })
 }
 
@@ -413,13 +427,13 @@ unsafe fn lease_list(
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
-/// `out_len` is writable or NULL.
+/// `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+/// NULL); `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
     pc: *const marconi_pooled_cache,
     lease: u64,
-    buf: *mut u32,
+    buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
@@ -432,19 +446,19 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
             buf,
             cap,
             out_len,
-            true,
+            |r| &r.pages,
         )
     }
 }
 
 /// Writes a lease's planned checkpoint positions (as
-/// marconi_pooled_cache_lease_kv_pages).
+/// marconi_pooled_cache_lease_kv_pages, into uint32_t).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// As marconi_pooled_cache_lease_kv_pages.
+/// As marconi_pooled_cache_lease_kv_pages; `buf` has cap writable uint32_t.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
     pc: *const marconi_pooled_cache,
@@ -462,7 +476,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
             buf,
             cap,
             out_len,
-            false,
+            |r| &r.plan,
         )
     }
 }
@@ -483,15 +497,15 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
 /// # Safety
 ///
 /// `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
-/// state_cap writable u32 (or are NULL with a capacity 0).
+/// state_cap writable uint64_t (or are NULL with a capacity 0).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_reserve(
     pc: *const marconi_pooled_cache,
     kv_pages: u32,
     state_slots: u32,
-    kv_out: *mut u32,
+    kv_out: *mut u64,
     kv_cap: usize,
-    state_out: *mut u32,
+    state_out: *mut u64,
     state_cap: usize,
 ) -> marconi_status {
     boundary("marconi_pooled_cache_reserve", || {
@@ -527,14 +541,22 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
 /// Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
 /// output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
 /// full page of tokens: the lease's hit pages, then pages the caller
-/// reserved) and the states saved (`states[i].slot`: a state handle the
-/// caller reserved). The cache takes the units it keeps: the pages
+/// reserved) and the states saved (`states[i].state_handle`: a state handle
+/// the caller reserved). The cache takes the units it keeps: the pages
 /// kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
 /// slots of the states with `taken[i] = 1` (`taken` may be NULL when
 /// n_states is 0). Every other unit passed in stays the caller's: free it
-/// with marconi_pooled_cache_free_units (or reuse it). Errors as
-/// marconi_cache_admit, plus MARCONI_STATUS_UNKNOWN_HANDLE for a page or
-/// slot the caller does not hold; nothing changes on error.
+/// with marconi_pooled_cache_free_units (or reuse it). Every handle is
+/// checked before anything changes: a page is a page the caller holds, or
+/// the page the cache holds at that very position for this lease (the hit
+/// pages lease_kv_pages lists, and pages an earlier admit of the lease
+/// took); any other page the cache holds (another prefix's, or the hit's
+/// at another position), a handle of another pool or cache, a stale or
+/// made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
+/// MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
+/// MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
+/// MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
+/// nothing changes on error.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -549,9 +571,9 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
     lease: u64,
     tokens: *const u32,
     n_tokens: usize,
-    states: *const marconi_saved_state,
+    states: *const marconi_pooled_state,
     n_states: usize,
-    kv_pages: *const u32,
+    kv_pages: *const u64,
     n_kv_pages: usize,
     taken: *mut u8,
     out: *mut marconi_admit_result,
@@ -576,11 +598,17 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
         check_ptr!(out);
         let mut g = h.lock()?;
         let core = g.core_lease(lease)?.core;
+        if let Some(i) = states.iter().position(|s| s.reserved != 0) {
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                format!("states[{i}].reserved must be 0"),
+            ));
+        }
         let pstates: Vec<PooledState> = states
             .iter()
             .map(|s| PooledState {
                 position: s.position,
-                slot: VirtualHandle::from_raw(s.slot),
+                slot: VirtualHandle::from_raw(s.state_handle),
             })
             .collect();
         let pages: Vec<VirtualHandle> = kv_pages
@@ -592,7 +620,8 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
         let o = &a.outcome;
         for (t, s) in taken.iter_mut().zip(states) {
             *t = u8::from(
-                o.states_taken.contains(&s.position) && a.taken.iter().any(|h| h.raw() == s.slot),
+                o.states_taken.contains(&s.position)
+                    && a.taken.iter().any(|h| h.raw() == s.state_handle),
             );
         }
         let states_taken = taken.iter().filter(|&&t| t == 1).count() as u32;
@@ -613,17 +642,18 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
 
 /// Frees `handles[0..n]`, units the caller holds (reserved, not taken by
 /// the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
-/// the caller does not hold (the cache's, freed, made up).
+/// the caller does not hold (the cache's, another pool's or cache's, freed,
+/// made up), MARCONI_STATUS_DOUBLE_FREE for one listed twice.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `handles` has n readable u32 (or is NULL).
+/// `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free_units(
     pc: *const marconi_pooled_cache,
-    handles: *const u32,
+    handles: *const u64,
     n: usize,
 ) -> marconi_status {
     boundary("marconi_pooled_cache_free_units", || {
@@ -638,7 +668,12 @@ pub unsafe extern "C" fn marconi_pooled_cache_free_units(
             .map(|&r| VirtualHandle::from_raw(r))
             .collect();
         let mut g = h.lock()?;
-        with!(&mut g.joined, c => c.free(&hs)).map_err(pooled_err)
+        with!(&mut g.joined, c => c.free(&hs)).map_err(|e| match e {
+            e @ PooledError::Duplicate { .. } => {
+                FfiError::new(marconi_status::DoubleFree, e.to_string())
+            }
+            e => pooled_err(e),
+        })
     })
 }
 
@@ -677,12 +712,12 @@ pub unsafe extern "C" fn marconi_pooled_cache_release(
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
-/// `out_len` is writable or NULL.
+/// `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+/// NULL); `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
     pc: *const marconi_pooled_cache,
-    buf: *mut u32,
+    buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
@@ -717,7 +752,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_held(
     pc: *const marconi_pooled_cache,
-    buf: *mut u32,
+    buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
@@ -731,7 +766,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_held(
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
         let g = h.lock()?;
-        let mut raw: Vec<u32> = with!(&g.joined, c => c.held_handles())
+        let mut raw: Vec<u64> = with!(&g.joined, c => c.held_handles())
             .iter()
             .map(|h| h.raw())
             .collect();
@@ -747,12 +782,12 @@ pub unsafe extern "C" fn marconi_pooled_cache_held(
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `handles` has n readable u32 (or is
+/// `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is
 /// NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_resolve(
     pc: *const marconi_pooled_cache,
-    handles: *const u32,
+    handles: *const u64,
     n: usize,
     out: *mut marconi_unit_location,
     cap: usize,
@@ -797,7 +832,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_resolve(
 
 fn resolve_all(
     a: &dyn PoolAllocator,
-    handles: &[u32],
+    handles: &[u64],
     address: impl Fn(PoolKind, u64) -> u64,
 ) -> FfiResult<Vec<marconi_unit_location>> {
     handles
@@ -825,7 +860,7 @@ fn resolve_all(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
     pc: *const marconi_pooled_cache,
-    pairs: *const marconi_copy_order,
+    pairs: *const marconi_state_copy,
     n: usize,
 ) -> marconi_status {
     boundary("marconi_pooled_cache_copy_states", || {
@@ -836,17 +871,17 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
         // SAFETY: buffer contract.
         let pairs = unsafe { in_slice(pairs, n, "pairs") }?;
         let mut g = h.lock()?;
-        let held: std::collections::HashSet<u32> = with!(&g.joined, c => c.held_handles())
+        let held: std::collections::HashSet<u64> = with!(&g.joined, c => c.held_handles())
             .iter()
             .map(|h| h.raw())
             .collect();
         for (i, p) in pairs.iter().enumerate() {
-            if held.contains(&p.dst_slot) {
+            if held.contains(&p.dst_state) {
                 return Err(FfiError::new(
                     marconi_status::UnknownHandle,
                     format!(
-                        "pairs[{i}].dst_slot {:#010x} is a state the cache holds",
-                        p.dst_slot
+                        "pairs[{i}].dst_state {:#018x} is a state the cache holds",
+                        p.dst_state
                     ),
                 ));
             }
@@ -856,12 +891,12 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    let idx = |raw: u32, what: &str| -> FfiResult<u32> {
+                    let idx = |raw: u64, what: &str| -> FfiResult<u32> {
                         let hh = VirtualHandle::from_raw(raw);
                         if hh.pool() != PoolKind::Ssm {
                             return Err(FfiError::new(
                                 marconi_status::UnknownHandle,
-                                format!("pairs[{i}].{what} {raw:#010x} is a KV page"),
+                                format!("pairs[{i}].{what} {raw:#018x} is a KV page"),
                             ));
                         }
                         a.resolve(hh).map_err(|e| {
@@ -871,8 +906,8 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
                         Ok(a.unit_index(hh))
                     };
                     Ok(SlotPair::new(
-                        idx(p.src_slot, "src_slot")?,
-                        idx(p.dst_slot, "dst_slot")?,
+                        idx(p.src_state, "src_state")?,
+                        idx(p.dst_state, "dst_state")?,
                     ))
                 })
                 .collect()

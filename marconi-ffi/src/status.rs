@@ -62,7 +62,8 @@ pub enum marconi_status {
     /// larger with non-zero bytes this library does not know.
     UnsupportedStructSize = 19,
     /// A pool handle is not live: 0, stale (its unit was freed and reused),
-    /// of another pool or pool kind.
+    /// of another pool, cache over pools or pool kind, or one the call does
+    /// not accept (a page the cache holds for another prefix).
     UnknownHandle = 20,
     /// A pool handle was already freed (or is listed twice in one call).
     DoubleFree = 21,

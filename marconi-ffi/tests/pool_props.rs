@@ -10,7 +10,6 @@
 use std::collections::{BTreeMap, HashSet};
 use std::ptr;
 
-use marconi::cache::marconi_copy_order;
 use marconi::pool::*;
 use marconi::status::marconi_status;
 use proptest::prelude::*;
@@ -25,7 +24,7 @@ enum Op {
     Alloc { state: bool, n: u32 },
     Free { pick: Vec<usize> },
     FreeAgain { pick: usize },
-    FreeMadeUp { raw: u32 },
+    FreeMadeUp { raw: u64 },
     Write { pick: usize, byte: u8 },
     Copy { pairs: Vec<(usize, usize)> },
     Fork { src: usize, dsts: Vec<usize> },
@@ -37,7 +36,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (any::<bool>(), 0u32..24).prop_map(|(state, n)| Op::Alloc { state, n }),
         3 => prop::collection::vec(any::<usize>(), 0..8).prop_map(|pick| Op::Free { pick }),
         1 => any::<usize>().prop_map(|pick| Op::FreeAgain { pick }),
-        1 => any::<u32>().prop_map(|raw| Op::FreeMadeUp { raw }),
+        1 => any::<u64>().prop_map(|raw| Op::FreeMadeUp { raw }),
         3 => (any::<usize>(), any::<u8>()).prop_map(|(pick, byte)| Op::Write { pick, byte }),
         2 => prop::collection::vec((any::<usize>(), any::<usize>()), 0..5)
             .prop_map(|pairs| Op::Copy { pairs }),
@@ -59,17 +58,17 @@ impl Drop for Pool {
 /// The model: each live handle and the byte its unit is filled with.
 #[derive(Default)]
 struct Model {
-    live: BTreeMap<u32, u8>,
-    freed: Vec<u32>,
+    live: BTreeMap<u64, u8>,
+    freed: Vec<u64>,
 }
 
 impl Model {
-    fn nth(&self, i: usize, state_only: bool) -> Option<u32> {
-        let v: Vec<u32> = self
+    fn nth(&self, i: usize, state_only: bool) -> Option<u64> {
+        let v: Vec<u64> = self
             .live
             .keys()
             .copied()
-            .filter(|h| !state_only || h >> 31 == 1)
+            .filter(|&h| !state_only || is_state(h))
             .collect();
         (!v.is_empty()).then(|| v[i % v.len()])
     }
@@ -88,7 +87,12 @@ fn stats(p: &Pool) -> marconi_pool_stats {
     s
 }
 
-fn resolve(p: &Pool, h: u32) -> Result<marconi_unit_location, marconi_status> {
+/// Whether a handle names a state unit (marconi-gpu's layout).
+fn is_state(h: u64) -> bool {
+    marconi_gpu::VirtualHandle::from_raw(h).pool() == marconi_gpu::PoolKind::Ssm
+}
+
+fn resolve(p: &Pool, h: u64) -> Result<marconi_unit_location, marconi_status> {
     let mut l = marconi_unit_location::default();
     // SAFETY: live pool; one handle in, one location out.
     match unsafe { marconi_pool_resolve(p.0, &h, 1, &mut l, 1) } {
@@ -104,14 +108,14 @@ fn unit<'a>(l: &marconi_unit_location) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize) }
 }
 
-fn fill(p: &Pool, h: u32, byte: u8) {
+fn fill(p: &Pool, h: u64, byte: u8) {
     let l = resolve(p, h).expect("live handle resolves");
     unit(&l).fill(byte);
 }
 
 fn check(p: &Pool, m: &Model) -> Result<(), TestCaseError> {
     let s = stats(p);
-    let live_kv = m.live.keys().filter(|h| *h >> 31 == 0).count() as u64;
+    let live_kv = m.live.keys().filter(|&&h| !is_state(h)).count() as u64;
     let live_st = m.live.len() as u64 - live_kv;
     prop_assert_eq!(s.kv_free + live_kv, s.kv_capacity);
     prop_assert_eq!(s.state_free + live_st, s.state_capacity);
@@ -169,8 +173,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
         let before = stats(&p);
         match op {
             Op::Alloc { state, n } => {
-                let mut out = vec![0u32; n as usize];
-                // SAFETY: out has n writable u32.
+                let mut out = vec![0u64; n as usize];
+                // SAFETY: out has n writable handles.
                 let s = unsafe {
                     marconi_pool_allocate(
                         p.0,
@@ -197,8 +201,8 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::Free { pick } => {
-                let mut hs: Vec<u32> = pick.iter().filter_map(|&i| m.nth(i, false)).collect();
-                let distinct: HashSet<u32> = hs.iter().copied().collect();
+                let mut hs: Vec<u64> = pick.iter().filter_map(|&i| m.nth(i, false)).collect();
+                let distinct: HashSet<u64> = hs.iter().copied().collect();
                 // SAFETY: hs has hs.len() readable u32.
                 let s = unsafe { marconi_pool_free_units(p.0, hs.as_ptr(), hs.len()) };
                 if distinct.len() == hs.len() {
@@ -239,15 +243,18 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
             }
             Op::Copy { pairs } => {
-                let pairs: Vec<(u32, u32)> = pairs
+                let pairs: Vec<(u64, u64)> = pairs
                     .iter()
                     .filter_map(|&(a, b)| Some((m.nth(a, true)?, m.nth(b, true)?)))
                     .collect();
-                let orders: Vec<marconi_copy_order> = pairs
+                let orders: Vec<marconi_state_copy> = pairs
                     .iter()
-                    .map(|&(src_slot, dst_slot)| marconi_copy_order { src_slot, dst_slot })
+                    .map(|&(src_state, dst_state)| marconi_state_copy {
+                        src_state,
+                        dst_state,
+                    })
                     .collect();
-                let dsts: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+                let dsts: Vec<u64> = pairs.iter().map(|p| p.1).collect();
                 let valid = pairs.iter().all(|(s, d)| s != d)
                     && dsts.iter().collect::<HashSet<_>>().len() == dsts.len()
                     && !pairs.iter().any(|(s, _)| dsts.contains(s));
@@ -255,7 +262,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let s = unsafe { marconi_pool_copy_states(p.0, orders.as_ptr(), orders.len()) };
                 if valid {
                     prop_assert_eq!(s, marconi_status::Ok);
-                    let new: Vec<(u32, u8)> = pairs.iter().map(|&(s, d)| (d, m.live[&s])).collect();
+                    let new: Vec<(u64, u8)> = pairs.iter().map(|&(s, d)| (d, m.live[&s])).collect();
                     m.live.extend(new);
                 } else {
                     prop_assert_eq!(s, marconi_status::InvalidArgument);
@@ -263,7 +270,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Fork { src, dsts } => {
                 if let Some(s) = m.nth(src, true) {
-                    let dsts: Vec<u32> = dsts.iter().filter_map(|&i| m.nth(i, true)).collect();
+                    let dsts: Vec<u64> = dsts.iter().filter_map(|&i| m.nth(i, true)).collect();
                     let valid = !dsts.contains(&s)
                         && dsts.iter().collect::<HashSet<_>>().len() == dsts.len();
                     // SAFETY: dsts has dsts.len() readable u32.

@@ -291,3 +291,225 @@ fn a_stale_lease_never_reaches_another_cache() {
     // SAFETY: freed once.
     unsafe { marconi_cache_free(b) };
 }
+
+/// A pool or a cache over pools shared between threads (internally locked).
+struct SharedPtr<T>(*mut T);
+impl<T> Clone for SharedPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedPtr<T> {}
+// SAFETY: marconi_pool and marconi_pooled_cache are internally locked; the
+// ABI allows concurrent calls on them.
+unsafe impl<T> Send for SharedPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SharedPtr<T> {}
+
+impl<T> SharedPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+fn default_cache_config() -> marconi_cache_config {
+    let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
+    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
+    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
+    // SAFETY: initialised by marconi_cache_config_init.
+    unsafe { cfg.assume_init() }
+}
+
+fn pool_cfg(backend: u32, budget: u64) -> marconi::pool::marconi_pool_config {
+    use marconi::pool::*;
+    let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
+    // SAFETY: cfg has sizeof(marconi_pool_config) writable bytes.
+    ok(unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) });
+    // SAFETY: initialised by marconi_pool_config_init.
+    let mut cfg = unsafe { cfg.assume_init() };
+    cfg.backend = backend;
+    cfg.budget_bytes = budget;
+    cfg.chunk_bytes = 64 << 10;
+    cfg.kv_page_bytes = 4 << 10;
+    cfg.state_slot_bytes = 16 << 10;
+    cfg
+}
+
+/// Threads allocate, write, resolve and free on two shared pools, and hand
+/// each other's handles to the wrong pool: always UNKNOWN_HANDLE, the
+/// owner's bytes untouched.
+#[test]
+fn threads_share_two_pools_and_never_cross_handles() {
+    use marconi::pool::*;
+    let cfg = pool_cfg(1, 2 << 20);
+    let (mut a, mut b) = (ptr::null_mut(), ptr::null_mut());
+    // SAFETY: whole configs, writable outs.
+    ok(unsafe { marconi_pool_new(&cfg, &mut a) });
+    // SAFETY: as above.
+    ok(unsafe { marconi_pool_new(&cfg, &mut b) });
+    let pools = [SharedPtr(a), SharedPtr(b)];
+    std::thread::scope(|s| {
+        for t in 0..4u8 {
+            s.spawn(move || {
+                let (mine, other) = (pools[usize::from(t % 2)], pools[usize::from(1 - t % 2)]);
+                for r in 0..150u32 {
+                    let mut h = [0u64; 3];
+                    // SAFETY: h has 3 writable handles.
+                    let st =
+                        unsafe { marconi_pool_allocate(mine.get(), r % 2, 3, h.as_mut_ptr(), 3) };
+                    if st != marconi_status::Ok {
+                        assert_eq!(st, marconi_status::OutOfMemory, "{}", last_error());
+                        continue;
+                    }
+                    let mut l = [marconi_unit_location::default(); 3];
+                    // SAFETY: 3 handles, 3 locations.
+                    ok(unsafe {
+                        marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3)
+                    });
+                    for x in &l {
+                        // SAFETY: a live unit of this thread, mapped while live.
+                        unsafe { ptr::write_bytes(x.address as *mut u8, t + 1, 64) };
+                    }
+                    // SAFETY: one handle, one location.
+                    let st = unsafe {
+                        marconi_pool_resolve(other.get(), h.as_ptr(), 1, l.as_mut_ptr(), 1)
+                    };
+                    assert_eq!(st, marconi_status::UnknownHandle);
+                    // SAFETY: one readable handle.
+                    let st = unsafe { marconi_pool_free_units(other.get(), h.as_ptr(), 1) };
+                    assert_eq!(st, marconi_status::UnknownHandle);
+                    // SAFETY: 3 handles, 3 locations.
+                    ok(unsafe {
+                        marconi_pool_resolve(mine.get(), h.as_ptr(), 3, l.as_mut_ptr(), 3)
+                    });
+                    for x in &l {
+                        // SAFETY: as above.
+                        let v = unsafe { std::slice::from_raw_parts(x.address as *const u8, 64) };
+                        assert!(
+                            v.iter().all(|&c| c == t + 1),
+                            "a unit changed under its owner"
+                        );
+                    }
+                    // SAFETY: 3 readable handles.
+                    ok(unsafe { marconi_pool_free_units(mine.get(), h.as_ptr(), 3) });
+                }
+            });
+        }
+    });
+    for p in pools {
+        // SAFETY: freed once, no call in flight.
+        unsafe { marconi_pool_free(p.get()) };
+    }
+}
+
+/// Threads run whole requests through one shared cache over pools.
+#[test]
+fn threads_share_a_cache_over_pools() {
+    use marconi::pooled::*;
+    let mut cc = default_cache_config();
+    cc.model_preset = c"nemotron-h-8b".as_ptr();
+    cc.page_size = PAGE;
+    let mut pc = pool_cfg(0, 8 << 30);
+    pc.kv_page_bytes = 0;
+    pc.state_slot_bytes = 0;
+    let mut c = ptr::null_mut();
+    // SAFETY: whole configs, writable out.
+    ok(unsafe { marconi_pooled_cache_new(&cc, &pc, &mut c) });
+    let shared = SharedPtr(c);
+    std::thread::scope(|s| {
+        for t in 0..4u32 {
+            s.spawn(move || {
+                for r in 0..40u32 {
+                    let tokens: Vec<u32> = (0..64 + (r % 5) * 16)
+                        .map(|i| {
+                            if i < 48 {
+                                i + 1
+                            } else {
+                                t * 100_000 + r * 1000 + i
+                            }
+                        })
+                        .collect();
+                    let c = shared.get();
+                    let mut l = marconi_pooled_lookup::default();
+                    let input = tokens.len() - 2;
+                    // SAFETY: tokens readable, l writable.
+                    ok(unsafe {
+                        marconi_pooled_cache_lookup(c, 0, tokens.as_ptr(), input, &mut l)
+                    });
+                    let mut hit = vec![0u64; l.n_kv_pages as usize];
+                    let mut n = 0;
+                    // SAFETY: hit has n_kv_pages writable handles.
+                    ok(unsafe {
+                        marconi_pooled_cache_lease_kv_pages(
+                            c,
+                            l.lease,
+                            hit.as_mut_ptr(),
+                            hit.len(),
+                            &mut n,
+                        )
+                    });
+                    let want = tokens.len() / PAGE as usize - hit.len();
+                    let (mut pg, mut sl) = (vec![0u64; want], [0u64; 1]);
+                    // SAFETY: writable buffers of their lengths.
+                    let st = unsafe {
+                        marconi_pooled_cache_reserve(
+                            c,
+                            want as u32,
+                            1,
+                            pg.as_mut_ptr(),
+                            want,
+                            sl.as_mut_ptr(),
+                            1,
+                        )
+                    };
+                    if st != marconi_status::Ok {
+                        assert_eq!(st, marconi_status::OutOfMemory, "{}", last_error());
+                        // SAFETY: live lease.
+                        ok(unsafe { marconi_pooled_cache_release(c, l.lease) });
+                        continue;
+                    }
+                    let mut pages = hit.clone();
+                    pages.extend_from_slice(&pg);
+                    let st = [marconi_pooled_state {
+                        position: (tokens.len() / PAGE as usize * PAGE as usize) as u32,
+                        reserved: 0,
+                        state_handle: sl[0],
+                    }];
+                    let (mut taken, mut res) =
+                        ([0u8; 1], marconi::cache::marconi_admit_result::default());
+                    // SAFETY: every buffer sized as passed.
+                    ok(unsafe {
+                        marconi_pooled_cache_admit(
+                            c,
+                            l.lease,
+                            tokens.as_ptr(),
+                            tokens.len(),
+                            st.as_ptr(),
+                            1,
+                            pages.as_ptr(),
+                            pages.len(),
+                            taken.as_mut_ptr(),
+                            &mut res,
+                        )
+                    });
+                    let range = res.kv_pages_taken_start as usize..res.kv_pages_taken_end as usize;
+                    let mut mine: Vec<u64> = (hit.len()..pages.len())
+                        .filter(|i| !range.contains(i))
+                        .map(|i| pages[i])
+                        .collect();
+                    if taken[0] == 0 {
+                        mine.push(sl[0]);
+                    }
+                    // SAFETY: mine readable.
+                    ok(unsafe { marconi_pooled_cache_free_units(c, mine.as_ptr(), mine.len()) });
+                    // SAFETY: live lease.
+                    ok(unsafe { marconi_pooled_cache_release(c, l.lease) });
+                }
+            });
+        }
+    });
+    // SAFETY: live handle; then freed once.
+    ok(unsafe { marconi_pooled_cache_check(c) });
+    // SAFETY: as above.
+    unsafe { marconi_pooled_cache_free(c) };
+}

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::error::{AllocError, MigrationRefusal};
-use crate::handle::{HandleLayout, PoolKind, VirtualHandle};
+use crate::handle::{HandleLayout, PoolId, PoolKind, VirtualHandle};
 use crate::table::UnitTable;
 
 /// Rounds `x` up to a multiple of `align` (a power of two or any positive value).
@@ -92,8 +92,9 @@ pub struct AllocStats {
 ///
 /// Contract: `allocate` is all-or-nothing (on error nothing was allocated and `out`
 /// is unchanged); every failure is an [`AllocError`], no method panics on bad
-/// input; handles are never reused while they could still be presented (the
-/// generation rejects stale ones). Each call is O(1) per unit except migration
+/// input; a handle value is issued once for the life of the process (the pool
+/// id refuses other allocators' handles, the generation stale ones, and a
+/// unit is retired rather than let its generation wrap). Each call is O(1) per unit except migration
 /// (O(donor tail)).
 pub trait PoolAllocator {
     /// A short name of the layout (used in reports).
@@ -104,6 +105,17 @@ pub trait PoolAllocator {
     fn capacity(&self, pool: PoolKind) -> u32;
     /// Free units of `pool`.
     fn free_units(&self, pool: PoolKind) -> u32;
+    /// Unit indices `0..extent` of `pool`'s table: its capacity plus its
+    /// retired units below the extent (what a mapping of the table spans).
+    fn extent(&self, pool: PoolKind) -> u32 {
+        self.capacity(pool)
+    }
+    /// Units of `pool` ever retired: freed at their last generation, never
+    /// allocated again (so a stale handle never names a live unit).
+    fn retired_units(&self, pool: PoolKind) -> u64 {
+        let _ = pool;
+        0
+    }
     /// Allocates `n` units of `pool`, appending their handles to `out`; all or nothing.
     fn allocate(
         &mut self,
@@ -272,12 +284,16 @@ pub struct DualPoolConfig {
 /// `ssm_bytes = floor(total · ratio)`, `kv_bytes = total − ssm_bytes`, capacity in
 /// units = `floor(bytes / unit)`. Each pool's indices may grow up to
 /// `floor(total / unit)` through migration.
-#[derive(Debug, Clone)]
+///
+/// Each pool holds a process-unique [`PoolId`] (its handles carry it), so it
+/// is not `Clone`.
+#[derive(Debug)]
 pub struct DualPool {
     name: String,
     total_bytes: u64,
     policy: MigrationPolicy,
     layout: HandleLayout,
+    _id: PoolId,
     tables: [UnitTable; 2],
     stats: AllocStats,
     last_migration_op: Option<u64>,
@@ -315,30 +331,32 @@ impl DualPool {
         let kv_bytes = cfg.total_bytes - ssm_bytes;
         let kv_max = units_in(cfg.total_bytes, cfg.kv_unit)?;
         let ssm_max = units_in(cfg.total_bytes, cfg.ssm_unit)?;
-        let layout = HandleLayout::for_max_units(kv_max.max(ssm_max)).ok_or_else(|| {
-            AllocError::InvalidConfig(format!(
-                "{} units do not fit a 32-bit handle",
-                kv_max.max(ssm_max)
-            ))
-        })?;
+        let (kv_cap, ssm_cap) = (
+            units_in(kv_bytes, cfg.kv_unit)?,
+            units_in(ssm_bytes, cfg.ssm_unit)?,
+        );
+        if kv_max == 0 || ssm_max == 0 {
+            return Err(AllocError::InvalidConfig(format!(
+                "a {} B budget holds no {} B unit",
+                cfg.total_bytes,
+                if kv_max == 0 {
+                    cfg.kv_unit
+                } else {
+                    cfg.ssm_unit
+                }
+            )));
+        }
+        let id = PoolId::acquire()?;
+        let layout = HandleLayout::for_max_units(kv_max.max(ssm_max), &id);
         Ok(DualPool {
             name: name.into(),
             total_bytes: cfg.total_bytes,
             policy: cfg.policy,
             layout,
+            _id: id,
             tables: [
-                UnitTable::new(
-                    PoolKind::Kv,
-                    cfg.kv_unit,
-                    units_in(kv_bytes, cfg.kv_unit)?,
-                    kv_max,
-                ),
-                UnitTable::new(
-                    PoolKind::Ssm,
-                    cfg.ssm_unit,
-                    units_in(ssm_bytes, cfg.ssm_unit)?,
-                    ssm_max,
-                ),
+                UnitTable::new(PoolKind::Kv, cfg.kv_unit, kv_cap, kv_max),
+                UnitTable::new(PoolKind::Ssm, cfg.ssm_unit, ssm_cap, ssm_max),
             ],
             stats: AllocStats::default(),
             last_migration_op: None,
@@ -429,8 +447,8 @@ impl DualPool {
         donor_units: u32,
     ) -> Result<Migration, AllocError> {
         let (d, r) = (recipient.other().index(), recipient.index());
-        let old_d = self.tables[d].capacity();
-        let old_r = self.tables[r].capacity();
+        let old_d = self.tables[d].extent();
+        let old_r = self.tables[r].extent();
         let (kv, ssm) = match self.plan_migration(recipient, donor_units) {
             Ok(p) => p,
             Err(
@@ -473,8 +491,9 @@ impl DualPool {
         })
     }
 
-    /// Checks a migration without applying it and returns the capacities
-    /// `(kv_units, ssm_units)` it would leave. The checks run in the prototype's
+    /// Checks a migration without applying it and returns the extents
+    /// `(kv_units, ssm_units)` it would leave (capacities, retired units
+    /// included). The checks run in the prototype's
     /// order: donor large enough, donor tail free, recipient within the budget.
     pub fn plan_migration(
         &self,
@@ -488,13 +507,13 @@ impl DualPool {
         if grow == 0 {
             return Err(refuse(MigrationRefusal::BatchBelowRecipientUnit));
         }
-        let Some(d_new) = self.tables[d].capacity().checked_sub(donor_units) else {
+        let Some(d_new) = self.tables[d].extent().checked_sub(donor_units) else {
             return Err(refuse(MigrationRefusal::DonorTooSmall));
         };
         if !self.tables[d].tail_is_free(d_new) {
             return Err(refuse(MigrationRefusal::DonorTailInUse));
         }
-        let r_new = u64::from(self.tables[r].capacity()) + grow;
+        let r_new = u64::from(self.tables[r].extent()) + grow;
         let r_limit = self.total_bytes / self.tables[r].unit_bytes;
         if r_new > r_limit {
             return Err(refuse(MigrationRefusal::RecipientOverBudget));
@@ -557,6 +576,14 @@ impl PoolAllocator for DualPool {
 
     fn free_units(&self, pool: PoolKind) -> u32 {
         self.tables[pool.index()].free_units()
+    }
+
+    fn extent(&self, pool: PoolKind) -> u32 {
+        self.tables[pool.index()].extent()
+    }
+
+    fn retired_units(&self, pool: PoolKind) -> u64 {
+        self.tables[pool.index()].retired_total()
     }
 
     fn allocate(
@@ -626,7 +653,7 @@ impl PoolAllocator for DualPool {
     }
 
     fn unit_index(&self, handle: VirtualHandle) -> u32 {
-        self.layout.decode(handle).1
+        self.layout.index_of(handle)
     }
 }
 
@@ -635,9 +662,10 @@ impl PoolAllocator for DualPool {
 ///
 /// Handles carry the kind they were allocated as; both kinds resolve into the
 /// one table (reported as [`PoolKind::Kv`]).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PaddedUnified {
     layout: HandleLayout,
+    _id: PoolId,
     table: UnitTable,
     logical: [u64; 2],
     stats: AllocStats,
@@ -651,11 +679,16 @@ impl PaddedUnified {
         }
         let unit = align_up(kv_unit.max(ssm_unit), UNIT_ALIGN);
         let n = units_in(total_bytes, unit)?;
-        let layout = HandleLayout::for_max_units(n).ok_or_else(|| {
-            AllocError::InvalidConfig(format!("{n} units do not fit a 32-bit handle"))
-        })?;
+        if n == 0 {
+            return Err(AllocError::InvalidConfig(format!(
+                "a {total_bytes} B budget holds no {unit} B unit"
+            )));
+        }
+        let id = PoolId::acquire()?;
+        let layout = HandleLayout::for_max_units(n, &id);
         Ok(PaddedUnified {
             layout,
+            _id: id,
             table: UnitTable::new(PoolKind::Kv, unit, n, n),
             logical: [kv_unit, ssm_unit],
             stats: AllocStats::default(),
@@ -684,6 +717,14 @@ impl PoolAllocator for PaddedUnified {
 
     fn free_units(&self, _pool: PoolKind) -> u32 {
         self.table.free_units()
+    }
+
+    fn extent(&self, _pool: PoolKind) -> u32 {
+        self.table.extent()
+    }
+
+    fn retired_units(&self, _pool: PoolKind) -> u64 {
+        self.table.retired_total()
     }
 
     fn allocate(
@@ -724,7 +765,7 @@ impl PoolAllocator for PaddedUnified {
     }
 
     fn unit_index(&self, handle: VirtualHandle) -> u32 {
-        self.layout.decode(handle).1
+        self.layout.index_of(handle)
     }
 }
 
@@ -742,6 +783,12 @@ impl<P: PoolAllocator + ?Sized> PoolAllocator for Box<P> {
     }
     fn free_units(&self, pool: PoolKind) -> u32 {
         (**self).free_units(pool)
+    }
+    fn extent(&self, pool: PoolKind) -> u32 {
+        (**self).extent(pool)
+    }
+    fn retired_units(&self, pool: PoolKind) -> u64 {
+        (**self).retired_units(pool)
     }
     fn allocate(
         &mut self,

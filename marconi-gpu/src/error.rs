@@ -18,25 +18,26 @@ pub enum AllocError {
         capacity: u32,
     },
     /// The handle's slot has been reallocated since (freed or evicted, then reused).
-    #[error("stale handle {0:#010x}: its unit was freed and now belongs to a later allocation")]
-    StaleHandle(u32),
+    #[error("stale handle {0:#018x}: its unit was freed and now belongs to a later allocation")]
+    StaleHandle(u64),
     /// The handle was already freed and its unit has not been reused.
-    #[error("double free of handle {0:#010x}")]
-    DoubleFree(u32),
+    #[error("double free of handle {0:#018x}")]
+    DoubleFree(u64),
     /// The handle names another pool than the one the caller expected, or a pool
     /// this layout does not hold, or an index outside the pool.
-    #[error("handle {handle:#010x} belongs to the {actual} pool, expected {expected}")]
+    #[error("handle {handle:#018x} belongs to the {actual} pool, expected {expected}")]
     WrongPool {
         /// The raw handle.
-        handle: u32,
+        handle: u64,
         /// Pool the caller expected.
         expected: PoolKind,
         /// Pool encoded in the handle.
         actual: PoolKind,
     },
-    /// The handle does not decode to a unit of this allocator (index out of range).
-    #[error("handle {0:#010x} does not belong to this allocator")]
-    ForeignHandle(u32),
+    /// The handle was issued by another allocator (another pool id), or does
+    /// not decode to a unit of this one (index out of range, generation 0).
+    #[error("handle {0:#018x} does not belong to this allocator")]
+    ForeignHandle(u64),
     /// A capacity migration could not run; the pools are unchanged.
     #[error("migration toward the {recipient} pool refused: {reason}")]
     MigrationRefused {

@@ -4,7 +4,9 @@
 //! [`crate::PaddedUnified`], or [`crate::phys::BackedPool`] over memfd or CUDA).
 //!
 //! Core stays pure: it never sees the allocator. The ids it tracks are the
-//! handles' raw `u32` values ([`VirtualHandle::raw`]), and its capacity is
+//! handles' unit indices ([`PoolAllocator::unit_index`]; a unit the cache
+//! holds is live, so its pool's [`PoolAllocator::live_handle_at`] rebuilds
+//! the handle, generation included), and its capacity is
 //! the pools' own, handed to it as a [`UnitBudget`] (KV pages and state
 //! slots, or both in one shared table) after every change: the pools'
 //! capacities less the units held outside the cache (by requests in
@@ -23,7 +25,11 @@
 //!    refused for lack of memory ([`PooledError::OutOfMemory`]).
 //! 3. [`admit`](PooledCache::admit) the sequence with its pages and saved
 //!    states: the cache takes the units it keeps; the others stay the
-//!    caller's ([`PooledAdmit::returned`]).
+//!    caller's ([`PooledAdmit::returned`]). Every handle passed is one the
+//!    caller holds, except that a page position may carry the page the
+//!    cache holds there for this lease (the lookup's hit pages, and the
+//!    pages an earlier admit of the lease took), so a cached page is never
+//!    handed back as the caller's.
 //! 4. [`free`](PooledCache::free) the caller's units, [`release`](PooledCache::release)
 //!    the lease. Evicted units go back to their pool at once; their handles
 //!    are listed by [`drain_freed`](PooledCache::drain_freed).
@@ -63,7 +69,7 @@
 //! - the unit budget core sees is the pools' capacity less the caller's
 //!   units, and what is cached fits it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use marconi_core::{
     AdmitOutcome, CacheConfig, CacheError, LeaseId, Lookup, ModelSpec, PrefixCache, SavedState,
@@ -205,13 +211,22 @@ pub enum PooledError {
         free: u32,
     },
     /// A handle passed in is not one the caller holds (never reserved,
-    /// already freed, taken by the cache, or of the wrong pool).
-    #[error("handle {handle:#010x} is not a {expected} unit the caller holds")]
+    /// already freed, taken by the cache, of another pool, or a page the
+    /// cache holds for another position or prefix).
+    #[error("handle {handle:#018x} is not a {expected} unit the caller holds")]
     NotCallers {
         /// The raw handle.
-        handle: u32,
+        handle: u64,
         /// The pool it was expected in.
         expected: PoolKind,
+    },
+    /// A handle is listed twice in one call.
+    #[error("{kind} handle {handle:#018x} listed twice")]
+    Duplicate {
+        /// The raw handle.
+        handle: u64,
+        /// Its pool kind.
+        kind: PoolKind,
     },
     /// The cache cannot run over these pools.
     #[error("invalid pooled configuration: {0}")]
@@ -230,7 +245,7 @@ pub struct PooledState {
 /// What [`PooledCache::lookup`] found, with handles.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PooledLookup {
-    /// Core's lookup (ids are the handles' raw values).
+    /// Core's lookup (ids are the handles' unit indices).
     pub lookup: Lookup,
     /// The cache's pages of the first `hit_tokens` tokens (read-only for the
     /// caller, valid while the lease is held).
@@ -252,7 +267,7 @@ pub struct Reserved {
 /// What [`PooledCache::admit`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PooledAdmit {
-    /// Core's outcome (ids are raw handle values).
+    /// Core's outcome (ids are the handles' unit indices).
     pub outcome: AdmitOutcome,
     /// Pages and slots the cache took (now the cache's).
     pub taken: Vec<VirtualHandle>,
@@ -300,9 +315,13 @@ pub struct PooledCache<A: PoolAllocator> {
     pool: A,
     page_size: u32,
     /// Raw handles the cache holds.
-    held: HashSet<u32>,
+    held: HashSet<u64>,
     /// Raw handles the caller holds (reserved, not yet admitted or freed).
-    callers: HashSet<u32>,
+    callers: HashSet<u64>,
+    /// Per open lease, the raw handle of the page the cache holds at each
+    /// page position of its sequence (0: none known): the lookup's hit
+    /// pages, then the pages its admits took.
+    lease_pages: HashMap<LeaseId, Vec<u64>>,
     /// Units the caller holds, by pool.
     callers_units: [u64; 2],
     /// Handles evicted (already back in their pool) since the last drain.
@@ -348,6 +367,7 @@ impl<A: PoolAllocator> PooledCache<A> {
             page_size,
             held: HashSet::new(),
             callers: HashSet::new(),
+            lease_pages: HashMap::new(),
             callers_units: [0; 2],
             freed: Vec::new(),
             stats: PooledStats::default(),
@@ -426,12 +446,25 @@ impl<A: PoolAllocator> PooledCache<A> {
         Ok(())
     }
 
+    /// The handle of the unit core knows as `id` of `kind`: the live handle at
+    /// that index (the cache holds the unit, so it is live).
+    fn handle_of(&self, kind: PoolKind, id: u32) -> Result<VirtualHandle, PooledError> {
+        self.pool
+            .live_handle_at(kind, id)
+            .ok_or_else(|| AllocError::ForeignHandle(u64::from(id)).into())
+    }
+
     /// Returns every unit core evicted to its pool.
     fn collect_evicted(&mut self) -> Result<(), PooledError> {
         let f = self.cache.drain_freed();
-        for raw in f.kv_pages.into_iter().chain(f.state_slots) {
-            let h = VirtualHandle::from_raw(raw);
-            let was_held = self.held.remove(&raw);
+        let units = f
+            .kv_pages
+            .into_iter()
+            .map(|i| (PoolKind::Kv, i))
+            .chain(f.state_slots.into_iter().map(|i| (PoolKind::Ssm, i)));
+        for (kind, id) in units {
+            let h = self.handle_of(kind, id)?;
+            let was_held = self.held.remove(&h.raw());
             debug_assert!(was_held, "core freed a handle it did not hold");
             self.pool.free(h)?;
             self.freed.push(h);
@@ -458,13 +491,27 @@ impl<A: PoolAllocator> PooledCache<A> {
         } else {
             self.cache.lookup_hinted(ns, input, checkpoints)?
         };
+        let pages: Result<Vec<VirtualHandle>, PooledError> = lookup
+            .kv_pages
+            .iter()
+            .map(|&i| self.handle_of(PoolKind::Kv, i))
+            .collect();
+        let slot = lookup
+            .state_slot
+            .map(|i| self.handle_of(PoolKind::Ssm, i))
+            .transpose();
+        let (kv_pages, state_slot) = match (pages, slot) {
+            (Ok(p), Ok(s)) => (p, s),
+            (Err(e), _) | (_, Err(e)) => {
+                self.cache.release(lookup.lease)?;
+                return Err(e);
+            }
+        };
+        self.lease_pages
+            .insert(lookup.lease, kv_pages.iter().map(|h| h.raw()).collect());
         Ok(PooledLookup {
-            kv_pages: lookup
-                .kv_pages
-                .iter()
-                .map(|&r| VirtualHandle::from_raw(r))
-                .collect(),
-            state_slot: lookup.state_slot.map(VirtualHandle::from_raw),
+            kv_pages,
+            state_slot,
             lookup,
         })
     }
@@ -477,6 +524,7 @@ impl<A: PoolAllocator> PooledCache<A> {
     /// Releases `lease`.
     pub fn release(&mut self, lease: LeaseId) -> Result<(), PooledError> {
         self.cache.release(lease)?;
+        self.lease_pages.remove(&lease);
         Ok(())
     }
 
@@ -644,10 +692,16 @@ impl<A: PoolAllocator> PooledCache<A> {
     fn check_callers(&self, handles: &[(VirtualHandle, PoolKind)]) -> Result<(), PooledError> {
         let mut seen = HashSet::new();
         for &(h, p) in handles {
-            if h.pool() != p || !self.callers.contains(&h.raw()) || !seen.insert(h.raw()) {
+            if h.pool() != p || !self.callers.contains(&h.raw()) {
                 return Err(PooledError::NotCallers {
                     handle: h.raw(),
                     expected: p,
+                });
+            }
+            if !seen.insert(h.raw()) {
+                return Err(PooledError::Duplicate {
+                    handle: h.raw(),
+                    kind: p,
                 });
             }
         }
@@ -689,17 +743,33 @@ impl<A: PoolAllocator> PooledCache<A> {
         states: &[PooledState],
         kv_pages: &[VirtualHandle],
     ) -> Result<PooledAdmit, PooledError> {
-        // Every page is the cache's (the hit) or the caller's; every slot
-        // the caller's.
+        // Every page is the caller's, or the page the cache holds at that
+        // position for this lease; every slot the caller's. A page listed
+        // twice is a duplicate whoever holds it.
+        let known = self.lease_pages.get(&lease).map_or(&[][..], Vec::as_slice);
         let mut mine = Vec::with_capacity(kv_pages.len() + states.len());
-        for &h in kv_pages {
+        let mut seen = HashSet::with_capacity(kv_pages.len());
+        for (i, &h) in kv_pages.iter().enumerate() {
             if h.pool() != PoolKind::Kv {
                 return Err(PooledError::NotCallers {
                     handle: h.raw(),
                     expected: PoolKind::Kv,
                 });
             }
-            if !self.held.contains(&h.raw()) {
+            if !seen.insert(h.raw()) {
+                return Err(PooledError::Duplicate {
+                    handle: h.raw(),
+                    kind: PoolKind::Kv,
+                });
+            }
+            if self.held.contains(&h.raw()) {
+                if known.get(i) != Some(&h.raw()) {
+                    return Err(PooledError::NotCallers {
+                        handle: h.raw(),
+                        expected: PoolKind::Kv,
+                    });
+                }
+            } else {
                 mine.push((h, PoolKind::Kv));
             }
         }
@@ -721,12 +791,12 @@ impl<A: PoolAllocator> PooledCache<A> {
             },
         };
         self.cache.set_unit_budget(Some(during))?;
-        let raw_pages: Vec<u32> = kv_pages.iter().map(|h| h.raw()).collect();
+        let raw_pages: Vec<u32> = kv_pages.iter().map(|&h| self.pool.unit_index(h)).collect();
         let saved: Vec<SavedState> = states
             .iter()
             .map(|s| SavedState {
                 position: s.position,
-                slot: Some(s.slot.raw()),
+                slot: Some(self.pool.unit_index(s.slot)),
             })
             .collect();
         let outcome = match self.cache.admit(lease, tokens, &saved, &raw_pages) {
@@ -749,6 +819,18 @@ impl<A: PoolAllocator> PooledCache<A> {
         for &h in &taken {
             self.forget_callers(h);
             self.held.insert(h.raw());
+        }
+        if let Some(known) = self.lease_pages.get_mut(&lease) {
+            let end = range.end as usize;
+            if known.len() < end {
+                known.resize(end, 0);
+            }
+            for (k, h) in known[range.start as usize..end]
+                .iter_mut()
+                .zip(&kv_pages[range.start as usize..end])
+            {
+                *k = h.raw();
+            }
         }
         let returned = mine
             .iter()
@@ -843,9 +925,9 @@ impl<A: PoolAllocator> PooledCache<A> {
             let h = VirtualHandle::from_raw(r);
             assert!(
                 self.pool.resolve(h).is_ok(),
-                "cache holds {r:#010x}, not live in its pool"
+                "cache holds {r:#018x}, not live in its pool"
             );
-            assert!(!self.callers.contains(&r), "{r:#010x} held twice");
+            assert!(!self.callers.contains(&r), "{r:#018x} held twice");
             held[h.pool().index()] += 1;
         }
         let used = self.cache.used_units();
@@ -860,7 +942,7 @@ impl<A: PoolAllocator> PooledCache<A> {
         let mut callers = [0u64; 2];
         for &r in &self.callers {
             let h = VirtualHandle::from_raw(r);
-            assert!(self.pool.resolve(h).is_ok(), "caller's {r:#010x} not live");
+            assert!(self.pool.resolve(h).is_ok(), "caller's {r:#018x} not live");
             callers[h.pool().index()] += 1;
         }
         assert_eq!(callers, self.callers_units, "caller unit counts");

@@ -1,5 +1,6 @@
 //! One pool of equal-size units: a free list with the prototype's exact order,
-//! per-slot generations, and tail shrink / grow for capacity migration.
+//! per-slot generations (a unit is retired once its last generation is
+//! freed), and tail shrink / grow for capacity migration.
 
 use std::collections::BTreeSet;
 
@@ -8,8 +9,10 @@ use crate::handle::{HandleLayout, PoolKind, VirtualHandle};
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Slot {
-    generation: u32,
+    generation: u64,
     live: bool,
+    /// Freed at its last generation: never allocated again.
+    retired: bool,
     /// Pool tag the unit was last allocated under (differs from the table's kind
     /// only in the padded unified layout, where both kinds share one table).
     tag: Option<PoolKind>,
@@ -52,7 +55,7 @@ impl FreeList {
             FreeList::Lowest(b) => b.retain(|&i| i < new),
         }
     }
-    fn extend(&mut self, r: std::ops::Range<u32>) {
+    fn extend(&mut self, r: impl Iterator<Item = u32>) {
         match self {
             FreeList::Stack(v) => v.extend(r),
             FreeList::Lowest(b) => b.extend(r),
@@ -67,19 +70,25 @@ impl FreeList {
     }
 }
 
-/// A table of `capacity` units of `unit_bytes` each, indexable up to `max_units`.
+/// A table of `extent` unit indices of `unit_bytes` each, indexable up to
+/// `max_units`; its capacity is the extent less its retired units.
 ///
 /// Free-list order is part of the contract (the AVMP replay depends on it): it
 /// starts as `[n-1, ..., 1, 0]` and pops from the end (lowest ids first), frees
-/// append, shrink filters keeping order, grow appends the new ids ascending.
+/// append, shrink filters keeping order, grow appends the new ids ascending
+/// (retired ones left out).
 #[derive(Debug, Clone)]
 pub(crate) struct UnitTable {
     pub(crate) kind: PoolKind,
     pub(crate) unit_bytes: u64,
-    capacity: u32,
+    extent: u32,
     free: FreeList,
     slots: Vec<Slot>,
     live: u32,
+    /// Retired units below `extent`.
+    retired: u32,
+    /// Units ever retired (below the extent or not).
+    retired_total: u64,
 }
 
 impl UnitTable {
@@ -88,10 +97,12 @@ impl UnitTable {
         UnitTable {
             kind,
             unit_bytes,
-            capacity,
+            extent: capacity,
             free: FreeList::Stack((0..capacity).rev().collect()),
             slots: vec![Slot::default(); max_units as usize],
             live: 0,
+            retired: 0,
+            retired_total: 0,
         }
     }
 
@@ -102,8 +113,19 @@ impl UnitTable {
         }
     }
 
+    /// Units that can be allocated: the extent less the retired units.
     pub(crate) fn capacity(&self) -> u32 {
-        self.capacity
+        self.extent - self.retired
+    }
+
+    /// Unit indices `0..extent` belong to the table (retired ones included).
+    pub(crate) fn extent(&self) -> u32 {
+        self.extent
+    }
+
+    /// Units ever retired (their last generation was freed).
+    pub(crate) fn retired_total(&self) -> u64 {
+        self.retired_total
     }
 
     pub(crate) fn max_units(&self) -> u32 {
@@ -112,7 +134,7 @@ impl UnitTable {
     }
 
     pub(crate) fn free_units(&self) -> u32 {
-        // Cannot truncate: the free list never holds more than `capacity` ids.
+        // Cannot truncate: the free list never holds more than `extent` ids.
         self.free.len() as u32
     }
 
@@ -133,7 +155,7 @@ impl UnitTable {
                 pool: self.kind,
                 requested: n,
                 free: self.free_units(),
-                capacity: self.capacity,
+                capacity: self.capacity(),
             });
         }
         out.reserve(n as usize);
@@ -142,7 +164,9 @@ impl UnitTable {
                 unreachable!("length checked above")
             };
             let slot = &mut self.slots[idx as usize];
-            slot.generation = layout.next_generation(slot.generation);
+            // Never wraps: a unit at its last generation was retired, not freed.
+            slot.generation += 1;
+            debug_assert!(slot.generation <= layout.max_generation());
             slot.live = true;
             slot.tag = Some(tag);
             out.push(layout.encode(tag, idx, slot.generation));
@@ -158,7 +182,9 @@ impl UnitTable {
         layout: HandleLayout,
         h: VirtualHandle,
     ) -> Result<u32, AllocError> {
-        let (_, idx, generation) = layout.decode(h);
+        let Some((_, idx, generation)) = layout.decode(h) else {
+            return Err(AllocError::ForeignHandle(h.raw()));
+        };
         let Some(slot) = self.slots.get(idx as usize) else {
             return Err(AllocError::ForeignHandle(h.raw()));
         };
@@ -185,8 +211,17 @@ impl UnitTable {
         h: VirtualHandle,
     ) -> Result<u32, AllocError> {
         let idx = self.check_live(layout, h)?;
-        self.slots[idx as usize].live = false;
-        self.free.push(idx);
+        let slot = &mut self.slots[idx as usize];
+        slot.live = false;
+        if slot.generation >= layout.max_generation() {
+            // Its next handle would repeat an earlier one: retire the unit.
+            slot.retired = true;
+            self.retired += 1;
+            self.retired_total += 1;
+            tracing::debug!(pool = %self.kind, index = idx, "unit retired: generations exhausted");
+        } else {
+            self.free.push(idx);
+        }
         self.live -= 1;
         self.check();
         Ok(idx)
@@ -202,48 +237,108 @@ impl UnitTable {
 
     /// True when no unit with index `>= new` is live.
     pub(crate) fn tail_is_free(&self, new: u32) -> bool {
-        self.slots[new as usize..self.capacity as usize]
+        self.slots[new as usize..self.extent as usize]
             .iter()
             .all(|s| !s.live)
     }
 
     /// Shrinks to `new` units; fails (unchanged) if a live unit sits at or above `new`.
     pub(crate) fn shrink(&mut self, new: u32) -> bool {
-        if new > self.capacity || !self.tail_is_free(new) {
+        if new > self.extent || !self.tail_is_free(new) {
             return false;
         }
         self.free.retain_below(new);
-        self.capacity = new;
+        self.retired -= self.retired_in(new, self.extent);
+        self.extent = new;
         self.check();
         true
     }
 
-    /// Grows to `new` units (at most `max_units`), appending `old..new` ascending.
+    fn retired_in(&self, from: u32, to: u32) -> u32 {
+        // Cannot truncate: at most `max_units` slots.
+        self.slots[from as usize..to as usize]
+            .iter()
+            .filter(|s| s.retired)
+            .count() as u32
+    }
+
+    /// Grows to `new` units (at most `max_units`), appending `old..new`
+    /// ascending, less the retired units.
     pub(crate) fn grow(&mut self, new: u32) -> bool {
-        if new < self.capacity || new > self.max_units() {
+        if new < self.extent || new > self.max_units() {
             return false;
         }
-        self.free.extend(self.capacity..new);
-        self.capacity = new;
+        let old = self.extent;
+        let slots = &self.slots;
+        self.free
+            .extend((old..new).filter(|&i| !slots[i as usize].retired));
+        self.retired += self.retired_in(old, new);
+        self.extent = new;
         self.check();
         true
     }
 
-    /// Recount invariant (strict-checks only): free + live == capacity, and every
-    /// free id is below capacity and not live.
+    /// Recount invariant (strict-checks only): free + live + retired == extent,
+    /// and every free id is below the extent, neither live nor retired.
     fn check(&self) {
         #[cfg(feature = "strict-checks")]
         {
-            assert_eq!(self.free.len() as u32 + self.live, self.capacity);
-            let live = self.slots[..self.capacity as usize]
+            assert_eq!(
+                self.free.len() as u32 + self.live + self.retired,
+                self.extent
+            );
+            assert_eq!(
+                self.retired_in(0, self.extent),
+                self.retired,
+                "retired recount"
+            );
+            let live = self.slots[..self.extent as usize]
                 .iter()
                 .filter(|s| s.live)
                 .count() as u32;
             assert_eq!(live, self.live, "live recount");
-            assert!(self.slots[self.capacity as usize..].iter().all(|s| !s.live));
+            assert!(self.slots[self.extent as usize..].iter().all(|s| !s.live));
             for i in self.free.iter() {
-                assert!(i < self.capacity && !self.slots[i as usize].live);
+                let s = &self.slots[i as usize];
+                assert!(i < self.extent && !s.live && !s.retired);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handle::PoolId;
+
+    #[test]
+    fn a_unit_at_its_last_generation_is_retired_not_reused() {
+        let id = PoolId::acquire().unwrap();
+        let layout = HandleLayout::with_generation_bits(3, &id);
+        let mut t = UnitTable::new(PoolKind::Kv, 128, 2, 4);
+        let mut issued = Vec::new();
+        let mut out = Vec::new();
+        // Unit 0 has generations 1..=7, then retires; unit 1 takes over.
+        for _ in 0..10 {
+            out.clear();
+            t.alloc(layout, PoolKind::Kv, 1, &mut out).unwrap();
+            let h = out[0];
+            assert!(!issued.contains(&h), "{h:?} issued twice");
+            t.free(layout, h).unwrap();
+            issued.push(h);
+        }
+        assert_eq!(t.retired_total(), 1);
+        assert_eq!((t.capacity(), t.extent(), t.free_units()), (1, 2, 1));
+        for &h in &issued {
+            assert!(t.check_live(layout, h).is_err());
+        }
+        // Shrinking past the retired unit and growing back keeps it retired.
+        assert!(t.shrink(0));
+        assert!(t.grow(4));
+        assert_eq!((t.capacity(), t.extent(), t.free_units()), (3, 4, 3));
+        out.clear();
+        t.alloc(layout, PoolKind::Kv, 3, &mut out).unwrap();
+        assert!(out.iter().all(|&h| layout.index_of(h) != 0));
+        assert!(t.alloc(layout, PoolKind::Kv, 1, &mut out).is_err());
     }
 }

@@ -80,4 +80,4 @@ __all__ = [
     "status_message",
     "version",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

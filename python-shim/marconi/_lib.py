@@ -246,8 +246,22 @@ class marconi_pool_stats(Structure):
             "budget_chunks",
             "physical_bytes",
             "ops",
+            "kv_retired",
+            "state_retired",
         )
     ]
+
+
+class marconi_state_copy(Structure):
+    """struct marconi_state_copy (two 64-bit state handles)."""
+
+    _fields_ = [("src_state", c_uint64), ("dst_state", c_uint64)]
+
+
+class marconi_pooled_state(Structure):
+    """struct marconi_pooled_state."""
+
+    _fields_ = [("position", c_uint32), ("reserved", c_uint32), ("state_handle", c_uint64)]
 
 
 class marconi_state_buffer(Structure):
@@ -320,10 +334,9 @@ class marconi_pooled_lookup(Structure):
         ("lease", c_uint64),
         ("hit_tokens", c_uint32),
         ("kv_matched_tokens", c_uint32),
-        ("state_handle", c_uint32),
+        ("state_handle", c_uint64),
         ("n_kv_pages", c_uint32),
         ("n_plan", c_uint32),
-        ("reserved", c_uint32),
     ]
 
 
@@ -470,6 +483,8 @@ STRUCTS = {
         marconi_unit_location,
         marconi_migration,
         marconi_pool_stats,
+        marconi_state_copy,
+        marconi_pooled_state,
         marconi_state_buffer,
         marconi_plan_request,
         marconi_memory_plan,
@@ -491,6 +506,7 @@ _pooled_p = c_void_p
 _store_p = c_void_p
 _u8_p = POINTER(c_uint8)
 _u32_p = POINTER(c_uint32)
+_u64_p = POINTER(c_uint64)
 _size_p = POINTER(c_size_t)
 
 SIGNATURES = {
@@ -543,19 +559,19 @@ SIGNATURES = {
     "marconi_pool_config_init": (status_t, [POINTER(marconi_pool_config), c_size_t]),
     "marconi_pool_new": (status_t, [POINTER(marconi_pool_config), POINTER(_pool_p)]),
     "marconi_pool_free": (None, [_pool_p]),
-    "marconi_pool_allocate": (status_t, [_pool_p, c_uint32, c_size_t, _u32_p, c_size_t]),
-    "marconi_pool_free_units": (status_t, [_pool_p, _u32_p, c_size_t]),
+    "marconi_pool_allocate": (status_t, [_pool_p, c_uint32, c_size_t, _u64_p, c_size_t]),
+    "marconi_pool_free_units": (status_t, [_pool_p, _u64_p, c_size_t]),
     "marconi_pool_resolve": (
         status_t,
-        [_pool_p, _u32_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+        [_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
     ),
     "marconi_pool_migrate": (status_t, [_pool_p, c_uint32, c_uint32, POINTER(marconi_migration)]),
     "marconi_pool_get_stats": (status_t, [_pool_p, POINTER(marconi_pool_stats)]),
-    "marconi_pool_copy_states": (status_t, [_pool_p, POINTER(marconi_copy_order), c_size_t]),
-    "marconi_pool_fork_state": (status_t, [_pool_p, c_uint32, _u32_p, c_size_t]),
+    "marconi_pool_copy_states": (status_t, [_pool_p, POINTER(marconi_state_copy), c_size_t]),
+    "marconi_pool_fork_state": (status_t, [_pool_p, c_uint64, _u64_p, c_size_t]),
     "marconi_pool_promote_state": (
         status_t,
-        [_pool_p, c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
+        [_pool_p, c_uint64, _u64_p, c_size_t, c_size_t, c_uint32, _u64_p],
     ),
     "marconi_snapshot_copy": (
         status_t,
@@ -592,11 +608,11 @@ SIGNATURES = {
         status_t,
         [_pooled_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
     ),
-    "marconi_pooled_cache_lease_kv_pages": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_lease_kv_pages": (status_t, [_pooled_p, c_uint64, _u64_p, c_size_t, _size_p]),
     "marconi_pooled_cache_lease_plan": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_pooled_cache_reserve": (
         status_t,
-        [_pooled_p, c_uint32, c_uint32, _u32_p, c_size_t, _u32_p, c_size_t],
+        [_pooled_p, c_uint32, c_uint32, _u64_p, c_size_t, _u64_p, c_size_t],
     ),
     "marconi_pooled_cache_admit": (
         status_t,
@@ -605,23 +621,23 @@ SIGNATURES = {
             c_uint64,
             _u32_p,
             c_size_t,
-            POINTER(marconi_saved_state),
+            POINTER(marconi_pooled_state),
             c_size_t,
-            _u32_p,
+            _u64_p,
             c_size_t,
             POINTER(c_uint8),
             POINTER(marconi_admit_result),
         ],
     ),
-    "marconi_pooled_cache_free_units": (status_t, [_pooled_p, _u32_p, c_size_t]),
+    "marconi_pooled_cache_free_units": (status_t, [_pooled_p, _u64_p, c_size_t]),
     "marconi_pooled_cache_release": (status_t, [_pooled_p, c_uint64]),
-    "marconi_pooled_cache_drain_freed": (status_t, [_pooled_p, _u32_p, c_size_t, _size_p]),
-    "marconi_pooled_cache_held": (status_t, [_pooled_p, _u32_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_drain_freed": (status_t, [_pooled_p, _u64_p, c_size_t, _size_p]),
+    "marconi_pooled_cache_held": (status_t, [_pooled_p, _u64_p, c_size_t, _size_p]),
     "marconi_pooled_cache_resolve": (
         status_t,
-        [_pooled_p, _u32_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+        [_pooled_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
     ),
-    "marconi_pooled_cache_copy_states": (status_t, [_pooled_p, POINTER(marconi_copy_order), c_size_t]),
+    "marconi_pooled_cache_copy_states": (status_t, [_pooled_p, POINTER(marconi_state_copy), c_size_t]),
     "marconi_pooled_cache_stats": (status_t, [_pooled_p, POINTER(marconi_pooled_stats)]),
     "marconi_pooled_cache_check": (status_t, [_pooled_p]),
     "marconi_snapshot_promote": (

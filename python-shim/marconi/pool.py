@@ -8,9 +8,15 @@ only), a Linux memfd ("memfd": host memory, addresses into a mapping) or
 CUDA virtual memory ("cuda": device addresses; a library built without CUDA,
 or a machine without a driver, raises MarconiError UNSUPPORTED).
 
-Handle lists (allocate's result, free's and resolve's argument) are
-array('I') or anything the token arrays accept (list, numpy/torch
-uint32/int32 arrays read in place): no per-handle Python work for buffers.
+Unit handles are 64-bit integers below 2^63 (opaque; 0 is never live), so
+int64 numpy arrays and torch tensors hold them. Handle lists
+(allocate's result, free's and resolve's argument) are array('Q'), a
+sequence of ints, or a numpy/torch integer array (converted in bulk).
+
+A view of a unit (Pool.view, PooledCache.view) keeps the native object's
+memory mapped until the view and every buffer made from it are gone: after
+close() the memory stays valid for them (and is freed with the last one),
+so a view can never crash the interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _lib
-from ._convert import _u32, _u32_bytes, _u32_pointer, _u32_source, _u64, _uint
+from ._convert import OutOfRangeError, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64, _uint
 from .cache import _check, _real
 
 BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
@@ -31,6 +37,11 @@ MIGRATION = {"static": 0, "avmp": 1}
 KIND = {"kv": 0, "state": 1}
 KIND_NAME = {v: k for k, v in KIND.items()}
 PROMOTE = {"swap": 0, "copy_into": 1}
+
+
+def out_size(code: str) -> int:
+    """Bytes of one array item of typecode `code`."""
+    return array.array(code).itemsize
 
 
 def _choice(value: Any, table: dict, name: str) -> int:
@@ -56,10 +67,49 @@ class UnitLocation:
     """Unit index in its pool."""
 
 
-def _pairs_source(pairs: Any) -> tuple[Any, int]:
-    """(src, n_pairs): `pairs` as 2*n native uint32s (src, dst, src, dst,
-    ...). Accepts a sequence of (src, dst) tuples, a numpy/torch array of
-    shape (n, 2), or a flat buffer of 2n integers."""
+def _handles(handles: Any, what: str) -> tuple[Any, int]:
+    """(array('Q') or numpy uint64 array, n): `handles` as n native uint64s.
+    Accepts array('Q'), a sequence of ints, or a numpy/torch integer array
+    (converted in bulk); negative values and bools are refused."""
+    if isinstance(handles, array.array) and handles.typecode == "Q":
+        return handles, len(handles)
+    np = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(handles, torch.Tensor):
+        if handles.dtype.is_floating_point or handles.dtype.is_complex or handles.dtype == torch.bool:
+            raise TypeError(f"{what}: expected an integer tensor, got {handles.dtype}")
+        handles = handles.detach().cpu().reshape(-1)
+        if np is not None:
+            handles = handles.numpy()
+        else:
+            handles = handles.tolist()
+    elif np is not None and isinstance(handles, np.ndarray):
+        if handles.dtype.kind not in "iu":
+            raise TypeError(f"{what}: expected an integer array, got dtype {handles.dtype}")
+        flat = handles.reshape(-1)
+        if flat.dtype.kind == "i" and flat.size and int(flat.min()) < 0:
+            raise OutOfRangeError(f"{what}: handles are not negative")
+        out = np.ascontiguousarray(flat, dtype=np.uint64)
+        return out, int(out.size)
+    if isinstance(handles, (str, bytes, bytearray, memoryview)) or not hasattr(handles, "__iter__"):
+        raise TypeError(f"{what}: expected a sequence of handles, got {type(handles).__name__}")
+    out = array.array("Q", (_u64(h, f"{what}[{i}]") for i, h in enumerate(handles)))
+    return out, len(out)
+
+
+def _u64_pointer(src: Any, n: int) -> Any:
+    """POINTER(c_uint64) to the n handles of a _handles() source (None for 0)."""
+    if n == 0:
+        return None
+    if isinstance(src, array.array):
+        return ctypes.cast((ctypes.c_uint64 * n).from_buffer(src), ctypes.POINTER(ctypes.c_uint64))
+    return src.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+
+
+def _pairs_source(pairs: Any, wide: bool = True) -> tuple[Any, int]:
+    """(src, n_pairs): `pairs` as 2*n native uint64s (handles; uint32 slot
+    indices when not `wide`) (src, dst, src, dst, ...). Accepts a sequence of (src, dst) tuples, a numpy/torch array of
+    shape (n, 2), or a flat sequence of 2n integers."""
     np = sys.modules.get("numpy")
     torch = sys.modules.get("torch")
     if (np is not None and isinstance(pairs, np.ndarray)) or (torch is not None and isinstance(pairs, torch.Tensor)):
@@ -74,15 +124,35 @@ def _pairs_source(pairs: Any) -> tuple[Any, int]:
                 raise ValueError(f"pairs[{i}]: expected a (src, dst) pair, got {p!r}")
             flat += p
         pairs = flat
-    src, n = _u32_source(pairs, "pairs")
+    src, n = _handles(pairs, "pairs") if wide else _u32_source(pairs, "pairs")
     if n % 2:
         raise ValueError(f"pairs: {n} integers do not make (src, dst) pairs")
     return src, n // 2
 
 
-def _pairs_pointer(src: Any, n_pairs: int) -> Any:
-    p = _u32_pointer(src, 2 * n_pairs)
-    return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_copy_order))
+def _pairs_pointer(src: Any, n_pairs: int, wide: bool = True) -> Any:
+    if not wide:
+        p = _u32_pointer(src, 2 * n_pairs)
+        return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_copy_order))
+    p = _u64_pointer(src, 2 * n_pairs)
+    return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_state_copy))
+
+
+class _Owner:
+    """The native object's last owner: frees it when dropped. The Python
+    object holds one reference and each view another, so the native free
+    runs at close() when no view is alive, else when the last view goes."""
+
+    __slots__ = ("_free", "_handle")
+
+    def __init__(self, free: Any, handle: Any):
+        self._free = free
+        self._handle = handle
+
+    def __del__(self) -> None:
+        h, self._handle = self._handle, None
+        if h is not None:
+            self._free(h)
 
 
 class _Native:
@@ -98,6 +168,7 @@ class _Native:
         self._state = threading.Condition(threading.Lock())
         self._inflight = 0
         self._closing = False
+        self._owner: Optional[_Owner] = None
 
     def _begin(self) -> ctypes.c_void_p:
         with self._state:
@@ -117,15 +188,39 @@ class _Native:
         """True once close() has begun."""
         return self._closing
 
+    def _adopt(self, lib: Any, handle: ctypes.c_void_p) -> None:
+        """Takes ownership of a native object just created."""
+        self._lib = lib
+        self._handle = handle
+        self._owner = _Owner(getattr(lib, self._FREE), handle)
+
     def close(self) -> None:
         """Frees the native object and its memory once the calls running on
-        other threads return. Idempotent and thread-safe."""
+        other threads return (and, when views of its units are alive, once
+        the last of them is gone). Idempotent and thread-safe."""
         with self._state:
             self._closing = True
             self._state.wait_for(lambda: self._inflight == 0)
-            h, self._handle = self._handle, None
-        if h is not None:
-            getattr(self._lib, self._FREE)(h)
+            self._handle = None
+            owner, self._owner = self._owner, None
+        del owner
+
+    def _view(self, resolve: str, handle: int) -> memoryview:
+        """A writable view of a live unit that keeps the native memory mapped
+        while it (or any buffer made from it) is alive."""
+        if self.backend != "memfd":
+            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
+        src, n = _handles([handle], "handle")
+        out = _lib.marconi_unit_location()
+        h = self._begin()
+        try:
+            _check(getattr(self._lib, resolve)(h, _u64_pointer(src, n), n, ctypes.byref(out), 1), resolve)
+            raw = (ctypes.c_char * out.unit_bytes).from_address(out.address)
+            # ctypes instances keep attributes: the view's base holds the owner.
+            raw._marconi_owner = self._owner
+        finally:
+            self._end()
+        return memoryview(raw).cast("B")
 
     def __enter__(self):
         return self
@@ -187,7 +282,8 @@ class Pool(_Native):
     threads (the library locks internally). Close it with close() or a
     `with` block: close() waits for calls in flight on other threads, and
     later calls raise ValueError. Closing frees the memory, so every address
-    and view obtained from the pool is invalid afterwards.
+    obtained from the pool is invalid afterwards; a view keeps the memory
+    until it is gone (see the module documentation).
 
     budget_bytes: both pools together (memfd and cuda round it down to whole
     chunks); kv_page_bytes, state_slot_bytes: unit sizes; state_fraction:
@@ -228,8 +324,7 @@ class Pool(_Native):
         )
         handle = ctypes.c_void_p()
         _check(lib.marconi_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_pool_new")
-        self._lib = lib
-        self._handle = handle
+        self._adopt(lib, handle)
         self.backend = backend
 
     # -- units ---------------------------------------------------------------
@@ -237,26 +332,25 @@ class Pool(_Native):
     def allocate(self, kind: str, n: int) -> "array.array[int]":
         """Allocates n units of pool `kind` ("kv" or "state"); all or nothing
         (MarconiError OUT_OF_MEMORY when they are not there, even after the
-        migration AVMP allows). Returns their handles as array('I')."""
+        migration AVMP allows). Returns their handles as array('Q')."""
         k = _choice(kind, KIND, "kind")
         n = _u32(n, "n")
-        out = array.array("I", bytes(4 * n))
-        ptr = _u32_pointer(out, n)
-        self._call("marconi_pool_allocate", k, n, ptr, n)
+        out = array.array("Q", bytes(8 * n))
+        self._call("marconi_pool_allocate", k, n, _u64_pointer(out, n), n)
         return out
 
     def free(self, handles: Any) -> None:
         """Frees the handles; all or nothing (MarconiError DOUBLE_FREE for a
         freed or repeated handle, UNKNOWN_HANDLE for a stale or foreign one;
         nothing is freed then)."""
-        src, n = _u32_source(handles, "handles")
-        self._call("marconi_pool_free_units", _u32_pointer(src, n), n)
+        src, n = _handles(handles, "handles")
+        self._call("marconi_pool_free_units", _u64_pointer(src, n), n)
 
     def resolve(self, handles: Any) -> list[UnitLocation]:
         """Where each handle's unit is (all or nothing)."""
-        src, n = _u32_source(handles, "handles")
+        src, n = _handles(handles, "handles")
         out = (_lib.marconi_unit_location * max(n, 1))()
-        self._call("marconi_pool_resolve", _u32_pointer(src, n), n, out, n)
+        self._call("marconi_pool_resolve", _u64_pointer(src, n), n, out, n)
         return [
             UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
             for o in out[:n]
@@ -268,13 +362,11 @@ class Pool(_Native):
 
     def view(self, handle: int) -> memoryview:
         """A writable memoryview of a live unit's bytes (memfd only; e.g.
-        numpy.frombuffer(pool.view(h), dtype)). Valid only while the handle
-        is live and the pool open: reading or writing it after free() or
-        close() is a use after free."""
-        if self.backend != "memfd":
-            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
-        (loc,) = self.resolve([_u32(handle, "handle")])
-        return memoryview((ctypes.c_char * loc.unit_bytes).from_address(loc.address)).cast("B")
+        numpy.frombuffer(pool.view(h), dtype)). Its bytes are the unit's
+        while the handle is live; after free() they may belong to the unit's
+        next owner. The view keeps the pool's memory mapped after close()
+        until the view is gone."""
+        return self._view("marconi_pool_resolve", handle)
 
     def migrate(self, recipient: str, donor_units: int = 0) -> dict:
         """Moves capacity toward pool `recipient` from the other pool's free
@@ -303,7 +395,7 @@ class Pool(_Native):
 
     def copy_states(self, pairs: Any) -> None:
         """Copies state slots by handle: pairs of (src, dst) state handles
-        (a list of tuples, an (n, 2) uint32 numpy array, or a flat buffer).
+        (a list of tuples, an (n, 2) integer numpy array, or a flat sequence).
         Checked whole first (live state handles, no self copy, no
         destination twice or also read); memfd copies on the host."""
         src, n = _pairs_source(pairs)
@@ -311,21 +403,21 @@ class Pool(_Native):
 
     def fork_state(self, src: int, dsts: Any) -> None:
         """Copies state handle `src` into every handle of `dsts`."""
-        s = _u32(src, "src")
-        d, n = _u32_source(dsts, "dsts")
-        self._call("marconi_pool_fork_state", s, _u32_pointer(d, n), n)
+        s = _u64(src, "src")
+        d, n = _handles(dsts, "dsts")
+        self._call("marconi_pool_fork_state", s, _u64_pointer(d, n), n)
 
     def promote_state(self, state: int, candidates: Any, accepted: int, mode: str = "swap") -> int:
         """Makes candidates[accepted] the request's state; returns the handle
         holding it ("swap": the candidate's, no bytes move; "copy_into": the
         candidate is copied into `state`, which is returned)."""
-        st = _u32(state, "state")
-        c, n = _u32_source(candidates, "candidates")
-        out = ctypes.c_uint32()
+        st = _u64(state, "state")
+        c, n = _handles(candidates, "candidates")
+        out = ctypes.c_uint64()
         self._call(
             "marconi_pool_promote_state",
             st,
-            _u32_pointer(c, n),
+            _u64_pointer(c, n),
             n,
             _u64(accepted, "accepted"),
             _choice(mode, PROMOTE, "mode"),
@@ -368,8 +460,8 @@ def snapshot_copy(buffer: Any, slots: int, pairs: Any, layers: int = 1) -> None:
     (src, dst) pair, slot src into slot dst in every layer. Checked whole
     first (marconi_snapshot_copy)."""
     b, keep = _state_buffer(buffer, slots, layers)
-    src, n = _pairs_source(pairs)
-    _snapshot_call("marconi_snapshot_copy", b, _pairs_pointer(src, n), n)
+    src, n = _pairs_source(pairs, wide=False)
+    _snapshot_call("marconi_snapshot_copy", b, _pairs_pointer(src, n, wide=False), n)
     del keep
 
 
@@ -609,19 +701,20 @@ class PooledCache(_Native):
             "marconi_pooled_cache_new",
         )
         del keep
-        self._lib = lib
-        self._handle = handle
+        self._adopt(lib, handle)
         self.backend = backend
         self.page_size = page_size
 
-    def _list(self, name: str, *args: Any) -> "array.array[int]":
-        """A list the library writes with the (buf, cap, out_len) convention."""
+    def _list(self, name: str, *args: Any, code: str = "Q") -> "array.array[int]":
+        """A list the library writes with the (buf, cap, out_len) convention
+        (uint64 handles, or uint32 for code "I")."""
         n = ctypes.c_size_t()
         h = self._begin()
         try:
             while True:
-                out = array.array("I", bytes(4 * max(n.value, 1)))
-                st = getattr(self._lib, name)(h, *args, _u32_pointer(out, len(out)), len(out), ctypes.byref(n))
+                out = array.array(code, bytes(out_size(code) * max(n.value, 1)))
+                ptr = _u64_pointer(out, len(out)) if code == "Q" else _u32_pointer(out, len(out))
+                st = getattr(self._lib, name)(h, *args, ptr, len(out), ctypes.byref(n))
                 if st == 3 and n.value > len(out):  # BUFFER_TOO_SMALL: grow to the count
                     continue
                 _check(st, name)
@@ -649,8 +742,8 @@ class PooledCache(_Native):
                 hn,
                 ctypes.byref(out),
             )
-        pages = self._list("marconi_pooled_cache_lease_kv_pages", out.lease) if out.n_kv_pages else array.array("I")
-        plan_ = list(self._list("marconi_pooled_cache_lease_plan", out.lease)) if out.n_plan else []
+        pages = self._list("marconi_pooled_cache_lease_kv_pages", out.lease) if out.n_kv_pages else array.array("Q")
+        plan_ = list(self._list("marconi_pooled_cache_lease_plan", out.lease, code="I")) if out.n_plan else []
         return PooledLookup(
             out.lease,
             out.hit_tokens,
@@ -665,9 +758,9 @@ class PooledCache(_Native):
         capacity and evicting as needed; all or nothing (MarconiError
         OUT_OF_MEMORY when even that cannot make room)."""
         kp, ss = _u32(kv_pages, "kv_pages"), _u32(state_slots, "state_slots")
-        pages, slots = array.array("I", bytes(4 * kp)), array.array("I", bytes(4 * ss))
+        pages, slots = array.array("Q", bytes(8 * kp)), array.array("Q", bytes(8 * ss))
         self._call(
-            "marconi_pooled_cache_reserve", kp, ss, _u32_pointer(pages, kp), kp, _u32_pointer(slots, ss), ss
+            "marconi_pooled_cache_reserve", kp, ss, _u64_pointer(pages, kp), kp, _u64_pointer(slots, ss), ss
         )
         return pages, slots
 
@@ -677,13 +770,13 @@ class PooledCache(_Native):
         the states saved as (position, slot handle) pairs."""
         lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
         src, n = _u32_source(tokens)
-        pg, npg = _u32_source(kv_pages, "kv_pages")
+        pg, npg = _handles(kv_pages, "kv_pages")
         st = list(states)
-        arr = (_lib.marconi_saved_state * max(len(st), 1))()
+        arr = (_lib.marconi_pooled_state * max(len(st), 1))()
         for i, s in enumerate(st):
             pos, slot = s
             arr[i].position = _u32(pos, f"states[{i}].position")
-            arr[i].slot = _u32(slot, f"states[{i}].slot")
+            arr[i].state_handle = _u64(slot, f"states[{i}].slot")
         taken = (ctypes.c_uint8 * max(len(st), 1))()
         res = _lib.marconi_admit_result()
         self._call(
@@ -693,18 +786,18 @@ class PooledCache(_Native):
             n,
             arr if st else None,
             len(st),
-            _u32_pointer(pg, npg),
+            _u64_pointer(pg, npg),
             npg,
             taken if st else None,
             ctypes.byref(res),
         )
-        page_list = array.array("I", bytes(_u32_bytes(pg, npg))) if npg else array.array("I")
+        page_list = array.array("Q", (int(h) for h in pg)) if npg else array.array("Q")
         kv_range = range(res.kv_pages_taken_start, res.kv_pages_taken_end)
         # Pages outside the taken range are the hit's (the cache's) or the
         # caller's, which come back.
         outside = [h for i, h in enumerate(page_list) if i not in kv_range]
         cached = set(self.held()) if outside else set()
-        returned = array.array("I", (h for h in outside if h not in cached))
+        returned = array.array("Q", (h for h in outside if h not in cached))
         flags = [bool(taken[i]) for i in range(len(st))]
         returned.extend(int(st[i][1]) for i in range(len(st)) if not flags[i])
         return PooledAdmit(
@@ -713,8 +806,8 @@ class PooledCache(_Native):
 
     def free(self, handles: Any) -> None:
         """Frees units the caller holds (reserved, not taken); all or nothing."""
-        src, n = _u32_source(handles, "handles")
-        self._call("marconi_pooled_cache_free_units", _u32_pointer(src, n), n)
+        src, n = _handles(handles, "handles")
+        self._call("marconi_pooled_cache_free_units", _u64_pointer(src, n), n)
 
     def release(self, lease: Any) -> None:
         """Releases a lease (a PooledLookup or its id)."""
@@ -731,21 +824,19 @@ class PooledCache(_Native):
 
     def resolve(self, handles: Any) -> list:
         """Where each live handle's unit is (all or nothing)."""
-        src, n = _u32_source(handles, "handles")
+        src, n = _handles(handles, "handles")
         out = (_lib.marconi_unit_location * max(n, 1))()
-        self._call("marconi_pooled_cache_resolve", _u32_pointer(src, n), n, out, n)
+        self._call("marconi_pooled_cache_resolve", _u64_pointer(src, n), n, out, n)
         return [
             UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
             for o in out[:n]
         ]
 
     def view(self, handle: int) -> memoryview:
-        """A writable view of a live unit's bytes (memfd only); valid while
-        the handle is live and the cache open."""
-        if self.backend != "memfd":
-            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
-        (loc,) = self.resolve([_u32(handle, "handle")])
-        return memoryview((ctypes.c_char * loc.unit_bytes).from_address(loc.address)).cast("B")
+        """A writable view of a live unit's bytes (memfd only), as Pool.view:
+        the unit's while the handle is live; the view keeps the memory mapped
+        after close() until it is gone."""
+        return self._view("marconi_pooled_cache_resolve", handle)
 
     def copy_states(self, pairs: Any) -> None:
         """Copies states by handle (e.g. the lookup's state into the request's

@@ -30,7 +30,7 @@ def test_allocate_resolve_write_free():
         assert (s["kv_capacity"], s["state_capacity"]) == (192, 32)
         assert s["physical_bytes"] == 0
         kv = pool.allocate("kv", 10)
-        assert isinstance(kv, array.array) and len(kv) == 10 and all(h and h >> 31 == 0 for h in kv)
+        assert isinstance(kv, array.array) and len(kv) == 10 and all(0 < h < 1 << 63 for h in kv)
         locs = pool.resolve(kv)
         assert [loc.kind for loc in locs] == ["kv"] * 10
         assert all(loc.unit_bytes == 64 << 10 and loc.byte_offset == loc.index * (64 << 10) for loc in locs)
@@ -70,7 +70,7 @@ def test_allocate_resolve_write_free():
 def test_numpy_handles_are_read_in_place():
     np = pytest.importorskip("numpy")
     with memfd_pool() as pool:
-        h = np.frombuffer(pool.allocate("state", 6), dtype=np.uint32).copy()
+        h = np.frombuffer(pool.allocate("state", 6), dtype=np.uint64).copy()
         locs = pool.resolve(h)
         assert [loc.kind for loc in locs] == ["state"] * 6
         pool.free(h.astype(np.int64))
@@ -133,14 +133,14 @@ def test_pool_snapshots():
 def test_pool_snapshots_take_numpy_pairs():
     np = pytest.importorskip("numpy")
     with memfd_pool() as pool:
-        st = np.frombuffer(pool.allocate("state", 4), dtype=np.uint32)
+        st = np.frombuffer(pool.allocate("state", 4), dtype=np.int64)
         for i, h in enumerate(st):
             np.frombuffer(pool.view(int(h)), dtype=np.uint8)[:] = i
-        pool.copy_states(np.array([[st[0], st[2]], [st[1], st[3]]], dtype=np.uint32))
+        pool.copy_states(np.array([[st[0], st[2]], [st[1], st[3]]], dtype=np.int64))
         assert np.frombuffer(pool.view(int(st[2])), dtype=np.uint8).max() == 0
         assert np.frombuffer(pool.view(int(st[3])), dtype=np.uint8).min() == 1
         with pytest.raises(ValueError):
-            pool.copy_states(np.zeros((2, 3), dtype=np.uint32))
+            pool.copy_states(np.zeros((2, 3), dtype=np.int64))
 
 
 def test_caller_buffer_snapshots():
@@ -252,3 +252,34 @@ def test_threads_share_a_pool():
         assert errors == []
         s = pool.stats()
         assert (s["kv_free"], s["state_free"]) == (s["kv_capacity"], s["state_capacity"])
+
+
+def test_a_view_outlives_close_without_crashing():
+    # Writing a view after close() used to write into unmapped memory and
+    # kill the interpreter; the view now keeps the mapping until it is gone.
+    pool = memfd_pool()
+    (h,) = pool.allocate("state", 1)
+    v = pool.view(h)
+    w = pool.view(h)[:16]
+    pool.close()
+    v[:] = b"\x07" * len(v)
+    assert v[0] == 7 and v[-1] == 7 and w[15] == 7
+    del v
+    w[0] = 9
+    assert w[0] == 9
+    del w
+    with pytest.raises(ValueError):
+        pool.view(h)
+
+
+def test_handles_of_another_pool_are_refused():
+    with memfd_pool() as a, memfd_pool() as b:
+        ha, hb = a.allocate("kv", 3), b.allocate("kv", 3)
+        assert set(ha).isdisjoint(hb)
+        for h in ha:
+            with pytest.raises(MarconiError) as e:
+                b.free([h])
+            assert e.value.name == "UNKNOWN_HANDLE"
+        assert b.stats()["kv_free"] == b.stats()["kv_capacity"] - 3
+        a.free(ha)
+        b.free(hb)

@@ -116,13 +116,12 @@ static void test_memfd_allocate_resolve_free(void) {
   CHECK(s.mapped_chunks <= s.budget_chunks);
   CHECK_EQ(s.physical_bytes, 0); /* nothing written yet */
 
-  uint32_t kv[16];
+  uint64_t kv[16];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 16, kv, 16));
   marconi_unit_location loc[16];
   OK(marconi_pool_resolve(pool, kv, 16, loc, 16));
   for (int i = 0; i < 16; i++) {
     CHECK(kv[i] != 0);
-    CHECK_EQ(kv[i] >> 31, 0); /* KV tag */
     CHECK_EQ(loc[i].kind, MARCONI_POOL_KIND_KV);
     CHECK_EQ(loc[i].unit_bytes, 64 * 1024);
     CHECK_EQ(loc[i].byte_offset, (uint64_t)loc[i].index * 64 * 1024);
@@ -140,7 +139,7 @@ static void test_memfd_allocate_resolve_free(void) {
   CHECK(s.physical_bytes <= s.budget_bytes);
 
   /* Misuse, each refused and changing nothing. */
-  uint32_t out[4] = {0, 0, 0, 0};
+  uint64_t out[4] = {0, 0, 0, 0};
   CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 4, out, 3), MARCONI_STATUS_BUFFER_TOO_SMALL);
   CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 4, NULL, 4), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_pool_allocate(pool, 5, 1, out, 4), MARCONI_STATUS_INVALID_ARGUMENT);
@@ -148,20 +147,20 @@ static void test_memfd_allocate_resolve_free(void) {
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 0, NULL, 0));
   CHECK_EQ(out[0], 0);
   /* More than the pool holds (static split): all or nothing. */
-  uint32_t *many = malloc(200 * sizeof *many);
+  uint64_t *many = malloc(200 * sizeof *many);
   CHECK_EQ(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 200, many, 200), MARCONI_STATUS_OUT_OF_MEMORY);
   CHECK_EQ(stats_of(pool).kv_free, 192 - 16);
   free(many);
-  uint32_t zero = 0;
+  uint64_t zero = 0;
   CHECK_EQ(marconi_pool_resolve(pool, &zero, 1, loc, 16), MARCONI_STATUS_UNKNOWN_HANDLE);
   CHECK_EQ(marconi_pool_resolve(pool, kv, 16, loc, 15), MARCONI_STATUS_BUFFER_TOO_SMALL);
   CHECK_EQ(marconi_pool_resolve(pool, NULL, 2, loc, 16), MARCONI_STATUS_NULL_ARGUMENT);
   /* A list naming one handle twice frees nothing. */
-  uint32_t twice[3] = {kv[0], kv[1], kv[0]};
+  uint64_t twice[3] = {kv[0], kv[1], kv[0]};
   CHECK_EQ(marconi_pool_free_units(pool, twice, 3), MARCONI_STATUS_DOUBLE_FREE);
   CHECK_EQ(stats_of(pool).kv_free, 192 - 16);
   /* A made-up handle in the list frees nothing. */
-  uint32_t bad[2] = {kv[2], 0x7fffff00u};
+  uint64_t bad[2] = {kv[2], 0x7fffff00u};
   CHECK_EQ(marconi_pool_free_units(pool, bad, 2), MARCONI_STATUS_UNKNOWN_HANDLE);
   OK(marconi_pool_resolve(pool, &kv[2], 1, loc, 1));
 
@@ -171,7 +170,7 @@ static void test_memfd_allocate_resolve_free(void) {
   CHECK_EQ(marconi_pool_free_units(pool, kv, 1), MARCONI_STATUS_DOUBLE_FREE);
   CHECK_EQ(marconi_pool_resolve(pool, kv, 1, loc, 1), MARCONI_STATUS_DOUBLE_FREE);
   /* A freed handle whose unit was reused is stale, never the new owner's. */
-  uint32_t again[8];
+  uint64_t again[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 8, again, 8));
   for (int i = 0; i < 8; i++) {
     marconi_status st = marconi_pool_resolve(pool, &kv[i], 1, loc, 1);
@@ -203,7 +202,7 @@ static void test_memfd_avmp_migration(void) {
   CHECK_EQ(s.kv_capacity, 128);   /* 8 MiB / 64 KiB */
   CHECK_EQ(s.state_capacity, 64); /* 8 MiB / 128 KiB */
   /* Fill the KV pool, then ask for more: capacity moves from the state pool. */
-  uint32_t *kv = malloc(160 * sizeof *kv);
+  uint64_t *kv = malloc(160 * sizeof *kv);
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 128, kv, 128));
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 8, kv + 128, 8));
   s = stats_of(pool);
@@ -241,13 +240,13 @@ static void test_memfd_avmp_migration(void) {
   marconi_pool_free(pool);
 }
 
-static void fill(const marconi_pool *pool, uint32_t h, unsigned char v) {
+static void fill(const marconi_pool *pool, uint64_t h, unsigned char v) {
   marconi_unit_location l;
   OK(marconi_pool_resolve(pool, &h, 1, &l, 1));
   memset((void *)(uintptr_t)l.address, v, (size_t)l.unit_bytes);
 }
 
-static int holds(const marconi_pool *pool, uint32_t h, unsigned char v) {
+static int holds(const marconi_pool *pool, uint64_t h, unsigned char v) {
   marconi_unit_location l;
   if (marconi_pool_resolve(pool, &h, 1, &l, 1) != MARCONI_STATUS_OK) return 0;
   const unsigned char *p = (const unsigned char *)(uintptr_t)l.address;
@@ -258,23 +257,22 @@ static int holds(const marconi_pool *pool, uint32_t h, unsigned char v) {
 
 static void test_pool_snapshots(void) {
   marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
-  uint32_t st[8];
+  uint64_t st[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
   for (int i = 0; i < 8; i++) {
-    CHECK_EQ(st[i] >> 31, 1); /* state tag */
     fill(pool, st[i], (unsigned char)(i + 1));
   }
-  marconi_copy_order pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
+  marconi_state_copy pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
   OK(marconi_pool_copy_states(pool, pairs, 2));
   CHECK(holds(pool, st[1], 1));
   CHECK(holds(pool, st[3], 3));
   CHECK(holds(pool, st[0], 1));
-  uint32_t dsts[3] = {st[4], st[5], st[6]};
+  uint64_t dsts[3] = {st[4], st[5], st[6]};
   OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
   for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
   /* Promote COPY_INTO: candidate 1 (st[5], after a change) into st[0]. */
   fill(pool, st[5], 0x55);
-  uint32_t now = 0;
+  uint64_t now = 0;
   OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
   CHECK_EQ(now, st[0]);
   CHECK(holds(pool, st[0], 0x55));
@@ -285,16 +283,16 @@ static void test_pool_snapshots(void) {
 
   /* Bad batches are refused whole: nothing copied. */
   fill(pool, st[1], 0x11);
-  marconi_copy_order dup[2] = {{st[0], st[1]}, {st[2], st[1]}};
+  marconi_state_copy dup[2] = {{st[0], st[1]}, {st[2], st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, dup, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  marconi_copy_order chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
+  marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
   CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  marconi_copy_order self[1] = {{st[3], st[3]}};
+  marconi_state_copy self[1] = {{st[3], st[3]}};
   CHECK_EQ(marconi_pool_copy_states(pool, self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
   CHECK(holds(pool, st[1], 0x11));
-  uint32_t kv;
+  uint64_t kv;
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 1, &kv, 1));
-  marconi_copy_order wrong_kind[1] = {{kv, st[1]}};
+  marconi_state_copy wrong_kind[1] = {{kv, st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, wrong_kind, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   CHECK_EQ(marconi_pool_fork_state(pool, st[0], NULL, 2), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_pool_promote_state(pool, st[0], dsts, 3, 3, MARCONI_PROMOTE_MODE_SWAP, &now),
@@ -303,7 +301,7 @@ static void test_pool_snapshots(void) {
   CHECK_EQ(marconi_pool_promote_state(pool, st[0], dsts, 3, 0, 0, NULL), MARCONI_STATUS_NULL_ARGUMENT);
   /* A freed state handle is refused. */
   OK(marconi_pool_free_units(pool, &st[7], 1));
-  marconi_copy_order freed[1] = {{st[7], st[1]}};
+  marconi_state_copy freed[1] = {{st[7], st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, freed, 1), MARCONI_STATUS_DOUBLE_FREE);
   CHECK(holds(pool, st[1], 0x11));
   OK(marconi_pool_copy_states(pool, NULL, 0));
@@ -318,7 +316,7 @@ static void test_pool_snapshots(void) {
   OK(marconi_pool_resolve(pool, st, 2, l, 2));
   CHECK_EQ(l[0].address, 0);
   CHECK_EQ(l[1].byte_offset, (uint64_t)l[1].index * 128 * 1024);
-  marconi_copy_order one[1] = {{st[0], st[1]}};
+  marconi_state_copy one[1] = {{st[0], st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, one, 1), MARCONI_STATUS_UNSUPPORTED);
   CHECK_EQ(stats_of(pool).physical_bytes, 0);
   marconi_pool_free(pool);
@@ -376,7 +374,7 @@ typedef struct {
 
 static void *worker(void *p) {
   worker_arg *a = p;
-  uint32_t h[6];
+  uint64_t h[6];
   for (int r = 0; r < a->rounds; r++) {
     uint32_t kind = (uint32_t)(r % 2);
     if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) {
@@ -389,6 +387,39 @@ static void *worker(void *p) {
     if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->refused += 1000;
   }
   return NULL;
+}
+
+/* Two live pools never accept each other's handles, whatever their values,
+ * and a unit larger than the budget is refused. */
+static void test_two_pools(void) {
+  marconi_pool *a = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  marconi_pool *b = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  uint64_t ha[4], hb[4];
+  OK(marconi_pool_allocate(a, MARCONI_POOL_KIND_KV, 4, ha, 4));
+  OK(marconi_pool_allocate(b, MARCONI_POOL_KIND_KV, 4, hb, 4));
+  marconi_unit_location l;
+  for (int i = 0; i < 4; i++) {
+    CHECK(ha[i] != hb[i]);
+    fill(a, ha[i], 0xA0);
+    CHECK_EQ(marconi_pool_resolve(b, &ha[i], 1, &l, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+    CHECK_EQ(marconi_pool_free_units(b, &ha[i], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  }
+  CHECK_EQ(stats_of(b).kv_free, stats_of(b).kv_capacity - 4);
+  for (int i = 0; i < 4; i++) CHECK(holds(a, ha[i], 0xA0));
+  OK(marconi_pool_free_units(a, ha, 4));
+  OK(marconi_pool_free_units(b, hb, 4));
+  marconi_pool_free(a);
+  marconi_pool_free(b);
+
+  marconi_pool_config c;
+  OK(marconi_pool_config_init(&c, sizeof c));
+  c.backend = MARCONI_POOL_BACKEND_NONE;
+  c.budget_bytes = 1 << 20;
+  c.kv_page_bytes = UINT64_MAX;
+  c.state_slot_bytes = 4096;
+  marconi_pool *none = (marconi_pool *)0x1;
+  CHECK_EQ(marconi_pool_new(&c, &none), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(none == (marconi_pool *)0x1);
 }
 
 static void test_threads(void) {
@@ -416,6 +447,7 @@ int main(void) {
   test_memfd_avmp_migration();
   test_pool_snapshots();
   test_caller_buffer_snapshots();
+  test_two_pools();
   test_threads();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);

@@ -220,7 +220,7 @@ static void test_converged_split(void) {
 typedef struct {
   marconi_pooled_cache *pc;
   uint64_t budget;
-  uint32_t freed_seen[MAX_UNITS * 4];
+  uint64_t freed_seen[MAX_UNITS * 4];
   size_t n_freed_seen;
 } fixture;
 
@@ -255,7 +255,7 @@ static marconi_pooled_stats stats_of(const marconi_pooled_cache *c) {
 /* The invariants of the issue, after every step. */
 static void check_invariants(fixture *f) {
   OK(marconi_pooled_cache_check(f->pc));
-  static uint32_t held[MAX_UNITS * 2];
+  static uint64_t held[MAX_UNITS * 2];
   size_t n = 0;
   OK(marconi_pooled_cache_held(f->pc, held, MAX_UNITS * 2, &n));
   static marconi_unit_location loc[MAX_UNITS * 2];
@@ -266,7 +266,7 @@ static void check_invariants(fixture *f) {
   CHECK(s.budget_bytes <= f->budget);
   CHECK(s.kv_free <= s.kv_capacity && s.state_free <= s.state_capacity);
   /* Freed handles come back: drained once, and no longer held. */
-  static uint32_t freed[MAX_UNITS * 2];
+  static uint64_t freed[MAX_UNITS * 2];
   size_t nf = 0;
   OK(marconi_pooled_cache_drain_freed(f->pc, freed, MAX_UNITS * 2, &nf));
   for (size_t i = 0; i < nf; i++) {
@@ -288,7 +288,7 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   marconi_pooled_lookup l;
   OK(marconi_pooled_cache_lookup_hinted(f->pc, 0, tokens, input, hints, n_hints, &l));
   CHECK(l.hit_tokens < input);
-  uint32_t hit_pages[MAX_UNITS];
+  uint64_t hit_pages[MAX_UNITS];
   size_t n_hit = 0;
   OK(marconi_pooled_cache_lease_kv_pages(f->pc, l.lease, hit_pages, MAX_UNITS, &n_hit));
   CHECK_EQ(n_hit, l.n_kv_pages);
@@ -300,8 +300,8 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   uint32_t full_pages = full / PAGE;
   uint32_t want_pages = full_pages - (uint32_t)n_hit;
   uint32_t want_slots = (uint32_t)n_plan + 1;
-  static uint32_t pages[MAX_UNITS];
-  uint32_t slots[65];
+  static uint64_t pages[MAX_UNITS];
+  uint64_t slots[65];
   marconi_status st =
       marconi_pooled_cache_reserve(f->pc, want_pages, want_slots, pages + n_hit, MAX_UNITS - n_hit, slots, 65);
   if (st == MARCONI_STATUS_OUT_OF_MEMORY) {
@@ -313,13 +313,13 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   memcpy(pages, hit_pages, n_hit * sizeof pages[0]);
   /* Resume from the cached state: copy it into the request's own slot. */
   if (l.state_handle != 0) {
-    marconi_copy_order o = {l.state_handle, slots[0]};
+    marconi_state_copy o = {l.state_handle, slots[0]};
     OK(marconi_pooled_cache_copy_states(f->pc, &o, 1));
   }
   /* "Prefill and decode": write each saved state's slot. */
-  marconi_saved_state states[65];
-  for (size_t i = 0; i < n_plan; i++) states[i] = (marconi_saved_state){plan[i], slots[i + 1]};
-  states[n_plan] = (marconi_saved_state){full / PAGE * PAGE, slots[0]};
+  marconi_pooled_state states[65];
+  for (size_t i = 0; i < n_plan; i++) states[i] = (marconi_pooled_state){plan[i], 0, slots[i + 1]};
+  states[n_plan] = (marconi_pooled_state){full / PAGE * PAGE, 0, slots[0]};
   marconi_unit_location sl;
   OK(marconi_pooled_cache_resolve(f->pc, &slots[0], 1, &sl, 1));
   memset((void *)(uintptr_t)sl.address, (int)(full & 0xff), 4096);
@@ -328,12 +328,12 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   OK(marconi_pooled_cache_admit(f->pc, l.lease, tokens, full, states, n_plan + 1, pages, full_pages,
                                 taken, &r));
   /* Free what the cache did not take. */
-  uint32_t mine[MAX_UNITS + 65];
+  uint64_t mine[MAX_UNITS + 65];
   size_t n_mine = 0;
   for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
     if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
   for (size_t i = 0; i <= n_plan; i++)
-    if (!taken[i]) mine[n_mine++] = states[i].slot;
+    if (!taken[i]) mine[n_mine++] = states[i].state_handle;
   OK(marconi_pooled_cache_free_units(f->pc, mine, n_mine));
   /* A freed working unit is the caller's no more. */
   if (n_mine > 0) CHECK_EQ(marconi_pooled_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
@@ -444,40 +444,61 @@ static void test_misuse(void) {
   CHECK_EQ(marconi_pooled_cache_lookup(c, 0, tokens, 0, &l), MARCONI_STATUS_EMPTY_TOKENS);
   OK(marconi_pooled_cache_lookup(c, 0, tokens, 48, &l));
   /* More than the whole budget: refused, nothing reserved. */
-  uint32_t big[4];
+  uint64_t big[4];
   CHECK_EQ(marconi_pooled_cache_reserve(c, 0, 1000000, NULL, 0, big, 4), MARCONI_STATUS_BUFFER_TOO_SMALL);
-  static uint32_t many[100000];
+  static uint64_t many[100000];
   CHECK_EQ(marconi_pooled_cache_reserve(c, 100000, 0, many, 100000, NULL, 0), MARCONI_STATUS_OUT_OF_MEMORY);
-  uint32_t pg[4], sl[2];
+  uint64_t pg[4], sl[2];
   OK(marconi_pooled_cache_reserve(c, 4, 2, pg, 4, sl, 2));
   /* A slot the caller does not hold: refused, nothing changes. */
-  marconi_saved_state bad = {64, 0xfffffff0u}; /* never reserved */
+  marconi_pooled_state bad = {64, 0, 0xfffffff0u}; /* never reserved */
   uint8_t taken[1];
   marconi_admit_result r;
   CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &bad, 1, pg, 4, taken, &r),
            MARCONI_STATUS_UNKNOWN_HANDLE);
   /* A page where a slot is expected. */
-  marconi_saved_state wrong = {64, pg[0]};
+  marconi_pooled_state wrong = {64, 0, pg[0]};
   CHECK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &wrong, 1, pg, 4, taken, &r) != MARCONI_STATUS_OK);
   CHECK_EQ(marconi_pooled_cache_admit(c, l.lease + 1, tokens, 64, NULL, 0, pg, 4, NULL, &r),
            MARCONI_STATUS_UNKNOWN_LEASE);
   CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, NULL, 1, pg, 4, taken, &r),
            MARCONI_STATUS_NULL_ARGUMENT);
-  marconi_saved_state fin = {64, sl[0]};
+  /* A reserved page or slot listed twice: the documented duplicates. */
+  uint64_t pg_twice[4] = {pg[0], pg[1], pg[0], pg[3]};
+  marconi_pooled_state fin = {64, 0, sl[0]};
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg_twice, 4, taken, &r),
+           MARCONI_STATUS_DUPLICATE_PAGE);
+  marconi_pooled_state two[2] = {{32, 0, sl[0]}, {64, 0, sl[0]}};
+  uint8_t taken2[2];
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, two, 2, pg, 4, taken2, &r),
+           MARCONI_STATUS_DUPLICATE_SLOT);
+  /* A handle of another cache over pools: refused, its owner untouched. */
+  marconi_pooled_cache *other = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  uint64_t opg[4], osl[1];
+  OK(marconi_pooled_cache_reserve(other, 4, 1, opg, 4, osl, 1));
+  marconi_pooled_state foreign = {64, 0, osl[0]};
+  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &foreign, 1, opg, 4, taken, &r),
+           MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_pooled_cache_free_units(c, opg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  marconi_unit_location ol;
+  CHECK_EQ(marconi_pooled_cache_resolve(c, osl, 1, &ol, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_pooled_cache_free_units(other, opg, 4));
+  OK(marconi_pooled_cache_free_units(other, osl, 1));
+  marconi_pooled_cache_free(other);
   OK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg, 4, taken, &r));
   CHECK_EQ(taken[0], 1);
   CHECK_EQ(r.kv_pages_taken_end - r.kv_pages_taken_start, 4);
   /* The cache's units are not the caller's to free or to overwrite. */
   CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[0], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   CHECK_EQ(marconi_pooled_cache_free_units(c, pg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  marconi_copy_order onto_cached = {sl[1], sl[0]};
+  marconi_state_copy onto_cached = {sl[1], sl[0]};
   CHECK_EQ(marconi_pooled_cache_copy_states(c, &onto_cached, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  marconi_copy_order self = {sl[1], sl[1]};
+  marconi_state_copy self = {sl[1], sl[1]};
   CHECK_EQ(marconi_pooled_cache_copy_states(c, &self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
   OK(marconi_pooled_cache_free_units(c, &sl[1], 1));
   CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[1], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   OK(marconi_pooled_cache_release(c, l.lease));
-  uint32_t held[16];
+  uint64_t held[16];
   size_t n = 0;
   CHECK_EQ(marconi_pooled_cache_held(c, held, 1, &n), MARCONI_STATUS_BUFFER_TOO_SMALL);
   CHECK_EQ(n, 5); /* 4 pages + 1 state */

@@ -197,10 +197,7 @@ impl<B: PhysicalMemory> BackedPool<B> {
             budget_chunks,
             chunks_moved: 0,
         };
-        let need = me.needs(
-            me.pool.capacity(PoolKind::Kv),
-            me.pool.capacity(PoolKind::Ssm),
-        );
+        let need = me.needs(me.pool.extent(PoolKind::Kv), me.pool.extent(PoolKind::Ssm));
         if need[0] + need[1] > budget_chunks {
             return Err(PhysError::OverBudget {
                 needed: need[0] + need[1],
@@ -404,6 +401,14 @@ impl<B: PhysicalMemory> PoolAllocator for BackedPool<B> {
 
     fn free_units(&self, pool: PoolKind) -> u32 {
         self.pool.free_units(pool)
+    }
+
+    fn extent(&self, pool: PoolKind) -> u32 {
+        self.pool.extent(pool)
+    }
+
+    fn retired_units(&self, pool: PoolKind) -> u64 {
+        self.pool.retired_units(pool)
     }
 
     fn allocate(

@@ -123,12 +123,20 @@ fn all_blocks_over_pools_admits_the_final_state() {
     let mut l = marconi_pooled_lookup::default();
     // SAFETY: live handle, valid buffers.
     ok(unsafe { marconi_pooled_cache_lookup(pc, 0, input.as_ptr(), input.len(), &mut l) });
-    let (mut pages, mut slots) = ([0u32; 7], [0u32; 4]);
+    let (mut pages, mut slots) = ([0u64; 7], [0u64; 4]);
     // SAFETY: live handle; buffers of the given capacities.
     ok(unsafe {
         marconi_pooled_cache_reserve(pc, 7, 4, pages.as_mut_ptr(), 7, slots.as_mut_ptr(), 4)
     });
-    let s = states(&[8, 16, 24, 28], &slots);
+    let s: Vec<marconi_pooled_state> = [8, 16, 24, 28]
+        .iter()
+        .zip(slots)
+        .map(|(&position, state_handle)| marconi_pooled_state {
+            position,
+            reserved: 0,
+            state_handle,
+        })
+        .collect();
     let mut taken = [0u8; 4];
     let mut out = marconi_admit_result::default();
     // SAFETY: live handle, valid buffers and lengths.

@@ -69,6 +69,12 @@ pub struct Register {
     /// Ignored (Dynamo accepts and ignores it).
     #[serde(default)]
     pub tenant_id: Option<String>,
+    /// The worker's model has no recurrent layers (marconi-router's own
+    /// field; default false): every KV block it holds is resumable, so its
+    /// score is its KV match. A hybrid worker's score is capped at its
+    /// deepest state.
+    #[serde(default)]
+    pub attention_only: bool,
 }
 
 /// `/query`'s and `/query_by_hash`'s body.
@@ -117,6 +123,8 @@ struct Worker {
     dp_rank: u32,
     endpoint: String,
     engine: EngineId,
+    /// No recurrent layers: scored by its KV match.
+    attention_only: bool,
     /// Unregistered: its engine is cleared and its answers left out (the
     /// index keeps engine slots for its life).
     gone: bool,
@@ -232,6 +240,7 @@ impl Service {
                     dp_rank: r.dp_rank,
                     endpoint: r.endpoint,
                     engine,
+                    attention_only: r.attention_only,
                     gone: false,
                 });
                 Reply::json(201, &json!({"status": "ok"}))
@@ -317,8 +326,13 @@ impl Service {
             let o = out[w.engine.index()];
             let id = w.instance_id.to_string();
             let rank = w.dp_rank.to_string();
-            if o.resumable_tokens > 0 {
-                entry(&mut scores, &id).insert(rank.clone(), json!(o.resumable_tokens));
+            let score = if w.attention_only {
+                o.kv_matched_tokens
+            } else {
+                o.resumable_tokens
+            };
+            if score > 0 {
+                entry(&mut scores, &id).insert(rank.clone(), json!(score));
             }
             if o.kv_matched_tokens > 0 {
                 entry(&mut kv_scores, &id).insert(rank.clone(), json!(o.kv_matched_tokens));
@@ -326,14 +340,11 @@ impl Service {
             let inst = instances.entry(id).or_insert_with(
                 || json!({"longest_matched": 0, "gpu": 0, "dp": {}, "cpu": 0, "disk": 0}),
             );
-            let best = inst["gpu"]
-                .as_u64()
-                .unwrap_or(0)
-                .max(u64::from(o.resumable_tokens));
+            let best = inst["gpu"].as_u64().unwrap_or(0).max(u64::from(score));
             for k in ["longest_matched", "gpu", "cpu", "disk"] {
                 inst[k] = json!(best);
             }
-            inst["dp"][rank] = json!(o.resumable_tokens);
+            inst["dp"][rank] = json!(score);
         }
         Reply::json(
             200,

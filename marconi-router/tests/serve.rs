@@ -125,6 +125,11 @@ fn scores_are_capped_at_the_deepest_state() {
     let mut s = Service::new(ServeConfig::default());
     let reg = json!({"instance_id": 7, "endpoint": ep, "model_name": "m", "block_size": 4});
     assert_eq!(call(&mut s, "POST", "/register", reg).0, 201);
+    // The same stream from a worker without recurrent layers: its KV match
+    // is all resumable, so it is scored by it, not capped.
+    let reg = json!({"instance_id": 9, "endpoint": ep, "model_name": "m", "block_size": 4,
+                     "attention_only": true});
+    assert_eq!(call(&mut s, "POST", "/register", reg).0, 201);
 
     // Three blocks of tokens 1..12 in namespace "salt" (vLLM's cache_salt:
     // the first block's extra keys), a state after block 2 (8 tokens).
@@ -151,15 +156,17 @@ fn scores_are_capped_at_the_deepest_state() {
             .expect("send");
         seq += 1;
         s.poll(Duration::from_millis(50)).expect("poll");
-        if call(&mut s, "POST", "/query", query.clone()).1["kv_scores"] != json!({}) {
+        let kv = &call(&mut s, "POST", "/query", query.clone()).1["kv_scores"];
+        if kv.get("7").is_some() && kv.get("9").is_some() {
             break;
         }
     }
     let (st, body) = call(&mut s, "POST", "/query", query);
     assert_eq!(st, 200);
-    assert_eq!(body["scores"], json!({"7": {"0": 8}}));
-    assert_eq!(body["kv_scores"], json!({"7": {"0": 12}}));
+    assert_eq!(body["scores"], json!({"7": {"0": 8}, "9": {"0": 12}}));
+    assert_eq!(body["kv_scores"], json!({"7": {"0": 12}, "9": {"0": 12}}));
     assert_eq!(body["instances"]["7"]["gpu"], 8);
+    assert_eq!(body["instances"]["9"]["gpu"], 12);
     // Without the salt the same tokens hash elsewhere: no match.
     let plain = json!({"token_ids": (1..=13).collect::<Vec<u32>>(), "model_name": "m"});
     assert_eq!(
@@ -170,7 +177,7 @@ fn scores_are_capped_at_the_deepest_state() {
     let by_hash = json!({"block_hashes": kv, "model_name": "m"});
     assert_eq!(
         call(&mut s, "POST", "/query_by_hash", by_hash).1["scores"],
-        json!({"7": {"0": 8}})
+        json!({"7": {"0": 8}, "9": {"0": 12}})
     );
     let (_, dump) = call(&mut s, "GET", "/dump", Value::Null);
     let blocks = dump["m:default"]["events"][0]["event"]["data"]["stored"]["blocks"]

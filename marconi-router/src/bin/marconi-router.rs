@@ -88,6 +88,7 @@ fn serve(a: ServeArgs) -> Result<(), String> {
                 replay_endpoint: replay,
                 additional_salt: None,
                 tenant_id: None,
+                attention_only: false,
             });
             if reply.status >= 300 {
                 return Err(format!("worker {id}:{rank}: {}", reply.body));

@@ -97,7 +97,7 @@ wait_background() { # wait_background SCRIPT: its output, then its status
   return "$rc"
 }
 
-# (Each helper chains with &&: errexit does not apply inside a function that
+# (Each of these functions chains with &&: errexit does not apply inside a function that
 # step runs under `||`.)
 fuzz_smoke() {
   cargo run "${strict[@]}" -p marconi-ffi --example fuzz_abi -- --seed 1 --seconds 45 &&

@@ -2048,7 +2048,7 @@ typedef struct marconi_store_config {
 } marconi_store_config;
 
 /**
- * A store's counters (marconi_store_stats): hits, misses by kind, writes.
+ * A store's counters (marconi_store_get_stats): hits, misses by kind, writes.
  * Set struct_size to sizeof(marconi_store_stats) before the call.
  */
 typedef struct marconi_store_stats {
@@ -3649,8 +3649,8 @@ marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
  * `store` is a live handle or NULL; `out` is NULL or points to
  * out->struct_size writable bytes.
  */
-marconi_status marconi_store_stats(const struct marconi_store *store,
-                                   struct marconi_store_stats *out);
+marconi_status marconi_store_get_stats(const struct marconi_store *store,
+                                       struct marconi_store_stats *out);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -2,7 +2,7 @@
 //! KV blocks and recurrent states to and from a directory, Redis/Valkey,
 //! or the engine's own store through callbacks, in checked envelopes. A
 //! store that is down, slow or returns garbage gives misses (counted in
-//! marconi_store_stats), never a wrong value and never a call that outlasts
+//! marconi_store_get_stats), never a wrong value and never a call that outlasts
 //! the configured timeout by more than one operation.
 
 use std::ffi::{c_char, c_void, CStr};
@@ -156,7 +156,7 @@ impl marconi_store_config {
     }
 }
 
-/// A store's counters (marconi_store_stats): hits, misses by kind, writes.
+/// A store's counters (marconi_store_get_stats): hits, misses by kind, writes.
 /// Set struct_size to sizeof(marconi_store_stats) before the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -850,11 +850,11 @@ pub unsafe extern "C" fn marconi_store_kv_prefix(
 /// `store` is a live handle or NULL; `out` is NULL or points to
 /// out->struct_size writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_store_stats(
+pub unsafe extern "C" fn marconi_store_get_stats(
     store: *const marconi_store,
     out: *mut marconi_store_stats,
 ) -> marconi_status {
-    boundary("marconi_store_stats", || {
+    boundary("marconi_store_get_stats", || {
         require!(store);
         require!(out);
         check_ptr!(out);

@@ -678,7 +678,7 @@ SIGNATURES = {
         [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
     ),
     "marconi_store_kv_prefix": (status_t, [_store_p, _u32_p, c_size_t, _size_p]),
-    "marconi_store_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
+    "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
 }
 SIGNATURES.update(_pml_abi.PML_SIGNATURES)
 """Every function of the header: name -> (restype, argtypes)."""

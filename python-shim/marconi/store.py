@@ -260,12 +260,12 @@ class Store:
         return got.value
 
     def stats(self) -> dict[str, int]:
-        """Hits, misses by kind, writes (marconi_store_stats)."""
+        """Hits, misses by kind, writes (marconi_store_get_stats)."""
         s = _lib.marconi_store_stats()
         s.struct_size = ctypes.sizeof(s)
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_stats(h, ctypes.byref(s)), "marconi_store_stats")
+            _check(self._lib.marconi_store_get_stats(h, ctypes.byref(s)), "marconi_store_get_stats")
         finally:
             self._end()
         return {f: getattr(s, f) for f in _lib.STORE_STATS_FIELDS}

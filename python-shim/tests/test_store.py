@@ -127,10 +127,10 @@ def test_the_raw_abi_refuses_null_and_foreign_handles(tmp_path):
             assert lib.marconi_store_get_state(h, None, 4, 1, buf, 16, ctypes.byref(n), ctypes.byref(found)) == 1
             assert lib.marconi_store_get_state(h, toks, 4, 1, None, 16, ctypes.byref(n), ctypes.byref(found)) == 1
             assert lib.marconi_store_put_kv(h, toks, 4, 0, 1, None, 16) == 1
-            assert lib.marconi_store_stats(h, None) == 1
+            assert lib.marconi_store_get_stats(h, None) == 1
             small = _lib.marconi_store_stats()
             small.struct_size = 4
-            assert lib.marconi_store_stats(h, ctypes.byref(small)) == 19
+            assert lib.marconi_store_get_stats(h, ctypes.byref(small)) == 19
         finally:
             a._end()
 

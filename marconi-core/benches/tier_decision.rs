@@ -22,56 +22,7 @@ use marconi_core::{
 };
 
 mod common;
-use common::Lcg;
-
-struct Workload {
-    rng: Lcg,
-    prompts: Vec<Vec<u32>>,
-    live: Vec<(Vec<u32>, u32)>,
-}
-
-impl Workload {
-    fn new() -> Self {
-        let mut rng = Lcg(7);
-        let prompts: Vec<Vec<u32>> = (0..8)
-            .map(|_| {
-                let len = rng.range(1500, 3000);
-                rng.tokens(len)
-            })
-            .collect();
-        let mut w = Workload {
-            rng,
-            prompts,
-            live: Vec::new(),
-        };
-        w.live = (0..64).map(|_| w.new_session()).collect();
-        w
-    }
-
-    fn new_session(&mut self) -> (Vec<u32>, u32) {
-        let p = self.prompts[self.rng.range(0, 8) as usize].clone();
-        (p, self.rng.range(4, 13))
-    }
-
-    fn next(&mut self, full: &mut Vec<u32>) -> usize {
-        let s = self.rng.range(0, 64) as usize;
-        let user = self.rng.range(100, 500);
-        let user = self.rng.tokens(user);
-        let out = self.rng.range(50, 300);
-        let out = self.rng.tokens(out);
-        let (hist, left) = &mut self.live[s];
-        hist.extend(user);
-        let input_len = hist.len();
-        hist.extend(out);
-        full.clear();
-        full.extend_from_slice(hist);
-        *left -= 1;
-        if *left == 0 {
-            self.live[s] = self.new_session();
-        }
-        input_len
-    }
-}
+use common::Workload;
 
 fn config(tokens: u64) -> CacheConfig {
     let model = ModelSpec::preset("paper-7b").expect("preset");

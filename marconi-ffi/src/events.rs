@@ -11,8 +11,8 @@ use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, W
 
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
-    boundary, boundary_or, check_ptr, marconi_status, out_slice, read_versioned, require, FfiError,
-    FfiResult,
+    boundary, boundary_or, check_ptr, marconi_status, out_slice, read_versioned, require,
+    write_config_init, FfiError, FfiResult,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -215,16 +215,9 @@ pub unsafe extern "C" fn marconi_events_config_init(
         }
         let mut d = marconi_events_config::defaults();
         d.struct_size = struct_size as u32;
-        // SAFETY: cfg has struct_size >= ours writable bytes (contract); the
-        // tail past our fields is zeroed ("not set" for a newer caller).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                std::ptr::addr_of!(d).cast::<u8>(),
-                cfg.cast::<u8>(),
-                ours,
-            );
-            std::ptr::write_bytes(cfg.cast::<u8>().add(ours), 0, struct_size - ours);
-        }
+        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes
+        // (checked above; the header's contract).
+        unsafe { write_config_init(&d, cfg, struct_size) };
         Ok(())
     })
 }

@@ -491,6 +491,29 @@ pub(crate) unsafe fn write_versioned<T: Copy>(value: &T, out: *mut T, size: usiz
     }
 }
 
+/// Writes a versioned config struct's defaults `value` into a caller's
+/// struct of `size` bytes, at least this library's: our fields, then zeros
+/// past them ("not set" for a caller compiled against a newer, longer
+/// version).
+///
+/// # Safety
+///
+/// `out` is non-NULL and has `size >= size_of::<T>()` writable bytes
+/// (callers check `size` first).
+pub(crate) unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: usize) {
+    let ours = std::mem::size_of::<T>();
+    // SAFETY: `out` has size >= ours writable bytes (caller contract); a
+    // local value and the caller's memory do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            std::ptr::from_ref(value).cast::<u8>(),
+            out.cast::<u8>(),
+            ours,
+        );
+        std::ptr::write_bytes(out.cast::<u8>().add(ours), 0, size - ours);
+    }
+}
+
 /// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
 /// `cap - 1` bytes (nothing is written when `cap` is 0 or `buf` is NULL), and
 /// returns the full length of `text` without the NUL, as `snprintf` does.

@@ -17,7 +17,7 @@ use ::marconi_store::{
 use crate::cache::tokens_len_ok;
 use crate::status::{
     boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_versioned, FfiError, FfiResult,
+    write_config_init, write_versioned, FfiError, FfiResult,
 };
 
 /// Which store a handle uses.
@@ -392,16 +392,9 @@ pub unsafe extern "C" fn marconi_store_config_init(
         }
         let mut d = marconi_store_config::defaults();
         d.struct_size = struct_size as u32;
-        // SAFETY: cfg has struct_size >= ours writable bytes (contract); the
-        // tail past our fields is zeroed ("not set" for a newer caller).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                std::ptr::addr_of!(d).cast::<u8>(),
-                cfg.cast::<u8>(),
-                ours,
-            );
-            std::ptr::write_bytes(cfg.cast::<u8>().add(ours), 0, struct_size - ours);
-        }
+        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes
+        // (checked above; the header's contract).
+        unsafe { write_config_init(&d, cfg, struct_size) };
         Ok(())
     })
 }

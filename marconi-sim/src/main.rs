@@ -14,6 +14,7 @@ use marconi_sim::plot::number;
 use marconi_sim::replay::{Policy, Replay, ReplayConfig};
 use marconi_sim::sharegpt::{self, ShareGptConfig};
 use marconi_sim::synth::{self, SynthConfig, SynthKind};
+use marconi_sim::tiers::{non_negative, positive};
 use marconi_sim::trace::Trace;
 use marconi_sim::ttft::TtftModel;
 use marconi_sim::units::{format_bytes, parse_bytes};
@@ -275,26 +276,6 @@ struct CacheArgs {
     quiet: bool,
     #[command(flatten)]
     tiers: marconi_sim::tiers::TierArgs,
-}
-
-/// A finite number > 0.
-fn positive(s: &str) -> Result<f64, String> {
-    let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if x.is_finite() && x > 0.0 {
-        Ok(x)
-    } else {
-        Err(format!("{x} is not a finite number > 0"))
-    }
-}
-
-/// A finite number >= 0.
-fn non_negative(s: &str) -> Result<f64, String> {
-    let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
-    if x.is_finite() && x >= 0.0 {
-        Ok(x)
-    } else {
-        Err(format!("{x} is not a finite number >= 0"))
-    }
 }
 
 /// A number in (0, 1].

@@ -398,7 +398,8 @@ pub struct TierArgs {
     pub tier_alpha: Option<f64>,
 }
 
-fn positive(s: &str) -> Result<f64, String> {
+/// A clap value parser: a finite number > 0 (the binary's flags use it too).
+pub fn positive(s: &str) -> Result<f64, String> {
     let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
     if x.is_finite() && x > 0.0 {
         Ok(x)
@@ -407,7 +408,8 @@ fn positive(s: &str) -> Result<f64, String> {
     }
 }
 
-fn non_negative(s: &str) -> Result<f64, String> {
+/// A clap value parser: a finite number >= 0 (the binary's flags use it too).
+pub fn non_negative(s: &str) -> Result<f64, String> {
     let x: f64 = s.parse().map_err(|e| format!("{e}"))?;
     if x.is_finite() && x >= 0.0 {
         Ok(x)

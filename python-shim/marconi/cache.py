@@ -140,6 +140,24 @@ def version() -> str:
     return _lib.load().marconi_version().decode()
 
 
+class _Closing:
+    """Context manager and finaliser for an object that owns a native
+    handle: `with` closes it, and so does garbage collection (errors at
+    interpreter teardown are swallowed). Subclasses define `close()`."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class MarconiError(Exception):
     """A call refused by libmarconi. `status` is the marconi_status value,
     `name` its name (e.g. "UNKNOWN_LEASE"), `function` the C function that
@@ -260,7 +278,7 @@ class Lease:
         )
 
 
-class PrefixCache:
+class PrefixCache(_Closing):
     """A libmarconi prefix cache (marconi_cache). Safe to share between
     threads (the library locks internally; ctypes releases the GIL during
     calls). Close it with close() or a `with` block; close() waits for the
@@ -525,18 +543,6 @@ class PrefixCache:
                 )
             h, self._handle = self._handle, None
         self._free(h)
-
-    def __enter__(self) -> "PrefixCache":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __copy__(self):
         raise TypeError("a PrefixCache cannot be copied: it owns its native cache (share the object instead)")

@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from . import _lib
-from .cache import PrefixCache, _check, _real
+from .cache import PrefixCache, _check, _Closing, _real
 
 HASH_FORMAT = {"int": 0, "bytes": 1}
 LAYOUT = {"map": 0, "array": 1}
@@ -57,7 +57,7 @@ def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
     return value.encode()
 
 
-class CacheEvents:
+class CacheEvents(_Closing):
     """The event stream of one PrefixCache (marconi_events). One per cache.
     Close it (or use `with`) before or after the cache; closing it turns the
     cache's stream off."""
@@ -204,14 +204,3 @@ class CacheEvents:
             finally:
                 self._cache._end()
 
-    def __enter__(self) -> "CacheEvents":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

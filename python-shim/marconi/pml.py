@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from . import _lib, _pml_abi
-from .cache import MarconiError, _check, last_error
+from .cache import MarconiError, _check, _Closing, last_error
 
 Tokenizer = Callable[[str], Sequence[int]]
 """Text to token ids (each in 0 .. 2**32 - 1)."""
@@ -106,7 +106,7 @@ def _u8(data: bytes):
     return ctypes.cast(ctypes.c_char_p(data), POINTER(c_uint8))
 
 
-class Schema:
+class Schema(_Closing):
     """A registered schema (marconi_pml_schema_new). Thread-safe for layouts."""
 
     def __init__(self, xml, tokenizer: Optional[Tokenizer] = None):
@@ -183,18 +183,6 @@ class Schema:
         if self._h is not None:
             _lib.load().marconi_pml_schema_free(self._h)
             self._h = None
-
-    def __enter__(self) -> "Schema":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter teardown
-            pass
 
     def __reduce__(self):
         raise TypeError("a marconi.pml.Schema cannot be pickled or copied")

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from . import _lib
 from ._convert import OutOfRangeError, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64, _uint
-from .cache import _check, _real
+from .cache import _check, _Closing, _real
 
 BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
 MIGRATION = {"static": 0, "avmp": 1}
@@ -155,7 +155,7 @@ class _Owner:
             self._free(h)
 
 
-class _Native:
+class _Native(_Closing):
     """Owns one native object: calls bracket it with _begin()/_end(), and
     close() waits for the calls in flight before freeing it, so the native
     free never runs beside another call and no call gets a freed handle."""
@@ -221,18 +221,6 @@ class _Native:
         finally:
             self._end()
         return memoryview(raw).cast("B")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __copy__(self):
         raise TypeError(f"a {type(self).__name__} cannot be copied: it owns native memory (share the object instead)")

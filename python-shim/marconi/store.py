@@ -21,7 +21,7 @@ import threading
 from typing import Any, Optional, Sequence
 
 from . import _lib
-from .cache import _check
+from .cache import _check, _Closing
 
 BACKENDS = {"dir": 0, "redis": 1, "callback": 2}
 
@@ -97,7 +97,7 @@ class _Adapter:
             return -1
 
 
-class Store:
+class Store(_Closing):
     """A store handle (marconi_store). Thread-safe; close() (or `with`)
     frees it."""
 
@@ -280,18 +280,6 @@ class Store:
                 raise RuntimeError("a call is running on another thread")
             h, self._h = self._h, None
         self._lib.marconi_store_free(h)
-
-    def __enter__(self) -> "Store":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __reduce__(self):
         raise TypeError("a Store cannot be pickled")

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_char;
+use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -10,8 +11,8 @@ use marconi_core::{Decision, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
-    write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
+    retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -58,6 +59,7 @@ fn scramble(n: u64) -> u64 {
 /// A prefix cache handle: opaque to C. Create with marconi_cache_new, free
 /// with marconi_cache_free.
 pub struct marconi_cache {
+    tag: HandleTag,
     inner: Mutex<Inner>,
 }
 
@@ -307,8 +309,18 @@ impl marconi_cache {
 /// `cache` is NULL or a live handle from marconi_cache_new.
 pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
     check_ptr!(cache);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
-    // only shared references are formed (the handle is Sync via its Mutex).
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a cache.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*cache).tag),
+            HandleTag::CACHE,
+            "cache",
+            "marconi_cache",
+        )
+    }?;
+    // SAFETY: a live cache handle (tag checked, contract); only shared
+    // references are formed (the handle is Sync via its Mutex).
     Ok(unsafe { &*cache })
 }
 
@@ -350,6 +362,7 @@ pub unsafe extern "C" fn marconi_cache_new(
         let cache = PrefixCache::new(core_cfg)?;
         let c_of_core = cache.config().decision_log.then(HashMap::new);
         let handle = Box::new(marconi_cache {
+            tag: HandleTag::CACHE,
             inner: Mutex::new(Inner {
                 cache,
                 leases: HashMap::new(),
@@ -380,10 +393,15 @@ pub unsafe extern "C" fn marconi_cache_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
     boundary_or("marconi_cache_free", (), || {
-        if !cache.is_null() {
-            // SAFETY: cache came from Box::into_raw in marconi_cache_new and is
-            // freed once (caller contract).
-            drop(unsafe { Box::from_raw(cache) });
+        // SAFETY: NULL or a handle (contract); anything but a live cache
+        // handle (another kind, freed, misaligned) is left alone.
+        if !cache.is_null() && unsafe { handle(cache) }.is_ok() {
+            // SAFETY: a live cache from Box::into_raw in marconi_cache_new,
+            // freed once (caller contract); its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*cache).tag));
+                drop(Box::from_raw(cache));
+            }
         }
     })
 }

@@ -5,14 +5,15 @@
 //! the `publisher` feature; other builds refuse with a clear status).
 
 use std::ffi::{c_char, CStr};
+use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, WireOptions};
 
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
-    boundary, boundary_or, check_ptr, marconi_status, out_slice, read_versioned, require,
-    write_config_init, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, marconi_status, out_slice, read_versioned,
+    require, retire_tag, write_config_init, FfiError, FfiResult, HandleTag,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -129,6 +130,7 @@ impl marconi_events_config {
 /// An events handle: opaque to C. Create with marconi_events_new, free with
 /// marconi_events_free.
 pub struct marconi_events {
+    tag: HandleTag,
     inner: Mutex<Inner>,
 }
 
@@ -157,8 +159,19 @@ impl marconi_events {
 /// `events` is NULL or a live handle from marconi_events_new.
 unsafe fn events_handle<'a>(events: *const marconi_events) -> FfiResult<&'a marconi_events> {
     check_ptr!(events);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
-    // only shared references are formed (Sync through its Mutex).
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be an events
+    // handle.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*events).tag),
+            HandleTag::EVENTS,
+            "events",
+            "marconi_events",
+        )
+    }?;
+    // SAFETY: a live events handle (tag checked, contract); only shared
+    // references are formed (Sync through its Mutex).
     Ok(unsafe { &*events })
 }
 
@@ -361,6 +374,7 @@ pub unsafe extern "C" fn marconi_events_new(
         }
         h.with_core(|core| core.enable_events())?;
         let ev = Box::new(marconi_events {
+            tag: HandleTag::EVENTS,
             inner: Mutex::new(Inner {
                 enc,
                 block_size,
@@ -401,9 +415,15 @@ pub unsafe extern "C" fn marconi_events_free(
                 let _ = h.with_core(|c| c.disable_events());
             }
         }
-        if !events.is_null() {
-            // SAFETY: from Box::into_raw in marconi_events_new, freed once.
-            drop(unsafe { Box::from_raw(events) });
+        // SAFETY: NULL or a handle (contract); anything but a live events
+        // handle is left alone.
+        if !events.is_null() && unsafe { events_handle(events) }.is_ok() {
+            // SAFETY: from Box::into_raw in marconi_events_new, freed once;
+            // its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*events).tag));
+                drop(Box::from_raw(events));
+            }
         }
     })
 }

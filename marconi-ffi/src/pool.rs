@@ -9,6 +9,7 @@
 //! written on `marconi_pool`, in the header).
 
 use std::collections::HashSet;
+use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory, DEFAULT_GRANULARITY};
@@ -21,8 +22,8 @@ use marconi_gpu::{
 
 use crate::cache::marconi_copy_order;
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
+    read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// What backs a pool's units.
@@ -328,6 +329,7 @@ impl Backing {
 ///    state_retired). A handle value is therefore never issued twice by one
 ///    pool.
 pub struct marconi_pool {
+    tag: HandleTag,
     inner: Mutex<PoolInner>,
 }
 
@@ -776,8 +778,18 @@ impl PoolInner {
 /// `pool` is NULL or a live handle from marconi_pool_new.
 unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool> {
     check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
-    // only shared references are formed (Sync through the Mutex).
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a pool.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*pool).tag),
+            HandleTag::POOL,
+            "pool",
+            "marconi_pool",
+        )
+    }?;
+    // SAFETY: a live pool handle (tag checked, contract); only shared
+    // references are formed (Sync through the Mutex).
     Ok(unsafe { &*pool })
 }
 
@@ -855,6 +867,7 @@ pub unsafe extern "C" fn marconi_pool_new(
         }?;
         let inner = build(&c)?;
         let handle = Box::new(marconi_pool {
+            tag: HandleTag::POOL,
             inner: Mutex::new(inner),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
@@ -875,10 +888,15 @@ pub unsafe extern "C" fn marconi_pool_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
     boundary_or("marconi_pool_free", (), || {
-        if !pool.is_null() {
+        // SAFETY: NULL or a handle (contract); anything but a live pool
+        // handle is left alone.
+        if !pool.is_null() && unsafe { pool_ref(pool) }.is_ok() {
             // SAFETY: pool came from Box::into_raw in marconi_pool_new and is
-            // freed once (caller contract).
-            drop(unsafe { Box::from_raw(pool) });
+            // freed once (caller contract); its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*pool).tag));
+                drop(Box::from_raw(pool));
+            }
         }
     })
 }

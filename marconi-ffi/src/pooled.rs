@@ -6,6 +6,7 @@
 //! `marconi_pool_config` (the memory), over backend NONE, MEMFD or CUDA.
 
 use std::collections::HashMap;
+use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_core::{CacheConfig, LeaseId, Stats};
@@ -21,13 +22,14 @@ use crate::pool::{
     marconi_pool_config, marconi_state_copy, marconi_unit_location, read_pool_config, Backing,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require,
-    write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
+    retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
 /// free with marconi_pooled_cache_free.
 pub struct marconi_pooled_cache {
+    tag: HandleTag,
     inner: Mutex<Inner>,
 }
 
@@ -120,7 +122,18 @@ pub(crate) fn pooled_err(e: PooledError) -> FfiError {
 /// `pc` is NULL or a live handle from marconi_pooled_cache_new.
 unsafe fn handle<'a>(pc: *const marconi_pooled_cache) -> FfiResult<&'a marconi_pooled_cache> {
     check_ptr!(pc);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract.
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a cache over
+    // pools.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*pc).tag),
+            HandleTag::POOLED,
+            "pc",
+            "marconi_pooled_cache",
+        )
+    }?;
+    // SAFETY: a live handle (tag checked, contract).
     Ok(unsafe { &*pc })
 }
 
@@ -198,6 +211,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
         let core = unsafe { to_core_config(&c) }?;
         let inner = build(core, &p)?;
         let h = Box::new(marconi_pooled_cache {
+            tag: HandleTag::POOLED,
             inner: Mutex::new(inner),
         });
         // SAFETY: out is non-NULL, aligned and writable.
@@ -218,9 +232,15 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
     boundary_or("marconi_pooled_cache_free", (), || {
-        if !pc.is_null() {
-            // SAFETY: from Box::into_raw in marconi_pooled_cache_new, freed once.
-            drop(unsafe { Box::from_raw(pc) });
+        // SAFETY: NULL or a handle (contract); anything but a live cache
+        // over pools is left alone.
+        if !pc.is_null() && unsafe { handle(pc) }.is_ok() {
+            // SAFETY: from Box::into_raw in marconi_pooled_cache_new, freed
+            // once; its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*pc).tag));
+                drop(Box::from_raw(pc));
+            }
         }
     })
 }

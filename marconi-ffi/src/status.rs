@@ -676,3 +676,63 @@ mod tests {
         );
     }
 }
+
+/// The kind tag a handle carries as a field, so that a pointer of another
+/// kind (a pool passed as a cache), a freed handle whose memory still holds
+/// its zeroed tag, or a pointer to anything else is refused with
+/// `InvalidArgument` instead of being used. Each handle kind has its own
+/// value; freeing a handle zeroes it first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct HandleTag(u64);
+
+impl HandleTag {
+    /// `marconi_cache`: "mccache1".
+    pub(crate) const CACHE: HandleTag = HandleTag(0x6d63_6361_6368_6531);
+    /// `marconi_events`: "mcevent1".
+    pub(crate) const EVENTS: HandleTag = HandleTag(0x6d63_6576_656e_7431);
+    /// `marconi_pool`: "mcpool01".
+    pub(crate) const POOL: HandleTag = HandleTag(0x6d63_706f_6f6c_3031);
+    /// `marconi_pooled_cache`: "mcpooled".
+    pub(crate) const POOLED: HandleTag = HandleTag(0x6d63_706f_6f6c_6564);
+    /// What a freed handle's tag becomes.
+    const FREED: HandleTag = HandleTag(0);
+}
+
+/// Fails with `InvalidArgument` ("`what` is not a `kind` handle") unless
+/// the tag at `tag` is `want`.
+///
+/// # Safety
+///
+/// `tag` points at the tag field of a non-NULL, aligned handle pointer
+/// (formed with `ptr::addr_of!` from the caller's pointer, which is
+/// readable for the handle's size by the caller's contract).
+pub(crate) unsafe fn check_tag(
+    tag: *const HandleTag,
+    want: HandleTag,
+    what: &str,
+    kind: &str,
+) -> FfiResult {
+    // SAFETY: readable by this function's contract; a tag is plain bits,
+    // any value may be read.
+    if unsafe { tag.read() } == want {
+        Ok(())
+    } else {
+        Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} is not a {kind} handle (another kind of handle, a freed one, or not a handle)"),
+        ))
+    }
+}
+
+/// Zeroes a handle's tag before it is freed, so a later use of the same
+/// pointer is refused while its memory still holds the handle.
+///
+/// # Safety
+///
+/// `tag` points at the tag field of a live handle about to be freed, with
+/// no other call on it running.
+pub(crate) unsafe fn retire_tag(tag: *mut HandleTag) {
+    // SAFETY: writable by this function's contract.
+    unsafe { tag.write(HandleTag::FREED) }
+}

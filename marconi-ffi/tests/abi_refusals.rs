@@ -508,3 +508,133 @@ fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
         marconi_cache_free(cache);
     }
 }
+
+/// A handle of one kind passed where another is expected, or a pointer to
+/// something that is no handle at all, is refused with INVALID_ARGUMENT
+/// (and a free of it is a no-op) instead of being used as that kind.
+#[test]
+fn handles_of_another_kind_are_refused() {
+    let cfg = all_blocks_config();
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let mut pcfg = MaybeUninit::<marconi_pool_config>::uninit();
+    // SAFETY: pcfg has sizeof(marconi_pool_config) writable bytes.
+    ok(unsafe { marconi_pool_config_init(pcfg.as_mut_ptr(), size_of::<marconi_pool_config>()) });
+    // SAFETY: initialised above.
+    let mut pcfg = unsafe { pcfg.assume_init() };
+    pcfg.budget_bytes = 1 << 30;
+    pcfg.kv_page_bytes = 4096;
+    pcfg.state_slot_bytes = 4096;
+    let mut pool = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_pool_new(&pcfg, &mut pool) });
+    let mut pc = ptr::null_mut();
+    let mut units_from_model = pcfg;
+    // Units sized from the model; backend NONE: handles only, no memory.
+    units_from_model.kv_page_bytes = 0;
+    units_from_model.state_slot_bytes = 0;
+    units_from_model.budget_bytes = 8 << 30;
+    // SAFETY: valid configs and out pointer.
+    ok(unsafe { marconi_pooled_cache_new(&cfg, &units_from_model, &mut pc) });
+    let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
+    // SAFETY: ecfg has sizeof(marconi_events_config) writable bytes.
+    ok(unsafe {
+        marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
+    });
+    // SAFETY: initialised above.
+    let ecfg = unsafe { ecfg.assume_init() };
+    let mut events = ptr::null_mut();
+    // SAFETY: live cache, valid config and out pointer.
+    ok(unsafe { marconi_events_new(cache, &ecfg, &mut events) });
+
+    // Plain memory the size of any handle, filled with a pattern: no handle.
+    let mut junk = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
+    let junk = junk.as_mut_ptr();
+    let refused = |s: marconi_status, what: &str| {
+        assert_eq!(
+            s,
+            marconi_status::InvalidArgument,
+            "{what}: {}",
+            last_error()
+        );
+        assert!(last_error().contains("handle"), "{what}: {}", last_error());
+    };
+    let mut stats = marconi_stats {
+        struct_size: size_of::<marconi_stats>() as u32,
+        ..Default::default()
+    };
+    for (p, what) in [
+        (pool.cast::<marconi_cache>(), "a pool as a cache"),
+        (pc.cast(), "a cache over pools as a cache"),
+        (events.cast(), "an events handle as a cache"),
+        (junk.cast(), "plain memory as a cache"),
+    ] {
+        // SAFETY: every pointer is readable for a handle's size.
+        refused(unsafe { marconi_cache_stats(p, &mut stats) }, what);
+        // SAFETY: as above; a refused free must leave the memory alone.
+        unsafe { marconi_cache_free(p) };
+    }
+    let mut pstats = marconi_pool_stats {
+        struct_size: size_of::<marconi_pool_stats>() as u32,
+        ..Default::default()
+    };
+    for (p, what) in [
+        (cache.cast::<marconi_pool>(), "a cache as a pool"),
+        (junk.cast(), "plain memory as a pool"),
+    ] {
+        // SAFETY: readable for a handle's size.
+        refused(unsafe { marconi_pool_get_stats(p, &mut pstats) }, what);
+        // SAFETY: as above.
+        unsafe { marconi_pool_free(p) };
+    }
+    let mut qstats = marconi_pooled_stats {
+        struct_size: size_of::<marconi_pooled_stats>() as u32,
+        ..Default::default()
+    };
+    for (p, what) in [
+        (
+            pool.cast::<marconi_pooled_cache>(),
+            "a pool as a cache over pools",
+        ),
+        (junk.cast(), "plain memory as a cache over pools"),
+    ] {
+        // SAFETY: readable for a handle's size.
+        refused(unsafe { marconi_pooled_cache_stats(p, &mut qstats) }, what);
+        // SAFETY: as above.
+        unsafe { marconi_pooled_cache_free(p) };
+    }
+    let mut buf = [0u8; 64];
+    let mut len = 0usize;
+    for (p, what) in [
+        (cache.cast::<marconi_events>(), "a cache as events"),
+        (junk.cast(), "plain memory as events"),
+    ] {
+        // SAFETY: readable for a handle's size; buf of its length.
+        refused(
+            unsafe { marconi_events_drain(p, cache, 0.0, buf.as_mut_ptr(), buf.len(), &mut len) },
+            what,
+        );
+        // SAFETY: as above.
+        unsafe { marconi_events_free(p, ptr::null()) };
+    }
+    // The real handles still work after all of that, and free normally.
+    // SAFETY: live handles.
+    unsafe {
+        ok(marconi_cache_stats(cache, &mut stats));
+        ok(marconi_pool_get_stats(pool, &mut pstats));
+        ok(marconi_pooled_cache_stats(pc, &mut qstats));
+        ok(marconi_events_drain(
+            events,
+            cache,
+            0.0,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut len,
+        ));
+        marconi_events_free(events, cache);
+        marconi_pooled_cache_free(pc);
+        marconi_pool_free(pool);
+        marconi_cache_free(cache);
+    }
+}

@@ -44,9 +44,16 @@ if ! echo "$SGLANG_SHA256  $wheel" | sha256sum -c --status 2>/dev/null; then
   echo "$SGLANG_SHA256  $wheel" | sha256sum -c
 fi
 
-echo "--- pytest test_sglang.py test_sglang_interface.py"
+# The package itself, installed as a user would (`pip install ./python-shim`
+# builds marconi-ffi and bundles libmarconi; cargo reuses the target dir):
+# its entry point is what makes SGLang's plugin loader register the cache.
+echo "--- $venv: pip install ./python-shim"
+"$venv/bin/python" -m pip install --quiet ./python-shim
+rm -rf python-shim/build python-shim/*.egg-info
+
+echo "--- pytest test_sglang.py test_sglang_interface.py test_sglang_plugin.py"
 export MARCONI_LIBRARY="$lib"
 export PYTHONPATH="$PWD/python-shim${PYTHONPATH:+:$PYTHONPATH}"
 export SGLANG_WHEEL="$wheel"
 cd python-shim/tests
-"$venv/bin/python" -m pytest -p no:cacheprovider -q -rs test_sglang.py test_sglang_interface.py
+"$venv/bin/python" -m pytest -p no:cacheprovider -q -rs test_sglang.py test_sglang_interface.py test_sglang_plugin.py

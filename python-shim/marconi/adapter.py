@@ -1016,7 +1016,16 @@ def sglang_factory(ctx: Any) -> SGLangTreeCache:
 
 def register_with_sglang(name: str = "marconi") -> None:
     """Registers the cache with SGLang (register_radix_cache_backend), so
-    that `--radix-cache-backend marconi` selects it."""
-    from sglang.srt.mem_cache.registry import register_radix_cache_backend
+    that `--radix-cache-backend marconi` selects it.
 
+    The installed package declares this function as an SGLang general
+    plugin (entry point group `sglang.srt.plugins`), which SGLang 0.5.23's
+    `load_plugins()` runs early in every process (engine, scheduler): once
+    `marconi` is installed, the flag alone selects it. Calling it again (by
+    hand as well as through the plugin) is a no-op; a name registered to
+    another factory is SGLang's error."""
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if get_radix_cache_factory(name) is sglang_factory:
+        return
     register_radix_cache_backend(name, sglang_factory)

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use crate::alloc::{DualPool, DualPoolConfig, Location, MigrationPolicy, PoolAllocator};
 use crate::error::AllocError;
 use crate::handle::{PoolKind, VirtualHandle};
-use crate::phys::{BackedPool, MemfdBackend, PhysicalMemory, DEFAULT_GRANULARITY};
+use crate::phys::{BackedPool, MemfdBackend, PhysError, PhysicalMemory, DEFAULT_GRANULARITY};
 
 /// What a [`HostPool`] holds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -325,7 +325,13 @@ impl HostPool {
             usize::try_from(g).map_err(|_| invalid(format!("chunk_bytes {g} is absurd")))?;
         let n_chunks =
             usize::try_from(chunks).map_err(|_| invalid(format!("{chunks} chunks is absurd")))?;
-        let mem = MemfdBackend::with_granularity(n_chunks, g_usize)?;
+        // A chunk size the system cannot map is the caller's configuration.
+        let mem = MemfdBackend::with_granularity(n_chunks, g_usize).map_err(|e| match e {
+            PhysError::Unaligned(_) | PhysError::OutOfChunks(_) => {
+                invalid(format!("chunk_bytes {g}: {e}"))
+            }
+            e => AllocError::Physical(e),
+        })?;
         let pool = BackedPool::new(dual, mem)?;
         #[cfg(feature = "cuda")]
         let pinned = {

@@ -78,6 +78,10 @@ static void test_config(void) {
   cfg.reserved = 0;
   cfg.state_fraction = 1.0;
   CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.state_fraction = 0.5;
+  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
+  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
+  cfg.chunk_bytes = 0;
   cfg.state_fraction = 0.25;
   OK(marconi_host_pool_new(&cfg, &p));
   marconi_host_pool_stats s = host_stats(p);

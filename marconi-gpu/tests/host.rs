@@ -91,7 +91,9 @@ fn capacity_is_rounded_to_chunks_and_counted() {
     assert_eq!(s.state_capacity, (2 << 20) / STATE as u32);
     assert_eq!(s.page_capacity, (6 << 20) / PAGE as u32);
     assert_eq!((s.pages_live, s.states_live, s.bytes_demoted), (0, 0, 0));
-    assert!(!s.pinned, "no CUDA here: the pool is not page-locked");
+    if !cfg!(feature = "cuda") {
+        assert!(!s.pinned, "a build without CUDA never page-locks");
+    }
     for bad in [
         HostPoolConfig::new(2 << 20, PAGE, STATE),
         HostPoolConfig::new(8 << 20, 0, STATE),
@@ -381,13 +383,109 @@ fn settle_moves(
     done
 }
 
+/// Core decides (a real `TieredCache`: device, host and store tiers), the
+/// executor moves bytes: every host load the lookups order finds its chain
+/// and reads back exactly the bytes demoted for it, and after every request
+/// the executor holds only chains core's host tier holds. Returns the
+/// requests that loaded from the host and the chains demoted.
+fn serve_with_host_tier(
+    seed: u32,
+    dev_tokens: u64,
+    host_mult: u64,
+    page_tokens: u32,
+    through: bool,
+) -> Result<(usize, usize), TestCaseError> {
+    let write = if through {
+        WriteMode::Through
+    } else {
+        WriteMode::Back
+    };
+    let mut dev_cfg = CacheConfig::marconi(model(), chain_bytes(dev_tokens));
+    dev_cfg.page_size = page_tokens;
+    dev_cfg.events = true;
+    let mut host_cfg = CacheConfig::marconi(model(), chain_bytes(dev_tokens) * host_mult);
+    host_cfg.page_size = page_tokens;
+    let mut store_cfg = host_cfg.clone();
+    store_cfg.capacity_bytes *= 2;
+    let spec = |cache: CacheConfig, gbps: f64| TierSpec {
+        cache,
+        bandwidth_bytes_per_s: gbps * 1e9,
+        latency_s: 10e-6,
+    };
+    let mut tiers = TierConfig::marconi(Some(spec(host_cfg, 25.0)), Some(spec(store_cfg, 5.0)));
+    tiers.write = write;
+    let mut c = TieredCache::new(dev_cfg, tiers).unwrap();
+    let mut dev = device(64 << 20, T_PAGE, T_STATE);
+    let mut tier = HostTier::new(host(256 << 20, T_PAGE, T_STATE), page_tokens).unwrap();
+    let (mut loads, mut demoted) = (0, 0);
+    for (input, output) in workload(6, 5, seed) {
+        let mut full = input.clone();
+        full.extend(&output);
+        let l = c.lookup(0, &input).unwrap();
+        let host_state = l
+            .loads
+            .iter()
+            .any(|o| o.tier == Tier::Host && matches!(o.what, LoadWhat::State { .. }));
+        let host_kv: Vec<(u32, u32)> = l
+            .loads
+            .iter()
+            .filter(|o| o.tier == Tier::Host)
+            .filter_map(|o| match o.what {
+                LoadWhat::Kv { start, end, .. } => Some((start, end)),
+                LoadWhat::State { .. } => None,
+            })
+            .collect();
+        if host_state || !host_kv.is_empty() {
+            let hit = l.hit_tokens;
+            let rs = alloc(&mut dev, PoolKind::Ssm, 1)[0];
+            let rp = alloc(&mut dev, PoolKind::Kv, hit.div_ceil(page_tokens));
+            let moved = tier.load(0, &input, &l.loads, &mut dev, rs, &rp);
+            prop_assert!(moved.is_ok(), "host load refused: {:?}", moved);
+            if host_state {
+                prop_assert_eq!(
+                    read_dev(&dev, rs),
+                    pattern(chain_seed(0, &input[..hit as usize]), T_STATE as usize)
+                );
+            }
+            for (start, end) in host_kv {
+                // Whole pages only: a page the range ends inside holds
+                // the covering chain's later tokens.
+                for p in (start / page_tokens)..(end / page_tokens) {
+                    let upto = ((p + 1) * page_tokens) as usize;
+                    let want = pattern(chain_seed(0, &input[..upto]) ^ 0x5555, T_PAGE as usize);
+                    prop_assert_eq!(read_dev(&dev, rp[p as usize]), want, "page {}", p);
+                }
+            }
+            free_dev(&mut dev, rs, &rp);
+            loads += 1;
+        }
+        let mut states = c.device().states_to_save(&l.device, full.len());
+        states.retain(|s| {
+            s.position > l.hit_tokens || (s.position == l.hit_tokens && l.tier != Tier::Device)
+        });
+        c.admit(&l, &full, &states, &[]).unwrap();
+        demoted += settle_moves(
+            &mut c,
+            &mut tier,
+            &mut dev,
+            page_tokens,
+            write,
+            Some((0, &full)),
+        );
+        c.release(&l).unwrap();
+        demoted += settle_moves(&mut c, &mut tier, &mut dev, page_tokens, write, None);
+        tier.sync(c.tier(Tier::Host).unwrap());
+        let held = c.tier(Tier::Host).unwrap().cached_chains().states;
+        prop_assert!(tier.len() <= held.len());
+        let s = tier.pool().stats();
+        prop_assert_eq!(s.states_live as usize, tier.len());
+    }
+    Ok((loads, demoted))
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
 
-    /// Core decides (a real `TieredCache`: device, host and store tiers),
-    /// the executor moves bytes: every host load the lookups order finds
-    /// its chain and reads back exactly the bytes demoted for it, and after
-    /// every request the executor holds only chains core's host tier holds.
     #[test]
     fn host_loads_read_back_the_bytes_demoted_for_their_chain(
         seed in 0u32..1000,
@@ -396,66 +494,18 @@ proptest! {
         page_tokens in prop_oneof![Just(1u32), Just(4), Just(16)],
         through in any::<bool>(),
     ) {
-        let write = if through { WriteMode::Through } else { WriteMode::Back };
-        let mut dev_cfg = CacheConfig::marconi(model(), chain_bytes(dev_tokens));
-        dev_cfg.page_size = page_tokens;
-        dev_cfg.events = true;
-        let mut host_cfg = CacheConfig::marconi(model(), chain_bytes(dev_tokens) * host_mult);
-        host_cfg.page_size = page_tokens;
-        let mut store_cfg = host_cfg.clone();
-        store_cfg.capacity_bytes *= 2;
-        let spec = |cache: CacheConfig, gbps: f64| TierSpec { cache, bandwidth_bytes_per_s: gbps * 1e9, latency_s: 10e-6 };
-        let mut tiers = TierConfig::marconi(Some(spec(host_cfg, 25.0)), Some(spec(store_cfg, 5.0)));
-        tiers.write = write;
-        let mut c = TieredCache::new(dev_cfg, tiers).unwrap();
-        let mut dev = device(64 << 20, T_PAGE, T_STATE);
-        let mut tier = HostTier::new(host(256 << 20, T_PAGE, T_STATE), page_tokens).unwrap();
-        let (mut loads, mut demoted) = (0, 0);
-        for (input, output) in workload(6, 5, seed) {
-            let mut full = input.clone();
-            full.extend(&output);
-            let l = c.lookup(0, &input).unwrap();
-            let host_state = l.loads.iter().any(|o| o.tier == Tier::Host && matches!(o.what, LoadWhat::State { .. }));
-            let host_kv: Vec<(u32, u32)> = l.loads.iter().filter(|o| o.tier == Tier::Host).filter_map(|o| match o.what {
-                LoadWhat::Kv { start, end, .. } => Some((start, end)),
-                LoadWhat::State { .. } => None,
-            }).collect();
-            if host_state || !host_kv.is_empty() {
-                let hit = l.hit_tokens;
-                let rs = alloc(&mut dev, PoolKind::Ssm, 1)[0];
-                let rp = alloc(&mut dev, PoolKind::Kv, hit.div_ceil(page_tokens));
-                let moved = tier.load(0, &input, &l.loads, &mut dev, rs, &rp);
-                prop_assert!(moved.is_ok(), "host load refused: {:?}", moved);
-                if host_state {
-                    prop_assert_eq!(read_dev(&dev, rs), pattern(chain_seed(0, &input[..hit as usize]), T_STATE as usize));
-                }
-                for (start, end) in host_kv {
-                    // Whole pages only: a page the range ends inside holds
-                    // the covering chain's later tokens.
-                    for p in (start / page_tokens)..(end / page_tokens) {
-                        let upto = ((p + 1) * page_tokens) as usize;
-                        let want = pattern(chain_seed(0, &input[..upto]) ^ 0x5555, T_PAGE as usize);
-                        prop_assert_eq!(read_dev(&dev, rp[p as usize]), want, "page {}", p);
-                    }
-                }
-                free_dev(&mut dev, rs, &rp);
-                loads += 1;
-            }
-            let mut states = c.device().states_to_save(&l.device, full.len());
-            states.retain(|s| s.position > l.hit_tokens || (s.position == l.hit_tokens && l.tier != Tier::Device));
-            c.admit(&l, &full, &states, &[]).unwrap();
-            demoted += settle_moves(&mut c, &mut tier, &mut dev, page_tokens, write, Some((0, &full)));
-            c.release(&l).unwrap();
-            demoted += settle_moves(&mut c, &mut tier, &mut dev, page_tokens, write, None);
-            tier.sync(c.tier(Tier::Host).unwrap());
-            let held = c.tier(Tier::Host).unwrap().cached_chains().states;
-            prop_assert!(tier.len() <= held.len());
-            let s = tier.pool().stats();
-            prop_assert_eq!(s.states_live as usize, tier.len());
-        }
-        // The workload reaches the host tier at all.
-        prop_assert!(demoted > 0, "nothing demoted");
-        prop_assert!(loads > 0, "no host load ordered");
+        serve_with_host_tier(seed, dev_tokens, host_mult, page_tokens, through)?;
+    }
+}
+
+#[test]
+fn the_workload_demotes_and_loads_from_the_host() {
+    for (page_tokens, through) in [(1, false), (16, false), (4, true)] {
+        let (loads, demoted) = serve_with_host_tier(350, 244, 5, page_tokens, through).unwrap();
+        assert!(
+            loads > 0 && demoted > 0,
+            "page {page_tokens}, through {through}: {loads} loads, {demoted} demotions"
+        );
     }
 }
 

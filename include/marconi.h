@@ -2965,7 +2965,7 @@ marconi_status marconi_host_pool_get_stats(const struct marconi_host_pool *pool,
  * host pool's unit behind dst, and writes the bytes copied to `*out_bytes`
  * (may be NULL). The batch is checked whole before any byte moves: src live
  * in `device`, dst live in `host` (MARCONI_STATUS_UNKNOWN_HANDLE /
- * MARCONI_STATUS_DOUBLE_FREE, the detail names pairs[i].src or .dst), the
+ * MARCONI_STATUS_DOUBLE_FREE, the detail names the pair and its side), the
  * same kind and unit size, no dst twice (MARCONI_STATUS_INVALID_ARGUMENT).
  * The device pool must be MEMFD (the host stand-in for device memory); a
  * CUDA or NONE pool is MARCONI_STATUS_UNSUPPORTED: resolve both sides and

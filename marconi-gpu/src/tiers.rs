@@ -274,9 +274,12 @@ impl HostTier {
                             given: pages.len(),
                         });
                     }
-                    for p in first..last {
-                        pairs.push((e.pages[p], pages[p]));
-                    }
+                    // A covering chain has at least `last` pages.
+                    let src = e
+                        .pages
+                        .get(first..last)
+                        .ok_or(TierMoveError::Missing { ns, end: *end })?;
+                    pairs.extend(src.iter().copied().zip(pages[first..last].iter().copied()));
                 }
             }
         }

@@ -20,6 +20,12 @@
 //! - [`HostTier::sync`] frees the units of chains core's host tier no longer
 //!   holds (its evictions), read from `PrefixCache::cached_chains`.
 //!
+//! An engine that owns its device memory (CUDA, its own allocator) takes
+//! the same decisions as orders and copies on its own stream:
+//! [`HostTier::demote_units`] gives the host units a move fills,
+//! [`HostTier::load_units`] the `(host unit, device target)` copies of a
+//! load; `pool().address(..)` is where each host unit lies.
+//!
 //! Entries do not share pages: a chain's pages are its own, so the host
 //! pool needs room for every held chain's full KV (more than the tier's
 //! byte count, which charges a shared prefix once).
@@ -40,6 +46,25 @@ pub struct HostEntry {
     /// The KV pages of tokens `0..position`, page `i` holding tokens
     /// `i * page_tokens..`.
     pub pages: Vec<VirtualHandle>,
+}
+
+/// Where a host load writes on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadTarget {
+    /// The request's state slot.
+    State,
+    /// The request's KV page at this index (page `i` holds tokens
+    /// `i * page_tokens..`).
+    Page(u32),
+}
+
+/// One copy of a host load ([`HostTier::load_units`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadCopy {
+    /// The host unit read.
+    pub from: VirtualHandle,
+    /// Where it goes.
+    pub to: LoadTarget,
 }
 
 /// Why a tier move was refused; nothing was copied or changed.
@@ -158,15 +183,7 @@ impl HostTier {
         state: VirtualHandle,
         pages: &[VirtualHandle],
     ) -> Result<u64, TierMoveError> {
-        if mv.to != Tier::Host {
-            return Err(TierMoveError::NotHost(mv.to));
-        }
-        if chain.len() != mv.position as usize {
-            return Err(TierMoveError::ChainLength {
-                position: mv.position,
-                tokens: chain.len(),
-            });
-        }
+        self.check_move(mv, chain)?;
         let needed = self.pages_for(mv.position);
         if pages.len() != needed {
             return Err(TierMoveError::PageCount {
@@ -194,6 +211,40 @@ impl HostTier {
                 Err(e.into())
             }
         }
+    }
+
+    /// For an engine that owns its device memory (CUDA, its own
+    /// allocator): the host units that receive `mv`'s chain, allocated (or
+    /// the ones already held for it), without copying. The engine copies
+    /// the chain's state and its `ceil(position / page_tokens)` pages, in
+    /// order, to `pool().address(..)` of each before it reuses its own
+    /// units or loads this chain.
+    ///
+    /// # Errors
+    /// [`TierMoveError::NotHost`], [`TierMoveError::ChainLength`],
+    /// [`TierMoveError::Alloc`]; nothing is allocated then.
+    pub fn demote_units(&mut self, mv: &Move, chain: &[u32]) -> Result<HostEntry, TierMoveError> {
+        self.check_move(mv, chain)?;
+        let key = (mv.ns, chain.to_vec());
+        if let Some(e) = self.entries.get(&key) {
+            return Ok(e.clone());
+        }
+        let entry = self.allocate(self.pages_for(mv.position))?;
+        self.entries.insert(key, entry.clone());
+        Ok(entry)
+    }
+
+    fn check_move(&self, mv: &Move, chain: &[u32]) -> Result<(), TierMoveError> {
+        if mv.to != Tier::Host {
+            return Err(TierMoveError::NotHost(mv.to));
+        }
+        if chain.len() != mv.position as usize {
+            return Err(TierMoveError::ChainLength {
+                position: mv.position,
+                tokens: chain.len(),
+            });
+        }
+        Ok(())
     }
 
     fn allocate(&mut self, pages: usize) -> Result<HostEntry, TierMoveError> {
@@ -248,7 +299,37 @@ impl HostTier {
         state: VirtualHandle,
         pages: &[VirtualHandle],
     ) -> Result<u64, TierMoveError> {
-        let mut pairs = Vec::new();
+        let copies = self.load_units(ns, input, orders)?;
+        let mut pairs = Vec::with_capacity(copies.len());
+        for c in copies {
+            let dst = match c.to {
+                LoadTarget::State => state,
+                LoadTarget::Page(p) => *pages.get(p as usize).ok_or(TierMoveError::PageCount {
+                    needed: p as usize + 1,
+                    given: pages.len(),
+                })?,
+            };
+            pairs.push((c.from, dst));
+        }
+        Ok(self.pool.promote(device, &pairs)?)
+    }
+
+    /// For an engine that owns its device memory: the copies `load` would
+    /// run, as orders: each host unit to read (`pool().address(..)`) and
+    /// where it goes, the request's state slot or its page at an index
+    /// from token 0. Nothing is copied; the units stay held until
+    /// [`HostTier::sync`] sees core drop their chain, so copy them before
+    /// the next `sync`.
+    ///
+    /// # Errors
+    /// [`TierMoveError::Missing`] or [`TierMoveError::BeyondInput`].
+    pub fn load_units(
+        &self,
+        ns: u64,
+        input: &[u32],
+        orders: &[LoadOrder],
+    ) -> Result<Vec<LoadCopy>, TierMoveError> {
+        let mut out = Vec::new();
         for o in orders.iter().filter(|o| o.tier == Tier::Host) {
             match &o.what {
                 LoadWhat::State { position, .. } => {
@@ -257,7 +338,10 @@ impl HostTier {
                         .entries
                         .get(&(ns, chain.to_vec()))
                         .ok_or(TierMoveError::Missing { ns, end: *position })?;
-                    pairs.push((e.state, state));
+                    out.push(LoadCopy {
+                        from: e.state,
+                        to: LoadTarget::State,
+                    });
                 }
                 LoadWhat::Kv { start, end, .. } => {
                     if end <= start {
@@ -268,22 +352,20 @@ impl HostTier {
                         .covering(ns, chain)
                         .ok_or(TierMoveError::Missing { ns, end: *end })?;
                     let (first, last) = ((start / self.page_tokens) as usize, self.pages_for(*end));
-                    if pages.len() < last {
-                        return Err(TierMoveError::PageCount {
-                            needed: last,
-                            given: pages.len(),
-                        });
-                    }
                     // A covering chain has at least `last` pages.
                     let src = e
                         .pages
                         .get(first..last)
                         .ok_or(TierMoveError::Missing { ns, end: *end })?;
-                    pairs.extend(src.iter().copied().zip(pages[first..last].iter().copied()));
+                    out.extend(src.iter().zip(first..).map(|(&from, p)| LoadCopy {
+                        from,
+                        // Cannot truncate: at most ceil(u32::MAX / page_tokens) pages.
+                        to: LoadTarget::Page(p as u32),
+                    }));
                 }
             }
         }
-        Ok(self.pool.promote(device, &pairs)?)
+        Ok(out)
     }
 
     fn prefix<'a>(&self, input: &'a [u32], end: u32) -> Result<&'a [u32], TierMoveError> {

@@ -10,7 +10,7 @@ use marconi_core::{
 };
 use marconi_gpu::host::{HostPool, HostPoolConfig, MoveError, Side, UnitMemory};
 use marconi_gpu::phys::{BackedPool, MemfdBackend};
-use marconi_gpu::tiers::{move_chains, HostTier, TierMoveError};
+use marconi_gpu::tiers::{move_chains, HostTier, LoadCopy, LoadTarget, TierMoveError};
 use marconi_gpu::{
     AllocError, DualPool, DualPoolConfig, MigrationPolicy, PoolAllocator, PoolKind, VirtualHandle,
 };
@@ -376,7 +376,26 @@ fn settle_moves(
     for (m, chain) in moves.iter().zip(chains) {
         let Some(chain) = chain else { continue };
         let (s, p) = device_chain(dev, m.ns, chain, page_tokens);
-        tier.demote(m, chain, &*dev, s, &p).unwrap();
+        if done % 2 == 0 {
+            tier.demote(m, chain, &*dev, s, &p).unwrap();
+        } else {
+            // As an engine that owns its memory: units, then its own copies.
+            let e = tier.demote_units(m, chain).unwrap();
+            assert_eq!(e.pages.len(), p.len());
+            for (&d, &h) in std::iter::once(&s)
+                .zip([&e.state])
+                .chain(p.iter().zip(&e.pages))
+            {
+                let bytes = read_dev(dev, d);
+                let (at, len) = tier.pool().unit_span(h).unwrap();
+                assert_eq!(len as usize, bytes.len());
+                // SAFETY: a live host unit of `len` bytes, mapped while its
+                // handle is live; nothing else touches it during the copy.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, bytes.len())
+                };
+            }
+        }
         free_dev(dev, s, &p);
         done += 1;
     }
@@ -439,8 +458,22 @@ fn serve_with_host_tier(
             let hit = l.hit_tokens;
             let rs = alloc(&mut dev, PoolKind::Ssm, 1)[0];
             let rp = alloc(&mut dev, PoolKind::Kv, hit.div_ceil(page_tokens));
-            let moved = tier.load(0, &input, &l.loads, &mut dev, rs, &rp);
-            prop_assert!(moved.is_ok(), "host load refused: {:?}", moved);
+            if loads % 2 == 0 {
+                let moved = tier.load(0, &input, &l.loads, &mut dev, rs, &rp);
+                prop_assert!(moved.is_ok(), "host load refused: {:?}", moved);
+            } else {
+                // As an engine that owns its memory: orders, its own copies.
+                let copies = tier.load_units(0, &input, &l.loads);
+                prop_assert!(copies.is_ok(), "host load refused: {:?}", copies);
+                for c in copies.unwrap() {
+                    let dst = match c.to {
+                        LoadTarget::State => rs,
+                        LoadTarget::Page(i) => rp[i as usize],
+                    };
+                    dev.write_unit(dst, 0, &read_host(tier.pool(), c.from))
+                        .unwrap();
+                }
+            }
             if host_state {
                 prop_assert_eq!(
                     read_dev(&dev, rs),
@@ -554,8 +587,21 @@ fn tier_moves_refuse_bad_input_and_change_nothing() {
         ),
         (0, 0)
     );
+    assert_eq!(
+        tier.demote_units(&store_mv, &chain),
+        Err(TierMoveError::NotHost(Tier::Store))
+    );
+    assert!(matches!(
+        tier.demote_units(&mv, &chain[..3]),
+        Err(TierMoveError::ChainLength { .. })
+    ));
+    assert_eq!(tier.len(), 0);
     tier.demote(&mv, &chain, &dev, s, &p).unwrap();
     assert_eq!(tier.len(), 1);
+    // The same chain again: its units, not new ones.
+    let held = tier.entry(7, &chain).unwrap().clone();
+    assert_eq!(tier.demote_units(&mv, &chain), Ok(held.clone()));
+    assert_eq!(tier.pool().stats().states_live, 1);
     // Loads: a chain not held is a miss, an order past the input refused.
     let state_order = |position| marconi_core::LoadOrder {
         tier: Tier::Host,
@@ -579,6 +625,36 @@ fn tier_moves_refuse_bad_input_and_change_nothing() {
         tier.load(7, &chain, &[state_order(11)], &mut dev, rs, &[]),
         Err(TierMoveError::BeyondInput { .. })
     ));
+    assert_eq!(
+        tier.load_units(7, &chain, &[state_order(9)]),
+        Err(TierMoveError::Missing { ns: 7, end: 9 })
+    );
+    let kv = marconi_core::LoadOrder {
+        tier: Tier::Host,
+        what: LoadWhat::Kv {
+            start: 4,
+            end: 10,
+            pages: Vec::new(),
+        },
+        bytes: 2 * T_PAGE,
+    };
+    assert_eq!(
+        tier.load_units(7, &chain, &[kv, state_order(10)]),
+        Ok(vec![
+            LoadCopy {
+                from: held.pages[1],
+                to: LoadTarget::Page(1)
+            },
+            LoadCopy {
+                from: held.pages[2],
+                to: LoadTarget::Page(2)
+            },
+            LoadCopy {
+                from: held.state,
+                to: LoadTarget::State
+            },
+        ])
+    );
     assert_eq!(read_dev(&dev, rs), before);
     assert_eq!(
         tier.load(7, &chain, &[state_order(10)], &mut dev, rs, &[]),

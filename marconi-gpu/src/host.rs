@@ -177,6 +177,29 @@ struct Pinned {
     ranges: Vec<usize>,
 }
 
+/// Puts back the calling thread's CUDA context (the engine's, or none)
+/// when dropped: pinning binds device 0's primary context for its calls
+/// only.
+#[cfg(feature = "cuda")]
+struct RestoreContext(Option<cudarc::driver::sys::CUcontext>);
+
+#[cfg(feature = "cuda")]
+impl RestoreContext {
+    fn save() -> Self {
+        RestoreContext(cudarc::driver::result::ctx::get_current().ok().flatten())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for RestoreContext {
+    fn drop(&mut self) {
+        let ctx = self.0.unwrap_or(std::ptr::null_mut());
+        // SAFETY: `ctx` was current on this thread a moment ago (or is
+        // null, which unbinds); the driver is loaded (checked before save).
+        let _ = unsafe { cudarc::driver::result::ctx::set_current(ctx) };
+    }
+}
+
 #[cfg(feature = "cuda")]
 impl Pinned {
     /// Registers each `(addr, len)` with device 0; `None` where no driver or
@@ -184,6 +207,7 @@ impl Pinned {
     fn register(ranges: &[(usize, usize)]) -> Option<Pinned> {
         use cudarc::driver::sys;
         crate::cuda::driver_available().ok()?;
+        let _restore = RestoreContext::save();
         let device = crate::cuda::Device::open(0).ok()?;
         device.bind().ok()?;
         let mut me = Pinned {
@@ -220,6 +244,7 @@ impl Pinned {
 #[cfg(feature = "cuda")]
 impl Drop for Pinned {
     fn drop(&mut self) {
+        let _restore = RestoreContext::save();
         let _ = self.device.bind();
         for &addr in &self.ranges {
             // SAFETY: `addr` was registered by `register` and not since.

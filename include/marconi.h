@@ -638,6 +638,17 @@ typedef struct marconi_cache marconi_cache;
 typedef struct marconi_events marconi_events;
 
 /**
+ * A host pool handle: opaque to C. Create with marconi_host_pool_new,
+ * free with marconi_host_pool_free.
+ *
+ * Its handles (uint64_t) follow marconi_pool's rules: never 0, below 2^63,
+ * accepted only by the pool that issued them (a device pool refuses a host
+ * handle and the host pool a device handle, MARCONI_STATUS_UNKNOWN_HANDLE),
+ * refused once freed.
+ */
+typedef struct marconi_host_pool marconi_host_pool;
+
+/**
  * A registered schema: parsed, tokenized and laid out once. Immutable: any
  * number of threads may lay prompts out over it at once.
  */
@@ -1279,6 +1290,141 @@ typedef struct marconi_events_config {
 } marconi_events_config;
 
 /**
+ * What a host pool is built from. Versioned by size: set struct_size with
+ * marconi_host_pool_config_init, then change fields.
+ */
+typedef struct marconi_host_pool_config {
+  /**
+   * sizeof(marconi_host_pool_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+  /**
+   * Host bytes of pages and states together, rounded down to whole
+   * chunks; at least two chunks.
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Bytes of one KV page: the device pool's kv_page_bytes, so that pages
+   * move between them. Not 0.
+   */
+  uint64_t page_bytes;
+  /**
+   * Bytes of one state slot: the device pool's state_slot_bytes. Not 0.
+   */
+  uint64_t state_bytes;
+  /**
+   * Share of the capacity given to state slots, strictly between 0 and 1
+   * (default 0.5), rounded to whole chunks.
+   */
+  double state_fraction;
+  /**
+   * Memfd chunk size (a multiple of the OS page size); 0 means 2 MiB.
+   */
+  uint64_t chunk_bytes;
+} marconi_host_pool_config;
+
+/**
+ * Where a live handle's unit is.
+ */
+typedef struct marconi_unit_location {
+  /**
+   * The unit's first byte: a host address (memfd), a device address
+   * (CUDA), or 0 (backend NONE). Valid while the handle is live: a
+   * migration never moves or unmaps a live unit; freeing the handle or
+   * the pool ends it.
+   */
+  uint64_t address;
+  /**
+   * Byte offset of the unit from the start of its pool's range.
+   */
+  uint64_t byte_offset;
+  /**
+   * Bytes of the unit.
+   */
+  uint64_t unit_bytes;
+  /**
+   * A marconi_pool_kind value.
+   */
+  uint32_t kind;
+  /**
+   * The unit's index in its pool (byte_offset / unit_bytes).
+   */
+  uint32_t index;
+} marconi_unit_location;
+
+/**
+ * Gauges and counters of a host pool. Versioned by size: set struct_size
+ * to sizeof(marconi_host_pool_stats) before calling
+ * marconi_host_pool_get_stats.
+ */
+typedef struct marconi_host_pool_stats {
+  /**
+   * sizeof(marconi_host_pool_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * 1 when the pool is page-locked for CUDA (cuda builds with a device),
+   * else 0.
+   */
+  uint32_t pinned;
+  /**
+   * Bytes of pages and states together (after rounding to chunks).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * KV pages the pool holds.
+   */
+  uint64_t page_capacity;
+  /**
+   * KV pages allocated.
+   */
+  uint64_t pages_live;
+  /**
+   * State slots the pool holds.
+   */
+  uint64_t state_capacity;
+  /**
+   * State slots allocated.
+   */
+  uint64_t states_live;
+  /**
+   * Bytes copied into the pool by marconi_host_pool_demote.
+   */
+  uint64_t bytes_demoted;
+  /**
+   * Bytes copied out by marconi_host_pool_promote.
+   */
+  uint64_t bytes_promoted;
+  /**
+   * Units copied either way.
+   */
+  uint64_t units_moved;
+  /**
+   * Host bytes committed now (pages touched).
+   */
+  uint64_t resident_bytes;
+} marconi_host_pool_stats;
+
+/**
+ * One unit move: the unit behind handle src into the unit behind handle
+ * dst (same kind, same size).
+ */
+typedef struct marconi_unit_move {
+  /**
+   * The handle read.
+   */
+  uint64_t src;
+  /**
+   * The handle written.
+   */
+  uint64_t dst;
+} marconi_unit_move;
+
+/**
  * What to plan for. Versioned by size: set struct_size with
  * marconi_plan_request_init, then change fields.
  */
@@ -1593,35 +1739,6 @@ typedef struct marconi_pool_config {
    */
   uint32_t reserved;
 } marconi_pool_config;
-
-/**
- * Where a live handle's unit is.
- */
-typedef struct marconi_unit_location {
-  /**
-   * The unit's first byte: a host address (memfd), a device address
-   * (CUDA), or 0 (backend NONE). Valid while the handle is live: a
-   * migration never moves or unmaps a live unit; freeing the handle or
-   * the pool ends it.
-   */
-  uint64_t address;
-  /**
-   * Byte offset of the unit from the start of its pool's range.
-   */
-  uint64_t byte_offset;
-  /**
-   * Bytes of the unit.
-   */
-  uint64_t unit_bytes;
-  /**
-   * A marconi_pool_kind value.
-   */
-  uint32_t kind;
-  /**
-   * The unit's index in its pool (byte_offset / unit_bytes).
-   */
-  uint32_t index;
-} marconi_unit_location;
 
 /**
  * The outcome of one capacity migration.
@@ -2723,6 +2840,170 @@ marconi_status marconi_model_spec_from_gguf_bytes(const uint8_t *bytes,
 marconi_status marconi_model_spec_from_hf_config(const char *json,
                                                  size_t len,
                                                  struct marconi_model_spec *out);
+
+/**
+ * Writes the default configuration into `*cfg` (state_fraction 0.5, chunk
+ * 2 MiB; capacity_bytes, page_bytes and state_bytes 0: the caller sets
+ * them) and sets cfg->struct_size to `struct_size`, the caller's
+ * sizeof(marconi_host_pool_config). Bytes past this library's struct are
+ * zeroed.
+ *
+ * Thread safety: safe from any thread.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to struct_size writable bytes.
+ */
+marconi_status marconi_host_pool_config_init(struct marconi_host_pool_config *cfg,
+                                             size_t struct_size);
+
+/**
+ * Creates a host pool from `*cfg` and writes the handle to `*out` (free it
+ * with marconi_host_pool_free). MARCONI_STATUS_INVALID_CONFIG with the
+ * reason in marconi_last_error for a configuration that cannot make one (a
+ * zero unit, fewer than two chunks, a unit larger than its share, a
+ * state_fraction outside (0, 1), reserved not 0);
+ * MARCONI_STATUS_BACKEND_FAILURE when the system refuses the memfd or its
+ * mapping. Pinning is attempted only in cuda builds and its failure leaves
+ * the pool pageable (marconi_host_pool_stats.pinned says which).
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to struct_size readable bytes initialised by
+ * marconi_host_pool_config_init; `out` is NULL or writable.
+ */
+marconi_status marconi_host_pool_new(const struct marconi_host_pool_config *cfg,
+                                     struct marconi_host_pool **out);
+
+/**
+ * Frees a host pool and its memory (every address it resolved becomes
+ * invalid). NULL is a no-op.
+ *
+ * Thread safety: must not run concurrently with any other call on this
+ * pool; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `pool` is NULL or a handle from marconi_host_pool_new not yet freed.
+ */
+void marconi_host_pool_free(struct marconi_host_pool *pool);
+
+/**
+ * Allocates `n` units of `kind` (a marconi_pool_kind: KV pages or state
+ * slots) and writes their handles to `out[0..n]`; all or nothing.
+ * MARCONI_STATUS_OUT_OF_MEMORY when they are not there (nothing
+ * allocated), MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
+ */
+marconi_status marconi_host_pool_allocate(const struct marconi_host_pool *pool,
+                                          uint32_t kind,
+                                          size_t n,
+                                          uint64_t *out,
+                                          size_t cap);
+
+/**
+ * Frees the `n` handles of `handles`; all or nothing: every handle is
+ * checked first (live, of this pool, listed once). MARCONI_STATUS_DOUBLE_FREE
+ * for a handle already freed or listed twice, MARCONI_STATUS_UNKNOWN_HANDLE
+ * for a stale or foreign one (a device pool's, for instance) or 0; the
+ * detail names the first bad index. n 0 succeeds.
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
+ */
+marconi_status marconi_host_pool_free_units(const struct marconi_host_pool *pool,
+                                            const uint64_t *handles,
+                                            size_t n);
+
+/**
+ * Resolves each of the `n` handles to where its unit lies (a host
+ * address, valid while the handle is live) and writes `out[0..n]`; all or
+ * nothing. MARCONI_STATUS_UNKNOWN_HANDLE / MARCONI_STATUS_DOUBLE_FREE for a
+ * handle that is not live here; MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
+ * An engine that owns its device memory copies between these addresses
+ * and its own (cudaMemcpyAsync on its stream: the pool is pinned there).
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
+ * NULL); `out` has cap writable elements (or is NULL).
+ */
+marconi_status marconi_host_pool_resolve(const struct marconi_host_pool *pool,
+                                         const uint64_t *handles,
+                                         size_t n,
+                                         struct marconi_unit_location *out,
+                                         size_t cap);
+
+/**
+ * Writes the host pool's gauges and counters to `*out` (its struct_size
+ * set by the caller; older, shorter versions get their fields).
+ *
+ * Thread safety: safe to call concurrently on the same pool.
+ *
+ * # Safety
+ *
+ * `pool` is a live handle or NULL; `out` is NULL or points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_host_pool_get_stats(const struct marconi_host_pool *pool,
+                                           struct marconi_host_pool_stats *out);
+
+/**
+ * Demotes: for each pair, copies the device pool's unit behind src into the
+ * host pool's unit behind dst, and writes the bytes copied to `*out_bytes`
+ * (may be NULL). The batch is checked whole before any byte moves: src live
+ * in `device`, dst live in `host` (MARCONI_STATUS_UNKNOWN_HANDLE /
+ * MARCONI_STATUS_DOUBLE_FREE, the detail names the pair and its side), the
+ * same kind and unit size, no dst twice (MARCONI_STATUS_INVALID_ARGUMENT).
+ * The device pool must be MEMFD (the host stand-in for device memory); a
+ * CUDA or NONE pool is MARCONI_STATUS_UNSUPPORTED: resolve both sides and
+ * copy on the engine's stream. Returns when the copies are done. n 0
+ * succeeds.
+ *
+ * Thread safety: safe to call concurrently with other calls on either
+ * pool (serialised by their locks); the engine must not touch the units
+ * named meanwhile.
+ *
+ * # Safety
+ *
+ * `host` and `device` are live handles or NULL; `pairs` has n readable
+ * elements (or is NULL); `out_bytes` is NULL or writable.
+ */
+marconi_status marconi_host_pool_demote(const struct marconi_host_pool *host,
+                                        const struct marconi_pool *device,
+                                        const struct marconi_unit_move *pairs,
+                                        size_t n,
+                                        uint64_t *out_bytes);
+
+/**
+ * Promotes: for each pair, copies the host pool's unit behind src into the
+ * device pool's unit behind dst; the same checks, all or nothing, and
+ * backends as marconi_host_pool_demote.
+ *
+ * Thread safety: as marconi_host_pool_demote.
+ *
+ * # Safety
+ *
+ * `host` and `device` are live handles or NULL; `pairs` has n readable
+ * elements (or is NULL); `out_bytes` is NULL or writable.
+ */
+marconi_status marconi_host_pool_promote(const struct marconi_host_pool *host,
+                                         const struct marconi_pool *device,
+                                         const struct marconi_unit_move *pairs,
+                                         size_t n,
+                                         uint64_t *out_bytes);
 
 /**
  * Writes the default request into `*req` (page_size 16, the "paper-7b"

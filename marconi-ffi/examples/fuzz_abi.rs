@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 use marconi::cache::*;
 use marconi::config::*;
 use marconi::events::*;
+use marconi::host_pool::*;
 use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status as St;
@@ -295,6 +296,18 @@ fn unit_bytes<'a>(p: *const marconi_pool, h: u64) -> Option<&'a mut [u8]> {
     let mut l = marconi_unit_location::default();
     // SAFETY: one handle, one location.
     let st = unsafe { marconi_pool_resolve(p, &h, 1, &mut l, 1) };
+    // SAFETY: a live unit's address is mapped for unit_bytes while its
+    // handle is live; only the calling worker uses it.
+    (st == St::Ok && l.address != 0).then(|| unsafe {
+        std::slice::from_raw_parts_mut(l.address as *mut u8, l.unit_bytes as usize)
+    })
+}
+
+/// The bytes of a live host pool unit, or None when it refuses the handle.
+fn host_unit_bytes<'a>(p: *const marconi_host_pool, h: u64) -> Option<&'a mut [u8]> {
+    let mut l = marconi_unit_location::default();
+    // SAFETY: one handle, one location.
+    let st = unsafe { marconi_host_pool_resolve(p, &h, 1, &mut l, 1) };
     // SAFETY: a live unit's address is mapped for unit_bytes while its
     // handle is live; only the calling worker uses it.
     (st == St::Ok && l.address != 0).then(|| unsafe {
@@ -2464,6 +2477,229 @@ impl<'r> Worker<'r> {
             self.call("pool_free", || unsafe { marconi_pool_free(p) });
         }
         self.op_pooled_admits();
+        self.op_host_pool();
+    }
+
+    /// A memfd device pool and a host pool: random demote / promote
+    /// batches mixing good pairs with bad ones (handles of the other side,
+    /// stale or made-up handles, a page into a slot, a destination twice,
+    /// NULL pairs). A refused batch must leave every destination's bytes as
+    /// they were; an accepted one must copy every pair's bytes.
+    fn op_host_pool(&mut self) {
+        let mut cfg = pool_config();
+        cfg.backend = 1;
+        cfg.migration = 0;
+        cfg.chunk_bytes = 64 << 10;
+        cfg.budget_bytes = 1 << 20;
+        cfg.kv_page_bytes = 4 << 10;
+        cfg.state_slot_bytes = 16 << 10;
+        let Some(dev) = self.new_pool(&cfg) else {
+            return;
+        };
+        let mut hc = std::mem::MaybeUninit::<marconi_host_pool_config>::uninit();
+        // SAFETY: hc has sizeof(marconi_host_pool_config) writable bytes.
+        let st = unsafe {
+            marconi_host_pool_config_init(hc.as_mut_ptr(), size_of::<marconi_host_pool_config>())
+        };
+        self.expect("host_pool_config_init", st, &[St::Ok]);
+        // SAFETY: initialised above.
+        let mut hc = unsafe { hc.assume_init() };
+        hc.capacity_bytes = 1 << 20;
+        hc.chunk_bytes = 64 << 10;
+        hc.page_bytes = 4 << 10;
+        // A host pool of other state size, now and then: every state pair
+        // is then refused for its size.
+        hc.state_bytes = if self.rng.chance(1, 5) {
+            32 << 10
+        } else {
+            16 << 10
+        };
+        let sizes_match = hc.state_bytes == 16 << 10;
+        let mut host: *mut marconi_host_pool = ptr::null_mut();
+        // SAFETY: a whole config; host writable.
+        let st = self.call("host_pool_new", || unsafe {
+            marconi_host_pool_new(&hc, &mut host)
+        });
+        if !self.expect("host_pool_new", st, &[St::Ok]) {
+            // SAFETY: freed once.
+            self.call("pool_free", || unsafe { marconi_pool_free(dev) });
+            return;
+        }
+        // Units per side: [kv, kv, kv, state, state, state].
+        let mut d = [0u64; 6];
+        let mut h = [0u64; 6];
+        for (kind, at) in [(0u32, 0usize), (1, 3)] {
+            // SAFETY: 3 writable handles each.
+            let a = self.call("pool_allocate", || unsafe {
+                marconi_pool_allocate(dev, kind, 3, d[at..].as_mut_ptr(), 3)
+            });
+            // SAFETY: as above.
+            let b = self.call("host_pool_allocate", || unsafe {
+                marconi_host_pool_allocate(host, kind, 3, h[at..].as_mut_ptr(), 3)
+            });
+            self.expect("pool_allocate (host moves)", a, &[St::Ok]);
+            self.expect("host_pool_allocate", b, &[St::Ok]);
+        }
+        let mut stale = 0u64;
+        // SAFETY: one writable handle, then freed.
+        let st = self.call("host_pool_allocate", || unsafe {
+            marconi_host_pool_allocate(host, 0, 1, &mut stale, 1)
+        });
+        if self.expect("host_pool_allocate (stale)", st, &[St::Ok]) {
+            // SAFETY: one readable handle.
+            let st = self.call("host_pool_free_units", || unsafe {
+                marconi_host_pool_free_units(host, &stale, 1)
+            });
+            self.expect("host_pool_free_units", st, &[St::Ok]);
+        }
+        for round in 0..self.rng.range(2, 10) {
+            for (i, (&a, &b)) in d.iter().zip(&h).enumerate() {
+                let fill = (round * 16 + i as u64 + 1) as u8;
+                if let Some(u) = unit_bytes(dev, a) {
+                    u.fill(fill);
+                }
+                if let Some(u) = host_unit_bytes(host, b) {
+                    u.fill(fill ^ 0xff);
+                }
+            }
+            let down = self.rng.chance(1, 2);
+            let (src, dst) = if down { (&d, &h) } else { (&h, &d) };
+            let n = self.rng.range(1, 4) as usize;
+            let mut pairs = Vec::new();
+            let mut used = HashSet::new();
+            for _ in 0..n {
+                let kind = self.rng.below(2) as usize * 3;
+                let (a, b) = (
+                    kind + self.rng.below(3) as usize,
+                    kind + self.rng.below(3) as usize,
+                );
+                if used.insert(b) {
+                    pairs.push(marconi_unit_move {
+                        src: src[a],
+                        dst: dst[b],
+                    });
+                }
+            }
+            let good = sizes_match
+                || pairs
+                    .iter()
+                    .all(|p| !d[3..].contains(&p.src) && !h[3..].contains(&p.src));
+            let mut want = if good { St::Ok } else { St::InvalidArgument };
+            let bad = self.rng.below(8);
+            if bad < 6 && !pairs.is_empty() {
+                let k = self.rng.below(pairs.len() as u64) as usize;
+                match bad {
+                    0 => {
+                        pairs[k].src = dst[0];
+                        want = St::UnknownHandle;
+                    }
+                    1 => {
+                        pairs[k].dst = src[0];
+                        want = St::UnknownHandle;
+                    }
+                    2 => {
+                        pairs[k].src = self.rng.next() >> 1;
+                        want = St::UnknownHandle;
+                    }
+                    3 => {
+                        pairs[k].dst = if down { stale } else { 0 };
+                        want = if down {
+                            St::DoubleFree
+                        } else {
+                            St::UnknownHandle
+                        };
+                    }
+                    4 => {
+                        // A page into a slot or a slot into a page.
+                        let other = if dst[..3].contains(&pairs[k].dst) {
+                            dst[3]
+                        } else {
+                            dst[0]
+                        };
+                        if pairs.iter().all(|p| p.dst != other) {
+                            pairs[k].dst = other;
+                            want = St::InvalidArgument;
+                        }
+                    }
+                    _ => {
+                        let dup = pairs[k];
+                        pairs.push(dup);
+                        want = St::InvalidArgument;
+                    }
+                }
+            }
+            // Which status wins when several things are wrong is the
+            // first bad pair's: accept any refusal when `want` is one.
+            let before: Vec<Vec<u8>> = pairs
+                .iter()
+                .map(|p| {
+                    let bytes = if down {
+                        host_unit_bytes(host, p.dst)
+                    } else {
+                        unit_bytes(dev, p.dst)
+                    };
+                    bytes.map(|b| b.to_vec()).unwrap_or_default()
+                })
+                .collect();
+            let mut bytes = u64::MAX;
+            let f = if down {
+                marconi_host_pool_demote
+            } else {
+                marconi_host_pool_promote
+            };
+            // SAFETY: live pools; pairs readable; bytes writable.
+            let st = self.call("host_pool_move", || unsafe {
+                f(host, dev, pairs.as_ptr(), pairs.len(), &mut bytes)
+            });
+            let refusals = [St::UnknownHandle, St::DoubleFree, St::InvalidArgument];
+            let accepted = if want == St::Ok {
+                self.expect("host pool move", st, &[St::Ok])
+            } else {
+                self.expect("host pool move (bad pair)", st, &refusals);
+                false
+            };
+            for (p, old) in pairs.iter().zip(&before) {
+                let (now, src_bytes) = if down {
+                    (host_unit_bytes(host, p.dst), unit_bytes(dev, p.src))
+                } else {
+                    (unit_bytes(dev, p.dst), host_unit_bytes(host, p.src))
+                };
+                let (Some(now), Some(src_bytes)) = (now, src_bytes) else {
+                    continue;
+                };
+                if accepted && now != src_bytes {
+                    finding!(self, "host pool move: pair {p:?} did not copy its bytes");
+                }
+                if !accepted && now != old.as_slice() {
+                    finding!(
+                        self,
+                        "host pool move refused ({st:?}) but wrote {:#x}",
+                        p.dst
+                    );
+                }
+            }
+        }
+        // NULL arguments come first whatever else is wrong.
+        // SAFETY: NULL pairs with a length: refused before any read.
+        let st = unsafe { marconi_host_pool_demote(host, dev, ptr::null(), 3, ptr::null_mut()) };
+        self.expect("host_pool_demote with NULL pairs", st, &[St::NullArgument]);
+        // SAFETY: as above.
+        let st =
+            unsafe { marconi_host_pool_promote(ptr::null(), dev, ptr::null(), 0, ptr::null_mut()) };
+        self.expect(
+            "host_pool_promote with a NULL host pool",
+            st,
+            &[St::NullArgument],
+        );
+        // SAFETY: h readable; all six are live.
+        let st = self.call("host_pool_free_units", || unsafe {
+            marconi_host_pool_free_units(host, h.as_ptr(), h.len())
+        });
+        self.expect("host_pool_free_units of its units", st, &[St::Ok]);
+        // SAFETY: freed once, never used again.
+        self.call("host_pool_free", || unsafe { marconi_host_pool_free(host) });
+        // SAFETY: as above.
+        self.call("pool_free", || unsafe { marconi_pool_free(dev) });
     }
 
     fn new_pool(&mut self, cfg: &marconi_pool_config) -> Option<*mut marconi_pool> {

@@ -27,6 +27,7 @@ pub mod config;
 pub mod events;
 pub mod gguf;
 pub mod hf_config;
+pub mod host_pool;
 pub mod plan;
 pub mod pml;
 pub mod pool;
@@ -45,6 +46,9 @@ pub use config::{
 pub use events::{
     marconi_event_layout, marconi_events, marconi_events_config, marconi_hash_format,
     MARCONI_NO_SEQ,
+};
+pub use host_pool::{
+    marconi_host_pool, marconi_host_pool_config, marconi_host_pool_stats, marconi_unit_move,
 };
 pub use plan::{marconi_converged_split, marconi_memory_plan, marconi_plan_request};
 pub use pml::{

@@ -369,7 +369,7 @@ fn snap_err(e: SnapshotError) -> FfiError {
     FfiError::new(marconi_status::InvalidArgument, e.to_string())
 }
 
-fn kind_of(kind: u32) -> FfiResult<PoolKind> {
+pub(crate) fn kind_of(kind: u32) -> FfiResult<PoolKind> {
     match kind {
         0 => Ok(PoolKind::Kv),
         1 => Ok(PoolKind::Ssm),
@@ -380,7 +380,7 @@ fn kind_of(kind: u32) -> FfiResult<PoolKind> {
     }
 }
 
-fn kind_value(kind: PoolKind) -> u32 {
+pub(crate) fn kind_value(kind: PoolKind) -> u32 {
     match kind {
         PoolKind::Kv => marconi_pool_kind::Kv as u32,
         PoolKind::Ssm => marconi_pool_kind::State as u32,
@@ -768,6 +768,35 @@ impl PoolInner {
             #[cfg(feature = "cuda")]
             Backing::Cuda(p, copier) => copier.copy(p, batch.pairs().to_vec()),
         }
+    }
+}
+
+/// Runs `f` on the memfd backing of `pool` under its lock (the host tier's
+/// moves read and write a device pool's units there). Backend NONE has no
+/// memory and CUDA units are not host addressable: both are
+/// MARCONI_STATUS_UNSUPPORTED.
+///
+/// # Safety
+///
+/// `pool` is NULL or a live handle from marconi_pool_new.
+pub(crate) unsafe fn with_memfd<R>(
+    pool: *const marconi_pool,
+    f: impl FnOnce(&mut BackedPool<MemfdBackend>) -> FfiResult<R>,
+) -> FfiResult<R> {
+    // SAFETY: forwarded.
+    let p = unsafe { pool_ref(pool) }?;
+    let mut g = p.lock()?;
+    match &mut g.backing {
+        Backing::Memfd(b) => f(b),
+        Backing::Plain(_) => Err(FfiError::new(
+            marconi_status::Unsupported,
+            "device pool has no memory (backend NONE): resolve the host units and copy on your own",
+        )),
+        #[cfg(feature = "cuda")]
+        Backing::Cuda(..) => Err(FfiError::new(
+            marconi_status::Unsupported,
+            "device pool is CUDA memory: resolve the host units (pinned) and copy them on your stream",
+        )),
     }
 }
 

@@ -513,3 +513,176 @@ fn threads_share_a_cache_over_pools() {
     // SAFETY: as above.
     unsafe { marconi_pooled_cache_free(c) };
 }
+
+/// Threads demote and promote between one shared memfd device pool and one
+/// shared host pool while another copies states inside the device pool:
+/// every call returns (no lock-order deadlock, checked against a deadline),
+/// and each thread's bytes arrive intact on both sides.
+#[test]
+fn threads_move_units_between_a_device_pool_and_a_host_pool() {
+    use marconi::host_pool::*;
+    use marconi::pool::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[derive(Clone, Copy)]
+    struct Pools(*mut marconi_pool, *mut marconi_host_pool);
+    // SAFETY: both pools are internally locked; the ABI allows concurrent calls.
+    unsafe impl Send for Pools {}
+    impl Pools {
+        /// Both handles (a method, so closures capture the whole `Pools`).
+        fn get(self) -> (*mut marconi_pool, *mut marconi_host_pool) {
+            (self.0, self.1)
+        }
+    }
+
+    let mut dev = ptr::null_mut();
+    let cfg = pool_cfg(1, 4 << 20);
+    // SAFETY: cfg whole; dev writable.
+    ok(unsafe { marconi_pool_new(&cfg, &mut dev) });
+    let mut hc = std::mem::MaybeUninit::<marconi_host_pool_config>::uninit();
+    // SAFETY: hc has sizeof(marconi_host_pool_config) writable bytes.
+    ok(unsafe {
+        marconi_host_pool_config_init(hc.as_mut_ptr(), size_of::<marconi_host_pool_config>())
+    });
+    // SAFETY: initialised above.
+    let mut hc = unsafe { hc.assume_init() };
+    hc.capacity_bytes = 4 << 20;
+    hc.chunk_bytes = 64 << 10;
+    hc.page_bytes = 4 << 10;
+    hc.state_bytes = 16 << 10;
+    let mut host = ptr::null_mut();
+    // SAFETY: hc whole; host writable.
+    ok(unsafe { marconi_host_pool_new(&hc, &mut host) });
+    let pools = Pools(dev, host);
+    let unit = |loc: &marconi_unit_location| {
+        // SAFETY: a live unit's bytes stay mapped while its handle is live;
+        // only the thread that allocated it touches them.
+        unsafe { std::slice::from_raw_parts_mut(loc.address as *mut u8, loc.unit_bytes as usize) }
+    };
+    let (done, finished) = mpsc::channel();
+    for t in 0..4u8 {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let (dev, host) = pools.get();
+            for round in 0..100u32 {
+                let kind = u32::from((t + round as u8) % 2);
+                let (mut d, mut h, mut back) = ([0u64; 2], [0u64; 2], [0u64; 2]);
+                // SAFETY: live pools; two writable handles each.
+                unsafe {
+                    ok(marconi_pool_allocate(dev, kind, 2, d.as_mut_ptr(), 2));
+                    ok(marconi_pool_allocate(dev, kind, 2, back.as_mut_ptr(), 2));
+                    ok(marconi_host_pool_allocate(host, kind, 2, h.as_mut_ptr(), 2));
+                }
+                let mut dl = [marconi_unit_location::default(); 2];
+                let mut bl = [marconi_unit_location::default(); 2];
+                let mut hl = [marconi_unit_location::default(); 2];
+                // SAFETY: two handles, two locations each.
+                unsafe {
+                    ok(marconi_pool_resolve(dev, d.as_ptr(), 2, dl.as_mut_ptr(), 2));
+                    ok(marconi_pool_resolve(
+                        dev,
+                        back.as_ptr(),
+                        2,
+                        bl.as_mut_ptr(),
+                        2,
+                    ));
+                    ok(marconi_host_pool_resolve(
+                        host,
+                        h.as_ptr(),
+                        2,
+                        hl.as_mut_ptr(),
+                        2,
+                    ));
+                }
+                for (i, l) in dl.iter().enumerate() {
+                    unit(l).fill(
+                        t.wrapping_mul(31)
+                            .wrapping_add(round as u8)
+                            .wrapping_add(i as u8),
+                    );
+                }
+                let down = [0, 1].map(|i| marconi_unit_move {
+                    src: d[i],
+                    dst: h[i],
+                });
+                let up = [0, 1].map(|i| marconi_unit_move {
+                    src: h[i],
+                    dst: back[i],
+                });
+                let mut bytes = 0u64;
+                // SAFETY: live pools; two readable pairs; bytes writable.
+                unsafe {
+                    ok(marconi_host_pool_demote(
+                        host,
+                        dev,
+                        down.as_ptr(),
+                        2,
+                        &mut bytes,
+                    ));
+                    ok(marconi_host_pool_promote(
+                        host,
+                        dev,
+                        up.as_ptr(),
+                        2,
+                        ptr::null_mut(),
+                    ));
+                }
+                assert_eq!(bytes, 2 * dl[0].unit_bytes);
+                for i in 0..2 {
+                    assert!(
+                        unit(&bl[i]) == unit(&dl[i]),
+                        "thread {t} round {round}: bytes lost"
+                    );
+                }
+                // SAFETY: live pools; the handles this thread allocated.
+                unsafe {
+                    ok(marconi_pool_free_units(dev, d.as_ptr(), 2));
+                    ok(marconi_pool_free_units(dev, back.as_ptr(), 2));
+                    ok(marconi_host_pool_free_units(host, h.as_ptr(), 2));
+                }
+            }
+            done.send(()).expect("the test waits");
+        });
+    }
+    // A fifth thread takes only the device pool's lock, as often as it can.
+    let copier = done.clone();
+    std::thread::spawn(move || {
+        let (dev, _) = pools.get();
+        let mut s = [0u64; 2];
+        // SAFETY: live pool; two writable handles.
+        ok(unsafe { marconi_pool_allocate(dev, 1, 2, s.as_mut_ptr(), 2) });
+        let pair = marconi_state_copy {
+            src_state: s[0],
+            dst_state: s[1],
+        };
+        for _ in 0..400 {
+            // SAFETY: live pool; one readable pair.
+            ok(unsafe { marconi_pool_copy_states(dev, &pair, 1) });
+        }
+        // SAFETY: the two handles allocated above.
+        ok(unsafe { marconi_pool_free_units(dev, s.as_ptr(), 2) });
+        copier.send(()).expect("the test waits");
+    });
+    drop(done);
+    for _ in 0..5 {
+        finished
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a thread did not finish within 120 s: deadlock or panic");
+    }
+    let mut st = marconi_host_pool_stats {
+        struct_size: size_of::<marconi_host_pool_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live pool; st writable.
+    ok(unsafe { marconi_host_pool_get_stats(host, &mut st) });
+    assert_eq!(
+        (st.pages_live, st.states_live, st.units_moved),
+        (0, 0, 4 * 100 * 4)
+    );
+    // SAFETY: every thread is done; freed once.
+    unsafe {
+        marconi_host_pool_free(host);
+        marconi_pool_free(dev);
+    }
+}

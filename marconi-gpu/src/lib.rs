@@ -13,6 +13,11 @@
 //!   largest batch × context, the split AVMP reaches on a trace).
 //! - [`pooled`]: the prefix cache over the pools ([`pooled::PooledCache`]):
 //!   admission allocates handles, eviction frees them, capacity is the pools'.
+//! - [`host`]: host tier memory ([`host::HostPool`]: KV pages and state slots
+//!   in a memfd, pinned for CUDA where it can be) and the demote/promote copies
+//!   between device and host handles.
+//! - [`tiers`]: [`tiers::HostTier`] carries out core's tier decisions (moves
+//!   into the host tier, loads from it) over a host pool.
 //!
 //! Two pools over one budget, a KV page and a state block allocated, the
 //! block resolved to its bytes, freed, and a freed handle refused:
@@ -48,12 +53,14 @@ pub mod avmp;
 pub mod cuda;
 mod error;
 pub mod handle;
+pub mod host;
 pub mod phys;
 pub mod plan;
 pub mod policy;
 pub mod pooled;
 pub mod snapshot;
 mod table;
+pub mod tiers;
 
 pub use alloc::{
     AllocStats, DualPool, DualPoolConfig, Location, Migration, MigrationPolicy, ModelShape,

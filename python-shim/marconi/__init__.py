@@ -35,6 +35,7 @@ from .cache import (
 )
 from .model import ModelSpec
 from .pool import (
+    HostPool,
     Pool,
     PooledAdmit,
     PooledCache,
@@ -61,6 +62,7 @@ __all__ = [
     "ModelSpec",
     "Store",
     "OutOfRangeError",
+    "HostPool",
     "Pool",
     "PooledAdmit",
     "PooledCache",

@@ -258,6 +258,45 @@ class marconi_state_copy(Structure):
     _fields_ = [("src_state", c_uint64), ("dst_state", c_uint64)]
 
 
+class marconi_host_pool_config(Structure):
+    """struct marconi_host_pool_config (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("reserved", c_uint32),
+        ("capacity_bytes", c_uint64),
+        ("page_bytes", c_uint64),
+        ("state_bytes", c_uint64),
+        ("state_fraction", c_double),
+        ("chunk_bytes", c_uint64),
+    ]
+
+
+class marconi_host_pool_stats(Structure):
+    """struct marconi_host_pool_stats (versioned by struct_size)."""
+
+    _fields_ = [("struct_size", c_uint32), ("pinned", c_uint32)] + [
+        (name, c_uint64)
+        for name in (
+            "capacity_bytes",
+            "page_capacity",
+            "pages_live",
+            "state_capacity",
+            "states_live",
+            "bytes_demoted",
+            "bytes_promoted",
+            "units_moved",
+            "resident_bytes",
+        )
+    ]
+
+
+class marconi_unit_move(Structure):
+    """struct marconi_unit_move (two 64-bit unit handles)."""
+
+    _fields_ = [("src", c_uint64), ("dst", c_uint64)]
+
+
 class marconi_pooled_state(Structure):
     """struct marconi_pooled_state."""
 
@@ -484,6 +523,9 @@ STRUCTS = {
         marconi_migration,
         marconi_pool_stats,
         marconi_state_copy,
+        marconi_host_pool_config,
+        marconi_host_pool_stats,
+        marconi_unit_move,
         marconi_pooled_state,
         marconi_state_buffer,
         marconi_plan_request,
@@ -501,6 +543,7 @@ STRUCTS.update(_pml_abi.PML_STRUCTS)
 
 _cache_p = c_void_p
 _pool_p = c_void_p
+_host_pool_p = c_void_p
 _events_p = c_void_p
 _pooled_p = c_void_p
 _store_p = c_void_p
@@ -572,6 +615,25 @@ SIGNATURES = {
     "marconi_pool_promote_state": (
         status_t,
         [_pool_p, c_uint64, _u64_p, c_size_t, c_size_t, c_uint32, _u64_p],
+    ),
+    # Host tier memory (marconi-ffi/src/host_pool.rs).
+    "marconi_host_pool_config_init": (status_t, [POINTER(marconi_host_pool_config), c_size_t]),
+    "marconi_host_pool_new": (status_t, [POINTER(marconi_host_pool_config), POINTER(_host_pool_p)]),
+    "marconi_host_pool_free": (None, [_host_pool_p]),
+    "marconi_host_pool_allocate": (status_t, [_host_pool_p, c_uint32, c_size_t, _u64_p, c_size_t]),
+    "marconi_host_pool_free_units": (status_t, [_host_pool_p, _u64_p, c_size_t]),
+    "marconi_host_pool_resolve": (
+        status_t,
+        [_host_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+    ),
+    "marconi_host_pool_get_stats": (status_t, [_host_pool_p, POINTER(marconi_host_pool_stats)]),
+    "marconi_host_pool_demote": (
+        status_t,
+        [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
+    ),
+    "marconi_host_pool_promote": (
+        status_t,
+        [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
     ),
     "marconi_snapshot_copy": (
         status_t,

@@ -1,5 +1,7 @@
-"""Memory pools and state snapshots over the C ABI: Pool (marconi_pool_*)
-and the snapshot functions over a caller's buffer (marconi_snapshot_*).
+"""Memory pools and state snapshots over the C ABI: Pool (marconi_pool_*),
+HostPool (marconi_host_pool_*: host tier memory and the moves between a
+device pool and it) and the snapshot functions over a caller's buffer
+(marconi_snapshot_*).
 
 A Pool holds two pools of fixed-size units over one byte budget: KV pages
 ("kv") and recurrent-state slots ("state"), split statically or moved on
@@ -413,6 +415,122 @@ class Pool(_Native):
         )
         return out.value
 
+
+
+class HostPool(_Native):
+    """Host tier memory (marconi_host_pool): KV pages ("kv") and state slots
+    ("state") in host RAM (a memfd; page-locked for CUDA in builds with the
+    `cuda` feature where a device exists: stats()["pinned"]). Its handles
+    follow Pool's rules and are its own: a device Pool refuses them and
+    this pool refuses a Pool's (MarconiError UNKNOWN_HANDLE).
+
+    capacity_bytes: pages and states together (rounded down to whole
+    chunks, at least two); page_bytes, state_bytes: the device pool's unit
+    sizes, so that units move between them; state_fraction: the states'
+    share (0 < f < 1); chunk_bytes: the memfd chunk (0: 2 MiB).
+
+    demote(device, pairs) copies a memfd device Pool's units into this
+    pool's, promote(device, pairs) the reverse: pairs of (src, dst)
+    handles, checked whole first (live on their side, same kind and size,
+    no destination twice), so nothing moves when one is bad. A "cuda" or
+    "none" device pool raises MarconiError UNSUPPORTED: resolve() gives the
+    host addresses to copy on the engine's own stream. Safe to share
+    between threads; close() as for Pool.
+    """
+
+    _FREE = "marconi_host_pool_free"
+    _WHAT = "host pool"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_bytes: int,
+        state_bytes: int,
+        *,
+        state_fraction: float = 0.5,
+        chunk_bytes: int = 0,
+    ):
+        self._init_lifetime()
+        lib = _lib.load()
+        cfg = _lib.marconi_host_pool_config()
+        _check(
+            lib.marconi_host_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)),
+            "marconi_host_pool_config_init",
+        )
+        cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
+        cfg.page_bytes = _u64(page_bytes, "page_bytes")
+        cfg.state_bytes = _u64(state_bytes, "state_bytes")
+        cfg.state_fraction = _real(state_fraction, "state_fraction")
+        cfg.chunk_bytes = _u64(chunk_bytes, "chunk_bytes")
+        handle = ctypes.c_void_p()
+        _check(lib.marconi_host_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_host_pool_new")
+        self._adopt(lib, handle)
+        self.backend = "memfd"
+
+    def allocate(self, kind: str, n: int) -> "array.array[int]":
+        """Allocates n units of `kind` ("kv" or "state"); all or nothing
+        (MarconiError OUT_OF_MEMORY). Returns their handles as array('Q')."""
+        k = _choice(kind, KIND, "kind")
+        n = _u32(n, "n")
+        out = array.array("Q", bytes(8 * n))
+        self._call("marconi_host_pool_allocate", k, n, _u64_pointer(out, n), n)
+        return out
+
+    def free(self, handles: Any) -> None:
+        """Frees the handles; all or nothing (as Pool.free)."""
+        src, n = _handles(handles, "handles")
+        self._call("marconi_host_pool_free_units", _u64_pointer(src, n), n)
+
+    def resolve(self, handles: Any) -> list[UnitLocation]:
+        """Where each handle's unit is in host memory (all or nothing)."""
+        src, n = _handles(handles, "handles")
+        out = (_lib.marconi_unit_location * max(n, 1))()
+        self._call("marconi_host_pool_resolve", _u64_pointer(src, n), n, out, n)
+        return [
+            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
+            for o in out[:n]
+        ]
+
+    def view(self, handle: int) -> memoryview:
+        """A writable memoryview of a live unit's bytes (as Pool.view)."""
+        return self._view("marconi_host_pool_resolve", handle)
+
+    def stats(self) -> dict:
+        """Gauges and counters (marconi_host_pool_stats) as a dict."""
+        s = _lib.marconi_host_pool_stats()
+        s.struct_size = ctypes.sizeof(s)
+        self._call("marconi_host_pool_get_stats", ctypes.byref(s))
+        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+        out["pinned"] = bool(s.pinned)
+        return out
+
+    def demote(self, device: "Pool", pairs: Any) -> int:
+        """Copies device units into host units: pairs of (device handle,
+        host handle). All or nothing; returns the bytes copied."""
+        return self._move("marconi_host_pool_demote", device, pairs)
+
+    def promote(self, device: "Pool", pairs: Any) -> int:
+        """Copies host units into device units: pairs of (host handle,
+        device handle). All or nothing; returns the bytes copied."""
+        return self._move("marconi_host_pool_promote", device, pairs)
+
+    def _move(self, name: str, device: "Pool", pairs: Any) -> int:
+        if not isinstance(device, Pool):
+            raise TypeError(f"device: expected a marconi.Pool, got {type(device).__name__}")
+        src, n = _pairs_source(pairs)
+        p = _pairs_pointer(src, n)
+        moves = None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_unit_move))
+        out = ctypes.c_uint64()
+        h = self._begin()
+        try:
+            d = device._begin()
+            try:
+                _check(getattr(self._lib, name)(h, d, moves, n, ctypes.byref(out)), name)
+            finally:
+                device._end()
+        finally:
+            self._end()
+        return out.value
 
 def _state_buffer(buffer: Any, slots: int, layers: int) -> tuple[Any, Any]:
     """(marconi_state_buffer, keepalive) over a writable buffer holding

@@ -34,7 +34,7 @@ def c_to_ctypes(decl: str):
         return ctypes.c_char_p
     if base in _lib.CALLBACK_TYPES and stars == 0:
         return _lib.CALLBACK_TYPES[base]
-    if base in ("marconi_cache", "marconi_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_store"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_host_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_store"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"

@@ -4,6 +4,7 @@
 //! pool's handles and the host pool's (demote: device → host, promote:
 //! host → device), all or nothing.
 
+use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_gpu::host::{HostPool, HostPoolConfig, MoveError, Side};
@@ -13,8 +14,9 @@ use crate::pool::{
     alloc_err, kind_of, kind_value, marconi_pool, marconi_unit_location, with_memfd,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
+    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
+    HandleTag,
 };
 
 /// What a host pool is built from. Versioned by size: set struct_size with
@@ -109,6 +111,7 @@ pub struct marconi_unit_move {
 /// handle and the host pool a device handle, MARCONI_STATUS_UNKNOWN_HANDLE),
 /// refused once freed.
 pub struct marconi_host_pool {
+    tag: HandleTag,
     inner: Mutex<HostPool>,
 }
 
@@ -128,8 +131,18 @@ impl marconi_host_pool {
 /// `pool` is NULL or a live handle from marconi_host_pool_new.
 unsafe fn host_ref<'a>(pool: *const marconi_host_pool) -> FfiResult<&'a marconi_host_pool> {
     check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); live by the caller's contract;
-    // only shared references are formed (Sync through the Mutex).
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a host pool.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*pool).tag),
+            HandleTag::HOST_POOL,
+            "pool",
+            "marconi_host_pool",
+        )
+    }?;
+    // SAFETY: a live host pool (tag checked, contract); only shared
+    // references are formed (Sync through the Mutex).
     Ok(unsafe { &*pool })
 }
 
@@ -234,6 +247,7 @@ pub unsafe extern "C" fn marconi_host_pool_new(
         })
         .map_err(alloc_err)?;
         let handle = Box::new(marconi_host_pool {
+            tag: HandleTag::HOST_POOL,
             inner: Mutex::new(pool),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
@@ -254,10 +268,15 @@ pub unsafe extern "C" fn marconi_host_pool_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
     boundary_or("marconi_host_pool_free", (), || {
-        if !pool.is_null() {
+        // SAFETY: NULL or a handle (contract); anything but a live host
+        // pool is left alone.
+        if !pool.is_null() && unsafe { host_ref(pool) }.is_ok() {
             // SAFETY: pool came from Box::into_raw in marconi_host_pool_new
-            // and is freed once (caller contract).
-            drop(unsafe { Box::from_raw(pool) });
+            // and is freed once (caller contract); its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*pool).tag));
+                drop(Box::from_raw(pool));
+            }
         }
     })
 }

@@ -604,6 +604,25 @@ fn handles_of_another_kind_are_refused() {
         // SAFETY: as above.
         unsafe { marconi_pooled_cache_free(p) };
     }
+    let mut hstats = marconi::host_pool::marconi_host_pool_stats {
+        struct_size: size_of::<marconi::host_pool::marconi_host_pool_stats>() as u32,
+        ..Default::default()
+    };
+    for (p, what) in [
+        (
+            pool.cast::<marconi::host_pool::marconi_host_pool>(),
+            "a device pool as a host pool",
+        ),
+        (junk.cast(), "plain memory as a host pool"),
+    ] {
+        // SAFETY: readable for a handle's size.
+        refused(
+            unsafe { marconi::host_pool::marconi_host_pool_get_stats(p, &mut hstats) },
+            what,
+        );
+        // SAFETY: as above.
+        unsafe { marconi::host_pool::marconi_host_pool_free(p) };
+    }
     let mut buf = [0u8; 64];
     let mut len = 0usize;
     for (p, what) in [

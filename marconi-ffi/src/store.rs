@@ -887,3 +887,56 @@ pub unsafe extern "C" fn marconi_store_get_stats(
         Ok(())
     })
 }
+
+/// The shared-store probe of marconi_tiered_lookup: which of `positions`
+/// have a state of `tokens` in the store (one existence query), and the
+/// store's KV prefix in tokens (a second query, only when a state was found
+/// and the states do not carry their KV; the input length when they do).
+/// A failed query gives an empty probe and `true` (a miss, counted by the
+/// caller), never an error.
+///
+/// # Safety
+///
+/// `store` is NULL or a live handle from marconi_store_new.
+pub(crate) unsafe fn probe_states(
+    store: *const marconi_store,
+    tokens: &[u32],
+    positions: &[u32],
+    states_hold_kv: bool,
+) -> FfiResult<(marconi_core::StoreProbe, bool)> {
+    // SAFETY: the caller's contract.
+    let s = unsafe { store_handle(store) }?;
+    let mut probe = marconi_core::StoreProbe::default();
+    if positions.is_empty() {
+        return Ok((probe, false));
+    }
+    let keyer = s.tier.keyer();
+    let keyed: Vec<(u32, String)> = positions
+        .iter()
+        .filter_map(|&p| {
+            keyer
+                .state_key(tokens, p as usize)
+                .map(|k| (p, s.tier.name(&k)))
+        })
+        .collect();
+    let names: Vec<&str> = keyed.iter().map(|(_, n)| n.as_str()).collect();
+    match s.tier.store().batch_exists(&names) {
+        Ok(found) if found.len() == keyed.len() => {
+            probe.states = keyed
+                .iter()
+                .zip(found)
+                .filter_map(|((p, _), f)| f.then_some(*p))
+                .collect();
+        }
+        _ => return Ok((probe, true)),
+    }
+    if !probe.states.is_empty() {
+        probe.kv_tokens = if states_hold_kv {
+            u32::try_from(tokens.len()).unwrap_or(u32::MAX)
+        } else {
+            let blocks = s.tier.kv_prefix(tokens);
+            u32::try_from(blocks.saturating_mul(keyer.config().block_size)).unwrap_or(u32::MAX)
+        };
+    }
+    Ok((probe, false))
+}

@@ -626,6 +626,113 @@ typedef uint32_t marconi_store_backend;
 #endif // __cplusplus
 
 /**
+ * A tier: where an entry lives.
+ */
+enum marconi_tier
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The engine's GPU memory: the device cache.
+   */
+  MARCONI_TIER_DEVICE = 0,
+  /**
+   * Host memory.
+   */
+  MARCONI_TIER_HOST = 1,
+  /**
+   * A store (local disk, Redis/Valkey), possibly shared by processes.
+   */
+  MARCONI_TIER_STORE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier marconi_tier;
+#else
+typedef uint32_t marconi_tier;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * When a lower tier receives an entry.
+ */
+enum marconi_tier_write
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * When the tier above evicts it (demotion). The default.
+   */
+  MARCONI_TIER_WRITE_BACK = 0,
+  /**
+   * As soon as the tier above stores it.
+   */
+  MARCONI_TIER_WRITE_THROUGH = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier_write marconi_tier_write;
+#else
+typedef uint32_t marconi_tier_write;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a load order moves.
+ */
+enum marconi_load_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The KV of tokens start..end.
+   */
+  MARCONI_LOAD_KIND_KV = 0,
+  /**
+   * The recurrent state at `position`.
+   */
+  MARCONI_LOAD_KIND_STATE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_load_kind marconi_load_kind;
+#else
+typedef uint32_t marconi_load_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a tier op asks of the engine.
+ */
+enum marconi_tier_op_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Copy the chain (the state at `position` and the KV of its tokens)
+   * into `tier`: from the device's copy when `tier` is the host, from
+   * the host's copy when it is the store.
+   */
+  MARCONI_TIER_OP_KIND_WRITE = 0,
+  /**
+   * `tier` no longer holds the chain: the engine may free its copy
+   * (in a shared store, other processes may still read it).
+   */
+  MARCONI_TIER_OP_KIND_DROP = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier_op_kind marconi_tier_op_kind;
+#else
+typedef uint32_t marconi_tier_op_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -2219,7 +2326,7 @@ typedef struct marconi_tiered_config {
 /**
  * What marconi_tiered_lookup found.
  */
-typedef struct marconi_tiered_lookup {
+typedef struct marconi_tiered_hit {
   /**
    * The lease: pass it to marconi_tiered_admit and release it with
    * marconi_tiered_release. Never 0, never valid in another handle.
@@ -2284,7 +2391,7 @@ typedef struct marconi_tiered_lookup {
    * Modelled seconds to recompute the tokens the loads skip.
    */
   double recompute_s;
-} marconi_tiered_lookup;
+} marconi_tiered_hit;
 
 /**
  * One load the engine carries out before prefilling from the hit: from
@@ -4055,7 +4162,7 @@ marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
                                      const uint32_t *checkpoints,
                                      size_t n_checkpoints,
                                      const struct marconi_store *store,
-                                     struct marconi_tiered_lookup *out);
+                                     struct marconi_tiered_hit *out);
 
 /**
  * Writes a lease's load orders (KV ranges in token order, then the state)
@@ -4235,8 +4342,8 @@ marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
  * `tiered` is a live handle or NULL; `out` is NULL or points to
  * out->struct_size writable bytes.
  */
-marconi_status marconi_tiered_stats(const struct marconi_tiered *tiered,
-                                    struct marconi_tiered_stats *out);
+marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
+                                        struct marconi_tiered_stats *out);
 
 /**
  * Checks every tier's invariants (byte accounting, no tier over its

@@ -67,7 +67,7 @@ pub use store::{
 pub use tiered::{
     marconi_load_kind, marconi_load_order, marconi_tier, marconi_tier_op, marconi_tier_op_kind,
     marconi_tier_spec, marconi_tier_write, marconi_tiered, marconi_tiered_config,
-    marconi_tiered_lookup, marconi_tiered_stats,
+    marconi_tiered_hit, marconi_tiered_stats,
 };
 
 /// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.

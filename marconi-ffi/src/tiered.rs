@@ -143,7 +143,7 @@ const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_tiered_config>();
 /// What marconi_tiered_lookup found.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct marconi_tiered_lookup {
+pub struct marconi_tiered_hit {
     /// The lease: pass it to marconi_tiered_admit and release it with
     /// marconi_tiered_release. Never 0, never valid in another handle.
     pub lease: u64,
@@ -575,7 +575,7 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
     checkpoints: *const u32,
     n_checkpoints: usize,
     store: *const marconi_store,
-    out: *mut marconi_tiered_lookup,
+    out: *mut marconi_tiered_hit,
 ) -> marconi_status {
     boundary("marconi_tiered_lookup", || {
         require!(tiered);
@@ -631,7 +631,7 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
         let l = g.cache.lookup_probed(ns, tokens, hints, p)?;
         let (declined_tier, declined_tokens) =
             l.declined.map_or((0, 0), |(t, n)| (tier_code(t), n));
-        let res = marconi_tiered_lookup {
+        let res = marconi_tiered_hit {
             lease: id,
             hit_tokens: l.hit_tokens,
             tier: tier_code(l.tier),
@@ -1150,11 +1150,11 @@ pub unsafe extern "C" fn marconi_tiered_drain_freed(
 /// `tiered` is a live handle or NULL; `out` is NULL or points to
 /// out->struct_size writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_stats(
+pub unsafe extern "C" fn marconi_tiered_get_stats(
     tiered: *const marconi_tiered,
     out: *mut marconi_tiered_stats,
 ) -> marconi_status {
-    boundary("marconi_tiered_stats", || {
+    boundary("marconi_tiered_get_stats", || {
         require!(tiered);
         require!(out);
         // SAFETY: the caller passes a live handle or NULL.

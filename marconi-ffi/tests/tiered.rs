@@ -74,8 +74,8 @@ fn lookup(
     t: *const marconi_tiered,
     tokens: &[u32],
     store: *const marconi_store,
-) -> marconi_tiered_lookup {
-    let mut out = marconi_tiered_lookup::default();
+) -> marconi_tiered_hit {
+    let mut out = marconi_tiered_hit::default();
     // SAFETY: valid handle, arrays and out pointer.
     ok(unsafe {
         marconi_tiered_lookup(
@@ -155,7 +155,7 @@ fn stats(t: *const marconi_tiered) -> marconi_tiered_stats {
         ..Default::default()
     };
     // SAFETY: valid handle and out.
-    ok(unsafe { marconi_tiered_stats(t, &mut s) });
+    ok(unsafe { marconi_tiered_get_stats(t, &mut s) });
     s
 }
 
@@ -247,7 +247,7 @@ impl Engine {
     }
 
     /// Serves one request; returns its lookup.
-    fn serve(&mut self, input: &[u32], output: &[u32]) -> marconi_tiered_lookup {
+    fn serve(&mut self, input: &[u32], output: &[u32]) -> marconi_tiered_hit {
         let l = lookup(self.t, input, self.store);
         let mut hit = l.hit_tokens;
         if l.tier != marconi_tier::Device as u32 {
@@ -627,7 +627,7 @@ fn bad_calls_are_refused_and_change_nothing() {
     let t = new_tiered(&cfg);
     let other = new_tiered(&cfg);
     let input: Vec<u32> = (0..50).collect();
-    let mut out = marconi_tiered_lookup::default();
+    let mut out = marconi_tiered_hit::default();
 
     // SAFETY (this block): every call is given NULL, a foreign pointer of
     // at least 8 readable bytes, or valid pointers with bad values.
@@ -796,17 +796,17 @@ fn bad_calls_are_refused_and_change_nothing() {
             ..Default::default()
         };
         assert_eq!(
-            marconi_tiered_stats(t, &mut s),
+            marconi_tiered_get_stats(t, &mut s),
             marconi_status::UnsupportedStructSize
         );
         assert_eq!(
-            marconi_tiered_stats(t, ptr::null_mut()),
+            marconi_tiered_get_stats(t, ptr::null_mut()),
             marconi_status::NullArgument
         );
         // An older caller's shorter struct: only its bytes are written.
         let mut old = [0u64; 3];
         old[0] = 24;
-        ok(marconi_tiered_stats(t, old.as_mut_ptr().cast()));
+        ok(marconi_tiered_get_stats(t, old.as_mut_ptr().cast()));
         assert_eq!(old[1], 1, "requests");
         assert_eq!(old[2], 50, "input tokens");
 

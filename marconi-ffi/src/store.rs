@@ -892,8 +892,8 @@ pub unsafe extern "C" fn marconi_store_get_stats(
 /// have a state of `tokens` in the store (one existence query), and the
 /// store's KV prefix in tokens (a second query, only when a state was found
 /// and the states do not carry their KV; the input length when they do).
-/// A failed query gives an empty probe and `true` (a miss, counted by the
-/// caller), never an error.
+/// A failed query gives an empty probe and `true` (a miss, counted in the
+/// store's stats and by the caller), never an error.
 ///
 /// # Safety
 ///
@@ -911,24 +911,16 @@ pub(crate) unsafe fn probe_states(
         return Ok((probe, false));
     }
     let keyer = s.tier.keyer();
-    let keyed: Vec<(u32, String)> = positions
-        .iter()
-        .filter_map(|&p| {
-            keyer
-                .state_key(tokens, p as usize)
-                .map(|k| (p, s.tier.name(&k)))
-        })
-        .collect();
-    let names: Vec<&str> = keyed.iter().map(|(_, n)| n.as_str()).collect();
-    match s.tier.store().batch_exists(&names) {
-        Ok(found) if found.len() == keyed.len() => {
-            probe.states = keyed
+    let wanted: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+    match s.tier.states_exist(tokens, &wanted) {
+        Some(found) => {
+            probe.states = positions
                 .iter()
                 .zip(found)
-                .filter_map(|((p, _), f)| f.then_some(*p))
+                .filter_map(|(p, f)| f.then_some(*p))
                 .collect();
         }
-        _ => return Ok((probe, true)),
+        None => return Ok((probe, true)),
     }
     if !probe.states.is_empty() {
         probe.kv_tokens = if states_hold_kv {

@@ -4286,7 +4286,7 @@ marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
 /**
  * Drains the ops the tiers decided since the last drain, in order: each
  * op into `ops[0..ops_cap]` and the tokens of its chain (`position`
- * tokens from ops[i].tokens_offset) into `tokens[0..tokens_cap]`, with the
+ * tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
  * counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
  * the host copies the chain from the device (before its slot, returned by
  * marconi_tiered_drain_freed, is reused), a WRITE to the store copies it

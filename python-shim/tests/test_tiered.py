@@ -5,6 +5,7 @@ process does), a corrupt object and a store that is down giving misses,
 and bad input refused with MarconiError."""
 
 import copy
+import time
 import pickle
 
 import pytest
@@ -216,3 +217,42 @@ def test_bad_input_is_refused():
     tc.close()
     with pytest.raises(ValueError):
         tc.lookup([1, 2, 3])
+
+
+class SlowStore:
+    """A store of Python callbacks whose every existence query takes 100 ms."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get(self, name):
+        return None
+
+    def put(self, name, data):
+        pass
+
+    def exists(self, name):
+        self.calls += 1
+        time.sleep(0.1)
+        return False
+
+    def delete(self, name):
+        pass
+
+
+def test_a_slow_store_gives_misses_within_its_timeout():
+    slow = SlowStore()
+    with marconi.Store("callback", model="m", block_size=16, timeout_ms=20, callbacks=slow) as st, tiered() as tc:
+        prompt = list(range(300))
+        start = time.monotonic()
+        hit = tc.lookup(prompt, store=st)
+        elapsed = time.monotonic() - start
+        tc.release(hit.lease)
+        # 299 candidate positions, each 100 ms: the deadline (20 ms) stops
+        # the probe after the first call, and the lookup misses.
+        assert slow.calls == 1
+        assert elapsed < 1.0
+        assert hit.hit_tokens == 0 and not hit.shared
+        s = tc.stats()
+        assert s["store_probes"] == 1 and s["store_probe_failures"] == 1
+        assert st.stats()["timeout"] == 1

@@ -626,6 +626,113 @@ typedef uint32_t marconi_store_backend;
 #endif // __cplusplus
 
 /**
+ * A tier: where an entry lives.
+ */
+enum marconi_tier
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The engine's GPU memory: the device cache.
+   */
+  MARCONI_TIER_DEVICE = 0,
+  /**
+   * Host memory.
+   */
+  MARCONI_TIER_HOST = 1,
+  /**
+   * A store (local disk, Redis/Valkey), possibly shared by processes.
+   */
+  MARCONI_TIER_STORE = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier marconi_tier;
+#else
+typedef uint32_t marconi_tier;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * When a lower tier receives an entry.
+ */
+enum marconi_tier_write
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * When the tier above evicts it (demotion). The default.
+   */
+  MARCONI_TIER_WRITE_BACK = 0,
+  /**
+   * As soon as the tier above stores it.
+   */
+  MARCONI_TIER_WRITE_THROUGH = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier_write marconi_tier_write;
+#else
+typedef uint32_t marconi_tier_write;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a load order moves.
+ */
+enum marconi_load_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * The KV of tokens start..end.
+   */
+  MARCONI_LOAD_KIND_KV = 0,
+  /**
+   * The recurrent state at `position`.
+   */
+  MARCONI_LOAD_KIND_STATE = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_load_kind marconi_load_kind;
+#else
+typedef uint32_t marconi_load_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * What a tier op asks of the engine.
+ */
+enum marconi_tier_op_kind
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Copy the chain (the state at `position` and the KV of its tokens)
+   * into `tier`: from the device's copy when `tier` is the host, from
+   * the host's copy when it is the store.
+   */
+  MARCONI_TIER_OP_KIND_WRITE = 0,
+  /**
+   * `tier` no longer holds the chain: the engine may free its copy
+   * (in a shared store, other processes may still read it).
+   */
+  MARCONI_TIER_OP_KIND_DROP = 1,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_tier_op_kind marconi_tier_op_kind;
+#else
+typedef uint32_t marconi_tier_op_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -692,6 +799,12 @@ typedef struct marconi_pooled_cache marconi_pooled_cache;
  * marconi_store_free. Safe to call from several threads at once.
  */
 typedef struct marconi_store marconi_store;
+
+/**
+ * A tiered cache handle: opaque to C. Create with marconi_tiered_new,
+ * free with marconi_tiered_free. Safe to call from several threads.
+ */
+typedef struct marconi_tiered marconi_tiered;
 
 /**
  * A model's layer composition and dimensions (see marconi-core's ModelSpec
@@ -2242,6 +2355,320 @@ typedef struct marconi_store_stats {
    */
   uint64_t bytes_written;
 } marconi_store_stats;
+
+/**
+ * One lower tier. Absent when capacity_bytes is 0.
+ */
+typedef struct marconi_tier_spec {
+  /**
+   * Bytes of KV and states the tier may hold (0: no such tier). Its
+   * policy is the device's (admission, eviction, alpha, page size).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Bytes per second from this tier into the device (finite, > 0).
+   */
+  double bandwidth_bytes_per_s;
+  /**
+   * Fixed cost of one load from this tier, seconds (finite, >= 0).
+   */
+  double latency_s;
+} marconi_tier_spec;
+
+/**
+ * Configuration of a tiered cache. Versioned by size: fill it with
+ * marconi_tiered_config_init(&cfg, sizeof cfg), then set fields.
+ */
+typedef struct marconi_tiered_config {
+  /**
+   * sizeof(marconi_tiered_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
+   */
+  uint32_t write_mode;
+  /**
+   * The device cache's configuration (initialised by
+   * marconi_cache_config_init). Required; read only during
+   * marconi_tiered_new.
+   */
+  const struct marconi_cache_config *device;
+  /**
+   * The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
+   */
+  struct marconi_tier_spec host;
+  /**
+   * The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
+   */
+  struct marconi_tier_spec store;
+  /**
+   * Effective prefill FLOP/s of the device: what a skipped token is
+   * worth in time. Default 989e12 x 0.4.
+   */
+  double compute_flops;
+  /**
+   * Non-zero: save the state of a lower-tier hit on the device too.
+   * Default 0.
+   */
+  uint32_t promote;
+  /**
+   * Non-zero: load every longer lower-tier hit, however slow. Default 0.
+   */
+  uint32_t always_load;
+  /**
+   * Non-zero: plan on the device the branch checkpoints the lower tiers
+   * see. Default 1.
+   */
+  uint32_t lower_plans;
+  /**
+   * Non-zero: moves into the lower tiers wait for marconi_tiered_settle
+   * (call it off the request path, before the next lookup). Default 0.
+   */
+  uint32_t defer_moves;
+  /**
+   * Most state positions one store probe asks about (the longest first).
+   * Default 1024.
+   */
+  uint32_t max_store_probe;
+  /**
+   * Non-zero: the engine's state objects in the store carry the KV of
+   * their prefix too (a whole-sequence snapshot), so a probed state
+   * needs no KV blocks; 0: a probe also asks for the store's KV prefix
+   * (marconi_store_kv_prefix) and uses only states it covers. Default 0.
+   */
+  uint32_t store_states_hold_kv;
+} marconi_tiered_config;
+
+/**
+ * What marconi_tiered_lookup found.
+ */
+typedef struct marconi_tiered_hit {
+  /**
+   * The lease: pass it to marconi_tiered_admit and release it with
+   * marconi_tiered_release. Never 0, never valid in another handle.
+   */
+  uint64_t lease;
+  /**
+   * Leading tokens the engine may skip once the loads are done.
+   */
+  uint32_t hit_tokens;
+  /**
+   * The marconi_tier whose state the hit resumes from.
+   */
+  uint32_t tier;
+  /**
+   * The device's own usable hit (what the engine falls back to when a
+   * load fails).
+   */
+  uint32_t device_hit_tokens;
+  /**
+   * Leading tokens whose KV the device holds.
+   */
+  uint32_t device_kv_tokens;
+  /**
+   * The device slot of the device's hit state, or MARCONI_NO_SLOT.
+   */
+  uint32_t device_state_slot;
+  /**
+   * Load orders (marconi_tiered_lease_loads); 0 for a device hit.
+   */
+  uint32_t n_loads;
+  /**
+   * Checkpoint positions for this prefill (marconi_tiered_lease_plan).
+   */
+  uint32_t n_plan;
+  /**
+   * KV page ids of the device's hit (marconi_tiered_lease_kv_pages).
+   */
+  uint32_t n_kv_pages;
+  /**
+   * 1 when the hit's state is one only the shared store probe knew of
+   * (another process wrote it).
+   */
+  uint32_t shared;
+  /**
+   * The marconi_tier of a longer hit left unused because recomputing is
+   * faster (meaningful when declined_tokens > 0).
+   */
+  uint32_t declined_tier;
+  /**
+   * That hit's length, or 0 when none was declined.
+   */
+  uint32_t declined_tokens;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Modelled seconds of the loads.
+   */
+  double load_s;
+  /**
+   * Modelled seconds to recompute the tokens the loads skip.
+   */
+  double recompute_s;
+} marconi_tiered_hit;
+
+/**
+ * One load the engine carries out before prefilling from the hit: from
+ * `tier` into the request's own device pages and state slot. The lower
+ * tiers track no engine ids: an entry there is named by the namespace and
+ * the tokens it covers (tokens[0..position]), as the store's keys are.
+ */
+typedef struct marconi_load_order {
+  /**
+   * The marconi_tier read.
+   */
+  uint32_t tier;
+  /**
+   * A marconi_load_kind value.
+   */
+  uint32_t kind;
+  /**
+   * First token (KV); the position (STATE).
+   */
+  uint32_t start;
+  /**
+   * End of the tokens, exclusive (KV); the position (STATE).
+   */
+  uint32_t end;
+  /**
+   * The entry's position: the state's, or the end of the KV range.
+   */
+  uint32_t position;
+  /**
+   * The tier's slot id, or MARCONI_NO_SLOT (the lower tiers track none).
+   */
+  uint32_t slot;
+  /**
+   * Bytes moved.
+   */
+  uint64_t bytes;
+} marconi_load_order;
+
+/**
+ * One op of marconi_tiered_drain_ops, in the order the tiers decided
+ * them: carry them out in this order.
+ */
+typedef struct marconi_tier_op {
+  /**
+   * A marconi_tier_op_kind value.
+   */
+  uint32_t kind;
+  /**
+   * The marconi_tier written or dropped from.
+   */
+  uint32_t tier;
+  /**
+   * The namespace.
+   */
+  uint64_t ns;
+  /**
+   * The chain's position: its tokens are `position` long.
+   */
+  uint32_t position;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Where the chain's tokens start in the tokens buffer of the drain.
+   */
+  uint64_t tokens_offset;
+  /**
+   * Bytes the tier charges anew (WRITE), 0 (DROP).
+   */
+  uint64_t bytes;
+} marconi_tier_op;
+
+/**
+ * Counters and gauges of a tiered cache, per tier where an array (index
+ * marconi_tier). Versioned by size: set struct_size to
+ * sizeof(marconi_tiered_stats) first.
+ */
+typedef struct marconi_tiered_stats {
+  /**
+   * sizeof(marconi_tiered_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Lookups.
+   */
+  uint64_t requests;
+  /**
+   * Input tokens looked up.
+   */
+  uint64_t input_tokens;
+  /**
+   * Tokens skipped, all tiers.
+   */
+  uint64_t hit_tokens;
+  /**
+   * Tokens skipped, by the tier of the state resumed from.
+   */
+  uint64_t hit_tokens_by_tier[3];
+  /**
+   * Requests whose hit resumed from each tier.
+   */
+  uint64_t hits_by_tier[3];
+  /**
+   * Bytes loaded from each tier (as ordered).
+   */
+  uint64_t bytes_loaded[3];
+  /**
+   * Bytes written into each tier.
+   */
+  uint64_t bytes_written[3];
+  /**
+   * Entries written into each tier.
+   */
+  uint64_t writes[3];
+  /**
+   * Entries not demoted: reloading them would cost more than recomputing.
+   */
+  uint64_t demotions_skipped;
+  /**
+   * Longer lower-tier hits declined: recomputing was faster.
+   */
+  uint64_t loads_declined;
+  /**
+   * Hits on a state only the shared store probe knew of.
+   */
+  uint64_t shared_hits;
+  /**
+   * Tokens those hits skipped.
+   */
+  uint64_t shared_hit_tokens;
+  /**
+   * Store probes run.
+   */
+  uint64_t store_probes;
+  /**
+   * Store probes that failed (store down or slow): treated as empty.
+   */
+  uint64_t store_probe_failures;
+  /**
+   * Loads the engine reported failed (marconi_tiered_report_load_failure).
+   */
+  uint64_t load_failures;
+  /**
+   * Bytes each tier holds.
+   */
+  uint64_t used_bytes[3];
+  /**
+   * Each tier's capacity (0 where absent).
+   */
+  uint64_t capacity_bytes[3];
+  /**
+   * Modelled load seconds, all requests.
+   */
+  double load_s;
+} marconi_tiered_stats;
 
 #ifdef __cplusplus
 extern "C" {
@@ -3932,6 +4359,285 @@ marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
  */
 marconi_status marconi_store_get_stats(const struct marconi_store *store,
                                        struct marconi_store_stats *out);
+
+/**
+ * Fills `*cfg` with the defaults (documented per field) and sets
+ * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than this library's struct.
+ *
+ * Thread safety: touches only `*cfg`.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg, size_t struct_size);
+
+/**
+ * Creates a tiered cache from `*cfg` and writes the handle to `*out`
+ * (free it with marconi_tiered_free). MARCONI_STATUS_INVALID_CONFIG (the
+ * reason in marconi_last_error) for a device configuration that cannot
+ * drive a cache, a store tier without a host tier, a bandwidth that is not
+ * finite and > 0, a latency that is not finite and >= 0, compute_flops not
+ * finite and > 0, an unknown write_mode, a flag other than 0 or 1, or
+ * max_store_probe 0.
+ *
+ * Thread safety: may run concurrently with anything.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or initialised by marconi_tiered_config_init, its
+ * `device` NULL or initialised by marconi_cache_config_init; `out` is
+ * writable or NULL.
+ */
+marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
+                                  struct marconi_tiered **out);
+
+/**
+ * Frees a tiered cache. NULL is a no-op; a pointer that is not a live
+ * tiered handle (a foreign one, or one already freed whose memory still
+ * holds the cleared magic) is refused and left alone.
+ *
+ * Thread safety: must not run concurrently with any other call on this
+ * handle; the handle must not be used afterwards.
+ *
+ * # Safety
+ *
+ * `t` is NULL or a handle from marconi_tiered_new.
+ */
+void marconi_tiered_free(struct marconi_tiered *t);
+
+/**
+ * Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier and
+ * writes the hit to resume from to `*out`, with a lease pinning it until
+ * marconi_tiered_release. `checkpoints[0..n_checkpoints]` are application
+ * checkpoint hints (as marconi_cache_lookup_hinted; none: NULL, 0).
+ *
+ * `store` (NULL: none) is a store handle shared with other processes:
+ * the lookup first asks it (one existence query, bounded by the store's
+ * timeout) which of the input's candidate positions have a state, and
+ * weighs the longest usable one like any store-tier hit (the tiered
+ * cache needs a store tier for its bandwidth; without one the probe is
+ * skipped). A store that is down or slow gives an empty probe (counted in
+ * store_probe_failures), never an error. The probe is a hint: when the
+ * engine's read of the state then misses, it resumes from the device's hit
+ * (device_hit_tokens, device_state_slot) and reports it with
+ * marconi_tiered_report_load_failure.
+ *
+ * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
+ * MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
+ * MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
+ * handle (tiered or store) that is not one.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` and `store` are live handles or NULL; each array has its
+ * length in readable u32 (or is NULL with 0); `out` is writable or NULL.
+ */
+marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
+                                     uint64_t ns,
+                                     const uint32_t *tokens,
+                                     size_t n_tokens,
+                                     const uint32_t *checkpoints,
+                                     size_t n_checkpoints,
+                                     const struct marconi_store *store,
+                                     struct marconi_tiered_hit *out);
+
+/**
+ * Writes a lease's load orders (KV ranges in token order, then the state)
+ * into `buf[0..cap]` and their number to `*out_len`. A buffer too small
+ * (NULL with cap 0 is a size query) gives MARCONI_STATUS_BUFFER_TOO_SMALL
+ * with only the count written.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL; `buf` has cap writable elements (or
+ * is NULL); `out_len` is writable or NULL.
+ */
+marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
+                                          uint64_t lease,
+                                          struct marconi_load_order *buf,
+                                          size_t cap,
+                                          size_t *out_len);
+
+/**
+ * Writes a lease's checkpoint positions (ascending; save the state after
+ * each during prefill) into `buf[0..cap]`, their number to `*out_len`;
+ * a buffer too small as in marconi_tiered_lease_loads.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * As marconi_tiered_lease_loads.
+ */
+marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
+                                         uint64_t lease,
+                                         uint32_t *buf,
+                                         size_t cap,
+                                         size_t *out_len);
+
+/**
+ * Writes the device KV page ids of a lease's device hit into
+ * `buf[0..cap]`, their number to `*out_len`; a buffer too small as in
+ * marconi_tiered_lease_loads.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * As marconi_tiered_lease_loads.
+ */
+marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered,
+                                             uint64_t lease,
+                                             uint32_t *buf,
+                                             size_t cap,
+                                             size_t *out_len);
+
+/**
+ * Admits `tokens[0..n_tokens]` under `lease` into the device, with the
+ * states the engine saved and its KV pages (as marconi_cache_admit: the
+ * same ownership rules, `taken` and `*out`), then moves what the device
+ * evicted into the lower tiers (unless defer_moves): drain the resulting
+ * ops with marconi_tiered_drain_ops before reusing the slots
+ * marconi_tiered_drain_freed returns.
+ *
+ * Errors (nothing changes): those of marconi_cache_admit.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * As marconi_cache_admit, with a tiered handle.
+ */
+marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
+                                    uint64_t lease,
+                                    const uint32_t *tokens,
+                                    size_t n_tokens,
+                                    const struct marconi_saved_state *states,
+                                    size_t n_states,
+                                    const uint32_t *kv_pages,
+                                    size_t n_kv_pages,
+                                    uint8_t *taken,
+                                    struct marconi_admit_result *out);
+
+/**
+ * Releases `lease` in every tier. MARCONI_STATUS_UNKNOWN_LEASE for a
+ * lease this handle never issued or already released.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL.
+ */
+marconi_status marconi_tiered_release(const struct marconi_tiered *tiered, uint64_t lease);
+
+/**
+ * Records that a load of `lease`'s orders failed (the engine could not
+ * read the entry: a shared store that lost it, was killed, or returned a
+ * corrupt object) and that the engine recomputed from the device's hit.
+ * Counted in load_failures; the lease stays valid.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL.
+ */
+marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *tiered,
+                                                  uint64_t lease);
+
+/**
+ * Runs the moves into the lower tiers that defer_moves left waiting
+ * (a no-op otherwise); then drain the ops.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL.
+ */
+marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
+
+/**
+ * Drains the ops the tiers decided since the last drain, in order: each
+ * op into `ops[0..ops_cap]` and the tokens of its chain (`position`
+ * tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
+ * counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
+ * the host copies the chain from the device (before its slot, returned by
+ * marconi_tiered_drain_freed, is reused), a WRITE to the store copies it
+ * from the host copy, a DROP frees a copy. All or nothing: when either
+ * buffer is too small (NULL with capacity 0 is a size query), returns
+ * MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
+ * nothing.
+ *
+ * Thread safety: safe to call concurrently on the same handle; each op is
+ * delivered to exactly one caller.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL; each buffer has its capacity in
+ * writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
+ */
+marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
+                                        struct marconi_tier_op *ops,
+                                        size_t ops_cap,
+                                        size_t *n_ops,
+                                        uint32_t *tokens,
+                                        size_t tokens_cap,
+                                        size_t *n_tokens);
+
+/**
+ * Drains the device's freed engine ids (KV pages, state slots), as
+ * marconi_cache_drain_freed (all or nothing). Drain the ops first: a
+ * WRITE to the host reads a slot this returns.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * As marconi_cache_drain_freed, with a tiered handle.
+ */
+marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
+                                          uint32_t *pages,
+                                          size_t pages_cap,
+                                          size_t *n_pages,
+                                          uint32_t *slots,
+                                          size_t slots_cap,
+                                          size_t *n_slots);
+
+/**
+ * Writes the counters and gauges to `*out`. Set out->struct_size to
+ * sizeof(marconi_tiered_stats) first: only that many bytes are written
+ * (at least 16).
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL; `out` is NULL or points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
+                                        struct marconi_tiered_stats *out);
+
+/**
+ * Checks every tier's invariants (byte accounting, no tier over its
+ * capacity). MARCONI_STATUS_INVARIANT_VIOLATED, with the failed check in
+ * marconi_last_error, when one does not hold.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `tiered` is a live handle or NULL.
+ */
+marconi_status marconi_tiered_check(const struct marconi_tiered *tiered);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -40,8 +40,8 @@ gcc "${cflags[@]}" "${san[@]}" "${src[@]}" "$lib/libmarconi.a" -lpthread -ldl -l
   -o "$out/test_cache_static"
 "$out/test_cache_static"
 
-echo "--- C pool, snapshot, cache-over-pools and planning tests (.so and .a, ASan + UBSan)"
-for t in test_pool test_pooled; do
+echo "--- C pool, snapshot, cache-over-pools, planning and tiered-cache tests (.so and .a, ASan + UBSan)"
+for t in test_pool test_pooled test_tiered; do
   gcc "${cflags[@]}" "${san[@]}" "marconi-ffi/tests/c/$t.c" -L"$lib" -Wl,-rpath,"$lib" -lmarconi \
     -lpthread -o "$out/${t}_shared"
   "$out/${t}_shared"

@@ -5,8 +5,14 @@
 # the build is cached under $CARGO_TARGET_DIR/llama.cpp), builds the engine
 # against them and libmarconi, and runs it: every request's logits must be
 # bitwise equal to a no-cache run, and both negative controls (zeroed SSM
-# state, zeroed conv state on restore) must be detected. Runs from the
-# repository root. Budget: 10 minutes on 2 cores, llama.cpp build included.
+# state, zeroed conv state on restore) must be detected. Then the tiered
+# mode (docs/tiers.md): two engine processes share a store (a directory,
+# then a real redis-server on 127.0.0.1 started and stopped here): the
+# second continues the first's sessions from the states it stored, bitwise
+# equal to no cache; corrupted objects and a store killed mid-run give
+# counted misses, never errors or wrong logits. Runs from the repository
+# root. Budget: 10 minutes on 2 cores, llama.cpp build included (the tiered
+# runs: about 40 s).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -20,6 +26,14 @@ cache="$target/llama.cpp"
 src="$cache/llama_cpp_python-$version/vendor/llama.cpp"
 build="$cache/build-$version"
 python="${PYTHON:-python3}"
+
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+  echo "--- apt-get install redis-server"
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
 
 for tool in cmake g++ make; do
   if ! command -v "$tool" >/dev/null; then
@@ -67,3 +81,45 @@ cd "$out"
 echo "--- llama-engine negative controls: a corrupted restored state must be detected"
 ./llama-engine --gguf tiny-nemotron-h.gguf --negative zero-ssm
 ./llama-engine --gguf tiny-nemotron-h.gguf --negative zero-conv
+
+echo "--- llama-engine tiers: a second process resumes from a shared directory store"
+work="$(mktemp -d "$out/tiers.XXXXXX")"
+redis_pid=""
+cleanup() {
+  [ -z "$redis_pid" ] || kill "$redis_pid" 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+start=$SECONDS
+# A: evicted states go to its host buffers; every state is written through
+# to the store (shared with other processes) and its sessions recorded.
+./llama-engine --gguf tiny-nemotron-h.gguf --requests 32 --tiers --tier-write through \
+  --store "dir:$work/store" --transcript-out "$work/sessions.txt"
+# B: a fresh process (empty device cache) continues A's sessions.
+./llama-engine --gguf tiny-nemotron-h.gguf --tiers --store "dir:$work/store" \
+  --resume "$work/sessions.txt" --expect shared
+echo "--- llama-engine tiers: corrupted store objects are misses"
+for f in "$work"/store/*; do
+  size=$(stat -c %s "$f")
+  printf '\xff' | dd of="$f" bs=1 seek=$((size / 2)) conv=notrunc status=none
+done
+./llama-engine --gguf tiny-nemotron-h.gguf --tiers --store "dir:$work/store" \
+  --resume "$work/sessions.txt" --expect load-failures
+
+echo "--- llama-engine tiers: redis-server on 127.0.0.1, killed mid-run of the second process"
+redis="$(command -v redis-server || command -v valkey-server)"
+port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+"$redis" --bind 127.0.0.1 --port "$port" --save '' --appendonly no --protected-mode yes \
+  >"$work/redis.log" 2>&1 &
+redis_pid=$!
+for _ in $(seq 50); do
+  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+  sleep 0.1
+done
+./llama-engine --gguf tiny-nemotron-h.gguf --requests 32 --tiers --tier-write through \
+  --store "redis://127.0.0.1:$port" --transcript-out "$work/sessions-redis.txt"
+./llama-engine --gguf tiny-nemotron-h.gguf --tiers --store "redis://127.0.0.1:$port" \
+  --resume "$work/sessions-redis.txt" --kill-store-pid "$redis_pid" --kill-after 5 --expect store-down
+wait "$redis_pid" 2>/dev/null || true
+redis_pid=""
+echo "tiered runs: $((SECONDS - start)) s"

@@ -42,9 +42,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include <signal.h>
+#include <time.h>
 
 namespace {
 
@@ -313,10 +317,426 @@ void usage() {
                  "usage: llama-engine [--gguf PATH] [--requests N] [--sessions N] [--seed N]\n"
                  "                    [--capacity-states N] [--threads N] [--negative zero-ssm|zero-conv]\n"
                  "                    [--admit-decoded] [--verbose]\n"
+                 "                    [--tiers [--host-states N] [--tier-write back|through]\n"
+                 "                     [--store dir:PATH|redis://127.0.0.1:PORT] [--kill-store-pid PID --kill-after N]\n"
+                 "                     [--expect shared|load-failures|store-down]\n"
+                 "                     [--transcript-out PATH] [--resume PATH]]\n"
                  "--admit-decoded: also cache the decoded tokens (the state after decoding);\n"
                  "  those states were computed one token at a time, so the check then reports\n"
-                 "  the largest logit difference instead of requiring bitwise equality\n");
+                 "  the largest logit difference instead of requiring bitwise equality\n"
+                 "--tiers: serve through marconi_tiered (device + host + store tiers): evicted\n"
+                 "  states are copied into engine host buffers and the store; lookups probe the\n"
+                 "  store for states other processes wrote; every request stays bitwise equal\n"
+                 "--transcript-out: each session's last sequence, for --resume in another\n"
+                 "  process, which continues those sessions (a fresh device cache)\n");
     std::exit(2);
+}
+
+// ---------------------------------------------------------------- tiers
+
+struct TierOptions {
+    bool on = false;
+    uint32_t host_states = 16;
+    std::string write = "back";
+    std::string store;  // "dir:PATH" or "redis://..." or empty
+    long kill_pid = 0;
+    uint32_t kill_after = 0;
+    std::string expect;
+    std::string transcript_out;  // write each session's last sequence here
+};
+
+// The sessions another engine process served (its --transcript-out: one
+// line per session, its last prompt + answer as token ids), continued here:
+// for each, a new user turn, then one more turn on top of the answer.
+Workload resume_workload(const std::string &path, uint64_t seed, uint32_t n_vocab) {
+    FILE *f = std::fopen(path.c_str(), "r");
+    if (!f) die("cannot open the --resume transcript");
+    Workload w;
+    std::vector<llama_token> cur;
+    long v;
+    int c;
+    while (true) {
+        c = std::fgetc(f);
+        if (c == EOF || c == '\n') {
+            if (!cur.empty()) w.systems.push_back(cur);
+            cur.clear();
+            if (c == EOF) break;
+            continue;
+        }
+        std::ungetc(c, f);
+        if (std::fscanf(f, "%ld", &v) != 1 || v < 0 || v >= (long)n_vocab) die("bad token in the --resume transcript");
+        cur.push_back((llama_token)v);
+        while ((c = std::fgetc(f)) == ' ') {}
+        if (c != EOF) std::ungetc(c, f);
+    }
+    std::fclose(f);
+    if (w.systems.empty()) die("the --resume transcript is empty");
+    Rng r{seed ^ 0x7265737566ULL};
+    const uint32_t k = (uint32_t)w.systems.size();
+    for (uint32_t round = 0; round < 2; round++) {
+        for (uint32_t s = 0; s < k; s++) {
+            Request q{};
+            q.session = s;
+            q.decode = r.range(4, 8);
+            q.user.resize(r.range(6, 40));
+            for (auto &x : q.user) x = (llama_token)r.below(n_vocab);
+            q.parent = round == 0 ? UINT32_MAX : s;
+            q.system = s;
+            q.kind = round == 0 ? "resume" : "turn";
+            w.reqs.push_back(std::move(q));
+        }
+    }
+    return w;
+}
+
+std::vector<uint32_t> as_u32(const std::vector<llama_token> &t) { return std::vector<uint32_t>(t.begin(), t.end()); }
+
+// Reads the state object of tokens[0..h] from the store; false on a miss
+// (absent, corrupt, the store down or slow).
+bool store_read(const marconi_store *store, const std::vector<uint32_t> &toks, uint32_t h, std::vector<uint8_t> &out) {
+    size_t len = 0;
+    uint32_t found = 0;
+    out.resize(out.empty() ? (1u << 20) : out.capacity());
+    for (int k = 0; k < 2; k++) {
+        marconi_status st = marconi_store_get_state(store, toks.data(), h, h, out.data(), out.size(), &len, &found);
+        if (st == MARCONI_STATUS_BUFFER_TOO_SMALL) {
+            out.resize(len);
+            continue;
+        }
+        check_marconi(st, "marconi_store_get_state");
+        if (!found) return false;
+        out.resize(len);
+        return true;
+    }
+    return false;
+}
+
+// The tiered engine: marconi_tiered decides, the engine moves the bytes.
+// Device states are llama.cpp sequence blobs (KV + recurrent state) by
+// slot, as in the plain mode; the host tier is engine memory holding the
+// same blobs, by chain (the tokens they cover); the store holds them as
+// state objects (marconi_store_put_state), shared with other processes.
+int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uint64_t state_bytes, uint64_t kv_per_token,
+               uint32_t capacity_states, uint64_t seed, const TierOptions &o) {
+    const uint32_t n_requests = (uint32_t)w.reqs.size();
+    marconi_cache_config dev;
+    check_marconi(marconi_cache_config_init(&dev, sizeof dev), "marconi_cache_config_init");
+    dev.model = spec;
+    dev.model_preset = nullptr;
+    dev.capacity_bytes = capacity_states * state_bytes + 1024 * kv_per_token;
+    dev.tuner_adoption = MARCONI_ALPHA_ADOPTION_DETERMINISTIC;
+    marconi_tiered_config tc;
+    check_marconi(marconi_tiered_config_init(&tc, sizeof tc), "marconi_tiered_config_init");
+    tc.device = &dev;
+    tc.host.capacity_bytes = o.host_states * state_bytes + 2048 * kv_per_token;
+    // Rates of this CPU engine: host copies are memcpy; the store is a
+    // local directory or Redis on the loopback. Prefill runs at roughly
+    // 1e10 FLOP/s here, so every hit is worth loading.
+    tc.host.bandwidth_bytes_per_s = 5e9;
+    tc.host.latency_s = 10e-6;
+    tc.compute_flops = 1e10;
+    tc.write_mode = o.write == "through" ? MARCONI_TIER_WRITE_THROUGH : MARCONI_TIER_WRITE_BACK;
+    marconi_store *store = nullptr;
+    std::string location, model_id;
+    if (!o.store.empty()) {
+        tc.store.capacity_bytes = 4096 * state_bytes + 65536 * kv_per_token;
+        tc.store.bandwidth_bytes_per_s = 1e9;
+        tc.store.latency_s = 200e-6;
+        // The engine's state objects are whole sequence blobs: their KV
+        // comes with them.
+        tc.store_states_hold_kv = 1;
+        marconi_store_config sc;
+        check_marconi(marconi_store_config_init(&sc, sizeof sc), "marconi_store_config_init");
+        if (o.store.rfind("dir:", 0) == 0) {
+            sc.backend = MARCONI_STORE_BACKEND_DIR;
+            location = o.store.substr(4);
+        } else {
+            sc.backend = MARCONI_STORE_BACKEND_REDIS;
+            location = o.store;
+        }
+        // Two engines share an object exactly when this string is equal:
+        // the model (its seed: the weights) and the value layout.
+        model_id = "tiny-nemotron-h seed " + std::to_string(seed) + " llama.cpp seq state f32";
+        sc.location = location.c_str();
+        sc.model = model_id.c_str();
+        sc.block_size = 16;
+        sc.timeout_ms = 100;
+        check_marconi(marconi_store_new(&sc, &store), "marconi_store_new");
+    }
+    marconi_tiered *t = nullptr;
+    check_marconi(marconi_tiered_new(&tc, &t), "marconi_tiered_new");
+
+    std::unordered_map<uint32_t, std::vector<uint8_t>> blobs;  // device states, by slot
+    std::unordered_map<uint32_t, std::vector<uint32_t>> slot_chain;  // the tokens each slot's state covers
+    std::map<std::vector<uint32_t>, std::vector<uint8_t>> host;  // host tier copies, by chain
+    std::vector<uint32_t> free_slots;
+    uint32_t next_slot = 0;
+    auto new_slot = [&]() {
+        if (!free_slots.empty()) {
+            uint32_t s = free_slots.back();
+            free_slots.pop_back();
+            return s;
+        }
+        return next_slot++;
+    };
+    auto drop_slot = [&](uint32_t s) {
+        blobs.erase(s);
+        slot_chain.erase(s);
+        free_slots.push_back(s);
+    };
+    uint64_t host_writes = 0, store_writes = 0, store_put_failures = 0, host_drops = 0, host_peak = 0;
+    // Carries out the tiers' ops in order, then frees the device's slots.
+    auto apply_ops = [&]() {
+        size_t n_ops = 0, n_tok = 0;
+        marconi_status st = marconi_tiered_drain_ops(t, nullptr, 0, &n_ops, nullptr, 0, &n_tok);
+        if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) check_marconi(st, "drain_ops (size)");
+        std::vector<marconi_tier_op> ops(n_ops + 1);
+        std::vector<uint32_t> toks(n_tok + 1);
+        check_marconi(marconi_tiered_drain_ops(t, ops.data(), ops.size(), &n_ops, toks.data(), toks.size(), &n_tok),
+                      "marconi_tiered_drain_ops");
+        for (size_t k = 0; k < n_ops; k++) {
+            const marconi_tier_op &op = ops[k];
+            std::vector<uint32_t> chain(toks.begin() + (long)op.tokens_offset,
+                                        toks.begin() + (long)(op.tokens_offset + op.position));
+            if (op.kind == MARCONI_TIER_OP_KIND_WRITE && op.tier == MARCONI_TIER_HOST) {
+                const std::vector<uint8_t> *src = nullptr;
+                for (auto &sc : slot_chain)
+                    if (sc.second == chain) src = &blobs.at(sc.first);
+                if (!src) die("the tiers asked for a host copy of a state no device slot holds");
+                host[chain] = *src;
+                host_writes++;
+            } else if (op.kind == MARCONI_TIER_OP_KIND_WRITE && op.tier == MARCONI_TIER_STORE) {
+                auto it = host.find(chain);
+                if (it == host.end()) die("the tiers asked for a store write of a chain the host copies lack");
+                marconi_status ps = marconi_store_put_state(store, chain.data(), chain.size(), chain.size(),
+                                                            it->second.data(), it->second.size());
+                // A store that is down does not take it: later a miss.
+                if (ps == MARCONI_STATUS_OK) store_writes++;
+                else if (ps == MARCONI_STATUS_BACKEND_FAILURE) store_put_failures++;
+                else check_marconi(ps, "marconi_store_put_state");
+            } else if (op.kind == MARCONI_TIER_OP_KIND_DROP && op.tier == MARCONI_TIER_HOST) {
+                if (host.erase(chain) != 1) die("the tiers dropped a host copy never written");
+                host_drops++;
+            }
+            // A store drop: other processes may still read the object; the
+            // store's own expiry or memory policy removes it.
+        }
+    };
+    auto drain_freed = [&]() {
+        size_t np = 0, nsl = 0;
+        marconi_status st = marconi_tiered_drain_freed(t, nullptr, 0, &np, nullptr, 0, &nsl);
+        if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) check_marconi(st, "drain_freed (size)");
+        std::vector<uint32_t> pages(np + 1), slots(nsl + 1);
+        check_marconi(marconi_tiered_drain_freed(t, pages.data(), pages.size(), &np, slots.data(), slots.size(), &nsl),
+                      "marconi_tiered_drain_freed");
+        for (size_t k = 0; k < nsl; k++) {
+            if (!blobs.count(slots[k])) die("the tiers freed a slot the engine does not hold");
+            drop_slot(slots[k]);
+        }
+    };
+
+    std::vector<std::vector<llama_token>> full_seq(n_requests);
+    Totals cached, nocache;
+    uint64_t load_fail = 0, by_tier[3] = {0, 0, 0}, shared = 0;
+    uint32_t mismatches = 0;
+    std::vector<uint8_t> buf;
+    bool killed = false;
+    for (uint32_t i = 0; i < n_requests; i++) {
+        if (o.kill_pid > 0 && i == o.kill_after && !killed) {
+            // The store dies mid-run: later lookups, loads and writes miss.
+            if (kill((pid_t)o.kill_pid, SIGKILL) != 0) die("cannot kill the store server");
+            for (int k = 0; k < 200 && kill((pid_t)o.kill_pid, 0) == 0; k++) {
+                struct timespec ts{0, 10 * 1000 * 1000};
+                nanosleep(&ts, nullptr);
+            }
+            killed = true;
+            std::printf("store server (pid %ld) killed before request %u\n", o.kill_pid, i);
+        }
+        const Request &q = w.reqs[i];
+        std::vector<llama_token> p = q.parent == UINT32_MAX ? w.systems[q.system] : full_seq[q.parent];
+        p.insert(p.end(), q.user.begin(), q.user.end());
+        const uint32_t n = (uint32_t)p.size();
+        std::vector<uint32_t> toks = as_u32(p);
+
+        double t0 = now_s();
+        marconi_tiered_hit lk{};
+        check_marconi(marconi_tiered_lookup(t, 0, toks.data(), toks.size(), nullptr, 0, store, &lk),
+                      "marconi_tiered_lookup");
+        std::vector<uint32_t> plan(lk.n_plan + 1);
+        size_t n_plan = 0;
+        check_marconi(marconi_tiered_lease_plan(t, lk.lease, plan.data(), plan.size(), &n_plan),
+                      "marconi_tiered_lease_plan");
+        uint32_t h = lk.hit_tokens;
+        const std::vector<uint8_t> *blob = nullptr;
+        if (lk.tier == MARCONI_TIER_DEVICE) {
+            if (h > 0) blob = &blobs.at(lk.device_state_slot);
+        } else {
+            std::vector<uint32_t> chain(toks.begin(), toks.begin() + h);
+            bool got = false;
+            if (lk.tier == MARCONI_TIER_HOST) {
+                auto it = host.find(chain);
+                if (it != host.end()) {
+                    buf = it->second;
+                    got = true;
+                }
+            } else {
+                got = store_read(store, toks, h, buf);
+            }
+            if (got) {
+                blob = &buf;
+                by_tier[lk.tier]++;
+                shared += lk.shared;
+            } else {
+                // The load missed: resume from the device's own hit.
+                check_marconi(marconi_tiered_report_load_failure(t, lk.lease), "marconi_tiered_report_load_failure");
+                load_fail++;
+                h = lk.device_hit_tokens;
+                if (h > 0) blob = &blobs.at(lk.device_state_slot);
+            }
+        }
+        if (h > 0 && n - h < 2) h = 0, blob = nullptr;  // never in this workload
+        if (h > 0) {
+            e.restore(*blob, h);
+            cached.hits++;
+            if (lk.tier == MARCONI_TIER_DEVICE || blob != &buf) by_tier[0]++;
+        } else {
+            e.clear();
+        }
+        std::vector<uint32_t> cuts;
+        bool save_at_end = false;
+        uint32_t last = h;
+        for (size_t k = 0; k < n_plan; k++) {
+            uint32_t c = plan[k];
+            if (c == n) { save_at_end = true; continue; }
+            if (c <= h || c > n) continue;
+            if (c - last < 2 || n - c < 2) continue;
+            cuts.push_back(c);
+            last = c;
+        }
+        (void)save_at_end;  // the final state at n is always saved here
+        std::vector<marconi_saved_state> states;
+        uint32_t at = h;
+        for (uint32_t c : cuts) {
+            e.prefill(p, at, c, false);
+            uint32_t s = new_slot();
+            blobs[s] = e.save();
+            slot_chain[s] = std::vector<uint32_t>(toks.begin(), toks.begin() + c);
+            states.push_back({c, s});
+            at = c;
+        }
+        e.prefill(p, at, n, true);
+        {
+            uint32_t s = new_slot();
+            blobs[s] = e.save();
+            slot_chain[s] = toks;
+            states.push_back({n, s});
+        }
+        double t1 = now_s();
+        std::vector<float> logits;
+        std::vector<llama_token> out;
+        e.decode(n, q.decode, logits, out);
+        std::vector<uint8_t> taken(states.size());
+        marconi_admit_result ar{};
+        check_marconi(marconi_tiered_admit(t, lk.lease, toks.data(), toks.size(), states.data(), states.size(), nullptr, 0,
+                                           taken.data(), &ar),
+                      "marconi_tiered_admit");
+        check_marconi(marconi_tiered_release(t, lk.lease), "marconi_tiered_release");
+        // The ops first: a state the device did not take may go straight
+        // to the host, copied from its slot.
+        apply_ops();
+        for (size_t k = 0; k < states.size(); k++)
+            if (!taken[k]) drop_slot(states[k].slot);
+        drain_freed();
+        host_peak = std::max<uint64_t>(host_peak, host.size());
+        cached.prompt_tokens += n;
+        cached.prefilled += n - h;
+        cached.prefill_s += t1 - t0;
+        full_seq[i] = p;
+        full_seq[i].insert(full_seq[i].end(), out.begin(), out.end());
+
+        double t2 = now_s();
+        e.clear();
+        e.prefill(p, 0, n, true);
+        double t3 = now_s();
+        std::vector<float> ref;
+        std::vector<llama_token> ref_out;
+        e.decode(n, q.decode, ref, ref_out);
+        nocache.prompt_tokens += n;
+        nocache.prefilled += n;
+        nocache.prefill_s += t3 - t2;
+        const bool equal = ref.size() == logits.size() && std::memcmp(ref.data(), logits.data(), ref.size() * 4) == 0;
+        if (!equal) {
+            mismatches++;
+            std::printf("req %3u: %u prompt tokens, hit %u from tier %u: logits DIFFER\n", i, n, h, lk.tier);
+        }
+    }
+
+    marconi_tiered_stats st{};
+    st.struct_size = sizeof st;
+    check_marconi(marconi_tiered_get_stats(t, &st), "marconi_tiered_get_stats");
+    check_marconi(marconi_tiered_check(t), "marconi_tiered_check");
+    std::printf("tiers: device %u checkpoints + KV of 1024 tokens, host %u checkpoints + KV of 2048 tokens%s, write-%s\n",
+                capacity_states, o.host_states, store ? ", store" : "", o.write.c_str());
+    std::printf("  %-26s %6" PRIu64 " prompt tokens, %6" PRIu64 " prefilled (%5.1f%% saved), %3" PRIu64
+                " hit requests, prefill %7.3f s\n",
+                "no cache", nocache.prompt_tokens, nocache.prefilled, 0.0, nocache.hits, nocache.prefill_s);
+    std::printf("  %-26s %6" PRIu64 " prompt tokens, %6" PRIu64 " prefilled (%5.1f%% saved), %3" PRIu64
+                " hit requests, prefill %7.3f s\n",
+                "libmarconi tiers", cached.prompt_tokens, cached.prefilled,
+                100.0 * (1.0 - (double)cached.prefilled / (double)cached.prompt_tokens), cached.hits, cached.prefill_s);
+    std::printf("hits by tier (requests resumed): device %" PRIu64 ", host %" PRIu64 ", store %" PRIu64
+                " (%" PRIu64 " of them written by another process); loads that missed %" PRIu64 "\n",
+                by_tier[0], by_tier[1], by_tier[2], shared, load_fail);
+    const double in = (double)st.input_tokens;
+    std::printf("token hit rate by tier: device %.1f%%, host %.1f%%, store %.1f%% (library counts, before load misses)\n",
+                100.0 * (double)st.hit_tokens_by_tier[0] / in, 100.0 * (double)st.hit_tokens_by_tier[1] / in,
+                100.0 * (double)st.hit_tokens_by_tier[2] / in);
+    std::printf("tier writes: host %" PRIu64 " (drops %" PRIu64 ", peak %" PRIu64 " copies), store %" PRIu64
+                " (%" PRIu64 " not taken: store down); store probes %" PRIu64 ", failed %" PRIu64
+                "; load misses reported %" PRIu64 "\n",
+                host_writes, host_drops, host_peak, store_writes, store_put_failures, st.store_probes,
+                st.store_probe_failures, st.load_failures);
+    if (store) {
+        marconi_store_stats ss{};
+        ss.struct_size = sizeof ss;
+        check_marconi(marconi_store_get_stats(store, &ss), "marconi_store_get_stats");
+        std::printf("store: %" PRIu64 " hits, misses: %" PRIu64 " absent, %" PRIu64 " corrupt, %" PRIu64
+                    " unavailable, %" PRIu64 " timeout, %" PRIu64 " failed; %" PRIu64 " puts, %" PRIu64
+                    " put failures\n",
+                    ss.hits, ss.absent, ss.corrupt, ss.unavailable, ss.timeout, ss.failed, ss.puts, ss.put_failures);
+    }
+    std::printf("exactness: %u of %u requests bitwise equal to no cache (%" PRIu64 " served from a restored state)\n",
+                n_requests - mismatches, n_requests, cached.hits);
+    if (!o.transcript_out.empty()) {
+        // Each session's last sequence, for another process to continue.
+        std::map<uint32_t, uint32_t> last;
+        for (uint32_t i = 0; i < n_requests; i++) last[w.reqs[i].session] = i;
+        FILE *f = std::fopen(o.transcript_out.c_str(), "w");
+        if (!f) die("cannot write the --transcript-out file");
+        for (auto &kv : last) {
+            const auto &seq = full_seq[kv.second];
+            for (size_t k = 0; k < seq.size(); k++) std::fprintf(f, k ? " %d" : "%d", (int)seq[k]);
+            std::fputc('\n', f);
+        }
+        if (std::fclose(f) != 0) die("cannot write the --transcript-out file");
+    }
+    int rc = mismatches == 0 && cached.hits > 0 ? 0 : 1;
+    if (o.expect == "shared" && shared == 0) {
+        std::printf("FAIL: expected hits on states another process stored\n");
+        rc = 1;
+    } else if (o.expect == "load-failures" && (load_fail == 0 || load_fail != st.load_failures)) {
+        std::printf("FAIL: expected load misses (corrupt objects), counted\n");
+        rc = 1;
+    } else if (o.expect == "store-down" && (!killed || st.store_probe_failures == 0)) {
+        std::printf("FAIL: expected the killed store to give counted misses\n");
+        rc = 1;
+    } else if (!o.expect.empty() && o.expect != "shared" && o.expect != "load-failures" && o.expect != "store-down") {
+        die("unknown --expect");
+    }
+    std::printf("%s\n", rc == 0 ? "PASS" : "FAIL");
+    marconi_tiered_free(t);
+    marconi_store_free(store);
+    return rc;
 }
 
 }  // namespace
@@ -328,6 +748,8 @@ int main(int argc, char **argv) {
     uint64_t seed = 12;
     std::string negative;
     bool verbose = false, admit_decoded = false;
+    TierOptions tiers;
+    std::string resume;
     for (int i = 1; i < argc; i++) {
         std::string a = argv[i];
         auto val = [&]() -> const char * {
@@ -343,10 +765,24 @@ int main(int argc, char **argv) {
         else if (a == "--negative") negative = val();
         else if (a == "--verbose") verbose = true;
         else if (a == "--admit-decoded") admit_decoded = true;
+        else if (a == "--tiers") tiers.on = true;
+        else if (a == "--host-states") tiers.host_states = (uint32_t)std::strtoul(val(), nullptr, 10);
+        else if (a == "--tier-write") tiers.write = val();
+        else if (a == "--store") tiers.store = val();
+        else if (a == "--kill-store-pid") tiers.kill_pid = std::strtol(val(), nullptr, 10);
+        else if (a == "--kill-after") tiers.kill_after = (uint32_t)std::strtoul(val(), nullptr, 10);
+        else if (a == "--expect") tiers.expect = val();
+        else if (a == "--transcript-out") tiers.transcript_out = val();
+        else if (a == "--resume") resume = val();
         else usage();
     }
     if (n_requests == 0 || n_sessions == 0 || capacity_states == 0 || threads == 0) usage();
     if (!negative.empty() && negative != "zero-ssm" && negative != "zero-conv") usage();
+    if (tiers.on && (!negative.empty() || admit_decoded || tiers.host_states == 0 ||
+                     (tiers.write != "back" && tiers.write != "through") ||
+                     (tiers.kill_pid > 0 && tiers.store.empty())))
+        usage();
+    if (!tiers.on && (!resume.empty() || !tiers.store.empty() || !tiers.transcript_out.empty())) usage();
 
     // 1. The model's metadata, written as a GGUF file and read back by
     //    libmarconi: the cache is configured from the file, not by hand.
@@ -416,6 +852,18 @@ int main(int argc, char **argv) {
             std::printf("FAIL: llama.cpp's state sizes do not follow the ModelSpec\n");
             return 1;
         }
+    }
+
+    if (tiers.on) {
+        Workload tw = resume.empty() ? make_workload(seed, n_requests, n_sessions, e.n_vocab)
+                                     : resume_workload(resume, seed, e.n_vocab);
+        int rc = run_tiered(e, tw, spec, state_bytes, kv_per_token, capacity_states, seed, tiers);
+        llama_batch_free(e.batch);
+        llama_free(e.ctx);
+        llama_model_free(model);
+        gguf_free(meta);
+        llama_backend_free();
+        return rc;
     }
 
     // 4. The cache: capacity for `capacity_states` checkpoints plus the KV

@@ -65,8 +65,8 @@ pub use model::{gguf, hf_config};
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;
 pub use tiers::{
-    LoadOrder, LoadWhat, Move, Tier, TierConfig, TierSpec, TierStats, TieredCache, TieredLookup,
-    WriteMode,
+    LoadOrder, LoadWhat, Move, StoreProbe, Tier, TierConfig, TierOp, TierSpec, TierStats,
+    TieredCache, TieredLookup, WriteMode,
 };
 
 /// The README's Rust snippet, compiled and run as a doctest so that it stays

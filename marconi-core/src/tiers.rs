@@ -29,6 +29,7 @@ use crate::cache::PrefixCache;
 use crate::config::CacheConfig;
 use crate::error::CacheError;
 use crate::events::CacheEvent;
+use crate::eviction::Freed;
 use crate::lookup::Lookup;
 
 /// Where an entry lives.
@@ -230,6 +231,9 @@ pub struct TieredLookup {
     /// the hit; with promotion the hit's own position, whose state the
     /// engine loaded).
     pub plan: Vec<u32>,
+    /// The hit resumes from a state only a shared store probe knew of
+    /// (another process wrote it; [`TieredCache::lookup_probed`]).
+    pub shared: bool,
     ns: u64,
     leases: [Option<u64>; 2],
 }
@@ -245,6 +249,53 @@ pub struct Move {
     pub position: u32,
     /// Bytes of the chain (its KV and the state) the tier charges anew.
     pub bytes: u64,
+}
+
+/// What the engine does to its copies in a lower tier, in the order the
+/// tiers decided it ([`TieredCache::drain_ops`]): a write before a later
+/// drop of the same chain, a drop before a later write of it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub enum TierOp {
+    /// Copy the chain (the state at `position` and the KV of its first
+    /// `position` tokens) into `to`: from the device when `to` is the host,
+    /// from the host when it is the store.
+    Write {
+        /// The tier written.
+        to: Tier,
+        /// Namespace.
+        ns: u64,
+        /// The state's position.
+        position: u32,
+        /// Bytes the tier charges anew.
+        bytes: u64,
+        /// Tokens from 0 to at least `position` (the chain's identity).
+        prefix: Vec<u32>,
+    },
+    /// The tier no longer holds the state at `position` (evicted there):
+    /// the engine may free its copy.
+    Drop {
+        /// The tier dropped from.
+        from: Tier,
+        /// Namespace.
+        ns: u64,
+        /// The state's position.
+        position: u32,
+        /// Tokens from 0 to at least `position`.
+        prefix: Vec<u32>,
+    },
+}
+
+/// What a shared store says it holds for one input, read by the engine (an
+/// I/O step outside core) before [`TieredCache::lookup_probed`]: entries
+/// other processes wrote, which this process's own store tier does not know.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreProbe {
+    /// Leading input tokens whose KV the store holds (its KV prefix; an
+    /// engine whose state objects carry their KV passes the input length).
+    pub kv_tokens: u32,
+    /// Positions whose state the store holds (any order; the probe of
+    /// [`TieredCache::store_probe_positions`]).
+    pub states: Vec<u32>,
 }
 
 /// Counters per tier (index [`Tier::index`]), counted at each lookup.
@@ -270,6 +321,11 @@ pub struct TierStats {
     pub demotions_skipped: u64,
     /// Longer lower-tier hits declined: recomputing was faster.
     pub loads_declined: u64,
+    /// Requests whose hit resumed from a state only a shared store probe
+    /// knew of (written by another process).
+    pub shared_hits: u64,
+    /// Tokens those requests skipped.
+    pub shared_hit_tokens: u64,
     /// Modelled load time, seconds, all requests.
     pub load_s: f64,
     /// Prefill FLOPs saved, all tiers.
@@ -319,6 +375,8 @@ pub struct TieredCache {
     device_events_wanted: bool,
     /// The device's events kept for the caller.
     device_events: Vec<CacheEvent>,
+    /// Writes and drops in order, when recorded ([`TieredCache::record_ops`]).
+    ops: Option<Vec<TierOp>>,
 }
 
 /// A candidate hit in one lower tier.
@@ -356,6 +414,7 @@ impl TieredCache {
             moves: Vec::new(),
             device_events_wanted: wanted,
             device_events: Vec::new(),
+            ops: None,
         })
     }
 
@@ -407,6 +466,53 @@ impl TieredCache {
         std::mem::take(&mut self.moves)
     }
 
+    /// Records every write into and drop from a lower tier, in order, for
+    /// [`drain_ops`](Self::drain_ops) (off by default). An engine that
+    /// keeps copies in the lower tiers needs both: what to copy where, and
+    /// which copies to free.
+    pub fn record_ops(&mut self, on: bool) {
+        if on && self.ops.is_none() {
+            self.ops = Some(Vec::new());
+        } else if !on {
+            self.ops = None;
+        }
+        let store = self.lower[1].is_some();
+        for (i, l) in self.lower.iter_mut().enumerate() {
+            let Some(l) = l else { continue };
+            if on {
+                l.cache.enable_events();
+            } else if !(i == 0 && store) {
+                // The host's events feed the store; nothing else reads them.
+                l.cache.disable_events();
+            }
+        }
+    }
+
+    /// The writes and drops recorded since the last call (empty unless
+    /// [`record_ops`](Self::record_ops)).
+    pub fn drain_ops(&mut self) -> Vec<TierOp> {
+        self.ops.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// The engine ids (device KV pages, state slots) the device freed
+    /// since the last call ([`PrefixCache::drain_freed`]).
+    pub fn drain_freed(&mut self) -> Freed {
+        self.device.drain_freed()
+    }
+
+    /// The positions of an input of `input_len` tokens whose state a shared
+    /// store probe should ask about: page-aligned, below the input's end (a
+    /// hit leaves the last token to compute), longest first, at most `max`.
+    pub fn store_probe_positions(&self, input_len: usize, max: usize) -> Vec<u32> {
+        let page = self.device.config().page_size.max(1) as usize;
+        let top = input_len.saturating_sub(1) / page * page;
+        (1..=top / page)
+            .rev()
+            .take(max)
+            .map(|k| (k * page) as u32)
+            .collect()
+    }
+
     /// Modelled seconds to load `bytes` from lower tier `i` (0 host, 1 store).
     fn load_time(&self, i: usize, bytes: u64) -> f64 {
         match &self.lower[i] {
@@ -446,6 +552,25 @@ impl TieredCache {
         ns: u64,
         input: &[u32],
         checkpoints: &[u32],
+    ) -> Result<TieredLookup, CacheError> {
+        self.lookup_probed(ns, input, checkpoints, None)
+    }
+
+    /// [`lookup_hinted`](Self::lookup_hinted) that also weighs what a
+    /// shared store holds beyond this process's own tiers: the longest
+    /// probed state position whose KV is covered (by the store's KV prefix,
+    /// the host's or the device's) is a store-tier candidate, loaded or
+    /// declined by the same rule as any lower-tier hit. Without a store
+    /// tier configured the probe is ignored (no bandwidth to weigh it by).
+    /// The probe is a hint: the engine's read may still miss (the entry
+    /// was evicted or is corrupt), and then it recomputes from the device's
+    /// hit.
+    pub fn lookup_probed(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+        probe: Option<&StoreProbe>,
     ) -> Result<TieredLookup, CacheError> {
         let mut probes: [Option<Probe>; 2] = [None, None];
         let mut leases: [Option<u64>; 2] = [None, None];
@@ -493,6 +618,10 @@ impl TieredCache {
         };
         let d = device.hit_tokens;
         let dkv = device.kv_matched_tokens;
+        let shared_hit = self.shared_candidate(input.len(), dkv, &probes, probe);
+        if let Some(p) = shared_hit {
+            probes[1] = Some(Probe { hit: p, kv: p });
+        }
         // Choose the hit that saves the most time.
         let mut best: (f64, Tier, u32, f64, f64) = (0.0, Tier::Device, d, 0.0, 0.0);
         let mut declined = None;
@@ -549,11 +678,35 @@ impl TieredCache {
             recompute_s,
             declined,
             plan,
+            shared: tier == Tier::Store && shared_hit == Some(hit),
             ns,
             leases,
         };
         self.account(&l, input.len());
         Ok(l)
+    }
+
+    /// The longest usable position of a shared store probe that beats the
+    /// store tier's own hit: below the input's end, its KV covered by the
+    /// store's KV prefix, the host's or the device's match.
+    fn shared_candidate(
+        &self,
+        input_len: usize,
+        dkv: u32,
+        probes: &[Option<Probe>; 2],
+        probe: Option<&StoreProbe>,
+    ) -> Option<u32> {
+        let probe = probe?;
+        self.lower[1].as_ref()?;
+        let own = probes[1].map_or(0, |p| p.hit);
+        let kv = probe.kv_tokens.max(dkv).max(probes[0].map_or(0, |p| p.kv));
+        let end = u32::try_from(input_len).unwrap_or(u32::MAX);
+        probe
+            .states
+            .iter()
+            .copied()
+            .filter(|&p| p > own && p < end && p <= kv)
+            .max()
     }
 
     /// Bytes each lower tier (host, store) would load for a hit of `hit`
@@ -734,6 +887,16 @@ impl TieredCache {
                 _ => continue,
             };
             self.write_lower(i, ns, position, prefix)?;
+            // An engine replaying the ops needs each drop after the write
+            // that caused it and before a later write of the same chain.
+            if self.ops.is_some() {
+                if i == 0 {
+                    self.settle_host()?;
+                } else {
+                    let ev = self.lower_events(1);
+                    self.record_drops(1, &ev);
+                }
+            }
         }
         if i == 0 {
             self.settle_host()?;
@@ -743,14 +906,47 @@ impl TieredCache {
 
     /// Moves the host's evictions or stores into the store.
     fn settle_host(&mut self) -> Result<(), CacheError> {
-        if self.lower[1].is_none() {
+        if self.lower[1].is_none() && self.ops.is_none() {
             return Ok(());
         }
-        let ev = self.lower[0]
+        let ev = self.lower_events(0);
+        // A chain the host dropped is written to the store (from the
+        // engine's host copy) before the drop is recorded.
+        self.move_down(1, &ev)?;
+        self.record_drops(0, &ev);
+        let ev = self.lower_events(1);
+        self.record_drops(1, &ev);
+        Ok(())
+    }
+
+    /// Drains lower tier `i`'s events.
+    fn lower_events(&mut self, i: usize) -> Vec<CacheEvent> {
+        self.lower[i]
             .as_mut()
             .map(|l| l.cache.drain_events())
-            .unwrap_or_default();
-        self.move_down(1, &ev)
+            .unwrap_or_default()
+    }
+
+    /// Records lower tier `i`'s state removals among `ev` as drops.
+    fn record_drops(&mut self, i: usize, ev: &[CacheEvent]) {
+        if let Some(ops) = self.ops.as_mut() {
+            let from = if i == 0 { Tier::Host } else { Tier::Store };
+            for e in ev {
+                if let CacheEvent::StateRemoved {
+                    ns,
+                    position,
+                    prefix,
+                } = e
+                {
+                    ops.push(TierOp::Drop {
+                        from,
+                        ns: *ns,
+                        position: *position,
+                        prefix: prefix[..(*position as usize).min(prefix.len())].to_vec(),
+                    });
+                }
+            }
+        }
     }
 
     fn write_lower(
@@ -760,6 +956,7 @@ impl TieredCache {
         position: u32,
         prefix: &[u32],
     ) -> Result<(), CacheError> {
+        let record = self.ops.is_some();
         let p = position as usize;
         if p == 0 || p > prefix.len() {
             return Ok(());
@@ -796,6 +993,15 @@ impl TieredCache {
                 position,
                 bytes,
             });
+            if let (true, Some(ops)) = (record, self.ops.as_mut()) {
+                ops.push(TierOp::Write {
+                    to: tier,
+                    ns,
+                    position,
+                    bytes,
+                    prefix: tokens.to_vec(),
+                });
+            }
         }
         Ok(())
     }
@@ -851,6 +1057,10 @@ impl TieredCache {
         }
         if l.declined.is_some() {
             s.loads_declined += 1;
+        }
+        if l.shared {
+            s.shared_hits += 1;
+            s.shared_hit_tokens += l.hit_tokens as u64;
         }
         s.load_s += l.load_s;
         s.flops_saved += m.prefill_flops(0, l.hit_tokens as u64);

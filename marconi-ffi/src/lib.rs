@@ -34,6 +34,7 @@ pub mod pool;
 pub mod pooled;
 pub mod status;
 pub mod store;
+pub mod tiered;
 
 pub use cache::{
     marconi_admit_result, marconi_cache, marconi_copy_order, marconi_lookup, marconi_saved_state,
@@ -66,6 +67,11 @@ pub use store::{
     marconi_store, marconi_store_backend, marconi_store_config, marconi_store_delete_fn,
     marconi_store_exists_fn, marconi_store_get_fn, marconi_store_put_fn, marconi_store_stats,
     MARCONI_STORE_CB_ABSENT, MARCONI_STORE_CB_OK, MARCONI_STORE_CB_TOO_SMALL,
+};
+pub use tiered::{
+    marconi_load_kind, marconi_load_order, marconi_tier, marconi_tier_op, marconi_tier_op_kind,
+    marconi_tier_spec, marconi_tier_write, marconi_tiered, marconi_tiered_config,
+    marconi_tiered_hit, marconi_tiered_stats,
 };
 
 /// The library version, "MAJOR.MINOR.PATCH", NUL-terminated, from Cargo.toml.

@@ -887,3 +887,48 @@ pub unsafe extern "C" fn marconi_store_get_stats(
         Ok(())
     })
 }
+
+/// The shared-store probe of marconi_tiered_lookup: which of `positions`
+/// have a state of `tokens` in the store (one existence query), and the
+/// store's KV prefix in tokens (a second query, only when a state was found
+/// and the states do not carry their KV; the input length when they do).
+/// A failed query gives an empty probe and `true` (a miss, counted in the
+/// store's stats and by the caller), never an error.
+///
+/// # Safety
+///
+/// `store` is NULL or a live handle from marconi_store_new.
+pub(crate) unsafe fn probe_states(
+    store: *const marconi_store,
+    tokens: &[u32],
+    positions: &[u32],
+    states_hold_kv: bool,
+) -> FfiResult<(marconi_core::StoreProbe, bool)> {
+    // SAFETY: the caller's contract.
+    let s = unsafe { store_handle(store) }?;
+    let mut probe = marconi_core::StoreProbe::default();
+    if positions.is_empty() {
+        return Ok((probe, false));
+    }
+    let keyer = s.tier.keyer();
+    let wanted: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
+    match s.tier.states_exist(tokens, &wanted) {
+        Some(found) => {
+            probe.states = positions
+                .iter()
+                .zip(found)
+                .filter_map(|(p, f)| f.then_some(*p))
+                .collect();
+        }
+        None => return Ok((probe, true)),
+    }
+    if !probe.states.is_empty() {
+        probe.kv_tokens = if states_hold_kv {
+            u32::try_from(tokens.len()).unwrap_or(u32::MAX)
+        } else {
+            let blocks = s.tier.kv_prefix(tokens);
+            u32::try_from(blocks.saturating_mul(keyer.config().block_size)).unwrap_or(u32::MAX)
+        };
+    }
+    Ok((probe, false))
+}

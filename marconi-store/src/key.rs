@@ -178,6 +178,37 @@ impl Keyer {
         Some(self.derive(KeyKind::State, position as u64, &digest))
     }
 
+    /// [`state_key`](Self::state_key) of each of `positions` (any order),
+    /// with the block chain hashed once for all of them: what a probe of
+    /// many candidate positions of one input asks for.
+    pub fn state_keys(&self, tokens: &[u32], positions: &[usize]) -> Vec<Option<StoreKey>> {
+        let bs = self.cfg.block_size;
+        let top = positions
+            .iter()
+            .copied()
+            .filter(|&p| p <= tokens.len())
+            .max()
+            .unwrap_or(0);
+        let chain = self.chain(&tokens[..top / bs * bs]);
+        positions
+            .iter()
+            .map(|&position| {
+                if position == 0 || position > tokens.len() {
+                    return None;
+                }
+                let full = position / bs;
+                let before = full.checked_sub(1).map(|i| &chain[i]);
+                let tail = &tokens[full * bs..position];
+                let digest = if tail.is_empty() {
+                    *before?
+                } else {
+                    self.hasher.hash_block(before, tail, self.cfg.ns)
+                };
+                Some(self.derive(KeyKind::State, position as u64, &digest))
+            })
+            .collect()
+    }
+
     fn derive(&self, kind: KeyKind, position: u64, chain: &Digest32) -> StoreKey {
         let mut h = Sha256::new();
         h.update(KEY_DOMAIN);
@@ -203,6 +234,21 @@ mod tests {
         let mut c = KeyerConfig::new(model, 4);
         f(&mut c);
         Keyer::new(c).unwrap()
+    }
+
+    #[test]
+    fn state_keys_are_state_key_for_each_position() {
+        let toks: Vec<u32> = (100..123).collect();
+        for ns in [0, 7] {
+            let k = keyer("m", |c| c.ns = ns);
+            let positions: Vec<usize> = vec![23, 0, 1, 4, 5, 8, 12, 13, 24, 3, 16];
+            let many = k.state_keys(&toks, &positions);
+            for (p, got) in positions.iter().zip(&many) {
+                assert_eq!(*got, k.state_key(&toks, *p), "position {p}");
+            }
+            assert!(many[1].is_none() && many[8].is_none());
+            assert!(k.state_keys(&toks, &[]).is_empty());
+        }
     }
 
     #[test]

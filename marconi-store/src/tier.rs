@@ -479,6 +479,37 @@ impl StoreTier {
             .collect())
     }
 
+    /// Which of `positions` have a state of `tokens` in the store (one
+    /// `batch_exists`; a hint: a later read verifies). `None` when the
+    /// store fails (counted as one miss of its kind).
+    pub fn states_exist(&self, tokens: &[u32], positions: &[usize]) -> Option<Vec<bool>> {
+        let keys = self.keyer.state_keys(tokens, positions);
+        let names: Vec<Option<String>> = keys.iter().map(|k| k.map(|k| self.name(&k))).collect();
+        let refs: Vec<&str> = names.iter().flatten().map(String::as_str).collect();
+        if refs.is_empty() {
+            return Some(vec![false; positions.len()]);
+        }
+        match self.store.batch_exists(&refs) {
+            Ok(e) if e.len() == refs.len() => {
+                let mut found = e.into_iter();
+                Some(
+                    names
+                        .iter()
+                        .map(|n| n.is_some() && found.next().unwrap_or(false))
+                        .collect(),
+                )
+            }
+            Ok(_) => {
+                self.miss(MissKind::Failed, 1);
+                None
+            }
+            Err(e) => {
+                self.miss(MissKind::of_error(&e), 1);
+                None
+            }
+        }
+    }
+
     /// How many of `tokens`' full blocks, from block 0, the store says it
     /// has (one `batch_exists`; a hint: a later read verifies). 0 when the
     /// store fails.

@@ -49,8 +49,13 @@ from .pool import (
 )
 from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
 from .store import Store
+from .tiered import LoadOrder, TieredCache, TieredHit, TierOp
 
 __all__ = [
+    "LoadOrder",
+    "TieredCache",
+    "TieredHit",
+    "TierOp",
     "NO_SLOT",
     "AdmitResult",
     "CacheEvents",

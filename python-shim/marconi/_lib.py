@@ -508,6 +508,113 @@ class marconi_store_stats(Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(f, c_uint64) for f in STORE_STATS_FIELDS]
 
 
+# The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
+class marconi_tier_spec(Structure):
+    """struct marconi_tier_spec: one lower tier (absent when capacity_bytes is 0)."""
+
+    _fields_ = [
+        ("capacity_bytes", c_uint64),
+        ("bandwidth_bytes_per_s", c_double),
+        ("latency_s", c_double),
+    ]
+
+
+class marconi_tiered_config(Structure):
+    """struct marconi_tiered_config."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("write_mode", c_uint32),
+        ("device", POINTER(marconi_cache_config)),
+        ("host", marconi_tier_spec),
+        ("store", marconi_tier_spec),
+        ("compute_flops", c_double),
+        ("promote", c_uint32),
+        ("always_load", c_uint32),
+        ("lower_plans", c_uint32),
+        ("defer_moves", c_uint32),
+        ("max_store_probe", c_uint32),
+        ("store_states_hold_kv", c_uint32),
+    ]
+
+
+class marconi_tiered_hit(Structure):
+    """struct marconi_tiered_hit: what marconi_tiered_lookup found."""
+
+    _fields_ = [
+        ("lease", c_uint64),
+        ("hit_tokens", c_uint32),
+        ("tier", c_uint32),
+        ("device_hit_tokens", c_uint32),
+        ("device_kv_tokens", c_uint32),
+        ("device_state_slot", c_uint32),
+        ("n_loads", c_uint32),
+        ("n_plan", c_uint32),
+        ("n_kv_pages", c_uint32),
+        ("shared", c_uint32),
+        ("declined_tier", c_uint32),
+        ("declined_tokens", c_uint32),
+        ("reserved", c_uint32),
+        ("load_s", c_double),
+        ("recompute_s", c_double),
+    ]
+
+
+class marconi_load_order(Structure):
+    """struct marconi_load_order."""
+
+    _fields_ = [
+        ("tier", c_uint32),
+        ("kind", c_uint32),
+        ("start", c_uint32),
+        ("end", c_uint32),
+        ("position", c_uint32),
+        ("slot", c_uint32),
+        ("bytes", c_uint64),
+    ]
+
+
+class marconi_tier_op(Structure):
+    """struct marconi_tier_op."""
+
+    _fields_ = [
+        ("kind", c_uint32),
+        ("tier", c_uint32),
+        ("ns", c_uint64),
+        ("position", c_uint32),
+        ("reserved", c_uint32),
+        ("tokens_offset", c_uint64),
+        ("bytes", c_uint64),
+    ]
+
+
+TIERED_STATS_SCALARS_1 = ["requests", "input_tokens", "hit_tokens"]
+TIERED_STATS_ARRAYS_1 = ["hit_tokens_by_tier", "hits_by_tier", "bytes_loaded", "bytes_written", "writes"]
+TIERED_STATS_SCALARS_2 = [
+    "demotions_skipped",
+    "loads_declined",
+    "shared_hits",
+    "shared_hit_tokens",
+    "store_probes",
+    "store_probe_failures",
+    "load_failures",
+]
+TIERED_STATS_ARRAYS_2 = ["used_bytes", "capacity_bytes"]
+
+
+class marconi_tiered_stats(Structure):
+    """struct marconi_tiered_stats (arrays indexed by tier: device, host, store)."""
+
+    _fields_ = (
+        [("struct_size", c_uint32), ("reserved", c_uint32)]
+        + [(f, c_uint64) for f in TIERED_STATS_SCALARS_1]
+        + [(f, c_uint64 * 3) for f in TIERED_STATS_ARRAYS_1]
+        + [(f, c_uint64) for f in TIERED_STATS_SCALARS_2]
+        + [(f, c_uint64 * 3) for f in TIERED_STATS_ARRAYS_2]
+        + [("load_s", c_double)]
+    )
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -536,6 +643,12 @@ STRUCTS = {
         marconi_events_config,
         marconi_store_config,
         marconi_store_stats,
+        marconi_tier_spec,
+        marconi_tiered_config,
+        marconi_tiered_hit,
+        marconi_load_order,
+        marconi_tier_op,
+        marconi_tiered_stats,
     )
 }
 STRUCTS.update(_pml_abi.PML_STRUCTS)
@@ -547,6 +660,7 @@ _host_pool_p = c_void_p
 _events_p = c_void_p
 _pooled_p = c_void_p
 _store_p = c_void_p
+_tiered_p = c_void_p
 _u8_p = POINTER(c_uint8)
 _u32_p = POINTER(c_uint32)
 _u64_p = POINTER(c_uint64)
@@ -741,6 +855,48 @@ SIGNATURES = {
     ),
     "marconi_store_kv_prefix": (status_t, [_store_p, _u32_p, c_size_t, _size_p]),
     "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
+    # The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
+    "marconi_tiered_config_init": (status_t, [POINTER(marconi_tiered_config), c_size_t]),
+    "marconi_tiered_new": (status_t, [POINTER(marconi_tiered_config), POINTER(_tiered_p)]),
+    "marconi_tiered_free": (None, [_tiered_p]),
+    "marconi_tiered_lookup": (
+        status_t,
+        [_tiered_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
+    ),
+    "marconi_tiered_lease_loads": (
+        status_t,
+        [_tiered_p, c_uint64, POINTER(marconi_load_order), c_size_t, _size_p],
+    ),
+    "marconi_tiered_lease_plan": (status_t, [_tiered_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_tiered_lease_kv_pages": (status_t, [_tiered_p, c_uint64, _u32_p, c_size_t, _size_p]),
+    "marconi_tiered_admit": (
+        status_t,
+        [
+            _tiered_p,
+            c_uint64,
+            _u32_p,
+            c_size_t,
+            POINTER(marconi_saved_state),
+            c_size_t,
+            _u32_p,
+            c_size_t,
+            _u8_p,
+            POINTER(marconi_admit_result),
+        ],
+    ),
+    "marconi_tiered_release": (status_t, [_tiered_p, c_uint64]),
+    "marconi_tiered_report_load_failure": (status_t, [_tiered_p, c_uint64]),
+    "marconi_tiered_settle": (status_t, [_tiered_p]),
+    "marconi_tiered_drain_ops": (
+        status_t,
+        [_tiered_p, POINTER(marconi_tier_op), c_size_t, _size_p, _u32_p, c_size_t, _size_p],
+    ),
+    "marconi_tiered_drain_freed": (
+        status_t,
+        [_tiered_p, _u32_p, c_size_t, _size_p, _u32_p, c_size_t, _size_p],
+    ),
+    "marconi_tiered_get_stats": (status_t, [_tiered_p, POINTER(marconi_tiered_stats)]),
+    "marconi_tiered_check": (status_t, [_tiered_p]),
 }
 SIGNATURES.update(_pml_abi.PML_SIGNATURES)
 """Every function of the header: name -> (restype, argtypes)."""

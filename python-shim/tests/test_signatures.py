@@ -34,7 +34,7 @@ def c_to_ctypes(decl: str):
         return ctypes.c_char_p
     if base in _lib.CALLBACK_TYPES and stars == 0:
         return _lib.CALLBACK_TYPES[base]
-    if base in ("marconi_cache", "marconi_pool", "marconi_host_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_store"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_host_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_store", "marconi_tiered"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"
@@ -65,8 +65,9 @@ def header_structs(text: str) -> dict:
                 ty, name = decl.rsplit(" ", 1)
                 while name.startswith("*"):
                     ty, name = ty + "*", name[1:]
-                if "[" in name:  # a fixed array field
-                    name, ty = name.split("[")[0], ty + "[]"
+                if "[" in name:  # a fixed array field: its length when a number
+                    name, dim = name.split("[")[0], name.split("[")[1].rstrip("]")
+                    ty = ty + (f"[{dim}]" if dim.isdigit() else "[]")
                 fields.append((name, ty))
         out[m.group(1)] = fields
     return out
@@ -91,8 +92,11 @@ def test_every_struct_matches_the_header(header_text):
         cls = _lib.STRUCTS[name]
         assert [f for f, _ in cls._fields_] == [f for f, _ in fields], name
         for (fname, ctype), (_, pytype) in zip(fields, cls._fields_):
+            array = re.fullmatch(r"(.*)\[(\d+)\]", ctype)
             if ctype == "char[]":  # char message[MARCONI_PML_ERROR_MESSAGE_BYTES]
                 want = ctypes.c_char * _lib._pml_abi.MESSAGE_BYTES
+            elif array:  # uint64_t hits_by_tier[3]
+                want = c_to_ctypes(array.group(1)) * int(array.group(2))
             else:
                 want = c_to_ctypes(ctype)
             if (name in ("marconi_cache_config", "marconi_plan_request") and fname == "model_preset") or (

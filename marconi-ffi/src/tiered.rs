@@ -1,0 +1,1241 @@
+//! The tiered cache through the C ABI (docs/tiers.md): a device cache with
+//! a host and a store tier below it. The library decides (which hit to
+//! resume from, which loads to make, what to copy into which tier, which
+//! copies to free); the engine moves the bytes. A store shared by several
+//! engine processes is probed at lookup (one existence query on the state
+//! keys of the input's candidate positions), so that an entry another
+//! process wrote is weighed like any lower-tier hit; a store that is down
+//! or slow gives an empty probe within its timeout.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use marconi_core::{
+    LoadWhat, SavedState, Tier, TierConfig, TierOp, TierSpec, TieredCache, TieredLookup, WriteMode,
+};
+
+use crate::cache::{
+    marconi_admit_result, marconi_saved_state, next_lease_id, tokens_len_ok, MARCONI_NO_SLOT,
+    NEXT_LEASE,
+};
+use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::status::{
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
+    write_config_init, write_versioned, FfiError, FfiResult,
+};
+use crate::store::{marconi_store, probe_states};
+
+/// A tier: where an entry lives.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_tier {
+    /// The engine's GPU memory: the device cache.
+    Device = 0,
+    /// Host memory.
+    Host = 1,
+    /// A store (local disk, Redis/Valkey), possibly shared by processes.
+    Store = 2,
+}
+
+fn tier_code(t: Tier) -> u32 {
+    match t {
+        Tier::Device => marconi_tier::Device as u32,
+        Tier::Host => marconi_tier::Host as u32,
+        Tier::Store => marconi_tier::Store as u32,
+    }
+}
+
+/// When a lower tier receives an entry.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_tier_write {
+    /// When the tier above evicts it (demotion). The default.
+    Back = 0,
+    /// As soon as the tier above stores it.
+    Through = 1,
+}
+
+/// One lower tier. Absent when capacity_bytes is 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct marconi_tier_spec {
+    /// Bytes of KV and states the tier may hold (0: no such tier). Its
+    /// policy is the device's (admission, eviction, alpha, page size).
+    pub capacity_bytes: u64,
+    /// Bytes per second from this tier into the device (finite, > 0).
+    pub bandwidth_bytes_per_s: f64,
+    /// Fixed cost of one load from this tier, seconds (finite, >= 0).
+    pub latency_s: f64,
+}
+
+/// Configuration of a tiered cache. Versioned by size: fill it with
+/// marconi_tiered_config_init(&cfg, sizeof cfg), then set fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct marconi_tiered_config {
+    /// sizeof(marconi_tiered_config) as the caller compiled it.
+    pub struct_size: u32,
+    /// A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
+    pub write_mode: u32,
+    /// The device cache's configuration (initialised by
+    /// marconi_cache_config_init). Required; read only during
+    /// marconi_tiered_new.
+    pub device: *const marconi_cache_config,
+    /// The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
+    pub host: marconi_tier_spec,
+    /// The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
+    pub store: marconi_tier_spec,
+    /// Effective prefill FLOP/s of the device: what a skipped token is
+    /// worth in time. Default 989e12 x 0.4.
+    pub compute_flops: f64,
+    /// Non-zero: save the state of a lower-tier hit on the device too.
+    /// Default 0.
+    pub promote: u32,
+    /// Non-zero: load every longer lower-tier hit, however slow. Default 0.
+    pub always_load: u32,
+    /// Non-zero: plan on the device the branch checkpoints the lower tiers
+    /// see. Default 1.
+    pub lower_plans: u32,
+    /// Non-zero: moves into the lower tiers wait for marconi_tiered_settle
+    /// (call it off the request path, before the next lookup). Default 0.
+    pub defer_moves: u32,
+    /// Most state positions one store probe asks about (the longest first).
+    /// Default 1024.
+    pub max_store_probe: u32,
+    /// Non-zero: the engine's state objects in the store carry the KV of
+    /// their prefix too (a whole-sequence snapshot), so a probed state
+    /// needs no KV blocks; 0: a probe also asks for the store's KV prefix
+    /// (marconi_store_kv_prefix) and uses only states it covers. Default 0.
+    pub store_states_hold_kv: u32,
+}
+
+impl marconi_tiered_config {
+    fn defaults() -> Self {
+        let t = TierConfig::marconi(None, None);
+        marconi_tiered_config {
+            struct_size: std::mem::size_of::<marconi_tiered_config>() as u32,
+            write_mode: marconi_tier_write::Back as u32,
+            device: std::ptr::null(),
+            host: marconi_tier_spec {
+                capacity_bytes: 0,
+                bandwidth_bytes_per_s: 25e9,
+                latency_s: 10e-6,
+            },
+            store: marconi_tier_spec {
+                capacity_bytes: 0,
+                bandwidth_bytes_per_s: 5e9,
+                latency_s: 1e-3,
+            },
+            compute_flops: t.compute_flops,
+            promote: u32::from(t.promote),
+            always_load: u32::from(t.always_load),
+            lower_plans: u32::from(t.lower_plans),
+            defer_moves: u32::from(t.defer_moves),
+            max_store_probe: 1024,
+            store_states_hold_kv: 0,
+        }
+    }
+}
+
+/// The first version's size of marconi_tiered_config (all of it).
+const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_tiered_config>();
+
+/// What marconi_tiered_lookup found.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct marconi_tiered_hit {
+    /// The lease: pass it to marconi_tiered_admit and release it with
+    /// marconi_tiered_release. Never 0, never valid in another handle.
+    pub lease: u64,
+    /// Leading tokens the engine may skip once the loads are done.
+    pub hit_tokens: u32,
+    /// The marconi_tier whose state the hit resumes from.
+    pub tier: u32,
+    /// The device's own usable hit (what the engine falls back to when a
+    /// load fails).
+    pub device_hit_tokens: u32,
+    /// Leading tokens whose KV the device holds.
+    pub device_kv_tokens: u32,
+    /// The device slot of the device's hit state, or MARCONI_NO_SLOT.
+    pub device_state_slot: u32,
+    /// Load orders (marconi_tiered_lease_loads); 0 for a device hit.
+    pub n_loads: u32,
+    /// Checkpoint positions for this prefill (marconi_tiered_lease_plan).
+    pub n_plan: u32,
+    /// KV page ids of the device's hit (marconi_tiered_lease_kv_pages).
+    pub n_kv_pages: u32,
+    /// 1 when the hit's state is one only the shared store probe knew of
+    /// (another process wrote it).
+    pub shared: u32,
+    /// The marconi_tier of a longer hit left unused because recomputing is
+    /// faster (meaningful when declined_tokens > 0).
+    pub declined_tier: u32,
+    /// That hit's length, or 0 when none was declined.
+    pub declined_tokens: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
+    /// Modelled seconds of the loads.
+    pub load_s: f64,
+    /// Modelled seconds to recompute the tokens the loads skip.
+    pub recompute_s: f64,
+}
+
+/// What a load order moves.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_load_kind {
+    /// The KV of tokens start..end.
+    Kv = 0,
+    /// The recurrent state at `position`.
+    State = 1,
+}
+
+/// One load the engine carries out before prefilling from the hit: from
+/// `tier` into the request's own device pages and state slot. The lower
+/// tiers track no engine ids: an entry there is named by the namespace and
+/// the tokens it covers (tokens[0..position]), as the store's keys are.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_load_order {
+    /// The marconi_tier read.
+    pub tier: u32,
+    /// A marconi_load_kind value.
+    pub kind: u32,
+    /// First token (KV); the position (STATE).
+    pub start: u32,
+    /// End of the tokens, exclusive (KV); the position (STATE).
+    pub end: u32,
+    /// The entry's position: the state's, or the end of the KV range.
+    pub position: u32,
+    /// The tier's slot id, or MARCONI_NO_SLOT (the lower tiers track none).
+    pub slot: u32,
+    /// Bytes moved.
+    pub bytes: u64,
+}
+
+/// What a tier op asks of the engine.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum marconi_tier_op_kind {
+    /// Copy the chain (the state at `position` and the KV of its tokens)
+    /// into `tier`: from the device's copy when `tier` is the host, from
+    /// the host's copy when it is the store.
+    Write = 0,
+    /// `tier` no longer holds the chain: the engine may free its copy
+    /// (in a shared store, other processes may still read it).
+    Drop = 1,
+}
+
+/// One op of marconi_tiered_drain_ops, in the order the tiers decided
+/// them: carry them out in this order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct marconi_tier_op {
+    /// A marconi_tier_op_kind value.
+    pub kind: u32,
+    /// The marconi_tier written or dropped from.
+    pub tier: u32,
+    /// The namespace.
+    pub ns: u64,
+    /// The chain's position: its tokens are `position` long.
+    pub position: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
+    /// Where the chain's tokens start in the tokens buffer of the drain.
+    pub tokens_offset: u64,
+    /// Bytes the tier charges anew (WRITE), 0 (DROP).
+    pub bytes: u64,
+}
+
+/// Counters and gauges of a tiered cache, per tier where an array (index
+/// marconi_tier). Versioned by size: set struct_size to
+/// sizeof(marconi_tiered_stats) first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct marconi_tiered_stats {
+    /// sizeof(marconi_tiered_stats) as the caller compiled it.
+    pub struct_size: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
+    /// Lookups.
+    pub requests: u64,
+    /// Input tokens looked up.
+    pub input_tokens: u64,
+    /// Tokens skipped, all tiers.
+    pub hit_tokens: u64,
+    /// Tokens skipped, by the tier of the state resumed from.
+    pub hit_tokens_by_tier: [u64; 3],
+    /// Requests whose hit resumed from each tier.
+    pub hits_by_tier: [u64; 3],
+    /// Bytes loaded from each tier (as ordered).
+    pub bytes_loaded: [u64; 3],
+    /// Bytes written into each tier.
+    pub bytes_written: [u64; 3],
+    /// Entries written into each tier.
+    pub writes: [u64; 3],
+    /// Entries not demoted: reloading them would cost more than recomputing.
+    pub demotions_skipped: u64,
+    /// Longer lower-tier hits declined: recomputing was faster.
+    pub loads_declined: u64,
+    /// Hits on a state only the shared store probe knew of.
+    pub shared_hits: u64,
+    /// Tokens those hits skipped.
+    pub shared_hit_tokens: u64,
+    /// Store probes run.
+    pub store_probes: u64,
+    /// Store probes that failed (store down or slow): treated as empty.
+    pub store_probe_failures: u64,
+    /// Loads the engine reported failed (marconi_tiered_report_load_failure).
+    pub load_failures: u64,
+    /// Bytes each tier holds.
+    pub used_bytes: [u64; 3],
+    /// Each tier's capacity (0 where absent).
+    pub capacity_bytes: [u64; 3],
+    /// Modelled load seconds, all requests.
+    pub load_s: f64,
+}
+
+/// The first version's size of marconi_tiered_stats (up to `requests`).
+const STATS_MIN_SIZE: usize = 16;
+
+/// Tells a tiered handle from anything else passed in its place.
+const MAGIC: u64 = 0x6d63_7469_6572_6431; // "mctiered1"
+
+/// A tiered cache handle: opaque to C. Create with marconi_tiered_new,
+/// free with marconi_tiered_free. Safe to call from several threads.
+pub struct marconi_tiered {
+    _private: [u8; 0],
+}
+
+/// What a `*marconi_tiered` points to; the magic is its first 8 bytes.
+#[repr(C)]
+struct TieredHandle {
+    magic: u64,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    cache: TieredCache,
+    leases: HashMap<u64, TieredLookup>,
+    /// Ops drained from the core, not yet delivered.
+    ops: Vec<TierOp>,
+    freed_pages: Vec<u32>,
+    freed_slots: Vec<u32>,
+    max_probe: usize,
+    states_hold_kv: bool,
+    store_probes: u64,
+    store_probe_failures: u64,
+    load_failures: u64,
+}
+
+impl Inner {
+    fn collect(&mut self) {
+        self.ops.extend(self.cache.drain_ops());
+        let f = self.cache.drain_freed();
+        self.freed_pages.extend(f.kv_pages);
+        self.freed_slots.extend(f.state_slots);
+    }
+
+    fn lease(&self, lease: u64) -> FfiResult<&TieredLookup> {
+        self.leases.get(&lease).ok_or_else(|| unknown_lease(lease))
+    }
+}
+
+fn unknown_lease(lease: u64) -> FfiError {
+    FfiError::new(
+        marconi_status::UnknownLease,
+        format!("lease {lease} was not issued by this tiered cache or is already released"),
+    )
+}
+
+/// # Safety
+///
+/// `t` is NULL or a live handle from marconi_tiered_new.
+unsafe fn handle<'a>(t: *const marconi_tiered) -> FfiResult<&'a TieredHandle> {
+    let t = t.cast::<TieredHandle>();
+    check_ptr!(t);
+    // SAFETY: non-NULL and aligned (checked); a live handle by the caller's
+    // contract, whose magic (its first field) is read first.
+    if unsafe { t.cast::<u64>().read() } != MAGIC {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            "tiered is not a marconi_tiered handle",
+        ));
+    }
+    // SAFETY: as above; only shared references are formed (Sync via Mutex).
+    Ok(unsafe { &*t })
+}
+
+fn lock(h: &TieredHandle) -> FfiResult<MutexGuard<'_, Inner>> {
+    h.inner.lock().map_err(|_| {
+        FfiError::new(
+            marconi_status::Poisoned,
+            "the tiered cache is unusable after an earlier internal panic",
+        )
+    })
+}
+
+fn bad_config(s: impl Into<String>) -> FfiError {
+    FfiError::new(marconi_status::InvalidConfig, s)
+}
+
+fn flag(v: u32, what: &str) -> FfiResult<bool> {
+    match v {
+        0 => Ok(false),
+        1 => Ok(true),
+        v => Err(bad_config(format!("{what} is {v}, not 0 or 1"))),
+    }
+}
+
+/// Fills `*cfg` with the defaults (documented per field) and sets
+/// `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+/// struct_size is smaller than this library's struct.
+///
+/// Thread safety: touches only `*cfg`.
+///
+/// # Safety
+///
+/// `cfg` is NULL or points to `struct_size` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_config_init(
+    cfg: *mut marconi_tiered_config,
+    struct_size: usize,
+) -> marconi_status {
+    boundary("marconi_tiered_config_init", || {
+        check_ptr!(cfg);
+        let ours = std::mem::size_of::<marconi_tiered_config>();
+        if struct_size < ours || struct_size > u32::MAX as usize {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!("struct_size {struct_size}: this library's marconi_tiered_config has {ours} bytes"),
+            ));
+        }
+        let mut d = marconi_tiered_config::defaults();
+        d.struct_size = struct_size as u32;
+        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes.
+        unsafe { write_config_init(&d, cfg, struct_size) };
+        Ok(())
+    })
+}
+
+/// Creates a tiered cache from `*cfg` and writes the handle to `*out`
+/// (free it with marconi_tiered_free). MARCONI_STATUS_INVALID_CONFIG (the
+/// reason in marconi_last_error) for a device configuration that cannot
+/// drive a cache, a store tier without a host tier, a bandwidth that is not
+/// finite and > 0, a latency that is not finite and >= 0, compute_flops not
+/// finite and > 0, an unknown write_mode, a flag other than 0 or 1, or
+/// max_store_probe 0.
+///
+/// Thread safety: may run concurrently with anything.
+///
+/// # Safety
+///
+/// `cfg` is NULL or initialised by marconi_tiered_config_init, its
+/// `device` NULL or initialised by marconi_cache_config_init; `out` is
+/// writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_new(
+    cfg: *const marconi_tiered_config,
+    out: *mut *mut marconi_tiered,
+) -> marconi_status {
+    boundary("marconi_tiered_new", || {
+        require!(cfg);
+        require!(out);
+        check_ptr!(cfg);
+        check_ptr!(out);
+        // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
+        let c = unsafe {
+            read_versioned(
+                cfg,
+                CONFIG_MIN_SIZE,
+                marconi_tiered_config::defaults(),
+                "tiered config",
+            )
+        }?;
+        let device = c.device;
+        require!(device);
+        check_ptr!(device);
+        // SAFETY: device is non-NULL and aligned; initialised by contract.
+        let d = unsafe { read_config(device) }?;
+        // SAFETY: the pointers inside d follow their documented contracts.
+        let dev = unsafe { to_core_config(&d) }?;
+        let write = match c.write_mode {
+            0 => WriteMode::Back,
+            1 => WriteMode::Through,
+            v => return Err(bad_config(format!("write_mode {v} is unknown"))),
+        };
+        if c.max_store_probe == 0 {
+            return Err(bad_config("max_store_probe is 0"));
+        }
+        let spec = |s: &marconi_tier_spec| {
+            (s.capacity_bytes > 0).then(|| {
+                let mut cache = dev.clone();
+                cache.capacity_bytes = s.capacity_bytes;
+                cache.decision_log = false;
+                cache.events = false;
+                TierSpec {
+                    cache,
+                    bandwidth_bytes_per_s: s.bandwidth_bytes_per_s,
+                    latency_s: s.latency_s,
+                }
+            })
+        };
+        let mut t = TierConfig::marconi(spec(&c.host), spec(&c.store));
+        t.write = write;
+        t.compute_flops = c.compute_flops;
+        t.promote = flag(c.promote, "promote")?;
+        t.always_load = flag(c.always_load, "always_load")?;
+        t.lower_plans = flag(c.lower_plans, "lower_plans")?;
+        t.defer_moves = flag(c.defer_moves, "defer_moves")?;
+        let states_hold_kv = flag(c.store_states_hold_kv, "store_states_hold_kv")?;
+        let mut cache = TieredCache::new(dev, t)?;
+        cache.record_ops(true);
+        let h = Box::new(TieredHandle {
+            magic: MAGIC,
+            inner: Mutex::new(Inner {
+                cache,
+                leases: HashMap::new(),
+                ops: Vec::new(),
+                freed_pages: Vec::new(),
+                freed_slots: Vec::new(),
+                max_probe: c.max_store_probe as usize,
+                states_hold_kv,
+                store_probes: 0,
+                store_probe_failures: 0,
+                load_failures: 0,
+            }),
+        });
+        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
+        unsafe { out.write(Box::into_raw(h).cast::<marconi_tiered>()) };
+        Ok(())
+    })
+}
+
+/// Frees a tiered cache. NULL is a no-op; a pointer that is not a live
+/// tiered handle (a foreign one, or one already freed whose memory still
+/// holds the cleared magic) is refused and left alone.
+///
+/// Thread safety: must not run concurrently with any other call on this
+/// handle; the handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `t` is NULL or a handle from marconi_tiered_new.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
+    boundary_or("marconi_tiered_free", (), || {
+        if t.is_null() {
+            return;
+        }
+        // SAFETY: NULL handled; otherwise a handle by contract. A foreign
+        // pointer is refused rather than freed.
+        if unsafe { handle(t) }.is_err() {
+            return;
+        }
+        // SAFETY: from Box::into_raw in marconi_tiered_new, freed once.
+        let mut b = unsafe { Box::from_raw(t.cast::<TieredHandle>()) };
+        b.magic = 0;
+        drop(b);
+    })
+}
+
+/// Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier and
+/// writes the hit to resume from to `*out`, with a lease pinning it until
+/// marconi_tiered_release. `checkpoints[0..n_checkpoints]` are application
+/// checkpoint hints (as marconi_cache_lookup_hinted; none: NULL, 0).
+///
+/// `store` (NULL: none) is a store handle shared with other processes:
+/// the lookup first asks it (one existence query, bounded by the store's
+/// timeout) which of the input's candidate positions have a state, and
+/// weighs the longest usable one like any store-tier hit (the tiered
+/// cache needs a store tier for its bandwidth; without one the probe is
+/// skipped). A store that is down or slow gives an empty probe (counted in
+/// store_probe_failures), never an error. The probe is a hint: when the
+/// engine's read of the state then misses, it resumes from the device's hit
+/// (device_hit_tokens, device_state_slot) and reports it with
+/// marconi_tiered_report_load_failure.
+///
+/// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
+/// MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
+/// MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
+/// handle (tiered or store) that is not one.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` and `store` are live handles or NULL; each array has its
+/// length in readable u32 (or is NULL with 0); `out` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lookup(
+    tiered: *const marconi_tiered,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    checkpoints: *const u32,
+    n_checkpoints: usize,
+    store: *const marconi_store,
+    out: *mut marconi_tiered_hit,
+) -> marconi_status {
+    boundary("marconi_tiered_lookup", || {
+        require!(tiered);
+        require!(tokens, len = n_tokens);
+        require!(checkpoints, len = n_checkpoints);
+        require!(out);
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        tokens_len_ok(n_tokens, "tokens")?;
+        tokens_len_ok(n_checkpoints, "checkpoints")?;
+        if n_tokens == 0 {
+            return Err(FfiError::new(
+                marconi_status::EmptyTokens,
+                "tokens is empty",
+            ));
+        }
+        // SAFETY: buffer contracts of the header.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        check_ptr!(out);
+        // The probe's I/O runs without the lock.
+        let probe = if store.is_null() {
+            None
+        } else {
+            let (positions, hold_kv) = {
+                let g = lock(h)?;
+                let has_store = g.cache.tier(Tier::Store).is_some();
+                let p = if has_store {
+                    g.cache.store_probe_positions(n_tokens, g.max_probe)
+                } else {
+                    Vec::new()
+                };
+                (p, g.states_hold_kv)
+            };
+            // SAFETY: store is non-NULL; a live store handle by contract.
+            let r = unsafe { probe_states(store, tokens, &positions, hold_kv) }?;
+            // Nothing to ask without a store tier to weigh the answer by.
+            (!positions.is_empty()).then_some(r)
+        };
+        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+            FfiError::new(
+                marconi_status::InvalidArgument,
+                "this process has issued 2^64 - 1 lease ids",
+            )
+        })?;
+        let mut g = lock(h)?;
+        if let Some((_, failed)) = &probe {
+            g.store_probes += 1;
+            g.store_probe_failures += u64::from(*failed);
+        }
+        let p = probe.as_ref().map(|(p, _)| p);
+        let l = g.cache.lookup_probed(ns, tokens, hints, p)?;
+        let (declined_tier, declined_tokens) =
+            l.declined.map_or((0, 0), |(t, n)| (tier_code(t), n));
+        let res = marconi_tiered_hit {
+            lease: id,
+            hit_tokens: l.hit_tokens,
+            tier: tier_code(l.tier),
+            device_hit_tokens: l.device.hit_tokens,
+            device_kv_tokens: l.device.kv_matched_tokens,
+            device_state_slot: l.device.state_slot.unwrap_or(MARCONI_NO_SLOT),
+            n_loads: l.loads.len() as u32,
+            n_plan: l.plan.len() as u32,
+            n_kv_pages: l.device.kv_pages.len() as u32,
+            shared: u32::from(l.shared),
+            declined_tier,
+            declined_tokens,
+            reserved: 0,
+            load_s: l.load_s,
+            recompute_s: l.recompute_s,
+        };
+        g.leases.insert(id, l);
+        // SAFETY: out is non-NULL and aligned (checked) and writable.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+/// Copies `list` into `buf` or reports the needed size (all or nothing).
+fn copy_out<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
+    // SAFETY: out_len was checked non-NULL and aligned by the caller.
+    unsafe { out_len.write(list.len()) };
+    if buf.len() < list.len() {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("buffer holds {}, {} needed", buf.len(), list.len()),
+        ));
+    }
+    buf[..list.len()].copy_from_slice(list);
+    Ok(())
+}
+
+/// The body of the three lease list getters.
+///
+/// # Safety
+///
+/// As marconi_tiered_lease_plan, for a buffer of `T`.
+unsafe fn lease_list<T: Copy>(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut T,
+    cap: usize,
+    out_len: *mut usize,
+    list: impl FnOnce(&TieredLookup) -> Vec<T>,
+) -> FfiResult {
+    require!(tiered);
+    require!(buf, cap = cap);
+    require!(out_len);
+    // SAFETY: the caller passes a live handle or NULL.
+    let h = unsafe { handle(tiered) }?;
+    // SAFETY: buffer contract of the header.
+    let buf = unsafe { out_slice(buf, cap, "buf") }?;
+    check_ptr!(out_len);
+    let g = lock(h)?;
+    let l = g.lease(lease)?;
+    copy_out(&list(l), buf, out_len)
+}
+
+/// Writes a lease's load orders (KV ranges in token order, then the state)
+/// into `buf[0..cap]` and their number to `*out_len`. A buffer too small
+/// (NULL with cap 0 is a size query) gives MARCONI_STATUS_BUFFER_TOO_SMALL
+/// with only the count written.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL; `buf` has cap writable elements (or
+/// is NULL); `out_len` is writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_loads(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut marconi_load_order,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_tiered_lease_loads", || {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            lease_list(tiered, lease, buf, cap, out_len, |l| {
+                l.loads
+                    .iter()
+                    .map(|o| {
+                        let (kind, start, end, slot) = match &o.what {
+                            LoadWhat::Kv { start, end, .. } => {
+                                (marconi_load_kind::Kv, *start, *end, MARCONI_NO_SLOT)
+                            }
+                            LoadWhat::State { position, slot } => (
+                                marconi_load_kind::State,
+                                *position,
+                                *position,
+                                slot.unwrap_or(MARCONI_NO_SLOT),
+                            ),
+                        };
+                        marconi_load_order {
+                            tier: tier_code(o.tier),
+                            kind: kind as u32,
+                            start,
+                            end,
+                            position: end,
+                            slot,
+                            bytes: o.bytes,
+                        }
+                    })
+                    .collect()
+            })
+        }
+    })
+}
+
+/// Writes a lease's checkpoint positions (ascending; save the state after
+/// each during prefill) into `buf[0..cap]`, their number to `*out_len`;
+/// a buffer too small as in marconi_tiered_lease_loads.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// As marconi_tiered_lease_loads.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_plan(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_tiered_lease_plan", || {
+        // SAFETY: forwarded caller contract.
+        unsafe { lease_list(tiered, lease, buf, cap, out_len, |l| l.plan.clone()) }
+    })
+}
+
+/// Writes the device KV page ids of a lease's device hit into
+/// `buf[0..cap]`, their number to `*out_len`; a buffer too small as in
+/// marconi_tiered_lease_loads.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// As marconi_tiered_lease_loads.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    boundary("marconi_tiered_lease_kv_pages", || {
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            lease_list(tiered, lease, buf, cap, out_len, |l| {
+                l.device.kv_pages.clone()
+            })
+        }
+    })
+}
+
+/// Admits `tokens[0..n_tokens]` under `lease` into the device, with the
+/// states the engine saved and its KV pages (as marconi_cache_admit: the
+/// same ownership rules, `taken` and `*out`), then moves what the device
+/// evicted into the lower tiers (unless defer_moves): drain the resulting
+/// ops with marconi_tiered_drain_ops before reusing the slots
+/// marconi_tiered_drain_freed returns.
+///
+/// Errors (nothing changes): those of marconi_cache_admit.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// As marconi_cache_admit, with a tiered handle.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_admit(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    states: *const marconi_saved_state,
+    n_states: usize,
+    kv_pages: *const u32,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    boundary("marconi_tiered_admit", || {
+        require!(tiered);
+        require!(tokens, len = n_tokens);
+        require!(states, len = n_states);
+        require!(kv_pages, len = n_kv_pages);
+        require!(out);
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        tokens_len_ok(n_tokens, "tokens")?;
+        // SAFETY: buffer contracts of the header.
+        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+        // SAFETY: as above.
+        let states = unsafe { in_slice(states, n_states, "states") }?;
+        // SAFETY: as above.
+        let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
+        let taken = if taken.is_null() {
+            None
+        } else {
+            // SAFETY: taken has n_states writable bytes (contract).
+            Some(unsafe { out_slice(taken, n_states, "taken") }?)
+        };
+        check_ptr!(out);
+        let saved: Vec<SavedState> = states
+            .iter()
+            .map(|s| SavedState {
+                position: s.position,
+                slot: (s.slot != MARCONI_NO_SLOT).then_some(s.slot),
+            })
+            .collect();
+        let mut g = lock(h)?;
+        let l = g.lease(lease)?.clone();
+        let o = g
+            .cache
+            .admit(&l, tokens, &saved, kv_pages)
+            .map_err(|e| match e {
+                marconi_core::CacheError::UnknownLease(_) => unknown_lease(lease),
+                e => FfiError::from(e),
+            });
+        g.collect();
+        let o = o?;
+        if let Some(t) = taken {
+            for (flag, s) in t.iter_mut().zip(states) {
+                *flag = u8::from(o.states_taken.contains(&s.position));
+            }
+        }
+        let res = marconi_admit_result {
+            states_taken: o.states_taken.len() as u32,
+            slots_returned: o.slots_returned.len() as u32,
+            kv_pages_taken_start: if kv_pages.is_empty() {
+                0
+            } else {
+                o.kv_pages_taken.start
+            },
+            kv_pages_taken_end: if kv_pages.is_empty() {
+                0
+            } else {
+                o.kv_pages_taken.end
+            },
+            new_kv_tokens: o.new_kv_tokens,
+            truncated_to: o.truncated_to.unwrap_or(0),
+            rejected: o.rejected.is_some(),
+        };
+        // SAFETY: out is non-NULL and aligned (checked) and writable.
+        unsafe { out.write(res) };
+        Ok(())
+    })
+}
+
+/// Releases `lease` in every tier. MARCONI_STATUS_UNKNOWN_LEASE for a
+/// lease this handle never issued or already released.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_release(
+    tiered: *const marconi_tiered,
+    lease: u64,
+) -> marconi_status {
+    boundary("marconi_tiered_release", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        let mut g = lock(h)?;
+        let l = g
+            .leases
+            .remove(&lease)
+            .ok_or_else(|| unknown_lease(lease))?;
+        let r = g.cache.release(&l);
+        g.collect();
+        r.map_err(FfiError::from)
+    })
+}
+
+/// Records that a load of `lease`'s orders failed (the engine could not
+/// read the entry: a shared store that lost it, was killed, or returned a
+/// corrupt object) and that the engine recomputed from the device's hit.
+/// Counted in load_failures; the lease stays valid.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_report_load_failure(
+    tiered: *const marconi_tiered,
+    lease: u64,
+) -> marconi_status {
+    boundary("marconi_tiered_report_load_failure", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        let mut g = lock(h)?;
+        g.lease(lease)?;
+        g.load_failures += 1;
+        Ok(())
+    })
+}
+
+/// Runs the moves into the lower tiers that defer_moves left waiting
+/// (a no-op otherwise); then drain the ops.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) -> marconi_status {
+    boundary("marconi_tiered_settle", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        let mut g = lock(h)?;
+        let r = g.cache.settle();
+        g.collect();
+        r.map_err(FfiError::from)
+    })
+}
+
+/// Drains the ops the tiers decided since the last drain, in order: each
+/// op into `ops[0..ops_cap]` and the tokens of its chain (`position`
+/// tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
+/// counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
+/// the host copies the chain from the device (before its slot, returned by
+/// marconi_tiered_drain_freed, is reused), a WRITE to the store copies it
+/// from the host copy, a DROP frees a copy. All or nothing: when either
+/// buffer is too small (NULL with capacity 0 is a size query), returns
+/// MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
+/// nothing.
+///
+/// Thread safety: safe to call concurrently on the same handle; each op is
+/// delivered to exactly one caller.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL; each buffer has its capacity in
+/// writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_drain_ops(
+    tiered: *const marconi_tiered,
+    ops: *mut marconi_tier_op,
+    ops_cap: usize,
+    n_ops: *mut usize,
+    tokens: *mut u32,
+    tokens_cap: usize,
+    n_tokens: *mut usize,
+) -> marconi_status {
+    boundary("marconi_tiered_drain_ops", || {
+        require!(tiered);
+        require!(ops, cap = ops_cap);
+        require!(n_ops);
+        require!(tokens, cap = tokens_cap);
+        require!(n_tokens);
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        // SAFETY: buffer contracts of the header.
+        let ops = unsafe { out_slice(ops, ops_cap, "ops") }?;
+        // SAFETY: as above.
+        let tokens = unsafe { out_slice(tokens, tokens_cap, "tokens") }?;
+        check_ptr!(n_ops);
+        check_ptr!(n_tokens);
+        let mut g = lock(h)?;
+        g.collect();
+        let need_ops = g.ops.len();
+        let need_tokens: usize = g.ops.iter().map(|o| op_parts(o).3.len()).sum();
+        // SAFETY: n_ops and n_tokens are non-NULL, aligned and writable.
+        unsafe {
+            n_ops.write(need_ops);
+            n_tokens.write(need_tokens);
+        }
+        if ops.len() < need_ops || tokens.len() < need_tokens {
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!(
+                    "{need_ops} ops with {need_tokens} tokens are pending; buffers hold {} and {}",
+                    ops.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        let mut at = 0usize;
+        for (dst, o) in ops.iter_mut().zip(&g.ops) {
+            let (kind, tier, ns, prefix, position, bytes) = op_parts(o);
+            tokens[at..at + prefix.len()].copy_from_slice(prefix);
+            *dst = marconi_tier_op {
+                kind: kind as u32,
+                tier: tier_code(tier),
+                ns,
+                position,
+                reserved: 0,
+                tokens_offset: at as u64,
+                bytes,
+            };
+            at += prefix.len();
+        }
+        g.ops.clear();
+        Ok(())
+    })
+}
+
+type OpParts<'a> = (marconi_tier_op_kind, Tier, u64, &'a [u32], u32, u64);
+
+fn op_parts(o: &TierOp) -> OpParts<'_> {
+    match o {
+        TierOp::Write {
+            to,
+            ns,
+            position,
+            bytes,
+            prefix,
+        } => (
+            marconi_tier_op_kind::Write,
+            *to,
+            *ns,
+            prefix.as_slice(),
+            *position,
+            *bytes,
+        ),
+        TierOp::Drop {
+            from,
+            ns,
+            position,
+            prefix,
+        } => (
+            marconi_tier_op_kind::Drop,
+            *from,
+            *ns,
+            prefix.as_slice(),
+            *position,
+            0,
+        ),
+    }
+}
+
+/// Drains the device's freed engine ids (KV pages, state slots), as
+/// marconi_cache_drain_freed (all or nothing). Drain the ops first: a
+/// WRITE to the host reads a slot this returns.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// As marconi_cache_drain_freed, with a tiered handle.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_drain_freed(
+    tiered: *const marconi_tiered,
+    pages: *mut u32,
+    pages_cap: usize,
+    n_pages: *mut usize,
+    slots: *mut u32,
+    slots_cap: usize,
+    n_slots: *mut usize,
+) -> marconi_status {
+    boundary("marconi_tiered_drain_freed", || {
+        require!(tiered);
+        require!(pages, cap = pages_cap);
+        require!(n_pages);
+        require!(slots, cap = slots_cap);
+        require!(n_slots);
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        // SAFETY: buffer contracts of the header.
+        let pages = unsafe { out_slice(pages, pages_cap, "pages") }?;
+        // SAFETY: as above.
+        let slots = unsafe { out_slice(slots, slots_cap, "slots") }?;
+        check_ptr!(n_pages);
+        check_ptr!(n_slots);
+        let mut g = lock(h)?;
+        g.collect();
+        let (np, ns) = (g.freed_pages.len(), g.freed_slots.len());
+        // SAFETY: n_pages and n_slots are non-NULL, aligned and writable.
+        unsafe {
+            n_pages.write(np);
+            n_slots.write(ns);
+        }
+        if pages.len() < np || slots.len() < ns {
+            return Err(FfiError::new(
+                marconi_status::BufferTooSmall,
+                format!(
+                    "{np} page ids and {ns} slot ids are pending; buffers hold {} and {}",
+                    pages.len(),
+                    slots.len()
+                ),
+            ));
+        }
+        pages[..np].copy_from_slice(&g.freed_pages);
+        slots[..ns].copy_from_slice(&g.freed_slots);
+        g.freed_pages.clear();
+        g.freed_slots.clear();
+        Ok(())
+    })
+}
+
+/// Writes the counters and gauges to `*out`. Set out->struct_size to
+/// sizeof(marconi_tiered_stats) first: only that many bytes are written
+/// (at least 16).
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL; `out` is NULL or points to
+/// out->struct_size writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_get_stats(
+    tiered: *const marconi_tiered,
+    out: *mut marconi_tiered_stats,
+) -> marconi_status {
+    boundary("marconi_tiered_get_stats", || {
+        require!(tiered);
+        require!(out);
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        check_ptr!(out);
+        // SAFETY: out is non-NULL and aligned; its first field is struct_size.
+        let size = unsafe { out.cast::<u32>().read() } as usize;
+        if size < STATS_MIN_SIZE {
+            return Err(FfiError::new(
+                marconi_status::UnsupportedStructSize,
+                format!(
+                    "tiered stats struct_size is {size}; set it to sizeof(marconi_tiered_stats)"
+                ),
+            ));
+        }
+        let g = lock(h)?;
+        let s = g.cache.stats();
+        let v = marconi_tiered_stats {
+            struct_size: size as u32,
+            reserved: 0,
+            requests: s.requests,
+            input_tokens: s.input_tokens,
+            hit_tokens: s.hit_tokens,
+            hit_tokens_by_tier: s.hit_tokens_by_tier,
+            hits_by_tier: s.hits_by_tier,
+            bytes_loaded: s.bytes_loaded,
+            bytes_written: s.bytes_written,
+            writes: s.writes,
+            demotions_skipped: s.demotions_skipped,
+            loads_declined: s.loads_declined,
+            shared_hits: s.shared_hits,
+            shared_hit_tokens: s.shared_hit_tokens,
+            store_probes: g.store_probes,
+            store_probe_failures: g.store_probe_failures,
+            load_failures: g.load_failures,
+            used_bytes: g.cache.used_bytes(),
+            capacity_bytes: g.cache.capacity_bytes(),
+            load_s: s.load_s,
+        };
+        // SAFETY: out has `size` writable bytes (contract), checked above.
+        unsafe { write_versioned(&v, out, size) };
+        Ok(())
+    })
+}
+
+/// Checks every tier's invariants (byte accounting, no tier over its
+/// capacity). MARCONI_STATUS_INVARIANT_VIOLATED, with the failed check in
+/// marconi_last_error, when one does not hold.
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// `tiered` is a live handle or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_check(tiered: *const marconi_tiered) -> marconi_status {
+    boundary("marconi_tiered_check", || {
+        // SAFETY: the caller passes a live handle or NULL.
+        let h = unsafe { handle(tiered) }?;
+        let g = lock(h)?;
+        let res =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.cache.check_invariants()));
+        match res {
+            Ok(()) => Ok(()),
+            Err(p) => {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_default();
+                // Poison the lock: a cache with a broken invariant must not
+                // be used again.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                    let _g = g;
+                    panic!("invariant violated");
+                }));
+                Err(FfiError::new(
+                    marconi_status::InvariantViolated,
+                    format!("invariant violated: {msg}"),
+                ))
+            }
+        }
+    })
+}

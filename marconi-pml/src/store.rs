@@ -764,6 +764,11 @@ impl ModuleCache {
         std::mem::take(&mut self.evicted)
     }
 
+    /// Evicted entries not drained yet.
+    pub fn evicted_pending(&self) -> usize {
+        self.evicted.len()
+    }
+
     /// Whether entry `e` is resident.
     pub fn is_resident(&self, e: EntryId) -> bool {
         self.entries.values().any(|x| x.id == e)

@@ -331,9 +331,7 @@ pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -
         if cache.is_null() {
             return Ok(());
         }
-        let removed = live()
-            .as_mut()
-            .is_some_and(|s| s.remove(&(cache as usize)));
+        let removed = live().as_mut().is_some_and(|s| s.remove(&(cache as usize)));
         if !removed {
             return Err(FfiError::new(
                 marconi_status::InvalidArgument,

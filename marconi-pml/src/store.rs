@@ -335,6 +335,15 @@ struct Entry {
     last_use: u64,
 }
 
+/// An unpinned resident entry, as eviction ranks it.
+struct Candidate {
+    key: (u64, Key),
+    last_use: u64,
+    efficiency: f64,
+    id: EntryId,
+    bytes: u64,
+}
+
 #[derive(Clone, Debug)]
 struct Registered {
     enc: Encoded,
@@ -629,17 +638,20 @@ impl ModuleCache {
             return;
         }
         let registered: Vec<u64> = self.schemas.values().map(|r| r.ns).collect();
-        let mut cands: Vec<((u64, Key), u64, f64, EntryId, u64)> = self
+        let mut cands: Vec<Candidate> = self
             .entries
             .iter()
             .filter(|((ns, k), _)| !(matches!(k, Key::Module(_)) && registered.contains(ns)))
-            .map(|(k, e)| {
-                let eff = if e.bytes == 0 {
+            .map(|(k, e)| Candidate {
+                key: *k,
+                last_use: e.last_use,
+                efficiency: if e.bytes == 0 {
                     f64::MAX
                 } else {
                     e.flops / e.bytes as f64
-                };
-                (*k, e.last_use, eff, e.id, e.bytes)
+                },
+                id: e.id,
+                bytes: e.bytes,
             })
             .collect();
         let range = |xs: &mut dyn Iterator<Item = f64>| {
@@ -647,20 +659,20 @@ impl ModuleCache {
                 (lo.min(x), hi.max(x))
             })
         };
-        let (rlo, rhi) = range(&mut cands.iter().map(|c| c.1 as f64));
-        let (elo, ehi) = range(&mut cands.iter().map(|c| c.2));
+        let (rlo, rhi) = range(&mut cands.iter().map(|c| c.last_use as f64));
+        let (elo, ehi) = range(&mut cands.iter().map(|c| c.efficiency));
         let norm = |x: f64, lo: f64, hi: f64| if hi > lo { (x - lo) / (hi - lo) } else { 0.0 };
-        let score = |c: &((u64, Key), u64, f64, EntryId, u64)| {
-            norm(c.1 as f64, rlo, rhi) + Self::ALPHA * norm(c.2, elo, ehi)
+        let score = |c: &Candidate| {
+            norm(c.last_use as f64, rlo, rhi) + Self::ALPHA * norm(c.efficiency, elo, ehi)
         };
-        cands.sort_by(|a, b| score(a).total_cmp(&score(b)).then(a.3.cmp(&b.3)));
+        cands.sort_by(|a, b| score(a).total_cmp(&score(b)).then(a.id.cmp(&b.id)));
         for c in cands {
             if self.used() + extra <= self.capacity {
                 break;
             }
-            self.entries.remove(&c.0);
-            self.unpinned_resident -= c.4;
-            self.evicted.push(c.3);
+            self.entries.remove(&c.key);
+            self.unpinned_resident -= c.bytes;
+            self.evicted.push(c.id);
             self.stats.evictions += 1;
         }
     }

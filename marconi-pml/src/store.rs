@@ -858,6 +858,9 @@ fn resolve(enc: &Encoded, layout: &Layout) -> Result<Vec<Option<ModuleRef>>, Sto
         .enumerate()
         .map(|(i, s)| {
             let bad = StoreError::ForeignLayout { segment: i };
+            if s.start.checked_add(s.len).is_none() {
+                return Err(bad);
+            }
             let named = |m: Option<ModuleId>| match m {
                 Some(m) if m.0 < n_modules => Ok(m),
                 _ => Err(bad.clone()),

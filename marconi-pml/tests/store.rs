@@ -331,6 +331,23 @@ fn bad_arguments_are_errors() {
     assert_eq!(c.stats().schemas, 0);
 }
 
+#[test]
+fn a_layout_past_the_last_position_is_foreign_not_a_panic() {
+    let e = enc(S);
+    let mut c = ModuleCache::new(ModuleModel::hybrid(1, 1, 1), 1000).unwrap();
+    let id = c.register(&e).unwrap();
+    let mut l = lay(&e, r#"<prompt schema="r">hi<sys/></prompt>"#);
+    l.segments[0].start = u32::MAX;
+    assert_eq!(
+        c.lookup(id, &l, ReuseMode::Exact),
+        Err(StoreError::ForeignLayout { segment: 0 })
+    );
+    assert_eq!(
+        c.admit_exact(id, &l, 0),
+        Err(StoreError::ForeignLayout { segment: 0 })
+    );
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Register(usize),
@@ -363,8 +380,60 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+fn any_segment() -> impl Strategy<Value = marconi_pml::Segment> {
+    (
+        0..4u8,
+        proptest::option::of(0..6usize),
+        any::<u32>(),
+        any::<u32>(),
+        any::<bool>(),
+    )
+        .prop_map(|(k, m, start, len, cached)| marconi_pml::Segment {
+            name: None,
+            module: m.map(marconi_pml::ModuleId),
+            kind: match k {
+                0 => marconi_pml::SegmentKind::Module,
+                1 => marconi_pml::SegmentKind::Anonymous,
+                2 => marconi_pml::SegmentKind::Param,
+                _ => marconi_pml::SegmentKind::Text,
+            },
+            start: start % 20,
+            len: if len % 7 == 0 { len } else { len % 8 },
+            cached,
+            tokens: Vec::new(),
+        })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Any layout (as a C caller may build one) gets an answer or
+    /// ForeignLayout, never a panic; nothing is admitted from a foreign one.
+    #[test]
+    fn arbitrary_layouts_never_panic(
+        segs in proptest::collection::vec(any_segment(), 0..8),
+        hybrid in any::<bool>(),
+        at in 0..8usize,
+    ) {
+        let e = enc(U);
+        let model = if hybrid { ModuleModel::hybrid(1, 3, 2) } else { ModuleModel::attention(1) };
+        let mut c = ModuleCache::new(model, 1000).unwrap();
+        let id = c.register(&e).unwrap();
+        let l = Layout { segments: segs };
+        for mode in [ReuseMode::Attention, ReuseMode::Exact, ReuseMode::Composed { window: 3 }] {
+            match c.lookup(id, &l, mode) {
+                Ok(r) => prop_assert_eq!(r.segments.len(), l.segments.len()),
+                Err(StoreError::ForeignLayout { segment }) => prop_assert!(segment < l.segments.len()),
+                Err(StoreError::ModeNotApplicable { .. }) => {}
+                Err(other) => prop_assert!(false, "{}", other),
+            }
+        }
+        let before = c.stats().entries;
+        if c.admit_exact(id, &l, at).is_err() {
+            prop_assert_eq!(c.stats().entries, before);
+        }
+        prop_assert_eq!(c.check_invariants(), Ok(()));
+    }
 
     /// Never over budget; pinned entries never evicted; a lookup never
     /// reports an entry that is not resident; modes never mixed.

@@ -1697,6 +1697,12 @@ typedef struct marconi_pml_served {
    */
   int32_t module;
   /**
+   * Whether it is in the layout's exact leading run (cached, from
+   * position 0, no gap): a MISS there is admitted with
+   * marconi_pml_cache_admit_exact, elsewhere with marconi_pml_cache_admit.
+   */
+  bool in_run;
+  /**
    * The entry serving it (EXACT, ATTENTION, COMPOSED), else 0. Entry ids
    * are never reused.
    */

@@ -113,6 +113,10 @@ pub struct marconi_pml_served {
     /// text's index (among the schema's anonymous texts) for ANONYMOUS, -1
     /// for TEXT. With `kind`, the arguments of marconi_pml_cache_admit.
     pub module: i32,
+    /// Whether it is in the layout's exact leading run (cached, from
+    /// position 0, no gap): a MISS there is admitted with
+    /// marconi_pml_cache_admit_exact, elsewhere with marconi_pml_cache_admit.
+    pub in_run: bool,
     /// The entry serving it (EXACT, ATTENTION, COMPOSED), else 0. Entry ids
     /// are never reused.
     pub entry: u64,
@@ -547,7 +551,13 @@ pub unsafe extern "C" fn marconi_pml_cache_lookup(
         let r = lock(h)?
             .lookup(SchemaId(schema_id), &layout, mode)
             .map_err(store_error)?;
-        for ((g, s), o) in r.segments.iter().zip(&layout.segments).zip(dst.iter_mut()) {
+        for (i, ((g, s), o)) in r
+            .segments
+            .iter()
+            .zip(&layout.segments)
+            .zip(dst.iter_mut())
+            .enumerate()
+        {
             let (how, recomputed) = match g.served {
                 Served::Exact => (marconi_pml_served_how::Exact, 0),
                 Served::Attention => (marconi_pml_served_how::Attention, 0),
@@ -573,6 +583,7 @@ pub unsafe extern "C" fn marconi_pml_cache_lookup(
                 len: s.len,
                 recomputed,
                 module,
+                in_run: i < r.exact_run,
                 entry: g.entry.map_or(0, |e| e.0),
             };
         }

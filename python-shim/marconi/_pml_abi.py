@@ -61,6 +61,7 @@ class marconi_pml_served(Structure):
         ("len", c_uint32),
         ("recomputed", c_uint32),
         ("module", c_int32),
+        ("in_run", c_bool),
         ("entry", c_uint64),
     ]
 

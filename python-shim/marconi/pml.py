@@ -231,12 +231,15 @@ class Served(_ServedFields):
     """One segment's answer: a tuple (name, kind, start, len, served_how),
     served_how one of SERVED, with attributes `entry` (the serving entry's
     id, 0 when none), `recomputed` (tokens recomputed at its start,
-    "composed" only) and `module` (its module's index; an anonymous text's
-    index among the schema's anonymous texts; -1 for prompt text)."""
+    "composed" only), `module` (its module's index; an anonymous text's
+    index among the schema's anonymous texts; -1 for prompt text) and
+    `in_run` (in the exact leading run: a "miss" there is admitted with
+    ModuleCache.admit_exact, elsewhere with ModuleCache.admit)."""
 
     entry: int = 0
     recomputed: int = 0
     module: int = -1
+    in_run: bool = False
 
 
 class ModuleCache(_Closing):
@@ -341,7 +344,7 @@ class ModuleCache(_Closing):
         result = []
         for g, o in zip(layout, out[: n_out.value]):
             r = Served(g.name, g.kind, o.start, o.len, SERVED[o.how])
-            r.entry, r.recomputed, r.module = o.entry, o.recomputed, o.module
+            r.entry, r.recomputed, r.module, r.in_run = o.entry, o.recomputed, o.module, bool(o.in_run)
             result.append(r)
         return result
 

@@ -128,7 +128,9 @@ def test_module_cache_hybrid_exact_and_composed():
     layout = s.layout(STORE_P)
     with pytest.raises(MarconiError):
         mc.lookup(layout, mode="attention")
-    assert [g.served_how for g in mc.lookup(layout, mode="exact")] == ["miss", "miss", "recomputed", "computed"]
+    found = mc.lookup(layout, mode="exact")
+    assert [g.served_how for g in found] == ["miss", "miss", "recomputed", "computed"]
+    assert [g.in_run for g in found] == [True, True, False, False]
     e0, e1 = mc.admit_exact(layout, 0), mc.admit_exact(layout, 1)
     with pytest.raises(MarconiError):
         mc.admit_exact(layout, 2)  # not in the exact run

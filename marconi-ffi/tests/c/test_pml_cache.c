@@ -92,6 +92,7 @@ int main(void) {
   CHECK_EQ(out[3].how, MARCONI_PML_SERVED_HOW_COMPUTED);
   CHECK_EQ(out[2].module, 3);
   CHECK_EQ(out[0].entry, 0);
+  CHECK(out[0].in_run && out[1].in_run && !out[2].in_run && !out[3].in_run);
 
   /* The engine computes and admits: the run's exact entries, tail's module. */
   uint64_t e0 = 0, e1 = 0, et = 0, again = 0;

@@ -74,6 +74,11 @@
 #define MARCONI_PML_ERROR_MESSAGE_BYTES 256
 
 /**
+ * The most segments one call takes (a larger count is refused).
+ */
+#define MARCONI_PML_MAX_SEGMENTS (1 << 20)
+
+/**
  * A callback's result: success (get: `*len` bytes written; exists: the
  * object is absent is MARCONI_STORE_CB_ABSENT).
  */
@@ -257,6 +262,49 @@ enum marconi_pml_segment_kind
 typedef enum marconi_pml_segment_kind marconi_pml_segment_kind;
 #else
 typedef uint32_t marconi_pml_segment_kind;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
+ * How a segment is served.
+ */
+enum marconi_pml_served_how
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * An exact entry: KV of every layer and the state at its end.
+   */
+  MARCONI_PML_SERVED_HOW_EXACT = 0,
+  /**
+   * A module entry's KV at the schema's positions.
+   */
+  MARCONI_PML_SERVED_HOW_ATTENTION = 1,
+  /**
+   * A module entry's KV and a composed state; `recomputed` leading tokens
+   * computed again.
+   */
+  MARCONI_PML_SERVED_HOW_COMPOSED = 2,
+  /**
+   * Cacheable, but not reused in this mode (exact, after the run).
+   */
+  MARCONI_PML_SERVED_HOW_RECOMPUTED = 3,
+  /**
+   * Cacheable and not resident: compute it, then admit it
+   * (marconi_pml_cache_admit_exact in the run, else marconi_pml_cache_admit).
+   */
+  MARCONI_PML_SERVED_HOW_MISS = 4,
+  /**
+   * Never cached: an argument or the prompt's own text.
+   */
+  MARCONI_PML_SERVED_HOW_COMPUTED = 5,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pml_served_how marconi_pml_served_how;
+#else
+typedef uint32_t marconi_pml_served_how;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
@@ -733,6 +781,37 @@ typedef uint32_t marconi_tier_op_kind;
 #endif // __cplusplus
 
 /**
+ * A reuse mode (the `mode` argument of marconi_pml_cache_lookup).
+ */
+enum marconi_pml_reuse_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * Attention-only models: every resident module's KV at its positions.
+   */
+  MARCONI_PML_REUSE_MODE_ATTENTION = 0,
+  /**
+   * Exact: the leading run (cached, from position 0, no gap) from exact
+   * entries; cached segments after it recomputed.
+   */
+  MARCONI_PML_REUSE_MODE_EXACT = 1,
+  /**
+   * Hybrids, approximate: the run exact, later modules' KV and a
+   * composed state with `window` tokens recomputed.
+   */
+  MARCONI_PML_REUSE_MODE_COMPOSED = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_pml_reuse_mode marconi_pml_reuse_mode;
+#else
+typedef uint32_t marconi_pml_reuse_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */
@@ -754,6 +833,13 @@ typedef struct marconi_events marconi_events;
  * refused once freed.
  */
 typedef struct marconi_host_pool marconi_host_pool;
+
+/**
+ * A module store: opaque to C. Create with marconi_pml_cache_new, free with
+ * marconi_pml_cache_free. Safe to call from several threads at once
+ * (internal lock).
+ */
+typedef struct marconi_pml_cache marconi_pml_cache;
 
 /**
  * A registered schema: parsed, tokenized and laid out once. Immutable: any
@@ -1796,6 +1882,158 @@ typedef struct marconi_pml_segment {
    */
   size_t tokens_offset;
 } marconi_pml_segment;
+
+/**
+ * How a module store is sized. Versioned by size: set it with
+ * marconi_pml_cache_config_init, then change fields.
+ */
+typedef struct marconi_pml_cache_config {
+  /**
+   * sizeof(marconi_pml_cache_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * The byte budget (required, > 0).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * KV bytes of one token across every attention layer (required, > 0).
+   */
+  uint64_t kv_bytes_per_token;
+  /**
+   * Recurrent-state bytes of every SSM layer at one position (0:
+   * attention-only model).
+   */
+  uint64_t state_bytes;
+  /**
+   * Transition-operator bytes of one module across SSM layers (hybrids).
+   */
+  uint64_t operator_bytes;
+  /**
+   * Prefill FLOPs of n tokens: flops_per_token * n +
+   * flops_per_token_squared * n^2, for eviction's FLOPs saved per byte
+   * (default 1 and 0: tokens). Finite, >= 0.
+   */
+  double flops_per_token;
+  /**
+   * See flops_per_token (default 0).
+   */
+  double flops_per_token_squared;
+} marconi_pml_cache_config;
+
+/**
+ * One segment's answer.
+ */
+typedef struct marconi_pml_served {
+  /**
+   * How it is served.
+   */
+  marconi_pml_served_how how;
+  /**
+   * The segment's kind (as in the layout).
+   */
+  marconi_pml_segment_kind kind;
+  /**
+   * First position id.
+   */
+  uint32_t start;
+  /**
+   * Token count.
+   */
+  uint32_t len;
+  /**
+   * Tokens recomputed at its start (COMPOSED), else 0.
+   */
+  uint32_t recomputed;
+  /**
+   * Its module: the module index for MODULE and PARAM, the anonymous
+   * text's index (among the schema's anonymous texts) for ANONYMOUS, -1
+   * for TEXT. With `kind`, the arguments of marconi_pml_cache_admit.
+   */
+  int32_t module;
+  /**
+   * Whether it is in the layout's exact leading run (cached, from
+   * position 0, no gap): a MISS there is admitted with
+   * marconi_pml_cache_admit_exact, elsewhere with marconi_pml_cache_admit.
+   */
+  bool in_run;
+  /**
+   * The entry serving it (EXACT, ATTENTION, COMPOSED), else 0. Entry ids
+   * are never reused.
+   */
+  uint64_t entry;
+} marconi_pml_served;
+
+/**
+ * A module store's counters. Set struct_size to
+ * sizeof(marconi_pml_cache_stats) before the call.
+ */
+typedef struct marconi_pml_cache_stats {
+  /**
+   * sizeof(marconi_pml_cache_stats) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Lookups answered.
+   */
+  uint64_t lookups;
+  /**
+   * Segments served by an entry.
+   */
+  uint64_t hits;
+  /**
+   * Cacheable segments not resident.
+   */
+  uint64_t misses;
+  /**
+   * Cacheable segments recomputed by the mode (exact, after the run).
+   */
+  uint64_t recomputed;
+  /**
+   * Entries admitted.
+   */
+  uint64_t admissions;
+  /**
+   * Registrations and admissions refused for lack of room.
+   */
+  uint64_t refused;
+  /**
+   * Entries evicted.
+   */
+  uint64_t evictions;
+  /**
+   * Resident entries.
+   */
+  uint64_t entries;
+  /**
+   * Bytes of resident entries.
+   */
+  uint64_t resident_bytes;
+  /**
+   * Bytes reserved by registered schemas (never evicted).
+   */
+  uint64_t pinned_bytes;
+  /**
+   * Bytes counted against the budget (pinned + resident unpinned).
+   */
+  uint64_t used_bytes;
+  /**
+   * The budget.
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Registered schemas.
+   */
+  uint64_t schemas;
+} marconi_pml_cache_stats;
 
 /**
  * Everything a pool is built from. Versioned by size: set struct_size with
@@ -3607,6 +3845,200 @@ marconi_status marconi_pml_layout(const struct marconi_pml_schema *schema,
                                   size_t tokens_cap,
                                   size_t *n_tokens,
                                   struct marconi_pml_error *err);
+
+/**
+ * Writes the default configuration (capacity and KV bytes 0: set them)
+ * into `cfg`, a struct of `struct_size` bytes (sizeof as the caller
+ * compiled it). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when struct_size is
+ * smaller than this library's struct.
+ *
+ * Thread safety: touches only `cfg`.
+ *
+ * # Safety
+ *
+ * `cfg` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_pml_cache_config_init(struct marconi_pml_cache_config *cfg,
+                                             size_t struct_size);
+
+/**
+ * Creates a module store sized by `*cfg`; writes the handle to `*out`
+ * (caller frees with marconi_pml_cache_free).
+ *
+ * MARCONI_STATUS_INVALID_CONFIG: capacity_bytes or kv_bytes_per_token is 0,
+ * or a FLOPs coefficient is negative or not finite.
+ *
+ * Thread safety: touches only its arguments.
+ *
+ * # Safety
+ *
+ * `cfg` points to cfg->struct_size readable bytes; `out` is writable.
+ */
+marconi_status marconi_pml_cache_new(const struct marconi_pml_cache_config *cfg,
+                                     struct marconi_pml_cache **out);
+
+/**
+ * Frees a module store. NULL is a no-op (MARCONI_STATUS_OK). A pointer
+ * that is not a live handle (freed already, or never one) is
+ * MARCONI_STATUS_INVALID_ARGUMENT and nothing is freed or read.
+ *
+ * Thread safety: no other call may use the handle during or after this.
+ *
+ * # Safety
+ *
+ * `cache` is NULL or a pointer; only a live handle is dereferenced.
+ */
+marconi_status marconi_pml_cache_free(struct marconi_pml_cache *cache);
+
+/**
+ * Registers `schema` (from marconi_pml_schema_new): reserves and pins all
+ * its module entries, evicting unpinned entries to make room; writes its
+ * id (> 0) to `*schema_id`. Module entries still resident from an earlier
+ * registration of the same schema (same namespace) are served at once.
+ * Registering a registered schema returns its id and counts once more.
+ *
+ * MARCONI_STATUS_OUT_OF_MEMORY: its modules and those already pinned
+ * exceed the budget (nothing is evicted then).
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used); `schema` is a live
+ * marconi_pml_schema; `schema_id` is writable.
+ */
+marconi_status marconi_pml_cache_register(struct marconi_pml_cache *cache,
+                                          const struct marconi_pml_schema *schema,
+                                          uint64_t *schema_id);
+
+/**
+ * Drops one registration of `schema_id`; at the last, its module entries
+ * become unpinned (resident until the budget needs room).
+ * MARCONI_STATUS_INVALID_ARGUMENT: not registered (also a second
+ * unregister).
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used).
+ */
+marconi_status marconi_pml_cache_unregister(struct marconi_pml_cache *cache, uint64_t schema_id);
+
+/**
+ * Says how each segment of a prompt's layout (`segments[0..n_segments]`,
+ * as marconi_pml_layout wrote them for the schema registered as
+ * `schema_id`) is served under `mode` (a marconi_pml_reuse_mode; `window`:
+ * tokens recomputed per composed segment, COMPOSED only), and by which
+ * entry: `out[0..n_segments]`, in the same order; writes n_segments to
+ * `*n_out`. Modes never mix: ATTENTION serves module entries only, EXACT
+ * the leading run from exact entries (the rest RECOMPUTED), COMPOSED the
+ * run exactly and later modules composed.
+ *
+ * MARCONI_STATUS_UNSUPPORTED: the mode does not apply to the model
+ * (ATTENTION with state_bytes > 0, COMPOSED with state_bytes 0).
+ * MARCONI_STATUS_INVALID_ARGUMENT: an unknown mode or schema id, a layout
+ * not of this schema, more than MARCONI_PML_MAX_SEGMENTS segments.
+ * MARCONI_STATUS_BUFFER_TOO_SMALL: out_cap < n_segments (writes
+ * n_segments to `*n_out` only). MARCONI_STATUS_EMPTY_TOKENS: n_segments 0.
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used); `segments` has
+ * `n_segments` readable segments; `out` is NULL with out_cap 0 or has
+ * out_cap writable elements; `n_out` is writable.
+ */
+marconi_status marconi_pml_cache_lookup(struct marconi_pml_cache *cache,
+                                        uint64_t schema_id,
+                                        const struct marconi_pml_segment *segments,
+                                        size_t n_segments,
+                                        uint32_t mode,
+                                        uint32_t window,
+                                        struct marconi_pml_served *out,
+                                        size_t out_cap,
+                                        size_t *n_out);
+
+/**
+ * Admits a module entry once the engine has computed the module (its KV
+ * and, for hybrids, its end state from zero and its transition operator):
+ * `kind` MODULE with the module's index, or ANONYMOUS with the anonymous
+ * text's index (as marconi_pml_served.module gives them). Its bytes were
+ * reserved at registration. Writes its entry id to `*entry` (the same id
+ * when already resident).
+ *
+ * MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, kind or index.
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used); `entry` is writable.
+ */
+marconi_status marconi_pml_cache_admit(struct marconi_pml_cache *cache,
+                                       uint64_t schema_id,
+                                       uint32_t kind,
+                                       uint32_t index,
+                                       uint64_t *entry);
+
+/**
+ * Admits the exact entry of `segments[segment]` (in the layout's leading
+ * run) once the engine has computed the run up to it in context: the
+ * segment's KV in every layer and, for hybrids, the state at its end.
+ * Evicts unpinned entries by utility to make room (drain them with
+ * marconi_pml_cache_evicted). Writes its entry id to `*entry`.
+ *
+ * MARCONI_STATUS_OUT_OF_MEMORY: larger than the unpinned budget (nothing
+ * evicted). MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, a layout
+ * not of this schema, a segment outside the run.
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * As marconi_pml_cache_lookup; `entry` is writable.
+ */
+marconi_status marconi_pml_cache_admit_exact(struct marconi_pml_cache *cache,
+                                             uint64_t schema_id,
+                                             const struct marconi_pml_segment *segments,
+                                             size_t n_segments,
+                                             size_t segment,
+                                             uint64_t *entry);
+
+/**
+ * Moves the ids of entries evicted since the last call (oldest first) into
+ * `out[0..cap]` and writes their count to `*n`; the engine frees their
+ * memory. MARCONI_STATUS_BUFFER_TOO_SMALL: more are pending than `cap`
+ * (writes the pending count to `*n`, removes nothing; NULL with cap 0 is a
+ * size query).
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used); `out` is NULL with
+ * cap 0 or has cap writable u64s; `n` is writable.
+ */
+marconi_status marconi_pml_cache_evicted(struct marconi_pml_cache *cache,
+                                         uint64_t *out,
+                                         size_t cap,
+                                         size_t *n);
+
+/**
+ * Writes the store's counters to `*out`. Set out->struct_size to
+ * sizeof(marconi_pml_cache_stats) first: only that many bytes are written
+ * (at least 8).
+ *
+ * Thread safety: any number of threads (internal lock).
+ *
+ * # Safety
+ *
+ * `cache` is a pointer (only a live handle is used); `out` points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_pml_cache_get_stats(struct marconi_pml_cache *cache,
+                                           struct marconi_pml_cache_stats *out);
 
 /**
  * Writes the default configuration into `*cfg` (backend MEMFD, AVMP

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# PML through the C ABI (marconi_pml_*): marconi-ffi/tests/c/test_pml.c with
+# PML through the C ABI (marconi_pml_*): marconi-ffi/tests/c/test_pml.c and
+# test_pml_cache.c (the module store) with
 # AddressSanitizer and UndefinedBehaviorSanitizer, against libmarconi.so and
 # libmarconi.a. Runs from the repository root; reuses c.sh's release build.
 set -euo pipefail
@@ -24,3 +25,11 @@ gcc "${cflags[@]}" "${san[@]}" marconi-ffi/tests/c/test_pml.c -L"$lib" -Wl,-rpat
 gcc "${cflags[@]}" "${san[@]}" marconi-ffi/tests/c/test_pml.c "$lib/libmarconi.a" -lpthread -ldl -lm \
   -o "$out/test_pml_static"
 "$out/test_pml_static"
+for t in test_pml_cache; do
+  gcc "${cflags[@]}" "${san[@]}" "marconi-ffi/tests/c/$t.c" -L"$lib" -Wl,-rpath,"$lib" -lmarconi \
+    -lpthread -o "$out/${t}_shared"
+  "$out/${t}_shared"
+  gcc "${cflags[@]}" "${san[@]}" "marconi-ffi/tests/c/$t.c" "$lib/libmarconi.a" -lpthread -ldl -lm \
+    -o "$out/${t}_static"
+  "$out/${t}_static"
+done

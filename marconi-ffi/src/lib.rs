@@ -30,6 +30,7 @@ pub mod hf_config;
 pub mod host_pool;
 pub mod plan;
 pub mod pml;
+pub mod pml_cache;
 pub mod pool;
 pub mod pooled;
 pub mod status;
@@ -55,6 +56,10 @@ pub use plan::{marconi_converged_split, marconi_memory_plan, marconi_plan_reques
 pub use pml::{
     marconi_pml_error, marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind,
     marconi_pml_tokenize_fn,
+};
+pub use pml_cache::{
+    marconi_pml_cache, marconi_pml_cache_config, marconi_pml_cache_stats, marconi_pml_reuse_mode,
+    marconi_pml_served, marconi_pml_served_how, MARCONI_PML_MAX_SEGMENTS,
 };
 pub use pool::{
     marconi_migration, marconi_pool, marconi_pool_backend, marconi_pool_config, marconi_pool_kind,

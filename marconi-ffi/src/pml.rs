@@ -22,6 +22,13 @@ pub struct marconi_pml_schema {
     ns: u64,
 }
 
+impl marconi_pml_schema {
+    /// The encoded schema.
+    pub(crate) fn encoded(&self) -> &Encoded {
+        &self.enc
+    }
+}
+
 /// The engine's tokenizer: writes the token ids of `text[0..text_len]`
 /// (UTF-8, not NUL-terminated) into `out[0..cap]` and returns their count.
 /// When the count is larger than `cap` it returns the count without

@@ -17,6 +17,9 @@
 //!   [`ReuseMode`]: every module for attention-only models; for hybrid
 //!   models the exact leading run of modules, and optionally the modules
 //!   after it by approximate state composition.
+//! * [`ModuleCache`]: the module store: a registered schema's module
+//!   entries pinned in a byte budget, evicted by utility once unregistered,
+//!   and a lookup that says per segment which entry serves it and how.
 //!
 //! Every error carries the line and column it was found at ([`Error`]).
 //! Pure: no I/O, no unsafe; the engine's tokenizer comes in as a
@@ -44,6 +47,7 @@ mod layout;
 mod prompt;
 mod reuse;
 mod schema;
+mod store;
 mod xml;
 
 pub use error::{Error, ErrorKind, Pos, Result};
@@ -51,3 +55,7 @@ pub use layout::{ByteTokenizer, Encoded, Layout, Segment, SegmentKind, Tokenizer
 pub use prompt::{Argument, Import, Prompt, PromptItem};
 pub use reuse::{namespace, Reuse, ReuseMode, ReusePlan};
 pub use schema::{Item, Module, ModuleId, Param, Schema, MAX_DEPTH};
+pub use store::{
+    EntryId, ModuleCache, ModuleCacheStats, ModuleLookup, ModuleModel, ModuleRef, SchemaId,
+    SegmentLookup, Served, StoreError,
+};

@@ -195,6 +195,231 @@ pub struct PmlReplayArgs {
     /// Print the figures as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Also replay through the module store (`marconi_pml::ModuleCache`)
+    /// with this budget in MiB: module hit rate, evictions, refusals, with
+    /// schemas pinned throughout and registered per prompt.
+    #[arg(long, value_parser = crate::tiers::positive)]
+    pub budget_mib: Option<f64>,
+    /// The model whose entry sizes and FLOPs the store uses (a preset:
+    /// paper-7b, paper-7b-attn, jamba-1.5-mini, nemotron-h-8b...).
+    #[arg(long, default_value = "paper-7b")]
+    pub model: String,
+    /// The store's reuse mode (default: attention for an attention-only
+    /// model, composed for a hybrid).
+    #[arg(long, value_enum)]
+    pub mode: Option<StoreMode>,
+}
+
+/// A reuse mode of the module store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreMode {
+    /// Every module's KV (attention-only models).
+    Attention,
+    /// The exact leading run (hybrids or any model).
+    Exact,
+    /// The exact run, then composed states (hybrids).
+    Composed,
+}
+
+/// How schemas are registered in a store replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Registration {
+    /// Every schema registered before the first prompt and kept: its
+    /// modules pinned (a schema that does not fit is refused and its
+    /// prompts served without the store).
+    Pinned,
+    /// Each prompt registers its schema and unregisters it when done: its
+    /// modules stay resident unpinned and compete for the budget.
+    PerPrompt,
+}
+
+/// What one store replay measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StoreReport {
+    /// How schemas were registered.
+    pub registration: Registration,
+    /// Schemas registered (pinned: those that fit).
+    pub schemas_registered: u64,
+    /// Schemas whose registration was refused (over budget).
+    pub schemas_refused: u64,
+    /// Cacheable segments served by an entry.
+    pub hits: u64,
+    /// Cacheable segments not resident (computed, then admitted).
+    pub misses: u64,
+    /// Cacheable segments the mode recomputes (exact, after the run).
+    pub recomputed: u64,
+    /// Cacheable segments of prompts whose schema could not be registered.
+    pub unserved: u64,
+    /// `hits / (hits + misses + unserved)`.
+    pub hit_rate: f64,
+    /// Tokens whose states came from entries.
+    pub reused_tokens: u64,
+    /// Entries evicted.
+    pub evictions: u64,
+    /// Admissions refused (an exact entry larger than the unpinned budget).
+    pub refused_admissions: u64,
+    /// The most bytes pinned at once.
+    pub peak_pinned_bytes: u64,
+    /// Bytes used at the end.
+    pub used_bytes: u64,
+}
+
+/// The module store's part of a replay.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StoreReplay {
+    /// The model preset.
+    pub model: String,
+    /// The budget in bytes.
+    pub budget_bytes: u64,
+    /// The mode.
+    pub mode: StoreMode,
+    /// The composed window.
+    pub window: u32,
+    /// Bytes of every schema's module entries (what pinning all takes).
+    pub all_modules_bytes: u64,
+    /// Schemas registered throughout, then per prompt.
+    pub runs: Vec<StoreReport>,
+}
+
+/// The store's entry sizes and FLOPs for `spec`: KV of every attention
+/// layer per token; the state of every SSM layer (recurrent and conv); a
+/// transition operator as large as the recurrent state without its conv
+/// part (a diagonal transition per state element: Mamba-1's case, an upper
+/// bound for Mamba-2's per-head scalar); prefill FLOPs `a·n + b·n²` from
+/// the spec's cost model.
+pub fn module_model(spec: &marconi_core::ModelSpec) -> marconi_pml::ModuleModel {
+    let one = spec.prefill_flops(0, 1);
+    let two = spec.prefill_flops(0, 2);
+    let b = ((two - 2.0 * one) / 2.0).max(0.0);
+    let operator = if spec.ssm_layers == 0 {
+        0
+    } else {
+        spec.ssm_state_channels
+            .saturating_mul(spec.d_state)
+            .saturating_mul(spec.state_dtype_bytes)
+            .saturating_mul(u64::from(spec.ssm_layers))
+    };
+    marconi_pml::ModuleModel {
+        kv_bytes_per_token: spec.kv_bytes_per_token(),
+        state_bytes: spec.state_bytes(),
+        operator_bytes: operator,
+        flops_per_token: one - b,
+        flops_per_token_squared: b,
+    }
+}
+
+/// Replays `prompts` (laid out, with their schema's index) through a
+/// module store of `budget_bytes`: per prompt a lookup under `mode`, then
+/// every miss admitted as the engine would after computing it (an exact
+/// entry in the leading run, else the module entry).
+///
+/// # Errors
+/// A store error other than the refusals counted (a bug).
+pub fn replay_store(
+    schemas: &[Encoded],
+    prompts: &[(usize, Layout)],
+    model: marconi_pml::ModuleModel,
+    budget_bytes: u64,
+    mode: marconi_pml::ReuseMode,
+    registration: Registration,
+) -> Result<StoreReport, String> {
+    use marconi_pml::{ModuleCache, Served, StoreError};
+    let mut c = ModuleCache::new(model, budget_bytes).map_err(|e| e.to_string())?;
+    let mut r = StoreReport {
+        registration,
+        schemas_registered: 0,
+        schemas_refused: 0,
+        hits: 0,
+        misses: 0,
+        recomputed: 0,
+        unserved: 0,
+        hit_rate: 0.0,
+        reused_tokens: 0,
+        evictions: 0,
+        refused_admissions: 0,
+        peak_pinned_bytes: 0,
+        used_bytes: 0,
+    };
+    let mut ids = vec![None; schemas.len()];
+    if registration == Registration::Pinned {
+        for (i, enc) in schemas.iter().enumerate() {
+            match c.register(enc) {
+                Ok(id) => {
+                    ids[i] = Some(id);
+                    r.schemas_registered += 1;
+                }
+                Err(StoreError::OverBudget { .. }) => r.schemas_refused += 1,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+    let mut refused_once = vec![false; schemas.len()];
+    for (which, l) in prompts {
+        let id = match registration {
+            Registration::Pinned => ids[*which],
+            Registration::PerPrompt => match c.register(&schemas[*which]) {
+                Ok(id) => {
+                    r.schemas_registered += 1;
+                    Some(id)
+                }
+                Err(StoreError::OverBudget { .. }) => {
+                    if !refused_once[*which] {
+                        refused_once[*which] = true;
+                        r.schemas_refused += 1;
+                    }
+                    None
+                }
+                Err(e) => return Err(e.to_string()),
+            },
+        };
+        r.peak_pinned_bytes = r.peak_pinned_bytes.max(c.stats().pinned_bytes);
+        let Some(id) = id else {
+            r.unserved += l.segments.iter().filter(|s| s.cached).count() as u64;
+            continue;
+        };
+        let found = c.lookup(id, l, mode).map_err(|e| e.to_string())?;
+        r.reused_tokens += found.reused_tokens(l);
+        for (i, g) in found.segments.iter().enumerate() {
+            match g.served {
+                Served::Miss => {
+                    r.misses += 1;
+                    let admitted =
+                        if i < found.exact_run && mode != marconi_pml::ReuseMode::Attention {
+                            c.admit_exact(id, l, i)
+                        } else {
+                            match g.module {
+                                Some(m) => c.admit(id, m),
+                                None => continue,
+                            }
+                        };
+                    match admitted {
+                        Ok(_) => {}
+                        Err(StoreError::DoesNotFit { .. }) => r.refused_admissions += 1,
+                        Err(e) => return Err(e.to_string()),
+                    }
+                }
+                Served::Recomputed => r.recomputed += 1,
+                s if s.is_hit() => r.hits += 1,
+                _ => {}
+            }
+        }
+        c.drain_evicted();
+        if registration == Registration::PerPrompt {
+            c.unregister(id).map_err(|e| e.to_string())?;
+        }
+    }
+    let st = c.stats();
+    r.evictions = st.evictions;
+    r.used_bytes = st.used_bytes;
+    let served = r.hits + r.misses + r.unserved;
+    r.hit_rate = if served == 0 {
+        0.0
+    } else {
+        r.hits as f64 / served as f64
+    };
+    Ok(r)
 }
 
 /// What a replay of PML prompts measured.
@@ -221,6 +446,9 @@ pub struct PmlReplayReport {
     pub reused_composed: u64,
     /// The window of the composed mode.
     pub window: u32,
+    /// The module store's figures (with `--budget-mib`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<StoreReplay>,
 }
 
 impl PmlReplayReport {
@@ -245,6 +473,21 @@ pub fn replay_prompts(
     tok: &mut dyn Tokenizer,
     window: u32,
 ) -> Result<PmlReplayReport, String> {
+    replay_layouts(schemas, prompts, tok, window).map(|(r, _)| r)
+}
+
+/// [`replay_prompts`], also giving every prompt's layout with its schema's
+/// index.
+///
+/// # Errors
+/// `name:line:column: reason` for the first invalid prompt.
+pub fn replay_layouts(
+    schemas: &[Encoded],
+    prompts: &[(String, String)],
+    tok: &mut dyn Tokenizer,
+    window: u32,
+) -> Result<(PmlReplayReport, Vec<(usize, Layout)>), String> {
+    let mut layouts = Vec::with_capacity(prompts.len());
     use marconi_pml::{ReuseMode, ReusePlan};
     let mut r = PmlReplayReport {
         window,
@@ -281,13 +524,14 @@ pub fn replay_prompts(
         r.reused_attention += ReusePlan::new(&l, ReuseMode::Attention).reused_tokens(&l);
         r.reused_exact += ReusePlan::new(&l, ReuseMode::Exact).reused_tokens(&l);
         r.reused_composed += ReusePlan::new(&l, ReuseMode::Composed { window }).reused_tokens(&l);
+        layouts.push((which, l));
     }
     r.module_hit_rate = if r.imports == 0 {
         0.0
     } else {
         r.module_hits as f64 / r.imports as f64
     };
-    Ok(r)
+    Ok((r, layouts))
 }
 
 /// `n` prompts drawn from `schemas`: a schema at random; each top-level
@@ -409,7 +653,68 @@ pub fn replay_run(a: PmlReplayArgs) -> Result<(), String> {
     if prompts.is_empty() {
         return Err("no prompt: give --prompt files or --synth N".into());
     }
-    let r = replay_prompts(&schemas, &prompts, tok.as_mut(), a.window)?;
+    let (mut r, layouts) = replay_layouts(&schemas, &prompts, tok.as_mut(), a.window)?;
+    if let Some(mib) = a.budget_mib {
+        let spec = marconi_core::ModelSpec::preset(&a.model).ok_or_else(|| {
+            format!(
+                "unknown model '{}' (presets: {})",
+                a.model,
+                marconi_core::PRESET_NAMES.join(", ")
+            )
+        })?;
+        let model = module_model(&spec);
+        let mode = a.mode.unwrap_or(if model.is_hybrid() {
+            StoreMode::Composed
+        } else {
+            StoreMode::Attention
+        });
+        let reuse = match mode {
+            StoreMode::Attention => marconi_pml::ReuseMode::Attention,
+            StoreMode::Exact => marconi_pml::ReuseMode::Exact,
+            StoreMode::Composed => marconi_pml::ReuseMode::Composed { window: a.window },
+        };
+        match (mode, model.is_hybrid()) {
+            (StoreMode::Attention, true) | (StoreMode::Composed, false) => {
+                return Err(format!(
+                    "--mode {} does not apply to {} ({})",
+                    format!("{mode:?}").to_lowercase(),
+                    a.model,
+                    if model.is_hybrid() {
+                        "hybrid"
+                    } else {
+                        "attention-only"
+                    }
+                ))
+            }
+            _ => {}
+        }
+        let budget = (mib * 1024.0 * 1024.0) as u64;
+        let probe = marconi_pml::ModuleCache::new(model, u64::MAX).map_err(|e| e.to_string())?;
+        let all: u64 = schemas
+            .iter()
+            .map(|e| {
+                let named = (0..e.schema().modules().len())
+                    .map(|i| marconi_pml::ModuleRef::Named(marconi_pml::ModuleId(i)));
+                let anon = (0..e.anonymous_segments().len()).map(marconi_pml::ModuleRef::Anonymous);
+                named
+                    .chain(anon)
+                    .filter_map(|m| probe.module_bytes(e, m))
+                    .sum::<u64>()
+            })
+            .sum();
+        let mut runs = Vec::new();
+        for reg in [Registration::Pinned, Registration::PerPrompt] {
+            runs.push(replay_store(&schemas, &layouts, model, budget, reuse, reg)?);
+        }
+        r.store = Some(StoreReplay {
+            model: a.model.clone(),
+            budget_bytes: budget,
+            mode,
+            window: a.window,
+            all_modules_bytes: all,
+            runs,
+        });
+    }
     if a.json {
         println!(
             "{}",
@@ -427,6 +732,37 @@ pub fn replay_run(a: PmlReplayArgs) -> Result<(), String> {
         );
         println!("tokens reused: attention-only {:.2} %, hybrid exact {:.2} %, hybrid composed (window {}) {:.2} %",
             r.pct(r.reused_attention), r.pct(r.reused_exact), r.window, r.pct(r.reused_composed));
+        if let Some(st) = &r.store {
+            let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+            let mode = match st.mode {
+                StoreMode::Composed => format!("composed (window {})", st.window),
+                m => format!("{m:?}").to_lowercase(),
+            };
+            println!(
+                "module store: model {}, budget {:.1} MiB, mode {mode}; all modules of all schemas take {:.1} MiB",
+                st.model,
+                mib(st.budget_bytes),
+                mib(st.all_modules_bytes)
+            );
+            for run in &st.runs {
+                let how = match run.registration {
+                    Registration::Pinned => "schemas pinned throughout",
+                    Registration::PerPrompt => "registered per prompt",
+                };
+                println!(
+                    "  {how}: module hit rate {:.2} % ({} of {} segments{}), {:.2} % of tokens reused, {} evictions, {} refused admissions, {} schema registrations refused, peak pinned {:.1} MiB",
+                    100.0 * run.hit_rate,
+                    run.hits,
+                    run.hits + run.misses + run.unserved,
+                    if run.unserved > 0 { format!(", {} of them in prompts of schemas not registered", run.unserved) } else { String::new() },
+                    r.pct(run.reused_tokens),
+                    run.evictions,
+                    run.refused_admissions,
+                    run.schemas_refused,
+                    mib(run.peak_pinned_bytes)
+                );
+            }
+        }
     }
     Ok(())
 }

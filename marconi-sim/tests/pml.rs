@@ -293,3 +293,82 @@ fn replay_refuses_bad_input() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8(o.stderr).unwrap().contains("no prompt"));
 }
+
+#[test]
+fn replay_through_the_module_store_shows_pinning_and_eviction() {
+    // paper-7b-attn: 512 KiB of KV per token. Under tiktoken the travel
+    // schema's modules take 21 MiB and figure 2's 11.5 MiB: at 30 MiB both
+    // cannot be pinned at once.
+    let (a, b) = (fixture("travel_schema.xml"), fixture("figure2_schema.xml"));
+    let run = |budget: &str| {
+        replay_json(&[
+            "--schema",
+            a.to_str().unwrap(),
+            "--schema",
+            b.to_str().unwrap(),
+            "--synth",
+            "300",
+            "--seed",
+            "7",
+            "--tokenizer",
+            "tiktoken",
+            "--model",
+            "paper-7b-attn",
+            "--budget-mib",
+            budget,
+        ])
+    };
+    let roomy = run("64");
+    let st = &roomy["store"];
+    assert_eq!(st["mode"], "attention");
+    assert_eq!(st["all_modules_bytes"].as_u64(), Some(34_078_720));
+    let (pinned, per_prompt) = (&st["runs"][0], &st["runs"][1]);
+    assert_eq!(pinned["registration"], "pinned");
+    assert_eq!(pinned["schemas_registered"].as_u64(), Some(2));
+    assert_eq!(pinned["evictions"].as_u64(), Some(0));
+    // With room for everything, both registrations serve the same.
+    assert_eq!(pinned["hits"], per_prompt["hits"]);
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap();
+    // Attention mode reuses every module token once it is resident.
+    assert!(n(pinned, "reused_tokens") <= n(&roomy, "module_tokens"));
+    assert!(n(pinned, "hits") > 0 && n(pinned, "misses") > 0);
+
+    let tight = run("30");
+    let (pinned, per_prompt) = (&tight["store"]["runs"][0], &tight["store"]["runs"][1]);
+    // Pinned: figure 2 does not fit beside travel; its prompts go unserved.
+    assert_eq!(n(pinned, "schemas_refused"), 1);
+    assert!(n(pinned, "unserved") > 0);
+    assert_eq!(n(pinned, "evictions"), 0);
+    // Per prompt: both served in turn, unpinned modules evicted for room.
+    assert_eq!(n(per_prompt, "schemas_refused"), 0);
+    assert!(n(per_prompt, "evictions") > 0);
+    assert!(n(per_prompt, "hits") > n(pinned, "hits"));
+    for run in [pinned, per_prompt] {
+        assert!(n(run, "used_bytes") <= 30 << 20);
+    }
+}
+
+#[test]
+fn replay_store_refuses_a_mode_the_model_lacks() {
+    let s = fixture("figure2_schema.xml");
+    let o = Command::new(env!("CARGO_BIN_EXE_marconi-sim"))
+        .args([
+            "pml-replay",
+            "--schema",
+            s.to_str().unwrap(),
+            "--synth",
+            "3",
+            "--budget-mib",
+            "64",
+            "--model",
+            "paper-7b-attn",
+            "--mode",
+            "composed",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8(o.stderr)
+        .unwrap()
+        .contains("--mode composed does not apply to paper-7b-attn (attention-only)"));
+}

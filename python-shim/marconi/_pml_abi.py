@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ctypes import CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_int32, c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
+from ctypes import CFUNCTYPE, POINTER, Structure, c_bool, c_char, c_char_p, c_double, c_int32, c_int64, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 
 MESSAGE_BYTES = 256
 """MARCONI_PML_ERROR_MESSAGE_BYTES."""
@@ -32,9 +32,70 @@ class marconi_pml_segment(Structure):
     ]
 
 
-PML_STRUCTS = {c.__name__: c for c in (marconi_pml_error, marconi_pml_segment)}
+MAX_SEGMENTS = 1 << 20
+"""MARCONI_PML_MAX_SEGMENTS."""
+
+
+class marconi_pml_cache_config(Structure):
+    """struct marconi_pml_cache_config."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("reserved", c_uint32),
+        ("capacity_bytes", c_uint64),
+        ("kv_bytes_per_token", c_uint64),
+        ("state_bytes", c_uint64),
+        ("operator_bytes", c_uint64),
+        ("flops_per_token", c_double),
+        ("flops_per_token_squared", c_double),
+    ]
+
+
+class marconi_pml_served(Structure):
+    """struct marconi_pml_served."""
+
+    _fields_ = [
+        ("how", c_uint32),
+        ("kind", c_uint32),
+        ("start", c_uint32),
+        ("len", c_uint32),
+        ("recomputed", c_uint32),
+        ("module", c_int32),
+        ("in_run", c_bool),
+        ("entry", c_uint64),
+    ]
+
+
+class marconi_pml_cache_stats(Structure):
+    """struct marconi_pml_cache_stats."""
+
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [
+        (name, c_uint64)
+        for name in (
+            "lookups",
+            "hits",
+            "misses",
+            "recomputed",
+            "admissions",
+            "refused",
+            "evictions",
+            "entries",
+            "resident_bytes",
+            "pinned_bytes",
+            "used_bytes",
+            "capacity_bytes",
+            "schemas",
+        )
+    ]
+
+
+PML_STRUCTS = {
+    c.__name__: c
+    for c in (marconi_pml_error, marconi_pml_segment, marconi_pml_cache_config, marconi_pml_served, marconi_pml_cache_stats)
+}
 
 _schema_p = c_void_p
+_cache_p = c_void_p
 _status = c_uint32
 
 PML_SIGNATURES = {
@@ -62,5 +123,31 @@ PML_SIGNATURES = {
             POINTER(marconi_pml_error),
         ],
     ),
+    "marconi_pml_cache_config_init": (_status, [POINTER(marconi_pml_cache_config), c_size_t]),
+    "marconi_pml_cache_new": (_status, [POINTER(marconi_pml_cache_config), POINTER(_cache_p)]),
+    "marconi_pml_cache_free": (_status, [_cache_p]),
+    "marconi_pml_cache_register": (_status, [_cache_p, _schema_p, POINTER(c_uint64)]),
+    "marconi_pml_cache_unregister": (_status, [_cache_p, c_uint64]),
+    "marconi_pml_cache_lookup": (
+        _status,
+        [
+            _cache_p,
+            c_uint64,
+            POINTER(marconi_pml_segment),
+            c_size_t,
+            c_uint32,
+            c_uint32,
+            POINTER(marconi_pml_served),
+            c_size_t,
+            POINTER(c_size_t),
+        ],
+    ),
+    "marconi_pml_cache_admit": (_status, [_cache_p, c_uint64, c_uint32, c_uint32, POINTER(c_uint64)]),
+    "marconi_pml_cache_admit_exact": (
+        _status,
+        [_cache_p, c_uint64, POINTER(marconi_pml_segment), c_size_t, c_size_t, POINTER(c_uint64)],
+    ),
+    "marconi_pml_cache_evicted": (_status, [_cache_p, POINTER(c_uint64), c_size_t, POINTER(c_size_t)]),
+    "marconi_pml_cache_get_stats": (_status, [_cache_p, POINTER(marconi_pml_cache_stats)]),
 }
 """The PML functions: name -> (restype, argtypes)."""

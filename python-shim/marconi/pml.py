@@ -1,11 +1,17 @@
 """Prompt Markup Language (Prompt Cache's PML) through libmarconi:
 register a schema, lay prompts out over it (position ids, which segments
-come from the module cache and which the engine computes).
+come from the module cache and which the engine computes), and keep module
+states in a budgeted module store.
 
-    from marconi.pml import Schema
+    from marconi.pml import ModuleCache, Schema
     with Schema(open("schema.xml").read(), tokenizer=tok.encode) as s:
         for seg in s.layout(prompt_xml, tokenizer=tok.encode):
             ...  # seg.kind, seg.name, seg.start, seg.len, seg.cached, seg.tokens
+
+    store = ModuleCache(capacity_bytes=1 << 30, kv_bytes_per_token=kv)
+    store.register(s)                                  # its modules pinned
+    for name, kind, start, length, how in store.lookup(layout, mode="attention"):
+        ...  # "attention": reuse; "miss": compute, then store.admit(s, name)
 
 The tokenizer is a callable from text to token ids (None: one token per
 UTF-8 byte); use the same one for the schema and its prompts. Invalid PML
@@ -17,7 +23,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import _lib, _pml_abi
 from .cache import MarconiError, _check, _Closing, last_error
@@ -51,6 +57,20 @@ class Segment:
     len: int
     cached: bool
     tokens: list
+    module: int = -1
+    """Index of its module in the schema (-1 for anonymous and prompt text)."""
+    param: int = -1
+    """Index of the parameter in its module (kind "param"), else -1."""
+
+
+class Layout(list):
+    """A prompt's segments (a list of Segment), remembering the schema they
+    were laid out over: what ModuleCache.lookup takes."""
+
+    def __init__(self, segments, schema: "Schema", raw):
+        super().__init__(segments)
+        self.schema = schema
+        self._raw = raw
 
 
 class _Callback:
@@ -141,7 +161,7 @@ class Schema(_Closing):
         lib.marconi_pml_name(self._handle(), module, param, buf, n + 1)
         return buf.value.decode("utf-8")
 
-    def layout(self, prompt, tokenizer: Optional[Tokenizer] = None) -> list:
+    def layout(self, prompt, tokenizer: Optional[Tokenizer] = None) -> Layout:
         """The segments of `prompt` (a `<prompt schema="...">` document), in
         the order the engine concatenates them."""
         lib = _lib.load()
@@ -164,6 +184,8 @@ class Schema(_Closing):
             _raise_pml(status, err, "marconi_pml_layout")
             break
         out = []
+        raw = (_pml_abi.marconi_pml_segment * max(ns.value, 1))()
+        ctypes.memmove(raw, segs, ctypes.sizeof(_pml_abi.marconi_pml_segment) * ns.value)
         for g in segs[: ns.value]:
             name = None if g.module < 0 else self.name_of(g.module, g.param)
             out.append(
@@ -174,9 +196,11 @@ class Schema(_Closing):
                     len=g.len,
                     cached=bool(g.cached),
                     tokens=list(toks[g.tokens_offset : g.tokens_offset + g.len]),
+                    module=g.module,
+                    param=g.param,
                 )
             )
-        return out
+        return Layout(out, self, raw)
 
     def close(self) -> None:
         """Frees the schema (marconi_pml_schema_free); later calls raise ValueError."""
@@ -188,4 +212,222 @@ class Schema(_Closing):
         raise TypeError("a marconi.pml.Schema cannot be pickled or copied")
 
 
-__all__ = ["KINDS", "MarconiError", "PmlError", "Schema", "Segment", "Tokenizer", "last_error"]
+MODES = {"attention": 0, "exact": 1, "composed": 2}
+"""marconi_pml_reuse_mode values by name."""
+
+SERVED = ("exact", "attention", "composed", "recomputed", "miss", "computed")
+"""marconi_pml_served_how names, by value."""
+
+
+class _ServedFields(NamedTuple):
+    name: Optional[str]
+    kind: str
+    start: int
+    len: int
+    served_how: str
+
+
+class Served(_ServedFields):
+    """One segment's answer: a tuple (name, kind, start, len, served_how),
+    served_how one of SERVED, with attributes `entry` (the serving entry's
+    id, 0 when none), `recomputed` (tokens recomputed at its start,
+    "composed" only), `module` (its module's index; an anonymous text's
+    index among the schema's anonymous texts; -1 for prompt text) and
+    `in_run` (in the exact leading run: a "miss" there is admitted with
+    ModuleCache.admit_exact, elsewhere with ModuleCache.admit)."""
+
+    entry: int = 0
+    recomputed: int = 0
+    module: int = -1
+    in_run: bool = False
+
+
+class ModuleCache(_Closing):
+    """The module store (marconi_pml_cache_*): a registered schema's module
+    entries pinned in a byte budget, evicted by utility once unregistered.
+
+    Sizes: a module entry is its tokens times `kv_bytes_per_token` (every
+    attention layer) plus, for hybrids, `state_bytes` (its end state) and
+    `operator_bytes` (its transition operator); an exact entry (a segment of
+    the leading run, computed in context) its tokens' KV plus `state_bytes`.
+    `flops_per_token` and `flops_per_token_squared` give the prefill FLOPs
+    eviction weighs per byte (default: tokens). Thread-safe."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        kv_bytes_per_token: int,
+        state_bytes: int = 0,
+        operator_bytes: int = 0,
+        flops_per_token: float = 1.0,
+        flops_per_token_squared: float = 0.0,
+    ):
+        lib = _lib.load()
+        cfg = _pml_abi.marconi_pml_cache_config()
+        _check(lib.marconi_pml_cache_config_init(byref(cfg), ctypes.sizeof(cfg)), "marconi_pml_cache_config_init")
+        for name, v in (
+            ("capacity_bytes", capacity_bytes),
+            ("kv_bytes_per_token", kv_bytes_per_token),
+            ("state_bytes", state_bytes),
+            ("operator_bytes", operator_bytes),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+            if not 0 <= v < 2**64:
+                raise ValueError(f"{name} must be in 0 .. 2**64 - 1, not {v}")
+            setattr(cfg, name, v)
+        cfg.flops_per_token = float(flops_per_token)
+        cfg.flops_per_token_squared = float(flops_per_token_squared)
+        handle = c_void_p()
+        _check(lib.marconi_pml_cache_new(byref(cfg), byref(handle)), "marconi_pml_cache_new")
+        self._h = handle
+        self.hybrid = state_bytes > 0
+        """Whether the model has recurrent state (modes exact and composed)."""
+        self._ids: dict = {}
+
+    def _handle(self) -> c_void_p:
+        if self._h is None:
+            raise ValueError("module cache is closed")
+        return self._h
+
+    def register(self, schema: Schema) -> int:
+        """Registers `schema`: reserves and pins all its module entries
+        (MarconiError OUT_OF_MEMORY when they do not fit beside those
+        already pinned). Returns its id."""
+        sid = c_uint64()
+        _check(
+            _lib.load().marconi_pml_cache_register(self._handle(), schema._handle(), byref(sid)),
+            "marconi_pml_cache_register",
+        )
+        self._ids.setdefault(schema.namespace, []).append(sid.value)
+        return sid.value
+
+    def _id(self, schema) -> int:
+        if isinstance(schema, int) and not isinstance(schema, bool):
+            return schema
+        ids = self._ids.get(getattr(schema, "namespace", None))
+        if not ids:
+            raise ValueError("schema is not registered in this module cache")
+        return ids[-1]
+
+    def unregister(self, schema) -> None:
+        """Drops one registration of `schema` (a Schema or its id); at the
+        last its module entries become evictable."""
+        sid = self._id(schema)
+        _check(_lib.load().marconi_pml_cache_unregister(self._handle(), sid), "marconi_pml_cache_unregister")
+        for ns, ids in list(self._ids.items()):
+            if sid in ids:
+                ids.remove(sid)
+                if not ids:
+                    del self._ids[ns]
+                break
+
+    def lookup(self, layout: Layout, mode: str = "attention", window: int = 16) -> list:
+        """How each segment of `layout` (from Schema.layout of a registered
+        schema) is served under `mode` ("attention", "exact" or "composed"
+        with `window` tokens recomputed per composed segment): a list of
+        Served (name, kind, start, len, served_how). A mode the model does
+        not support raises MarconiError UNSUPPORTED; modes never mix."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+        if not isinstance(layout, Layout):
+            raise TypeError("layout must come from Schema.layout")
+        n = len(layout)
+        out = (_pml_abi.marconi_pml_served * max(n, 1))()
+        n_out = c_size_t()
+        _check(
+            _lib.load().marconi_pml_cache_lookup(
+                self._handle(), self._id(layout.schema), layout._raw, n, MODES[mode], window, out, n, byref(n_out)
+            ),
+            "marconi_pml_cache_lookup",
+        )
+        result = []
+        for g, o in zip(layout, out[: n_out.value]):
+            r = Served(g.name, g.kind, o.start, o.len, SERVED[o.how])
+            r.entry, r.recomputed, r.module, r.in_run = o.entry, o.recomputed, o.module, bool(o.in_run)
+            result.append(r)
+        return result
+
+    def admit(self, schema, module_name: Optional[str] = None, *, anonymous: Optional[int] = None) -> int:
+        """Admits module `module_name` of `schema` (or its anonymous text
+        number `anonymous`) once the engine has computed it. Returns its
+        entry id (the same one when already resident)."""
+        if (module_name is None) == (anonymous is None):
+            raise ValueError("give a module_name or anonymous=index")
+        if module_name is not None:
+            if not isinstance(schema, Schema):
+                raise TypeError("admit by module name needs the Schema")
+            index = next((i for i in range(schema.n_modules) if schema.name_of(i) == module_name), None)
+            if index is None:
+                raise ValueError(f"schema has no module named {module_name!r}")
+            kind = 0
+        else:
+            kind, index = 1, anonymous
+        entry = c_uint64()
+        _check(
+            _lib.load().marconi_pml_cache_admit(self._handle(), self._id(schema), kind, index, byref(entry)),
+            "marconi_pml_cache_admit",
+        )
+        return entry.value
+
+    def admit_exact(self, layout: Layout, segment: int) -> int:
+        """Admits the exact entry of `layout[segment]` (in the leading run)
+        once the engine has computed the run up to it in context. Returns
+        its entry id; MarconiError OUT_OF_MEMORY when it cannot fit."""
+        if not isinstance(layout, Layout):
+            raise TypeError("layout must come from Schema.layout")
+        entry = c_uint64()
+        _check(
+            _lib.load().marconi_pml_cache_admit_exact(
+                self._handle(), self._id(layout.schema), layout._raw, len(layout), segment, byref(entry)
+            ),
+            "marconi_pml_cache_admit_exact",
+        )
+        return entry.value
+
+    def evicted(self) -> list:
+        """Ids of entries evicted since the last call (free their memory)."""
+        lib = _lib.load()
+        n = c_size_t()
+        while True:
+            cap = max(n.value, 16)
+            buf = (c_uint64 * cap)()
+            status = lib.marconi_pml_cache_evicted(self._handle(), buf, cap, byref(n))
+            if status == _BUFFER_TOO_SMALL:
+                continue
+            _check(status, "marconi_pml_cache_evicted")
+            return list(buf[: n.value])
+
+    def stats(self) -> dict:
+        """Counters and sizes: lookups, hits, misses, recomputed, admissions,
+        refused, evictions, entries, resident_bytes, pinned_bytes,
+        used_bytes, capacity_bytes, schemas."""
+        st = _pml_abi.marconi_pml_cache_stats()
+        st.struct_size = ctypes.sizeof(st)
+        _check(_lib.load().marconi_pml_cache_get_stats(self._handle(), byref(st)), "marconi_pml_cache_get_stats")
+        return {name: getattr(st, name) for name, _ in st._fields_[2:]}
+
+    def close(self) -> None:
+        """Frees the store (marconi_pml_cache_free); later calls raise ValueError."""
+        if self._h is not None:
+            _lib.load().marconi_pml_cache_free(self._h)
+            self._h = None
+
+    def __reduce__(self):
+        raise TypeError("a marconi.pml.ModuleCache cannot be pickled or copied")
+
+
+__all__ = [
+    "KINDS",
+    "MODES",
+    "SERVED",
+    "Layout",
+    "MarconiError",
+    "ModuleCache",
+    "PmlError",
+    "Schema",
+    "Segment",
+    "Served",
+    "Tokenizer",
+    "last_error",
+]

@@ -17,6 +17,7 @@ SCALARS = {
     "bool": ctypes.c_bool,
     "marconi_status": ctypes.c_uint32,
     "marconi_pml_segment_kind": ctypes.c_uint32,
+    "marconi_pml_served_how": ctypes.c_uint32,
     "marconi_pml_tokenize_fn": _lib._pml_abi.TOKENIZE_FN,
 }
 
@@ -34,7 +35,7 @@ def c_to_ctypes(decl: str):
         return ctypes.c_char_p
     if base in _lib.CALLBACK_TYPES and stars == 0:
         return _lib.CALLBACK_TYPES[base]
-    if base in ("marconi_cache", "marconi_pool", "marconi_host_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_store", "marconi_tiered"):  # opaque handles
+    if base in ("marconi_cache", "marconi_pool", "marconi_host_pool", "marconi_pooled_cache", "marconi_events", "marconi_pml_schema", "marconi_pml_cache", "marconi_store", "marconi_tiered"):  # opaque handles
         return ctypes.c_void_p if stars == 1 else ctypes.POINTER(ctypes.c_void_p)
     inner = SCALARS.get(base) or _lib.STRUCTS.get(base)
     assert inner is not None, f"unknown C type {decl!r}"

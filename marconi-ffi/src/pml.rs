@@ -4,12 +4,13 @@
 //! with its line, column and text in the caller's `marconi_pml_error`.
 
 use std::ffi::{c_char, c_void};
+use std::ptr;
 
 use marconi_pml::{ByteTokenizer, Encoded, Prompt, Schema, SegmentKind, Tokenizer};
 
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, write_c_string,
-    FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
+    retire_tag, write_c_string, FfiError, FfiResult, HandleTag,
 };
 
 /// The most tokens one text may have (a tokenizer answering more is refused).
@@ -18,8 +19,32 @@ const MAX_TEXT_TOKENS: i64 = 1 << 30;
 /// A registered schema: parsed, tokenized and laid out once. Immutable: any
 /// number of threads may lay prompts out over it at once.
 pub struct marconi_pml_schema {
+    tag: HandleTag,
     enc: Encoded,
     ns: u64,
+}
+
+/// Checks the schema pointer and borrows the handle.
+///
+/// # Safety
+///
+/// `schema` is NULL or a live handle from marconi_pml_schema_new.
+pub(crate) unsafe fn schema_ref<'a>(
+    schema: *const marconi_pml_schema,
+) -> FfiResult<&'a marconi_pml_schema> {
+    check_ptr!(schema);
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a schema.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*schema).tag),
+            HandleTag::PML_SCHEMA,
+            "schema",
+            "marconi_pml_schema",
+        )
+    }?;
+    // SAFETY: a live schema handle (tag checked, contract); shared only.
+    Ok(unsafe { &*schema })
 }
 
 impl marconi_pml_schema {
@@ -252,7 +277,11 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
         let enc = with_tokenizer(tokenize, user, |t| Encoded::new(schema, t))?
             .map_err(|e| pml_error(&e, err, "schema"))?;
         let ns = marconi_pml::namespace(&enc);
-        let handle = Box::new(marconi_pml_schema { enc, ns });
+        let handle = Box::new(marconi_pml_schema {
+            tag: HandleTag::PML_SCHEMA,
+            enc,
+            ns,
+        });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
         unsafe { out.write(Box::into_raw(handle)) };
         Ok(())
@@ -270,10 +299,15 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema) {
     boundary_or("marconi_pml_schema_free", (), || {
-        if !schema.is_null() {
+        // SAFETY: NULL or a handle (contract); anything but a live schema
+        // is left alone.
+        if !schema.is_null() && unsafe { schema_ref(schema) }.is_ok() {
             // SAFETY: from Box::into_raw in marconi_pml_schema_new, freed
-            // once (caller contract).
-            drop(unsafe { Box::from_raw(schema) });
+            // once (caller contract); its tag is zeroed first.
+            unsafe {
+                retire_tag(ptr::addr_of_mut!((*schema).tag));
+                drop(Box::from_raw(schema));
+            }
         }
     })
 }
@@ -305,7 +339,7 @@ pub unsafe extern "C" fn marconi_pml_schema_info(
         check_ptr!(total_positions);
         check_ptr!(namespace);
         // SAFETY: a live handle (caller contract), checked non-NULL.
-        let s = unsafe { &*schema };
+        let s = unsafe { schema_ref(schema) }?;
         // SAFETY: outputs checked non-NULL and aligned, writable by contract.
         unsafe {
             n_modules.write(s.enc.schema().modules().len());
@@ -336,11 +370,11 @@ pub unsafe extern "C" fn marconi_pml_name(
     cap: usize,
 ) -> usize {
     boundary_or("marconi_pml_name", 0, || {
-        if schema.is_null() || !schema.is_aligned() {
+        // SAFETY: NULL or a live handle (caller contract); refused (0)
+        // when NULL, misaligned or not a schema.
+        let Ok(s) = (unsafe { schema_ref(schema) }) else {
             return 0;
-        }
-        // SAFETY: a live handle (caller contract), checked non-NULL.
-        let s = unsafe { &*schema };
+        };
         let Some(m) = usize::try_from(module)
             .ok()
             .and_then(|m| s.enc.schema().modules().get(m))
@@ -409,7 +443,7 @@ pub unsafe extern "C" fn marconi_pml_layout(
             return Err(FfiError::new(marconi_status::EmptyTokens, "xml_len is 0"));
         }
         // SAFETY: a live handle (caller contract), checked non-NULL.
-        let s = unsafe { &*schema };
+        let s = unsafe { schema_ref(schema) }?;
         // SAFETY: checked non-NULL; xml_len readable bytes by contract.
         let bytes = unsafe { in_slice(xml, xml_len, "xml") }?;
         // SAFETY: NULL only with capacity 0 (checked); writable by contract.

@@ -381,7 +381,7 @@ pub unsafe extern "C" fn marconi_pml_cache_register(
         // SAFETY: only a live handle is dereferenced.
         let h = unsafe { handle(cache) }?;
         // SAFETY: a live schema handle (caller contract), checked non-NULL.
-        let s = unsafe { &*schema };
+        let s = unsafe { crate::pml::schema_ref(schema) }?;
         let id = lock(h)?.register(s.encoded()).map_err(store_error)?;
         // SAFETY: checked non-NULL and aligned; writable by contract.
         unsafe { schema_id.write(id.0) };

@@ -697,6 +697,8 @@ impl HandleTag {
     pub(crate) const POOLED: HandleTag = HandleTag(0x6d63_706f_6f6c_6564);
     /// `marconi_host_pool`: "mchostp1".
     pub(crate) const HOST_POOL: HandleTag = HandleTag(0x6d63_686f_7374_7031);
+    /// `marconi_pml_schema`: "mcpmlsc1".
+    pub(crate) const PML_SCHEMA: HandleTag = HandleTag(0x6d63_706d_6c73_6331);
     /// What a freed handle's tag becomes.
     const FREED: HandleTag = HandleTag(0);
 }

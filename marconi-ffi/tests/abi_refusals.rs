@@ -623,6 +623,24 @@ fn handles_of_another_kind_are_refused() {
         // SAFETY: as above.
         unsafe { marconi::host_pool::marconi_host_pool_free(p) };
     }
+    let (mut n_modules, mut total, mut ns) = (0usize, 0u32, 0u64);
+    for (p, what) in [
+        (
+            cache.cast::<marconi::pml::marconi_pml_schema>(),
+            "a cache as a PML schema",
+        ),
+        (junk.cast(), "plain memory as a PML schema"),
+    ] {
+        // SAFETY: readable for a handle's size; outputs writable.
+        refused(
+            unsafe {
+                marconi::pml::marconi_pml_schema_info(p, &mut n_modules, &mut total, &mut ns)
+            },
+            what,
+        );
+        // SAFETY: as above.
+        unsafe { marconi::pml::marconi_pml_schema_free(p) };
+    }
     let mut buf = [0u8; 64];
     let mut len = 0usize;
     for (p, what) in [

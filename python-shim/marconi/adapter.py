@@ -428,10 +428,11 @@ class SGLangNode:
     key: Any
     """array('q') whose first `hit` ids are the prefix."""
     hit: int
-    parts: tuple = ()
+    parts: Optional[tuple] = ()
     """(ids, count) pieces of the KV indices, in order: an array('I') of
-    page ids (count tokens' worth) or a slice of an engine tensor/list of
-    indices (count of them)."""
+    page ids (count tokens' worth), a slice of an engine tensor/list of
+    indices (count of them), or None: the library's page ids, fetched when
+    asked for. None for the whole: all of the prefix's pages are fetched."""
     state_slot: Optional[int] = None
     lease: Optional[int] = None
     """The id of the libmarconi lease pinning the prefix, or None."""
@@ -593,10 +594,25 @@ class SGLangTreeCache(MarconiPrefixCache):
     def _node(self, ids: _array, ns: int, found: tuple) -> SGLangNode:
         """The node of a lookup's result (its lease still live)."""
         lid, hit, _, slot, n_pages = found
-        pages = self.cache._lease_pages(lid, n_pages) if hit else _array("I")
-        node = SGLangNode(self._next_id, ns, ids, hit, ((pages, hit),), slot)
+        # The page ids are fetched when asked for (path_device_indices),
+        # while the lease that pins them is live if it still is.
+        node = SGLangNode(self._next_id, ns, ids, hit, None, slot)
         self._next_id += 1
         return node
+
+    def _node_pages(self, node: SGLangNode) -> _array:
+        """The page ids of the node's prefix, from its live lease, else from
+        a new lookup (fewer if evicted since, as the cache now holds them)."""
+        n_pages = node.hit // self.page_size
+        lid = node.lease
+        cache = self.cache
+        if lid is not None and lid in cache._live:
+            return cache._lease_pages(lid, n_pages)
+        found = self._lookup(node.key, node.hit, node.namespace)
+        try:
+            return cache._lease_pages(found[0], min(found[4], n_pages))
+        finally:
+            self._release(found[0])
 
     def match_prefix(self, params: Any) -> Any:
         """The longest cached prefix of params.key that has a Mamba state
@@ -717,7 +733,7 @@ class SGLangTreeCache(MarconiPrefixCache):
                     if hit < node.hit:
                         # Evicted since the match: the pin covers what is still there.
                         node.hit = hit
-                        node.parts = _truncate_parts(node.parts, hit)
+                        node.parts = None if node.parts is None else _truncate_parts(node.parts, hit)
                         node.indices = None
                         node.state_slot = slot
                     node.lease = lid
@@ -781,9 +797,8 @@ class SGLangTreeCache(MarconiPrefixCache):
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)
         self._release_pending()  # nothing a match pinned may keep the admission from evicting
-        lid, was_hit, matched, _, n_hit_pages = self.cache._lookup_ids(ids, ns)
+        lid, was_hit, matched, _, _ = self.cache._lookup_ids(ids, ns)
         try:
-            hit_pages = self.cache._lease_pages(lid, n_hit_pages) if was_hit else None
             taken_states, start, stop, truncated, rejected, taken = self.cache._admit_i64(
                 lid, ids, states, pages, n_pages
             )
@@ -809,8 +824,9 @@ class SGLangTreeCache(MarconiPrefixCache):
             # The usual case (a conversation's next turn): the path is the hit's
             # KV then the indices just taken, and the state at its end is the one
             # just admitted: no second lookup.
+            # The hit's page ids are fetched when asked for (path_device_indices).
             tail = value.reshape(-1)[was_hit:n] if torch_value else indices[was_hit:n]
-            parts = ((hit_pages, was_hit), (tail, n - was_hit)) if was_hit else ((tail, n),)
+            parts = ((None, was_hit), (tail, n - was_hit)) if was_hit else ((tail, n),)
             node = SGLangNode(self._next_id, ns, ids, n, parts, slot)
             self._next_id += 1
         else:
@@ -925,6 +941,15 @@ class SGLangTreeCache(MarconiPrefixCache):
             return node.indices
         ref = getattr(self, "_index_ref", None)
         ps = self.page_size
+        if node.parts is None or any(ids is None for ids, _ in node.parts):
+            pages = self._node_pages(node)
+            got = len(pages) * ps
+            if node.parts is None:
+                node.parts = ((pages, min(got, node.hit)),)
+            else:
+                node.parts = tuple((pages, min(c, got)) if ids is None else (ids, c) for ids, c in node.parts)
+                if got < node.parts[0][1]:  # evicted since: only what is still cached
+                    node.parts = node.parts[:1]
         if ref is not None and type(ref).__module__.startswith("torch"):
             import torch
 

@@ -302,12 +302,14 @@ def _index_ids(value: Any, n: int) -> Any:
     if value is not None and type(value).__module__.startswith("torch"):
         import torch
 
-        t = value.reshape(-1)[:n]
+        t = value if value.dim() == 1 else value.reshape(-1)
+        if len(t) > n:
+            t = t[:n]
         if t.device.type != "cpu":
             t = t.cpu()
         if t.dtype != torch.int64:
             t = t.to(torch.int64)
-        return t.contiguous()
+        return t if t.is_contiguous() else t.contiguous()
     ids = _i64_ids(value if value is not None else (), "value")
     return ids if len(ids) <= n else ids[:n]
 
@@ -316,8 +318,10 @@ def _first_id(value: Any) -> Optional[int]:
     """The first id of a Mamba value (a tensor, array or sequence), or None."""
     if value is None or len(value) == 0:
         return None
-    v = value.reshape(-1)[0] if hasattr(value, "reshape") else value[0]
-    return int(v[0] if isinstance(v, (list, tuple)) else v)
+    v = value.tolist() if hasattr(value, "tolist") else value  # one element: no per-id work
+    while v.__class__ is list or v.__class__ is tuple:
+        v = v[0]
+    return int(v)
 
 
 def _pages_to_indices(pages: _array, ps: int, count: int) -> _array:
@@ -326,6 +330,20 @@ def _pages_to_indices(pages: _array, ps: int, count: int) -> _array:
     if ps == 1:
         return _array("q", pages[:count])
     return _array("q", [p * ps + i for p in pages for i in range(ps)][:count])
+
+
+class _Tail:
+    """indices[start:] of an insert's KV indices (an int64 tensor or
+    array('q')), sliced only when asked for."""
+
+    __slots__ = ("indices", "start")
+
+    def __init__(self, indices: Any, start: int):
+        self.indices = indices
+        self.start = start
+
+    def __getitem__(self, item: slice) -> Any:
+        return self.indices[self.start :][item]
 
 
 def _truncate_parts(parts: tuple, n: int) -> tuple:
@@ -825,7 +843,7 @@ class SGLangTreeCache(MarconiPrefixCache):
             # KV then the indices just taken, and the state at its end is the one
             # just admitted: no second lookup.
             # The hit's page ids are fetched when asked for (path_device_indices).
-            tail = value.reshape(-1)[was_hit:n] if torch_value else indices[was_hit:n]
+            tail = _Tail(indices, was_hit)
             parts = ((None, was_hit), (tail, n - was_hit)) if was_hit else ((tail, n),)
             node = SGLangNode(self._next_id, ns, ids, n, parts, slot)
             self._next_id += 1
@@ -962,7 +980,10 @@ class SGLangTreeCache(MarconiPrefixCache):
                         t = (t[:, None] * ps + torch.arange(ps)).reshape(-1)
                     t = t[:count].to(dev)
                 else:
-                    t = ids[:count].to(device=dev, dtype=torch.int64)
+                    t = ids[:count]
+                    if not hasattr(t, "to"):  # an array('q') or list of indices
+                        t = torch.tensor(t, dtype=torch.int64) if t.__class__ is list else torch.frombuffer(t, dtype=torch.int64) if len(t) else torch.empty(0, dtype=torch.int64)
+                    t = t.to(device=dev, dtype=torch.int64)
                 tensors.append(t)
             out = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.int64, device=dev)
         else:

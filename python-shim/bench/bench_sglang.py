@@ -206,6 +206,47 @@ def run_marconi_sglang_pools(requests, model: str) -> tuple[float, float]:
     return out
 
 
+def breakdown(requests, model: str) -> dict:
+    """CPU microseconds per request in each step of libmarconi's
+    match_prefix + insert (the harness of run_marconi_sglang_pools), each
+    step timed by a wrapper (about 1 us of its own per call included):
+    native calls (_lookup_ids, _admit_i64, _release, _lease_pages,
+    drain in _give_back) and the adapter's conversions."""
+    import marconi.adapter as adapter
+
+    spent: dict = {}
+    saved = []
+
+    def wrap(obj, name):
+        f = getattr(obj, name)
+        saved.append((obj, name, f))
+        clock = time.process_time
+
+        def timed(*a, **k):
+            t = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + clock() - t
+
+        setattr(obj, name, timed)
+
+    from marconi.cache import PrefixCache
+
+    for name in ("_lookup_ids", "_admit_i64", "_release", "_lease_pages"):
+        wrap(PrefixCache, name)
+    for name in ("_key_ids", "_index_ids", "_first_id", "_namespace"):
+        wrap(adapter, name)
+    for name in ("_lookup", "_release_pending", "_give_back"):
+        wrap(adapter.SGLangTreeCache, name)
+    try:
+        run_marconi_sglang_pools(requests, model)
+    finally:
+        for obj, name, f in reversed(saved):
+            setattr(obj, name, f)
+    return {k: v / len(requests) for k, v in spent.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
@@ -213,6 +254,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs, best taken (default 3)")
     ap.add_argument("--model", default="nemotron-h-8b", help="libmarconi model preset")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's own UnifiedRadixCache")
+    ap.add_argument("--breakdown", action="store_true", help="with --sglang: where libmarconi's time goes, per step")
     a = ap.parse_args()
     requests = conversations(a.requests, a.tokens)
     mean = sum(len(i) for i, _ in requests) / len(requests)
@@ -236,6 +278,10 @@ def main() -> None:
               f" (loop with harness {o_loop * 1e6:.1f})")
         print(f"SGLang's cache costs {t_calls / o_calls:.1f}x libmarconi's in the cache calls"
               f" ({t_loop / o_loop:.1f}x over the whole loop)")
+        if a.breakdown:
+            print("libmarconi's steps, us CPU / request (match_prefix + insert + the harness's path_device_indices):")
+            for name, sec in sorted(breakdown(requests, a.model).items(), key=lambda kv: -kv[1]):
+                print(f"  {name:18s} {sec * 1e6:8.1f}")
 
 if __name__ == "__main__":
     main()

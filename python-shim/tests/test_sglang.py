@@ -471,3 +471,29 @@ def test_int64_keys_match_list_keys_and_bad_ids_are_refused():
     assert tree.cache.stats()["nodes"] == nodes
     assert tree.cache.stats()["leases"] <= 1  # at most the match kept for a lock
     tree.sanity_check()
+
+
+def test_page_size_2_caches_whole_pages_and_gives_them_back():
+    """Pages of 2 tokens: a key is cached up to its last full page, the
+    path's indices are the inserted ones (pages in the order given), a
+    longer key hits at the page boundary, and eviction gives every index of
+    every cached page back to the allocator."""
+    tree, alloc, rtp, make_req = build_tree(kv_size=16, page_size=2)
+    every = alloc.alloc(16)  # indices 1..16 (0 is SGLang's padding slot)
+    alloc.free([i for i in every if i > 8])
+    req = make_req()
+    value = [2, 3, 6, 7, 4, 5, 8]  # pages 1, 3, 2 (index // 2, aligned as SGLang's paged allocator gives them), then half a page
+    r = tree.insert(InsertParams(key=RadixKey([11, 12, 13, 14, 15, 16, 17]), value=value, mamba_value=[req.mamba_pool_idx]))
+    assert (r.prefix_len, r.total_len, r.mamba_exist) == (0, 6, False)
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([11, 12, 13, 14, 15, 16, 17, 18])))
+    assert m.device_prefix_len == 6
+    assert list(tree.path_device_indices(m.last_device_node)) == value[:6]
+    assert hit(tree, [11, 12, 13, 14, 15]) == 0  # no state at 4
+    assert tree.total_size() == (6, 1)
+    tree.sanity_check()
+    free_before = alloc.available_size()
+    res = tree.evict(EvictParams(num_tokens=16, mamba_num=1))
+    assert (res.num_tokens_evicted, res.mamba_num_evicted) == (6, 1)
+    assert alloc.available_size() == free_before + 6
+    assert sorted(alloc._free[-6:]) == sorted(value[:6])
+    assert tree.total_size() == (0, 0)

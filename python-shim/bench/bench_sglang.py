@@ -12,11 +12,15 @@ the protected prefix -> unlock. Pools are the test stand-ins
 (tests/sglang_stubs.py), sized so that nothing is evicted; token ids are
 Python lists, as SGLang's Req holds them.
 
-Then match_prefix + insert alone per request (no lock, no row), and with
---sglang the same calls through SGLang's own UnifiedRadixCache (FULL +
-MAMBA, its Rust tree core, its CPU pools), if SGLang imports here: the
-extracted wheel on PYTHONPATH and its imported dependencies installed (see
-docs/sglang.md for the command); without them it says so and exits non-zero.
+Then match_prefix + insert alone per request (no lock, no row). With
+--sglang, the comparison that counts: the same match_prefix + insert through
+SGLang's own UnifiedRadixCache (FULL + MAMBA, its Rust tree core) and
+through libmarconi's SGLangTreeCache, both over SGLang's own CPU pools, keys
+as array('q') (as SGLang 0.5.23 holds them), the cache calls timed alone and
+with the harness; --breakdown adds libmarconi's CPU per step. --sglang needs
+SGLang importable: the extracted wheel on PYTHONPATH and its imported
+dependencies installed (see docs/sglang.md for the command); without them
+it says so and exits non-zero.
 
 Prints CPU microseconds per request (time.process_time), the best of
 --repeat runs.

@@ -3045,6 +3045,30 @@ marconi_status marconi_cache_lookup_hinted(const struct marconi_cache *cache,
                                            struct marconi_lookup *out);
 
 /**
+ * marconi_cache_lookup with the tokens as int64 ids (`tokens[0..n_tokens]`),
+ * as Python's `array('q')` and torch's int64 tensors hold them (SGLang's
+ * `RadixKey.token_ids`): read in place, with no conversion by the caller.
+ * Every id must be in [0, 2^32 - 1] (the ids marconi_cache_lookup takes);
+ * one outside is MARCONI_STATUS_INVALID_ARGUMENT, naming the first such
+ * `tokens[i]`, and nothing changes.
+ *
+ * Errors: those of marconi_cache_lookup.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
+ * aligned int64 (or NULL).
+ */
+marconi_status marconi_cache_lookup_i64(const struct marconi_cache *cache,
+                                        uint64_t ns,
+                                        const int64_t *tokens,
+                                        size_t n_tokens,
+                                        uint32_t dst_slot,
+                                        struct marconi_lookup *out);
+
+/**
  * Writes the KV page ids of a lease's hit (the engine's pages holding the
  * first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
  * `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
@@ -3120,6 +3144,35 @@ marconi_status marconi_cache_admit(const struct marconi_cache *cache,
                                    size_t n_kv_pages,
                                    uint8_t *taken,
                                    struct marconi_admit_result *out);
+
+/**
+ * marconi_cache_admit with the tokens and the KV page ids as int64 ids
+ * (`tokens[0..n_tokens]`, `kv_pages[0..n_kv_pages]`), as Python's
+ * `array('q')` and torch's int64 tensors hold them (SGLang's
+ * `RadixKey.token_ids` and KV indices): read in place, with no conversion
+ * by the caller. Every id must be in [0, 2^32 - 1]; one outside is
+ * MARCONI_STATUS_INVALID_ARGUMENT, naming the first such `tokens[i]` or
+ * `kv_pages[i]`, and nothing changes.
+ *
+ * Ownership and errors: those of marconi_cache_admit.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_admit, with `tokens` and `kv_pages` pointing to their
+ * lengths in readable, aligned int64 (or NULL).
+ */
+marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
+                                       uint64_t lease,
+                                       const int64_t *tokens,
+                                       size_t n_tokens,
+                                       const struct marconi_saved_state *states,
+                                       size_t n_states,
+                                       const int64_t *kv_pages,
+                                       size_t n_kv_pages,
+                                       uint8_t *taken,
+                                       struct marconi_admit_result *out);
 
 /**
  * Releases `lease`: what it pinned becomes evictable again.

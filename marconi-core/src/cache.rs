@@ -16,6 +16,7 @@ use crate::config::{AlphaMode, CacheConfig};
 use crate::error::CacheError;
 use crate::events::{CacheEvent, CachedChains, EventLog};
 use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
+use crate::idset::IdSet;
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
 use crate::lookup::Lookup;
@@ -103,7 +104,7 @@ pub(crate) struct Core {
     pub(crate) states: u64,
     /// Engine slots and pages the cache owns.
     pub(crate) slot_owner: HashSet<u32>,
-    pub(crate) page_owner: HashSet<u32>,
+    pub(crate) page_owner: IdSet,
     /// Whether admitted sequences carry page ids (fixed by the first admission).
     pub(crate) tracks_pages: Option<bool>,
     /// The budget in engine units, for a cache over two pools (None: the
@@ -210,7 +211,7 @@ impl Core {
             kv_tokens: 0,
             states: 0,
             slot_owner: HashSet::new(),
-            page_owner: HashSet::new(),
+            page_owner: IdSet::default(),
             tracks_pages: None,
             units: None,
             freed: Freed::default(),

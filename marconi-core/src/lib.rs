@@ -37,6 +37,7 @@ mod config;
 mod error;
 mod events;
 mod eviction;
+mod idset;
 mod index;
 mod invariants;
 mod log;

@@ -1,6 +1,7 @@
 //! The cache handle and the request cycle: lookup, plan, admit, release,
 //! eviction reports, stats and the decision log.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_char;
 use std::ptr;
@@ -442,7 +443,16 @@ pub unsafe extern "C" fn marconi_cache_lookup(
         require!(tokens, len = n_tokens);
         require!(out);
         // SAFETY: forwarded caller contract; no hints.
-        unsafe { lookup(cache, ns, (tokens, n_tokens), &[], dst_slot, out) }
+        unsafe {
+            lookup(
+                cache,
+                ns,
+                TokenSource::U32(tokens, n_tokens),
+                &[],
+                dst_slot,
+                out,
+            )
+        }
     })
 }
 
@@ -492,8 +502,117 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
         // SAFETY: buffer contract of the header.
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
         // SAFETY: forwarded caller contract.
-        unsafe { lookup(cache, ns, (tokens, n_tokens), hints, dst_slot, out) }
+        unsafe {
+            lookup(
+                cache,
+                ns,
+                TokenSource::U32(tokens, n_tokens),
+                hints,
+                dst_slot,
+                out,
+            )
+        }
     })
+}
+
+/// marconi_cache_lookup with the tokens as int64 ids (`tokens[0..n_tokens]`),
+/// as Python's `array('q')` and torch's int64 tensors hold them (SGLang's
+/// `RadixKey.token_ids`): read in place, with no conversion by the caller.
+/// Every id must be in [0, 2^32 - 1] (the ids marconi_cache_lookup takes);
+/// one outside is MARCONI_STATUS_INVALID_ARGUMENT, naming the first such
+/// `tokens[i]`, and nothing changes.
+///
+/// Errors: those of marconi_cache_lookup.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
+/// aligned int64 (or NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lookup_i64(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: *const i64,
+    n_tokens: usize,
+    dst_slot: u32,
+    out: *mut marconi_lookup,
+) -> marconi_status {
+    boundary("marconi_cache_lookup_i64", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(out);
+        // SAFETY: forwarded caller contract; no hints.
+        unsafe {
+            lookup(
+                cache,
+                ns,
+                TokenSource::I64(tokens, n_tokens),
+                &[],
+                dst_slot,
+                out,
+            )
+        }
+    })
+}
+
+/// A caller's id array: uint32 ids (read in place) or int64 ids (checked
+/// and narrowed, in one pass).
+#[derive(Clone, Copy)]
+enum TokenSource {
+    U32(*const u32, usize),
+    I64(*const i64, usize),
+}
+
+impl TokenSource {
+    /// The ids, after the length check (tokens_len_ok) and the buffer
+    /// checks; `what` names the argument in errors.
+    ///
+    /// # Safety
+    ///
+    /// The pointer has its length in readable elements, or is NULL.
+    unsafe fn read<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
+        let (TokenSource::U32(_, n) | TokenSource::I64(_, n)) = self;
+        tokens_len_ok(n, what)?;
+        // SAFETY: forwarded caller contract.
+        unsafe { self.ids(what) }
+    }
+
+    /// The ids, after the buffer checks only (page lists).
+    ///
+    /// # Safety
+    ///
+    /// As [`TokenSource::read`].
+    unsafe fn ids<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
+        match self {
+            // SAFETY: forwarded caller contract.
+            TokenSource::U32(p, n) => Ok(Cow::Borrowed(unsafe { in_slice(p, n, what) }?)),
+            TokenSource::I64(p, n) => {
+                // SAFETY: forwarded caller contract.
+                let ids = unsafe { in_slice(p, n, what) }?;
+                narrow_ids(ids, what).map(Cow::Owned)
+            }
+        }
+    }
+}
+
+/// int64 ids as uint32 ids; MARCONI_STATUS_INVALID_ARGUMENT naming the first
+/// id outside [0, 2^32 - 1]. The common case is one pass that vectorises:
+/// every id fits iff no id, read as 64 unsigned bits, has a bit above 31.
+pub(crate) fn narrow_ids(ids: &[i64], what: &str) -> FfiResult<Vec<u32>> {
+    if ids.iter().fold(0u64, |acc, &t| acc | t as u64) >> 32 == 0 {
+        return Ok(ids.iter().map(|&t| t as u32).collect());
+    }
+    let (i, t) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| u32::try_from(t).is_err())
+        .map_or((0, 0), |(i, &t)| (i, t));
+    Err(FfiError::new(
+        marconi_status::InvalidArgument,
+        format!("{what}[{i}] = {t} is not an id in [0, 4294967295]"),
+    ))
 }
 
 /// The body of marconi_cache_lookup(_hinted), after the NULL checks.
@@ -504,16 +623,16 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
 unsafe fn lookup(
     cache: *const marconi_cache,
     ns: u64,
-    (tokens, n_tokens): (*const u32, usize),
+    tokens: TokenSource,
     hints: &[u32],
     dst_slot: u32,
     out: *mut marconi_lookup,
 ) -> FfiResult {
     // SAFETY: the caller passes a live handle or NULL.
     let h = unsafe { handle(cache) }?;
-    tokens_len_ok(n_tokens, "tokens")?;
     // SAFETY: buffer contract of the header.
-    let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+    let tokens = unsafe { tokens.read("tokens") }?;
+    let tokens = &tokens[..];
     check_ptr!(out);
     let mut g = h.lock()?;
     if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
@@ -705,75 +824,154 @@ pub unsafe extern "C" fn marconi_cache_admit(
         require!(states, len = n_states);
         require!(kv_pages, len = n_kv_pages);
         require!(out);
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(cache) }?;
-        tokens_len_ok(n_tokens, "tokens")?;
-        // SAFETY: buffer contracts of the header.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
-        let states = unsafe { in_slice(states, n_states, "states") }?;
-        // SAFETY: as above.
-        let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
-        let taken = if taken.is_null() {
-            None
-        } else {
-            // SAFETY: taken has n_states writable bytes (contract).
-            Some(unsafe { out_slice(taken, n_states, "taken") }?)
-        };
-        check_ptr!(out);
-        let saved: Vec<SavedState> = states
-            .iter()
-            .map(|s| SavedState {
-                position: s.position,
-                slot: (s.slot != MARCONI_NO_SLOT).then_some(s.slot),
-            })
-            .collect();
-        let mut g = h.lock()?;
-        let core_lease = g.core_lease(lease)?;
-        let o = g
-            .cache
-            .admit(core_lease, tokens, &saved, kv_pages)
-            .map_err(|e| match e {
-                marconi_core::CacheError::UnknownLease(_) => {
-                    FfiError::from(marconi_core::CacheError::UnknownLease(lease))
-                }
-                e => FfiError::from(e),
-            })?;
-        for s in &saved {
-            if let (Some(slot), true) = (s.slot, o.states_taken.contains(&s.position)) {
-                g.owned_slots.insert(slot);
-            }
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            admit(
+                cache,
+                lease,
+                TokenSource::U32(tokens, n_tokens),
+                (states, n_states),
+                TokenSource::U32(kv_pages, n_kv_pages),
+                taken,
+                out,
+            )
         }
-        // Evictions during the admission may have freed slots.
-        g.collect_freed();
-        g.collect_log();
-        if let Some(t) = taken {
-            for (flag, s) in t.iter_mut().zip(states) {
-                *flag = u8::from(o.states_taken.contains(&s.position));
-            }
-        }
-        let res = marconi_admit_result {
-            states_taken: o.states_taken.len() as u32,
-            slots_returned: o.slots_returned.len() as u32,
-            // Without a page list there is nothing to index.
-            kv_pages_taken_start: if kv_pages.is_empty() {
-                0
-            } else {
-                o.kv_pages_taken.start
-            },
-            kv_pages_taken_end: if kv_pages.is_empty() {
-                0
-            } else {
-                o.kv_pages_taken.end
-            },
-            new_kv_tokens: o.new_kv_tokens,
-            truncated_to: o.truncated_to.unwrap_or(0),
-            rejected: o.rejected.is_some(),
-        };
-        // SAFETY: out is non-NULL and aligned (checked) and writable.
-        unsafe { out.write(res) };
-        Ok(())
     })
+}
+
+/// marconi_cache_admit with the tokens and the KV page ids as int64 ids
+/// (`tokens[0..n_tokens]`, `kv_pages[0..n_kv_pages]`), as Python's
+/// `array('q')` and torch's int64 tensors hold them (SGLang's
+/// `RadixKey.token_ids` and KV indices): read in place, with no conversion
+/// by the caller. Every id must be in [0, 2^32 - 1]; one outside is
+/// MARCONI_STATUS_INVALID_ARGUMENT, naming the first such `tokens[i]` or
+/// `kv_pages[i]`, and nothing changes.
+///
+/// Ownership and errors: those of marconi_cache_admit.
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_cache_admit, with `tokens` and `kv_pages` pointing to their
+/// lengths in readable, aligned int64 (or NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_admit_i64(
+    cache: *const marconi_cache,
+    lease: u64,
+    tokens: *const i64,
+    n_tokens: usize,
+    states: *const marconi_saved_state,
+    n_states: usize,
+    kv_pages: *const i64,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    boundary("marconi_cache_admit_i64", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(states, len = n_states);
+        require!(kv_pages, len = n_kv_pages);
+        require!(out);
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            admit(
+                cache,
+                lease,
+                TokenSource::I64(tokens, n_tokens),
+                (states, n_states),
+                TokenSource::I64(kv_pages, n_kv_pages),
+                taken,
+                out,
+            )
+        }
+    })
+}
+
+/// The body of marconi_cache_admit(_i64), after the NULL checks.
+///
+/// # Safety
+///
+/// As marconi_cache_admit.
+unsafe fn admit(
+    cache: *const marconi_cache,
+    lease: u64,
+    tokens: TokenSource,
+    (states, n_states): (*const marconi_saved_state, usize),
+    kv_pages: TokenSource,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> FfiResult {
+    // SAFETY: the caller passes a live handle or NULL.
+    let h = unsafe { handle(cache) }?;
+    // SAFETY: buffer contracts of the header.
+    let tokens = unsafe { tokens.read("tokens") }?;
+    let tokens = &tokens[..];
+    // SAFETY: as above.
+    let states = unsafe { in_slice(states, n_states, "states") }?;
+    // SAFETY: as above.
+    let kv_pages = unsafe { kv_pages.ids("kv_pages") }?;
+    let kv_pages = &kv_pages[..];
+    let taken = if taken.is_null() {
+        None
+    } else {
+        // SAFETY: taken has n_states writable bytes (contract).
+        Some(unsafe { out_slice(taken, n_states, "taken") }?)
+    };
+    check_ptr!(out);
+    let saved: Vec<SavedState> = states
+        .iter()
+        .map(|s| SavedState {
+            position: s.position,
+            slot: (s.slot != MARCONI_NO_SLOT).then_some(s.slot),
+        })
+        .collect();
+    let mut g = h.lock()?;
+    let core_lease = g.core_lease(lease)?;
+    let o = g
+        .cache
+        .admit(core_lease, tokens, &saved, kv_pages)
+        .map_err(|e| match e {
+            marconi_core::CacheError::UnknownLease(_) => {
+                FfiError::from(marconi_core::CacheError::UnknownLease(lease))
+            }
+            e => FfiError::from(e),
+        })?;
+    for s in &saved {
+        if let (Some(slot), true) = (s.slot, o.states_taken.contains(&s.position)) {
+            g.owned_slots.insert(slot);
+        }
+    }
+    // Evictions during the admission may have freed slots.
+    g.collect_freed();
+    g.collect_log();
+    if let Some(t) = taken {
+        for (flag, s) in t.iter_mut().zip(states) {
+            *flag = u8::from(o.states_taken.contains(&s.position));
+        }
+    }
+    let res = marconi_admit_result {
+        states_taken: o.states_taken.len() as u32,
+        slots_returned: o.slots_returned.len() as u32,
+        // Without a page list there is nothing to index.
+        kv_pages_taken_start: if kv_pages.is_empty() {
+            0
+        } else {
+            o.kv_pages_taken.start
+        },
+        kv_pages_taken_end: if kv_pages.is_empty() {
+            0
+        } else {
+            o.kv_pages_taken.end
+        },
+        new_kv_tokens: o.new_kv_tokens,
+        truncated_to: o.truncated_to.unwrap_or(0),
+        rejected: o.rejected.is_some(),
+    };
+    // SAFETY: out is non-NULL and aligned (checked) and writable.
+    unsafe { out.write(res) };
+    Ok(())
 }
 
 /// Releases `lease`: what it pinned becomes evictable again.

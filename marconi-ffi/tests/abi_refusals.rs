@@ -675,3 +675,128 @@ fn handles_of_another_kind_are_refused() {
         marconi_cache_free(cache);
     }
 }
+
+/// The int64 entry points read ids as their uint32 twins do (the same
+/// lookups and admissions), and refuse an id outside [0, 2^32 - 1] naming
+/// it, with nothing changed.
+#[test]
+fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
+    let mut cfg = all_blocks_config();
+    cfg.page_size = 1;
+    cfg.admission = marconi_admission::Marconi as u32;
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let seq: Vec<i64> = (0..16).map(|t| t * 1000).collect();
+    let pages: Vec<i64> = (100..116).collect();
+    let mut l = marconi_lookup::default();
+    let mut out = marconi_admit_result::default();
+    // SAFETY: live handle, valid buffers and lengths throughout.
+    unsafe {
+        ok(marconi_cache_lookup_i64(
+            cache,
+            0,
+            seq.as_ptr(),
+            seq.len(),
+            MARCONI_NO_SLOT,
+            &mut l,
+        ));
+        assert_eq!(l.hit_tokens, 0);
+        // A page id above 2^32 - 1, then a negative token: refused, nothing admitted.
+        let mut bad = pages.clone();
+        bad[5] = 1 << 32;
+        let s = states(&[16], &[7]);
+        let st = marconi_cache_admit_i64(
+            cache,
+            l.lease,
+            seq.as_ptr(),
+            seq.len(),
+            s.as_ptr(),
+            1,
+            bad.as_ptr(),
+            bad.len(),
+            ptr::null_mut(),
+            &mut out,
+        );
+        assert_eq!(st, marconi_status::InvalidArgument);
+        assert!(
+            last_error().contains("kv_pages[5] = 4294967296"),
+            "{}",
+            last_error()
+        );
+        let mut neg = seq.clone();
+        neg[3] = -1;
+        let st = marconi_cache_admit_i64(
+            cache,
+            l.lease,
+            neg.as_ptr(),
+            neg.len(),
+            s.as_ptr(),
+            1,
+            pages.as_ptr(),
+            pages.len(),
+            ptr::null_mut(),
+            &mut out,
+        );
+        assert_eq!(st, marconi_status::InvalidArgument);
+        assert!(last_error().contains("tokens[3] = -1"), "{}", last_error());
+        ok(marconi_cache_admit_i64(
+            cache,
+            l.lease,
+            seq.as_ptr(),
+            seq.len(),
+            s.as_ptr(),
+            1,
+            pages.as_ptr(),
+            pages.len(),
+            ptr::null_mut(),
+            &mut out,
+        ));
+        assert_eq!(out.states_taken, 1);
+        assert_eq!((out.kv_pages_taken_start, out.kv_pages_taken_end), (0, 16));
+        ok(marconi_cache_release(cache, l.lease));
+        // The same sequence as uint32 ids (and one more token) hits what
+        // the int64 admission cached, with its pages.
+        let mut again: Vec<u32> = seq.iter().map(|&t| t as u32).collect();
+        again.push(7);
+        ok(marconi_cache_lookup(
+            cache,
+            0,
+            again.as_ptr(),
+            again.len(),
+            MARCONI_NO_SLOT,
+            &mut l,
+        ));
+        assert_eq!(l.hit_tokens, 16);
+        let mut got = vec![0u32; 16];
+        let mut n = 0usize;
+        ok(marconi_cache_lease_kv_pages(
+            cache,
+            l.lease,
+            got.as_mut_ptr(),
+            got.len(),
+            &mut n,
+        ));
+        assert_eq!(got, (100..116).collect::<Vec<u32>>());
+        ok(marconi_cache_release(cache, l.lease));
+        // A lookup with an id out of range: refused, no lease issued.
+        let mut stats = marconi_stats {
+            struct_size: size_of::<marconi_stats>() as u32,
+            ..Default::default()
+        };
+        ok(marconi_cache_stats(cache, &mut stats));
+        let before = stats.requests;
+        let far = [1i64, i64::MAX];
+        let st = marconi_cache_lookup_i64(cache, 0, far.as_ptr(), 2, MARCONI_NO_SLOT, &mut l);
+        assert_eq!(st, marconi_status::InvalidArgument);
+        assert!(last_error().contains("tokens[1]"), "{}", last_error());
+        // NULL with a length, and an empty input, as marconi_cache_lookup.
+        let st = marconi_cache_lookup_i64(cache, 0, ptr::null(), 3, MARCONI_NO_SLOT, &mut l);
+        assert_eq!(st, marconi_status::NullArgument);
+        let st = marconi_cache_lookup_i64(cache, 0, far.as_ptr(), 0, MARCONI_NO_SLOT, &mut l);
+        assert_eq!(st, marconi_status::EmptyTokens);
+        ok(marconi_cache_stats(cache, &mut stats));
+        assert_eq!(stats.requests, before);
+        marconi_cache_free(cache);
+    }
+}

@@ -12,11 +12,15 @@ the protected prefix -> unlock. Pools are the test stand-ins
 (tests/sglang_stubs.py), sized so that nothing is evicted; token ids are
 Python lists, as SGLang's Req holds them.
 
-Then match_prefix + insert alone per request (no lock, no row), and with
---sglang the same calls through SGLang's own UnifiedRadixCache (FULL +
-MAMBA, its Rust tree core, its CPU pools), if SGLang imports here: the
-extracted wheel on PYTHONPATH and its imported dependencies installed (see
-docs/sglang.md for the command); without them it says so and exits non-zero.
+Then match_prefix + insert alone per request (no lock, no row). With
+--sglang, the comparison that counts: the same match_prefix + insert through
+SGLang's own UnifiedRadixCache (FULL + MAMBA, its Rust tree core) and
+through libmarconi's SGLangTreeCache, both over SGLang's own CPU pools, keys
+as array('q') (as SGLang 0.5.23 holds them), the cache calls timed alone and
+with the harness; --breakdown adds libmarconi's CPU per step. --sglang needs
+SGLang importable: the extracted wheel on PYTHONPATH and its imported
+dependencies installed (see docs/sglang.md for the command); without them
+it says so and exits non-zero.
 
 Prints CPU microseconds per request (time.process_time), the best of
 --repeat runs.
@@ -25,6 +29,7 @@ Prints CPU microseconds per request (time.process_time), the best of
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -143,9 +148,14 @@ def _sglang_tree(total_tokens: int, n_states: int):
     return tree, alloc, rtp
 
 
-def run_sglang(requests) -> float:
-    """The same match_prefix + insert per request through SGLang's own cache;
-    keys are array('q') as SGLang 0.5.23's RadixKey takes them."""
+def _same_calls(tree, alloc, rtp, requests) -> tuple[float, float]:
+    """match_prefix + insert per request as SGLang's scheduler makes them,
+    over SGLang's own pools: keys are array('q') as SGLang 0.5.23's Req and
+    RadixKey hold them (built before the clock starts, as the request
+    arrives with them), the inserted value is the matched prefix's indices
+    then newly allocated ones (int64 tensors). Returns (CPU seconds per
+    request in the two cache calls alone, CPU seconds per request in the
+    whole loop, the harness's tensor work included)."""
     from array import array
 
     import torch
@@ -153,17 +163,92 @@ def run_sglang(requests) -> float:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams as SMatch
     from sglang.srt.mem_cache.radix_cache import RadixKey as SKey
 
-    total = sum(len(i) + len(o) for i, o in requests) + 16
-    tree, alloc, rtp = _sglang_tree(total, len(requests) + 4)
-    t0 = time.process_time()
-    for inp, out in requests:
-        m = tree.match_prefix(SMatch(key=SKey(array("q", inp))))
+    torch.set_num_threads(1)  # CPU time without idle worker threads spinning
+    keys = [(array("q", inp), array("q", inp + out)) for inp, out in requests]
+    # The objects of the imports (torch, SGLang) out of the collector's
+    # sight, as SGLang's scheduler does after warm-up (gc.freeze): a full
+    # collection walks them all and would land on whichever call crosses
+    # the threshold.
+    gc.collect()
+    gc.freeze()
+    clock = time.process_time
+    in_calls = 0.0
+    t0 = clock()
+    for inp, full in keys:
+        a = clock()
+        m = tree.match_prefix(SMatch(key=SKey(inp)))
+        in_calls += clock() - a
         k = m.device_prefix_len
-        full = inp + out
         prefix = tree.path_device_indices(m.last_device_node)[:k]
         value = torch.cat([prefix.to(torch.int64), alloc.alloc(len(full) - k).to(torch.int64)])
-        tree.insert(SInsert(key=SKey(array("q", full)), value=value, mamba_value=rtp.mamba_allocator.alloc(1), prev_prefix_len=k))
-    return (time.process_time() - t0) / len(requests)
+        slot = rtp.mamba_allocator.alloc(1)
+        a = clock()
+        tree.insert(SInsert(key=SKey(full), value=value, mamba_value=slot, prev_prefix_len=k))
+        in_calls += clock() - a
+    total = clock() - t0
+    return in_calls / len(requests), total / len(requests)
+
+
+def run_sglang(requests) -> tuple[float, float]:
+    """The calls through SGLang's own UnifiedRadixCache."""
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    tree, alloc, rtp = _sglang_tree(total, len(requests) + 4)
+    return _same_calls(tree, alloc, rtp, requests)
+
+
+def run_marconi_sglang_pools(requests, model: str) -> tuple[float, float]:
+    """The same calls through libmarconi's SGLangTreeCache over SGLang's
+    own pools (the same harness as run_sglang)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams as SParams
+
+    total = sum(len(i) + len(o) for i, o in requests) + 16
+    _, alloc, rtp = _sglang_tree(total, len(requests) + 4)
+    tree = MarconiPrefixCache(SParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1, disable=False), model)
+    out = _same_calls(tree, alloc, rtp, requests)
+    s = tree.cache.stats()
+    assert s["evictions"] == 0 and s["states"] > 0, s
+    return out
+
+
+def breakdown(requests, model: str) -> dict:
+    """CPU microseconds per request in each step of libmarconi's
+    match_prefix + insert (the harness of run_marconi_sglang_pools), each
+    step timed by a wrapper (about 1 us of its own per call included):
+    native calls (_lookup_ids, _admit_i64, _release, _lease_pages,
+    drain in _give_back) and the adapter's conversions."""
+    import marconi.adapter as adapter
+
+    spent: dict = {}
+    saved = []
+
+    def wrap(obj, name):
+        f = getattr(obj, name)
+        saved.append((obj, name, f))
+        clock = time.process_time
+
+        def timed(*a, **k):
+            t = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + clock() - t
+
+        setattr(obj, name, timed)
+
+    from marconi.cache import PrefixCache
+
+    for name in ("_lookup_ids", "_admit_i64", "_release", "_lease_pages"):
+        wrap(PrefixCache, name)
+    for name in ("_key_ids", "_index_ids", "_first_id", "_namespace"):
+        wrap(adapter, name)
+    for name in ("_lookup", "_release_pending", "_give_back"):
+        wrap(adapter.SGLangTreeCache, name)
+    try:
+        run_marconi_sglang_pools(requests, model)
+    finally:
+        for obj, name, f in reversed(saved):
+            setattr(obj, name, f)
+    return {k: v / len(requests) for k, v in spent.items()}
 
 
 def main() -> None:
@@ -173,6 +258,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs, best taken (default 3)")
     ap.add_argument("--model", default="nemotron-h-8b", help="libmarconi model preset")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's own UnifiedRadixCache")
+    ap.add_argument("--breakdown", action="store_true", help="with --sglang: where libmarconi's time goes, per step")
     a = ap.parse_args()
     requests = conversations(a.requests, a.tokens)
     mean = sum(len(i) for i, _ in requests) / len(requests)
@@ -183,12 +269,23 @@ def main() -> None:
     print(f"libmarconi, match_prefix + insert: {tree * 1e6:10.1f} us CPU / request")
     if a.sglang:
         try:
-            theirs = min(run_sglang(requests) for _ in range(a.repeat))
+            theirs = [run_sglang(requests) for _ in range(a.repeat)]
+            ours = [run_marconi_sglang_pools(requests, a.model) for _ in range(a.repeat)]
         except ImportError as e:
             sys.exit(f"SGLang's UnifiedRadixCache does not import here: {e}")
-        print(f"SGLang UnifiedRadixCache, match_prefix + insert: {theirs * 1e6:10.1f} us CPU / request"
-              f" ({theirs / tree:.1f}x libmarconi's)")
-
+        print("over SGLang's own CPU pools, array('q') keys, the same harness (best of runs):")
+        t_calls, t_loop = min(c for c, _ in theirs), min(t for _, t in theirs)
+        o_calls, o_loop = min(c for c, _ in ours), min(t for _, t in ours)
+        print(f"SGLang UnifiedRadixCache, match_prefix + insert: {t_calls * 1e6:10.1f} us CPU / request"
+              f" (loop with harness {t_loop * 1e6:.1f})")
+        print(f"libmarconi SGLangTreeCache, match_prefix + insert: {o_calls * 1e6:10.1f} us CPU / request"
+              f" (loop with harness {o_loop * 1e6:.1f})")
+        print(f"SGLang's cache costs {t_calls / o_calls:.1f}x libmarconi's in the cache calls"
+              f" ({t_loop / o_loop:.1f}x over the whole loop)")
+        if a.breakdown:
+            print("libmarconi's steps, us CPU / request (match_prefix + insert + the harness's path_device_indices):")
+            for name, sec in sorted(breakdown(requests, a.model).items(), key=lambda kv: -kv[1]):
+                print(f"  {name:18s} {sec * 1e6:8.1f}")
 
 if __name__ == "__main__":
     main()

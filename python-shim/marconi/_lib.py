@@ -663,6 +663,7 @@ _store_p = c_void_p
 _tiered_p = c_void_p
 _u8_p = POINTER(c_uint8)
 _u32_p = POINTER(c_uint32)
+_i64_p = POINTER(c_int64)
 _u64_p = POINTER(c_uint64)
 _size_p = POINTER(c_size_t)
 
@@ -686,6 +687,10 @@ SIGNATURES = {
         status_t,
         [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
     ),
+    "marconi_cache_lookup_i64": (
+        status_t,
+        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
+    ),
     "marconi_cache_lease_kv_pages": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_lease_plan": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_admit": (
@@ -698,6 +703,21 @@ SIGNATURES = {
             POINTER(marconi_saved_state),
             c_size_t,
             _u32_p,
+            c_size_t,
+            POINTER(c_uint8),
+            POINTER(marconi_admit_result),
+        ],
+    ),
+    "marconi_cache_admit_i64": (
+        status_t,
+        [
+            _cache_p,
+            c_uint64,
+            _i64_p,
+            c_size_t,
+            POINTER(marconi_saved_state),
+            c_size_t,
+            _i64_p,
             c_size_t,
             POINTER(c_uint8),
             POINTER(marconi_admit_result),

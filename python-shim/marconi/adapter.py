@@ -30,11 +30,12 @@ end) and `kv_pages` (one page id per full page of input + output).
 
 from __future__ import annotations
 
+import ctypes
 from array import array as _array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _uint
+from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _u32_source, _uint
 from .cache import AdmitResult, Lease, PrefixCache
 
 
@@ -237,41 +238,6 @@ shorter than what is looked up (one token is left to compute), while
 SGLang's callers already pass the key they want matched in full."""
 
 
-def _tokens_of(key: Any) -> list[int]:
-    """The token ids of a RadixKey (or of a plain sequence / tensor)."""
-    ids = getattr(key, "token_ids", key)
-    if ids is None:
-        return []
-    tolist = getattr(ids, "tolist", None)
-    return list(tolist() if tolist is not None else ids)
-
-
-def _ints(value: Any) -> list[int]:
-    """A tensor, array or sequence of ints as a flat list (converted in
-    bulk; libmarconi checks every value's range when it reads them)."""
-    if value is None:
-        return []
-    tolist = getattr(value, "tolist", None)
-    out = tolist() if tolist is not None else value
-    if out.__class__ is not list:
-        out = list(out)
-    if out and out[0].__class__ is list:  # a column ([[i], [j]]) or a 2-d value
-        out = [x for row in out for x in row]
-    return out
-
-
-def _u32_array(ids: Any) -> Optional[_array]:
-    """`ids` as a new array('I') (one bulk conversion, read in place by
-    the library), or None when a value is not a uint32 (the caller then
-    passes the original, and the library's check names the value)."""
-    if any(v.__class__ is bool for v in ids[:1]):
-        return None
-    try:
-        return _array("I", ids)
-    except (OverflowError, TypeError, ValueError):
-        return None
-
-
 def _like(ref: Any, ids: list[int]) -> Any:
     """`ids` as the same kind of container as `ref` (a torch tensor on the
     same device when `ref` is one), so SGLang's allocators get what they take."""
@@ -280,6 +246,115 @@ def _like(ref: Any, ids: list[int]) -> Any:
 
         return torch.tensor(ids, dtype=torch.int64, device=ref.device)
     return list(ids)
+
+
+_SENT_Q = _array("q", [_SENTINEL])
+
+
+def _i64_ids(ids: Any, what: str = "tokens") -> _array:
+    """`ids` (a list, tuple, array, numpy array or torch tensor of ints) as
+    an array('q'): the same object when it is one already (SGLang's
+    RadixKey.token_ids, Req.origin_input_ids), else one bulk conversion in
+    C, never a Python loop over the ids. A value that is not an int raises
+    as the library's own check names it."""
+    cls = ids.__class__
+    if cls is _array:
+        return ids if ids.typecode == "q" else _array("q", ids)
+    if type(ids).__module__.startswith("torch"):
+        import torch
+
+        t = ids.detach().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.to(torch.int64).contiguous()
+        out = _array("q")
+        if t.numel():
+            out.frombytes(ctypes.string_at(t.data_ptr(), 8 * t.numel()))
+        return out
+    if cls is not list and cls is not tuple:
+        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+    if ids and ids[0].__class__ is bool:
+        _u32_source(ids, what)  # raises, naming the value
+    try:
+        return _array("q", ids)
+    except (TypeError, OverflowError):
+        _u32_source(ids, what)  # raises, naming the value
+        raise
+
+
+def _key_ids(key: Any) -> _array:
+    """The token ids of a RadixKey (or of a plain sequence, array or
+    tensor) as an array('q'), honouring RadixKey.limit."""
+    ids = getattr(key, "token_ids", key)
+    if ids is None:
+        return _array("q")
+    out = _i64_ids(ids)
+    limit = getattr(key, "limit", None)
+    if limit.__class__ is int and 0 <= limit < len(out):
+        out = out[:limit]
+    return out
+
+
+def _index_ids(value: Any, n: int) -> Any:
+    """The first n KV indices of `value` as int64 ids the library reads in
+    place: a contiguous CPU int64 tensor for a tensor (one bulk copy to the
+    CPU and to int64 where it is not one), else an array('q')."""
+    if value is not None and type(value).__module__.startswith("torch"):
+        import torch
+
+        t = value if value.dim() == 1 else value.reshape(-1)
+        if len(t) > n:
+            t = t[:n]
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype != torch.int64:
+            t = t.to(torch.int64)
+        return t if t.is_contiguous() else t.contiguous()
+    ids = _i64_ids(value if value is not None else (), "value")
+    return ids if len(ids) <= n else ids[:n]
+
+
+def _first_id(value: Any) -> Optional[int]:
+    """The first id of a Mamba value (a tensor, array or sequence), or None."""
+    if value is None or len(value) == 0:
+        return None
+    v = value.tolist() if hasattr(value, "tolist") else value  # one element: no per-id work
+    while v.__class__ is list or v.__class__ is tuple:
+        v = v[0]
+    return int(v)
+
+
+def _pages_to_indices(pages: _array, ps: int, count: int) -> _array:
+    """KV indices of the first `count` tokens covered by `pages` (page ids
+    of size ps), as an array('q')."""
+    if ps == 1:
+        return _array("q", pages[:count])
+    return _array("q", [p * ps + i for p in pages for i in range(ps)][:count])
+
+
+class _Tail:
+    """indices[start:] of an insert's KV indices (an int64 tensor or
+    array('q')), sliced only when asked for."""
+
+    __slots__ = ("indices", "start")
+
+    def __init__(self, indices: Any, start: int):
+        self.indices = indices
+        self.start = start
+
+    def __getitem__(self, item: slice) -> Any:
+        return self.indices[self.start :][item]
+
+
+def _truncate_parts(parts: tuple, n: int) -> tuple:
+    """The (ids, count) pieces of an SGLangNode covering only its first n tokens."""
+    out = []
+    for ids, c in parts:
+        if n <= 0:
+            break
+        out.append((ids, min(c, n)))
+        n -= c
+    return tuple(out)
 
 
 def _namespace(key: Any) -> int:
@@ -361,20 +436,31 @@ class _TreeLock:
 @dataclass(eq=False)
 class SGLangNode:
     """The "last node" SGLang keeps in req.last_node: one matched prefix
-    (its tokens, KV indices and state slot) and, while locked, the
-    libmarconi lease that pins it."""
+    (the first `hit` ids of `key`, their KV indices and the state slot) and,
+    while locked, the libmarconi lease that pins it. KV indices are kept as
+    the buffers they came in (`parts`) and joined only when asked for
+    (path_device_indices)."""
 
     node_id: int
     namespace: int
-    tokens: list[int]
-    device_indices: list[int]
+    key: Any
+    """array('q') whose first `hit` ids are the prefix."""
+    hit: int
+    parts: Optional[tuple] = ()
+    """(ids, count) pieces of the KV indices, in order: an array('I') of
+    page ids (count tokens' worth), a slice of an engine tensor/list of
+    indices (count of them), or None: the library's page ids, fetched when
+    asked for. None for the whole: all of the prefix's pages are fetched."""
     state_slot: Optional[int] = None
-    lease: Optional[Lease] = None
+    lease: Optional[int] = None
+    """The id of the libmarconi lease pinning the prefix, or None."""
     lock_ref: int = 0
+    indices: Any = None
+    """The joined KV indices, once asked for."""
 
     @property
     def hit_tokens(self) -> int:
-        return len(self.tokens)
+        return self.hit
 
 
 class SGLangTreeCache(MarconiPrefixCache):
@@ -447,8 +533,13 @@ class SGLangTreeCache(MarconiPrefixCache):
         # more KV or states than the pools hold.
         self._capacity = kv * self._kv_bpt + slots * self._state_b
         self.cache = PrefixCache(self._capacity, self._model, **self._config)
-        self.root_node = SGLangNode(0, 0, [], [])
+        self.root_node = SGLangNode(0, 0, _array("q"), 0)
         self._locked: dict[int, SGLangNode] = {}
+        # Leases of matched nodes not locked yet (lease id -> node): lock()
+        # takes its node's over (one lookup per match + lock), and all are
+        # released before anything admits or evicts, so that a match never
+        # pins what SGLang expects evictable.
+        self._pending: dict[int, SGLangNode] = {}
 
     # -- what the cache is -------------------------------------------------------
 
@@ -492,40 +583,88 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     # -- lookups ------------------------------------------------------------------
 
-    def _lookup(self, tokens: list[int], ns: int, dst: Optional[int] = None) -> Lease:
-        key = _u32_array(tokens)
-        if key is None:  # out of range: the library names the bad value
-            return self.cache.lookup(list(tokens) + [_SENTINEL], ns, dst)
-        key.append(_SENTINEL)
-        return self.cache.lookup(key, ns, dst)
+    _MAX_PENDING = 64
+    """Unlocked matches whose leases are kept for lock(); older ones are released."""
 
-    def _node(self, lease: Lease, tokens: list[int], ns: int) -> SGLangNode:
-        hit = lease.hit_tokens
-        ps = self.page_size
-        pages = lease.kv_pages
-        indices = pages[:hit] if ps == 1 else [p * ps + i for p in pages for i in range(ps)][:hit]
-        node = SGLangNode(self._next_id, ns, tokens[:hit], indices, lease.state_slot)
+    def _lookup(self, ids: _array, n: int, ns: int) -> tuple:
+        """One lookup of ids[:n] followed by the sentinel (so that all n
+        may be a hit): _lookup_ids's tuple."""
+        key = ids[:n] if n < len(ids) else ids + _SENT_Q
+        if n < len(ids):
+            key.append(_SENTINEL)
+        return self.cache._lookup_ids(key, ns)
+
+    def _release(self, lid: Optional[int]) -> None:
+        if lid is not None:
+            cache = self.cache
+            if not cache._closing and lid in cache._live:
+                cache._release(lid)
+
+    def _release_pending(self) -> None:
+        """Releases the leases of matches that were not locked."""
+        pending = self._pending
+        while pending:
+            lid, node = pending.popitem()
+            if node.lease == lid and node.lock_ref == 0:
+                node.lease = None
+            self._release(lid)
+
+    def _node(self, ids: _array, ns: int, found: tuple) -> SGLangNode:
+        """The node of a lookup's result (its lease still live)."""
+        lid, hit, _, slot, n_pages = found
+        # The page ids are fetched when asked for (path_device_indices),
+        # while the lease that pins them is live if it still is.
+        node = SGLangNode(self._next_id, ns, ids, hit, None, slot)
         self._next_id += 1
         return node
 
+    def _node_pages(self, node: SGLangNode) -> _array:
+        """The page ids of the node's prefix, from its live lease, else from
+        a new lookup (fewer if evicted since, as the cache now holds them)."""
+        n_pages = node.hit // self.page_size
+        lid = node.lease
+        cache = self.cache
+        if lid is not None and lid in cache._live:
+            return cache._lease_pages(lid, n_pages)
+        found = self._lookup(node.key, node.hit, node.namespace)
+        try:
+            return cache._lease_pages(found[0], min(found[4], n_pages))
+        finally:
+            self._release(found[0])
+
     def match_prefix(self, params: Any) -> Any:
         """The longest cached prefix of params.key that has a Mamba state
-        (libmarconi resumes only from a state). Pins nothing: lock() pins.
-        With params.cow_mamba and params.req, the state is copied into the
-        request's own Mamba slot (allocated here if it has none)."""
+        (libmarconi resumes only from a state). Pins nothing: lock() pins
+        (with this lookup's lease, unless the cache admitted or evicted in
+        between). With params.cow_mamba and params.req, the state is copied
+        into the request's own Mamba slot (allocated here if it has none)."""
         key = params.key
-        tokens = _tokens_of(key)
-        limit = getattr(key, "limit", None)
-        if isinstance(limit, int) and limit >= 0:
-            tokens = tokens[:limit]
+        ids = _key_ids(key)
+        n = len(ids)
+        if self.disable or n == 0:
+            return self._miss(n)
         ns = _namespace(key)
-        if self.disable or not tokens:
-            return self._miss(len(tokens))
-        with self._lookup(tokens, ns) as lease:
-            node = self._node(lease, tokens, ns)
-            kv_matched = min(lease.kv_matched_tokens, len(tokens))
-        if node.hit_tokens == 0:
-            return self._miss(kv_matched)
+        found = self._lookup(ids, n, ns)
+        lid = found[0]
+        try:
+            hit = found[1]
+            kv_matched = min(found[2], n)
+            if hit == 0:
+                self._release(lid)
+                return self._miss(kv_matched)
+            node = self._node(ids, ns, found)
+        except BaseException:
+            self._release(lid)
+            raise
+        node.lease = lid
+        pending = self._pending
+        pending[lid] = node
+        if len(pending) > self._MAX_PENDING:
+            old = next(iter(pending))
+            old_node = pending.pop(old)
+            if old_node.lock_ref == 0:
+                old_node.lease = None
+            self._release(old)
         req = getattr(params, "req", None)
         if getattr(params, "cow_mamba", False) and req is not None and node.state_slot is not None:
             if not self._copy_state_into(req, node):
@@ -592,10 +731,9 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     def touch_prefix(self, key: Any) -> None:
         """A lookup without a copy: refreshes the prefix's recency."""
-        tokens = _tokens_of(key)
-        if tokens and not self.disable:
-            with self._lookup(tokens, _namespace(key)):
-                pass
+        ids = _key_ids(key)
+        if len(ids) and not self.disable:
+            self._release(self._lookup(ids, len(ids), _namespace(key))[0])
 
     # -- locks --------------------------------------------------------------------
 
@@ -605,13 +743,18 @@ class SGLangTreeCache(MarconiPrefixCache):
             raise TypeError(f"node: expected a node from this cache's match_prefix, got {type(node).__name__}")
         if node is not self.root_node:
             if node.lock_ref == 0:
-                lease = self._lookup(node.tokens, node.namespace)
-                if lease.hit_tokens < node.hit_tokens:
-                    # Evicted since the match: the pin covers what is still there.
-                    node.tokens = node.tokens[: lease.hit_tokens]
-                    node.device_indices = node.device_indices[: lease.hit_tokens]
-                    node.state_slot = lease.state_slot
-                node.lease = lease
+                lid = node.lease
+                if lid is None or self._pending.pop(lid, None) is not node:
+                    # Not the match's own lease (released since): look up again.
+                    found = self._lookup(node.key, node.hit, node.namespace)
+                    lid, hit, slot = found[0], found[1], found[3]
+                    if hit < node.hit:
+                        # Evicted since the match: the pin covers what is still there.
+                        node.hit = hit
+                        node.parts = None if node.parts is None else _truncate_parts(node.parts, hit)
+                        node.indices = None
+                        node.state_slot = slot
+                    node.lease = lid
                 self._locked[node.node_id] = node
             node.lock_ref += 1
         return self._IncResult(delta=0, node_id=node.node_id)
@@ -625,9 +768,8 @@ class SGLangTreeCache(MarconiPrefixCache):
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._locked.pop(node.node_id, None)
-                lease, node.lease = node.lease, None
-                if lease is not None:
-                    lease._release_if_live()
+                lid, node.lease = node.lease, None
+                self._release(lid)
         return self._DecResult(delta=0)
 
     def lock(self, node: Any) -> Any:
@@ -645,69 +787,85 @@ class SGLangTreeCache(MarconiPrefixCache):
         the Mamba state params.mamba_value at the key's end. Duplicate KV
         (indices from params.prev_prefix_len on that the tree already holds)
         goes back to the allocator; result.mamba_exist says the cache did
-        not take the offered state (the caller keeps or frees it)."""
-        tokens = _tokens_of(params.key)
+        not take the offered state (the caller keeps or frees it).
+        The key and the indices are read in place (int64), never as lists."""
+        ids = _key_ids(params.key)
         value = params.value
-        if value is not None and type(value).__module__.startswith("torch"):
+        torch_value = value is not None and type(value).__module__.startswith("torch")
+        if torch_value:
             self._index_ref = value
         ps = self.page_size
-        n = (len(tokens) // ps) * ps
-        tokens = tokens[:n]
-        indices = _ints(value)[:n]
+        n = (len(ids) // ps) * ps
+        if n < len(ids):
+            ids = ids[:n]
+        indices = _index_ids(value, n)
         if len(indices) < n:
             raise ValueError(f"value: {len(indices)} KV indices for a key of {n} tokens")
         ns = _namespace(params.key)
-        mamba = _ints(getattr(params, "mamba_value", None))
-        states = [(n, mamba[0])] if mamba and n > 0 else []
+        slot = _first_id(getattr(params, "mamba_value", None))
+        states = [(n, slot)] if slot is not None and n > 0 else []
         prev = max(0, int(getattr(params, "prev_prefix_len", 0) or 0))
         if n == 0:
-            return self._InsertResult(prefix_len=0, total_len=0, last_device_node=self.root_node, mamba_exist=bool(mamba))
-        pages = indices[::ps] if ps == 1 else [indices[i] // ps for i in range(0, n, ps)]
-        # Converted once, read in place by both calls.
-        key = _u32_array(tokens)
-        key = tokens if key is None else key
-        page_ids = _u32_array(pages)
-        with self.cache.lookup(key, ns) as lease:
-            res = lease.admit(key, states, pages if page_ids is None else page_ids)
-            matched = lease.kv_matched_tokens
-            was_hit, hit_pages = lease.hit_tokens, lease.kv_pages
-        taken = res.kv_pages_taken
+            return self._InsertResult(
+                prefix_len=0, total_len=0, last_device_node=self.root_node, mamba_exist=slot is not None
+            )
+        if ps == 1:
+            pages, n_pages = indices, n
+        else:
+            pages = _array("q", [int(i) // ps for i in indices[::ps]])
+            n_pages = len(pages)
+        self._release_pending()  # nothing a match pinned may keep the admission from evicting
+        lid, was_hit, matched, _, _ = self.cache._lookup_ids(ids, ns)
+        try:
+            taken_states, start, stop, truncated, rejected, taken = self.cache._admit_i64(
+                lid, ids, states, pages, n_pages
+            )
+        finally:
+            self._release(lid)
         # The tokens already cached before this insert (SGLang's prefix_len).
-        if len(taken):
-            prefix_len = taken.start * ps
-        elif not res.rejected and res.truncated_to is None:
+        if stop > start:
+            prefix_len = start * ps
+        elif not rejected and not truncated:
             prefix_len = n
         else:
             prefix_len = min(matched, n)
         # The duplicates: positions the tree already held before this insert,
         # from prev_prefix_len on (before it, they are the tree's own). What
         # the cache did not take beyond them (no space) stays the caller's.
-        dup = indices[max(prev, 0) : prefix_len] if prev < prefix_len else []
-        if dup:
-            self.token_to_kv_pool_allocator.free(_like(value, dup))
+        if prev < prefix_len:
+            if torch_value:
+                self.token_to_kv_pool_allocator.free(value.reshape(-1)[prev:prefix_len])
+            else:
+                self.token_to_kv_pool_allocator.free(list(indices[prev:prefix_len]))
         self._give_back()
-        if states and res.taken[0] and ps == 1 and len(taken) and taken.start == was_hit and taken.stop == n:
+        if states and taken[0] and ps == 1 and stop > start and start == was_hit and stop == n:
             # The usual case (a conversation's next turn): the path is the hit's
-            # KV then the pages just taken, and the state at its end is the one
+            # KV then the indices just taken, and the state at its end is the one
             # just admitted: no second lookup.
-            node = SGLangNode(self._next_id, ns, tokens, hit_pages[:was_hit] + indices[was_hit:], states[0][1])
+            # The hit's page ids are fetched when asked for (path_device_indices).
+            tail = _Tail(indices, was_hit)
+            parts = ((None, was_hit), (tail, n - was_hit)) if was_hit else ((tail, n),)
+            node = SGLangNode(self._next_id, ns, ids, n, parts, slot)
             self._next_id += 1
         else:
-            node = self._node_for(tokens, ns)
+            node = self._node_for(ids, n, ns)
         result = self._InsertResult(
             prefix_len=prefix_len,
             total_len=n,
             last_device_node=node,
-            mamba_exist=bool(states) and not res.taken[0],
+            mamba_exist=bool(states) and not taken[0],
         )
         # Leading positions of the key whose KV the tree now owns (the caller
         # must not free them): what was cached plus what the cache took.
-        result.tree_kv_len = max(prefix_len, taken.stop * ps if len(taken) else 0)
+        result.tree_kv_len = max(prefix_len, stop * ps if stop > start else 0)
         return result
 
-    def _node_for(self, tokens: list[int], ns: int) -> SGLangNode:
-        with self._lookup(tokens, ns) as lease:
-            return self._node(lease, tokens, ns)
+    def _node_for(self, ids: _array, n: int, ns: int) -> SGLangNode:
+        found = self._lookup(ids, n, ns)
+        try:
+            return self._node(ids, ns, found)
+        finally:
+            self._release(found[0])
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         """A finished request: inserts its KV up to `up_to` with its Mamba
@@ -726,9 +884,9 @@ class SGLangTreeCache(MarconiPrefixCache):
     def _checkpoint_finished(self, req: Any, up_to: int) -> None:
         kv = getattr(req, "kv", req)
         ids = getattr(req, "full_untruncated_fill_ids", None)
-        if ids is None:
-            ids = list(req.origin_input_ids) + list(getattr(req, "output_ids", []) or [])
-        tokens = _tokens_of(ids)[:up_to]
+        if ids is None or not len(ids):
+            ids = _i64_ids(req.origin_input_ids) + _i64_ids(getattr(req, "output_ids", None) or ())
+        tokens = _key_ids(ids)[:up_to]
         ps = self.page_size
         n = (len(tokens) // ps) * ps
         slot = getattr(kv, "mamba_pool_idx", None)
@@ -755,8 +913,8 @@ class SGLangTreeCache(MarconiPrefixCache):
         # freed the request's duplicate).
         h = min(node.hit_tokens, owned_by_tree)
         if h > protected:
-            new = node.device_indices[protected:h]
-            row[protected:h] = _like(values, new) if not isinstance(row, list) else new
+            new = self.path_device_indices(node)[protected:h]
+            row[protected:h] = new if isinstance(row, list) else _like(values, list(new)) if not hasattr(new, "to") else new.to(row.dtype)
         old = getattr(req, "lock", None)
         new_lock = self.lock(node)
         self.unlock(old)
@@ -795,7 +953,47 @@ class SGLangTreeCache(MarconiPrefixCache):
             self._mamba_allocator.free(_like(ref, [int(slot)]))
 
     def path_device_indices(self, node: Any) -> Any:
-        return _like(getattr(self, "_index_ref", None), list(node.device_indices))
+        """The node's KV indices: an int64 tensor on the pools' device (a
+        list with list pools), joined from the buffers they came in."""
+        if node.indices is not None:
+            return node.indices
+        ref = getattr(self, "_index_ref", None)
+        ps = self.page_size
+        if node.parts is None or any(ids is None for ids, _ in node.parts):
+            pages = self._node_pages(node)
+            got = len(pages) * ps
+            if node.parts is None:
+                node.parts = ((pages, min(got, node.hit)),)
+            else:
+                node.parts = tuple((pages, min(c, got)) if ids is None else (ids, c) for ids, c in node.parts)
+                if got < node.parts[0][1]:  # evicted since: only what is still cached
+                    node.parts = node.parts[:1]
+        if ref is not None and type(ref).__module__.startswith("torch"):
+            import torch
+
+            dev = ref.device
+            tensors = []
+            for ids, count in node.parts:
+                if ids.__class__ is _array:  # page ids (uint32) from the library
+                    t = torch.frombuffer(ids, dtype=torch.int32).to(torch.int64) if len(ids) else torch.empty(0, dtype=torch.int64)
+                    if ps > 1:
+                        t = (t[:, None] * ps + torch.arange(ps)).reshape(-1)
+                    t = t[:count].to(dev)
+                else:
+                    t = ids[:count]
+                    if not hasattr(t, "to"):  # an array('q') or list of indices
+                        t = torch.tensor(t, dtype=torch.int64) if t.__class__ is list else torch.frombuffer(t, dtype=torch.int64) if len(t) else torch.empty(0, dtype=torch.int64)
+                    t = t.to(device=dev, dtype=torch.int64)
+                tensors.append(t)
+            out = torch.cat(tensors) if tensors else torch.empty(0, dtype=torch.int64, device=dev)
+        else:
+            out = []
+            for ids, count in node.parts:
+                if ids.__class__ is _array and ids.typecode == "I":
+                    ids = _pages_to_indices(ids, ps, count)
+                out += ids[:count].tolist() if hasattr(ids, "tolist") else list(ids[:count])
+        node.indices = out
+        return out
 
     def prefix_device_indices(self, req: Any) -> Any:
         path = self.path_device_indices(req.last_node)
@@ -837,6 +1035,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         """Evicts at least params.num_tokens tokens of KV and params.mamba_num
         Mamba states (as SGLang counts them: amounts to free, not targets),
         or all that is evictable; libmarconi picks what (FLOP-aware)."""
+        self._release_pending()
         want_kv = max(0, int(getattr(params, "num_tokens", 0) or 0))
         want_states = max(0, int(getattr(params, "mamba_num", 0) or 0))
         got_kv = got_states = 0

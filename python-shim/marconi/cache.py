@@ -31,6 +31,7 @@ from ._lib import NO_SLOT
 _array = array.array
 _U32 = ctypes.c_uint32
 _Lookup = _lib.marconi_lookup
+_ZERO_U32 = (0,)
 _AdmitRaw = _lib.marconi_admit_result
 _SavedState = _lib.marconi_saved_state
 _ADMIT_FIELDS = struct.Struct("=6I?")
@@ -639,6 +640,93 @@ class PrefixCache(_Closing):
             if self._closing:
                 self._ended()
         return lease
+
+    # -- the request path of adapters (no Python lists) -------------------
+    #
+    # Ids are array.array('q') (int64, as SGLang's RadixKey and Req hold
+    # them; marconi_cache_lookup_i64 / _admit_i64 read them in place) or
+    # array('I') (uint32); page ids may also be a contiguous CPU int64 torch
+    # tensor. Leases are ids registered in self._live, released with
+    # _release_if_live(); no Lease object is built.
+
+    def _lookup_ids(self, ids: "array.array[int]", ns: int) -> tuple[int, int, int, Optional[int], int]:
+        """One lookup of `ids` (array('q') or array('I'), not empty) in
+        namespace `ns`: (lease id, hit tokens, KV-matched tokens, state slot
+        or None, number of KV pages)."""
+        raw = _Lookup()
+        lib = self._lib
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
+        try:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            if ids.typecode == "q":
+                fn, ptr = "marconi_cache_lookup_i64", ctypes.c_int64.from_buffer(ids)
+                st = lib.marconi_cache_lookup_i64(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
+            else:
+                fn, ptr = "marconi_cache_lookup", _U32.from_buffer(ids)
+                st = lib.marconi_cache_lookup(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
+            del ptr
+            if st:
+                _check(st, fn)
+            lid = raw.lease
+            self._live.add(lid)
+        finally:
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
+        slot = raw.state_slot
+        return lid, raw.hit_tokens, raw.kv_matched_tokens, None if slot == NO_SLOT else slot, raw.n_kv_pages
+
+    def _lease_pages(self, lid: int, n: int) -> "array.array[int]":
+        """The first n KV page ids of a live lease (n at most its count), as
+        an array('I') (one copy, no Python ints)."""
+        buf = _array("I", _ZERO_U32) * n
+        if n == 0:
+            return buf
+        out = ctypes.c_size_t()
+        h = self._begin()
+        try:
+            st = self._lib.marconi_cache_lease_kv_pages(h, lid, _U32.from_buffer(buf), n, ctypes.byref(out))
+            if st and st != 3:
+                _check(st, "marconi_cache_lease_kv_pages")
+        finally:
+            self._end()
+        return buf
+
+    def _admit_i64(self, lid: int, ids: "array.array[int]", states: Any, pages: Any, n_pages: int) -> tuple:
+        """marconi_cache_admit_i64 of array('q') `ids` under lease `lid`
+        with the saved `states` and `n_pages` int64 page ids (`pages`: an
+        array('q') or a contiguous CPU int64 tensor; None with 0). Returns
+        (states taken, pages taken start, end, truncated_to or 0, rejected,
+        taken flags as a list of bools)."""
+        saved, k = _saved_states(states)
+        taken = (ctypes.c_uint8 * k)() if k else None
+        raw = _AdmitRaw()
+        if pages is None or n_pages == 0:
+            pptr = None
+        elif hasattr(pages, "data_ptr"):
+            pptr = ctypes.c_int64.from_address(pages.data_ptr())
+        else:
+            pptr = ctypes.c_int64.from_buffer(pages)
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
+        try:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            tptr = ctypes.c_int64.from_buffer(ids) if len(ids) else None
+            st = self._lib.marconi_cache_admit_i64(
+                self._handle, lid, tptr, len(ids), saved, k, pptr, n_pages, taken, raw
+            )
+            del tptr, pptr
+            if st:
+                _check(st, "marconi_cache_admit_i64")
+        finally:
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
+        states_taken, _, start, end, _, truncated, rejected = _ADMIT_FIELDS.unpack_from(raw)
+        return states_taken, start, end, truncated, rejected, [t != 0 for t in taken] if k else []
 
     def _lease_list(self, h: ctypes.c_void_p, fn: str, lease: int, n: int) -> list[int]:
         if n == 0:

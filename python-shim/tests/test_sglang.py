@@ -402,3 +402,98 @@ def test_no_slot_for_the_copy_is_a_miss():
     assert m2.last_device_node is tree.root_node
     tree.dec_lock_ref(m.last_device_node)
     tree.sanity_check()
+
+
+# -- the request path (ours): int64 keys, one lookup per match + lock ---------
+
+
+def test_match_then_lock_is_one_lookup():
+    """The lock right after a match pins with the match's lease: one library
+    lookup for both. A lock after an insert (the match's lease released
+    before the admission) looks up again and still pins the whole prefix."""
+    from array import array
+
+    tree, alloc, rtp, make_req = build_tree()
+    req = make_req()
+    kv = alloc.alloc(5)
+    tree.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=kv, mamba_value=[req.mamba_pool_idx]))
+    before = tree.cache.stats()["requests"]
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2, 3, 4, 5, 6]))))
+    assert m.device_prefix_len == 5
+    lock = tree.lock(m.last_device_node)
+    assert tree.cache.stats()["requests"] == before + 1
+    assert tree.cache.stats()["leases"] == 1
+    assert tree.protected_size() == 5
+    tree.unlock(lock)
+    assert tree.cache.stats()["leases"] == 0
+    # Matched, then an insert in between: the match's lease is gone, the lock looks up again.
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5])))
+    req2 = make_req()
+    insert(tree, alloc, req2, [9, 8, 7])
+    assert tree.cache.stats()["leases"] == 0
+    lock = tree.lock(m.last_device_node)
+    assert tree.cache.stats()["leases"] == 1 and tree.protected_size() == 5
+    assert list(tree.path_device_indices(m.last_device_node)) == list(kv)
+    tree.unlock(lock)
+    # Matches that are never locked keep at most a bounded number of leases.
+    for _ in range(3 * SGLangTreeCache._MAX_PENDING):
+        tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5])))
+    assert tree.cache.stats()["leases"] <= SGLangTreeCache._MAX_PENDING
+    tree.evict(EvictParams(num_tokens=128, mamba_num=0))
+    assert tree.cache.stats()["leases"] == 0
+    tree.sanity_check()
+
+
+def test_int64_keys_match_list_keys_and_bad_ids_are_refused():
+    """array('q') keys (as SGLang 0.5.23 holds them) and lists give the same
+    hits; an id that is not a uint32 is refused by name, nothing cached."""
+    from array import array
+
+    from marconi import MarconiError
+
+    tree, alloc, rtp, make_req = build_tree()
+    req = make_req()
+    key = array("q", [5, 6, 7, 8])
+    tree.insert(InsertParams(key=RadixKey(key), value=alloc.alloc(4), mamba_value=[req.mamba_pool_idx]))
+    assert hit(tree, [5, 6, 7, 8]) == 4
+    assert hit(tree, array("q", [5, 6, 7, 8, 9])) == 4
+    assert hit(tree, array("q", [5, 6, 7])) == 0
+    nodes = tree.cache.stats()["nodes"]
+    with pytest.raises(MarconiError, match=r"tokens\[1\] = -3"):
+        hit(tree, array("q", [5, -3, 7]))
+    req2 = make_req()
+    with pytest.raises(MarconiError, match=r"tokens\[2\] = 4294967296"):
+        tree.insert(
+            InsertParams(key=RadixKey(array("q", [1, 2, 1 << 32])), value=alloc.alloc(3), mamba_value=[req2.mamba_pool_idx])
+        )
+    with pytest.raises(MarconiError, match=r"tokens\[1\] = -3"):
+        hit(tree, [5, -3, 7])
+    assert tree.cache.stats()["nodes"] == nodes
+    assert tree.cache.stats()["leases"] <= 1  # at most the match kept for a lock
+    tree.sanity_check()
+
+
+def test_page_size_2_caches_whole_pages_and_gives_them_back():
+    """Pages of 2 tokens: a key is cached up to its last full page, the
+    path's indices are the inserted ones (pages in the order given), a
+    longer key hits at the page boundary, and eviction gives every index of
+    every cached page back to the allocator."""
+    tree, alloc, rtp, make_req = build_tree(kv_size=16, page_size=2)
+    every = alloc.alloc(16)  # indices 1..16 (0 is SGLang's padding slot)
+    alloc.free([i for i in every if i > 8])
+    req = make_req()
+    value = [2, 3, 6, 7, 4, 5, 8]  # pages 1, 3, 2 (index // 2, aligned as SGLang's paged allocator gives them), then half a page
+    r = tree.insert(InsertParams(key=RadixKey([11, 12, 13, 14, 15, 16, 17]), value=value, mamba_value=[req.mamba_pool_idx]))
+    assert (r.prefix_len, r.total_len, r.mamba_exist) == (0, 6, False)
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([11, 12, 13, 14, 15, 16, 17, 18])))
+    assert m.device_prefix_len == 6
+    assert list(tree.path_device_indices(m.last_device_node)) == value[:6]
+    assert hit(tree, [11, 12, 13, 14, 15]) == 0  # no state at 4
+    assert tree.total_size() == (6, 1)
+    tree.sanity_check()
+    free_before = alloc.available_size()
+    res = tree.evict(EvictParams(num_tokens=16, mamba_num=1))
+    assert (res.num_tokens_evicted, res.mamba_num_evicted) == (6, 1)
+    assert alloc.available_size() == free_before + 6
+    assert sorted(alloc._free[-6:]) == sorted(value[:6])
+    assert tree.total_size() == (0, 0)

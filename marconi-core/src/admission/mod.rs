@@ -214,11 +214,8 @@ impl Core {
                 });
             }
         }
-        let mut seen_pages = HashSet::new();
-        for &p in kv_pages {
-            if !seen_pages.insert(p) {
-                return Err(CacheError::DuplicatePage(p));
-            }
+        if let Some(p) = first_repeated_page(kv_pages) {
+            return Err(CacheError::DuplicatePage(p));
         }
         let mut positions = HashSet::new();
         let mut slots = HashSet::new();
@@ -454,7 +451,7 @@ impl Core {
     fn check_pages_not_owned(&self, kv_pages: &[u32], m: u32) -> Result<(), CacheError> {
         if !kv_pages.is_empty() {
             let taken = &kv_pages[(m / self.cfg.page_size) as usize..];
-            if let Some(&p) = taken.iter().find(|p| self.page_owner.contains(p)) {
+            if let Some(&p) = taken.iter().find(|&&p| self.page_owner.contains(p)) {
                 return Err(CacheError::DuplicatePage(p));
             }
         }
@@ -760,4 +757,45 @@ fn refused_after_the_prefix_check(e: &CacheError) -> bool {
             | CacheError::DuplicatePosition(_)
             | CacheError::DuplicateSlot(_)
     )
+}
+
+/// The first page of `pages` (in list order) that appears earlier in it too,
+/// if any. Engines hand their pages in ascending order most of the time,
+/// which one pass confirms; otherwise a sorted copy says whether any repeats
+/// (no hashing of every page: an admission of 10,000 pages spent most of its
+/// time in a `HashSet` here), and only then a set names the first repeat.
+fn first_repeated_page(pages: &[u32]) -> Option<u32> {
+    if pages.windows(2).all(|w| w[0] < w[1]) {
+        return None;
+    }
+    let mut sorted = pages.to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).all(|w| w[0] != w[1]) {
+        return None;
+    }
+    let mut seen = HashSet::with_capacity(pages.len());
+    pages.iter().copied().find(|&p| !seen.insert(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The same answer as one pass with a set, ascending or not.
+        #[test]
+        fn first_repeated_page_is_the_first_repeat_in_list_order(
+            pages in proptest::collection::vec(0u32..40, 0..60),
+            ascending in any::<bool>(),
+        ) {
+            let mut pages = pages;
+            if ascending {
+                pages.sort_unstable();
+            }
+            let mut seen = HashSet::new();
+            let expected = pages.iter().copied().find(|&p| !seen.insert(p));
+            prop_assert_eq!(first_repeated_page(&pages), expected);
+        }
+    }
 }

@@ -449,7 +449,7 @@ impl Core {
         self.stats.evictions += 1;
         if leaf {
             let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
-            for p in pages.iter() {
+            for &p in pages.iter() {
                 self.page_owner.remove(p);
             }
             self.freed.kv_pages.extend_from_slice(&pages);

@@ -16,6 +16,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 from engine import TOLERANCE, tiny_nemotron_h
 from marconi.pml import Schema
 from pml_engine import (
+    SERVED,
     WINDOWS,
     InEngineModuleCache,
     PmlEngine,
@@ -222,6 +223,7 @@ def test_module_store_plans_and_budget():
         for k in keys:
             assert store.admit(schema, k)
         plan = store.lookup(layout, "exact")
+        assert all(p[4] in SERVED for m in ("attention", "exact", "composed") for p in store.lookup(layout, m))
         # anonymous and travel-plan lead from 0; the argument `days` ends the run.
         assert [p[4] for p in plan[:3]] == ["prefix", "prefix", "computed"]
         assert all(p[4] in ("recomputed", "computed") for p in plan[3:])
@@ -250,7 +252,7 @@ def test_table_at_smoke_size():
         ("nemotron_h", f"composed w={w}") for w in WINDOWS
     }
     exact = by[("nemotron_h", "exact")]
-    assert exact["dlogit"] <= TOLERANCE * 10  # logits of a trained byte model stay below 10
+    assert exact["dlogit"] <= TOLERANCE * max(1.0, exact["max_logit"])
     assert by[("nemotron_h", "composed w=0")]["dlogit"] > exact["dlogit"]
     llama = by[("llama", "attention")]
     assert llama["reused"] > 0 and llama["dlogit_contig"] > 0

@@ -529,6 +529,10 @@ def document_schema(docs: list[str]) -> str:
     )
 
 
+ATTR = {'"': "&quot;"}
+"""What escape() leaves that a double-quoted attribute value needs."""
+
+
 def document_prompt(docs: list[str], imports: list[int], quote: int, seed: int) -> tuple[str, list[int]]:
     """A prompt importing the documents `imports` and asking to continue a
     passage of document `quote` (which it imports): the prompt ends with the
@@ -542,7 +546,7 @@ def document_prompt(docs: list[str], imports: list[int], quote: int, seed: int) 
     topic = " ".join(words[: 3])[:24]
     parts = "".join(f"<doc{i}/>" for i in imports)
     prompt = (
-        f'<prompt schema="library"><user>{parts}<question topic="{escape(topic)}"/>'
+        f'<prompt schema="library"><user>{parts}<question topic="{escape(topic, ATTR)}"/>'
         f"{escape(lead)}</user></prompt>"
     )
     return prompt, list(cont.encode())

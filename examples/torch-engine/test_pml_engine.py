@@ -259,3 +259,17 @@ def test_table_at_smoke_size():
     for r in rows:
         assert r["cached_s"] > 0 and r["full_s"] > 0
         assert math.isfinite(r["kl"]) and math.isfinite(r["nll_cached"]) and math.isfinite(r["nll_full"])
+
+
+def test_document_prompts_escape_quotes_and_markup():
+    """A passage whose first words hold quotes, '<' and '&' (the question's
+    argument is taken from them) still makes valid PML: it failed before
+    the attribute was escaped for '"'."""
+    docs = ['"Licensed" <work> & "you" may copy the "Work" as it is, without any warranty or condition at all.'] * 2
+    docs[1] = "Plain text of a second passage, long enough to quote from in a prompt."
+    with Schema(document_schema(docs)) as schema:
+        prompt, cont = document_prompt(docs, [0, 1], 0, 1)
+        layout = schema.layout(prompt)
+        arg = next(s for s in layout if s.kind == "param")
+        assert bytes(arg.tokens).decode() == '"Licensed" <work> &'
+        assert len(cont) == 32 and layout[-1].kind == "text"

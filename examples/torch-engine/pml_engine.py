@@ -555,14 +555,16 @@ def document_prompt(docs: list[str], imports: list[int], quote: int, seed: int) 
 # -- the table -----------------------------------------------------------------------
 
 
-def ttft(fn, repeats: int) -> float:
-    """Median wall time of fn() over `repeats` runs, in seconds."""
-    times = []
+def ttft(cached, full, repeats: int) -> tuple[float, float]:
+    """Median wall times (seconds) of cached() and full() over `repeats`
+    runs each, alternated so that a load on the machine weighs on both."""
+    a, b = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, times in ((cached, a), (full, b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
 
 
 @torch.no_grad()
@@ -645,8 +647,9 @@ def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict
                 if family == "llama":
                     d2, kl2 = compare(a, eng.full(layout, contiguous=True))
                     row["dlogit_contig"], row["kl_contig"] = max(row["dlogit_contig"], d2), max(row["kl_contig"], kl2)
-                row["cached_s"].append(ttft(lambda: eng.prefill(layout, mode, win), repeats))
-                row["full_s"].append(ttft(lambda: eng.full(layout), repeats))
+                c, f = ttft(lambda: eng.prefill(layout, mode, win), lambda: eng.full(layout), repeats)
+                row["cached_s"].append(c)
+                row["full_s"].append(f)
                 row["nll_cached"].append(continuation_nll(eng, layout, mode, win, cont, True))
                 row["nll_full"].append(continuation_nll(eng, layout, mode, win, cont, False))
                 row["reused"] += count["reused"] + count["composed"]

@@ -410,6 +410,8 @@ class PmlEngine:
         """Next-token logits of the prompt laid out as `layout`, its cached
         segments served as the store says for `mode`; and counts (tokens
         reused, composed, recomputed, computed)."""
+        if not any(s.len for s in layout):
+            raise ValueError("the prompt lays out to no tokens: nothing to prefill")
         plan = self.store.lookup(layout, mode, window)
         cache = DynamicCache(config=self.cfg)
         count = dict.fromkeys(("reused", "composed", "recomputed", "computed"), 0)

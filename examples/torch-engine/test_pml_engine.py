@@ -242,6 +242,11 @@ def test_module_store_plans_and_budget():
         with pytest.raises(ValueError):
             store.lookup(layout, mode="approximate")
         with pytest.raises(ValueError):
+            store.lookup(layout, mode="composed", window=-1)
+        empty = schema.layout('<prompt schema="travel"></prompt>')
+        with pytest.raises(ValueError):
+            PmlEngine(*tiny_llama(0, 64)).prefill([s for s in empty if s.kind == "param"], "attention")
+        with pytest.raises(ValueError):
             InEngineModuleCache(0, 16)
 
 

@@ -405,11 +405,16 @@ class PmlEngine:
 
     # -- one prompt ----------------------------------------------------------------
 
-    @torch.no_grad()
     def prefill(self, layout, mode: str, window: int = 16) -> tuple[torch.Tensor, dict]:
         """Next-token logits of the prompt laid out as `layout`, its cached
         segments served as the store says for `mode`; and counts (tokens
         reused, composed, recomputed, computed)."""
+        logits, count, _ = self.prefill_cache(layout, mode, window)
+        return logits, count
+
+    @torch.no_grad()
+    def prefill_cache(self, layout, mode: str, window: int = 16) -> tuple[torch.Tensor, dict, DynamicCache]:
+        """prefill, and the cache it leaves (to go on from)."""
         if not any(s.len for s in layout):
             raise ValueError("the prompt lays out to no tokens: nothing to prefill")
         plan = self.store.lookup(layout, mode, window)
@@ -466,7 +471,7 @@ class PmlEngine:
                 compute(seg.tokens, positions)
                 count["computed" if how == "computed" else "recomputed"] += seg.len
         flush()
-        return out[-1], count
+        return out[-1], count, cache
 
     def _compose(self, cache, enc: Encoded, a: int, b: int) -> None:
         """Advances every Mamba-2 layer's state over the module's tokens
@@ -574,7 +579,7 @@ def continuation_nll(engine: PmlEngine, layout, mode: str, window: int, cont: li
     """Mean NLL (nats per byte) of the true continuation `cont` after the
     prompt, prefilled cached (as `mode` serves it) or in full; teacher-forced."""
     if cached:
-        cache_logits, cache = _prefilled(engine, layout, mode, window)
+        cache_logits, _, cache = engine.prefill_cache(layout, mode, window)
     else:
         cache = DynamicCache(config=engine.cfg)
         tokens = [t for s in layout for t in s.tokens]
@@ -584,23 +589,6 @@ def continuation_nll(engine: PmlEngine, layout, mode: str, window: int, cont: li
     rest = engine._forward(cache, cont[:-1], list(range(end, end + len(cont) - 1))) if len(cont) > 1 else None
     logits = torch.cat([cache_logits[None], rest]) if rest is not None else cache_logits[None]
     return F.cross_entropy(logits, torch.tensor(cont)).item()
-
-
-def _prefilled(engine: PmlEngine, layout, mode: str, window: int):
-    """prefill's logits and the cache it leaves (for continuations)."""
-    captured = {}
-    orig = engine._forward
-
-    def spy(cache, tokens, positions):
-        captured["cache"] = cache
-        return orig(cache, tokens, positions)
-
-    engine._forward = spy
-    try:
-        logits, _ = engine.prefill(layout, mode, window)
-    finally:
-        engine._forward = orig
-    return logits, captured["cache"]
 
 
 def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict]:

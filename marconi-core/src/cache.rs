@@ -703,6 +703,18 @@ impl PrefixCache {
         })
     }
 
+    /// Drops the state cached at the end of `tokens` in namespace `ns`
+    /// (and the KV only it kept) now that another cache holds it: a tier
+    /// above, after a hit there was loaded from here. Returns the bytes
+    /// freed: 0 when no state is cached exactly there, when it is leased,
+    /// or when it is a branch point (its node has two or more children;
+    /// the state stays). Emits the removal events; freed ids go to
+    /// [`drain_freed`](Self::drain_freed). Not an eviction: the eviction
+    /// counters and the decision log do not see it.
+    pub fn discard(&mut self, ns: u64, tokens: &[u32]) -> u64 {
+        self.core.discard(ns, tokens)
+    }
+
     /// Bytes held by unleased entries that eviction could free now.
     pub fn evictable_bytes(&self) -> u64 {
         self.core.used_bytes()

@@ -104,6 +104,14 @@ pub struct TierConfig {
     /// instead of doing them in `admit` and `release`. Decisions are the
     /// same as long as `settle` runs before the next lookup.
     pub defer_moves: bool,
+    /// Keep each chain in one tier (exclusive tiers): once a lower-tier
+    /// hit is loaded and the device has admitted the request's state at or
+    /// beyond the hit, the lower tier drops the chain it served
+    /// ([`PrefixCache::discard`]); the device's eviction demotes it again
+    /// later. Without it the tiers are inclusive: the lower tier keeps a
+    /// copy of what it promoted, and device + host hold about what the
+    /// host alone would.
+    pub exclusive: bool,
 }
 
 impl TierConfig {
@@ -122,6 +130,7 @@ impl TierConfig {
             always_load: false,
             lower_plans: true,
             defer_moves: false,
+            exclusive: true,
         }
     }
 
@@ -133,6 +142,7 @@ impl TierConfig {
             promote: true,
             always_load: true,
             lower_plans: false,
+            exclusive: false,
             ..TierConfig::marconi(host, store)
         }
     }
@@ -319,6 +329,9 @@ pub struct TieredCache {
     device_events_wanted: bool,
     /// The device's events kept for the caller.
     device_events: Vec<CacheEvent>,
+    /// The host's events not yet moved into the store (drained early so
+    /// that a discard's removals are not demoted).
+    host_events: Vec<CacheEvent>,
 }
 
 /// A candidate hit in one lower tier.
@@ -356,6 +369,7 @@ impl TieredCache {
             moves: Vec::new(),
             device_events_wanted: wanted,
             device_events: Vec::new(),
+            host_events: Vec::new(),
         })
     }
 
@@ -656,6 +670,12 @@ impl TieredCache {
         let out = self
             .device
             .admit(l.device.lease, tokens, states, kv_pages)?;
+        if self.cfg.exclusive
+            && l.tier != Tier::Device
+            && out.states_taken.iter().any(|&p| p >= l.hit_tokens)
+        {
+            self.discard_served(l, tokens);
+        }
         if !self.cfg.defer_moves {
             self.settle()?;
         }
@@ -671,6 +691,33 @@ impl TieredCache {
             }
         }
         Ok(out)
+    }
+
+    /// Exclusive tiers: the device now holds a state at or beyond `l`'s
+    /// lower-tier hit, so the tier that served it drops the chain (its
+    /// lease is released first; `release` finds it gone). The removal is
+    /// no eviction: the host's events it raises are not demoted.
+    fn discard_served(&mut self, l: &TieredLookup, tokens: &[u32]) {
+        let i = l.tier.index() - 1;
+        let Some(lease) = l.leases[i] else { return };
+        let Some(chain) = tokens.get(..l.hit_tokens as usize) else {
+            return;
+        };
+        let feeds_store = i == 0 && self.lower[1].is_some();
+        let Some(lower) = self.lower[i].as_mut() else {
+            return;
+        };
+        // A lease of this lookup: released once (unknown afterwards).
+        if lower.cache.release(lease).is_err() {
+            return;
+        }
+        if feeds_store {
+            self.host_events.extend(lower.cache.drain_events());
+        }
+        lower.cache.discard(l.ns, chain);
+        if feeds_store {
+            drop(lower.cache.drain_events());
+        }
     }
 
     /// Releases the lookup's leases in every tier.
@@ -746,10 +793,10 @@ impl TieredCache {
         if self.lower[1].is_none() {
             return Ok(());
         }
-        let ev = self.lower[0]
-            .as_mut()
-            .map(|l| l.cache.drain_events())
-            .unwrap_or_default();
+        let mut ev = std::mem::take(&mut self.host_events);
+        if let Some(l) = self.lower[0].as_mut() {
+            ev.extend(l.cache.drain_events());
+        }
         self.move_down(1, &ev)
     }
 

@@ -18,7 +18,7 @@ use crate::events::{CacheEvent, CachedChains, EventLog};
 use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
-use crate::lookup::Lookup;
+use crate::lookup::{Lookup, Peek};
 use crate::shadow::Shadows;
 use crate::stats::Stats;
 use crate::tree::{NodeId, Span, Tree, NIL};
@@ -500,6 +500,27 @@ impl PrefixCache {
         Ok(l)
     }
 
+    /// What [`lookup`](Self::lookup) of `input` would find now, without
+    /// taking a lease or changing anything (recency, counters, the tuner's
+    /// record): its hit, its KV match and, when `with_plan`, the positions
+    /// its admission policy would plan. A cheap probe: one walk of the
+    /// tree, no hashing of the input. Errors as `lookup` on an empty or
+    /// oversized input.
+    pub fn peek(&self, ns: u64, input: &[u32], with_plan: bool) -> Result<Peek, CacheError> {
+        self.core.peek(ns, input, with_plan)
+    }
+
+    /// [`lookup`](Self::lookup) for a lease that only pins what it found
+    /// (a lower tier's hit being loaded): nothing is admitted under it, so
+    /// the input is not fingerprinted.
+    pub(crate) fn lookup_pinning(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
+        let l = self.core.lookup_walk(ns, input, false).map(|(l, _)| l)?;
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease, &[]);
+        }
+        Ok(l)
+    }
+
     /// The checkpoint positions planned for `lease` (as in its [`Lookup`]).
     pub fn plan(&self, lease: LeaseId) -> Result<&[u32], CacheError> {
         self.core
@@ -715,6 +736,25 @@ impl PrefixCache {
         self.core.discard(ns, tokens)
     }
 
+    /// Releases `lease` (as [`release`](Self::release)) and discards the
+    /// state its lookup hit (as [`discard`](Self::discard), found by the
+    /// node it pinned: no walk). The bytes freed.
+    pub(crate) fn release_discarding(&mut self, lease: LeaseId) -> Result<u64, CacheError> {
+        let (node, hit) = self
+            .core
+            .leases
+            .get(&lease)
+            .map(|i| (i.pinned, i.pinned_tokens))
+            .ok_or(CacheError::UnknownLease(lease))?;
+        self.release(lease)?;
+        Ok(self.core.discard_node(node, hit))
+    }
+
+    /// The states removed since the last call, from a removals-only log.
+    pub(crate) fn drain_removed(&mut self) -> Vec<crate::events::RemovedState> {
+        self.core.drain_removed()
+    }
+
     /// Bytes held by unleased entries that eviction could free now.
     pub fn evictable_bytes(&self) -> u64 {
         self.core.used_bytes()
@@ -754,6 +794,11 @@ impl PrefixCache {
     /// exactly. No-op when events are on.
     pub fn enable_events(&mut self) {
         self.core.enable_events();
+    }
+
+    /// A stream of removals only (see `Core::enable_removal_events`).
+    pub(crate) fn enable_removal_events(&mut self) {
+        self.core.enable_removal_events();
     }
 
     /// Turns the event stream off and drops the pending events.

@@ -35,6 +35,21 @@ pub struct Lookup {
     pub plan: Vec<u32>,
 }
 
+/// What a lookup would find ([`crate::PrefixCache::peek`]), without the
+/// lookup's effects: no lease, no refresh, no counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Peek {
+    /// Leading tokens a lookup would let the engine skip (as
+    /// [`Lookup::hit_tokens`]).
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached, page-aligned (as
+    /// [`Lookup::kv_matched_tokens`]).
+    pub kv_matched_tokens: u32,
+    /// The positions the admission policy would plan (as [`Lookup::plan`]
+    /// without hints), when asked for; empty otherwise.
+    pub plan: Vec<u32>,
+}
+
 /// The usable part of a match.
 struct UsableHit {
     /// Tokens that can be skipped.
@@ -142,6 +157,42 @@ impl Core {
         };
         self.record_lookup(ns, len, &lookup, reason, &hinted);
         Ok((lookup, walk))
+    }
+
+    /// What [`lookup`](Self::lookup) would find for `input` (its hit, KV
+    /// match and, with `with_plan`, its plan without hints), changing
+    /// nothing: no clock tick, lease, refresh, counter or log entry.
+    pub(crate) fn peek(&self, ns: u64, input: &[u32], with_plan: bool) -> Result<Peek, CacheError> {
+        Self::check_tokens(input)?;
+        let Some(root) = self.tree.root(ns) else {
+            return Ok(Peek::default());
+        };
+        let len = input.len() as u32;
+        let page = self.cfg.page_size;
+        let walk = self.tree.walk(root, input, page);
+        let usable = self.usable_hit(Some(&walk), walk.matched, len - 1);
+        let plan = if with_plan {
+            let plan_input = PlanInput {
+                tree: &self.tree,
+                walk: Some(&walk),
+                len,
+                hit: usable.hit,
+                state_depths: &usable.state_depths,
+                page_size: page,
+                inner_grid: self.inner_grid(),
+            };
+            self.admission
+                .plan(&plan_input)
+                .map(|(p, _)| p)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Ok(Peek {
+            hit_tokens: usable.hit,
+            kv_matched_tokens: round_down(walk.matched, page),
+            plan,
+        })
     }
 
     /// The deepest usable position of the match (below `limit`) and the

@@ -22,6 +22,8 @@
 //! Pure like the rest of core: no clock, no I/O; times are arithmetic on
 //! configured rates.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::admission::{AdmitOutcome, SavedState};
@@ -329,9 +331,14 @@ pub struct TieredCache {
     device_events_wanted: bool,
     /// The device's events kept for the caller.
     device_events: Vec<CacheEvent>,
-    /// The host's events not yet moved into the store (drained early so
+    /// The host's chains not yet moved into the store (drained early so
     /// that a discard's removals are not demoted).
-    host_events: Vec<CacheEvent>,
+    host_moves: Vec<(u64, u32, Arc<[u32]>)>,
+    /// Lower-tier leases for `settle` to release: (tier, lease, whether
+    /// to discard the chain it pins).
+    pending: Vec<(usize, u64, bool)>,
+    /// The device lookup's hints, reused from request to request.
+    hints: Vec<u32>,
 }
 
 /// A candidate hit in one lower tier.
@@ -346,30 +353,44 @@ impl TieredCache {
     pub fn new(device: CacheConfig, tiers: TierConfig) -> Result<Self, CacheError> {
         tiers.validate(&device)?;
         let wanted = device.events;
+        // Write-back reads only removals: an admission then records no
+        // event (and copies no prefix) unless the caller wants the stream.
+        let through = tiers.write == WriteMode::Through;
         let mut dev = device.clone();
-        dev.events = wanted || tiers.host.is_some();
+        dev.events = wanted || (tiers.host.is_some() && through);
+        let mut device = PrefixCache::new(dev)?;
+        if tiers.host.is_some() {
+            device.enable_removal_events();
+        }
         let mut lower: [Option<Lower>; 2] = [None, None];
         for (i, spec) in [&tiers.host, &tiers.store].into_iter().enumerate() {
             if let Some(s) = spec {
                 let mut c = s.cache.clone();
                 // The host's evictions feed the store.
-                c.events = i == 0 && tiers.store.is_some();
+                let feeds = i == 0 && tiers.store.is_some();
+                c.events = feeds && through;
+                let mut cache = PrefixCache::new(c)?;
+                if feeds {
+                    cache.enable_removal_events();
+                }
                 lower[i] = Some(Lower {
-                    cache: PrefixCache::new(c)?,
+                    cache,
                     bandwidth: s.bandwidth_bytes_per_s,
                     latency: s.latency_s,
                 });
             }
         }
         Ok(TieredCache {
-            device: PrefixCache::new(dev)?,
+            device,
             lower,
             cfg: tiers,
             stats: TierStats::default(),
             moves: Vec::new(),
             device_events_wanted: wanted,
             device_events: Vec::new(),
-            host_events: Vec::new(),
+            host_moves: Vec::new(),
+            pending: Vec::new(),
+            hints: Vec::new(),
         })
     }
 
@@ -461,50 +482,34 @@ impl TieredCache {
         input: &[u32],
         checkpoints: &[u32],
     ) -> Result<TieredLookup, CacheError> {
+        // The lower tiers are peeked at (one walk each, nothing changes
+        // there); only the tier whose hit is taken is looked up for real
+        // (its lease pins the hit while it loads).
         let mut probes: [Option<Probe>; 2] = [None, None];
-        let mut leases: [Option<u64>; 2] = [None, None];
-        let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
+        self.hints.clear();
+        self.hints.extend_from_slice(checkpoints);
         for i in 0..2 {
-            let Some(l) = self.lower[i].as_mut() else {
+            let Some(l) = self.lower[i].as_ref() else {
                 continue;
             };
-            let lk = match l.cache.lookup(ns, input) {
-                Ok(lk) => lk,
-                Err(e) => {
-                    self.release_lower(&leases);
-                    return Err(e);
-                }
-            };
-            leases[i] = Some(lk.lease);
+            let p = l.cache.peek(ns, input, self.cfg.lower_plans)?;
             probes[i] = Some(Probe {
-                hit: lk.hit_tokens,
-                kv: lk.kv_matched_tokens,
+                hit: p.hit_tokens,
+                kv: p.kv_matched_tokens,
             });
-            lower_lookups[i] = Some(lk);
+            // The branch points a lower tier sees (its admission plans them
+            // where the input leaves a path it holds) are branch points of
+            // the whole cache: the device plans them too, or a small device
+            // would only ever see the branches it still holds.
+            self.hints.extend_from_slice(&p.plan);
         }
         // The longest lower hit is hinted so that the device plans its state
         // (promotion); dropped by the device when not above its own hit.
         let best_lower = probes.iter().flatten().map(|p| p.hit).max().unwrap_or(0);
-        let mut hints = checkpoints.to_vec();
         if self.cfg.promote && best_lower > 0 {
-            hints.push(best_lower);
+            self.hints.push(best_lower);
         }
-        // The branch points a lower tier sees (its admission plans them
-        // where the input leaves a path it holds) are branch points of the
-        // whole cache: the device plans them too, or a small device would
-        // only ever see the branches it still holds.
-        if self.cfg.lower_plans {
-            for lk in lower_lookups.iter().flatten() {
-                hints.extend_from_slice(&lk.plan);
-            }
-        }
-        let device = match self.device.lookup_hinted(ns, input, &hints) {
-            Ok(d) => d,
-            Err(e) => {
-                self.release_lower(&leases);
-                return Err(e);
-            }
-        };
+        let device = self.device.lookup_hinted(ns, input, &self.hints)?;
         let d = device.hit_tokens;
         let dkv = device.kv_matched_tokens;
         // Choose the hit that saves the most time.
@@ -543,9 +548,35 @@ impl TieredCache {
         if declined.is_some_and(|(_, h)| h <= hit) {
             declined = None;
         }
+        let mut leases: [Option<u64>; 2] = [None, None];
         let loads = if tier == Tier::Device {
             Vec::new()
         } else {
+            // The tier whose state is loaded, and the host when it gives KV
+            // to a store hit.
+            let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
+            let i = tier.index() - 1;
+            let host_kv = i == 1 && probes[0].is_some_and(|p| p.kv.min(hit) > dkv && p.hit > 0);
+            for j in 0..2 {
+                if j != i && !(j == 0 && host_kv) {
+                    continue;
+                }
+                let Some(l) = self.lower[j].as_mut() else {
+                    continue;
+                };
+                match l.cache.lookup_pinning(ns, input) {
+                    Ok(lk) => {
+                        leases[j] = Some(lk.lease);
+                        lower_lookups[j] = Some(lk);
+                    }
+                    Err(e) => {
+                        self.release_lower(&leases);
+                        // The device's lease of this lookup: known.
+                        let _ = self.device.release(device.lease);
+                        return Err(e);
+                    }
+                }
+            }
             self.load_orders(tier, hit, dkv, &probes, &lower_lookups)
         };
         let plan = device
@@ -652,7 +683,7 @@ impl TieredCache {
     fn release_lower(&mut self, leases: &[Option<u64>; 2]) {
         for (l, lease) in self.lower.iter_mut().zip(leases) {
             if let (Some(l), Some(lease)) = (l.as_mut(), lease) {
-                // A lease this cache issued a moment ago: cannot be unknown.
+                // A lease this cache issued (unknown once released: no-op).
                 let _ = l.cache.release(*lease);
             }
         }
@@ -670,11 +701,19 @@ impl TieredCache {
         let out = self
             .device
             .admit(l.device.lease, tokens, states, kv_pages)?;
+        // Exclusive tiers: the device now holds a state at or beyond the
+        // lower-tier hit, so the tier that served it drops that chain (in
+        // `settle`, through the lease that pins it).
         if self.cfg.exclusive
             && l.tier != Tier::Device
             && out.states_taken.iter().any(|&p| p >= l.hit_tokens)
         {
-            self.discard_served(l, tokens);
+            let i = l.tier.index() - 1;
+            if let Some(lease) = l.leases[i] {
+                if !self.pending.iter().any(|&(j, p, _)| j == i && p == lease) {
+                    self.pending.push((i, lease, true));
+                }
+            }
         }
         if !self.cfg.defer_moves {
             self.settle()?;
@@ -693,36 +732,21 @@ impl TieredCache {
         Ok(out)
     }
 
-    /// Exclusive tiers: the device now holds a state at or beyond `l`'s
-    /// lower-tier hit, so the tier that served it drops the chain (its
-    /// lease is released first; `release` finds it gone). The removal is
-    /// no eviction: the host's events it raises are not demoted.
-    fn discard_served(&mut self, l: &TieredLookup, tokens: &[u32]) {
-        let i = l.tier.index() - 1;
-        let Some(lease) = l.leases[i] else { return };
-        let Some(chain) = tokens.get(..l.hit_tokens as usize) else {
-            return;
-        };
-        let feeds_store = i == 0 && self.lower[1].is_some();
-        let Some(lower) = self.lower[i].as_mut() else {
-            return;
-        };
-        // A lease of this lookup: released once (unknown afterwards).
-        if lower.cache.release(lease).is_err() {
-            return;
-        }
-        if feeds_store {
-            self.host_events.extend(lower.cache.drain_events());
-        }
-        lower.cache.discard(l.ns, chain);
-        if feeds_store {
-            drop(lower.cache.drain_events());
-        }
-    }
-
-    /// Releases the lookup's leases in every tier.
+    /// Releases the lookup's leases in every tier (the lower tiers' in
+    /// [`settle`](Self::settle) when moves are deferred).
     pub fn release(&mut self, l: &TieredLookup) -> Result<(), CacheError> {
-        self.release_lower(&l.leases);
+        for (i, lease) in l.leases.iter().enumerate() {
+            let Some(lease) = *lease else { continue };
+            if self.pending.iter().any(|&(j, p, _)| j == i && p == lease) {
+                continue;
+            }
+            if self.cfg.defer_moves {
+                self.pending.push((i, lease, false));
+            } else if let Some(low) = self.lower[i].as_mut() {
+                // Unknown once released (a discard in `settle`): no-op.
+                let _ = low.cache.release(lease);
+            }
+        }
         self.device.release(l.device.lease)?;
         if self.cfg.defer_moves {
             return Ok(());
@@ -739,29 +763,61 @@ impl TieredCache {
         std::mem::take(&mut self.device_events)
     }
 
-    /// Moves what the device evicted (write-back) or stored (write-through)
-    /// since the last call into the host, and the host's into the store.
-    /// `admit` and `release` call it unless [`TierConfig::defer_moves`].
+    /// Releases the lower tiers' leases of released lookups, drops the
+    /// chains exclusive tiers served, moves what the device evicted
+    /// (write-back) or stored (write-through) since the last call into the
+    /// host, and the host's into the store. `admit` and `release` call it
+    /// unless [`TierConfig::defer_moves`].
     pub fn settle(&mut self) -> Result<(), CacheError> {
         if self.lower[0].is_none() {
             return Ok(());
         }
-        let events = self.device.drain_events();
-        let moved = self.move_down(0, &events);
-        if self.device_events_wanted {
-            self.device_events.extend(events);
+        if !self.pending.is_empty() {
+            // What the host evicted so far is demoted; what it discards
+            // now is not (the device holds it).
+            let before = self.chains_from(1);
+            self.host_moves.extend(before);
+            for (i, lease, discard) in std::mem::take(&mut self.pending) {
+                let Some(low) = self.lower[i].as_mut() else {
+                    continue;
+                };
+                // Unknown leases (released already) are no-ops.
+                let _ = if discard {
+                    low.cache.release_discarding(lease).map(drop)
+                } else {
+                    low.cache.release(lease)
+                };
+            }
+            drop(self.chains_from(1));
         }
-        moved
+        let chains = self.chains_from(0);
+        self.move_down(0, &chains)
     }
 
-    /// Writes the entries `events` (of the tier above lower tier `i`)
-    /// describe into lower tier `i`, then its own into the next.
-    fn move_down(&mut self, i: usize, events: &[CacheEvent]) -> Result<(), CacheError> {
-        if self.lower[i].is_none() {
-            return Ok(());
-        }
-        for e in events {
-            let (ns, position, prefix) = match (e, self.cfg.write) {
+    /// The chains the tier above lower tier `i` (0: the device, 1: the
+    /// host) asks to move down since the last call: what it evicted
+    /// (write-back) or stored (write-through), as (namespace, position,
+    /// tokens to the state). The device's events are kept for the caller
+    /// when it asked for them.
+    fn chains_from(&mut self, i: usize) -> Vec<(u64, u32, Arc<[u32]>)> {
+        let write = self.cfg.write;
+        let wanted = i == 0 && self.device_events_wanted;
+        let cache = match i {
+            0 => &mut self.device,
+            _ => match self.lower[0].as_mut() {
+                Some(l) => &mut l.cache,
+                None => return Vec::new(),
+            },
+        };
+        let mut out: Vec<(u64, u32, Arc<[u32]>)> = cache
+            .drain_removed()
+            .into_iter()
+            .filter(|_| write == WriteMode::Back)
+            .map(|r| (r.ns, r.position, r.tokens()))
+            .collect();
+        let events = cache.drain_events();
+        for e in &events {
+            match (e, write) {
                 (
                     CacheEvent::StateRemoved {
                         ns,
@@ -777,10 +833,24 @@ impl TieredCache {
                         prefix,
                     },
                     WriteMode::Through,
-                ) => (*ns, *position, prefix),
-                _ => continue,
-            };
-            self.write_lower(i, ns, position, prefix)?;
+                ) => out.push((*ns, *position, Arc::clone(prefix))),
+                _ => {}
+            }
+        }
+        if wanted {
+            self.device_events.extend(events);
+        }
+        out
+    }
+
+    /// Writes `chains` (of the tier above lower tier `i`) into lower tier
+    /// `i`, then what that moved out of the host into the store.
+    fn move_down(&mut self, i: usize, chains: &[(u64, u32, Arc<[u32]>)]) -> Result<(), CacheError> {
+        if self.lower[i].is_none() {
+            return Ok(());
+        }
+        for (ns, position, prefix) in chains {
+            self.write_lower(i, *ns, *position, prefix)?;
         }
         if i == 0 {
             self.settle_host()?;
@@ -793,11 +863,9 @@ impl TieredCache {
         if self.lower[1].is_none() {
             return Ok(());
         }
-        let mut ev = std::mem::take(&mut self.host_events);
-        if let Some(l) = self.lower[0].as_mut() {
-            ev.extend(l.cache.drain_events());
-        }
-        self.move_down(1, &ev)
+        let mut chains = std::mem::take(&mut self.host_moves);
+        chains.extend(self.chains_from(1));
+        self.move_down(1, &chains)
     }
 
     fn write_lower(

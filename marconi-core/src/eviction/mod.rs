@@ -498,12 +498,22 @@ impl Core {
             return 0;
         };
         let walk = self.tree.walk(root, tokens, self.cfg.page_size);
-        let Some(&id) = walk.path.last() else {
+        match walk.path.last() {
+            Some(&id) if walk.partial.is_none() => self.discard_node(id, tokens.len() as u32),
+            _ => 0,
+        }
+    }
+
+    /// [`discard`](Self::discard) of node `id`, if it is live and its
+    /// state is at `position`.
+    pub(crate) fn discard_node(&mut self, id: NodeId, position: u32) -> u64 {
+        if id == NIL || id as usize >= self.tree.nodes.len() {
             return 0;
-        };
+        }
         let n = self.tree.node(id);
-        if walk.partial.is_some()
-            || walk.matched as usize != tokens.len()
+        if !n.live
+            || n.parent == NIL
+            || n.depth != position
             || n.state.is_none()
             || n.leases > 0
             || n.children.len() > 1

@@ -170,26 +170,47 @@ impl Core {
         let len = input.len() as u32;
         let page = self.cfg.page_size;
         let walk = self.tree.walk(root, input, page);
-        let usable = self.usable_hit(Some(&walk), walk.matched, len - 1);
-        let plan = if with_plan {
+        let limit = len - 1;
+        // As `usable_hit`, without collecting the path's state depths: the
+        // plan is filtered against them afterwards (every policy's plan
+        // leaves out positions already holding a state).
+        let state_at = |id: NodeId| self.tree.node(id).state.is_some();
+        let hit = if self.stateless_hits() {
+            round_down(walk.matched.min(limit), page)
+        } else {
+            walk.path
+                .iter()
+                .rev()
+                .map(|&id| self.tree.node(id))
+                .find(|n| n.state.is_some() && n.depth <= limit)
+                .map_or(0, |n| n.depth)
+        };
+        let mut plan = Vec::new();
+        if with_plan {
+            let none = BTreeSet::new();
             let plan_input = PlanInput {
                 tree: &self.tree,
                 walk: Some(&walk),
                 len,
-                hit: usable.hit,
-                state_depths: &usable.state_depths,
+                hit,
+                state_depths: &none,
                 page_size: page,
                 inner_grid: self.inner_grid(),
             };
-            self.admission
-                .plan(&plan_input)
-                .map(|(p, _)| p)
-                .unwrap_or_default()
-        } else {
-            Vec::new()
-        };
+            if let Some((p, _)) = self.admission.plan(&plan_input) {
+                plan = p;
+                if !self.stateless_hits() {
+                    plan.retain(|&d| {
+                        !walk
+                            .path
+                            .iter()
+                            .any(|&id| state_at(id) && self.tree.node(id).depth == d)
+                    });
+                }
+            }
+        }
         Ok(Peek {
-            hit_tokens: usable.hit,
+            hit_tokens: hit,
             kv_matched_tokens: round_down(walk.matched, page),
             plan,
         })

@@ -510,15 +510,27 @@ impl PrefixCache {
         self.core.peek(ns, input, with_plan)
     }
 
-    /// [`lookup`](Self::lookup) for a lease that only pins what it found
-    /// (a lower tier's hit being loaded): nothing is admitted under it, so
-    /// the input is not fingerprinted.
-    pub(crate) fn lookup_pinning(&mut self, ns: u64, input: &[u32]) -> Result<Lookup, CacheError> {
-        let l = self.core.lookup_walk(ns, input, false).map(|(l, _)| l)?;
+    /// [`peek`](Self::peek), with the node of the hit, for
+    /// [`lease_peeked`](Self::lease_peeked).
+    pub(crate) fn peek_node(
+        &self,
+        ns: u64,
+        input: &[u32],
+        with_plan: bool,
+    ) -> Result<(Peek, NodeId), CacheError> {
+        self.core.peek_node(ns, input, with_plan)
+    }
+
+    /// The lease of what `peek` (of an input of `len` tokens, returned
+    /// with `node` by [`peek_node`](Self::peek_node) on this cache,
+    /// unchanged since) found: a lower tier's hit being loaded. Nothing is
+    /// admitted under it (no plan, no fingerprint).
+    pub(crate) fn lease_peeked(&mut self, ns: u64, len: u32, peek: &Peek, node: NodeId) -> Lookup {
+        let l = self.core.lease_peeked(ns, len, peek, node);
         if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
             self.core.set_recording(l.lease, &[]);
         }
-        Ok(l)
+        l
     }
 
     /// The checkpoint positions planned for `lease` (as in its [`Lookup`]).

@@ -163,9 +163,20 @@ impl Core {
     /// match and, with `with_plan`, its plan without hints), changing
     /// nothing: no clock tick, lease, refresh, counter or log entry.
     pub(crate) fn peek(&self, ns: u64, input: &[u32], with_plan: bool) -> Result<Peek, CacheError> {
+        self.peek_node(ns, input, with_plan).map(|(p, _)| p)
+    }
+
+    /// [`peek`](Self::peek), with the node that carries the hit (NIL for
+    /// none), for [`lease_peeked`](Self::lease_peeked).
+    pub(crate) fn peek_node(
+        &self,
+        ns: u64,
+        input: &[u32],
+        with_plan: bool,
+    ) -> Result<(Peek, NodeId), CacheError> {
         Self::check_tokens(input)?;
         let Some(root) = self.tree.root(ns) else {
-            return Ok(Peek::default());
+            return Ok((Peek::default(), NIL));
         };
         let len = input.len() as u32;
         let page = self.cfg.page_size;
@@ -175,15 +186,16 @@ impl Core {
         // plan is filtered against them afterwards (every policy's plan
         // leaves out positions already holding a state).
         let state_at = |id: NodeId| self.tree.node(id).state.is_some();
-        let hit = if self.stateless_hits() {
-            round_down(walk.matched.min(limit), page)
+        let (hit, node) = if self.stateless_hits() {
+            let usable = self.usable_hit(Some(&walk), walk.matched, limit);
+            (usable.hit, usable.node)
         } else {
             walk.path
                 .iter()
                 .rev()
-                .map(|&id| self.tree.node(id))
-                .find(|n| n.state.is_some() && n.depth <= limit)
-                .map_or(0, |n| n.depth)
+                .copied()
+                .find(|&id| state_at(id) && self.tree.node(id).depth <= limit)
+                .map_or((0, NIL), |id| (self.tree.node(id).depth, id))
         };
         let mut plan = Vec::new();
         if with_plan {
@@ -209,11 +221,36 @@ impl Core {
                 }
             }
         }
-        Ok(Peek {
+        Ok((
+            Peek {
+                hit_tokens: hit,
+                kv_matched_tokens: round_down(walk.matched, page),
+                plan,
+            },
+            node,
+        ))
+    }
+
+    /// The lookup a peek of an input of `len` tokens found (its hit on
+    /// `node`, its KV match), on the tree as the peek saw it: the lease
+    /// pinning the hit, counted and logged as a lookup, without walking
+    /// the input again (a lease that only pins: no plan, no fingerprint).
+    pub(crate) fn lease_peeked(&mut self, ns: u64, len: u32, peek: &Peek, node: NodeId) -> Lookup {
+        self.clock += 1;
+        let hit = peek.hit_tokens;
+        let (state_slot, kv_pages, before_hit) = self.take_hit(node, hit);
+        let pinned_tokens = if node == NIL { 0 } else { hit };
+        let lease = self.open_lease(ns, (node, before_hit), (len, pinned_tokens), 0, Vec::new());
+        let lookup = Lookup {
+            lease,
             hit_tokens: hit,
-            kv_matched_tokens: round_down(walk.matched, page),
-            plan,
-        })
+            kv_matched_tokens: peek.kv_matched_tokens,
+            state_slot,
+            kv_pages,
+            plan: Vec::new(),
+        };
+        self.record_lookup(ns, len, &lookup, None, &[]);
+        lookup
     }
 
     /// The deepest usable position of the match (below `limit`) and the

@@ -31,7 +31,8 @@ use crate::cache::PrefixCache;
 use crate::config::CacheConfig;
 use crate::error::CacheError;
 use crate::events::CacheEvent;
-use crate::lookup::Lookup;
+use crate::lookup::{Lookup, Peek};
+use crate::tree::NodeId;
 
 /// Where an entry lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -486,13 +487,14 @@ impl TieredCache {
         // there); only the tier whose hit is taken is looked up for real
         // (its lease pins the hit while it loads).
         let mut probes: [Option<Probe>; 2] = [None, None];
+        let mut peeks: [Option<(Peek, NodeId)>; 2] = [None, None];
         self.hints.clear();
         self.hints.extend_from_slice(checkpoints);
         for i in 0..2 {
             let Some(l) = self.lower[i].as_ref() else {
                 continue;
             };
-            let p = l.cache.peek(ns, input, self.cfg.lower_plans)?;
+            let (p, node) = l.cache.peek_node(ns, input, self.cfg.lower_plans)?;
             probes[i] = Some(Probe {
                 hit: p.hit_tokens,
                 kv: p.kv_matched_tokens,
@@ -502,6 +504,7 @@ impl TieredCache {
             // the whole cache: the device plans them too, or a small device
             // would only ever see the branches it still holds.
             self.hints.extend_from_slice(&p.plan);
+            peeks[i] = Some((p, node));
         }
         // The longest lower hit is hinted so that the device plans its state
         // (promotion); dropped by the device when not above its own hit.
@@ -561,21 +564,13 @@ impl TieredCache {
                 if j != i && !(j == 0 && host_kv) {
                     continue;
                 }
-                let Some(l) = self.lower[j].as_mut() else {
+                let (Some(l), Some((p, node))) = (self.lower[j].as_mut(), &peeks[j]) else {
                     continue;
                 };
-                match l.cache.lookup_pinning(ns, input) {
-                    Ok(lk) => {
-                        leases[j] = Some(lk.lease);
-                        lower_lookups[j] = Some(lk);
-                    }
-                    Err(e) => {
-                        self.release_lower(&leases);
-                        // The device's lease of this lookup: known.
-                        let _ = self.device.release(device.lease);
-                        return Err(e);
-                    }
-                }
+                // The tier is as peeked: nothing changed it since.
+                let lk = l.cache.lease_peeked(ns, input.len() as u32, p, *node);
+                leases[j] = Some(lk.lease);
+                lower_lookups[j] = Some(lk);
             }
             self.load_orders(tier, hit, dkv, &probes, &lower_lookups)
         };
@@ -678,15 +673,6 @@ impl TieredCache {
             bytes: self.state_bytes(),
         });
         out
-    }
-
-    fn release_lower(&mut self, leases: &[Option<u64>; 2]) {
-        for (l, lease) in self.lower.iter_mut().zip(leases) {
-            if let (Some(l), Some(lease)) = (l.as_mut(), lease) {
-                // A lease this cache issued (unknown once released: no-op).
-                let _ = l.cache.release(*lease);
-            }
-        }
     }
 
     /// Admits the request into the device (as [`PrefixCache::admit`]) and

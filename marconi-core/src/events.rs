@@ -227,7 +227,11 @@ impl Core {
         edges.reverse();
         let ns = self.ns_of_root(root);
         if let Some(log) = &mut self.events {
-            log.removed.push(RemovedState { ns, position, edges });
+            log.removed.push(RemovedState {
+                ns,
+                position,
+                edges,
+            });
         }
     }
 

@@ -6,8 +6,8 @@
 //! is declined.
 
 use marconi_core::{
-    AlphaMode, CacheConfig, CacheError, LoadWhat, ModelSpec, PrefixCache, Tier, TierConfig, TierSpec,
-    TieredCache, WriteMode,
+    AlphaMode, CacheConfig, CacheError, LoadWhat, ModelSpec, PrefixCache, Tier, TierConfig,
+    TierSpec, TieredCache, WriteMode,
 };
 use proptest::prelude::*;
 
@@ -440,5 +440,8 @@ fn only_the_tier_whose_hit_is_taken_is_looked_up() {
     next.extend(500..540);
     let l = c.serve_full(0, next.len(), &next).unwrap();
     assert_eq!(l.tier, Tier::Device);
-    assert_eq!(c.tier(Tier::Host).unwrap().stats().requests, before.requests);
+    assert_eq!(
+        c.tier(Tier::Host).unwrap().stats().requests,
+        before.requests
+    );
 }

@@ -6,8 +6,8 @@
 //! is declined.
 
 use marconi_core::{
-    AlphaMode, CacheConfig, CacheError, LoadWhat, ModelSpec, PrefixCache, Tier, TierConfig,
-    TierSpec, TieredCache, WriteMode,
+    AlphaMode, CacheConfig, CacheError, CacheEvent, LoadWhat, ModelSpec, PrefixCache, Tier,
+    TierConfig, TierSpec, TieredCache, WriteMode,
 };
 use proptest::prelude::*;
 
@@ -444,4 +444,70 @@ fn only_the_tier_whose_hit_is_taken_is_looked_up() {
         c.tier(Tier::Host).unwrap().stats().requests,
         before.requests
     );
+}
+
+/// With `defer_moves`, `admit` and `release` leave the lower tiers as they
+/// were (the served chain stays leased in the host) and `settle` drops
+/// it; the decisions are those of the tiers that settle at once.
+#[test]
+fn deferred_moves_discard_in_settle() {
+    let chain = chain_bytes(100);
+    let mk = |defer: bool| {
+        let mut t = TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None);
+        t.defer_moves = defer;
+        TieredCache::new(fixed(chain + chain / 2), t).unwrap()
+    };
+    let (mut now, mut later) = (mk(false), mk(true));
+    let a: Vec<u32> = (1..=100).collect();
+    let b: Vec<u32> = (1001..=1100).collect();
+    let mut next = a.clone();
+    next.extend(2001..2050);
+    for c in [&mut now, &mut later] {
+        c.serve_full(0, a.len(), &a).unwrap();
+        c.settle().unwrap();
+        c.serve_full(0, b.len(), &b).unwrap();
+        c.settle().unwrap();
+    }
+    let l_now = now.serve_full(0, next.len(), &next).unwrap();
+    let l_later = later.serve_full(0, next.len(), &next).unwrap();
+    assert_eq!((l_later.tier, l_later.hit_tokens), (Tier::Host, 100));
+    assert_eq!(l_now.hit_tokens, l_later.hit_tokens);
+    assert!(holds_state(&later, &a, 100)[Tier::Host.index()]);
+    assert!(!holds_state(&now, &a, 100)[Tier::Host.index()]);
+    later.settle().unwrap();
+    assert!(!holds_state(&later, &a, 100)[Tier::Host.index()]);
+    assert_eq!(
+        later.tier(Tier::Host).unwrap().cached_chains(),
+        now.tier(Tier::Host).unwrap().cached_chains()
+    );
+    later.check_invariants();
+}
+
+/// A caller that asks for the device's events gets the whole stream (what
+/// each admission stored, then what was evicted), and the tiers still
+/// demote what the device evicts.
+#[test]
+fn the_device_stream_is_whole_when_the_caller_wants_it() {
+    let chain = chain_bytes(100);
+    let dev = CacheConfig {
+        events: true,
+        ..fixed(chain + chain / 2)
+    };
+    let mut c = TieredCache::new(
+        dev,
+        TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None),
+    )
+    .unwrap();
+    let a: Vec<u32> = (1..=100).collect();
+    let b: Vec<u32> = (1001..=1100).collect();
+    c.serve_full(0, a.len(), &a).unwrap();
+    c.serve_full(0, b.len(), &b).unwrap();
+    let ev = c.drain_device_events();
+    let count = |f: fn(&CacheEvent) -> bool| ev.iter().filter(|e| f(e)).count();
+    assert!(matches!(ev.first(), Some(CacheEvent::AllCleared)));
+    assert_eq!(count(|e| matches!(e, CacheEvent::StateStored { .. })), 2);
+    assert_eq!(count(|e| matches!(e, CacheEvent::KvStored { .. })), 2);
+    assert_eq!(count(|e| matches!(e, CacheEvent::StateRemoved { .. })), 1);
+    assert_eq!(holds_state(&c, &a, 100), [false, true, false]);
+    assert_eq!(c.stats().writes[Tier::Host.index()], 1);
 }

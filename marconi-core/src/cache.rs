@@ -743,7 +743,8 @@ impl PrefixCache {
     /// or when it is a branch point (its node has two or more children;
     /// the state stays). Emits the removal events; freed ids go to
     /// [`drain_freed`](Self::drain_freed). Not an eviction: the eviction
-    /// counters and the decision log do not see it.
+    /// counters and the decision log do not see it, nor do the α tuner's
+    /// replays and shadow caches (they replay requests only).
     pub fn discard(&mut self, ns: u64, tokens: &[u32]) -> u64 {
         self.core.discard(ns, tokens)
     }

@@ -2676,6 +2676,15 @@ typedef struct marconi_tiered_config {
    * (marconi_store_kv_prefix) and uses only states it covers. Default 0.
    */
   uint32_t store_states_hold_kv;
+  /**
+   * Non-zero: exclusive tiers. Once a host or store hit was loaded and
+   * the device admitted the request's state at or beyond it, that tier
+   * drops the chain (a MARCONI_TIER_OP_KIND_DROP op; the device's
+   * eviction writes it down again later). 0: inclusive tiers (a lower
+   * tier keeps a copy of what it served). Default 1. Added after the
+   * first version: a caller whose struct ends before it gets 1.
+   */
+  uint32_t exclusive;
 } marconi_tiered_config;
 
 /**

@@ -1,13 +1,14 @@
 //! What the tiers cost the request path: per request, the tiered lookup
-//! (probes of the host and store, the device's lookup, the choice of the
-//! hit and its load orders) and the tiered admission + release (the
-//! device's, then the demotions of what it evicted into the host and of
-//! what the host evicted into the store), against the same calls on the
-//! device cache alone; p50, p99 and max, and the cost per demotion.
+//! (peeks at the host and the store, the device's lookup, the choice of
+//! the hit, the lease of the tier it loads from and its load orders) and
+//! the tiered admission + release, against the same calls on the device
+//! cache alone; p50, p99 and max, and the cost per demotion.
 //!
 //! The tiers defer their moves (`TierConfig::defer_moves`): `admit` and
-//! `release` only record what the device evicted, and `settle`, timed on
-//! its own, moves it down, as an engine would between decode steps.
+//! `release` only record what the device evicted and queue the lower
+//! tiers' lease releases and exclusive discards; `settle`, timed on its
+//! own, does them and moves the chains down, as an engine would between
+//! decode steps.
 //!
 //! `cargo bench -p marconi-core --bench tier_decision` (under a minute;
 //! `-- --requests N` measures N requests). The device holds 100 k tokens,

@@ -19,7 +19,7 @@ use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::idset::IdSet;
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
-use crate::lookup::Lookup;
+use crate::lookup::{Lookup, Peek};
 use crate::shadow::Shadows;
 use crate::stats::Stats;
 use crate::tree::{NodeId, Span, Tree, NIL};
@@ -501,6 +501,39 @@ impl PrefixCache {
         Ok(l)
     }
 
+    /// What [`lookup`](Self::lookup) of `input` would find now, without
+    /// taking a lease or changing anything (recency, counters, the tuner's
+    /// record): its hit, its KV match and, when `with_plan`, the positions
+    /// its admission policy would plan. A cheap probe: one walk of the
+    /// tree, no hashing of the input. Errors as `lookup` on an empty or
+    /// oversized input.
+    pub fn peek(&self, ns: u64, input: &[u32], with_plan: bool) -> Result<Peek, CacheError> {
+        self.core.peek(ns, input, with_plan)
+    }
+
+    /// [`peek`](Self::peek), with the node of the hit, for
+    /// [`lease_peeked`](Self::lease_peeked).
+    pub(crate) fn peek_node(
+        &self,
+        ns: u64,
+        input: &[u32],
+        with_plan: bool,
+    ) -> Result<(Peek, NodeId), CacheError> {
+        self.core.peek_node(ns, input, with_plan)
+    }
+
+    /// The lease of what `peek` (of an input of `len` tokens, returned
+    /// with `node` by [`peek_node`](Self::peek_node) on this cache,
+    /// unchanged since) found: a lower tier's hit being loaded. Nothing is
+    /// admitted under it (no plan, no fingerprint).
+    pub(crate) fn lease_peeked(&mut self, ns: u64, len: u32, peek: &Peek, node: NodeId) -> Lookup {
+        let l = self.core.lease_peeked(ns, len, peek, node);
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease, &[]);
+        }
+        l
+    }
+
     /// The checkpoint positions planned for `lease` (as in its [`Lookup`]).
     pub fn plan(&self, lease: LeaseId) -> Result<&[u32], CacheError> {
         self.core
@@ -704,6 +737,38 @@ impl PrefixCache {
         })
     }
 
+    /// Drops the state cached at the end of `tokens` in namespace `ns`
+    /// (and the KV only it kept) now that another cache holds it: a tier
+    /// above, after a hit there was loaded from here. Returns the bytes
+    /// freed: 0 when no state is cached exactly there, when it is leased,
+    /// or when it is a branch point (its node has two or more children;
+    /// the state stays). Emits the removal events; freed ids go to
+    /// [`drain_freed`](Self::drain_freed). Not an eviction: the eviction
+    /// counters and the decision log do not see it, nor do the α tuner's
+    /// replays and shadow caches (they replay requests only).
+    pub fn discard(&mut self, ns: u64, tokens: &[u32]) -> u64 {
+        self.core.discard(ns, tokens)
+    }
+
+    /// Releases `lease` (as [`release`](Self::release)) and discards the
+    /// state its lookup hit (as [`discard`](Self::discard), found by the
+    /// node it pinned: no walk). The bytes freed.
+    pub(crate) fn release_discarding(&mut self, lease: LeaseId) -> Result<u64, CacheError> {
+        let (node, hit) = self
+            .core
+            .leases
+            .get(&lease)
+            .map(|i| (i.pinned, i.pinned_tokens))
+            .ok_or(CacheError::UnknownLease(lease))?;
+        self.release(lease)?;
+        Ok(self.core.discard_node(node, hit))
+    }
+
+    /// The states removed since the last call, from a removals-only log.
+    pub(crate) fn drain_removed(&mut self) -> Vec<crate::events::RemovedState> {
+        self.core.drain_removed()
+    }
+
     /// Bytes held by unleased entries that eviction could free now.
     pub fn evictable_bytes(&self) -> u64 {
         self.core.used_bytes()
@@ -743,6 +808,11 @@ impl PrefixCache {
     /// exactly. No-op when events are on.
     pub fn enable_events(&mut self) {
         self.core.enable_events();
+    }
+
+    /// A stream of removals only (see `Core::enable_removal_events`).
+    pub(crate) fn enable_removal_events(&mut self) {
+        self.core.enable_removal_events();
     }
 
     /// Turns the event stream off and drops the pending events.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::cache::Core;
-use crate::tree::{NodeId, NIL};
+use crate::tree::{NodeId, Span, NIL};
 
 /// One change of what the cache holds.
 ///
@@ -85,6 +85,31 @@ pub struct CachedChains {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct EventLog {
     pending: Vec<CacheEvent>,
+    /// Only the states removed are recorded, into `removed` (a tier below
+    /// that demotes what is evicted needs no more): admissions record
+    /// nothing and `pending` stays empty.
+    removals_only: bool,
+    removed: Vec<RemovedState>,
+}
+
+/// A state removed from a cache whose log records removals only: its
+/// chain as the edges' token ranges (shared with the tree, no copy).
+#[derive(Clone, Debug)]
+pub(crate) struct RemovedState {
+    pub(crate) ns: u64,
+    pub(crate) position: u32,
+    edges: Vec<Span>,
+}
+
+impl RemovedState {
+    /// The tokens from 0 to the state.
+    pub(crate) fn tokens(&self) -> Arc<[u32]> {
+        let mut v = Vec::with_capacity(self.position as usize);
+        for e in &self.edges {
+            v.extend_from_slice(e);
+        }
+        v.into()
+    }
 }
 
 impl EventLog {
@@ -92,6 +117,8 @@ impl EventLog {
     pub(crate) fn new() -> Self {
         EventLog {
             pending: vec![CacheEvent::AllCleared],
+            removals_only: false,
+            removed: Vec::new(),
         }
     }
 
@@ -107,6 +134,9 @@ impl Core {
         let Some(log) = &mut self.events else {
             return;
         };
+        if log.removals_only {
+            return;
+        }
         let end = seq.len() as u32;
         if end == m && positions.is_empty() {
             return;
@@ -132,8 +162,13 @@ impl Core {
     /// Records what evicting `id` removes, before the tree changes: its
     /// state, and its edge's KV when it is a leaf. No-op when events are off.
     pub(crate) fn events_evicting(&mut self, id: NodeId) {
-        if self.events.is_none() {
-            return;
+        match &self.events {
+            None => return,
+            Some(l) if l.removals_only => {
+                self.removed_state(id);
+                return;
+            }
+            Some(_) => {}
         }
         let (prefix, root) = self.chain_to(id);
         let ns = self
@@ -169,6 +204,46 @@ impl Core {
         }
     }
 
+    /// Records the state of `id` (if it has one) as removed, its chain as
+    /// the path's edges: no token is copied.
+    fn removed_state(&mut self, id: NodeId) {
+        let n = self.tree.node(id);
+        if n.state.is_none() {
+            return;
+        }
+        let position = n.depth;
+        let mut edges = Vec::new();
+        let mut cur = id;
+        let mut root = id;
+        while cur != NIL {
+            let n = self.tree.node(cur);
+            if n.parent == NIL {
+                root = cur;
+            } else {
+                edges.push(n.tokens.clone());
+            }
+            cur = n.parent;
+        }
+        edges.reverse();
+        let ns = self.ns_of_root(root);
+        if let Some(log) = &mut self.events {
+            log.removed.push(RemovedState {
+                ns,
+                position,
+                edges,
+            });
+        }
+    }
+
+    fn ns_of_root(&self, root: NodeId) -> u64 {
+        self.tree
+            .roots
+            .iter()
+            .find(|&(_, &r)| r == root)
+            .map(|(&ns, _)| ns)
+            .expect("every live node hangs under a namespace root")
+    }
+
     /// The tokens from the root to the end of `id`'s edge, and the root.
     fn chain_to(&self, id: NodeId) -> (Vec<u32>, NodeId) {
         let mut edges = Vec::new();
@@ -193,6 +268,28 @@ impl Core {
     /// Turns events on for a cache that may already hold content: the
     /// stream starts with `AllCleared`, then the content as stored events
     /// (each edge once, parents first, then its state). No-op when on.
+    /// Turns on a stream of removals only, for an empty cache (the tiers'
+    /// demotions read it): no stored events, so an admission copies no
+    /// prefix. No-op when events are on.
+    pub(crate) fn enable_removal_events(&mut self) {
+        if self.events.is_none() {
+            self.events = Some(EventLog {
+                pending: Vec::new(),
+                removals_only: true,
+                removed: Vec::new(),
+            });
+        }
+    }
+
+    /// The states removed since the last call, when the log records
+    /// removals only (else empty).
+    pub(crate) fn drain_removed(&mut self) -> Vec<RemovedState> {
+        self.events
+            .as_mut()
+            .map(|l| std::mem::take(&mut l.removed))
+            .unwrap_or_default()
+    }
+
     pub(crate) fn enable_events(&mut self) {
         if self.events.is_some() {
             return;

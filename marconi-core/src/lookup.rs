@@ -35,6 +35,21 @@ pub struct Lookup {
     pub plan: Vec<u32>,
 }
 
+/// What a lookup would find ([`crate::PrefixCache::peek`]), without the
+/// lookup's effects: no lease, no refresh, no counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Peek {
+    /// Leading tokens a lookup would let the engine skip (as
+    /// [`Lookup::hit_tokens`]).
+    pub hit_tokens: u32,
+    /// Leading tokens whose KV is cached, page-aligned (as
+    /// [`Lookup::kv_matched_tokens`]).
+    pub kv_matched_tokens: u32,
+    /// The positions the admission policy would plan (as [`Lookup::plan`]
+    /// without hints), when asked for; empty otherwise.
+    pub plan: Vec<u32>,
+}
+
 /// The usable part of a match.
 struct UsableHit {
     /// Tokens that can be skipped.
@@ -142,6 +157,100 @@ impl Core {
         };
         self.record_lookup(ns, len, &lookup, reason, &hinted);
         Ok((lookup, walk))
+    }
+
+    /// What [`lookup`](Self::lookup) would find for `input` (its hit, KV
+    /// match and, with `with_plan`, its plan without hints), changing
+    /// nothing: no clock tick, lease, refresh, counter or log entry.
+    pub(crate) fn peek(&self, ns: u64, input: &[u32], with_plan: bool) -> Result<Peek, CacheError> {
+        self.peek_node(ns, input, with_plan).map(|(p, _)| p)
+    }
+
+    /// [`peek`](Self::peek), with the node that carries the hit (NIL for
+    /// none), for [`lease_peeked`](Self::lease_peeked).
+    pub(crate) fn peek_node(
+        &self,
+        ns: u64,
+        input: &[u32],
+        with_plan: bool,
+    ) -> Result<(Peek, NodeId), CacheError> {
+        Self::check_tokens(input)?;
+        let Some(root) = self.tree.root(ns) else {
+            return Ok((Peek::default(), NIL));
+        };
+        let len = input.len() as u32;
+        let page = self.cfg.page_size;
+        let walk = self.tree.walk(root, input, page);
+        let limit = len - 1;
+        // As `usable_hit`, without collecting the path's state depths: the
+        // plan is filtered against them afterwards (every policy's plan
+        // leaves out positions already holding a state).
+        let state_at = |id: NodeId| self.tree.node(id).state.is_some();
+        let (hit, node) = if self.stateless_hits() {
+            let usable = self.usable_hit(Some(&walk), walk.matched, limit);
+            (usable.hit, usable.node)
+        } else {
+            walk.path
+                .iter()
+                .rev()
+                .copied()
+                .find(|&id| state_at(id) && self.tree.node(id).depth <= limit)
+                .map_or((0, NIL), |id| (self.tree.node(id).depth, id))
+        };
+        let mut plan = Vec::new();
+        if with_plan {
+            let none = BTreeSet::new();
+            let plan_input = PlanInput {
+                tree: &self.tree,
+                walk: Some(&walk),
+                len,
+                hit,
+                state_depths: &none,
+                page_size: page,
+                inner_grid: self.inner_grid(),
+            };
+            if let Some((p, _)) = self.admission.plan(&plan_input) {
+                plan = p;
+                if !self.stateless_hits() {
+                    plan.retain(|&d| {
+                        !walk
+                            .path
+                            .iter()
+                            .any(|&id| state_at(id) && self.tree.node(id).depth == d)
+                    });
+                }
+            }
+        }
+        Ok((
+            Peek {
+                hit_tokens: hit,
+                kv_matched_tokens: round_down(walk.matched, page),
+                plan,
+            },
+            node,
+        ))
+    }
+
+    /// The lookup a peek of an input of `len` tokens found (its hit on
+    /// `node`, its KV match), on the tree as the peek saw it: the lease
+    /// pinning the hit, counted and logged as a lookup, without walking
+    /// the input again (a lease that only pins: no plan, no fingerprint).
+    pub(crate) fn lease_peeked(&mut self, ns: u64, len: u32, peek: &Peek, node: NodeId) -> Lookup {
+        self.clock += 1;
+        let hit = peek.hit_tokens;
+        let (state_slot, kv_pages, before_hit) = self.take_hit(node, hit);
+        let pinned_tokens = if node == NIL { 0 } else { hit };
+        let lease = self.open_lease(ns, (node, before_hit), (len, pinned_tokens), 0, Vec::new());
+        let lookup = Lookup {
+            lease,
+            hit_tokens: hit,
+            kv_matched_tokens: peek.kv_matched_tokens,
+            state_slot,
+            kv_pages,
+            plan: Vec::new(),
+        };
+        self.record_lookup(ns, len, &lookup, None, &[]);
+        lookup
     }
 
     /// The deepest usable position of the match (below `limit`) and the

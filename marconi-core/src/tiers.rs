@@ -22,6 +22,8 @@
 //! Pure like the rest of core: no clock, no I/O; times are arithmetic on
 //! configured rates.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use crate::admission::{AdmitOutcome, SavedState};
@@ -30,7 +32,8 @@ use crate::config::CacheConfig;
 use crate::error::CacheError;
 use crate::events::CacheEvent;
 use crate::eviction::Freed;
-use crate::lookup::Lookup;
+use crate::lookup::{Lookup, Peek};
+use crate::tree::NodeId;
 
 /// Where an entry lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -105,6 +108,14 @@ pub struct TierConfig {
     /// instead of doing them in `admit` and `release`. Decisions are the
     /// same as long as `settle` runs before the next lookup.
     pub defer_moves: bool,
+    /// Keep each chain in one tier (exclusive tiers): once a lower-tier
+    /// hit is loaded and the device has admitted the request's state at or
+    /// beyond the hit, the lower tier drops the chain it served
+    /// ([`PrefixCache::discard`]); the device's eviction demotes it again
+    /// later. Without it the tiers are inclusive: the lower tier keeps a
+    /// copy of what it promoted, and device + host hold about what the
+    /// host alone would.
+    pub exclusive: bool,
 }
 
 impl TierConfig {
@@ -123,6 +134,7 @@ impl TierConfig {
             always_load: false,
             lower_plans: true,
             defer_moves: false,
+            exclusive: true,
         }
     }
 
@@ -134,6 +146,7 @@ impl TierConfig {
             promote: true,
             always_load: true,
             lower_plans: false,
+            exclusive: false,
             ..TierConfig::marconi(host, store)
         }
     }
@@ -357,6 +370,24 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
+/// A chain moved or dropped: namespace, the state's position, the tokens
+/// from 0 to at least the state.
+type Chain = (u64, u32, Arc<[u32]>);
+
+/// What a tier's log recorded: the states stored and removed.
+#[derive(Debug, Default)]
+struct Drained {
+    stored: Vec<Chain>,
+    removed: Vec<Chain>,
+}
+
+impl Drained {
+    fn extend(&mut self, other: Drained) {
+        self.stored.extend(other.stored);
+        self.removed.extend(other.removed);
+    }
+}
+
 struct Lower {
     cache: PrefixCache,
     bandwidth: f64,
@@ -377,6 +408,14 @@ pub struct TieredCache {
     device_events: Vec<CacheEvent>,
     /// Writes and drops in order, when recorded ([`TieredCache::record_ops`]).
     ops: Option<Vec<TierOp>>,
+    /// What the host's log held before a discard, not yet moved into the
+    /// store (drained early so that a discard's removals are not demoted).
+    host_pending: Drained,
+    /// Lower-tier leases for `settle` to release: (tier, lease, whether
+    /// to discard the chain it pins).
+    pending: Vec<(usize, u64, bool)>,
+    /// The device lookup's hints, reused from request to request.
+    hints: Vec<u32>,
 }
 
 /// A candidate hit in one lower tier.
@@ -391,23 +430,35 @@ impl TieredCache {
     pub fn new(device: CacheConfig, tiers: TierConfig) -> Result<Self, CacheError> {
         tiers.validate(&device)?;
         let wanted = device.events;
+        // Write-back reads only removals: an admission then records no
+        // event (and copies no prefix) unless the caller wants the stream.
+        let through = tiers.write == WriteMode::Through;
         let mut dev = device.clone();
-        dev.events = wanted || tiers.host.is_some();
+        dev.events = wanted || (tiers.host.is_some() && through);
+        let mut device = PrefixCache::new(dev)?;
+        if tiers.host.is_some() {
+            device.enable_removal_events();
+        }
         let mut lower: [Option<Lower>; 2] = [None, None];
         for (i, spec) in [&tiers.host, &tiers.store].into_iter().enumerate() {
             if let Some(s) = spec {
                 let mut c = s.cache.clone();
                 // The host's evictions feed the store.
-                c.events = i == 0 && tiers.store.is_some();
+                let feeds = i == 0 && tiers.store.is_some();
+                c.events = feeds && through;
+                let mut cache = PrefixCache::new(c)?;
+                if feeds {
+                    cache.enable_removal_events();
+                }
                 lower[i] = Some(Lower {
-                    cache: PrefixCache::new(c)?,
+                    cache,
                     bandwidth: s.bandwidth_bytes_per_s,
                     latency: s.latency_s,
                 });
             }
         }
         Ok(TieredCache {
-            device: PrefixCache::new(dev)?,
+            device,
             lower,
             cfg: tiers,
             stats: TierStats::default(),
@@ -415,6 +466,9 @@ impl TieredCache {
             device_events_wanted: wanted,
             device_events: Vec::new(),
             ops: None,
+            host_pending: Drained::default(),
+            pending: Vec::new(),
+            hints: Vec::new(),
         })
     }
 
@@ -480,7 +534,9 @@ impl TieredCache {
         for (i, l) in self.lower.iter_mut().enumerate() {
             let Some(l) = l else { continue };
             if on {
-                l.cache.enable_events();
+                // Removals are what the drops need (a no-op where the
+                // host's full log feeds a write-through store).
+                l.cache.enable_removal_events();
             } else if !(i == 0 && store) {
                 // The host's events feed the store; nothing else reads them.
                 l.cache.disable_events();
@@ -572,50 +628,36 @@ impl TieredCache {
         checkpoints: &[u32],
         probe: Option<&StoreProbe>,
     ) -> Result<TieredLookup, CacheError> {
+        // The lower tiers are peeked at (one walk each, nothing changes
+        // there); only the tier whose hit is taken is looked up for real
+        // (its lease pins the hit while it loads).
         let mut probes: [Option<Probe>; 2] = [None, None];
-        let mut leases: [Option<u64>; 2] = [None, None];
-        let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
+        let mut peeks: [Option<(Peek, NodeId)>; 2] = [None, None];
+        self.hints.clear();
+        self.hints.extend_from_slice(checkpoints);
         for i in 0..2 {
-            let Some(l) = self.lower[i].as_mut() else {
+            let Some(l) = self.lower[i].as_ref() else {
                 continue;
             };
-            let lk = match l.cache.lookup(ns, input) {
-                Ok(lk) => lk,
-                Err(e) => {
-                    self.release_lower(&leases);
-                    return Err(e);
-                }
-            };
-            leases[i] = Some(lk.lease);
+            let (p, node) = l.cache.peek_node(ns, input, self.cfg.lower_plans)?;
             probes[i] = Some(Probe {
-                hit: lk.hit_tokens,
-                kv: lk.kv_matched_tokens,
+                hit: p.hit_tokens,
+                kv: p.kv_matched_tokens,
             });
-            lower_lookups[i] = Some(lk);
+            // The branch points a lower tier sees (its admission plans them
+            // where the input leaves a path it holds) are branch points of
+            // the whole cache: the device plans them too, or a small device
+            // would only ever see the branches it still holds.
+            self.hints.extend_from_slice(&p.plan);
+            peeks[i] = Some((p, node));
         }
         // The longest lower hit is hinted so that the device plans its state
         // (promotion); dropped by the device when not above its own hit.
         let best_lower = probes.iter().flatten().map(|p| p.hit).max().unwrap_or(0);
-        let mut hints = checkpoints.to_vec();
         if self.cfg.promote && best_lower > 0 {
-            hints.push(best_lower);
+            self.hints.push(best_lower);
         }
-        // The branch points a lower tier sees (its admission plans them
-        // where the input leaves a path it holds) are branch points of the
-        // whole cache: the device plans them too, or a small device would
-        // only ever see the branches it still holds.
-        if self.cfg.lower_plans {
-            for lk in lower_lookups.iter().flatten() {
-                hints.extend_from_slice(&lk.plan);
-            }
-        }
-        let device = match self.device.lookup_hinted(ns, input, &hints) {
-            Ok(d) => d,
-            Err(e) => {
-                self.release_lower(&leases);
-                return Err(e);
-            }
-        };
+        let device = self.device.lookup_hinted(ns, input, &self.hints)?;
         let d = device.hit_tokens;
         let dkv = device.kv_matched_tokens;
         let shared_hit = self.shared_candidate(input.len(), dkv, &probes, probe);
@@ -658,9 +700,30 @@ impl TieredCache {
         if declined.is_some_and(|(_, h)| h <= hit) {
             declined = None;
         }
+        let mut leases: [Option<u64>; 2] = [None, None];
         let loads = if tier == Tier::Device {
             Vec::new()
         } else {
+            // The tier whose state is loaded, and the host when it gives KV
+            // to a store hit.
+            let mut lower_lookups: [Option<Lookup>; 2] = [None, None];
+            let i = tier.index() - 1;
+            let host_kv = i == 1 && probes[0].is_some_and(|p| p.kv.min(hit) > dkv && p.hit > 0);
+            // A state only a shared probe knew of is not in this store
+            // tier: nothing of it to pin there (nor to discard later).
+            let shared = i == 1 && shared_hit == Some(hit);
+            for j in 0..2 {
+                if (j != i || shared) && !(j == 0 && host_kv) {
+                    continue;
+                }
+                let (Some(l), Some((p, node))) = (self.lower[j].as_mut(), &peeks[j]) else {
+                    continue;
+                };
+                // The tier is as peeked: nothing changed it since.
+                let lk = l.cache.lease_peeked(ns, input.len() as u32, p, *node);
+                leases[j] = Some(lk.lease);
+                lower_lookups[j] = Some(lk);
+            }
             self.load_orders(tier, hit, dkv, &probes, &lower_lookups)
         };
         let plan = device
@@ -788,15 +851,6 @@ impl TieredCache {
         out
     }
 
-    fn release_lower(&mut self, leases: &[Option<u64>; 2]) {
-        for (l, lease) in self.lower.iter_mut().zip(leases) {
-            if let (Some(l), Some(lease)) = (l.as_mut(), lease) {
-                // A lease this cache issued a moment ago: cannot be unknown.
-                let _ = l.cache.release(*lease);
-            }
-        }
-    }
-
     /// Admits the request into the device (as [`PrefixCache::admit`]) and
     /// moves what the device evicted or stored into the lower tiers.
     pub fn admit(
@@ -809,6 +863,20 @@ impl TieredCache {
         let out = self
             .device
             .admit(l.device.lease, tokens, states, kv_pages)?;
+        // Exclusive tiers: the device now holds a state at or beyond the
+        // lower-tier hit, so the tier that served it drops that chain (in
+        // `settle`, through the lease that pins it).
+        if self.cfg.exclusive
+            && l.tier != Tier::Device
+            && out.states_taken.iter().any(|&p| p >= l.hit_tokens)
+        {
+            let i = l.tier.index() - 1;
+            if let Some(lease) = l.leases[i] {
+                if !self.pending.iter().any(|&(j, p, _)| j == i && p == lease) {
+                    self.pending.push((i, lease, true));
+                }
+            }
+        }
         if !self.cfg.defer_moves {
             self.settle()?;
         }
@@ -826,9 +894,21 @@ impl TieredCache {
         Ok(out)
     }
 
-    /// Releases the lookup's leases in every tier.
+    /// Releases the lookup's leases in every tier (the lower tiers' in
+    /// [`settle`](Self::settle) when moves are deferred).
     pub fn release(&mut self, l: &TieredLookup) -> Result<(), CacheError> {
-        self.release_lower(&l.leases);
+        for (i, lease) in l.leases.iter().enumerate() {
+            let Some(lease) = *lease else { continue };
+            if self.pending.iter().any(|&(j, p, _)| j == i && p == lease) {
+                continue;
+            }
+            if self.cfg.defer_moves {
+                self.pending.push((i, lease, false));
+            } else if let Some(low) = self.lower[i].as_mut() {
+                // Unknown once released (a discard in `settle`): no-op.
+                let _ = low.cache.release(lease);
+            }
+        }
         self.device.release(l.device.lease)?;
         if self.cfg.defer_moves {
             return Ok(());
@@ -845,56 +925,117 @@ impl TieredCache {
         std::mem::take(&mut self.device_events)
     }
 
-    /// Moves what the device evicted (write-back) or stored (write-through)
-    /// since the last call into the host, and the host's into the store.
-    /// `admit` and `release` call it unless [`TierConfig::defer_moves`].
+    /// Releases the lower tiers' leases of released lookups, drops the
+    /// chains exclusive tiers served, moves what the device evicted
+    /// (write-back) or stored (write-through) since the last call into the
+    /// host, and the host's into the store. `admit` and `release` call it
+    /// unless [`TierConfig::defer_moves`].
     pub fn settle(&mut self) -> Result<(), CacheError> {
         if self.lower[0].is_none() {
             return Ok(());
         }
-        let events = self.device.drain_events();
-        let moved = self.move_down(0, &events);
-        if self.device_events_wanted {
-            self.device_events.extend(events);
+        if !self.pending.is_empty() {
+            // What the host evicted so far is demoted; what it discards
+            // now is not (the device holds it). With ops recorded the
+            // host's log is empty here (each write into it is settled at
+            // once); settling it now keeps its drops before the discards'.
+            if self.ops.is_some() {
+                self.settle_host()?;
+            } else {
+                let before = self.drain_log(1);
+                self.host_pending.extend(before);
+            }
+            for (i, lease, discard) in std::mem::take(&mut self.pending) {
+                let Some(low) = self.lower[i].as_mut() else {
+                    continue;
+                };
+                // Unknown leases (released already) are no-ops.
+                let _ = if discard {
+                    low.cache.release_discarding(lease).map(drop)
+                } else {
+                    low.cache.release(lease)
+                };
+                // A discarded chain is dropped from its tier (the engine
+                // frees its copy there), not moved further down.
+                let d = self.drain_log(i + 1);
+                self.record_drops(i, &d.removed);
+            }
         }
-        moved
+        let mut d = self.drain_log(0);
+        let chains = self.to_move(&mut d);
+        self.move_down(0, &chains)
     }
 
-    /// Writes the entries `events` (of the tier above lower tier `i`)
-    /// describe into lower tier `i`, then its own into the next.
-    fn move_down(&mut self, i: usize, events: &[CacheEvent]) -> Result<(), CacheError> {
+    /// What tier `t`'s log (0 device, 1 host, 2 store) recorded since the
+    /// last call: the states it stored (a full log only) and removed, as
+    /// chains. The device's events are kept for the caller when it asked
+    /// for them.
+    fn drain_log(&mut self, t: usize) -> Drained {
+        let wanted = t == 0 && self.device_events_wanted;
+        let cache = match t {
+            0 => &mut self.device,
+            _ => match self.lower[t - 1].as_mut() {
+                Some(l) => &mut l.cache,
+                None => return Drained::default(),
+            },
+        };
+        let mut d = Drained {
+            stored: Vec::new(),
+            removed: cache
+                .drain_removed()
+                .into_iter()
+                .map(|r| (r.ns, r.position, r.tokens()))
+                .collect(),
+        };
+        let events = cache.drain_events();
+        for e in &events {
+            match e {
+                CacheEvent::StateRemoved {
+                    ns,
+                    position,
+                    prefix,
+                } => d.removed.push((*ns, *position, Arc::clone(prefix))),
+                CacheEvent::StateStored {
+                    ns,
+                    position,
+                    prefix,
+                } => d.stored.push((*ns, *position, Arc::clone(prefix))),
+                _ => {}
+            }
+        }
+        if wanted {
+            self.device_events.extend(events);
+        }
+        d
+    }
+
+    /// The chains of `d` the tier below receives: what was evicted
+    /// (write-back) or stored (write-through).
+    fn to_move(&self, d: &mut Drained) -> Vec<Chain> {
+        match self.cfg.write {
+            WriteMode::Back => d.removed.clone(),
+            WriteMode::Through => std::mem::take(&mut d.stored),
+        }
+    }
+
+    /// Writes `chains` (of the tier above lower tier `i`) into lower tier
+    /// `i`, then what that moved out of the host into the store. When ops
+    /// are recorded, each write is followed by the drops it caused (and,
+    /// into the host, by the store's writes of what the host evicted), so
+    /// that an engine replaying them sees a drop after the write that
+    /// caused it and before a later write of the same chain.
+    fn move_down(&mut self, i: usize, chains: &[Chain]) -> Result<(), CacheError> {
         if self.lower[i].is_none() {
             return Ok(());
         }
-        for e in events {
-            let (ns, position, prefix) = match (e, self.cfg.write) {
-                (
-                    CacheEvent::StateRemoved {
-                        ns,
-                        position,
-                        prefix,
-                    },
-                    WriteMode::Back,
-                )
-                | (
-                    CacheEvent::StateStored {
-                        ns,
-                        position,
-                        prefix,
-                    },
-                    WriteMode::Through,
-                ) => (*ns, *position, prefix),
-                _ => continue,
-            };
-            self.write_lower(i, ns, position, prefix)?;
-            // An engine replaying the ops needs each drop after the write
-            // that caused it and before a later write of the same chain.
+        for (ns, position, prefix) in chains {
+            self.write_lower(i, *ns, *position, prefix)?;
             if self.ops.is_some() {
                 if i == 0 {
                     self.settle_host()?;
                 } else {
-                    let ev = self.lower_events(1);
-                    self.record_drops(1, &ev);
+                    let d = self.drain_log(2);
+                    self.record_drops(1, &d.removed);
                 }
             }
         }
@@ -904,48 +1045,37 @@ impl TieredCache {
         Ok(())
     }
 
-    /// Moves the host's evictions or stores into the store.
+    /// Moves the host's evictions or stores into the store, then records
+    /// the host's drops (after the store's writes that copy from them) and
+    /// the store's.
     fn settle_host(&mut self) -> Result<(), CacheError> {
         if self.lower[1].is_none() && self.ops.is_none() {
             return Ok(());
         }
-        let ev = self.lower_events(0);
-        // A chain the host dropped is written to the store (from the
-        // engine's host copy) before the drop is recorded.
-        self.move_down(1, &ev)?;
-        self.record_drops(0, &ev);
-        let ev = self.lower_events(1);
-        self.record_drops(1, &ev);
+        let mut d = std::mem::take(&mut self.host_pending);
+        d.extend(self.drain_log(1));
+        let chains = self.to_move(&mut d);
+        self.move_down(1, &chains)?;
+        self.record_drops(0, &d.removed);
+        let s = self.drain_log(2);
+        self.record_drops(1, &s.removed);
         Ok(())
     }
 
-    /// Drains lower tier `i`'s events.
-    fn lower_events(&mut self, i: usize) -> Vec<CacheEvent> {
-        self.lower[i]
-            .as_mut()
-            .map(|l| l.cache.drain_events())
-            .unwrap_or_default()
-    }
-
-    /// Records lower tier `i`'s state removals among `ev` as drops.
-    fn record_drops(&mut self, i: usize, ev: &[CacheEvent]) {
-        if let Some(ops) = self.ops.as_mut() {
-            let from = if i == 0 { Tier::Host } else { Tier::Store };
-            for e in ev {
-                if let CacheEvent::StateRemoved {
-                    ns,
-                    position,
-                    prefix,
-                } = e
-                {
-                    ops.push(TierOp::Drop {
-                        from,
-                        ns: *ns,
-                        position: *position,
-                        prefix: prefix[..(*position as usize).min(prefix.len())].to_vec(),
-                    });
-                }
-            }
+    /// Records `removed` as drops from lower tier `i` (when ops are
+    /// recorded).
+    fn record_drops(&mut self, i: usize, removed: &[Chain]) {
+        let Some(ops) = self.ops.as_mut() else {
+            return;
+        };
+        let from = if i == 0 { Tier::Host } else { Tier::Store };
+        for (ns, position, prefix) in removed {
+            ops.push(TierOp::Drop {
+                from,
+                ns: *ns,
+                position: *position,
+                prefix: prefix[..(*position as usize).min(prefix.len())].to_vec(),
+            });
         }
     }
 

@@ -364,3 +364,85 @@ fn no_branch_checkpoint_is_planned_shallower_than_min_branch_depth() {
     assert_eq!(CacheConfig::marconi_paper(paper(), 1).min_branch_depth, 0);
     assert_eq!(CacheConfig::sglang_plus(paper(), 1).min_branch_depth, 0);
 }
+
+/// `discard` drops a state (and the KV only it kept) whatever its utility,
+/// as an eviction of it would, with the removal events; it leaves leased
+/// entries, branch points and positions without a state alone, and the
+/// eviction counters and log do not see it.
+#[test]
+fn discard_drops_one_entry_and_nothing_else() {
+    let mut c = PrefixCache::new(CacheConfig {
+        alpha: AlphaMode::Fixed(0.0),
+        decision_log: true,
+        events: true,
+        ..CacheConfig::marconi(paper(), 1 << 40)
+    })
+    .unwrap();
+    let shared = range(0, 64);
+    let a = cat(&[shared.clone(), range(1000, 1064)]);
+    let b = cat(&[shared.clone(), range(2000, 2064)]);
+    let d = range(5000, 5100);
+    for s in [&a, &b, &d] {
+        c.serve(0, s, &[]).unwrap();
+    }
+    // The branch point at 64 got a state (b's lookup planned it).
+    assert!(c.cached_chains().states.contains(&(0, shared.clone())));
+    c.drain_events();
+    c.drain_log();
+    let evictions = c.stats().evictions;
+    // No state there, a branch point, another namespace: nothing.
+    assert_eq!(c.discard(0, &a[..100]), 0);
+    assert_eq!(c.discard(0, &shared), 0);
+    assert_eq!(c.discard(1, &a), 0);
+    // Leased: nothing; released: the leaf goes (its 64 tokens and state).
+    let l = c.lookup(0, &cat(&[d.clone(), range(9000, 9010)])).unwrap();
+    assert_eq!(l.hit_tokens, 100);
+    assert_eq!(c.discard(0, &d), 0);
+    c.release(l.lease).unwrap();
+    c.drain_log();
+    let used = c.used_bytes();
+    assert_eq!(c.discard(0, &a), 64 * KV + STATE);
+    assert_eq!(c.used_bytes(), used - 64 * KV - STATE);
+    assert!(!c.cached_chains().states.contains(&(0, a.clone())));
+    let ev = c.drain_events();
+    assert_eq!(ev.len(), 2, "{ev:?}");
+    assert_eq!(c.stats().evictions, evictions);
+    assert!(c.drain_log().is_empty());
+    c.check_invariants();
+    // The branch point now has one child: its state can go, the KV stays.
+    assert_eq!(c.discard(0, &shared), STATE);
+    let k = c.peek(0, &b, false).unwrap();
+    assert_eq!((k.hit_tokens, k.kv_matched_tokens), (0, 128));
+    c.check_invariants();
+}
+
+/// `peek` finds what `lookup` finds (hit, KV match, plan) and changes
+/// nothing: the counters, the decision log and what a later lookup finds
+/// are those of a cache that was never peeked at.
+#[test]
+fn peek_is_a_lookup_without_its_effects() {
+    let mk = || cache(EvictionPolicy::FlopAware, 1.0, tight());
+    let (mut peeked, mut plain) = (mk(), mk());
+    let reqs = three_entries();
+    let mut probe = reqs.clone();
+    probe.push(cat(&[range(0, 40), range(7000, 7100)]));
+    for r in &reqs {
+        for p in &probe {
+            let k = peeked.peek(0, p, true).unwrap();
+            let l = peeked.lookup(0, p).unwrap();
+            assert_eq!(
+                (k.hit_tokens, k.kv_matched_tokens, &k.plan),
+                (l.hit_tokens, l.kv_matched_tokens, &l.plan)
+            );
+            peeked.release(l.lease).unwrap();
+            let l = plain.lookup(0, p).unwrap();
+            plain.release(l.lease).unwrap();
+        }
+        assert!(peeked.peek(0, &[], false).is_err());
+        peeked.serve(0, r, &[]).unwrap();
+        plain.serve(0, r, &[]).unwrap();
+    }
+    assert_eq!(peeked.stats(), plain.stats());
+    assert_eq!(peeked.drain_log(), plain.drain_log());
+    assert_eq!(peeked.cached_chains(), plain.cached_chains());
+}

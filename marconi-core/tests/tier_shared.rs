@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 
 use marconi_core::{
     CacheConfig, LoadWhat, ModelSpec, StoreProbe, Tier, TierConfig, TierOp, TierSpec, TieredCache,
+    WriteMode,
 };
 
 fn model() -> ModelSpec {
@@ -24,12 +25,18 @@ fn chain_bytes(tokens: u64) -> u64 {
 }
 
 fn cache(dev: u64, host: u64, store: u64) -> TieredCache {
+    cache_with(dev, host, store, |_| {})
+}
+
+/// [`cache`] with Marconi's tier configuration changed by `f`.
+fn cache_with(dev: u64, host: u64, store: u64, f: impl FnOnce(&mut TierConfig)) -> TieredCache {
     let spec = |bytes: u64, gbps: f64| TierSpec {
         cache: CacheConfig::marconi(model(), bytes),
         bandwidth_bytes_per_s: gbps * 1e9,
         latency_s: 10e-6,
     };
-    let t = TierConfig::marconi(Some(spec(host, 25.0)), Some(spec(store, 20.0)));
+    let mut t = TierConfig::marconi(Some(spec(host, 25.0)), Some(spec(store, 20.0)));
+    f(&mut t);
     let mut c = TieredCache::new(CacheConfig::marconi(model(), dev), t).unwrap();
     c.record_ops(true);
     c
@@ -139,6 +146,144 @@ fn ops_keep_the_engine_copies_equal_to_each_tier() {
         writes > 0 && drops > 0,
         "the workload must demote and evict below the device ({writes} writes, {drops} drops)"
     );
+}
+
+/// Serves 3 sessions of 8 turns on `c`, replaying the ops after every
+/// request and after `settle` when moves are deferred (a state the device
+/// could not hold goes to the host on the request path even then): the
+/// copies must equal each tier's states throughout. Returns (lower-tier
+/// hits, drops, drops made by `settle`, writes).
+fn replay_in_step(mut c: TieredCache) -> (u64, usize, usize, usize) {
+    let (mut host, mut store) = (BTreeSet::new(), BTreeSet::new());
+    let (mut writes, mut drops, mut settled) = (0, 0, 0);
+    let count = |ops: &[TierOp]| {
+        let w = ops
+            .iter()
+            .filter(|o| matches!(o, TierOp::Write { .. }))
+            .count();
+        (w, ops.len() - w)
+    };
+    for (input, output) in workload(3, 8, 3) {
+        serve(&mut c, &input, &output);
+        for settle in [false, true] {
+            if settle {
+                if !c.config().defer_moves {
+                    continue;
+                }
+                c.settle().unwrap();
+            }
+            let ops = c.drain_ops();
+            let (w, d) = count(&ops);
+            writes += w;
+            drops += d;
+            if settle {
+                settled += d;
+            }
+            apply(ops, &mut host, &mut store);
+            assert_eq!(host, states_of(&c, Tier::Host));
+            assert_eq!(store, states_of(&c, Tier::Store));
+        }
+        c.check_invariants();
+    }
+    let s = c.stats();
+    let lower = s.hits_by_tier[Tier::Host.index()] + s.hits_by_tier[Tier::Store.index()];
+    (lower, drops, settled, writes)
+}
+
+/// Tier sizes where the device holds a session's state, so that a lower
+/// tier's hit is taken in and exclusive tiers discard it.
+fn sized(f: impl FnOnce(&mut TierConfig)) -> TieredCache {
+    let c = chain_bytes(300);
+    cache_with(2 * c, 3 * c, 6 * c, f)
+}
+
+#[test]
+fn exclusive_discards_are_drops_in_step_with_each_tier() {
+    let excl = replay_in_step(sized(|t| assert!(t.exclusive)));
+    let incl = replay_in_step(sized(|t| t.exclusive = false));
+    assert!(excl.0 > 0, "the workload must hit below the device");
+    // The chains exclusive tiers served are dropped there: more drops per
+    // write than the inclusive tiers make.
+    assert!(
+        excl.1 * incl.3 > incl.1 * excl.3,
+        "exclusive (hits, drops, -, writes) {excl:?}, inclusive {incl:?}"
+    );
+}
+
+#[test]
+fn deferred_exclusive_discards_stay_in_step() {
+    let (lower, drops, settled, writes) = replay_in_step(sized(|t| t.defer_moves = true));
+    assert!(lower > 0 && writes > 0);
+    assert!(
+        settled > 0 && drops >= settled,
+        "the discards are settle's ({settled} of {drops} drops)"
+    );
+}
+
+#[test]
+fn write_through_exclusive_ops_stay_in_step() {
+    for defer in [false, true] {
+        let (lower, drops, _, writes) = replay_in_step(sized(|t| {
+            t.write = WriteMode::Through;
+            t.defer_moves = defer;
+        }));
+        assert!(
+            lower > 0 && writes > 0 && drops > 0,
+            "defer {defer}: {lower} lower hits, {writes} writes, {drops} drops"
+        );
+    }
+}
+
+#[test]
+fn a_shared_hit_drops_nothing_from_the_own_store() {
+    // The own store holds the session's early chain; the shared store a
+    // longer one, another process's. Taking the shared one must not drop
+    // the own store's chain (this store tier did not serve it).
+    let input: Vec<u32> = (0..400).collect();
+    let mut c = cache(chain_bytes(450), chain_bytes(450), chain_bytes(100_000));
+    // Fill: the chain at 100 goes device -> host -> store.
+    serve(&mut c, &input[..100], &[]);
+    for k in 0..4u32 {
+        let other: Vec<u32> = (0..140).map(|i| 1_000_000 * (k + 1) + i).collect();
+        serve(&mut c, &other, &[]);
+    }
+    let own: BTreeSet<Chain> = states_of(&c, Tier::Store);
+    assert!(
+        own.contains(&(0, input[..100].to_vec())),
+        "the setup must leave the early chain in the store"
+    );
+    drop(c.drain_ops());
+    let probe = StoreProbe {
+        kv_tokens: 400,
+        states: vec![300],
+    };
+    let l = c.lookup_probed(0, &input, &[], Some(&probe)).unwrap();
+    assert!(l.shared && l.tier == Tier::Store && l.hit_tokens == 300);
+    let states = c.device().states_to_save(&l.device, input.len());
+    let mut states: Vec<_> = states.into_iter().filter(|s| s.position > 300).collect();
+    if states.is_empty() {
+        states.push(marconi_core::SavedState {
+            position: 400,
+            slot: None,
+        });
+    }
+    c.admit(&l, &input, &states, &[]).unwrap();
+    c.release(&l).unwrap();
+    let dropped: Vec<TierOp> = c
+        .drain_ops()
+        .into_iter()
+        .filter(|o| {
+            matches!(
+                o,
+                TierOp::Drop {
+                    from: Tier::Store,
+                    ..
+                }
+            )
+        })
+        .collect();
+    assert!(dropped.is_empty(), "the own store dropped {dropped:?}");
+    assert!(states_of(&c, Tier::Store).contains(&(0, input[..100].to_vec())));
 }
 
 #[test]

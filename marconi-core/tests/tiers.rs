@@ -6,8 +6,8 @@
 //! is declined.
 
 use marconi_core::{
-    CacheConfig, CacheError, LoadWhat, ModelSpec, PrefixCache, Tier, TierConfig, TierSpec,
-    TieredCache, WriteMode,
+    AlphaMode, CacheConfig, CacheError, CacheEvent, LoadWhat, ModelSpec, PrefixCache, Tier,
+    TierConfig, TierSpec, TieredCache, WriteMode,
 };
 use proptest::prelude::*;
 
@@ -338,4 +338,176 @@ fn bad_tier_configurations_are_refused() {
             "accepted {t:?}"
         );
     }
+}
+
+/// `k` conversations requested round-robin for `rounds` rounds: each
+/// starts with `len` tokens of its own and every request extends the
+/// previous one by a token.
+fn cycle(k: u32, len: u32, rounds: u32) -> Vec<Vec<u32>> {
+    let mut chains: Vec<Vec<u32>> = (0..k)
+        .map(|c| (0..len).map(|t| 1 + c * 100_000 + t).collect())
+        .collect();
+    let mut out = Vec::new();
+    for r in 0..rounds {
+        for c in chains.iter_mut() {
+            c.push(50_000 + r);
+            out.push(c.clone());
+        }
+    }
+    out
+}
+
+fn fixed(cap: u64) -> CacheConfig {
+    CacheConfig {
+        alpha: AlphaMode::Fixed(0.0),
+        ..CacheConfig::marconi(model(), cap)
+    }
+}
+
+/// Eight chains cycled through a device that holds two and a host that
+/// holds six: one cache of the combined size holds all eight, and so do
+/// exclusive tiers (a chain the host served moves up and leaves room for
+/// the one the device demotes). Inclusive tiers keep a copy of what they
+/// served, hold six distinct chains between them, and miss every time.
+#[test]
+fn exclusive_tiers_hold_what_one_cache_of_their_sum_holds() {
+    let (k, len, rounds) = (8u32, 200u32, 6u32);
+    let chain = chain_bytes(u64::from(len + rounds));
+    let (dev, host) = (2 * chain + chain / 2, 6 * chain + chain / 2);
+    let load = cycle(k, len, rounds);
+    let mut one = PrefixCache::new(fixed(dev + host)).unwrap();
+    let mut hits = [0u64; 3];
+    for input in &load {
+        hits[0] += u64::from(one.serve(0, input, &[]).unwrap().hit_tokens);
+    }
+    for (slot, exclusive) in [(1, true), (2, false)] {
+        let mut t = TierConfig::marconi(Some(spec(fixed(host), 25.0)), None);
+        t.exclusive = exclusive;
+        let mut c = TieredCache::new(fixed(dev), t).unwrap();
+        for input in &load {
+            let l = c.serve_full(0, input.len(), input).unwrap();
+            hits[slot] += u64::from(l.hit_tokens);
+            c.check_invariants();
+        }
+    }
+    // Every request after the first round resumes from the previous one.
+    let want: u64 = load[k as usize..].iter().map(|i| i.len() as u64 - 1).sum();
+    assert_eq!(hits[0], want, "one cache of the combined size");
+    assert_eq!(hits[1], want, "exclusive tiers");
+    assert!(hits[2] < want / 2, "inclusive tiers: {} of {want}", hits[2]);
+}
+
+/// Once a host hit is loaded and the device holds the request's state,
+/// the host no longer holds that chain (no tier holds a chain twice),
+/// unless the tiers are inclusive.
+#[test]
+fn a_served_chain_leaves_the_host_that_served_it() {
+    let chain = chain_bytes(100);
+    for exclusive in [true, false] {
+        let mut t = TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None);
+        t.exclusive = exclusive;
+        let mut c = TieredCache::new(fixed(chain + chain / 2), t).unwrap();
+        let a: Vec<u32> = (1..=100).collect();
+        let b: Vec<u32> = (1001..=1100).collect();
+        c.serve_full(0, a.len(), &a).unwrap();
+        // b evicts a from the device: a is demoted to the host.
+        c.serve_full(0, b.len(), &b).unwrap();
+        assert_eq!(holds_state(&c, &a, 100), [false, true, false]);
+        let mut next = a.clone();
+        next.extend(2001..2050);
+        let l = c.serve_full(0, next.len(), &next).unwrap();
+        assert_eq!((l.tier, l.hit_tokens), (Tier::Host, 100));
+        assert_eq!(holds_state(&c, &a, 100)[Tier::Host.index()], !exclusive);
+        c.check_invariants();
+    }
+}
+
+/// A tiered lookup peeks at the lower tiers and looks up (leases) only the
+/// tier whose hit it takes: a request served from the device leaves the
+/// host's counters and recency as they were.
+#[test]
+fn only_the_tier_whose_hit_is_taken_is_looked_up() {
+    let chain = chain_bytes(100);
+    let mut c = TieredCache::new(
+        fixed(3 * chain),
+        TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None),
+    )
+    .unwrap();
+    let a: Vec<u32> = (1..=100).collect();
+    c.serve_full(0, a.len(), &a).unwrap();
+    let before = c.tier(Tier::Host).unwrap().stats();
+    let mut next = a.clone();
+    next.extend(500..540);
+    let l = c.serve_full(0, next.len(), &next).unwrap();
+    assert_eq!(l.tier, Tier::Device);
+    assert_eq!(
+        c.tier(Tier::Host).unwrap().stats().requests,
+        before.requests
+    );
+}
+
+/// With `defer_moves`, `admit` and `release` leave the lower tiers as they
+/// were (the served chain stays leased in the host) and `settle` drops
+/// it; the decisions are those of the tiers that settle at once.
+#[test]
+fn deferred_moves_discard_in_settle() {
+    let chain = chain_bytes(100);
+    let mk = |defer: bool| {
+        let mut t = TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None);
+        t.defer_moves = defer;
+        TieredCache::new(fixed(chain + chain / 2), t).unwrap()
+    };
+    let (mut now, mut later) = (mk(false), mk(true));
+    let a: Vec<u32> = (1..=100).collect();
+    let b: Vec<u32> = (1001..=1100).collect();
+    let mut next = a.clone();
+    next.extend(2001..2050);
+    for c in [&mut now, &mut later] {
+        c.serve_full(0, a.len(), &a).unwrap();
+        c.settle().unwrap();
+        c.serve_full(0, b.len(), &b).unwrap();
+        c.settle().unwrap();
+    }
+    let l_now = now.serve_full(0, next.len(), &next).unwrap();
+    let l_later = later.serve_full(0, next.len(), &next).unwrap();
+    assert_eq!((l_later.tier, l_later.hit_tokens), (Tier::Host, 100));
+    assert_eq!(l_now.hit_tokens, l_later.hit_tokens);
+    assert!(holds_state(&later, &a, 100)[Tier::Host.index()]);
+    assert!(!holds_state(&now, &a, 100)[Tier::Host.index()]);
+    later.settle().unwrap();
+    assert!(!holds_state(&later, &a, 100)[Tier::Host.index()]);
+    assert_eq!(
+        later.tier(Tier::Host).unwrap().cached_chains(),
+        now.tier(Tier::Host).unwrap().cached_chains()
+    );
+    later.check_invariants();
+}
+
+/// A caller that asks for the device's events gets the whole stream (what
+/// each admission stored, then what was evicted), and the tiers still
+/// demote what the device evicts.
+#[test]
+fn the_device_stream_is_whole_when_the_caller_wants_it() {
+    let chain = chain_bytes(100);
+    let dev = CacheConfig {
+        events: true,
+        ..fixed(chain + chain / 2)
+    };
+    let mut c = TieredCache::new(
+        dev,
+        TierConfig::marconi(Some(spec(fixed(20 * chain), 25.0)), None),
+    )
+    .unwrap();
+    let a: Vec<u32> = (1..=100).collect();
+    let b: Vec<u32> = (1001..=1100).collect();
+    c.serve_full(0, a.len(), &a).unwrap();
+    c.serve_full(0, b.len(), &b).unwrap();
+    let ev = c.drain_device_events();
+    let count = |f: fn(&CacheEvent) -> bool| ev.iter().filter(|e| f(e)).count();
+    assert!(matches!(ev.first(), Some(CacheEvent::AllCleared)));
+    assert_eq!(count(|e| matches!(e, CacheEvent::StateStored { .. })), 2);
+    assert_eq!(count(|e| matches!(e, CacheEvent::KvStored { .. })), 2);
+    assert_eq!(count(|e| matches!(e, CacheEvent::StateRemoved { .. })), 1);
+    assert_eq!(holds_state(&c, &a, 100), [false, true, false]);
+    assert_eq!(c.stats().writes[Tier::Host.index()], 1);
 }

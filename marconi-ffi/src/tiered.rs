@@ -107,6 +107,13 @@ pub struct marconi_tiered_config {
     /// needs no KV blocks; 0: a probe also asks for the store's KV prefix
     /// (marconi_store_kv_prefix) and uses only states it covers. Default 0.
     pub store_states_hold_kv: u32,
+    /// Non-zero: exclusive tiers. Once a host or store hit was loaded and
+    /// the device admitted the request's state at or beyond it, that tier
+    /// drops the chain (a MARCONI_TIER_OP_KIND_DROP op; the device's
+    /// eviction writes it down again later). 0: inclusive tiers (a lower
+    /// tier keeps a copy of what it served). Default 1. Added after the
+    /// first version: a caller whose struct ends before it gets 1.
+    pub exclusive: u32,
 }
 
 impl marconi_tiered_config {
@@ -133,12 +140,13 @@ impl marconi_tiered_config {
             defer_moves: u32::from(t.defer_moves),
             max_store_probe: 1024,
             store_states_hold_kv: 0,
+            exclusive: u32::from(t.exclusive),
         }
     }
 }
 
-/// The first version's size of marconi_tiered_config (all of it).
-const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_tiered_config>();
+/// The first version's size of marconi_tiered_config (up to `exclusive`).
+const CONFIG_MIN_SIZE: usize = std::mem::offset_of!(marconi_tiered_config, exclusive);
 
 /// What marconi_tiered_lookup found.
 #[repr(C)]
@@ -487,6 +495,7 @@ pub unsafe extern "C" fn marconi_tiered_new(
         t.always_load = flag(c.always_load, "always_load")?;
         t.lower_plans = flag(c.lower_plans, "lower_plans")?;
         t.defer_moves = flag(c.defer_moves, "defer_moves")?;
+        t.exclusive = flag(c.exclusive, "exclusive")?;
         let states_hold_kv = flag(c.store_states_hold_kv, "store_states_hold_kv")?;
         let mut cache = TieredCache::new(dev, t)?;
         cache.record_ops(true);

@@ -588,6 +588,22 @@ fn bad_configurations_are_refused() {
         marconi_status::InvalidConfig,
     );
     refused(&|c| c.max_store_probe = 0, marconi_status::InvalidConfig);
+    refused(&|c| c.exclusive = 2, marconi_status::InvalidConfig);
+    // A struct of the first version (it ends before `exclusive`) is read,
+    // with exclusive tiers; one cut inside that version is refused.
+    let first = std::mem::offset_of!(marconi_tiered_config, exclusive);
+    let mut older = base;
+    older.struct_size = first as u32;
+    older.exclusive = 7; // past the caller's struct: never read
+    let mut t = ptr::null_mut();
+    // SAFETY: valid pointers; the struct is whole.
+    ok(unsafe { marconi_tiered_new(&older, &mut t) });
+    // SAFETY: a live handle.
+    unsafe { marconi_tiered_free(t) };
+    refused(
+        &|c| c.struct_size = first as u32 - 4,
+        marconi_status::UnsupportedStructSize,
+    );
     refused(
         &|c| c.struct_size = 8,
         marconi_status::UnsupportedStructSize,

@@ -117,6 +117,10 @@ pub struct TierSim {
     /// Load every longer lower-tier hit without weighing it against
     /// recomputing (default: the policy's; hicache always loads).
     pub always_load: Option<bool>,
+    /// Exclusive tiers: a served lower-tier chain is dropped there once the
+    /// device holds it (default: the policy's: on for marconi, off for
+    /// hicache).
+    pub exclusive: Option<bool>,
 }
 
 impl TierSim {
@@ -137,6 +141,7 @@ impl TierSim {
             lower_alpha: None,
             lower_plans: true,
             always_load: None,
+            exclusive: None,
         }
     }
 
@@ -203,6 +208,9 @@ impl TierSim {
         if let Some(w) = self.write {
             t.write = w;
         }
+        if let Some(e) = self.exclusive {
+            t.exclusive = e;
+        }
         Some((device, t))
     }
 
@@ -210,9 +218,9 @@ impl TierSim {
     /// `/back`, `/promote`, `/no-promote` where they differ from the
     /// policy's default).
     pub fn label(&self) -> String {
-        let (name, default_write, default_promote) = match self.policy {
-            TierPolicy::Marconi => ("marconi", WriteMode::Back, false),
-            TierPolicy::Hicache => ("hicache", WriteMode::Through, true),
+        let (name, default_write, default_promote, default_exclusive) = match self.policy {
+            TierPolicy::Marconi => ("marconi", WriteMode::Back, false, true),
+            TierPolicy::Hicache => ("hicache", WriteMode::Through, true, false),
         };
         let mut s = name.to_string();
         match self.write {
@@ -230,6 +238,11 @@ impl TierSim {
         }
         if !self.lower_plans {
             s.push_str("/no-lower-plans");
+        }
+        match self.exclusive {
+            Some(true) if !default_exclusive => s.push_str("/exclusive"),
+            Some(false) if default_exclusive => s.push_str("/inclusive"),
+            _ => {}
         }
         if self.always_load == Some(true) && self.policy == TierPolicy::Marconi {
             s.push_str("/always-load");
@@ -396,6 +409,10 @@ pub struct TierArgs {
     /// A fixed α for the lower tiers (default: tuned online).
     #[arg(long, value_parser = non_negative)]
     pub tier_alpha: Option<f64>,
+    /// Exclusive tiers: a lower tier drops a chain it served once the
+    /// device holds it (default: true for marconi, false for hicache).
+    #[arg(long)]
+    pub tier_exclusive: Option<bool>,
 }
 
 /// A clap value parser: a finite number > 0 (the binary's flags use it too).
@@ -436,6 +453,7 @@ impl TierArgs {
             store_latency: self.store_latency_us * 1e-6,
             compute_flops,
             lower_alpha: self.tier_alpha,
+            exclusive: self.tier_exclusive,
             ..TierSim::new(sizes)
         })
     }

@@ -37,7 +37,7 @@ pub struct TiersArgs {
     pub store_ratio: Option<f64>,
     /// Tier variants: `marconi` or `hicache`, optionally followed by
     /// `/back` or `/through` (write mode), `/promote` or `/no-promote`,
-    /// `/no-lower-plans`, `/always-load`.
+    /// `/no-lower-plans`, `/always-load`, `/exclusive` or `/inclusive`.
     #[arg(long, value_delimiter = ',', default_values = ["marconi", "hicache"])]
     pub variants: Vec<String>,
     /// Host → device GB/s.
@@ -90,9 +90,11 @@ fn variant(name: &str, sizes: TierSizes, a: &TiersArgs) -> Result<(Policy, TierS
             "no-promote" => t.promote = Some(false),
             "no-lower-plans" => t.lower_plans = false,
             "always-load" => t.always_load = Some(true),
+            "exclusive" => t.exclusive = Some(true),
+            "inclusive" => t.exclusive = Some(false),
             _ => {
                 return Err(format!(
-                    "--variants: {p:?} in {name:?} (back, through, promote, no-promote, no-lower-plans, always-load)"
+                    "--variants: {p:?} in {name:?} (back, through, promote, no-promote, no-lower-plans, always-load, exclusive, inclusive)"
                 ))
             }
         }

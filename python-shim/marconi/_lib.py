@@ -535,6 +535,7 @@ class marconi_tiered_config(Structure):
         ("defer_moves", c_uint32),
         ("max_store_probe", c_uint32),
         ("store_states_hold_kv", c_uint32),
+        ("exclusive", c_uint32),
     ]
 
 

@@ -100,6 +100,8 @@ class TieredCache(_Closing):
     default) or "through". compute_flops: the device's effective prefill
     FLOP/s (default 989e12 x 0.4). store_states_hold_kv: the engine's state
     objects in the store carry their KV (whole-sequence snapshots).
+    exclusive (default True): a host or store hit the device took in is
+    dropped from that tier (a "drop" op); False keeps a copy there.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class TieredCache(_Closing):
         defer_moves: bool = False,
         max_store_probe: int = 1024,
         store_states_hold_kv: bool = False,
+        exclusive: bool = True,
     ):
         self._h: Optional[ctypes.c_void_p] = None
         self._lock = threading.Lock()
@@ -133,7 +136,8 @@ class TieredCache(_Closing):
         if tuner_adoption not in ADOPTION:
             raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
         for name, v in (("promote", promote), ("always_load", always_load), ("lower_plans", lower_plans),
-                        ("defer_moves", defer_moves), ("store_states_hold_kv", store_states_hold_kv)):
+                        ("defer_moves", defer_moves), ("store_states_hold_kv", store_states_hold_kv),
+                        ("exclusive", exclusive)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
         lib = _lib.load()
@@ -170,6 +174,7 @@ class TieredCache(_Closing):
             cfg.compute_flops = _real(compute_flops, "compute_flops")
         cfg.promote, cfg.always_load, cfg.lower_plans = int(promote), int(always_load), int(lower_plans)
         cfg.defer_moves, cfg.store_states_hold_kv = int(defer_moves), int(store_states_hold_kv)
+        cfg.exclusive = int(exclusive)
         cfg.max_store_probe = _u32(max_store_probe, "max_store_probe")
         h = ctypes.c_void_p()
         _check(lib.marconi_tiered_new(ctypes.byref(cfg), ctypes.byref(h)), "marconi_tiered_new")

@@ -60,6 +60,7 @@ class Engine:
         self.slots, self.next_slot, self.host = {}, 0, {}
         self.failures = 0
         self.put_failures = 0
+        self.drops = 0
 
     def read(self, tier, chain):
         if tier == "host":
@@ -98,6 +99,7 @@ class Engine:
     def apply(self):
         for op in self.tc.drain_ops():
             assert len(op.tokens) == op.position
+            self.drops += op.kind == "drop"
             key = tuple(op.tokens)
             if op.kind == "write" and op.tier == "host":
                 assert op.tokens in self.slots.values(), "a host write of a chain no slot holds"
@@ -126,6 +128,31 @@ def test_the_engine_copies_stay_in_step_with_the_tiers():
         assert s["requests"] == 60
         assert s["hits_by_tier"]["host"] > 0 and s["writes"]["host"] > 0
         assert e.failures == 0
+
+
+def test_exclusive_tiers_drop_what_they_served_in_step_with_the_engine(tmp_path):
+    c = chain_bytes(300)
+    seen = {}
+    # A drop of a chain the engine never copied fails in Engine.apply (del).
+    for exclusive in (True, False):
+        d = tmp_path / str(exclusive)
+        d.mkdir()
+        with marconi.Store("dir", str(d), model="paper-7b py", block_size=16) as st, \
+                marconi.TieredCache(2 * c, "paper-7b", host_bytes=3 * c, store_bytes=6 * c, store_gbps=20,
+                                    store_latency_us=10, store_states_hold_kv=True, exclusive=exclusive) as tc:
+            e = Engine(tc, st)
+            for prompt, output in workload(3, 8, 3):
+                e.serve(prompt, output)
+                tc.check()
+            s = tc.stats()
+            assert s["hits_by_tier"]["host"] + s["hits_by_tier"]["store"] > 0
+            assert e.failures == 0
+            seen[exclusive] = (e.drops, s["writes"]["host"] + s["writes"]["store"])
+    # The chains a lower tier served are dropped there: more drops per write.
+    (de, we), (di, wi) = seen[True], seen[False]
+    assert de * wi > di * we, seen
+    with pytest.raises(TypeError):
+        marconi.TieredCache(c, host_bytes=c, exclusive=1)
 
 
 def tiered(**kw):

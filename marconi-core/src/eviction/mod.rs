@@ -437,29 +437,8 @@ impl Core {
             let n = self.tree.node(id);
             (n.depth, n.tokens.len() as u32, n.children.is_empty())
         };
-        self.events_evicting(id);
-        self.unindex(id);
-        if let Some(st) = self.tree.node_mut(id).state.take() {
-            self.states -= 1;
-            if let Some(slot) = st.slot {
-                self.slot_owner.remove(&slot);
-                self.freed.state_slots.push(slot);
-            }
-        }
         self.stats.evictions += 1;
-        if leaf {
-            let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
-            for &p in pages.iter() {
-                self.page_owner.remove(p);
-            }
-            self.freed.kv_pages.extend_from_slice(&pages);
-            self.kv_tokens -= u64::from(edge);
-            let parent = self.tree.remove_leaf(id);
-            self.after_child_removed(parent);
-        } else {
-            let child = self.tree.merge_into_child(id);
-            self.refresh(child);
-        }
+        self.remove_entry(id);
         self.log.push(|| Decision::Evict {
             depth,
             edge,
@@ -474,6 +453,76 @@ impl Core {
             freed_bytes,
         });
         true
+    }
+
+    /// Takes `id` (an unleased node with a state, or a leaf, with at most
+    /// one child) out of the cache as an eviction does: its state, and its
+    /// edge's KV when it is a leaf (else it merges into its child), with
+    /// the events and freed ids that go with it.
+    fn remove_entry(&mut self, id: NodeId) {
+        let (edge, leaf) = {
+            let n = self.tree.node(id);
+            (n.tokens.len() as u32, n.children.is_empty())
+        };
+        self.events_evicting(id);
+        self.unindex(id);
+        if let Some(st) = self.tree.node_mut(id).state.take() {
+            self.states -= 1;
+            if let Some(slot) = st.slot {
+                self.slot_owner.remove(&slot);
+                self.freed.state_slots.push(slot);
+            }
+        }
+        if leaf {
+            let pages = std::mem::take(&mut self.tree.node_mut(id).pages);
+            for &p in pages.iter() {
+                self.page_owner.remove(p);
+            }
+            self.freed.kv_pages.extend_from_slice(&pages);
+            self.kv_tokens -= u64::from(edge);
+            let parent = self.tree.remove_leaf(id);
+            self.after_child_removed(parent);
+        } else {
+            let child = self.tree.merge_into_child(id);
+            self.refresh(child);
+        }
+    }
+
+    /// Drops the state cached at the end of `tokens` in `ns`, with the KV
+    /// only it kept (the edge of a leaf), whatever its utility: the bytes
+    /// freed, 0 when no such state is cached, it is leased, or it is a
+    /// branch point (two or more children keep its node; its state stays).
+    /// Not an eviction: counted and logged as none.
+    pub(crate) fn discard(&mut self, ns: u64, tokens: &[u32]) -> u64 {
+        let Some(root) = self.tree.root(ns) else {
+            return 0;
+        };
+        let walk = self.tree.walk(root, tokens, self.cfg.page_size);
+        match walk.path.last() {
+            Some(&id) if walk.partial.is_none() => self.discard_node(id, tokens.len() as u32),
+            _ => 0,
+        }
+    }
+
+    /// [`discard`](Self::discard) of node `id`, if it is live and its
+    /// state is at `position`.
+    pub(crate) fn discard_node(&mut self, id: NodeId, position: u32) -> u64 {
+        if id == NIL || id as usize >= self.tree.nodes.len() {
+            return 0;
+        }
+        let n = self.tree.node(id);
+        if !n.live
+            || n.parent == NIL
+            || n.depth != position
+            || n.state.is_none()
+            || n.leases > 0
+            || n.children.len() > 1
+        {
+            return 0;
+        }
+        let before = self.used_bytes();
+        self.remove_entry(id);
+        before - self.used_bytes()
     }
 
     /// Keeps the tree compressed after a child went away: a stateless,

@@ -1,7 +1,10 @@
 """Prompt modules (Prompt Cache's PML) served by a PyTorch engine: each
 module's states are computed once, alone, at the positions its schema fixes,
 and reused wherever a prompt imports it; the layout (segments, position ids,
-cached or computed) comes from libmarconi (`marconi.pml.Schema.layout`).
+cached or computed) comes from libmarconi (`marconi.pml.Schema.layout`), and
+which segments are served from which entry from libmarconi's module store
+(`marconi.pml.ModuleCache`): the engine keeps the tensors keyed by the
+store's entry ids, admits what it computes and frees what the store evicts.
 
 Three ways to serve a prompt's cached segments:
 
@@ -10,9 +13,9 @@ Three ways to serve a prompt's cached segments:
   the arguments and the prompt's text are prefilled (Prompt Cache §3.4,
   §4.2: discontinuous position ids);
 - exact (a hybrid NemotronH): the leading run of modules (from position 0,
-  no gap) is served from one prefix state (SSM, conv and KV at the run's
-  end), the rest is prefilled; equal to a full prefill within engine.py's
-  TOLERANCE;
+  no gap) is served from the store's exact entries (per segment: its KV
+  computed in context, and the SSM and conv states at its end), the rest is
+  prefilled; equal to a full prefill within engine.py's TOLERANCE;
 - composed (NemotronH, HYPIC-style): after the exact run, each cached
   segment's first `window` tokens are recomputed in context, and the rest of
   it is composed: per Mamba-2 layer h(A.B) = Phi_B h(A) + h_B(0), with Phi_B
@@ -661,6 +664,9 @@ def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict
             for k in ("cached_s", "full_s", "nll_cached", "nll_full"):
                 row[k] = statistics.mean(row[k])
             row["speedup"] = row["full_s"] / row["cached_s"]
+            st = eng.store.stats()
+            row["store"] = {k: st[k] for k in ("entries", "evictions", "used_bytes", "pinned_bytes")}
+            row["store"]["held_bytes"] = eng.held_bytes()
             rows.append(row)
     return rows
 
@@ -675,6 +681,12 @@ def print_table(rows: list[dict]) -> None:
             f"{r['full_s'] * 1e3:.1f} | {r['speedup']:.2f}x | {r['dlogit']:.2e} | {r['kl']:.2e} | "
             f"{r['nll_cached']:.3f} / {r['nll_full']:.3f} |"
         )
+    last = {r["model"]: r for r in rows}
+    for family, r in last.items():
+        st = r["store"]
+        print(f"\n{family}: the module store holds {st['entries']} entries, {st['used_bytes']} bytes charged "
+              f"({st['pinned_bytes']} pinned), {st['evictions']} evictions; the engine's tensors for them "
+              f"take {st['held_bytes']} bytes")
     for r in rows:
         if r["model"] == "llama":
             print(f"\nllama attention mode against a full prefill at contiguous positions 0..n: "

@@ -665,7 +665,7 @@ def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict
                 row[k] = statistics.mean(row[k])
             row["speedup"] = row["full_s"] / row["cached_s"]
             st = eng.store.stats()
-            row["store"] = {k: st[k] for k in ("entries", "evictions", "used_bytes", "pinned_bytes")}
+            row["store"] = {k: st[k] for k in ("entries", "evictions", "resident_bytes", "used_bytes")}
             row["store"]["held_bytes"] = eng.held_bytes()
             rows.append(row)
     return rows
@@ -684,9 +684,9 @@ def print_table(rows: list[dict]) -> None:
     last = {r["model"]: r for r in rows}
     for family, r in last.items():
         st = r["store"]
-        print(f"\n{family}: the module store holds {st['entries']} entries, {st['used_bytes']} bytes charged "
-              f"({st['pinned_bytes']} pinned), {st['evictions']} evictions; the engine's tensors for them "
-              f"take {st['held_bytes']} bytes")
+        print(f"\n{family}: the module store holds {st['entries']} entries charged {st['resident_bytes']} bytes "
+              f"({st['used_bytes']} of the budget in use, pinned reservations included), {st['evictions']} "
+              f"evictions; the engine's tensors for them take {st['held_bytes']} bytes")
     for r in rows:
         if r["model"] == "llama":
             print(f"\nllama attention mode against a full prefill at contiguous positions 0..n: "

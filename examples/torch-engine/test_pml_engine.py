@@ -271,6 +271,24 @@ def test_engine_serves_the_store_plans_with_measured_sizes():
             eng.prefill([s for s in empty if s.kind == "param"], "exact")
 
 
+def test_a_prompt_that_ends_inside_the_exact_run():
+    """A prompt of modules only, all in the leading run: the last token's
+    logits must still be computed, so its last segment is recomputed in
+    context (the engine before the store had no computed piece left and
+    failed on an empty list)."""
+    eng, docs = hybrid_case()
+    with Schema(document_schema(docs)) as schema:
+        eng.register(schema)
+        layout = schema.layout('<prompt schema="library"><doc0/><doc1/></prompt>')
+        assert [s.kind for s in layout] == ["anonymous", "module", "module"]
+        eng.prepare(layout, "exact")
+        assert [p.served_how for p in eng.store.lookup(layout, "exact")] == ["exact"] * 3
+        for mode in ("exact", "composed"):
+            got, count = eng.prefill(layout, mode)
+            assert count["reused"] == layout[0].len + layout[1].len and count["recomputed"] == layout[2].len
+            assert within_tolerance(got, eng.full(layout))
+
+
 def test_a_mode_the_model_lacks_is_an_error():
     """Attention-only reuse on a hybrid and composition on an attention-only
     model are refused by the store (MarconiError UNSUPPORTED), never served

@@ -42,6 +42,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -227,8 +228,8 @@ class PmlEngine:
         self.store = ModuleCache(capacity_bytes, self.kv_bytes_per_token, self.state_bytes, self.operator_bytes)
         self.entries: dict[int, object] = {}
         """Entry id -> its tensors (Encoded or ExactEntry)."""
-        self.freed: list[int] = []
-        """Ids of the entries the store evicted, whose tensors were dropped."""
+        self.freed: deque = deque(maxlen=4096)
+        """Ids of the last 4096 entries the store evicted, whose tensors were dropped."""
 
     # -- the store -----------------------------------------------------------------
 

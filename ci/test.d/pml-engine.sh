@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Prompt modules in the PyTorch engine (examples/torch-engine/pml_engine.py):
-# PML layouts from libmarconi (`marconi.pml`), module KV reused at schema
-# positions on a Llama, the hybrid exact mode checked against a full prefill
-# within 1e-5, Mamba-2 state composition exact on one layer with fixed
-# inputs, and the table at smoke size (models trained for seconds on
+# PML layouts and the module store from libmarconi (`marconi.pml`), module KV
+# reused at schema positions on a Llama, the hybrid exact mode checked against
+# a full prefill within 1e-5 (also under a budget that evicts), evicted
+# modules encoded again, Mamba-2 state composition exact on one layer with
+# fixed inputs, and the table at smoke size (models trained for seconds on
 # /usr/share/common-licenses, cached under the target dir). The full table
 # is `python examples/torch-engine/pml_engine.py --table` (docs/prompt-modules.md).
 # Shares the torch venv with torch-engine.sh (ci/torch-engine-venv.sh).

@@ -1,7 +1,10 @@
 """Prompt modules (Prompt Cache's PML) served by a PyTorch engine: each
 module's states are computed once, alone, at the positions its schema fixes,
 and reused wherever a prompt imports it; the layout (segments, position ids,
-cached or computed) comes from libmarconi (`marconi.pml.Schema.layout`).
+cached or computed) comes from libmarconi (`marconi.pml.Schema.layout`), and
+which segments are served from which entry from libmarconi's module store
+(`marconi.pml.ModuleCache`): the engine keeps the tensors keyed by the
+store's entry ids, admits what it computes and frees what the store evicts.
 
 Three ways to serve a prompt's cached segments:
 
@@ -10,9 +13,9 @@ Three ways to serve a prompt's cached segments:
   the arguments and the prompt's text are prefilled (Prompt Cache §3.4,
   §4.2: discontinuous position ids);
 - exact (a hybrid NemotronH): the leading run of modules (from position 0,
-  no gap) is served from one prefix state (SSM, conv and KV at the run's
-  end), the rest is prefilled; equal to a full prefill within engine.py's
-  TOLERANCE;
+  no gap) is served from the store's exact entries (per segment: its KV
+  computed in context, and the SSM and conv states at its end), the rest is
+  prefilled; equal to a full prefill within engine.py's TOLERANCE;
 - composed (NemotronH, HYPIC-style): after the exact run, each cached
   segment's first `window` tokens are recomputed in context, and the rest of
   it is composed: per Mamba-2 layer h(A.B) = Phi_B h(A) + h_B(0), with Phi_B
@@ -39,6 +42,7 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -47,117 +51,37 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from engine import TOLERANCE, layer_kinds, tiny_nemotron_h
-from marconi.pml import Schema
+from engine import TOLERANCE, layer_kinds, measured_bytes, tiny_nemotron_h
+from marconi.pml import MarconiError, ModuleCache, Schema
 
 MODES = ("attention", "exact", "composed")
 WINDOWS = (0, 4, 16, 64)
-"""The composed mode's boundary windows the table reports."""
-
-SERVED = ("kv", "prefix", "composed", "computed", "recomputed")
-"""How lookup says a segment is served: its module's KV reused (attention),
-the exact run's prefix state (exact), a composed state with a recomputed
-window (composed), computed (an argument or the prompt's text), recomputed
-(a cached segment the mode cannot reuse, or whose module is not admitted)."""
+"""The composed mode's boundary windows the table reports (and the ones a
+module's encoding keeps states for, by default)."""
 
 
-# -- module bookkeeping --------------------------------------------------------
+@dataclass
+class ExactEntry:
+    """What the engine keeps for one exact entry of the store (a segment of
+    a leading run, computed in context from position 0): the segment's KV
+    in every attention layer and, for hybrids, every recurrent layer's
+    (conv, ssm) state at its end."""
+
+    kv: dict
+    states: list
 
 
-class InEngineModuleCache:
-    """The engine's own minimal module store, with the interface of
-    `marconi.pml.ModuleCache` (built separately in libmarconi; this class is
-    to be replaced by it): which modules are admitted, within a byte budget,
-    and how a layout's segments are served. It holds no tensors: those stay
-    the engine's.
-
-    Minimal on purpose: every admitted module stays pinned until its schema
-    is unregistered (no eviction: an admission that does not fit is
-    refused); modules are known by name, so two registered schemas may not
-    share a module name; a module's size is learned from the first layout
-    that imports it (`admit` of a module no layout has shown raises)."""
-
-    def __init__(self, capacity_bytes: int, kv_bytes_per_token: int, state_bytes: int = 0, operator_bytes: int = 0):
-        if capacity_bytes <= 0 or kv_bytes_per_token <= 0 or state_bytes < 0 or operator_bytes < 0:
-            raise ValueError("capacity_bytes and kv_bytes_per_token must be positive, the others non-negative")
-        self.capacity = capacity_bytes
-        self.kv_bytes_per_token, self.state_bytes, self.operator_bytes = kv_bytes_per_token, state_bytes, operator_bytes
-        self.schemas: dict[int, set] = {}  # namespace -> module names admitted under it
-        self.sizes: dict[str, list] = {}  # module key -> its segments' (start, len)
-        self.admitted: dict[str, int] = {}  # module key -> bytes charged
-        self.hits = self.misses = 0
-
-    @staticmethod
-    def key(seg) -> str:
-        """A segment's module: its name; anonymous text is one module per start."""
-        return seg.name if seg.kind == "module" else f"#anonymous@{seg.start}"
-
-    def register(self, schema: Schema) -> None:
-        self.schemas.setdefault(schema.namespace, set())
-
-    def unregister(self, schema: Schema) -> None:
-        for k in self.schemas.pop(schema.namespace, set()):
-            self.admitted.pop(k, None)
-
-    def bytes_of(self, module: str) -> int:
-        segs = self.sizes[module]
-        return sum(n for _, n in segs) * self.kv_bytes_per_token + len(segs) * (self.state_bytes + self.operator_bytes)
-
-    def admit(self, schema: Schema, module: str) -> bool:
-        """Pins `module` (a key as `key` gives it) if it fits the budget."""
-        if schema.namespace not in self.schemas:
-            raise KeyError("schema not registered")
-        if module in self.admitted:
-            return True
-        if module not in self.sizes:
-            raise KeyError(f"module {module!r}: no layout has imported it yet")
-        need = self.bytes_of(module)
-        if sum(self.admitted.values()) + need > self.capacity:
-            return False
-        self.admitted[module] = need
-        self.schemas[schema.namespace].add(module)
-        return True
-
-    def lookup(self, layout, mode: str = "attention", window: int = 16) -> list:
-        """(name, kind, start, len, served_how) per segment of `layout`."""
-        if mode not in MODES:
-            raise ValueError(f"mode: one of {MODES}, got {mode!r}")
-        if window < 0:
-            raise ValueError("window must be >= 0")
-        for seg in layout:
-            if seg.cached:
-                segs = self.sizes.setdefault(self.key(seg), [])
-                if (seg.start, seg.len) not in segs:
-                    segs.append((seg.start, seg.len))
-        out, in_run, end = [], mode != "attention", 0
-        for seg in layout:
-            ok = seg.cached and self.key(seg) in self.admitted
-            if not seg.cached:
-                how = "computed"
-            elif not ok:
-                how = "recomputed"
-            elif mode == "attention":
-                how = "kv"
-            elif in_run and seg.start == end:
-                how = "prefix"
-            else:
-                how = "composed" if mode == "composed" else "recomputed"
-            in_run = in_run and how == "prefix"
-            end = seg.start + seg.len
-            if seg.cached:
-                self.hits += ok
-                self.misses += not ok
-            out.append((seg.name, seg.kind, seg.start, seg.len, how))
-        return out
-
-    def stats(self) -> dict:
-        return {
-            "capacity_bytes": self.capacity,
-            "used_bytes": sum(self.admitted.values()),
-            "modules": len(self.admitted),
-            "hits": self.hits,
-            "misses": self.misses,
-        }
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in `obj` (nested dicts, lists, tuples, dataclasses)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    return 0
 
 
 # -- models ----------------------------------------------------------------------
@@ -267,27 +191,82 @@ class Encoded:
 
 class PmlEngine:
     """Serves PML prompts on a model (Llama: attention mode; NemotronH:
-    exact and composed), modules encoded once and kept in the engine's
-    tensors, their bookkeeping in an InEngineModuleCache."""
+    exact and composed). The bookkeeping is libmarconi's module store
+    (`marconi.pml.ModuleCache`, one byte budget); the tensors are the
+    engine's, keyed by the store's entry ids: an `Encoded` per module entry
+    (a module computed alone), an `ExactEntry` per exact entry (a segment of
+    a leading run computed in context). The engine admits what it computes,
+    frees the tensors of every entry the store evicts, and serves each
+    segment as the store's lookup says.
 
-    def __init__(self, cfg, model, capacity_bytes: int = 1 << 30):
+    Sizes come from the model's own tensors: KV bytes per token and the
+    recurrent state as engine.py's `measured_bytes` measures them after a
+    prefill, the transition operator as the bytes of one Phi (a decay per
+    head of every Mamba-2 layer). `windows`: the composed windows a module's
+    encoding keeps states for (a composed lookup with another is refused)."""
+
+    def __init__(self, cfg, model, capacity_bytes: int = 1 << 30, windows: tuple = WINDOWS):
         self.cfg, self.model = cfg, model
         probe = DynamicCache(config=cfg)
         self.rec, self.att = layer_kinds(probe)
         self.hybrid = bool(self.rec)
-        kvh, hd = cfg.num_key_value_heads, cfg.head_dim
-        kv_per_token = 2 * len(self.att) * kvh * hd * 4
-        state = operator = 0
+        self.windows = tuple(windows)
+        sizes = measured_bytes(model, cfg)
+        self.kv_bytes_per_token, self.state_bytes = sizes["kv_bytes_per_token"], sizes["state_bytes"]
+        self.operator_bytes = 0
         if self.hybrid:
-            mixer = model.model.layers[self.rec[0]].mixer
-            self.kernel = mixer.conv_kernel_size
-            conv = mixer.conv_dim * mixer.conv_kernel_size
-            ssm = mixer.num_heads * mixer.head_dim * mixer.ssm_state_size
-            state = len(self.rec) * (conv + ssm) * 4
-            operator = len(self.rec) * mixer.num_heads * 4
-        self.store = InEngineModuleCache(capacity_bytes, kv_per_token, state, operator)
-        self.modules: dict[str, Encoded] = {}
-        self.prefixes: dict[tuple, tuple] = {}  # exact run -> (per rec layer (conv, ssm), per att layer (k, v))
+            self.kernel = model.model.layers[self.rec[0]].mixer.conv_kernel_size
+            sink: dict = {}
+            hooks = self._logdecay_hooks(sink)
+            try:
+                self._forward(DynamicCache(config=cfg), [0, 1], [0, 1])
+            finally:
+                for h in hooks:
+                    h.remove()
+            # One Phi: exp(sum of dt * A) over a segment, per head, per layer.
+            self.operator_bytes = sum(tensor_bytes(torch.exp(torch.cat(v).sum(0))) for v in sink.values())
+        self.store = ModuleCache(capacity_bytes, self.kv_bytes_per_token, self.state_bytes, self.operator_bytes)
+        self.entries: dict[int, object] = {}
+        """Entry id -> its tensors (Encoded or ExactEntry)."""
+        self.freed: deque = deque(maxlen=4096)
+        """Ids of the last 4096 entries the store evicted, whose tensors were dropped."""
+
+    # -- the store -----------------------------------------------------------------
+
+    def register(self, schema: Schema) -> int:
+        """Registers `schema` with the store (its modules pinned); frees
+        what the registration evicted."""
+        sid = self.store.register(schema)
+        self._free_evicted()
+        return sid
+
+    def unregister(self, schema: Schema) -> None:
+        """Drops one registration: its modules become evictable."""
+        self.store.unregister(schema)
+
+    def _free_evicted(self) -> None:
+        for e in self.store.evicted():
+            self.entries.pop(e, None)
+            self.freed.append(e)
+
+    def _tensors(self, entry: int, kind: type):
+        t = self.entries.get(entry)
+        if not isinstance(t, kind):
+            raise RuntimeError(f"the store serves entry {entry}, which the engine does not hold as {kind.__name__}")
+        return t
+
+    def _admit(self, schema: Schema, seg, served, tensors) -> None:
+        """Admits `seg`'s module (the store's answer `served` says which)
+        with `tensors` (its Encoded)."""
+        if seg.kind == "anonymous":
+            entry = self.store.admit(schema, anonymous=served.module)
+        else:
+            entry = self.store.admit(schema, seg.name)
+        self.entries.setdefault(entry, tensors)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors the engine holds for the store's entries."""
+        return sum(tensor_bytes(t) for t in self.entries.values())
 
     # -- one forward ------------------------------------------------------------
 
@@ -349,7 +328,7 @@ class PmlEngine:
         cuts = {0, len(tokens)}
         if self.hybrid:
             for _, n, o in offsets:
-                cuts |= {o, o + n} | {o + min(w, n) for w in WINDOWS}
+                cuts |= {o, o + n} | {o + min(w, n) for w in self.windows}
         cache = DynamicCache(config=self.cfg)
         sink: dict = {}
         hooks = self._logdecay_hooks(sink) if self.hybrid else []
@@ -375,60 +354,53 @@ class PmlEngine:
             logdecay[li] = torch.cat([torch.zeros(1, steps.shape[1]), steps.cumsum(0)])
         return Encoded(offsets, kv, states, logdecay)
 
-    @torch.no_grad()
-    def prepare(self, schema: Schema, layout, mode: str) -> None:
-        """Encodes and admits every cached module `layout` imports (what an
-        application does once per schema); for exact and composed modes the
-        exact run's prefix state too."""
-        self.store.register(schema)
-        self.store.lookup(layout, mode)  # learns the modules' sizes
-        by_module: dict = {}
-        for seg in layout:
-            if seg.cached:
-                by_module.setdefault(self.store.key(seg), []).append(seg)
-        for key, segs in by_module.items():
-            if key not in self.modules:
-                self.modules[key] = self.encode(segs)
-            self.store.admit(schema, key)
-        if mode != "attention":
-            run = [seg for seg, how in zip(layout, self.store.lookup(layout, mode)) if how[4] == "prefix"]
-            rk = self._run_key(run)
-            if run and rk not in self.prefixes:
-                cache = DynamicCache(config=self.cfg)
-                self._forward(cache, [t for s in run for t in s.tokens], list(range(sum(s.len for s in run))))
-                kv = {li: (cache.layers[li].keys.clone(), cache.layers[li].values.clone()) for li in self.att}
-                self.prefixes[rk] = (self._states(cache), kv)
-
-    @staticmethod
-    def _run_key(run) -> tuple:
-        return tuple((s.kind, s.name, s.start, s.len) for s in run)
+    def prepare(self, layout, mode: str, window: int = 16) -> None:
+        """Fills the store for `layout` (what an application does before
+        serving prompts of a registered schema): one prefill that computes
+        and admits every entry its lookup misses."""
+        self.prefill_cache(layout, mode, window, admit=True)
 
     # -- one prompt ----------------------------------------------------------------
 
-    def prefill(self, layout, mode: str, window: int = 16) -> tuple[torch.Tensor, dict]:
+    def prefill(self, layout, mode: str, window: int = 16, admit: bool = True) -> tuple[torch.Tensor, dict]:
         """Next-token logits of the prompt laid out as `layout`, its cached
         segments served as the store says for `mode`; and counts (tokens
         reused, composed, recomputed, computed)."""
-        logits, count, _ = self.prefill_cache(layout, mode, window)
+        logits, count, _ = self.prefill_cache(layout, mode, window, admit)
         return logits, count
 
     @torch.no_grad()
-    def prefill_cache(self, layout, mode: str, window: int = 16) -> tuple[torch.Tensor, dict, DynamicCache]:
-        """prefill, and the cache it leaves (to go on from)."""
+    def prefill_cache(self, layout, mode: str, window: int = 16, admit: bool = True):
+        """prefill, and the cache it leaves (to go on from). With `admit`,
+        what the lookup reported as a miss is admitted once computed: a run
+        segment with the KV and state of its in-context computation
+        (`admit_exact`), a module after the prefill by encoding it alone
+        (`admit`)."""
         if not any(s.len for s in layout):
             raise ValueError("the prompt lays out to no tokens: nothing to prefill")
         plan = self.store.lookup(layout, mode, window)
         cache = DynamicCache(config=self.cfg)
         count = dict.fromkeys(("reused", "composed", "recomputed", "computed"), 0)
-        run = [seg for seg, p in zip(layout, plan) if p[4] == "prefix"]
-        if run:
-            states, kv = self.prefixes[self._run_key(run)]
-            self._set_states(cache, states)
-            self._append_kv(cache, kv, 0, sum(s.len for s in run))
-            count["reused"] += sum(s.len for s in run)
-        # The last token is always computed: its logits are the answer.
-        # Consecutive computed pieces go through the model in one forward.
+        # The last token is always computed: its logits are the answer. A
+        # prompt that ends inside the exact run recomputes its last segment.
         last = max(i for i, s in enumerate(layout) if s.len)
+        hits = 0
+        while hits < last and plan[hits].served_how == "exact":
+            hits += 1
+        if hits:
+            # Every exact entry of the run up to here: the KV in order, the
+            # state at the last one's end.
+            got = [self._tensors(p.entry, ExactEntry) for p in plan[:hits]]
+            for seg, ent in zip(layout, got):
+                self._append_kv(cache, ent.kv, 0, seg.len)
+            if self.hybrid:
+                self._set_states(cache, got[-1].states)
+            count["reused"] += sum(s.len for s in layout[:hits])
+        # The tensors a hit needs, taken before any admission (admit_exact
+        # may evict an entry this lookup reported).
+        served = {i: self._tensors(p.entry, Encoded) for i, p in enumerate(plan)
+                  if p.served_how in ("attention", "composed")}
+        # Consecutive computed pieces go through the model in one forward.
         pending_t, pending_p, out = [], [], []
 
         def compute(tokens, positions):
@@ -441,18 +413,22 @@ class PmlEngine:
                 pending_t.clear()
                 pending_p.clear()
 
-        for i, (seg, p) in enumerate(zip(layout, plan)):
-            how = p[4]
-            if how == "prefix" or not seg.len:
+        missed = []
+        for i in range(hits, len(layout)):
+            seg, p = layout[i], plan[i]
+            how = p.served_how
+            if not seg.len:
                 continue
-            n = seg.len - (i == last and how in ("kv", "composed"))
             positions = list(range(seg.start, seg.start + seg.len))
-            if how == "kv" or how == "composed":
-                enc = self.modules[self.store.key(seg)]
+            if how in ("attention", "composed"):
+                enc = served[i]
                 off = next(o for s, ln, o in enc.segments if (s, ln) == (seg.start, seg.len))
-                w = 0 if how == "kv" else min(window, n)
-                if how == "composed" and n - w < self.kernel:
-                    w = n  # too short to take the conv state from the run alone
+                n = seg.len - (i == last)
+                w = 0 if how == "attention" else min(p.recomputed, n)
+                if how == "composed" and (n - w < self.kernel or off + w not in enc.states):
+                    # Too short to take the conv state from the module's run
+                    # alone, or a window its encoding has no state for.
+                    w = n
                 if w:
                     compute(seg.tokens[:w], positions[:w])
                     count["recomputed"] += w
@@ -467,11 +443,50 @@ class PmlEngine:
                 if n < seg.len:
                     compute(seg.tokens[n:], positions[n:])
                     count["computed"] += 1
+            elif p.in_run and mode != "attention":
+                # A run segment missed (or the run's last, recomputed):
+                # computed in context from position 0, so the KV and the
+                # state at its end are its exact entry's.
+                compute(seg.tokens, positions)
+                count["recomputed"] += seg.len
+                if admit and how == "miss":
+                    flush()
+                    self._admit_exact(layout, i, cache)
             else:
                 compute(seg.tokens, positions)
                 count["computed" if how == "computed" else "recomputed"] += seg.len
+                if how == "miss":
+                    missed.append(i)
         flush()
+        if admit and missed:
+            self._admit_modules(layout, plan, missed)
         return out[-1], count, cache
+
+    def _admit_exact(self, layout, i: int, cache) -> None:
+        """Admits run segment `i`, just computed in context into `cache`."""
+        seg = layout[i]
+        try:
+            entry = self.store.admit_exact(layout, i)
+        except MarconiError:
+            return  # does not fit beside the pinned modules: the store refused it
+        finally:
+            self._free_evicted()
+        a, b = seg.start, seg.start + seg.len
+        kv = {li: (cache.layers[li].keys[:, :, a:b].clone(), cache.layers[li].values[:, :, a:b].clone())
+              for li in self.att}
+        self.entries.setdefault(entry, ExactEntry(kv, self._states(cache) if self.hybrid else []))
+
+    def _admit_modules(self, layout, plan, missed: list) -> None:
+        """Encodes each module with a missed segment alone (all its cached
+        segments of the layout) and admits it."""
+        key = lambda i: (layout[i].kind, plan[i].module)  # noqa: E731
+        done = set()
+        for i in missed:
+            if key(i) in done:
+                continue
+            done.add(key(i))
+            segs = [s for j, s in enumerate(layout) if s.cached and key(j) == key(i)]
+            self._admit(layout.schema, layout[i], plan[i], self.encode(segs))
 
     def _compose(self, cache, enc: Encoded, a: int, b: int) -> None:
         """Advances every Mamba-2 layer's state over the module's tokens
@@ -622,13 +637,16 @@ def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict
     with Schema(xml) as schema:
         layouts = [(schema.layout(p), cont) for p, cont in prompts]
         for family, (cfg, model, _), mode, w in configs:
-            eng = engines.setdefault(family, PmlEngine(cfg, model))
+            if family not in engines:
+                engines[family] = PmlEngine(cfg, model)
+                engines[family].register(schema)
+            eng = engines[family]
             win = w or 0
             row = {"model": family, "mode": mode if w is None else f"composed w={w}", "dlogit": 0.0, "kl": 0.0,
                    "dlogit_contig": 0.0, "kl_contig": 0.0, "cached_s": [], "full_s": [], "nll_cached": [],
                    "nll_full": [], "reused": 0, "tokens": 0, "max_logit": 0.0}
             for layout, cont in layouts:
-                eng.prepare(schema, layout, mode)
+                eng.prepare(layout, mode, win)
                 a, count = eng.prefill(layout, mode, win)
                 ref = eng.full(layout)
                 d, kl = compare(a, ref)
@@ -647,6 +665,9 @@ def table(smoke: bool = False, seed: int = 0, verbose: bool = True) -> list[dict
             for k in ("cached_s", "full_s", "nll_cached", "nll_full"):
                 row[k] = statistics.mean(row[k])
             row["speedup"] = row["full_s"] / row["cached_s"]
+            st = eng.store.stats()
+            row["store"] = {k: st[k] for k in ("entries", "evictions", "resident_bytes", "used_bytes")}
+            row["store"]["held_bytes"] = eng.held_bytes()
             rows.append(row)
     return rows
 
@@ -661,6 +682,12 @@ def print_table(rows: list[dict]) -> None:
             f"{r['full_s'] * 1e3:.1f} | {r['speedup']:.2f}x | {r['dlogit']:.2e} | {r['kl']:.2e} | "
             f"{r['nll_cached']:.3f} / {r['nll_full']:.3f} |"
         )
+    last = {r["model"]: r for r in rows}
+    for family, r in last.items():
+        st = r["store"]
+        print(f"\n{family}: the module store holds {st['entries']} entries charged {st['resident_bytes']} bytes "
+              f"({st['used_bytes']} of the budget in use, pinned reservations included), {st['evictions']} "
+              f"evictions; the engine's tensors for them take {st['held_bytes']} bytes")
     for r in rows:
         if r["model"] == "llama":
             print(f"\nllama attention mode against a full prefill at contiguous positions 0..n: "

@@ -1,8 +1,9 @@
 """The PML engine's checks (pytest; needs torch and transformers): Mamba-2
 state composition is exact on one layer with fixed inputs, the hybrid exact
 mode equals a full prefill within TOLERANCE, a module's KV reused at its
-schema positions equals computing it there, the in-engine module store's
-plans and budget, and the table at smoke size."""
+schema positions equals computing it there, the engine honours libmarconi's
+module store (its plans, its sizes, its evictions under a budget that
+binds), and the table at smoke size."""
 
 import math
 import zlib
@@ -13,13 +14,14 @@ import torch
 from transformers import DynamicCache
 from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
-from engine import TOLERANCE, tiny_nemotron_h
-from marconi.pml import Schema
+from engine import TOLERANCE, measured_bytes, tiny_nemotron_h
+from marconi.pml import SERVED, MarconiError, Schema
 from pml_engine import (
-    SERVED,
     WINDOWS,
-    InEngineModuleCache,
+    Encoded,
+    ExactEntry,
     PmlEngine,
+    tensor_bytes,
     compare,
     document_prompt,
     document_schema,
@@ -139,15 +141,16 @@ def hybrid_case(seed=0):
 def test_exact_mode_equals_a_full_prefill(imports):
     eng, docs = hybrid_case()
     with Schema(document_schema(docs)) as schema:
+        eng.register(schema)
         layout = schema.layout(document_prompt(docs, imports, imports[-1], 3)[0])
-        eng.prepare(schema, layout, "exact")
+        eng.prepare(layout, "exact")
         plan = eng.store.lookup(layout, "exact")
-        run = [p for p in plan if p[4] == "prefix"]
+        run = [p for p in plan if p.served_how == "exact"]
         # The system text always leads; doc0, doc1, ... join the run while
         # the imports follow the schema without a gap.
         lead = next((k for k in range(len(imports)) if imports[k] != k), len(imports))
         assert run[0][1] == "anonymous" and len(run) == 1 + lead
-        assert all(p[4] != "prefix" for p in plan[len(run):])
+        assert all(p.served_how in ("recomputed", "computed") for p in plan[len(run):])
         got, count = eng.prefill(layout, "exact")
         assert count["reused"] == sum(p[3] for p in run) > 0
         ref = eng.full(layout)
@@ -158,10 +161,13 @@ def test_exact_mode_check_catches_a_lost_state():
     """Negative control: the same run with its SSM states zeroed fails the check."""
     eng, docs = hybrid_case()
     with Schema(document_schema(docs)) as schema:
+        eng.register(schema)
         layout = schema.layout(document_prompt(docs, [0, 1], 1, 3)[0])
-        eng.prepare(schema, layout, "exact")
-        for states, _ in eng.prefixes.values():
-            for _, ssm in states:
+        eng.prepare(layout, "exact")
+        exact = [e for e in eng.entries.values() if isinstance(e, ExactEntry)]
+        assert len(exact) == 3  # the system text, doc0, doc1
+        for e in exact:
+            for _, ssm in e.states:
                 ssm.zero_()
         got, _ = eng.prefill(layout, "exact")
         assert not within_tolerance(got, eng.full(layout))
@@ -170,8 +176,9 @@ def test_exact_mode_check_catches_a_lost_state():
 def test_composed_with_a_window_over_every_segment_is_exact_and_without_one_is_not():
     eng, docs = hybrid_case()
     with Schema(document_schema(docs)) as schema:
+        eng.register(schema)
         layout = schema.layout(document_prompt(docs, [1, 3], 3, 5)[0])
-        eng.prepare(schema, layout, "composed")
+        eng.prepare(layout, "composed")
         ref = eng.full(layout)
         longest = max(s.len for s in layout)
         got, count = eng.prefill(layout, "composed", window=longest)
@@ -195,59 +202,184 @@ def test_a_module_kv_reused_at_its_schema_positions_equals_computing_it_there():
         prompt = '<prompt schema="cities"><miami/> Highlight the surf spots.</prompt>'
         layout = schema.layout(prompt, tokenizer=words)
         assert [s.kind for s in layout] == ["module", "text"] and layout[0].start > 0
-        eng.prepare(schema, layout, "attention")
+        eng.register(schema)
+        eng.prepare(layout, "attention")
         got, count = eng.prefill(layout, "attention")
         assert count["reused"] == layout[0].len
         assert within_tolerance(got, eng.full(layout))
         # The whole figure: trip-plan with its argument, miami, then text.
         fig = schema.layout((FIXTURES / "figure2_prompt.xml").read_text(), tokenizer=words)
-        eng.prepare(schema, fig, "attention")
+        eng.prepare(fig, "attention")
         got, count = eng.prefill(fig, "attention")
         assert count["reused"] == sum(s.len for s in fig if s.cached)
         d, kl = compare(got, eng.full(fig))
         assert math.isfinite(d) and math.isfinite(kl)
 
 
-def test_module_store_plans_and_budget():
+def check_held(eng):
+    """The engine holds tensors for exactly the store's resident entries,
+    none of those it was told were evicted, within the budget."""
+    st = eng.store.stats()
+    assert len(eng.entries) == st["entries"]
+    assert not set(eng.freed) & set(eng.entries)
+    assert st["used_bytes"] <= st["capacity_bytes"]
+
+
+def test_engine_serves_the_store_plans_with_measured_sizes():
+    """The travel fixture on a hybrid: sizes from the model's tensors, what
+    lookup says before and after prepare, and each exact entry's tensors
+    exactly the bytes the store charges for it."""
+    cfg, model = tiny_nemotron_h(0, 64)
+    eng = PmlEngine(cfg, model)
+    sizes = measured_bytes(model, cfg)
+    assert (eng.kv_bytes_per_token, eng.state_bytes) == (sizes["kv_bytes_per_token"], sizes["state_bytes"]) != (0, 0)
+    mixer = model.model.layers[eng.rec[0]].mixer
+    assert eng.operator_bytes == len(eng.rec) * mixer.num_heads * 4
     with Schema((FIXTURES / "travel_schema.xml").read_text()) as schema:
         layout = schema.layout((FIXTURES / "travel_prompt.xml").read_text())
-        store = InEngineModuleCache(10_000, kv_bytes_per_token=16, state_bytes=100, operator_bytes=8)
-        store.register(schema)
-        assert all(p[4] in ("computed", "recomputed") for p in store.lookup(layout, "exact"))
-        with pytest.raises(KeyError):
-            store.admit(schema, "not-a-module")
-        keys = []
-        for s in layout:
-            if s.cached and store.key(s) not in keys:
-                keys.append(store.key(s))
-        for k in keys:
-            assert store.admit(schema, k)
-        plan = store.lookup(layout, "exact")
-        assert all(p[4] in SERVED for m in ("attention", "exact", "composed") for p in store.lookup(layout, m))
+        eng.register(schema)
+        st = eng.store.stats()
+        assert st["pinned_bytes"] == st["used_bytes"] > 0 and st["entries"] == 0
+        before = [p.served_how for p in eng.store.lookup(layout, "exact")]
         # anonymous and travel-plan lead from 0; the argument `days` ends the run.
-        assert [p[4] for p in plan[:3]] == ["prefix", "prefix", "computed"]
-        assert all(p[4] in ("recomputed", "computed") for p in plan[3:])
-        composed = store.lookup(layout, "composed", window=4)
-        assert all(p[4] == "composed" for p, s in zip(composed[3:], layout[3:]) if s.cached)
-        assert all(p[4] == "kv" for p, s in zip(store.lookup(layout), layout) if s.cached)
-        used = store.stats()["used_bytes"]
-        assert used == sum(store.bytes_of(k) for k in keys)
-        # Over the budget: refused; unregistering frees.
-        small = InEngineModuleCache(store.bytes_of(keys[0]), 16, 100, 8)
-        small.register(schema)
-        small.lookup(layout)
-        assert small.admit(schema, keys[0]) and not small.admit(schema, keys[1])
-        small.unregister(schema)
-        assert small.stats()["used_bytes"] == 0
-        with pytest.raises(ValueError):
-            store.lookup(layout, mode="approximate")
-        with pytest.raises(ValueError):
-            store.lookup(layout, mode="composed", window=-1)
+        assert before[:3] == ["miss", "miss", "computed"]
+        assert all(h in ("recomputed", "computed") for h in before[3:])
+        eng.prepare(layout, "exact")
+        plan = eng.store.lookup(layout, "exact")
+        assert [p.served_how for p in plan[:3]] == ["exact", "exact", "computed"]
+        for seg, p in zip(layout[:2], plan):
+            held = eng.entries[p.entry]
+            assert isinstance(held, ExactEntry)
+            assert tensor_bytes(held) == seg.len * eng.kv_bytes_per_token + eng.state_bytes
+        check_held(eng)
+        assert all(p.served_how == "miss" for p, s in zip(eng.store.lookup(layout, "composed", 4)[3:], layout[3:])
+                   if s.cached)
+        eng.prepare(layout, "composed", 4)
+        composed = eng.store.lookup(layout, "composed", window=4)
+        assert composed[0].entry == plan[0].entry  # the run's exact entries serve both modes
+        for p, s in zip(composed[3:], layout[3:]):
+            if s.cached:
+                assert p.served_how == "composed" and p.recomputed == min(4, s.len)
+                assert isinstance(eng.entries[p.entry], Encoded)
+        assert all(p.served_how in SERVED for m in ("exact", "composed") for p in eng.store.lookup(layout, m))
+        check_held(eng)
+        got, count = eng.prefill(layout, "composed", 4, admit=False)
+        assert count["reused"] == sum(s.len for s in layout[:2]) and count["composed"] > 0
+        assert eng.store.stats()["evictions"] == 0 and not eng.freed
         empty = schema.layout('<prompt schema="travel"></prompt>')
         with pytest.raises(ValueError):
-            PmlEngine(*tiny_llama(0, 64)).prefill([s for s in empty if s.kind == "param"], "attention")
-        with pytest.raises(ValueError):
-            InEngineModuleCache(0, 16)
+            eng.prefill([s for s in empty if s.kind == "param"], "exact")
+
+
+def test_a_prompt_that_ends_inside_the_exact_run():
+    """A prompt of modules only, all in the leading run: the last token's
+    logits must still be computed, so its last segment is recomputed in
+    context (the engine before the store had no computed piece left and
+    failed on an empty list)."""
+    eng, docs = hybrid_case()
+    with Schema(document_schema(docs)) as schema:
+        eng.register(schema)
+        layout = schema.layout('<prompt schema="library"><doc0/><doc1/></prompt>')
+        assert [s.kind for s in layout] == ["anonymous", "module", "module"]
+        eng.prepare(layout, "exact")
+        assert [p.served_how for p in eng.store.lookup(layout, "exact")] == ["exact"] * 3
+        for mode in ("exact", "composed"):
+            got, count = eng.prefill(layout, mode)
+            assert count["reused"] == layout[0].len + layout[1].len and count["recomputed"] == layout[2].len
+            assert within_tolerance(got, eng.full(layout))
+
+
+def test_a_mode_the_model_lacks_is_an_error():
+    """Attention-only reuse on a hybrid and composition on an attention-only
+    model are refused by the store (MarconiError UNSUPPORTED), never served
+    another way; nothing is admitted."""
+    docs = documents(2, 100, 0)
+    hybrid = PmlEngine(*tiny_nemotron_h(0, 64))
+    llama = PmlEngine(*tiny_llama(0, 64))
+    with Schema(document_schema(docs)) as schema:
+        layout = schema.layout(document_prompt(docs, [0, 1], 1, 3)[0])
+        for eng, mode in ((hybrid, "attention"), (llama, "composed")):
+            eng.register(schema)
+            with pytest.raises(MarconiError, match="UNSUPPORTED"):
+                eng.store.lookup(layout, mode)
+            with pytest.raises(MarconiError, match="UNSUPPORTED"):
+                eng.prefill(layout, mode)
+            with pytest.raises(ValueError):
+                eng.prefill(layout, "approximate")
+            assert not eng.entries and eng.store.stats()["admissions"] == 0
+        # The modes each model has are served.
+        assert within_tolerance(hybrid.prefill(layout, "exact")[0], hybrid.full(layout))
+        assert llama.prefill(layout, "attention")[1]["computed"] > 0
+
+
+def test_a_binding_budget_evicts_frees_and_recomputes_the_exact_run():
+    """A hybrid whose budget leaves room for about two exact entries beside
+    the pinned modules: a five-segment run evicts its own entries, the
+    engine frees their tensors, later lookups miss and recompute, and every
+    output stays within TOLERANCE of a full prefill."""
+    cfg, model = tiny_nemotron_h(0, 64)
+    docs = documents(4, 120, 0)
+    with Schema(document_schema(docs)) as schema:
+        probe = PmlEngine(cfg, model)
+        probe.register(schema)
+        pinned = probe.store.stats()["pinned_bytes"]
+        room = 2 * (len(docs[0]) * probe.kv_bytes_per_token + probe.state_bytes)
+        eng = PmlEngine(cfg, model, capacity_bytes=pinned + room)
+        eng.register(schema)
+        long = schema.layout(document_prompt(docs, [0, 1, 2, 3], 3, 3)[0])
+        short = schema.layout(document_prompt(docs, [0, 2], 2, 4)[0])
+        misses = 0
+        for layout in (long, short, long, short, long):
+            plan = eng.store.lookup(layout, "exact")
+            misses += sum(p.served_how == "miss" for p in plan)
+            got, _ = eng.prefill(layout, "exact")
+            assert within_tolerance(got, eng.full(layout)), (got - eng.full(layout)).abs().max().item()
+            check_held(eng)
+        st = eng.store.stats()
+        assert st["evictions"] > 0 and len(eng.freed) == st["evictions"]
+        assert misses > 5  # the first lookup of `long` misses 5; later ones miss again
+        assert eng.store.lookup(long, "exact")[0].served_how in ("exact", "miss")
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "attention"), ("nemotron_h", "composed")])
+def test_evicted_modules_are_encoded_again_and_serve_the_same_output(family, mode):
+    """Two schemas whose modules do not fit together: registering one after
+    unregistering the other evicts the other's modules (their tensors
+    freed); its prompts then miss, are computed in context (equal to a full
+    prefill), admitted again under new ids, and served as before."""
+    cfg, model = tiny_llama(0, 64) if family == "llama" else tiny_nemotron_h(0, 64)
+    docs_a, docs_b = documents(3, 150, 0), documents(3, 150, 1)
+    with Schema(document_schema(docs_a)) as a, Schema(document_schema(docs_b)) as b:
+        probe = PmlEngine(cfg, model)
+        pa = probe.register(a) and probe.store.stats()["pinned_bytes"]
+        probe.unregister(a)
+        pb = probe.register(b) and probe.store.stats()["pinned_bytes"]
+        eng = PmlEngine(cfg, model, capacity_bytes=max(pa, pb) + min(pa, pb) // 2)
+        la = a.layout(document_prompt(docs_a, [1, 2], 2, 3)[0])
+        lb = b.layout(document_prompt(docs_b, [0, 2], 0, 4)[0])
+        eng.register(a)
+        eng.prepare(la, mode, 4)
+        first, _ = eng.prefill(la, mode, 4)
+        ids_a = {p.entry for p in eng.store.lookup(la, mode, 4) if p.entry}
+        eng.unregister(a)
+        eng.register(b)
+        eng.prepare(lb, mode, 4)
+        assert set(eng.freed) & ids_a
+        check_held(eng)
+        eng.unregister(b)
+        eng.register(a)
+        plan = eng.store.lookup(la, mode, 4)
+        assert any(p.served_how == "miss" and not p.in_run for p in plan)
+        got, count = eng.prefill(la, mode, 4)
+        assert count["recomputed"] > 0
+        if all(p.served_how in ("miss", "computed") for p in plan):
+            assert within_tolerance(got, eng.full(la))
+        again = eng.store.lookup(la, mode, 4)
+        assert all(p.served_how != "miss" for p in again)
+        assert {p.entry for p in again if p.served_how != "exact" and p.entry} - ids_a  # admitted again
+        got, _ = eng.prefill(la, mode, 4)
+        assert within_tolerance(got, first), (got - first).abs().max().item()
+        check_held(eng)
 
 
 def test_table_at_smoke_size():

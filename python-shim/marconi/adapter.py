@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _u32_source, _uint
+from ._lib import LOOKUP_NO_KV_PAGES, LOOKUP_WHOLE_INPUT
 from .cache import AdmitResult, Lease, PrefixCache
 
 
@@ -232,10 +233,14 @@ class MarconiPrefixCache:
 # SGLang is importable (otherwise from the stand-ins below, which have the
 # same field names), so this module imports nothing from SGLang at load time.
 
-_SENTINEL = U32_MAX
-"""Appended to a key looked up for SGLang: libmarconi's hit is always
-shorter than what is looked up (one token is left to compute), while
-SGLang's callers already pass the key they want matched in full."""
+_WHOLE = LOOKUP_WHOLE_INPUT
+"""Lookups for SGLang may hit the whole key: libmarconi by default leaves
+one token to compute, while SGLang's callers already pass the key they want
+matched in full."""
+
+_WHOLE_NO_PAGES = LOOKUP_WHOLE_INPUT | LOOKUP_NO_KV_PAGES
+"""As _WHOLE, with the hit's page ids fetched only when asked
+(path_device_indices): most matches never ask."""
 
 
 def _like(ref: Any, ids: list[int]) -> Any:
@@ -246,9 +251,6 @@ def _like(ref: Any, ids: list[int]) -> Any:
 
         return torch.tensor(ids, dtype=torch.int64, device=ref.device)
     return list(ids)
-
-
-_SENT_Q = _array("q", [_SENTINEL])
 
 
 def _i64_ids(ids: Any, what: str = "tokens") -> _array:
@@ -586,13 +588,11 @@ class SGLangTreeCache(MarconiPrefixCache):
     _MAX_PENDING = 64
     """Unlocked matches whose leases are kept for lock(); older ones are released."""
 
-    def _lookup(self, ids: _array, n: int, ns: int) -> tuple:
-        """One lookup of ids[:n] followed by the sentinel (so that all n
-        may be a hit): _lookup_ids's tuple."""
-        key = ids[:n] if n < len(ids) else ids + _SENT_Q
-        if n < len(ids):
-            key.append(_SENTINEL)
-        return self.cache._lookup_ids(key, ns)
+    def _lookup(self, ids: _array, n: int, ns: int, flags: int = _WHOLE_NO_PAGES) -> tuple:
+        """One lookup of ids[:n] (read in place; all n may be a hit):
+        _lookup_ids's tuple, with no page count unless `flags` asks for
+        the pages."""
+        return self.cache._lookup_prefix(ids, n, ns, flags)
 
     def _release(self, lid: Optional[int]) -> None:
         if lid is not None:
@@ -626,7 +626,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         cache = self.cache
         if lid is not None and lid in cache._live:
             return cache._lease_pages(lid, n_pages)
-        found = self._lookup(node.key, node.hit, node.namespace)
+        found = self._lookup(node.key, node.hit, node.namespace, _WHOLE)
         try:
             return cache._lease_pages(found[0], min(found[4], n_pages))
         finally:
@@ -815,7 +815,8 @@ class SGLangTreeCache(MarconiPrefixCache):
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)
         self._release_pending()  # nothing a match pinned may keep the admission from evicting
-        lid, was_hit, matched, _, _ = self.cache._lookup_ids(ids, ns)
+        # The default limit (one token left), as the admission's hit; no page list.
+        lid, was_hit, matched, _, _ = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
         try:
             taken_states, start, stop, truncated, rejected, taken = self.cache._admit_i64(
                 lid, ids, states, pages, n_pages

@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _u32_source, _uint
 from ._lib import LOOKUP_NO_KV_PAGES, LOOKUP_WHOLE_INPUT
-from .cache import AdmitResult, Lease, PrefixCache
+from .cache import AdmitResult, Lease, MarconiError, PrefixCache
 
 
 @dataclass(eq=False)
@@ -459,6 +459,9 @@ class SGLangNode:
     lock_ref: int = 0
     indices: Any = None
     """The joined KV indices, once asked for."""
+    looked_up: int = 0
+    """The lease is a lookup of key[:looked_up] (whole input): an insert
+    whose key starts with it may admit under it. 0: not known."""
 
     @property
     def hit_tokens(self) -> int:
@@ -657,6 +660,7 @@ class SGLangTreeCache(MarconiPrefixCache):
             self._release(lid)
             raise
         node.lease = lid
+        node.looked_up = n
         pending = self._pending
         pending[lid] = node
         if len(pending) > self._MAX_PENDING:
@@ -746,8 +750,10 @@ class SGLangTreeCache(MarconiPrefixCache):
                 lid = node.lease
                 if lid is None or self._pending.pop(lid, None) is not node:
                     # Not the match's own lease (released since): look up again.
-                    found = self._lookup(node.key, node.hit, node.namespace)
+                    looked_up = node.hit
+                    found = self._lookup(node.key, looked_up, node.namespace)
                     lid, hit, slot = found[0], found[1], found[3]
+                    node.looked_up = looked_up
                     if hit < node.hit:
                         # Evicted since the match: the pin covers what is still there.
                         node.hit = hit
@@ -814,21 +820,44 @@ class SGLangTreeCache(MarconiPrefixCache):
         else:
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)
+        # The admission runs under the lease of this request's match (or lock)
+        # when one looked up a prefix of this key: no second lookup.
+        lid, borrowed = self._borrow_lease(ids, n, ns)
         self._release_pending()  # nothing a match pinned may keep the admission from evicting
-        # The default limit (one token left), as the admission's hit; no page list.
-        lid, was_hit, matched, _, _ = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
+        matched = None
         try:
-            taken_states, start, stop, truncated, rejected, taken = self.cache._admit_i64(
-                lid, ids, states, pages, n_pages
-            )
+            if lid is not None:
+                was_hit = self._borrowed_hit
+                try:
+                    admitted = self.cache._admit_i64(lid, ids, states, pages, n_pages)
+                except MarconiError as e:
+                    if e.name != "PREFIX_MISMATCH":
+                        raise
+                    admitted = None  # not this request's lease after all: nothing changed
+                if admitted is None and borrowed == "pending":
+                    self._release(lid)
+                if admitted is None:
+                    lid = None
+            if lid is None:
+                # The default limit (one token left), as the admission's hit; no page list.
+                lid, was_hit, matched, _, _ = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
+                borrowed = None
+                admitted = self.cache._admit_i64(lid, ids, states, pages, n_pages)
         finally:
-            self._release(lid)
+            if lid is not None and borrowed != "locked":
+                self._release(lid)
+        taken_states, start, stop, truncated, rejected, taken = admitted
         # The tokens already cached before this insert (SGLang's prefix_len).
         if stop > start:
             prefix_len = start * ps
         elif not rejected and not truncated:
             prefix_len = n
         else:
+            if matched is None:
+                # Under a borrowed lease, and nothing taken: the tree as before.
+                found = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
+                self._release(found[0])
+                matched = found[2]
             prefix_len = min(matched, n)
         # The duplicates: positions the tree already held before this insert,
         # from prev_prefix_len on (before it, they are the tree's own). What
@@ -860,6 +889,35 @@ class SGLangTreeCache(MarconiPrefixCache):
         # must not free them): what was cached plus what the cache took.
         result.tree_kv_len = max(prefix_len, stop * ps if stop > start else 0)
         return result
+
+    def _borrow_lease(self, ids: _array, n: int, ns: int) -> tuple:
+        """The live lease of the newest unlocked match, else of the newest
+        lock, whose lookup was of a prefix of ids[:n] in namespace ns (ends
+        checked here, the whole prefix by the admission): (lease id,
+        "pending" or "locked"), or (None, None). A pending lease leaves
+        self._pending (the insert releases it); its hit is in
+        self._borrowed_hit."""
+        live = self.cache._live
+        for group, nodes in (("pending", self._pending), ("locked", self._locked)):
+            for node in reversed(nodes.values()):
+                k = node.looked_up
+                lid = node.lease
+                if (
+                    0 < k <= n
+                    and node.namespace == ns
+                    and lid is not None
+                    and lid in live
+                    and node.key[k - 1] == ids[k - 1]
+                    and node.key[0] == ids[0]
+                ):
+                    if group == "pending":
+                        del nodes[lid]
+                        if node.lock_ref == 0:
+                            node.lease = None
+                    self._borrowed_hit = node.hit
+                    return lid, group
+                break  # only the newest of each: an older one is another request's
+        return None, None
 
     def _node_for(self, ids: _array, n: int, ns: int) -> SGLangNode:
         found = self._lookup(ids, n, ns)

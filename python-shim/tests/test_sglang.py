@@ -482,6 +482,60 @@ def test_match_reads_the_key_in_place_and_lists_pages_when_asked():
     tree.sanity_check()
 
 
+def test_insert_admits_under_the_match_lease():
+    """An insert whose key starts with the key its request matched admits
+    under the match's lease (one library lookup per match + insert; the
+    lease released once), under a lock's lease (kept for the unlock), and
+    a lease that looked up another key is refused by the library (prefix
+    check) and replaced by the insert's own lookup, the result the same."""
+    from array import array
+
+    tree, alloc, rtp, make_req = build_tree(kv_size=256)
+    req = make_req()
+    kv = alloc.alloc(5)
+    tree.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=kv, mamba_value=[req.mamba_pool_idx]))
+    requests = lambda: tree.cache.stats()["requests"]  # noqa: E731
+    # Match then insert: one lookup, the lease released by the insert.
+    before = requests()
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2, 3, 4, 5, 6]))))
+    assert m.device_prefix_len == 5
+    req2 = make_req()
+    r = insert(tree, alloc, req2, array("q", [1, 2, 3, 4, 5, 6, 7, 8]), prev_prefix_len=0)
+    assert (r.prefix_len, requests(), tree.cache.stats()["leases"]) == (5, before + 1, 0)
+    assert hit(tree, [1, 2, 3, 4, 5, 6, 7, 8]) == 8
+    # Match, lock, insert: the lock's lease admits and stays until the unlock.
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7, 8, 9])))
+    lock = tree.lock(m.last_device_node)
+    before = requests()
+    r = insert(tree, alloc, make_req(), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], prev_prefix_len=0)
+    assert (r.prefix_len, requests(), tree.cache.stats()["leases"]) == (8, before, 1)
+    tree.unlock(lock)
+    assert tree.cache.stats()["leases"] == 0
+    # The same ends but another middle: refused under the match's lease,
+    # admitted after a lookup of its own; nothing pinned afterwards.
+    tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5])))
+    refused = []
+    real = tree.cache._admit_i64
+
+    def spy(*a):
+        try:
+            return real(*a)
+        except Exception as e:
+            refused.append(e.name)
+            raise
+
+    tree.cache._admit_i64 = spy
+    before = requests()
+    r = insert(tree, alloc, make_req(), [1, 9, 9, 9, 5, 6], prev_prefix_len=0)
+    del tree.cache._admit_i64
+    assert refused == ["PREFIX_MISMATCH"]
+    assert (r.prefix_len, tree.cache.stats()["leases"]) == (1, 0)
+    assert requests() > before  # its own lookup
+    assert hit(tree, [1, 9, 9, 9, 5, 6]) == 6
+    assert hit(tree, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 10
+    tree.sanity_check()
+
+
 def test_int64_keys_match_list_keys_and_bad_ids_are_refused():
     """array('q') keys (as SGLang 0.5.23 holds them) and lists give the same
     hits; an id that is not a uint32 is refused by name, nothing cached."""

@@ -35,7 +35,7 @@ from array import array as _array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _u32_source, _uint
+from ._convert import U64_MAX, Tokens, _u32_concat, _u32_source, _uint
 from ._lib import LOOKUP_NO_KV_PAGES, LOOKUP_WHOLE_INPUT
 from .cache import AdmitResult, Lease, MarconiError, PrefixCache
 

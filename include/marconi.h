@@ -63,6 +63,22 @@
 #define MARCONI_NO_SLOT UINT32_MAX
 
 /**
+ * marconi_cache_lookup_i64_flags: the hit may cover all n_tokens tokens
+ * (by default the last token is always left to compute, as its logits
+ * start decoding). For a caller that passes exactly the prefix it wants
+ * matched, as SGLang's tree cache does. With the whole input a hit,
+ * nothing is planned.
+ */
+#define MARCONI_LOOKUP_WHOLE_INPUT 1
+
+/**
+ * marconi_cache_lookup_i64_flags: the hit's KV page ids are not copied
+ * at the lookup; `out->n_kv_pages` is 0 and marconi_cache_lease_kv_pages
+ * computes them when asked (the same ids, as the lease pins them).
+ */
+#define MARCONI_LOOKUP_NO_KV_PAGES 2
+
+/**
  * The sequence number marconi_events_publish writes when it published
  * nothing (no change since the last call).
  */
@@ -3076,6 +3092,31 @@ marconi_status marconi_cache_lookup_i64(const struct marconi_cache *cache,
                                         size_t n_tokens,
                                         uint32_t dst_slot,
                                         struct marconi_lookup *out);
+
+/**
+ * marconi_cache_lookup_i64 with `flags`, a bitwise OR of
+ * MARCONI_LOOKUP_WHOLE_INPUT (the hit may cover all n_tokens tokens) and
+ * MARCONI_LOOKUP_NO_KV_PAGES (the hit's page ids are computed only when
+ * marconi_cache_lease_kv_pages asks; `out->n_kv_pages` is 0). With flags 0
+ * this is marconi_cache_lookup_i64.
+ *
+ * Errors: those of marconi_cache_lookup_i64, and
+ * MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
+ * know (refused before anything is read; nothing changes).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_lookup_i64.
+ */
+marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
+                                              uint64_t ns,
+                                              const int64_t *tokens,
+                                              size_t n_tokens,
+                                              uint32_t dst_slot,
+                                              uint32_t flags,
+                                              struct marconi_lookup *out);
 
 /**
  * Writes the KV page ids of a lease's hit (the engine's pages holding the

@@ -19,7 +19,7 @@ use crate::eviction::{self, Eviction, Freed, UnitBudget, UnitKind, UnitUse};
 use crate::idset::IdSet;
 use crate::index::Index;
 use crate::log::{Decision, DecisionLog};
-use crate::lookup::{Lookup, Peek};
+use crate::lookup::{Lookup, LookupOptions, Peek};
 use crate::shadow::Shadows;
 use crate::stats::Stats;
 use crate::tree::{NodeId, Span, Tree, NIL};
@@ -466,6 +466,31 @@ impl PrefixCache {
             self.core.set_recording(l.lease, &[]);
         }
         Ok(l)
+    }
+
+    /// [`lookup`](Self::lookup) with options: a hit that may cover the whole
+    /// input, and no page list (fetched later with
+    /// [`lease_kv_pages`](Self::lease_kv_pages), if at all). With
+    /// `LookupOptions::default()` this is [`lookup`](Self::lookup). α
+    /// tuning and shadow caches replay the request as a plain lookup.
+    pub fn lookup_with(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        opts: LookupOptions,
+    ) -> Result<Lookup, CacheError> {
+        let l = self.core.lookup_with(ns, input, opts)?;
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease, &[]);
+        }
+        Ok(l)
+    }
+
+    /// The KV page ids of the hit of a live `lease` (what its
+    /// [`Lookup::kv_pages`] holds, or would hold had the lookup not skipped
+    /// them), computed now: O(path) plus the hit's pages.
+    pub fn lease_kv_pages(&self, lease: LeaseId) -> Result<Vec<u32>, CacheError> {
+        self.core.lease_kv_pages(lease)
     }
 
     /// [`lookup`](Self::lookup) with application checkpoint hints:

@@ -61,7 +61,7 @@ pub use eviction::{Freed, UnitBudget, UnitKind, UnitUse};
 pub use gguf::{GgufError, GGUF_ARCHITECTURES};
 pub use hf_config::{HfConfigError, HF_MODEL_TYPES};
 pub use log::{Decision, EvictKind, PlanReason};
-pub use lookup::{Lookup, Peek};
+pub use lookup::{Lookup, LookupOptions, Peek};
 pub use model::{gguf, hf_config};
 pub use model::{LayerFlops, ModelSpec, PRESET_NAMES};
 pub use stats::Stats;

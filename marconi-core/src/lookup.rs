@@ -18,8 +18,9 @@ pub struct Lookup {
     pub lease: LeaseId,
     /// Leading tokens the engine may skip: the deepest matched position that
     /// has a recurrent state (any page-aligned matched position for
-    /// attention-only models), and always less than the input length, so the
-    /// last input token is recomputed to produce the first output's logits.
+    /// attention-only models), and less than the input length, so the last
+    /// input token is recomputed to produce the first output's logits
+    /// (at most the input length with [`LookupOptions::whole_input`]).
     pub hit_tokens: u32,
     /// Leading tokens whose KV is cached (page-aligned). `kv_matched_tokens −
     /// hit_tokens` is KV that matched but cannot be used: the silent miss.
@@ -50,6 +51,20 @@ pub struct Peek {
     pub plan: Vec<u32>,
 }
 
+/// How a lookup reads its input ([`crate::PrefixCache::lookup_with`]); the
+/// default is [`crate::PrefixCache::lookup`]'s behaviour.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LookupOptions {
+    /// The hit may cover the whole input. By default the last input token
+    /// is always left to compute (its logits start decoding); a caller that
+    /// passes exactly the prefix it wants matched (SGLang's tree cache)
+    /// sets this. With a hit of the whole input nothing is planned.
+    pub whole_input: bool,
+    /// Leave [`Lookup::kv_pages`] empty: the caller asks for the hit's page
+    /// ids later, if at all ([`crate::PrefixCache::lease_kv_pages`]).
+    pub skip_kv_pages: bool,
+}
+
 /// The usable part of a match.
 struct UsableHit {
     /// Tokens that can be skipped.
@@ -75,6 +90,16 @@ impl Core {
         self.lookup_walk(ns, input, true).map(|(l, _)| l)
     }
 
+    pub(crate) fn lookup_with(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        opts: LookupOptions,
+    ) -> Result<Lookup, CacheError> {
+        self.lookup_walk_opts(ns, input, true, &[], opts)
+            .map(|(l, _)| l)
+    }
+
     /// [`lookup`](Self::lookup), also returning its walk of the input so that
     /// an admission right after it (nothing changed in between) can resume it.
     pub(crate) fn lookup_walk(
@@ -86,14 +111,27 @@ impl Core {
         self.lookup_walk_hinted(ns, input, with_fingerprint, &[])
     }
 
-    /// [`lookup_walk`](Self::lookup_walk) with application checkpoint
-    /// hints added to the plan (see [`crate::admission::app_checkpoints`]).
+    /// [`lookup_walk_opts`](Self::lookup_walk_opts) with the default options.
     pub(crate) fn lookup_walk_hinted(
         &mut self,
         ns: u64,
         input: &[u32],
         with_fingerprint: bool,
         hints: &[u32],
+    ) -> Result<(Lookup, Option<Walk>), CacheError> {
+        self.lookup_walk_opts(ns, input, with_fingerprint, hints, LookupOptions::default())
+    }
+
+    /// [`lookup_walk`](Self::lookup_walk) with application checkpoint
+    /// hints added to the plan (see [`crate::admission::app_checkpoints`])
+    /// and the given options.
+    pub(crate) fn lookup_walk_opts(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        with_fingerprint: bool,
+        hints: &[u32],
+        opts: LookupOptions,
     ) -> Result<(Lookup, Option<Walk>), CacheError> {
         Self::check_tokens(input)?;
         self.clock += 1;
@@ -102,8 +140,9 @@ impl Core {
         let walk = self.tree.root(ns).map(|r| self.tree.walk(r, input, page));
         let matched = walk.as_ref().map_or(0, |w| w.matched);
         let kv_matched = round_down(matched, page);
-        // The last input token is always recomputed: its logits start decoding.
-        let limit = len - 1;
+        // The last input token is recomputed (its logits start decoding),
+        // unless the caller asks for a hit of the whole input.
+        let limit = if opts.whole_input { len } else { len - 1 };
         let usable = self.usable_hit(walk.as_ref(), matched, limit);
         let hit = usable.hit;
         let plan_input = PlanInput {
@@ -115,7 +154,13 @@ impl Core {
             page_size: page,
             inner_grid: self.inner_grid(),
         };
-        let plan = self.admission.plan(&plan_input);
+        // A policy plans only below the input's end (hit < len): with the
+        // whole input a hit, there is nothing left to plan.
+        let plan = if hit < len {
+            self.admission.plan(&plan_input)
+        } else {
+            None
+        };
         let (mut plan, reason) = match plan {
             Some((p, r)) => (p, Some(r)),
             None => (Vec::new(), None),
@@ -129,7 +174,8 @@ impl Core {
             plan.extend_from_slice(&hinted);
             plan.sort_unstable();
         }
-        let (state_slot, kv_pages, before_hit) = self.take_hit(usable.node, hit);
+        let (state_slot, kv_pages, before_hit) =
+            self.take_hit(usable.node, hit, !opts.skip_kv_pages);
         // The hit's tokens are the pinned path's: an admission checks them
         // against the tree; only the rest is hashed, here and at admission.
         let pinned_tokens = if usable.node == NIL { 0 } else { hit };
@@ -155,7 +201,7 @@ impl Core {
             kv_pages,
             plan,
         };
-        self.record_lookup(ns, len, &lookup, reason, &hinted);
+        self.record_lookup(ns, (len, limit), &lookup, reason, &hinted);
         Ok((lookup, walk))
     }
 
@@ -238,7 +284,7 @@ impl Core {
     pub(crate) fn lease_peeked(&mut self, ns: u64, len: u32, peek: &Peek, node: NodeId) -> Lookup {
         self.clock += 1;
         let hit = peek.hit_tokens;
-        let (state_slot, kv_pages, before_hit) = self.take_hit(node, hit);
+        let (state_slot, kv_pages, before_hit) = self.take_hit(node, hit, true);
         let pinned_tokens = if node == NIL { 0 } else { hit };
         let lease = self.open_lease(ns, (node, before_hit), (len, pinned_tokens), 0, Vec::new());
         let lookup = Lookup {
@@ -249,7 +295,8 @@ impl Core {
             kv_pages,
             plan: Vec::new(),
         };
-        self.record_lookup(ns, len, &lookup, None, &[]);
+        // A peek leaves the last token to compute, as a default lookup.
+        self.record_lookup(ns, (len, len.saturating_sub(1)), &lookup, None, &[]);
         lookup
     }
 
@@ -296,7 +343,12 @@ impl Core {
     /// Refreshes and pins the node that carries a hit of `hit` tokens;
     /// returns the state slot to resume from, the hit's page ids and the
     /// node's last access before the refresh (0 without a hit).
-    fn take_hit(&mut self, hit_node: NodeId, hit: u32) -> (Option<u32>, Vec<u32>, u64) {
+    fn take_hit(
+        &mut self,
+        hit_node: NodeId,
+        hit: u32,
+        with_pages: bool,
+    ) -> (Option<u32>, Vec<u32>, u64) {
         let mut state_slot = None;
         let mut kv_pages = Vec::new();
         let mut before_hit = 0;
@@ -310,7 +362,7 @@ impl Core {
             if !self.stateless_hits() {
                 state_slot = self.tree.node(hit_node).state.and_then(|s| s.slot);
             }
-            if self.tracks_pages == Some(true) {
+            if with_pages && self.tracks_pages == Some(true) {
                 kv_pages = self.pages_up_to(hit_node, hit);
             }
         }
@@ -346,19 +398,19 @@ impl Core {
         lease
     }
 
-    /// Counts the lookup of `len` tokens in namespace `ns` and logs it with
+    /// Counts the lookup of `len` tokens (hits up to `limit`) in namespace
+    /// `ns` and logs it with
     /// its plan: the policy's positions with their reason, then the
     /// application checkpoints `hinted` (part of `l.plan` too).
     fn record_lookup(
         &mut self,
         ns: u64,
-        len: u32,
+        (len, limit): (u32, u32),
         l: &Lookup,
         reason: Option<PlanReason>,
         hinted: &[u32],
     ) {
         let (lease, kv_matched, hit) = (l.lease, l.kv_matched_tokens, l.hit_tokens);
-        let limit = len - 1;
         let model = &self.cfg.model;
         let s = &mut self.stats;
         s.requests += 1;
@@ -397,6 +449,20 @@ impl Core {
                 reason: PlanReason::AppCheckpoint,
             });
         }
+    }
+
+    /// The page ids of the hit of `lease` (as its lookup's
+    /// [`Lookup::kv_pages`] would hold them): empty without a hit or where
+    /// the cache tracks no pages. The pinned path cannot change meanwhile.
+    pub(crate) fn lease_kv_pages(&self, lease: LeaseId) -> Result<Vec<u32>, CacheError> {
+        let info = self
+            .leases
+            .get(&lease)
+            .ok_or(CacheError::UnknownLease(lease))?;
+        if info.pinned == NIL || self.tracks_pages != Some(true) {
+            return Ok(Vec::new());
+        }
+        Ok(self.pages_up_to(info.pinned, info.pinned_tokens))
     }
 
     /// Page ids of the first `upto` tokens along the path ending at `node`.

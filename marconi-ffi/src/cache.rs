@@ -8,7 +8,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use marconi_core::{Decision, PrefixCache, SavedState};
+use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
@@ -21,6 +21,21 @@ use crate::status::{
 /// engine does not track slots), and as the dst_slot of marconi_cache_lookup
 /// (no copy order wanted). UINT32_MAX is therefore never a valid slot id.
 pub const MARCONI_NO_SLOT: u32 = u32::MAX;
+
+/// marconi_cache_lookup_i64_flags: the hit may cover all n_tokens tokens
+/// (by default the last token is always left to compute, as its logits
+/// start decoding). For a caller that passes exactly the prefix it wants
+/// matched, as SGLang's tree cache does. With the whole input a hit,
+/// nothing is planned.
+pub const MARCONI_LOOKUP_WHOLE_INPUT: u32 = 1;
+
+/// marconi_cache_lookup_i64_flags: the hit's KV page ids are not copied
+/// at the lookup; `out->n_kv_pages` is 0 and marconi_cache_lease_kv_pages
+/// computes them when asked (the same ids, as the lease pins them).
+pub const MARCONI_LOOKUP_NO_KV_PAGES: u32 = 2;
+
+/// Every flag marconi_cache_lookup_i64_flags knows.
+const LOOKUP_FLAGS: u32 = MARCONI_LOOKUP_WHOLE_INPUT | MARCONI_LOOKUP_NO_KV_PAGES;
 
 /// The sequence C lease ids are drawn from, shared by every cache of the
 /// process. Why: a lease id must never be valid in another cache, live or
@@ -68,8 +83,9 @@ pub struct marconi_cache {
 struct Lease {
     /// The core's lease number.
     core: u64,
-    /// KV page ids of its hit.
-    pages: Vec<u32>,
+    /// KV page ids of its hit; None when the lookup skipped them (computed
+    /// from the core's lease when asked).
+    pages: Option<Vec<u32>>,
 }
 
 /// What the lock protects: the core cache and the outputs waiting to be
@@ -557,6 +573,63 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64(
     })
 }
 
+/// marconi_cache_lookup_i64 with `flags`, a bitwise OR of
+/// MARCONI_LOOKUP_WHOLE_INPUT (the hit may cover all n_tokens tokens) and
+/// MARCONI_LOOKUP_NO_KV_PAGES (the hit's page ids are computed only when
+/// marconi_cache_lease_kv_pages asks; `out->n_kv_pages` is 0). With flags 0
+/// this is marconi_cache_lookup_i64.
+///
+/// Errors: those of marconi_cache_lookup_i64, and
+/// MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
+/// know (refused before anything is read; nothing changes).
+///
+/// Thread safety: safe to call concurrently on the same cache.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_i64.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: *const i64,
+    n_tokens: usize,
+    dst_slot: u32,
+    flags: u32,
+    out: *mut marconi_lookup,
+) -> marconi_status {
+    boundary("marconi_cache_lookup_i64_flags", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(out);
+        if flags & !LOOKUP_FLAGS != 0 {
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                format!(
+                    "flags {flags:#x}: unknown bits {:#x}",
+                    flags & !LOOKUP_FLAGS
+                ),
+            ));
+        }
+        let opts = LookupOptions {
+            whole_input: flags & MARCONI_LOOKUP_WHOLE_INPUT != 0,
+            skip_kv_pages: flags & MARCONI_LOOKUP_NO_KV_PAGES != 0,
+        };
+        // SAFETY: forwarded caller contract; no hints.
+        unsafe {
+            lookup_opts(
+                cache,
+                ns,
+                TokenSource::I64(tokens, n_tokens),
+                &[],
+                dst_slot,
+                opts,
+                out,
+            )
+        }
+    })
+}
+
 /// A caller's id array: uint32 ids (read in place) or int64 ids (checked
 /// and narrowed, in one pass).
 #[derive(Clone, Copy)]
@@ -628,6 +701,35 @@ unsafe fn lookup(
     dst_slot: u32,
     out: *mut marconi_lookup,
 ) -> FfiResult {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        lookup_opts(
+            cache,
+            ns,
+            tokens,
+            hints,
+            dst_slot,
+            LookupOptions::default(),
+            out,
+        )
+    }
+}
+
+/// [`lookup`] with the core's lookup options (never with hints: the
+/// flagged entry point takes none).
+///
+/// # Safety
+///
+/// As marconi_cache_lookup.
+unsafe fn lookup_opts(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: TokenSource,
+    hints: &[u32],
+    dst_slot: u32,
+    opts: LookupOptions,
+    out: *mut marconi_lookup,
+) -> FfiResult {
     // SAFETY: the caller passes a live handle or NULL.
     let h = unsafe { handle(cache) }?;
     // SAFETY: buffer contract of the header.
@@ -649,7 +751,7 @@ unsafe fn lookup(
         )
     })?;
     let l = if hints.is_empty() {
-        g.cache.lookup(ns, tokens)?
+        g.cache.lookup_with(ns, tokens, opts)?
     } else {
         g.cache.lookup_hinted(ns, tokens, hints)?
     };
@@ -680,7 +782,7 @@ unsafe fn lookup(
         id,
         Lease {
             core: core_lease,
-            pages: l.kv_pages,
+            pages: (!opts.skip_kv_pages).then_some(l.kv_pages),
         },
     );
     if let Some(m) = &mut g.c_of_core {
@@ -737,8 +839,17 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
         let g = h.lock()?;
-        g.core_lease(lease)?;
-        copy_list(&g.leases[&lease].pages, buf, out_len)
+        let core_lease = g.core_lease(lease)?;
+        match &g.leases[&lease].pages {
+            Some(pages) => copy_list(pages, buf, out_len),
+            None => {
+                let pages = g
+                    .cache
+                    .lease_kv_pages(core_lease)
+                    .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
+                copy_list(&pages, buf, out_len)
+            }
+        }
     })
 }
 

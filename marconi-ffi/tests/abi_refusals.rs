@@ -800,3 +800,141 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         marconi_cache_free(cache);
     }
 }
+
+/// marconi_cache_lookup_i64_flags: MARCONI_LOOKUP_WHOLE_INPUT lets the hit
+/// cover the whole input (the default leaves the last token), and
+/// MARCONI_LOOKUP_NO_KV_PAGES reports no pages at the lookup while
+/// marconi_cache_lease_kv_pages still lists the same ids; flags 0 is
+/// marconi_cache_lookup_i64. Unknown bits, NULL and empty inputs are
+/// refused with no lease issued.
+#[test]
+fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
+    let mut cfg = all_blocks_config();
+    cfg.page_size = 1;
+    cfg.admission = marconi_admission::Marconi as u32;
+    let mut cache = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let seq: Vec<i64> = (0..16).map(|t| t * 1000 + 1).collect();
+    let pages: Vec<i64> = (200..216).collect();
+    let mut l = marconi_lookup::default();
+    let mut out = marconi_admit_result::default();
+    let lookup = |flags: u32, n: usize, l: &mut marconi_lookup| {
+        // SAFETY: live handle, seq has at least n readable ids.
+        unsafe {
+            marconi_cache_lookup_i64_flags(cache, 0, seq.as_ptr(), n, MARCONI_NO_SLOT, flags, l)
+        }
+    };
+    let both = MARCONI_LOOKUP_WHOLE_INPUT | MARCONI_LOOKUP_NO_KV_PAGES;
+    // SAFETY: live handle, valid buffers and lengths throughout.
+    unsafe {
+        ok(lookup(both, 16, &mut l));
+        assert_eq!(l.hit_tokens, 0);
+        let s = states(&[16], &[7]);
+        ok(marconi_cache_admit_i64(
+            cache,
+            l.lease,
+            seq.as_ptr(),
+            seq.len(),
+            s.as_ptr(),
+            1,
+            pages.as_ptr(),
+            pages.len(),
+            ptr::null_mut(),
+            &mut out,
+        ));
+        assert_eq!(out.states_taken, 1);
+        ok(marconi_cache_release(cache, l.lease));
+        // Default (flags 0): the last token is left to compute, so the state
+        // at 16 is no hit for a 16-token input; the pages are copied.
+        ok(lookup(0, 16, &mut l));
+        assert_eq!(l.hit_tokens, 0);
+        ok(marconi_cache_release(cache, l.lease));
+        // Whole input: the state at 16 is the hit; the pages are listed.
+        ok(lookup(MARCONI_LOOKUP_WHOLE_INPUT, 16, &mut l));
+        assert_eq!((l.hit_tokens, l.n_kv_pages, l.n_plan), (16, 16, 0));
+        assert_eq!(l.state_slot, 7);
+        let mut got = vec![0u32; 16];
+        let mut n = 0usize;
+        ok(marconi_cache_lease_kv_pages(
+            cache,
+            l.lease,
+            got.as_mut_ptr(),
+            got.len(),
+            &mut n,
+        ));
+        assert_eq!(got, (200..216).collect::<Vec<u32>>());
+        ok(marconi_cache_release(cache, l.lease));
+        // No page list at the lookup: n_kv_pages is 0, the size query and the
+        // list come from the lease, the same ids.
+        ok(lookup(both, 16, &mut l));
+        assert_eq!((l.hit_tokens, l.n_kv_pages, l.state_slot), (16, 0, 7));
+        let st = marconi_cache_lease_kv_pages(cache, l.lease, ptr::null_mut(), 0, &mut n);
+        assert_eq!((st, n), (marconi_status::BufferTooSmall, 16));
+        let mut got = vec![0u32; 16];
+        ok(marconi_cache_lease_kv_pages(
+            cache,
+            l.lease,
+            got.as_mut_ptr(),
+            got.len(),
+            &mut n,
+        ));
+        assert_eq!(got, (200..216).collect::<Vec<u32>>());
+        ok(marconi_cache_release(cache, l.lease));
+        // Released: the deferred list is refused as a stale lease.
+        let st = marconi_cache_lease_kv_pages(cache, l.lease, got.as_mut_ptr(), got.len(), &mut n);
+        assert_eq!(st, marconi_status::UnknownLease);
+        // Refusals: unknown bits, NULL with a length, empty; no lease issued.
+        let mut stats = marconi_stats {
+            struct_size: size_of::<marconi_stats>() as u32,
+            ..Default::default()
+        };
+        ok(marconi_cache_stats(cache, &mut stats));
+        let before = stats.requests;
+        let st = lookup(4, 16, &mut l);
+        assert_eq!(st, marconi_status::InvalidArgument);
+        assert!(
+            last_error().contains("unknown bits 0x4"),
+            "{}",
+            last_error()
+        );
+        let st =
+            marconi_cache_lookup_i64_flags(cache, 0, ptr::null(), 3, MARCONI_NO_SLOT, both, &mut l);
+        assert_eq!(st, marconi_status::NullArgument);
+        assert_eq!(lookup(both, 0, &mut l), marconi_status::EmptyTokens);
+        let st = marconi_cache_lookup_i64_flags(
+            cache,
+            0,
+            seq.as_ptr(),
+            16,
+            MARCONI_NO_SLOT,
+            both,
+            ptr::null_mut(),
+        );
+        assert_eq!(st, marconi_status::NullArgument);
+        let far = [1i64, -5];
+        let st = marconi_cache_lookup_i64_flags(
+            cache,
+            0,
+            far.as_ptr(),
+            2,
+            MARCONI_NO_SLOT,
+            both,
+            &mut l,
+        );
+        assert_eq!(st, marconi_status::InvalidArgument);
+        let st = marconi_cache_lookup_i64_flags(
+            ptr::null(),
+            0,
+            seq.as_ptr(),
+            16,
+            MARCONI_NO_SLOT,
+            both,
+            &mut l,
+        );
+        assert_eq!(st, marconi_status::NullArgument);
+        ok(marconi_cache_stats(cache, &mut stats));
+        assert_eq!(stats.requests, before);
+        marconi_cache_free(cache);
+    }
+}

@@ -214,7 +214,7 @@ def breakdown(requests, model: str) -> dict:
     """CPU microseconds per request in each step of libmarconi's
     match_prefix + insert (the harness of run_marconi_sglang_pools), each
     step timed by a wrapper (about 1 us of its own per call included):
-    native calls (_lookup_ids, _admit_i64, _release, _lease_pages,
+    native calls (_lookup_prefix, _admit_i64, _release, _lease_pages,
     drain in _give_back) and the adapter's conversions."""
     import marconi.adapter as adapter
 
@@ -237,7 +237,7 @@ def breakdown(requests, model: str) -> dict:
 
     from marconi.cache import PrefixCache
 
-    for name in ("_lookup_ids", "_admit_i64", "_release", "_lease_pages"):
+    for name in ("_lookup_prefix", "_admit_i64", "_release", "_lease_pages"):
         wrap(PrefixCache, name)
     for name in ("_key_ids", "_index_ids", "_first_id", "_namespace"):
         wrap(adapter, name)

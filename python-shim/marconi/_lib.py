@@ -35,6 +35,10 @@ _LIB_NAME = {"darwin": "libmarconi.dylib", "win32": "marconi.dll"}.get(sys.platf
 
 NO_SLOT = 0xFFFF_FFFF
 """MARCONI_NO_SLOT: "no slot" in lookups, saved states and dst_slot."""
+LOOKUP_WHOLE_INPUT = 1
+"""MARCONI_LOOKUP_WHOLE_INPUT: the hit may cover the whole input."""
+LOOKUP_NO_KV_PAGES = 2
+"""MARCONI_LOOKUP_NO_KV_PAGES: the hit's page ids only when asked."""
 
 status_t = c_uint32
 
@@ -691,6 +695,10 @@ SIGNATURES = {
     "marconi_cache_lookup_i64": (
         status_t,
         [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
+    ),
+    "marconi_cache_lookup_i64_flags": (
+        status_t,
+        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, c_uint32, POINTER(marconi_lookup)],
     ),
     "marconi_cache_lease_kv_pages": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_lease_plan": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),

@@ -35,8 +35,9 @@ from array import array as _array
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from ._convert import U32_MAX, U64_MAX, Tokens, _u32_concat, _u32_source, _uint
-from .cache import AdmitResult, Lease, PrefixCache
+from ._convert import U64_MAX, Tokens, _u32_concat, _u32_source, _uint
+from ._lib import LOOKUP_NO_KV_PAGES, LOOKUP_WHOLE_INPUT
+from .cache import AdmitResult, Lease, MarconiError, PrefixCache
 
 
 @dataclass(eq=False)
@@ -232,10 +233,14 @@ class MarconiPrefixCache:
 # SGLang is importable (otherwise from the stand-ins below, which have the
 # same field names), so this module imports nothing from SGLang at load time.
 
-_SENTINEL = U32_MAX
-"""Appended to a key looked up for SGLang: libmarconi's hit is always
-shorter than what is looked up (one token is left to compute), while
-SGLang's callers already pass the key they want matched in full."""
+_WHOLE = LOOKUP_WHOLE_INPUT
+"""Lookups for SGLang may hit the whole key: libmarconi by default leaves
+one token to compute, while SGLang's callers already pass the key they want
+matched in full."""
+
+_WHOLE_NO_PAGES = LOOKUP_WHOLE_INPUT | LOOKUP_NO_KV_PAGES
+"""As _WHOLE, with the hit's page ids fetched only when asked
+(path_device_indices): most matches never ask."""
 
 
 def _like(ref: Any, ids: list[int]) -> Any:
@@ -246,9 +251,6 @@ def _like(ref: Any, ids: list[int]) -> Any:
 
         return torch.tensor(ids, dtype=torch.int64, device=ref.device)
     return list(ids)
-
-
-_SENT_Q = _array("q", [_SENTINEL])
 
 
 def _i64_ids(ids: Any, what: str = "tokens") -> _array:
@@ -457,6 +459,9 @@ class SGLangNode:
     lock_ref: int = 0
     indices: Any = None
     """The joined KV indices, once asked for."""
+    looked_up: int = 0
+    """The lease is a lookup of key[:looked_up] (whole input): an insert
+    whose key starts with it may admit under it. 0: not known."""
 
     @property
     def hit_tokens(self) -> int:
@@ -586,13 +591,11 @@ class SGLangTreeCache(MarconiPrefixCache):
     _MAX_PENDING = 64
     """Unlocked matches whose leases are kept for lock(); older ones are released."""
 
-    def _lookup(self, ids: _array, n: int, ns: int) -> tuple:
-        """One lookup of ids[:n] followed by the sentinel (so that all n
-        may be a hit): _lookup_ids's tuple."""
-        key = ids[:n] if n < len(ids) else ids + _SENT_Q
-        if n < len(ids):
-            key.append(_SENTINEL)
-        return self.cache._lookup_ids(key, ns)
+    def _lookup(self, ids: _array, n: int, ns: int, flags: int = _WHOLE_NO_PAGES) -> tuple:
+        """One lookup of ids[:n] (read in place; all n may be a hit):
+        _lookup_ids's tuple, with no page count unless `flags` asks for
+        the pages."""
+        return self.cache._lookup_prefix(ids, n, ns, flags)
 
     def _release(self, lid: Optional[int]) -> None:
         if lid is not None:
@@ -626,7 +629,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         cache = self.cache
         if lid is not None and lid in cache._live:
             return cache._lease_pages(lid, n_pages)
-        found = self._lookup(node.key, node.hit, node.namespace)
+        found = self._lookup(node.key, node.hit, node.namespace, _WHOLE)
         try:
             return cache._lease_pages(found[0], min(found[4], n_pages))
         finally:
@@ -657,6 +660,7 @@ class SGLangTreeCache(MarconiPrefixCache):
             self._release(lid)
             raise
         node.lease = lid
+        node.looked_up = n
         pending = self._pending
         pending[lid] = node
         if len(pending) > self._MAX_PENDING:
@@ -746,8 +750,10 @@ class SGLangTreeCache(MarconiPrefixCache):
                 lid = node.lease
                 if lid is None or self._pending.pop(lid, None) is not node:
                     # Not the match's own lease (released since): look up again.
-                    found = self._lookup(node.key, node.hit, node.namespace)
+                    looked_up = node.hit
+                    found = self._lookup(node.key, looked_up, node.namespace)
                     lid, hit, slot = found[0], found[1], found[3]
+                    node.looked_up = looked_up
                     if hit < node.hit:
                         # Evicted since the match: the pin covers what is still there.
                         node.hit = hit
@@ -814,20 +820,44 @@ class SGLangTreeCache(MarconiPrefixCache):
         else:
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)
+        # The admission runs under the lease of this request's match (or lock)
+        # when one looked up a prefix of this key: no second lookup.
+        lid, borrowed = self._borrow_lease(ids, n, ns)
         self._release_pending()  # nothing a match pinned may keep the admission from evicting
-        lid, was_hit, matched, _, _ = self.cache._lookup_ids(ids, ns)
+        matched = None
         try:
-            taken_states, start, stop, truncated, rejected, taken = self.cache._admit_i64(
-                lid, ids, states, pages, n_pages
-            )
+            if lid is not None:
+                was_hit = self._borrowed_hit
+                try:
+                    admitted = self.cache._admit_i64(lid, ids, states, pages, n_pages)
+                except MarconiError as e:
+                    if e.name != "PREFIX_MISMATCH":
+                        raise
+                    admitted = None  # not this request's lease after all: nothing changed
+                if admitted is None and borrowed == "pending":
+                    self._release(lid)
+                if admitted is None:
+                    lid = None
+            if lid is None:
+                # The default limit (one token left), as the admission's hit; no page list.
+                lid, was_hit, matched, _, _ = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
+                borrowed = None
+                admitted = self.cache._admit_i64(lid, ids, states, pages, n_pages)
         finally:
-            self._release(lid)
+            if lid is not None and borrowed != "locked":
+                self._release(lid)
+        taken_states, start, stop, truncated, rejected, taken = admitted
         # The tokens already cached before this insert (SGLang's prefix_len).
         if stop > start:
             prefix_len = start * ps
         elif not rejected and not truncated:
             prefix_len = n
         else:
+            if matched is None:
+                # Under a borrowed lease, and nothing taken: the tree as before.
+                found = self._lookup(ids, n, ns, LOOKUP_NO_KV_PAGES)
+                self._release(found[0])
+                matched = found[2]
             prefix_len = min(matched, n)
         # The duplicates: positions the tree already held before this insert,
         # from prev_prefix_len on (before it, they are the tree's own). What
@@ -859,6 +889,35 @@ class SGLangTreeCache(MarconiPrefixCache):
         # must not free them): what was cached plus what the cache took.
         result.tree_kv_len = max(prefix_len, stop * ps if stop > start else 0)
         return result
+
+    def _borrow_lease(self, ids: _array, n: int, ns: int) -> tuple:
+        """The live lease of the newest unlocked match, else of the newest
+        lock, whose lookup was of a prefix of ids[:n] in namespace ns (ends
+        checked here, the whole prefix by the admission): (lease id,
+        "pending" or "locked"), or (None, None). A pending lease leaves
+        self._pending (the insert releases it); its hit is in
+        self._borrowed_hit."""
+        live = self.cache._live
+        for group, nodes in (("pending", self._pending), ("locked", self._locked)):
+            for node in reversed(nodes.values()):
+                k = node.looked_up
+                lid = node.lease
+                if (
+                    0 < k <= n
+                    and node.namespace == ns
+                    and lid is not None
+                    and lid in live
+                    and node.key[k - 1] == ids[k - 1]
+                    and node.key[0] == ids[0]
+                ):
+                    if group == "pending":
+                        del nodes[lid]
+                        if node.lock_ref == 0:
+                            node.lease = None
+                    self._borrowed_hit = node.hit
+                    return lid, group
+                break  # only the newest of each: an older one is another request's
+        return None, None
 
     def _node_for(self, ids: _array, n: int, ns: int) -> SGLangNode:
         found = self._lookup(ids, n, ns)

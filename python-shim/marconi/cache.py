@@ -678,6 +678,32 @@ class PrefixCache(_Closing):
         slot = raw.state_slot
         return lid, raw.hit_tokens, raw.kv_matched_tokens, None if slot == NO_SLOT else slot, raw.n_kv_pages
 
+    def _lookup_prefix(self, ids: "array.array[int]", n: int, ns: int, flags: int) -> tuple[int, int, int, Optional[int], int]:
+        """marconi_cache_lookup_i64_flags of `ids[:n]` (array('q'), 0 < n <=
+        len(ids), read in place: no copy) with `flags`
+        (LOOKUP_WHOLE_INPUT, LOOKUP_NO_KV_PAGES): _lookup_ids's tuple."""
+        if not 0 < n <= len(ids):
+            raise ValueError(f"n: {n} tokens of a key of {len(ids)}")
+        raw = _Lookup()
+        calls = self._calls
+        calls.append(None)  # _begin(), inlined
+        try:
+            if self._closing:
+                raise ValueError("the cache is closed")
+            ptr = ctypes.c_int64.from_buffer(ids)
+            st = self._lib.marconi_cache_lookup_i64_flags(self._handle, ns, ptr, n, NO_SLOT, flags, raw)
+            del ptr
+            if st:
+                _check(st, "marconi_cache_lookup_i64_flags")
+            lid = raw.lease
+            self._live.add(lid)
+        finally:
+            calls.pop()  # _end(), inlined
+            if self._closing:
+                self._ended()
+        slot = raw.state_slot
+        return lid, raw.hit_tokens, raw.kv_matched_tokens, None if slot == NO_SLOT else slot, raw.n_kv_pages
+
     def _lease_pages(self, lid: int, n: int) -> "array.array[int]":
         """The first n KV page ids of a live lease (n at most its count), as
         an array('I') (one copy, no Python ints)."""

@@ -444,6 +444,98 @@ def test_match_then_lock_is_one_lookup():
     tree.sanity_check()
 
 
+def test_match_reads_the_key_in_place_and_lists_pages_when_asked():
+    """match_prefix looks the key up in place (the key's own array, no copy
+    with an end marker) and may hit all of it; its lease lists no page ids
+    until path_device_indices asks, and then the ones inserted."""
+    from array import array
+
+    tree, alloc, rtp, make_req = build_tree()
+    req = make_req()
+    kv = alloc.alloc(5)
+    tree.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=kv, mamba_value=[req.mamba_pool_idx]))
+    seen = []
+    real = tree.cache._lookup_prefix
+
+    def spy(ids, n, ns, flags):
+        found = real(ids, n, ns, flags)
+        seen.append((ids, n, found[4]))
+        return found
+
+    tree.cache._lookup_prefix = spy
+    key = array("q", [1, 2, 3, 4, 5])
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(key)))
+    assert m.device_prefix_len == 5
+    assert len(seen) == 1 and seen[0][0] is key and seen[0][1] == 5
+    assert seen[0][2] == 0  # no page list copied at the lookup
+    assert list(tree.path_device_indices(m.last_device_node)) == list(kv)
+    lock = tree.lock(m.last_device_node)
+    assert len(seen) == 1 and tree.protected_size() == 5
+    tree.unlock(lock)
+    # A longer key: the hit is the cached prefix, still read in place.
+    longer = array("q", [1, 2, 3, 4, 5, 6, 7])
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(longer))).device_prefix_len == 5
+    assert seen[-1][0] is longer and seen[-1][1] == 7
+    del tree.cache._lookup_prefix
+    tree.evict(EvictParams(num_tokens=128, mamba_num=0))
+    assert tree.cache.stats()["leases"] == 0
+    tree.sanity_check()
+
+
+def test_insert_admits_under_the_match_lease():
+    """An insert whose key starts with the key its request matched admits
+    under the match's lease (one library lookup per match + insert; the
+    lease released once), under a lock's lease (kept for the unlock), and
+    a lease that looked up another key is refused by the library (prefix
+    check) and replaced by the insert's own lookup, the result the same."""
+    from array import array
+
+    tree, alloc, rtp, make_req = build_tree(kv_size=256)
+    req = make_req()
+    kv = alloc.alloc(5)
+    tree.insert(InsertParams(key=RadixKey([1, 2, 3, 4, 5]), value=kv, mamba_value=[req.mamba_pool_idx]))
+    requests = lambda: tree.cache.stats()["requests"]  # noqa: E731
+    # Match then insert: one lookup, the lease released by the insert.
+    before = requests()
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [1, 2, 3, 4, 5, 6]))))
+    assert m.device_prefix_len == 5
+    req2 = make_req()
+    r = insert(tree, alloc, req2, array("q", [1, 2, 3, 4, 5, 6, 7, 8]), prev_prefix_len=0)
+    assert (r.prefix_len, requests(), tree.cache.stats()["leases"]) == (5, before + 1, 0)
+    assert hit(tree, [1, 2, 3, 4, 5, 6, 7, 8]) == 8
+    # Match, lock, insert: the lock's lease admits and stays until the unlock.
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5, 6, 7, 8, 9])))
+    lock = tree.lock(m.last_device_node)
+    before = requests()
+    r = insert(tree, alloc, make_req(), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], prev_prefix_len=0)
+    assert (r.prefix_len, requests(), tree.cache.stats()["leases"]) == (8, before, 1)
+    tree.unlock(lock)
+    assert tree.cache.stats()["leases"] == 0
+    # The same ends but another middle: refused under the match's lease,
+    # admitted after a lookup of its own; nothing pinned afterwards.
+    tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4, 5])))
+    refused = []
+    real = tree.cache._admit_i64
+
+    def spy(*a):
+        try:
+            return real(*a)
+        except Exception as e:
+            refused.append(e.name)
+            raise
+
+    tree.cache._admit_i64 = spy
+    before = requests()
+    r = insert(tree, alloc, make_req(), [1, 9, 9, 9, 5, 6], prev_prefix_len=0)
+    del tree.cache._admit_i64
+    assert refused == ["PREFIX_MISMATCH"]
+    assert (r.prefix_len, tree.cache.stats()["leases"]) == (1, 0)
+    assert requests() > before  # its own lookup
+    assert hit(tree, [1, 9, 9, 9, 5, 6]) == 6
+    assert hit(tree, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) == 10
+    tree.sanity_check()
+
+
 def test_int64_keys_match_list_keys_and_bad_ids_are_refused():
     """array('q') keys (as SGLang 0.5.23 holds them) and lists give the same
     hits; an id that is not a uint32 is refused by name, nothing cached."""

@@ -4931,7 +4931,7 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
 /**
  * Frees a tiered cache. NULL is a no-op; a pointer that is not a live
  * tiered handle (a foreign one, or one already freed whose memory still
- * holds the cleared magic) is refused and left alone.
+ * holds the cleared tag) is refused and left alone.
  *
  * Thread safety: must not run concurrently with any other call on this
  * handle; the handle must not be used afterwards.

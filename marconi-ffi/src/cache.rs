@@ -1157,28 +1157,53 @@ pub unsafe extern "C" fn marconi_cache_drain_freed(
         check_ptr!(n_slots);
         let mut g = h.lock()?;
         g.collect_freed();
-        let (np, ns) = (g.freed_pages.len(), g.freed_slots.len());
-        // SAFETY: n_pages and n_slots are non-NULL, aligned and writable.
+        let g = &mut *g;
+        // SAFETY: n_pages and n_slots are non-NULL and aligned (checked),
+        // writable by the caller's contract.
         unsafe {
-            n_pages.write(np);
-            n_slots.write(ns);
+            hand_out_freed(
+                (&mut g.freed_pages, &mut g.freed_slots),
+                (pages, slots),
+                (n_pages, n_slots),
+            )
         }
-        if pages.len() < np || slots.len() < ns {
-            return Err(FfiError::new(
-                marconi_status::BufferTooSmall,
-                format!(
-                    "{np} page ids and {ns} slot ids are pending; buffers hold {} and {}",
-                    pages.len(),
-                    slots.len()
-                ),
-            ));
-        }
-        pages[..np].copy_from_slice(&g.freed_pages);
-        slots[..ns].copy_from_slice(&g.freed_slots);
-        g.freed_pages.clear();
-        g.freed_slots.clear();
-        Ok(())
     })
+}
+
+/// Writes the pending freed ids' counts to `*n_pages`/`*n_slots`, then the
+/// ids into `pages`/`slots` and clears them; when either buffer is too
+/// small, only the counts are written (BUFFER_TOO_SMALL) and nothing is
+/// drained. marconi_cache_drain_freed and marconi_tiered_drain_freed.
+///
+/// # Safety
+///
+/// `n_pages` and `n_slots` are non-NULL, aligned and writable.
+pub(crate) unsafe fn hand_out_freed(
+    (freed_pages, freed_slots): (&mut Vec<u32>, &mut Vec<u32>),
+    (pages, slots): (&mut [u32], &mut [u32]),
+    (n_pages, n_slots): (*mut usize, *mut usize),
+) -> FfiResult {
+    let (np, ns) = (freed_pages.len(), freed_slots.len());
+    // SAFETY: this function's contract.
+    unsafe {
+        n_pages.write(np);
+        n_slots.write(ns);
+    }
+    if pages.len() < np || slots.len() < ns {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!(
+                "{np} page ids and {ns} slot ids are pending; buffers hold {} and {}",
+                pages.len(),
+                slots.len()
+            ),
+        ));
+    }
+    pages[..np].copy_from_slice(freed_pages);
+    slots[..ns].copy_from_slice(freed_slots);
+    freed_pages.clear();
+    freed_slots.clear();
+    Ok(())
 }
 
 /// Evicts until at least `bytes` are free (or nothing evictable is left) and

@@ -6,6 +6,7 @@
 //! the configured timeout by more than one operation.
 
 use std::ffi::{c_char, c_void, CStr};
+use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -16,8 +17,9 @@ use ::marconi_store::{
 
 use crate::cache::tokens_len_ok;
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
+    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
+    HandleTag,
 };
 
 /// Which store a handle uses.
@@ -202,21 +204,16 @@ pub struct marconi_store_stats {
 /// The first version's size of marconi_store_stats.
 const STATS_MIN_SIZE: usize = 8;
 
-/// Tells a store handle from anything else passed in its place.
-const MAGIC: u64 = 0x6d63_7374_6f72_6531; // "mcstore1"
-
 /// A store handle: opaque to C. Create with marconi_store_new, free with
 /// marconi_store_free. Safe to call from several threads at once.
 pub struct marconi_store {
     _private: [u8; 0],
 }
 
-/// What a `*marconi_store` points to. `repr(C)`: the magic is its first 8
-/// bytes, all that is read of a pointer before it is known to be a store
-/// handle.
-#[repr(C)]
+/// What a `*marconi_store` points to; its tag is all that is read of a
+/// pointer before it is known to be a store handle.
 struct StoreHandle {
-    magic: u64,
+    tag: HandleTag,
     tier: StoreTier,
 }
 
@@ -226,14 +223,16 @@ struct StoreHandle {
 unsafe fn store_handle<'a>(store: *const marconi_store) -> FfiResult<&'a StoreHandle> {
     let store = store.cast::<StoreHandle>();
     check_ptr!(store);
-    // SAFETY: non-NULL and aligned (checked); a live handle by the caller's
-    // contract, whose magic (its first field) is read first.
-    if unsafe { store.cast::<u64>().read() } != MAGIC {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            "store is not a marconi_store handle",
-        ));
-    }
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a store.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*store).tag),
+            HandleTag::STORE,
+            "store",
+            "marconi_store",
+        )
+    }?;
     // SAFETY: as above; only shared references are formed (Sync).
     let s = unsafe { &*store };
     Ok(s)
@@ -494,7 +493,10 @@ pub unsafe extern "C" fn marconi_store_new(
             }
         };
         let tier = StoreTier::new(store, tc).map_err(config_error)?;
-        let h = Box::new(StoreHandle { magic: MAGIC, tier });
+        let h = Box::new(StoreHandle {
+            tag: HandleTag::STORE,
+            tier,
+        });
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
         unsafe { out.write(Box::into_raw(h).cast::<marconi_store>()) };
         Ok(())
@@ -519,10 +521,13 @@ pub unsafe extern "C" fn marconi_store_free(store: *mut marconi_store) {
         if unsafe { store_handle(store) }.is_err() {
             return;
         }
-        // SAFETY: from Box::into_raw in marconi_store_new, freed once.
-        let mut b = unsafe { Box::from_raw(store.cast::<StoreHandle>()) };
-        b.magic = 0;
-        drop(b);
+        let store = store.cast::<StoreHandle>();
+        // SAFETY: from Box::into_raw in marconi_store_new, freed once; its
+        // tag is zeroed first.
+        unsafe {
+            retire_tag(ptr::addr_of_mut!((*store).tag));
+            drop(Box::from_raw(store));
+        }
     })
 }
 

@@ -8,6 +8,7 @@
 //! or slow gives an empty probe within its timeout.
 
 use std::collections::HashMap;
+use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_core::{
@@ -20,8 +21,9 @@ use crate::cache::{
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
+    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
+    HandleTag,
 };
 use crate::store::{marconi_store, probe_states};
 
@@ -306,19 +308,15 @@ pub struct marconi_tiered_stats {
 /// The first version's size of marconi_tiered_stats (up to `requests`).
 const STATS_MIN_SIZE: usize = 16;
 
-/// Tells a tiered handle from anything else passed in its place.
-const MAGIC: u64 = 0x6d63_7469_6572_6431; // "mctiered1"
-
 /// A tiered cache handle: opaque to C. Create with marconi_tiered_new,
 /// free with marconi_tiered_free. Safe to call from several threads.
 pub struct marconi_tiered {
     _private: [u8; 0],
 }
 
-/// What a `*marconi_tiered` points to; the magic is its first 8 bytes.
-#[repr(C)]
+/// What a `*marconi_tiered` points to.
 struct TieredHandle {
-    magic: u64,
+    tag: HandleTag,
     inner: Mutex<Inner>,
 }
 
@@ -362,14 +360,17 @@ fn unknown_lease(lease: u64) -> FfiError {
 unsafe fn handle<'a>(t: *const marconi_tiered) -> FfiResult<&'a TieredHandle> {
     let t = t.cast::<TieredHandle>();
     check_ptr!(t);
-    // SAFETY: non-NULL and aligned (checked); a live handle by the caller's
-    // contract, whose magic (its first field) is read first.
-    if unsafe { t.cast::<u64>().read() } != MAGIC {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            "tiered is not a marconi_tiered handle",
-        ));
-    }
+    // SAFETY: non-NULL and aligned (checked); readable by the caller's
+    // contract; only the tag is read before it is known to be a tiered
+    // handle.
+    unsafe {
+        check_tag(
+            ptr::addr_of!((*t).tag),
+            HandleTag::TIERED,
+            "tiered",
+            "marconi_tiered",
+        )
+    }?;
     // SAFETY: as above; only shared references are formed (Sync via Mutex).
     Ok(unsafe { &*t })
 }
@@ -500,7 +501,7 @@ pub unsafe extern "C" fn marconi_tiered_new(
         let mut cache = TieredCache::new(dev, t)?;
         cache.record_ops(true);
         let h = Box::new(TieredHandle {
-            magic: MAGIC,
+            tag: HandleTag::TIERED,
             inner: Mutex::new(Inner {
                 cache,
                 leases: HashMap::new(),
@@ -522,7 +523,7 @@ pub unsafe extern "C" fn marconi_tiered_new(
 
 /// Frees a tiered cache. NULL is a no-op; a pointer that is not a live
 /// tiered handle (a foreign one, or one already freed whose memory still
-/// holds the cleared magic) is refused and left alone.
+/// holds the cleared tag) is refused and left alone.
 ///
 /// Thread safety: must not run concurrently with any other call on this
 /// handle; the handle must not be used afterwards.
@@ -541,10 +542,13 @@ pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
         if unsafe { handle(t) }.is_err() {
             return;
         }
-        // SAFETY: from Box::into_raw in marconi_tiered_new, freed once.
-        let mut b = unsafe { Box::from_raw(t.cast::<TieredHandle>()) };
-        b.magic = 0;
-        drop(b);
+        let t = t.cast::<TieredHandle>();
+        // SAFETY: from Box::into_raw in marconi_tiered_new, freed once; its
+        // tag is zeroed first.
+        unsafe {
+            retire_tag(ptr::addr_of_mut!((*t).tag));
+            drop(Box::from_raw(t));
+        }
     })
 }
 
@@ -1124,27 +1128,16 @@ pub unsafe extern "C" fn marconi_tiered_drain_freed(
         check_ptr!(n_slots);
         let mut g = lock(h)?;
         g.collect();
-        let (np, ns) = (g.freed_pages.len(), g.freed_slots.len());
-        // SAFETY: n_pages and n_slots are non-NULL, aligned and writable.
+        let g = &mut *g;
+        // SAFETY: n_pages and n_slots are non-NULL and aligned (checked),
+        // writable by the caller's contract.
         unsafe {
-            n_pages.write(np);
-            n_slots.write(ns);
+            crate::cache::hand_out_freed(
+                (&mut g.freed_pages, &mut g.freed_slots),
+                (pages, slots),
+                (n_pages, n_slots),
+            )
         }
-        if pages.len() < np || slots.len() < ns {
-            return Err(FfiError::new(
-                marconi_status::BufferTooSmall,
-                format!(
-                    "{np} page ids and {ns} slot ids are pending; buffers hold {} and {}",
-                    pages.len(),
-                    slots.len()
-                ),
-            ));
-        }
-        pages[..np].copy_from_slice(&g.freed_pages);
-        slots[..ns].copy_from_slice(&g.freed_slots);
-        g.freed_pages.clear();
-        g.freed_slots.clear();
-        Ok(())
     })
 }
 

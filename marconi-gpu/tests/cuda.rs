@@ -29,6 +29,12 @@ fn gpu_or_skip(test: &str) -> Option<Arc<Device>> {
     match Device::open(0) {
         Ok(device) => Some(device),
         Err(e) => {
+            // On a machine that must have a GPU (scripts/gpu-check.sh sets
+            // this), a missing device is a failure, not a skip.
+            assert!(
+                std::env::var("MARCONI_REQUIRE_GPU").as_deref() != Ok("1"),
+                "MARCONI_REQUIRE_GPU=1 but no GPU: {e}"
+            );
             println!(
                 "SKIPPED: no libcuda ({e}); {test} did not run and is not a pass of the GPU path"
             );
@@ -89,14 +95,39 @@ fn nvrtc_compiles_the_embedded_source() {
         );
         return;
     }
-    for arch in ["compute_70", "compute_80", "compute_90"] {
-        let ptx = compile_ptx(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        let params = entry_params(&ptx, COPY_KERNEL).expect("entry present");
-        assert_eq!(
-            params, KERNEL_PARAMS,
-            "{arch}: signature differs from kernels/snapshot.ptx"
-        );
+    // Each toolkit compiles for a range of architectures (CUDA 13's NVRTC
+    // refuses compute_70, older ones lack compute_90): one outside the range
+    // is a clear error, never a panic. SnapshotKernels::load asks for the
+    // device's own architecture and falls back to the checked-in PTX.
+    let mut compiled = Vec::new();
+    for arch in [
+        "compute_70",
+        "compute_75",
+        "compute_80",
+        "compute_86",
+        "compute_90",
+    ] {
+        match compile_ptx(arch) {
+            Ok(ptx) => {
+                let params = entry_params(&ptx, COPY_KERNEL).expect("entry present");
+                assert_eq!(
+                    params, KERNEL_PARAMS,
+                    "{arch}: signature differs from kernels/snapshot.ptx"
+                );
+                compiled.push(arch);
+            }
+            Err(CudaError::Kernel(why)) => {
+                assert!(why.contains("INVALID_OPTION"), "{arch}: {why}");
+                println!("{arch}: not compiled by this NVRTC ({why})");
+            }
+            Err(other) => panic!("{arch}: {other}"),
+        }
     }
+    // CUDA 11.0 to 13.x all compile compute_80.
+    assert!(
+        compiled.contains(&"compute_80"),
+        "compiled only {compiled:?}"
+    );
     assert!(matches!(
         compile_ptx("compute_1"),
         Err(CudaError::Kernel(_))

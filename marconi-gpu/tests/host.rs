@@ -93,6 +93,9 @@ fn capacity_is_rounded_to_chunks_and_counted() {
     assert_eq!((s.pages_live, s.states_live, s.bytes_demoted), (0, 0, 0));
     if !cfg!(feature = "cuda") {
         assert!(!s.pinned, "a build without CUDA never page-locks");
+    } else if std::env::var("MARCONI_REQUIRE_GPU").as_deref() == Ok("1") {
+        // scripts/gpu-check.sh: on a GPU machine a cuda build page-locks.
+        assert!(s.pinned, "a cuda build with a GPU page-locks the host pool");
     }
     for bad in [
         HostPoolConfig::new(2 << 20, PAGE, STATE),

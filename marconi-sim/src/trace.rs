@@ -482,6 +482,12 @@ impl LineParser {
         }
         let raw: RawLine =
             serde_json::from_str(text.trim_end()).map_err(|e| err(json_reason(&e)))?;
+        // A missing field is often a field under another name (`prompt`
+        // for `input`): say which keys of the line were not read.
+        let err = |reason: String| {
+            let hint = unread_keys_hint(text);
+            err(format!("{reason}{hint}"))
+        };
         let id = raw.id.ok_or_else(|| err("missing `id`".into()))?;
         let session = raw.session.ok_or_else(|| err("missing `session`".into()))?;
         let arrival_s = raw
@@ -490,7 +496,6 @@ impl LineParser {
         if !arrival_s.is_finite() || arrival_s < 0.0 {
             return Err(err(format!("arrival_s {arrival_s} is not a time >= 0")));
         }
-        let output = raw.output.ok_or_else(|| err("missing `output`".into()))?.0;
         let (base, tokens) = match (raw.input, raw.extends, raw.append) {
             (Some(i), None, None) => (Base::Full, i.0),
             (None, Some(x), Some(a)) => {
@@ -515,6 +520,7 @@ impl LineParser {
         if base == Base::Full && tokens.is_empty() {
             return Err(err("empty `input`".into()));
         }
+        let output = raw.output.ok_or_else(|| err("missing `output`".into()))?.0;
         if let Some((pid, parr)) = self.last {
             if id <= pid {
                 return Err(err(format!(
@@ -539,6 +545,59 @@ impl LineParser {
             checkpoints: raw.checkpoints.unwrap_or_default(),
         }))
     }
+}
+
+/// The keys a trace line may have.
+const TRACE_KEYS: [&str; 8] = [
+    "id",
+    "session",
+    "arrival_s",
+    "input",
+    "extends",
+    "append",
+    "output",
+    "checkpoints",
+];
+
+/// For an error about a line that parsed as JSON: the line's keys that a
+/// trace does not read, each with the key it probably means, or "" when
+/// every key is known.
+fn unread_keys_hint(text: &str) -> String {
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_str(text.trim_end()) else {
+        return String::new();
+    };
+    let unread: Vec<String> = map
+        .keys()
+        .filter(|k| !TRACE_KEYS.contains(&k.as_str()))
+        .map(|k| match likely_key(k) {
+            Some(meant) => format!("`{k}` (did you mean `{meant}`?)"),
+            None => format!("`{k}`"),
+        })
+        .collect();
+    if unread.is_empty() {
+        return String::new();
+    }
+    format!(
+        "; this line also has {}, which a trace does not read (keys: id, session, arrival_s, \
+         input or extends + append, output, checkpoints; docs/simulator.md)",
+        unread.join(", ")
+    )
+}
+
+/// The trace key that a key of another format usually names.
+fn likely_key(key: &str) -> Option<&'static str> {
+    Some(match key.to_ascii_lowercase().as_str() {
+        "prompt" | "prompt_tokens" | "prompt_token_ids" | "input_ids" | "tokens" | "inputs" => {
+            "input"
+        }
+        "completion" | "completion_tokens" | "response" | "output_ids" | "outputs"
+        | "output_tokens" => "output",
+        "arrival" | "arrival_time" | "timestamp" | "time" | "t" => "arrival_s",
+        "session_id" | "conversation" | "conversation_id" | "conv_id" => "session",
+        "request_id" | "req_id" => "id",
+        "parent" | "parent_id" => "extends",
+        _ => return None,
+    })
 }
 
 fn json_reason(e: &serde_json::Error) -> String {

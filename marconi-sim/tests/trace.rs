@@ -201,6 +201,26 @@ fn malformed_lines_are_rejected_with_line_and_reason() {
         &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "input": [1]}"#),
         "trace line 2: missing `output`",
     );
+    // Another format's key names: the error says which keys were not read.
+    check_err(
+        &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "prompt": [1], "output": []}"#),
+        "trace line 2: neither `input` nor `extends` + `append`; this line also has `prompt` \
+         (did you mean `input`?), which a trace does not read (keys: id, session, arrival_s, \
+         input or extends + append, output, checkpoints; docs/simulator.md)",
+    );
+    check_err(
+        &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "prompt": [1], "completion": [2]}"#),
+        "trace line 2: neither `input` nor `extends` + `append`; this line also has \
+         `completion` (did you mean `output`?), `prompt` (did you mean `input`?), which a trace \
+         does not read (keys: id, session, arrival_s, input or extends + append, output, \
+         checkpoints; docs/simulator.md)",
+    );
+    check_err(
+        &two(r#"{"id": 1, "session": 1, "arrival_s": 1, "input": [1], "note": "x"}"#),
+        "trace line 2: missing `output`; this line also has `note`, which a trace does not read \
+         (keys: id, session, arrival_s, input or extends + append, output, checkpoints; \
+         docs/simulator.md)",
+    );
     check_err(
         &two(r#"{"id": 1, "session": 1, "arrival_s": -1, "input": [1], "output": []}"#),
         "trace line 2: arrival_s -1 is not a time >= 0",

@@ -6,6 +6,7 @@ refused with its status, changing nothing)."""
 
 import array
 import copy
+import os
 import pickle
 import threading
 
@@ -197,6 +198,61 @@ def test_bad_configurations_are_refused():
         Pool(16 * MIB, 4096, 8192, backend="cuda").close()
     except MarconiError as e:
         assert e.name == "UNSUPPORTED"
+
+
+
+def _device_bytes(torch, address, n):
+    """A uint8 tensor over n bytes of device memory at `address`, in place
+    (the CUDA array interface: no copy, no ownership)."""
+
+    class _Device:
+        __cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+    return torch.as_tensor(_Device(), device="cuda")
+
+
+def test_cuda_pool_units_are_device_memory_torch_writes_in_place():
+    """On a GPU (scripts/gpu-check.sh sets MARCONI_REQUIRE_GPU=1, where a
+    missing GPU fails): a CUDA pool's units are device memory that torch
+    reads and writes in place, and copy_states / fork_state / a migration
+    move or keep those bytes on the device."""
+    required = os.environ.get("MARCONI_REQUIRE_GPU") == "1"
+    try:
+        import torch
+    except ImportError:
+        if required:
+            raise
+        pytest.skip("no torch")
+    if not torch.cuda.is_available():
+        assert not required, "MARCONI_REQUIRE_GPU=1 but torch sees no GPU"
+        pytest.skip("no CUDA device")
+    try:
+        # Migrations of 16 state slots (one 2 MiB chunk): the state pool's
+        # tail is free while its head holds the live slots below.
+        pool = Pool(32 * MIB, 64 << 10, 128 << 10, backend="cuda", migration="avmp", migration_batch_units=16)
+    except MarconiError as e:
+        assert not required, f"backend cuda refused on a GPU: {e}"
+        pytest.skip(f"backend cuda refused: {e.name}")
+    with pool:
+        assert pool.stats()["backend"] == "cuda"
+        st = pool.allocate("state", 4)
+        views = [_device_bytes(torch, loc.address, loc.unit_bytes) for loc in pool.resolve(st)]
+        g = torch.Generator(device="cuda").manual_seed(7)
+        for v in views:
+            v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, device="cuda", generator=g))
+        want = [v.clone() for v in views]
+        torch.cuda.synchronize()
+        pool.copy_states([(st[0], st[1])])
+        pool.fork_state(st[2], [st[3]])
+        assert torch.equal(views[1], want[0]) and torch.equal(views[0], want[0])
+        assert torch.equal(views[3], want[2]) and torch.equal(views[2], want[2])
+        # Fill the KV pool and take one page more: chunks move from the
+        # state pool, and the live state slots keep their bytes.
+        kv = pool.allocate("kv", pool.stats()["kv_capacity"] + 1)
+        assert pool.stats()["migrations"] >= 1
+        assert torch.equal(views[0], want[0]) and torch.equal(views[2], want[2])
+        pool.free(kv)
+        pool.free(st)
 
 
 def test_none_backend_has_offsets_and_no_copies():

@@ -134,7 +134,7 @@ impl marconi_status {
             marconi_status::Panic => "internal panic caught at the C boundary (a libmarconi bug)",
             marconi_status::Poisoned => "cache unusable after an earlier internal panic",
             marconi_status::InvalidConfig => "invalid configuration",
-            marconi_status::UnknownPreset => "unknown model preset",
+            marconi_status::UnknownPreset => "unknown preset name (model or policy)",
             marconi_status::EmptyTokens => "token array is empty",
             marconi_status::TooManyTokens => "token array too long",
             marconi_status::UnknownLease => "lease is unknown or already released",

@@ -331,20 +331,36 @@ fn parse_seeds(s: &str) -> Result<Vec<u64>, String> {
     }
 }
 
-/// A model preset by name; an unknown name gets the nearest preset
-/// suggested.
+/// A model preset by name, or a Hugging Face `config.json` by path (a name
+/// ending in `.json` or naming a file). An unknown name gets the nearest
+/// preset suggested when one is close, and the presets listed.
 fn preset(name: &str) -> Result<ModelSpec, String> {
+    let path = std::path::Path::new(name);
+    if name.ends_with(".json") || path.is_file() {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("model config {name:?}: {e}"))?;
+        return ModelSpec::from_hf_config(&text).map_err(|e| format!("model config {name:?}: {e}"));
+    }
     ModelSpec::preset(name).ok_or_else(|| {
-        let nearest = PRESET_NAMES
+        let lower = name.to_ascii_lowercase();
+        let (far, nearest) = PRESET_NAMES
             .iter()
-            .min_by_key(|p| {
+            .map(|p| {
                 // A preset that contains the name (`jamba`) is nearest.
-                let contains = p.contains(&name.to_ascii_lowercase());
-                (!contains, edit_distance(&name.to_ascii_lowercase(), p))
+                let d = if p.contains(&lower) { 0 } else { edit_distance(&lower, p) };
+                (d, *p)
             })
+            .min()
             .expect("presets exist");
+        // Suggest only a near miss (a typo), not the least far of unrelated names.
+        let hint = if far <= 2.max(lower.chars().count() / 4) {
+            format!(" (did you mean {nearest}?)")
+        } else {
+            String::new()
+        };
         format!(
-            "unknown model {name:?}; did you mean {nearest}? Presets: {}",
+            "unknown model {name:?}{hint}. Presets: {}; or the path of a Hugging Face \
+             config.json (hybrid or attention-only)",
             PRESET_NAMES.join(", ")
         )
     })

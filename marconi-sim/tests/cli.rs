@@ -372,6 +372,31 @@ fn messages_say_what_is_wrong_and_what_to_do() {
     replay(&["--capacity", "-5GB"], "-5GB is negative");
     replay(&["--model", "jamba"], "did you mean jamba-1.5-mini?");
     replay(&["--model", "paper7b"], "did you mean paper-7b?");
+    // No preset is near: no suggestion of an unrelated one, and the way to
+    // name any model (its config.json) is said.
+    let far = |extra: &[&str]| {
+        let mut args = vec!["replay", "--trace", t, "--policy", "marconi"];
+        args.extend(extra);
+        let err = String::from_utf8(sim(&args).stderr).unwrap();
+        assert!(!err.contains("did you mean"), "{err}");
+        assert!(err.contains("config.json"), "{err}");
+    };
+    far(&["--model", "llama-3-8b"]);
+    // A Hugging Face config.json by path is a model; a broken one says why.
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 4,
+        "attn_layer_period": 4, "attn_layer_offset": 1, "expert_layer_period": 2,
+        "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}"#,
+    )
+    .unwrap();
+    let out = sim(&["replay", "--trace", t, "--policy", "marconi", "--model", s(&config)]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(&config, "{\"model_type\": \"jamba\"}").unwrap();
+    replay(&["--model", s(&config)], "model config");
     let array = dir.path().join("array.json");
     std::fs::write(&array, "[{\"id\": 0, \"conversations\": []}]\n").unwrap();
     fails_with(

@@ -89,6 +89,10 @@ def test_unknown_policy_and_bad_tuning_values_are_refused():
     with pytest.raises(MarconiError) as e:
         PrefixCache(BIG, policy="marconi-best")
     assert e.value.name == "UNKNOWN_PRESET" and "marconi-paper" in str(e.value)
+    # A policy name is not called a model preset.
+    with pytest.raises(MarconiError) as e:
+        PrefixCache(BIG, policy="lru")
+    assert "policy preset" in str(e.value) and "model preset" not in str(e.value)
     with pytest.raises(TypeError):
         PrefixCache(BIG, policy=3)
     for kwargs in (

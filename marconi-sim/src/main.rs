@@ -337,8 +337,8 @@ fn parse_seeds(s: &str) -> Result<Vec<u64>, String> {
 fn preset(name: &str) -> Result<ModelSpec, String> {
     let path = std::path::Path::new(name);
     if name.ends_with(".json") || path.is_file() {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("model config {name:?}: {e}"))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| format!("model config {name:?}: {e}"))?;
         return ModelSpec::from_hf_config(&text).map_err(|e| format!("model config {name:?}: {e}"));
     }
     ModelSpec::preset(name).ok_or_else(|| {
@@ -347,7 +347,11 @@ fn preset(name: &str) -> Result<ModelSpec, String> {
             .iter()
             .map(|p| {
                 // A preset that contains the name (`jamba`) is nearest.
-                let d = if p.contains(&lower) { 0 } else { edit_distance(&lower, p) };
+                let d = if p.contains(&lower) {
+                    0
+                } else {
+                    edit_distance(&lower, p)
+                };
                 (d, *p)
             })
             .min()

@@ -224,7 +224,11 @@ fn frame<'a>(
 enum Mark {
     /// A line of this stroke width, with a marker when the chart draws
     /// markers on the series.
-    Line { width: u32, marker: bool },
+    Line {
+        width: u32,
+        marker: bool,
+        dashed: bool,
+    },
     /// A patch filled at this opacity (bars 1.0, boxes less), outlined.
     Patch { opacity: f64 },
 }
@@ -245,9 +249,20 @@ fn legend<S: AsRef<str>>(area: &Area<'_>, names: &[S], marks: &[Mark]) -> PlotRe
     for (i, (name, mark)) in names.iter().zip(marks).enumerate() {
         let (c, y) = (color(name.as_ref(), i), 30 + 24 * i as i32);
         match *mark {
-            Mark::Line { width, marker } => {
-                area.draw(&PathElement::new([(4, y), (30, y)], c.stroke_width(width)))
-                    .map_err(err)?;
+            Mark::Line {
+                width,
+                marker,
+                dashed,
+            } => {
+                let segments: &[(i32, i32)] = if dashed {
+                    &[(4, 12), (15, 23), (26, 30)]
+                } else {
+                    &[(4, 30)]
+                };
+                for &(a, b) in segments {
+                    area.draw(&PathElement::new([(a, y), (b, y)], c.stroke_width(width)))
+                        .map_err(err)?;
+                }
                 if marker {
                     area.draw(&Circle::new((17, y), 4, c.filled()))
                         .map_err(err)?;
@@ -367,6 +382,9 @@ pub struct LineOpts {
     /// Names of reference series (a value that does not depend on x): a
     /// thin line without markers.
     pub references: Vec<String>,
+    /// Names of series drawn dashed, 2 px, over the others: variants that
+    /// may coincide with a solid series and must stay visible on it.
+    pub dashed: Vec<String>,
 }
 
 /// [`lines`] with drawing options.
@@ -380,6 +398,7 @@ pub fn lines_with(
     opts: &LineOpts,
 ) -> PlotResult {
     let is_reference = |name: &str| opts.references.iter().any(|r| r == name);
+    let is_dashed = |name: &str| opts.dashed.iter().any(|r| r == name);
     // A log axis is drawn as a linear one over log10(x): one coordinate
     // type for both, ticks where they are asked for.
     let log = x_axis.log;
@@ -429,28 +448,54 @@ pub fn lines_with(
     let mut chart = chart(&area, xr, x_ticks, yr, y_ticks)?;
     let x_fmt = |v: &f64| number(if log { 10f64.powf(*v) } else { *v });
     mesh(&mut chart, x_axis.label, y_label, &x_fmt, true)?;
-    let mut marks = Vec::with_capacity(series.len());
-    for (i, (name, p)) in series.iter().enumerate() {
+    let mut marks = vec![None; series.len()];
+    // Dashed series last, on top of the solid ones they may coincide with.
+    let mut order: Vec<usize> = (0..series.len()).collect();
+    order.sort_by_key(|&i| is_dashed(series[i].0));
+    for i in order {
+        let (name, p) = &series[i];
         let c = color(name, i);
         let reference = is_reference(name);
-        let width = match (reference, opts.wide_first) {
-            (true, _) => 1,
-            (false, true) => line_width(i, series.len()),
-            (false, false) => 2,
+        let dashed = is_dashed(name);
+        let width = match (reference, dashed, opts.wide_first) {
+            (true, _, _) => 1,
+            (false, true, _) => 2,
+            (false, false, true) => line_width(i, series.len()),
+            (false, false, false) => 2,
         };
-        chart
-            .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(width)))
-            .map_err(err)?;
+        if dashed {
+            // Each dashed series its own pattern, so that two that coincide
+            // both show.
+            let k = opts.dashed.iter().position(|d| d == name).unwrap_or(0);
+            let (size, gap) = [(10, 6), (3, 5), (6, 3)][k % 3];
+            chart
+                .draw_series(DashedLineSeries::new(
+                    p.iter().copied(),
+                    size,
+                    gap,
+                    c.stroke_width(width).into(),
+                ))
+                .map_err(err)?;
+        } else {
+            chart
+                .draw_series(LineSeries::new(p.iter().copied(), c.stroke_width(width)))
+                .map_err(err)?;
+        }
         let marker = !reference && p.len() <= 40;
         if marker {
             chart
                 .draw_series(p.iter().map(|&q| Circle::new(q, 4, c.filled())))
                 .map_err(err)?;
         }
-        marks.push(Mark::Line { width, marker });
+        marks[i] = Some(Mark::Line {
+            width,
+            marker,
+            dashed,
+        });
     }
     if let Some(l) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| *n).collect();
+        let marks: Vec<Mark> = marks.into_iter().flatten().collect();
         legend(&l, &names, &marks)?;
     }
     root.present().map_err(err)
@@ -464,6 +509,7 @@ pub fn cdf(
     context: &str,
     x_label: &str,
     series: &[(String, Vec<f64>)],
+    dashed: &[String],
 ) -> PlotResult {
     let curves: Vec<(String, Vec<(f64, f64)>)> = series
         .iter()
@@ -489,6 +535,7 @@ pub fn cdf(
     };
     let opts = LineOpts {
         wide_first: true,
+        dashed: dashed.to_vec(),
         ..LineOpts::default()
     };
     lines_with(
@@ -516,6 +563,7 @@ fn bar_chart(
     series: &[(String, Vec<Option<f64>>)],
     per_group_color: bool,
     label: Option<&dyn Fn(f64) -> String>,
+    bounds_from: Option<usize>,
 ) -> PlotResult {
     let n = groups.len().max(1);
     let k = series.len().max(1);
@@ -529,7 +577,7 @@ fn bar_chart(
     let x_ticks = (0..n).map(|i| i as f64 + 0.5).collect();
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     let (area, legend_area) = frame(&root, title, context, k > 1)?;
-    let mut chart = chart(&area, 0.0..n as f64, x_ticks, yr, y_ticks)?;
+    let mut chart = chart(&area, 0.0..n as f64, x_ticks, yr.clone(), y_ticks)?;
     let x_fmt = |v: &f64| groups.get(v.floor() as usize).cloned().unwrap_or_default();
     mesh(&mut chart, x_label, y_label, &x_fmt, false)?;
     if lo < 0.0 {
@@ -549,9 +597,19 @@ fn bar_chart(
             };
             let l = gi as f64 + 0.1 + si as f64 * width;
             let (l, r) = (l + width * 0.06, l + width * 0.94);
-            chart
-                .draw_series([Rectangle::new([(l, 0.0), (r, v)], c.filled())])
-                .map_err(err)?;
+            if bounds_from.is_some_and(|b| gi >= b) {
+                // A bound, not a policy: light, outlined.
+                chart
+                    .draw_series([Rectangle::new([(l, 0.0), (r, v)], c.mix(0.3).filled())])
+                    .map_err(err)?;
+                chart
+                    .draw_series([Rectangle::new([(l, 0.0), (r, v)], c.stroke_width(2))])
+                    .map_err(err)?;
+            } else {
+                chart
+                    .draw_series([Rectangle::new([(l, 0.0), (r, v)], c.filled())])
+                    .map_err(err)?;
+            }
             if let Some(f) = label {
                 let (y, vpos) = if v < 0.0 {
                     (v - (hi - lo) * 0.01, VPos::Top)
@@ -566,6 +624,18 @@ fn bar_chart(
             }
         }
     }
+    if let Some(b) = bounds_from.filter(|&b| b > 0 && b < n) {
+        // Policies to the left, bounds (not policies) to the right.
+        let x = b as f64;
+        chart
+            .draw_series(DashedLineSeries::new(
+                [(x, yr.start), (x, yr.end)],
+                6,
+                4,
+                BLACK.mix(0.5).stroke_width(1),
+            ))
+            .map_err(err)?;
+    }
     if let Some(la) = legend_area {
         let names: Vec<&str> = series.iter().map(|(n, _)| n.as_str()).collect();
         legend(
@@ -579,12 +649,17 @@ fn bar_chart(
 
 /// A bar per `(label, value)`, each in its own color, the value written
 /// above it with one decimal.
+///
+/// Items from `bounds_from` on are bounds rather than policies (the
+/// clairvoyant, the unbounded oracle): drawn light and outlined, to the
+/// right of a dashed separator.
 pub fn bars(
     path: &Path,
     title: &str,
     context: &str,
     y_label: &str,
     items: &[(String, f64)],
+    bounds_from: Option<usize>,
 ) -> PlotResult {
     let groups: Vec<String> = items.iter().map(|(l, _)| l.clone()).collect();
     let values = items.iter().map(|(_, v)| Some(*v)).collect();
@@ -598,6 +673,7 @@ pub fn bars(
         &[(String::new(), values)],
         true,
         Some(&|v| format!("{v:.1}")),
+        bounds_from,
     )
 }
 
@@ -616,7 +692,7 @@ pub fn grouped_bars(
     label: Option<&dyn Fn(f64) -> String>,
 ) -> PlotResult {
     bar_chart(
-        path, title, context, x_label, y_label, groups, series, false, label,
+        path, title, context, x_label, y_label, groups, series, false, label, None,
     )
 }
 

@@ -393,8 +393,20 @@ fn messages_say_what_is_wrong_and_what_to_do() {
         "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2}"#,
     )
     .unwrap();
-    let out = sim(&["replay", "--trace", t, "--policy", "marconi", "--model", s(&config)]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = sim(&[
+        "replay",
+        "--trace",
+        t,
+        "--policy",
+        "marconi",
+        "--model",
+        s(&config),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::write(&config, "{\"model_type\": \"jamba\"}").unwrap();
     replay(&["--model", s(&config)], "model config");
     let array = dir.path().join("array.json");

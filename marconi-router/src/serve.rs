@@ -63,8 +63,9 @@ pub struct ServeConfig {
     pub seed: String,
     /// How long a gap replay may take before it counts as unrepaired.
     pub replay_timeout: Duration,
-    /// How long a client may take to send a request's headers (from its
-    /// first byte) before its connection is closed.
+    /// How long a client may take to send a request's headers before its
+    /// connection is closed; the clock starts when the server waits for
+    /// them, so an idle kept-open connection is closed after as long.
     pub header_timeout: Duration,
     /// How long a client may take to send a request's body before it is
     /// answered 408 and its connection closed.
@@ -78,7 +79,7 @@ impl Default for ServeConfig {
         ServeConfig {
             seed: DEFAULT_SEED.into(),
             replay_timeout: Duration::from_secs(2),
-            header_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
             max_connections: 1024,
         }

@@ -666,7 +666,15 @@ fn status_codes_and_content_types_are_dynamos() {
     let text = "text/plain; charset=utf-8";
     let reg1 = reg(1, &ep).to_string();
     // (method, path, content type, body) -> (status, content type)
-    let cases: Vec<(&str, &str, Option<&str>, &str, u16, Option<&str>)> = vec![
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        &'a str,
+        u16,
+        Option<&'a str>,
+    );
+    let cases: Vec<Case<'_>> = vec![
         ("GET", "/health", None, "", 200, None),
         ("HEAD", "/health", None, "", 200, None),
         ("POST", "/health", json_ct, "", 405, None),

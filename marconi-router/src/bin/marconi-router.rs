@@ -47,8 +47,9 @@ struct ServeArgs {
     /// Milliseconds a gap replay may take before the worker is cleared.
     #[arg(long, default_value_t = 2000)]
     replay_timeout_ms: u64,
-    /// Milliseconds a client may take to send a request's headers.
-    #[arg(long, default_value_t = 10_000)]
+    /// Milliseconds a client may take to send a request's headers (an idle
+    /// kept-open connection is closed after as long).
+    #[arg(long, default_value_t = 30_000)]
     header_timeout_ms: u64,
     /// Milliseconds a client may take to send a request's body (then 408).
     #[arg(long, default_value_t = 30_000)]

@@ -284,7 +284,7 @@ impl Group {
 /// removes workers on command, until the group is dropped.
 fn feed(mut sub: Subscriber, cmds: &mpsc::Receiver<Cmd>, stats: &Mutex<Vec<FeedStats>>) {
     // How long a command may wait for the poll to return.
-    const TICK: Duration = Duration::from_millis(2);
+    const TICK: Duration = Duration::from_millis(10);
     loop {
         loop {
             match cmds.try_recv() {

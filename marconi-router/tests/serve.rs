@@ -407,7 +407,7 @@ fn a_failed_registration_keeps_nothing() {
 #[test]
 fn a_failed_replay_forgets_that_worker_only() {
     let mut s = Srv::start(ServeConfig {
-        replay_timeout: Duration::from_secs(3),
+        replay_timeout: Duration::from_secs(5),
         ..ServeConfig::default()
     });
     let addr = s.addr;
@@ -508,13 +508,19 @@ fn a_failed_replay_forgets_that_worker_only() {
 #[test]
 fn a_stalled_client_holds_up_nothing() {
     let mut s = Srv::start(ServeConfig {
-        header_timeout: Duration::from_secs(2),
-        body_timeout: Duration::from_secs(2),
+        header_timeout: Duration::from_secs(4),
+        body_timeout: Duration::from_secs(4),
         ..ServeConfig::default()
     });
     let addr = s.addr;
     let mut p = Publisher::new();
     assert_eq!(post(addr, "/register", reg(1, &p.endpoint)).status, 201);
+    // The worker's stream reaches the index first (its SUB has joined).
+    let (t, k) = chain(None, 1);
+    let q = json!({"token_ids": plus(&t, 0), "model_name": "m"});
+    publish_until(addr, &mut p, &payload(&k, k[1]), &q, |v| {
+        v["scores"]["1"]["0"] == 8
+    });
     // Stalled in the body, and stalled in the headers.
     let body_stall = TcpStream::connect(addr).expect("connect");
     (&body_stall)
@@ -534,13 +540,13 @@ fn a_stalled_client_holds_up_nothing() {
             .expect("/health answered while a client stalls");
         assert_eq!(a.status, 200);
     }
-    let (t, k) = chain(None, 1);
-    let q = json!({"token_ids": plus(&t, 0), "model_name": "m"});
-    publish_until(addr, &mut p, &payload(&k, k[1]), &q, |v| {
-        v["scores"]["1"]["0"] == 8
+    let (t2, k2) = chain(None, 200);
+    let q2 = json!({"token_ids": plus(&t2, 0), "model_name": "m"});
+    publish_until(addr, &mut p, &payload(&k2, k2[2]), &q2, |v| {
+        v["scores"]["1"]["0"] == 12
     });
     assert!(
-        t0.elapsed() < Duration::from_secs(2),
+        t0.elapsed() < Duration::from_secs(4),
         "served while stalled: {:?}",
         t0.elapsed()
     );

@@ -35,6 +35,9 @@ pub const END_SEQ: u64 = u64::MAX;
 /// Live batches of one engine held back while its replay runs; past this
 /// the replay is given up (the engine is forgotten) and they are applied.
 const MAX_HELD: usize = 65_536;
+
+/// Live messages read from one engine per poll.
+const DRAIN_BUDGET: usize = 1024;
 /// Where one engine publishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineEndpoint {
@@ -404,9 +407,11 @@ impl Subscriber {
             .expect("a polled engine is subscribed")
     }
 
-    /// Every message waiting on engine `i`'s SUB socket.
+    /// The messages waiting on engine `i`'s SUB socket, at most
+    /// [`DRAIN_BUDGET`] (the rest at the next poll, after the other
+    /// engines': one fast publisher does not starve the others).
     fn drain(&mut self, i: usize) {
-        loop {
+        for _ in 0..DRAIN_BUDGET {
             let c = self.conn(i);
             let msg = match c.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(m) => m,

@@ -586,6 +586,35 @@ fn a_stalled_client_holds_up_nothing() {
     assert_eq!(get(addr, "/health").status, 200);
 }
 
+/// `TCP_NODELAY` of the server's accepted socket connected to `peer`, found
+/// among this process's descriptors (the server runs in process).
+#[cfg(target_os = "linux")]
+fn server_nodelay(server: SocketAddr, peer: SocketAddr) -> Option<bool> {
+    use std::mem::ManuallyDrop;
+    use std::os::fd::FromRawFd;
+    for e in std::fs::read_dir("/proc/self/fd").ok()? {
+        let Ok(fd) = e.ok()?.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap_or_default();
+        if !link.to_string_lossy().starts_with("socket:") {
+            continue;
+        }
+        // SAFETY: `fd` is an open socket of this process; ManuallyDrop
+        // leaves it open, and only getsockopt/getsockname/getpeername run.
+        let s = ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) });
+        if s.local_addr().ok() == Some(server) && s.peer_addr().ok() == Some(peer) {
+            return s.nodelay().ok();
+        }
+    }
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn server_nodelay(_: SocketAddr, _: SocketAddr) -> Option<bool> {
+    Some(true)
+}
+
 /// Issue item 4: with 24 workers that all score, each `/query` answer on a
 /// kept-open connection leaves at once (the 40 ms delayed-ACK stall of a
 /// response written in pieces without `TCP_NODELAY` would show in every
@@ -612,6 +641,12 @@ fn answers_leave_at_once_on_a_kept_open_connection() {
     });
     let _ = &mut quiet;
     let mut c = Conn::new(addr);
+    assert_eq!(c.post("/query", &q).status, 200);
+    if std::env::var("MARCONI_ROUTER_TEST_BIN").is_err() {
+        // The server's end of this connection is a socket of this process.
+        let mine = c.w.local_addr().expect("addr");
+        assert_eq!(server_nodelay(addr, mine), Some(true), "TCP_NODELAY");
+    }
     let mut slow = 0;
     let n = 40;
     for _ in 0..n {

@@ -101,8 +101,8 @@ pub struct Register {
     /// Worker pool within the model.
     #[serde(default = "default_group")]
     pub routing_group: String,
-    /// Data-parallel rank.
-    #[serde(default)]
+    /// Data-parallel rank (`null` or omitted: 0, as Dynamo reads it).
+    #[serde(default, deserialize_with = "null_zero")]
     pub dp_rank: u32,
     /// Its ZeroMQ ROUTER endpoint for gap replay.
     #[serde(default)]
@@ -191,6 +191,10 @@ pub struct WorkersFilter {
     /// Only this pool's workers.
     #[serde(default)]
     pub routing_group: Option<String>,
+}
+
+fn null_zero<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    Ok(Option::<u32>::deserialize(d)?.unwrap_or(0))
 }
 
 fn default_group() -> String {

@@ -706,6 +706,9 @@ fn status_codes_and_content_types_are_dynamos() {
     let json_ct = Some("application/json");
     let text = "text/plain; charset=utf-8";
     let reg1 = reg(1, &ep).to_string();
+    let mut r = reg(1, &ep);
+    r["dp_rank"] = Value::Null;
+    let reg1_null_rank = r.to_string();
     // (method, path, content type, body) -> (status, content type)
     type Case<'a> = (
         &'a str,
@@ -759,6 +762,7 @@ fn status_codes_and_content_types_are_dynamos() {
             json_ct,
         ),
         ("POST", "/register", json_ct, &reg1, 409, json_ct),
+        ("POST", "/register", json_ct, &reg1_null_rank, 409, json_ct),
         (
             "POST",
             "/query",

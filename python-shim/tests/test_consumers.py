@@ -406,6 +406,8 @@ def test_http_api_matches_dynamo(tmp_path):
         ("POST", "/register", reg(2, block_size=8), j),
         ("POST", "/register", reg(1, dp_rank=1), j),
         ("POST", "/register", reg(3), j),
+        ("POST", "/register", reg(4, dp_rank=None, replay_endpoint=None, lora_name=None), j),
+        ("POST", "/register", reg(4, dp_rank=0), j),
         ("GET", "/workers", None, None),
         ("GET", "/workers?model_name=x", None, None),
         ("POST", "/query", q, j),
@@ -424,6 +426,8 @@ def test_http_api_matches_dynamo(tmp_path):
         ("POST", "/unregister", json.dumps({"instance_id": 1, "model_name": "m", "routing_group": "default",
                                             "dp_rank": 0}), j),
         ("POST", "/unregister", json.dumps({"instance_id": 3, "model_name": "m", "routing_group": "default"}), j),
+        ("POST", "/unregister", json.dumps({"instance_id": 4, "model_name": "m", "routing_group": None,
+                                            "dp_rank": None}), j),
         ("POST", "/query", q, j),
         ("GET", "/dump", None, None),
     ]

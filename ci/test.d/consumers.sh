@@ -5,7 +5,8 @@
 # without torch), and NVIDIA Dynamo's standalone KV indexer
 # (`python -m dynamo.indexer` from the pinned ai-dynamo wheels, CPU only)
 # subscribed over loopback ZeroMQ, beside `marconi-router serve` on the same
-# streams (scores against each engine's own lookup). Then `pip install
+# streams (scores against each engine's own lookup), and the same HTTP
+# requests sent to both answered alike (docs/routing.md's API table). Then `pip install
 # ./python-shim` and `import marconi` must publish (the default build has
 # the publisher).
 #

@@ -6,7 +6,10 @@
 # the figures were written. Budget: 2 minutes on 2 cores (the release build
 # of the test run is reused). The full experiment: docs/routing.md.
 # The index's own tests (loopback ZeroMQ included) run with the
-# workspace's `cargo test`.
+# workspace's `cargo test`, marconi-router/tests/serve.rs among them (the
+# HTTP server in process: a bounded load with stalled clients on
+# 127.0.0.1); here they run again against the release binary
+# `marconi-router serve` as a process (about 20 s).
 # Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,3 +32,8 @@ PY
 for f in route_hit_rate.svg route_ttft_mean.svg route_ttft_p95.svg route_busy_imbalance.svg; do
   test -s "$out/$f" || { echo "route: $f missing" >&2; exit 1; }
 done
+
+echo "--- marconi-router serve as a process: tests/serve.rs against the binary"
+cargo build --release -q -p marconi-router --bin marconi-router
+MARCONI_ROUTER_TEST_BIN="$(pwd)/${CARGO_TARGET_DIR:-target}/release/marconi-router" \
+  cargo test --release -q -p marconi-router --test serve

@@ -18,7 +18,8 @@ pub type BlockHash = u64;
 /// The most engines one index tracks (one bit each in a `u64`).
 pub const MAX_ENGINES: usize = 64;
 
-/// An engine of the index, `0..engines()` in the order they were added.
+/// An engine of the index: its slot, `0..engines()`. Slots are handed out
+/// in order; a slot freed by [`Index::remove_engine`] is handed out again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineId(u8);
 
@@ -90,7 +91,7 @@ pub enum IndexError {
     /// [`MAX_ENGINES`] engines already.
     #[error("an index tracks at most {MAX_ENGINES} engines")]
     TooManyEngines,
-    /// An engine id from another index.
+    /// An engine id from another index, or of a removed engine.
     #[error("unknown engine {0}")]
     UnknownEngine(usize),
     /// An engine publishes blocks of another size than the index's.
@@ -135,6 +136,7 @@ pub struct Index {
     block_size: u32,
     blocks: FxHashMap<BlockHash, Entry>,
     engines: Vec<EngineStats>,
+    /// Engines in use (removed ones are not).
     all: u64,
 }
 
@@ -167,29 +169,54 @@ impl Index {
         self.block_size
     }
 
-    /// Adds an engine holding nothing yet.
+    /// Adds an engine holding nothing yet, in the lowest free slot (a slot
+    /// of a removed engine first, else the next one).
     pub fn add_engine(&mut self, name: impl Into<String>) -> Result<EngineId, IndexError> {
-        let n = self.engines.len();
-        if n >= MAX_ENGINES {
-            return Err(IndexError::TooManyEngines);
-        }
-        self.engines.push(EngineStats {
+        let stats = EngineStats {
             name: name.into(),
             ..EngineStats::default()
-        });
-        let id = EngineId(n as u8);
+        };
+        let n = self.engines.len();
+        let used = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
+        let free = used & !self.all;
+        let id = if free != 0 {
+            let slot = free.trailing_zeros() as usize;
+            self.engines[slot] = stats;
+            EngineId(slot as u8)
+        } else if n < MAX_ENGINES {
+            self.engines.push(stats);
+            EngineId(n as u8)
+        } else {
+            return Err(IndexError::TooManyEngines);
+        };
         self.all |= id.bit();
         Ok(id)
     }
 
-    /// Engines added.
+    /// Removes engine `e`: everything it held is forgotten and its slot is
+    /// free for the next [`Index::add_engine`] (its id then names that
+    /// engine). Visits every entry, as [`Index::clear_engine`].
+    pub fn remove_engine(&mut self, e: EngineId) -> Result<(), IndexError> {
+        self.clear_engine(e)?;
+        self.all &= !e.bit();
+        self.engines[e.index()] = EngineStats::default();
+        Ok(())
+    }
+
+    /// Engine slots handed out so far, removed engines' included: the
+    /// length of [`Index::overlap_hashes`]' answer.
     pub fn engines(&self) -> usize {
         self.engines.len()
     }
 
-    /// The engine at `index` (`0..engines()`).
+    /// Engines in use.
+    pub fn live_engines(&self) -> usize {
+        self.all.count_ones() as usize
+    }
+
+    /// The engine in slot `index`, if one is in use there.
     pub fn engine(&self, index: usize) -> Result<EngineId, IndexError> {
-        if index < self.engines.len() {
+        if index < self.engines.len() && self.all & (1u64 << index) != 0 {
             Ok(EngineId(index as u8))
         } else {
             Err(IndexError::UnknownEngine(index))
@@ -207,7 +234,7 @@ impl Index {
     }
 
     fn check(&self, e: EngineId) -> Result<(), IndexError> {
-        if e.index() < self.engines.len() {
+        if e.index() < self.engines.len() && self.all & e.bit() != 0 {
             Ok(())
         } else {
             Err(IndexError::UnknownEngine(e.index()))
@@ -373,6 +400,26 @@ impl Index {
         v
     }
 
+    /// Per engine slot, the blocks it holds and the blocks at whose end it
+    /// holds a state, each sorted: [`Index::engine_blocks`] and
+    /// [`Index::engine_states`] of every engine in one visit of the entries.
+    pub fn blocks_by_engine(&self) -> Vec<(Vec<BlockHash>, Vec<BlockHash>)> {
+        let mut out = vec![(Vec::new(), Vec::new()); self.engines.len()];
+        for (&h, x) in &self.blocks {
+            for e in Bits(x.kv) {
+                out[e].0.push(h);
+            }
+            for e in Bits(x.state) {
+                out[e].1.push(h);
+            }
+        }
+        for (b, s) in &mut out {
+            b.sort_unstable();
+            s.sort_unstable();
+        }
+        out
+    }
+
     /// Blocks at whose end engine `e` holds a state, sorted.
     pub fn engine_states(&self, e: EngineId) -> Vec<BlockHash> {
         let bit = e.bit();
@@ -502,5 +549,39 @@ mod tests {
             Err(IndexError::TooManyEngines)
         );
         assert_eq!(ix.engine(MAX_ENGINES), Err(IndexError::UnknownEngine(64)));
+    }
+
+    #[test]
+    fn a_removed_engines_slot_is_handed_out_again() {
+        let (mut ix, e) = idx(MAX_ENGINES);
+        ix.store_blocks(e[3], 4, &[1, 2]).unwrap();
+        ix.store_blocks(e[4], 4, &[1]).unwrap();
+        ix.remove_engine(e[3]).unwrap();
+        assert_eq!(ix.live_engines(), MAX_ENGINES - 1);
+        assert_eq!(
+            ix.store_blocks(e[3], 4, &[9]),
+            Err(IndexError::UnknownEngine(3))
+        );
+        assert_eq!(ix.engine(3), Err(IndexError::UnknownEngine(3)));
+        // Every register/unregister cycle finds a slot.
+        for i in 0..70 {
+            let n = ix.add_engine(format!("again {i}")).unwrap();
+            assert_eq!(n, e[3]);
+            assert_eq!(
+                ix.engine_blocks(n),
+                Vec::<u64>::new(),
+                "nothing of the old engine"
+            );
+            ix.store_blocks(n, 4, &[1, 5]).unwrap();
+            let mut out = Vec::new();
+            ix.overlap_hashes(&[1, 5], 9, &mut out);
+            assert_eq!(out[3].kv_matched_tokens, 8);
+            ix.remove_engine(n).unwrap();
+        }
+        assert_eq!(ix.engine_blocks(e[4]), vec![1]);
+        assert_eq!(ix.distinct_blocks(), 1);
+        let by = ix.blocks_by_engine();
+        assert_eq!(by[4], (vec![1], vec![]));
+        assert!(by[3].0.is_empty());
     }
 }

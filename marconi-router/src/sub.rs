@@ -10,9 +10,20 @@
 //! reports blocks the engine may no longer hold. Every such event is
 //! counted in [`FeedStats`].
 //!
+//! A repair never holds up the other engines: the replay request is sent,
+//! the engine's live batches are held back while its replies arrive (on the
+//! same [`Subscriber::poll`] as every stream), and the held batches are
+//! applied once the replay ends or times out. An engine whose replay fails
+//! in any way (refused, silent, cut short) is forgotten as above; nothing
+//! an engine sends ends the subscriber.
+//!
 //! The subscriber is driven by the caller ([`Subscriber::poll`]): no
-//! thread of its own, the index read between polls.
+//! thread of its own. The index sits behind a lock taken for one batch at
+//! a time, so another thread may query it ([`Subscriber::shared_index`])
+//! while this one polls.
 
+use std::collections::VecDeque;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use crate::index::{EngineId, Index, IndexError};
@@ -21,6 +32,12 @@ use crate::wire::{decode_batch, Groups};
 /// vLLM's end-of-replay sequence number (`-1` as 8 signed big-endian bytes).
 pub const END_SEQ: u64 = u64::MAX;
 
+/// Live batches of one engine held back while its replay runs; past this
+/// the replay is given up (the engine is forgotten) and they are applied.
+const MAX_HELD: usize = 65_536;
+
+/// Live messages read from one engine per poll.
+const DRAIN_BUDGET: usize = 1024;
 /// Where one engine publishes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineEndpoint {
@@ -71,6 +88,47 @@ pub enum SubError {
     /// The index refused (too many engines, block size 0).
     #[error(transparent)]
     Index(#[from] IndexError),
+    /// An endpoint that ZeroMQ cannot connect to.
+    #[error("invalid ZMQ endpoint `{endpoint}`: {why}")]
+    Endpoint {
+        /// The endpoint as given.
+        endpoint: String,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+/// Checks an endpoint as NVIDIA Dynamo's indexer does before it connects
+/// (`tcp://host:port` with a port that fits 16 bits, `ipc://` or
+/// `inproc://`; anything else, `"garbage"` included, is refused), so that a
+/// registration fails before anything is kept.
+pub fn check_endpoint(endpoint: &str) -> Result<(), SubError> {
+    let bad = |why: &str| {
+        Err(SubError::Endpoint {
+            endpoint: endpoint.to_string(),
+            why: why.to_string(),
+        })
+    };
+    let Some((scheme, rest)) = endpoint.split_once("://") else {
+        return bad("missing scheme");
+    };
+    match scheme {
+        "tcp" => {
+            let Some((host, port)) = rest.rsplit_once(':') else {
+                return bad("missing TCP port");
+            };
+            if host.is_empty() {
+                return bad("missing TCP host");
+            }
+            if let Err(e) = port.parse::<u16>() {
+                return bad(&format!("invalid TCP port: {e}"));
+            }
+            Ok(())
+        }
+        "ipc" | "inproc" if !rest.is_empty() => Ok(()),
+        "ipc" | "inproc" => bad("missing path"),
+        other => bad(&format!("unsupported scheme `{other}`")),
+    }
 }
 
 fn zerr(what: impl Into<String>) -> impl FnOnce(zmq::Error) -> SubError {
@@ -82,31 +140,75 @@ struct Conn {
     id: EngineId,
     endpoint: EngineEndpoint,
     sub: zmq::Socket,
+    /// The DEALER on the replay endpoint (none: gaps are not repaired).
     replay: Option<zmq::Socket>,
+    /// The replay under way, if any.
+    repair: Option<Repair>,
     groups: Groups,
     stats: FeedStats,
     /// Live batches to drop on arrival (fault injection for tests).
     drop_next: u32,
 }
 
+/// A replay request sent and not yet answered in full.
+struct Repair {
+    deadline: Instant,
+    /// Live batches that arrived since (the first one made the gap).
+    held: VecDeque<(u64, Vec<u8>)>,
+}
+
+/// Counters of an engine no longer subscribed.
+const NO_STATS: FeedStats = FeedStats {
+    batches: 0,
+    replayed: 0,
+    gaps: 0,
+    unrepaired: 0,
+    duplicates: 0,
+    malformed: 0,
+    refused: 0,
+    skipped: 0,
+    next_seq: 0,
+};
+
 /// An [`Index`] fed by engines' event streams over ZeroMQ.
 pub struct Subscriber {
     ctx: zmq::Context,
-    conns: Vec<Conn>,
-    index: Index,
+    /// By engine slot; `None` for a removed engine.
+    conns: Vec<Option<Conn>>,
+    index: Arc<RwLock<Index>>,
     replay_timeout: Duration,
 }
 
 impl std::fmt::Debug for Subscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Subscriber")
-            .field("index", &self.index)
+            .field("index", &*self.index())
             .field(
                 "feeds",
-                &self.conns.iter().map(|c| &c.stats).collect::<Vec<_>>(),
+                &self
+                    .conns
+                    .iter()
+                    .flatten()
+                    .map(|c| &c.stats)
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
+}
+
+fn socket(
+    ctx: &zmq::Context,
+    kind: zmq::SocketType,
+    endpoint: &str,
+) -> Result<zmq::Socket, SubError> {
+    let s = ctx.socket(kind).map_err(zerr("socket"))?;
+    s.set_linger(0).map_err(zerr("linger"))?;
+    if kind == zmq::SUB {
+        s.set_rcvhwm(0).map_err(zerr("receive high-water mark"))?;
+    }
+    s.connect(endpoint)
+        .map_err(zerr(format!("connect {endpoint}")))?;
+    Ok(s)
 }
 
 impl Subscriber {
@@ -121,7 +223,7 @@ impl Subscriber {
         let mut sub = Subscriber {
             ctx: zmq::Context::new(),
             conns: Vec::with_capacity(engines.len()),
-            index: Index::new(block_size)?,
+            index: Arc::new(RwLock::new(Index::new(block_size)?)),
             replay_timeout,
         };
         for ep in engines {
@@ -130,75 +232,156 @@ impl Subscriber {
         Ok(sub)
     }
 
-    /// Connects to one more engine (its id is the next index); its first
-    /// batch with a sequence number above 0 is repaired from 0 by replay.
+    fn write(&self) -> RwLockWriteGuard<'_, Index> {
+        // A panic elsewhere while holding the lock leaves a consistent
+        // index (every method completes or changes nothing): go on.
+        self.index.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Connects to one more engine, in the lowest free slot of the index;
+    /// its first batch with a sequence number above 0 is repaired from 0 by
+    /// replay. Both endpoints are checked ([`check_endpoint`]) and
+    /// connected before the engine takes a slot: when this fails, nothing
+    /// is kept.
     pub fn add_engine(&mut self, ep: &EngineEndpoint) -> Result<EngineId, SubError> {
-        let id = self.index.add_engine(ep.name.clone())?;
-        let sub = self.ctx.socket(zmq::SUB).map_err(zerr("SUB socket"))?;
-        sub.set_linger(0).map_err(zerr("linger"))?;
-        sub.set_rcvhwm(0).map_err(zerr("receive high-water mark"))?;
+        check_endpoint(&ep.events)?;
+        if let Some(r) = &ep.replay {
+            check_endpoint(r)?;
+        }
+        let sub = socket(&self.ctx, zmq::SUB, &ep.events)?;
         sub.set_subscribe(&ep.topic).map_err(zerr("subscribe"))?;
-        sub.connect(&ep.events)
-            .map_err(zerr(format!("connect {}", ep.events)))?;
-        self.conns.push(Conn {
+        let replay = match &ep.replay {
+            Some(r) => Some(socket(&self.ctx, zmq::DEALER, r)?),
+            None => None,
+        };
+        let id = self.write().add_engine(ep.name.clone())?;
+        let conn = Conn {
             id,
             endpoint: ep.clone(),
             sub,
-            replay: None,
+            replay,
+            repair: None,
             groups: Groups::default(),
             stats: FeedStats::default(),
             drop_next: 0,
-        });
+        };
+        if self.conns.len() <= id.index() {
+            self.conns.resize_with(id.index() + 1, || None);
+        }
+        self.conns[id.index()] = Some(conn);
         Ok(id)
+    }
+
+    /// Disconnects engine `e` and frees its slot: what it held leaves the
+    /// index, and the next [`Subscriber::add_engine`] may take the slot.
+    pub fn remove_engine(&mut self, e: EngineId) -> Result<(), IndexError> {
+        match self.conns.get_mut(e.index()) {
+            Some(c @ Some(_)) => {
+                *c = None;
+                self.write().remove_engine(e)
+            }
+            _ => Err(IndexError::UnknownEngine(e.index())),
+        }
     }
 
     /// Forgets what engine `e` holds (its stream is still read).
     pub fn clear_engine(&mut self, e: EngineId) -> Result<(), IndexError> {
-        self.index.clear_engine(e)
+        self.write().clear_engine(e)
     }
 
-    /// The index.
-    pub fn index(&self) -> &Index {
-        &self.index
+    /// The index, read-locked (drop the guard before polling again).
+    pub fn index(&self) -> RwLockReadGuard<'_, Index> {
+        self.index.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The index, for another thread to query while this one polls: each
+    /// batch is applied under its write lock, so a reader sees whole
+    /// batches.
+    pub fn shared_index(&self) -> Arc<RwLock<Index>> {
+        Arc::clone(&self.index)
     }
 
     /// Engine `i`'s id in the index (`i` in the order given to `new`).
     pub fn engine(&self, i: usize) -> Result<EngineId, IndexError> {
-        self.index.engine(i)
+        self.index().engine(i)
     }
 
-    /// Engine `e`'s feed counters.
+    /// Engine `e`'s feed counters (all zero for an engine not subscribed).
     pub fn feed_stats(&self, e: EngineId) -> &FeedStats {
-        &self.conns[e.index()].stats
+        match self.conns.get(e.index()) {
+            Some(Some(c)) => &c.stats,
+            _ => &NO_STATS,
+        }
     }
 
     /// Drops the next `n` live batches of engine `e` on arrival, as a lossy
     /// network would (fault injection: the gap that follows is repaired by
     /// replay like any other).
     pub fn drop_next_batches(&mut self, e: EngineId, n: u32) {
-        self.conns[e.index()].drop_next = n;
+        if let Some(Some(c)) = self.conns.get_mut(e.index()) {
+            c.drop_next = n;
+        }
     }
 
-    /// Waits up to `timeout` for batches, then applies every batch that
-    /// arrived (repairing gaps on the way); returns the batches applied.
+    /// Waits up to `timeout` for batches or replay replies, then applies
+    /// every batch that arrived (a gap starts a replay; a replay that ended
+    /// or timed out releases its engine's held batches); returns the
+    /// batches applied. Errs only when ZeroMQ's poll itself fails.
     pub fn poll(&mut self, timeout: Duration) -> Result<u64, SubError> {
-        let before: u64 = self.conns.iter().map(|c| c.stats.batches).sum();
-        let ready: Vec<bool> = {
-            let mut items: Vec<zmq::PollItem<'_>> = self
-                .conns
+        let before = self.total_batches();
+        let now = Instant::now();
+        let wait = self
+            .conns
+            .iter()
+            .flatten()
+            .filter_map(|c| c.repair.as_ref())
+            .map(|r| r.deadline.saturating_duration_since(now))
+            .fold(timeout, Duration::min);
+        // (slot, is the replay socket) per poll item.
+        let mut which: Vec<(usize, bool)> = Vec::new();
+        let ready: Vec<(usize, bool)> = {
+            let mut items: Vec<zmq::PollItem<'_>> = Vec::new();
+            for (i, c) in self.conns.iter().enumerate() {
+                let Some(c) = c else { continue };
+                items.push(c.sub.as_poll_item(zmq::POLLIN));
+                which.push((i, false));
+                if let (Some(_), Some(r)) = (&c.repair, &c.replay) {
+                    items.push(r.as_poll_item(zmq::POLLIN));
+                    which.push((i, true));
+                }
+            }
+            let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
+            match zmq::poll(&mut items, ms) {
+                Ok(_) => {}
+                Err(zmq::Error::EINTR) => return Ok(0),
+                Err(e) => return Err(zerr("poll")(e)),
+            }
+            items
                 .iter()
-                .map(|c| c.sub.as_poll_item(zmq::POLLIN))
-                .collect();
-            let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
-            zmq::poll(&mut items, ms).map_err(zerr("poll"))?;
-            items.iter().map(zmq::PollItem::is_readable).collect()
+                .zip(&which)
+                .filter(|(it, _)| it.is_readable())
+                .map(|(_, w)| *w)
+                .collect()
         };
-        for (i, r) in ready.into_iter().enumerate() {
-            if r {
-                self.drain(i)?;
+        for (i, is_replay) in ready {
+            if is_replay {
+                self.read_replay(i);
+            } else {
+                self.drain(i);
             }
         }
-        Ok(self.conns.iter().map(|c| c.stats.batches).sum::<u64>() - before)
+        let now = Instant::now();
+        for i in 0..self.conns.len() {
+            let late = matches!(&self.conns[i], Some(c) if c.repair.as_ref().is_some_and(|r| r.deadline <= now));
+            if late {
+                self.finish_repair(i, true);
+            }
+        }
+        Ok(self.total_batches() - before)
+    }
+
+    fn total_batches(&self) -> u64 {
+        self.conns.iter().flatten().map(|c| c.stats.batches).sum()
     }
 
     /// Polls until `done(self)` holds or `deadline` passes; true when it held.
@@ -218,15 +401,24 @@ impl Subscriber {
         Ok(true)
     }
 
-    /// Every message waiting on engine `i`'s SUB socket.
-    fn drain(&mut self, i: usize) -> Result<(), SubError> {
-        loop {
-            let msg = match self.conns[i].sub.recv_multipart(zmq::DONTWAIT) {
+    fn conn(&mut self, i: usize) -> &mut Conn {
+        self.conns[i]
+            .as_mut()
+            .expect("a polled engine is subscribed")
+    }
+
+    /// The messages waiting on engine `i`'s SUB socket, at most
+    /// [`DRAIN_BUDGET`] (the rest at the next poll, after the other
+    /// engines': one fast publisher does not starve the others).
+    fn drain(&mut self, i: usize) {
+        for _ in 0..DRAIN_BUDGET {
+            let c = self.conn(i);
+            let msg = match c.sub.recv_multipart(zmq::DONTWAIT) {
                 Ok(m) => m,
-                Err(zmq::Error::EAGAIN) => return Ok(()),
-                Err(e) => return Err(zerr("receive")(e)),
+                // EAGAIN: drained. Anything else: the socket is unusable
+                // for now; try again at the next poll.
+                Err(_) => return,
             };
-            let c = &mut self.conns[i];
             let (seq, payload) = match msg.as_slice() {
                 [_topic, seq, payload] if seq.len() == 8 => (
                     u64::from_be_bytes(seq[..].try_into().expect("8 bytes")),
@@ -241,92 +433,69 @@ impl Subscriber {
                 c.drop_next -= 1;
                 continue;
             }
+            if let Some(r) = &mut c.repair {
+                if r.held.back().is_some_and(|(last, _)| seq <= *last) || seq < c.stats.next_seq {
+                    c.stats.duplicates += 1;
+                    continue;
+                }
+                r.held.push_back((seq, payload.clone()));
+                if r.held.len() >= MAX_HELD {
+                    self.finish_repair(i, true);
+                }
+                continue;
+            }
             if seq < c.stats.next_seq {
                 c.stats.duplicates += 1;
                 continue;
             }
             if seq > c.stats.next_seq {
                 c.stats.gaps += 1;
-                self.repair(i, seq)?;
-            }
-            let c = &mut self.conns[i];
-            if seq < c.stats.next_seq {
-                // The replay brought it already.
-                c.stats.duplicates += 1;
+                let mut held = VecDeque::new();
+                held.push_back((seq, payload.clone()));
+                if !self.start_repair(i, held) {
+                    self.release_held(i, VecDeque::from([(seq, payload.clone())]));
+                }
                 continue;
             }
-            if seq > c.stats.next_seq {
-                // Not repaired: forget the engine, go on from here.
-                c.stats.unrepaired += 1;
-                self.index.clear_engine(c.id)?;
-                c.stats.next_seq = seq;
-            }
             let payload = payload.clone();
-            self.apply(i, seq, &payload, false)?;
+            self.apply(i, seq, &payload, false);
         }
-    }
-
-    /// Applies the batch `seq` of engine `i` (the next expected).
-    fn apply(
-        &mut self,
-        i: usize,
-        seq: u64,
-        payload: &[u8],
-        replayed: bool,
-    ) -> Result<(), SubError> {
-        let c = &mut self.conns[i];
-        debug_assert_eq!(seq, c.stats.next_seq);
-        c.stats.next_seq = seq.saturating_add(1);
-        match decode_batch(payload, &mut c.groups) {
-            Ok(batch) => {
-                c.stats.batches += 1;
-                c.stats.replayed += u64::from(replayed);
-                c.stats.skipped += u64::from(batch.skipped);
-                for ev in &batch.events {
-                    if self.index.apply(c.id, ev).is_err() {
-                        c.stats.refused += 1;
-                    }
-                }
-            }
-            Err(_) => c.stats.malformed += 1,
-        }
-        Ok(())
     }
 
     /// Asks engine `i`'s replay socket for the batches from the next
-    /// expected one, applying those before `upto` in order.
-    fn repair(&mut self, i: usize, upto: u64) -> Result<(), SubError> {
-        let Some(ep) = self.conns[i].endpoint.replay.clone() else {
-            return Ok(());
+    /// expected one; false when it has none or the request cannot be sent.
+    fn start_repair(&mut self, i: usize, held: VecDeque<(u64, Vec<u8>)>) -> bool {
+        let timeout = self.replay_timeout;
+        let c = self.conn(i);
+        let Some(sock) = &c.replay else {
+            return false;
         };
-        if self.conns[i].replay.is_none() {
-            let s = self
-                .ctx
-                .socket(zmq::DEALER)
-                .map_err(zerr("DEALER socket"))?;
-            s.set_linger(0).map_err(zerr("linger"))?;
-            s.connect(&ep).map_err(zerr(format!("connect {ep}")))?;
-            self.conns[i].replay = Some(s);
+        let start = c.stats.next_seq;
+        if sock
+            .send_multipart([&b""[..], &start.to_be_bytes()[..]], zmq::DONTWAIT)
+            .is_err()
+        {
+            return false;
         }
-        let start = self.conns[i].stats.next_seq;
-        let sock = self.conns[i].replay.as_ref().expect("just set");
-        sock.send_multipart([&b""[..], &start.to_be_bytes()[..]], 0)
-            .map_err(zerr("replay request"))?;
-        let end = Instant::now() + self.replay_timeout;
-        let mut finished = false;
-        while !finished {
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
+        c.repair = Some(Repair {
+            deadline: Instant::now() + timeout,
+            held,
+        });
+        true
+    }
+
+    /// Every reply waiting on engine `i`'s replay socket.
+    fn read_replay(&mut self, i: usize) {
+        loop {
+            let c = self.conn(i);
+            if c.repair.is_none() {
+                return;
             }
-            let sock = self.conns[i].replay.as_ref().expect("set above");
-            let mut items = [sock.as_poll_item(zmq::POLLIN)];
-            let ms = i64::try_from(left.as_millis().max(1)).unwrap_or(i64::MAX);
-            zmq::poll(&mut items, ms).map_err(zerr("poll replay"))?;
-            if !items[0].is_readable() {
-                continue;
-            }
-            let msg = sock.recv_multipart(0).map_err(zerr("replay receive"))?;
+            let Some(sock) = &c.replay else { return };
+            let msg = match sock.recv_multipart(zmq::DONTWAIT) {
+                Ok(m) => m,
+                Err(_) => return,
+            };
             // DEALER: [empty delimiter, (topic,) seq, payload].
             let (seq, payload) = match msg.as_slice() {
                 [d, _, seq, payload] | [d, seq, payload] if d.is_empty() && seq.len() == 8 => (
@@ -334,31 +503,107 @@ impl Subscriber {
                     payload,
                 ),
                 _ => {
-                    self.conns[i].stats.malformed += 1;
+                    c.stats.malformed += 1;
                     continue;
                 }
             };
             if seq == END_SEQ {
-                finished = true;
-                continue;
+                self.finish_repair(i, false);
+                return;
             }
-            let next = self.conns[i].stats.next_seq;
-            if seq < next {
-                continue;
-            }
-            if seq > next {
-                // The batches before `seq` are no longer buffered.
-                continue;
-            }
-            if seq < upto {
+            let upto = c
+                .repair
+                .as_ref()
+                .and_then(|r| r.held.front())
+                .map_or(u64::MAX, |(s, _)| *s);
+            // Below the next expected: already applied; above it: the
+            // batches before are no longer buffered (the held batches
+            // will show the gap); past the held ones: not needed.
+            if seq == c.stats.next_seq && seq < upto {
                 let payload = payload.clone();
-                self.apply(i, seq, &payload, true)?;
+                self.apply(i, seq, &payload, true);
             }
         }
-        if !finished {
-            // Late replies must not be read as the answer to a later request.
-            self.conns[i].replay = None;
+    }
+
+    /// Ends engine `i`'s replay (its end marker came, or `timed_out`) and
+    /// applies the batches held meanwhile.
+    fn finish_repair(&mut self, i: usize, timed_out: bool) {
+        let c = self.conn(i);
+        let Some(r) = c.repair.take() else { return };
+        if timed_out {
+            // Late replies must not be read as the answer to a later
+            // request: a fresh socket (none if it cannot connect).
+            let ctx = self.ctx.clone();
+            let c = self.conn(i);
+            c.replay = c
+                .endpoint
+                .replay
+                .as_deref()
+                .and_then(|ep| socket(&ctx, zmq::DEALER, ep).ok());
         }
-        Ok(())
+        self.release_held(i, r.held);
+    }
+
+    /// Applies held batches in order; the first gap left among them is
+    /// unrepaired (engine forgotten), a later one starts another replay.
+    fn release_held(&mut self, i: usize, mut held: VecDeque<(u64, Vec<u8>)>) {
+        let mut first = true;
+        while let Some((seq, payload)) = held.pop_front() {
+            let c = self.conn(i);
+            if seq < c.stats.next_seq {
+                c.stats.duplicates += 1;
+                continue;
+            }
+            if seq > c.stats.next_seq {
+                if !first {
+                    c.stats.gaps += 1;
+                    held.push_front((seq, payload));
+                    if self.start_repair(i, held.clone()) {
+                        return;
+                    }
+                    let (seq, payload) = held.pop_front().expect("pushed above");
+                    self.forget(i, seq);
+                    self.apply(i, seq, &payload, false);
+                    first = false;
+                    continue;
+                }
+                self.forget(i, seq);
+            }
+            first = false;
+            self.apply(i, seq, &payload, false);
+        }
+    }
+
+    /// A gap before `seq` that replay did not close: forget the engine and
+    /// go on from `seq`.
+    fn forget(&mut self, i: usize, seq: u64) {
+        let id = self.conn(i).id;
+        let c = self.conn(i);
+        c.stats.unrepaired += 1;
+        c.stats.next_seq = seq;
+        let _ = self.write().clear_engine(id);
+    }
+
+    /// Applies the batch `seq` of engine `i` (the next expected).
+    fn apply(&mut self, i: usize, seq: u64, payload: &[u8], replayed: bool) {
+        let index = Arc::clone(&self.index);
+        let c = self.conn(i);
+        debug_assert_eq!(seq, c.stats.next_seq);
+        c.stats.next_seq = seq.saturating_add(1);
+        match decode_batch(payload, &mut c.groups) {
+            Ok(batch) => {
+                c.stats.batches += 1;
+                c.stats.replayed += u64::from(replayed);
+                c.stats.skipped += u64::from(batch.skipped);
+                let mut ix = index.write().unwrap_or_else(|e| e.into_inner());
+                for ev in &batch.events {
+                    if ix.apply(c.id, ev).is_err() {
+                        c.stats.refused += 1;
+                    }
+                }
+            }
+            Err(_) => c.stats.malformed += 1,
+        }
     }
 }

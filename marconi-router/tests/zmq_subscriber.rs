@@ -261,3 +261,60 @@ fn gaps_are_repaired_by_replay_or_the_engine_is_forgotten() {
     assert!(synced(&mut sub, &[a.next, b.next]));
     assert_eq!(sub.index().stats(ea).blocks as usize, ta.blocks.len());
 }
+
+/// An engine that cannot be added leaves nothing behind (no index slot,
+/// no socket): the next one takes the next slot and is fed; a removed
+/// engine's slot is taken again.
+#[test]
+fn a_refused_engine_keeps_nothing_and_a_removed_one_frees_its_slot() {
+    let mut p = Publisher::new(b"", 100);
+    let mut sub = Subscriber::new(4, &[], Duration::from_secs(1)).expect("subscriber");
+    let mut bad = p.endpoint("bad", true);
+    for (events, replay) in [
+        ("garbage", None),
+        ("tcp://127.0.0.1", None),
+        ("tcp://127.0.0.1:99999", None),
+        (p.events.as_str(), Some("garbage")),
+    ] {
+        bad.events = events.to_string();
+        bad.replay = replay.map(str::to_string);
+        assert!(sub.add_engine(&bad).is_err(), "{events} {replay:?}");
+        assert_eq!(sub.index().engines(), 0, "{events} {replay:?} took a slot");
+    }
+    let e = sub.add_engine(&p.endpoint("good", true)).expect("good");
+    assert_eq!(e.index(), 0);
+    let mut t = Truth {
+        blocks: BTreeSet::new(),
+        states: BTreeSet::new(),
+    };
+    // The SUB joins in the background: what is published before is lost
+    // to it, and repaired from the next batch's gap.
+    sub.poll_until(Duration::from_millis(300), |_| false)
+        .expect("poll");
+    for i in 0..5 {
+        step(&mut p, &mut t, i);
+    }
+    let mut i = 5;
+    while !sub
+        .poll_until(Duration::from_millis(500), |s| {
+            s.feed_stats(e).next_seq == p.next
+        })
+        .expect("poll")
+    {
+        assert!(i < 40, "{sub:?}");
+        step(&mut p, &mut t, i);
+        i += 1;
+    }
+    assert_eq!(sub.feed_stats(e).batches, p.next);
+    assert_eq!(
+        sub.index().engine_blocks(e),
+        t.blocks.iter().copied().collect::<Vec<_>>()
+    );
+    sub.remove_engine(e).expect("remove");
+    assert_eq!(sub.index().live_engines(), 0);
+    assert_eq!(sub.index().distinct_blocks(), 0);
+    assert_eq!(sub.feed_stats(e).batches, 0);
+    assert!(sub.remove_engine(e).is_err());
+    let again = sub.add_engine(&p.endpoint("again", false)).expect("again");
+    assert_eq!(again, e, "the freed slot is taken again");
+}

@@ -345,3 +345,135 @@ def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
             ev.close()
         for c in caches:
             c.close()
+
+
+def raw_http(port: int, method: str, path: str, body: str | None = None, ctype: str | None = None):
+    """One request as sent: (status, Content-Type or None, body, Allow or None)."""
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request(method, path, body=body, headers={"Content-Type": ctype} if ctype else {})
+        r = c.getresponse()
+        data = r.read()
+        return r.status, r.getheader("content-type"), data, r.getheader("allow")
+    finally:
+        c.close()
+
+
+def test_http_api_matches_dynamo(tmp_path):
+    """The same requests to Dynamo 1.6.1's indexer and to marconi-router
+    serve: equal status codes and content types (docs/routing.md's API
+    table), and the documented differences as documented."""
+    dyn_dir = _dir("MARCONI_DYNAMO_DIR")
+    router = os.environ.get("MARCONI_ROUTER_BIN")
+    if not router or not os.access(router, os.X_OK):
+        pytest.fail("MARCONI_ROUTER_BIN unset") if STRICT else pytest.skip("MARCONI_ROUTER_BIN unset")
+    out_dir = os.environ.get("MARCONI_CONSUMERS_OUT") or str(tmp_path)
+    os.makedirs(out_dir, exist_ok=True)
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    j = "application/json"
+    text = "text/plain; charset=utf-8"
+
+    def reg(i, **kw):
+        return json.dumps(dict({"instance_id": i, "endpoint": ep, "model_name": "m", "block_size": 4}, **kw))
+
+    q = json.dumps({"token_ids": [1, 2, 3, 4, 5], "model_name": "m"})
+    # (method, path, body, Content-Type sent) -> the same (status, Content-Type) from both
+    same = [
+        ("GET", "/health", None, None),
+        ("HEAD", "/health", None, None),
+        ("POST", "/health", None, None),
+        ("GET", "/register", None, None),
+        ("PUT", "/query", "{}", j),
+        ("GET", "/nothing", None, None),
+        ("POST", "/register", reg(1), None),
+        ("POST", "/register", reg(1), "text/plain"),
+        ("POST", "/register", "", j),
+        ("POST", "/register", "{", j),
+        ("POST", "/register", "{}", j),
+        ("POST", "/register", "[1]", j),
+        ("POST", "/register", reg("x"), j),
+        ("POST", "/register", reg(1, endpoint="garbage"), j),
+        ("POST", "/register", reg(1, endpoint="tcp://127.0.0.1"), j),
+        ("POST", "/register", reg(1, endpoint="udp://h:1"), j),
+        ("POST", "/register", reg(1, endpoint="tcp://h:99999"), j),
+        ("POST", "/register", reg(1, replay_endpoint="garbage"), j),
+        ("POST", "/register", reg(1, replay_endpoint="tcp://127.0.0.1:x"), j),
+        ("GET", "/workers", None, None),
+        ("POST", "/register", reg(1), "application/json; charset=utf-8"),
+        ("POST", "/register", reg(1), j),
+        ("POST", "/register", reg(2, block_size=8), j),
+        ("POST", "/register", reg(1, dp_rank=1), j),
+        ("POST", "/register", reg(3), j),
+        ("POST", "/register", reg(4, dp_rank=None, replay_endpoint=None, lora_name=None), j),
+        ("POST", "/register", reg(4, dp_rank=0), j),
+        ("GET", "/workers", None, None),
+        ("GET", "/workers?model_name=x", None, None),
+        ("POST", "/query", q, j),
+        ("POST", "/query", json.dumps({"token_ids": [1], "model_name": "nope"}), j),
+        ("POST", "/query", json.dumps({"model_name": "m"}), j),
+        ("POST", "/query", json.dumps({"token_ids": [-1], "model_name": "m"}), j),
+        ("POST", "/query", json.dumps({"token_ids": [1], "model_name": "m", "tenant_id": 5}), j),
+        ("POST", "/query_by_hash", json.dumps({"block_hashes": [1, -2], "model_name": "m"}), j),
+        ("POST", "/query_by_hash", json.dumps({"block_hashes": [1], "model_name": "m", "cache_salt": "x"}), j),
+        ("POST", "/query_by_hash", json.dumps({"block_hashes": [1], "model_name": "m", "cache_salt": None}), j),
+        ("POST", "/query_by_hash", json.dumps({"token_ids": [1], "model_name": "m"}), j),
+        ("GET", "/dump", None, None),
+        ("POST", "/unregister", json.dumps({"instance_id": 9, "model_name": "m"}), j),
+        # Without routing_group: the whole instance, dp_rank ignored.
+        ("POST", "/unregister", json.dumps({"instance_id": 1, "model_name": "m", "dp_rank": 1}), j),
+        ("POST", "/unregister", json.dumps({"instance_id": 1, "model_name": "m", "routing_group": "default",
+                                            "dp_rank": 0}), j),
+        ("POST", "/unregister", json.dumps({"instance_id": 3, "model_name": "m", "routing_group": "default"}), j),
+        ("POST", "/unregister", json.dumps({"instance_id": 4, "model_name": "m", "routing_group": None,
+                                            "dp_rank": None}), j),
+        ("POST", "/query", q, j),
+        ("GET", "/dump", None, None),
+    ]
+    # Documented differences: (request) -> (ours, Dynamo's) statuses.
+    differ = [
+        (("POST", "/register", reg(5, model_name="z", block_size=0), j), 400, 201),
+        (("POST", "/query_by_hash", json.dumps({"block_hashes": [2**64 - 1], "model_name": "z"}), j), 404, 422),
+        (("POST", "/register", reg(6, model_name="y"), j), 201, 201),
+        (("POST", "/register", reg(6, model_name="y", routing_group="g2"), j), 201, 409),
+    ]
+    services = []
+    rows = []
+    try:
+        pd, pr = free_port(), free_port()
+        env = dict(os.environ, PYTHONPATH=dyn_dir)
+        services.append(Service("dynamo-indexer-api", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
+                                                       "--threads", "1"], pd, env, out_dir))
+        services.append(Service("marconi-router-api", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr, None,
+                                out_dir))
+        dyn, ours = services
+        for m, p, b, ct in same:
+            d = raw_http(dyn.port, m, p, b, ct)
+            o = raw_http(ours.port, m, p, b, ct)
+            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]]})
+            assert (o[0], o[1]) == (d[0], d[1]), (m, p, b, ct, "ours", o, "dynamo", d)
+            assert (o[3] is None) == (d[3] is None), (m, p, "Allow", o[3], d[3])
+            if d[1] is None:
+                assert o[2] == d[2] == b"", (m, p, o, d)
+            if d[1] == j:
+                # Same JSON keys (ours may add kv_scores / listener counters).
+                dv, ov = json.loads(d[2]), json.loads(o[2])
+                if isinstance(dv, dict) and "error" in dv:
+                    assert "error" in ov, (m, p, ov, dv)
+                elif isinstance(dv, dict):
+                    assert set(dv) <= set(ov), (m, p, ov, dv)
+        for (m, p, b, ct), want_ours, want_dyn in differ:
+            d = raw_http(dyn.port, m, p, b, ct)
+            o = raw_http(ours.port, m, p, b, ct)
+            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]]})
+            assert (o[0], d[0]) == (want_ours, want_dyn), (m, p, b, "ours", o, "dynamo", d)
+        # Bodies: Dynamo refuses over 8 MiB, ours over 64 MiB (both 413 text).
+        big = '{"model_name":"m","token_ids":[' + ",".join(["1"] * (5 << 20)) + "]}"
+        assert raw_http(ours.port, "POST", "/query", big, j)[0] == 404  # read whole, no index for m
+        with open(os.path.join(out_dir, "api.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"HTTP API: {len(same)} requests answered alike, {len(differ)} documented differences")
+    finally:
+        for s in services:
+            s.close()

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use marconi_router::serve::{Register, ServeConfig, Service};
+use marconi_router::serve::{Register, ServeConfig, Server};
 
 #[derive(Parser)]
 #[command(name = "marconi-router", version, about)]
@@ -47,6 +47,16 @@ struct ServeArgs {
     /// Milliseconds a gap replay may take before the worker is cleared.
     #[arg(long, default_value_t = 2000)]
     replay_timeout_ms: u64,
+    /// Milliseconds a client may take to send a request's headers (an idle
+    /// kept-open connection is closed after as long).
+    #[arg(long, default_value_t = 30_000)]
+    header_timeout_ms: u64,
+    /// Milliseconds a client may take to send a request's body (then 408).
+    #[arg(long, default_value_t = 30_000)]
+    body_timeout_ms: u64,
+    /// Connections served at once.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
 }
 
 /// "id[:rank]=endpoint,..." as (id, rank, endpoint).
@@ -66,19 +76,32 @@ fn parse_workers(s: &str) -> Result<Vec<(u64, u32, String)>, String> {
 }
 
 fn serve(a: ServeArgs) -> Result<(), String> {
-    let mut svc = Service::new(ServeConfig {
-        seed: a.seed,
-        replay_timeout: Duration::from_millis(a.replay_timeout_ms),
-    });
     let replays = parse_workers(a.replay.as_deref().unwrap_or(""))?;
-    if let Some(w) = &a.workers {
-        let bs = a.block_size.ok_or("--workers needs --block-size")?;
-        for (id, rank, ep) in parse_workers(w)? {
+    let initial = match &a.workers {
+        Some(w) => Some((
+            a.block_size.ok_or("--workers needs --block-size")?,
+            parse_workers(w)?,
+        )),
+        None => None,
+    };
+    let server = Server::bind(
+        &a.http,
+        ServeConfig {
+            seed: a.seed,
+            replay_timeout: Duration::from_millis(a.replay_timeout_ms),
+            header_timeout: Duration::from_millis(a.header_timeout_ms),
+            body_timeout: Duration::from_millis(a.body_timeout_ms),
+            max_connections: a.max_connections,
+        },
+    )
+    .map_err(|e| format!("listen on {}: {e}", a.http))?;
+    if let Some((bs, workers)) = initial {
+        for (id, rank, ep) in workers {
             let replay = replays
                 .iter()
                 .find(|r| r.0 == id && r.1 == rank)
                 .map(|r| r.2.clone());
-            let reply = svc.register(Register {
+            let (status, body) = server.register(Register {
                 instance_id: id,
                 endpoint: ep,
                 model_name: a.model_name.clone(),
@@ -90,15 +113,14 @@ fn serve(a: ServeArgs) -> Result<(), String> {
                 tenant_id: None,
                 attention_only: false,
             });
-            if reply.status >= 300 {
-                return Err(format!("worker {id}:{rank}: {}", reply.body));
+            if status >= 300 {
+                return Err(format!("worker {id}:{rank}: {body}"));
             }
         }
     }
-    let server =
-        tiny_http::Server::http(&a.http).map_err(|e| format!("listen on {}: {e}", a.http))?;
-    eprintln!("marconi-router: serving on http://{}", a.http);
-    svc.run(&server, || false).map_err(|e| e.to_string())
+    eprintln!("marconi-router: serving on http://{}", server.local_addr());
+    server.wait();
+    Ok(())
 }
 
 fn main() {

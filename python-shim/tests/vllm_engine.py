@@ -196,6 +196,11 @@ class Engine:
 
         self.connector.get_num_new_matched_tokens = matched
 
+    @staticmethod
+    def page_bytes_for(block_size: int, hybrid: Hybrid = TINY) -> int:
+        """Bytes of one chunk (one block of one group) in the host tier."""
+        return block_size * hybrid.attn_bytes_per_token()
+
     def run(self, prompt: list, output: list) -> dict:
         """Serves one request (prompt, then the tokens of `output` as its
         decoded tokens) to completion. Returns its prompt length, the

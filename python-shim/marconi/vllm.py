@@ -188,6 +188,7 @@ def _build_classes() -> dict:
             self._chunks: dict = {}
             self._idle: set = set()
             self._pool: OrderedDict = OrderedDict()
+            self._fresh: OrderedDict = OrderedDict()  # inserted, not yet offered to the mirror
             self._pending: dict = {}
             self._page_keys: dict[int, tuple] = {}
             self._slot_keys: dict[int, tuple] = {}
@@ -228,8 +229,12 @@ def _build_classes() -> dict:
             for ctx in pending.values():
                 try:
                     self._mirror_request(ctx)
-                except MarconiError as e:  # the mirror stays consistent; the chunks stay in the pool
+                except MarconiError as e:  # the mirror stays consistent; the chunks become candidates
                     logger.warning("MarconiCachePolicy: mirror update failed (%s); chunks kept as candidates", e)
+            # What the mirror did not take (states it did not plan, chunks
+            # past a gap) joins the candidates, after the older ones.
+            self._pool.update(self._fresh)
+            self._fresh.clear()
 
         def _mirror_request(self, ctx: Any) -> None:
             """One request's resident prefix, as one lookup + admit of the
@@ -278,6 +283,7 @@ def _build_classes() -> dict:
                     for k in keys:
                         self._held[k] = ("s", slot)
                         self._pool.pop(k, None)
+                        self._fresh.pop(k, None)
             for i in res.kv_pages_taken:
                 pid, keys = pages[i]
                 if keys[0] in self._held:
@@ -286,6 +292,7 @@ def _build_classes() -> dict:
                 for k in keys:
                     self._held[k] = ("p", pid)
                     self._pool.pop(k, None)
+                    self._fresh.pop(k, None)
             self._drain()
 
         def _drain(self) -> list:
@@ -307,8 +314,8 @@ def _build_classes() -> dict:
 
         def insert(self, key, chunk, req_context) -> None:
             self._chunks[key] = chunk
-            self._pool[key] = None
-            self._pool.move_to_end(key)
+            self._pool.pop(key, None)
+            self._fresh[key] = None
             self._pending[id(req_context)] = req_context
             if chunk.ref_cnt == 0:
                 self._idle.add(key)
@@ -317,6 +324,7 @@ def _build_classes() -> dict:
             del self._chunks[key]
             self._idle.discard(key)
             self._pool.pop(key, None)
+            self._fresh.pop(key, None)
             held = self._held.pop(key, None)
             if held is not None:  # the mirror keeps the id until it frees it; the key is gone
                 table = self._page_keys if held[0] == "p" else self._slot_keys
@@ -342,16 +350,25 @@ def _build_classes() -> dict:
         def evict(self, n: int, protected: set):
             if n == 0:
                 return []
-            self._flush()
             idle = self._idle
             selected: list = []
             chosen: set = set()
-            for key in self._pool:
-                if key in idle and key not in protected:
-                    selected.append(key)
-                    chosen.add(key)
-                    if len(selected) == n:
+            # The candidates first (chunks the mirror does not hold); the
+            # requests whose chunks are not offered to the mirror yet only
+            # when those do not suffice.
+            for flush in (False, True):
+                if flush:
+                    if not self._pending and not self._fresh:
                         break
+                    self._flush()
+                for key in self._pool:
+                    if key in idle and key not in protected and key not in chosen:
+                        selected.append(key)
+                        chosen.add(key)
+                        if len(selected) == n:
+                            break
+                if len(selected) == n:
+                    break
             mirror = self._mirror
             while len(selected) < n:
                 free = mirror.evict(0)

@@ -151,9 +151,13 @@ class Engine:
             kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                                 kv_connector_extra_config=extra_config),
         )
+        # Both groups share one page size (vLLM's hybrid allocator): the
+        # smaller page is padded to the larger.
+        page = max(block_size * hybrid.attn_bytes_per_token(), hybrid.mamba_page_bytes())
         attn = FullAttentionSpec(block_size=block_size, num_kv_heads=hybrid.kv_heads, head_size=hybrid.head_dim,
-                                 dtype=hybrid.dtype)
-        page = attn.page_size_bytes
+                                 dtype=hybrid.dtype,
+                                 page_size_padded=page if page != block_size * hybrid.attn_bytes_per_token() else None)
+        assert attn.page_size_bytes == page, (attn.page_size_bytes, page)
         mamba = MambaSpec(block_size=block_size, shapes=hybrid.mamba_shapes(), dtypes=(hybrid.dtype, hybrid.dtype),
                           mamba_cache_mode="align", page_size_padded=page)
         assert mamba.page_size_bytes == page, (mamba.page_size_bytes, page)
@@ -199,7 +203,7 @@ class Engine:
     @staticmethod
     def page_bytes_for(block_size: int, hybrid: Hybrid = TINY) -> int:
         """Bytes of one chunk (one block of one group) in the host tier."""
-        return block_size * hybrid.attn_bytes_per_token()
+        return max(block_size * hybrid.attn_bytes_per_token(), hybrid.mamba_page_bytes())
 
     def run(self, prompt: list, output: list) -> dict:
         """Serves one request (prompt, then the tokens of `output` as its

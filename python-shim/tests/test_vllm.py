@@ -294,3 +294,36 @@ def test_evict_none_only_when_not_enough_idle():
     out = p.evict(5, set(keys[:1]))
     assert out is not None and len(out) == 5 and keys[0] not in {k for k, _ in out}
     p.close()
+
+
+def test_doc_config_lines(model_dir):
+    """The `vllm serve` line of docs/vllm.md, parsed by vLLM 0.33.0's own
+    argument parser and EngineArgs, runs as written (model path and host
+    bytes replaced) through vLLM's scheduler and connector."""
+    import shlex
+    from pathlib import Path
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    block = doc.split("<!-- vllm-serve -->", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    argv = shlex.split(block.strip())
+    assert argv[:2] == ["vllm", "serve"]
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", argv[2], *argv[3:]])
+    ea = EngineArgs.from_cli_args(args)
+    assert ea.enable_prefix_caching is True
+    kt = ea.kv_transfer_config
+    assert kt.kv_connector == "OffloadingConnector"
+    extra = dict(kt.kv_connector_extra_config)
+    assert extra["eviction_policy"] == "MarconiCachePolicy" and extra["cache_policy_module_path"] == "marconi.vllm"
+    extra["marconi_model"] = os.path.join(model_dir, "config.json")
+    host = ve.Engine.page_bytes_for(B) * 40
+    extra["cpu_bytes_to_use"] = host
+    e = ve.Engine(model_dir, block_size=B, gpu_blocks=40, cpu_bytes=host, policy=extra.pop("eviction_policy"),
+                  policy_module=extra.pop("cache_policy_module_path"), extra=extra)
+    assert type(e.policy).__name__ == "MarconiCachePolicy"
+    TierChecker(e)
+    tot, hit, host_hit = _serve(e, _trace(3))
+    assert host_hit > 0

@@ -194,6 +194,7 @@ def _build_classes() -> dict:
             self._slot_keys: dict[int, tuple] = {}
             self._held: dict = {}  # key -> ("p" or "s", id)
             self._next_id = 0
+            self._free_ids: list[int] = []  # ids the mirror does not reference
             T = self.tokens_per_chunk
             probe = PrefixCache(1 << 40, model=dict(self.model), page_size=T, checkpoint_grid=T)
             st = probe.stats()
@@ -216,6 +217,8 @@ def _build_classes() -> dict:
             )
 
         def _new_id(self) -> int:
+            if self._free_ids:
+                return self._free_ids.pop()
             i = self._next_id
             if i >= _U32:
                 raise MarconiError(4, "MarconiCachePolicy ran out of 32-bit ids", "MarconiCachePolicy")
@@ -278,13 +281,19 @@ def _build_classes() -> dict:
                     pages.append((held[1] if held is not None and held[0] == "p" else self._new_id(), keys))
                 res = lease.admit(tokens, [(p, s) for p, s, _ in states], [p for p, _ in pages])
             for (pos, slot, keys), taken in zip(states, res.taken):
+                if not taken:
+                    self._free_ids.append(slot)
                 if taken:
                     self._slot_keys[slot] = keys
                     for k in keys:
                         self._held[k] = ("s", slot)
                         self._pool.pop(k, None)
                         self._fresh.pop(k, None)
-            for i in res.kv_pages_taken:
+            taken_pages = res.kv_pages_taken
+            for i, (pid, keys) in enumerate(pages):
+                if i not in taken_pages and keys[0] not in self._held:
+                    self._free_ids.append(pid)
+            for i in taken_pages:
                 pid, keys = pages[i]
                 if keys[0] in self._held:
                     continue
@@ -301,6 +310,7 @@ def _build_classes() -> dict:
             freed = []
             for ids, table in ((pages, self._page_keys), (slots, self._slot_keys)):
                 for i in ids:
+                    self._free_ids.append(i)
                     for k in table.pop(i, ()):
                         if self._held.pop(k, None) is not None and k in self._chunks:
                             self._pool[k] = None

@@ -179,6 +179,7 @@ def _build_classes() -> dict:
                 raise ValueError(f"tokens_per_chunk: expected a positive chunk size, got {tokens_per_chunk!r}")
             self.tokens_per_chunk = int(tokens_per_chunk)
             self.state_groups = frozenset(int(g) for g in (state_groups or ()))
+            self._state_tags = frozenset(g.to_bytes(4, "big") for g in self.state_groups)
             self.model = model
             self._new_mirror()
 
@@ -195,6 +196,7 @@ def _build_classes() -> dict:
             self._held: dict = {}  # key -> ("p" or "s", id)
             self._next_id = 0
             self._free_ids: list[int] = []  # ids the mirror does not reference
+            self._tokens: dict = {}  # resident KV key -> its chunk's token ids (bytes)
             T = self.tokens_per_chunk
             probe = PrefixCache(1 << 40, model=dict(self.model), page_size=T, checkpoint_grid=T)
             st = probe.stats()
@@ -250,8 +252,9 @@ def _build_classes() -> dict:
             T = self.tokens_per_chunk
             kv_at: dict[int, list] = {}
             st_at: dict[int, list] = {}
+            state_tags = self._state_tags
             for key, pos in positions.items():
-                (st_at if get_offload_group_idx(key) in self.state_groups else kv_at).setdefault(pos, []).append(key)
+                (st_at if key[-4:] in state_tags else kv_at).setdefault(pos, []).append(key)
             chunks = self._chunks
             depth = 0
             while True:
@@ -262,8 +265,15 @@ def _build_classes() -> dict:
             if depth == 0:
                 return
             tokens = array.array("I")
+            cache = self._tokens
+            parts = []
             for i in range(depth):
-                tokens.extend(_chunk_tokens(get_offload_block_hash(kv_at[(i + 1) * T][0]), T))
+                key = kv_at[(i + 1) * T][0]
+                part = cache.get(key)
+                if part is None:
+                    part = cache[key] = _chunk_tokens(get_offload_block_hash(key), T).tobytes()
+                parts.append(part)
+            tokens.frombytes(b"".join(parts))
             mirror = self._mirror
             with mirror.lookup(tokens) as lease:
                 wanted = set(lease.plan)
@@ -332,6 +342,7 @@ def _build_classes() -> dict:
 
         def remove(self, key) -> None:
             del self._chunks[key]
+            self._tokens.pop(key, None)
             self._idle.discard(key)
             self._pool.pop(key, None)
             self._fresh.pop(key, None)
@@ -397,6 +408,7 @@ def _build_classes() -> dict:
             out = []
             for key in selected:
                 chunk = self._chunks.pop(key)
+                self._tokens.pop(key, None)
                 idle.discard(key)
                 self._pool.pop(key, None)
                 out.append((key, chunk))

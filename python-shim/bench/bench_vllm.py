@@ -65,7 +65,10 @@ class Clairvoyant(LRUCachePolicy):
         cands = [k for k in self._evictable if k not in protected]
         if len(cands) < n:
             return None
-        cands.sort(key=next_use, reverse=True)
+        # Farthest next use first; ties (e.g. never used again) go least
+        # recently used first, so the order does not depend on set order.
+        ranks = self._ranks
+        cands.sort(key=lambda k: (next_use(k), tuple(-x for x in ranks[k])), reverse=True)
         out = []
         for k in cands[:n]:
             chunk = self.chunks.pop(k)

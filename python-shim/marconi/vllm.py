@@ -392,11 +392,15 @@ def _build_classes() -> dict:
                     break
             mirror = self._mirror
             while len(selected) < n:
-                free = mirror.evict(0)
-                mirror.evict(free + (n - len(selected)) * self._unit)
-                freed = self._drain()
-                if not freed and mirror.evict(0) == free:
-                    break  # the mirror has nothing left to give
+                try:
+                    free = mirror.evict(0)
+                    mirror.evict(free + (n - len(selected)) * self._unit)
+                    freed = self._drain()
+                    if not freed and mirror.evict(0) == free:
+                        break  # the mirror has nothing left to give
+                except MarconiError as e:  # never into vLLM: fewer candidates, maybe None
+                    logger.warning("MarconiCachePolicy: mirror eviction failed (%s)", e)
+                    break
                 for key in freed:
                     if key in idle and key not in protected and key not in chosen:
                         selected.append(key)

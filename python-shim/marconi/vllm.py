@@ -94,7 +94,8 @@ def _offloading_spec_from_caller() -> Optional[Any]:
 
     vLLM's CPUOffloadingManager builds its policy as `cls(cache_capacity=n)`
     and passes nothing else; the spec that called it (CPUOffloadingSpec.
-    get_manager, or a tiering spec building its CPU tier) holds
+    get_manager; TieringOffloadingSpec, its subclass, builds its primary
+    tier's manager the same way, not tested here) holds
     kv_connector_extra_config and the groups. The caller frames are read,
     not changed; at most 16 are looked at."""
     frame = sys._getframe(2)

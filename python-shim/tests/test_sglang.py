@@ -60,7 +60,10 @@ def hit(tree, tokens, **kw):
 
 
 def release_kv_cache(tree, req, checkpoint):
-    """SGLang 0.5.23's mem_cache/common.py release_kv_cache, as it calls the tree."""
+    """The tree calls of SGLang 0.5.23's mem_cache/common.py release_kv_cache,
+    in its order, and nothing else (SGLang's own function, over SGLang's own
+    pools and Req, runs in test_sglang_lifecycle.py): every Mamba slot the
+    request holds is the tree's to hand back (checkpoint or on_release)."""
     owned = len(req.origin_input_ids) + len(req.output_ids)
     if checkpoint:
         req._finished = True
@@ -69,9 +72,6 @@ def release_kv_cache(tree, req, checkpoint):
     tree.unlock(req.lock)
     req.lock = None
     tree.on_release(req, checkpointed=checkpoint)
-    if req.kv.mamba_pool_idx is not None:  # not handed to the tree
-        tree.req_to_token_pool.mamba_allocator.free([req.kv.mamba_pool_idx])
-        req.kv.mamba_pool_idx = None
 
 
 def own_row(rtp, alloc, req, n):
@@ -204,8 +204,12 @@ def test_cache_finished_req_no_insert():
     own_row(rtp, alloc, req, 3)
     req.last_node = tree.root_node
     before = alloc.available_size()
+    slots = rtp.mamba_allocator.available_size()
     release_kv_cache(tree, req, checkpoint=False)
     assert alloc.available_size() == before + 3
+    # on_release gave the request's Mamba slot back (SGLang's own cache does).
+    assert req.kv.mamba_pool_idx is None
+    assert rtp.mamba_allocator.available_size() == slots + 1
     assert hit(tree, [1, 2, 3]) == 0
     tree.sanity_check()
 

@@ -103,49 +103,12 @@ def run_marconi_tree(requests, model: str) -> float:
 
 def _sglang_tree(total_tokens: int, n_states: int):
     """SGLang's UnifiedRadixCache (FULL + MAMBA, its Rust tree core) over its
-    own CPU pools, small layers (the tree's cost does not depend on them).
-    Harness only: two runtime_context lookups that read a model config are
-    given fixed values (a chunk of 64 tokens, a checkpoint grid of 1)."""
-    import sglang.srt.runtime_context as rc
+    own CPU pools, small layers (the tree's cost does not depend on them):
+    tests/sglang_real.py's pools (`no_buffer`, page size 1)."""
+    import sglang_real
 
-    rc.mamba_cache_chunk_size = lambda: 64
-    rc.mamba_checkpoint_grid = lambda page_size=1: 1
-    import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.environ import envs
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams as SParams
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool as SReqPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
-    layers, full = 4, [3]
-    mamba = [i for i in range(layers) if i not in full]
-    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
-        shape = Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=32, state_size=8, conv_kernel=4
-        )
-        cache_params = Mamba2CacheParams(shape=shape, layers=mamba)
-    rtp = SReqPool(
-        size=2, mamba_size=n_states, mamba_spec_state_size=2, max_context_len=64, device="cpu",
-        enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=mamba,
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
-    )
-    pool = HybridLinearKVPool(
-        size=total_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
-        full_attention_layer_ids=full, device="cpu", enable_memory_saver=False, mamba_pool=rtp.mamba_pool,
-    )
-    alloc = TokenToKVPoolAllocator(size=total_tokens, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
-    tree = UnifiedRadixCache(
-        params=SParams(
-            req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1, disable=False,
-            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-        )
-    )
-    return tree, alloc, rtp
+    params = sglang_real.pools(total_tokens, n_states, extra_buffer=False, rows=2, context=64)
+    return sglang_real.sglang_cache(params), params.token_to_kv_pool_allocator, params.req_to_token_pool
 
 
 def _same_calls(tree, alloc, rtp, requests) -> tuple[float, float]:

@@ -1183,16 +1183,37 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     def _give_back(self) -> tuple[int, int]:
         """Hands the KV indices and Mamba slots libmarconi freed to SGLang's
-        allocators; returns (tokens, slots) handed back."""
-        pages, slots = self.cache.drain_freed()
+        allocators; returns (tokens, slots) handed back. The ids are read
+        in place from the drain's buffer into one tensor (page ids times the
+        page size plus each page's offsets, in one broadcast), never through
+        a Python object per id."""
+        pages, n_pages, slots, n_slots = self.cache._drain_freed_raw()
+        if not n_pages and not n_slots:
+            return 0, 0
         ps = self.page_size
         ref = getattr(self, "_index_ref", None)
-        if pages:
-            idx = [p * ps + i for p in pages for i in range(ps)]
-            self.token_to_kv_pool_allocator.free(_like(ref, idx))
-        if slots:
-            self._mamba_allocator.free(_like(ref, slots))
-        return len(pages) * ps, len(slots)
+        if ref is not None and type(ref).__module__.startswith("torch"):
+            import torch
+
+            def ids(buf: Any, n: int, step: int) -> Any:
+                # uint32 ids, read as int32 and widened without sign.
+                t = torch.frombuffer(buf, dtype=torch.int32, count=n).to(torch.int64) & 0xFFFFFFFF
+                if step > 1:
+                    t = (t[:, None] * step + torch.arange(step, dtype=torch.int64)).reshape(-1)
+                return t.to(ref.device)
+
+            if n_pages:
+                self.token_to_kv_pool_allocator.free(ids(pages, n_pages, ps))
+            if n_slots:
+                self._mamba_allocator.free(ids(slots, n_slots, 1))
+        else:
+            if n_pages:
+                got = _array("I")
+                got.frombytes(ctypes.string_at(pages, 4 * n_pages))
+                self.token_to_kv_pool_allocator.free(list(_pages_to_indices(got, ps, n_pages * ps)))
+            if n_slots:
+                self._mamba_allocator.free(list(slots[:n_slots]))
+        return n_pages * ps, n_slots
 
     def evict(self, params: Any) -> Any:
         """Evicts at least params.num_tokens tokens of KV and params.mamba_num
@@ -1224,29 +1245,36 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     # -- sizes and diagnostics ----------------------------------------------------------
 
-    def _pinned(self) -> tuple[int, int]:
-        kv = max((n.hit_tokens for n in self._locked.values()), default=0)
-        states = len({n.state_slot for n in self._locked.values() if n.state_slot is not None})
-        return kv, states
+    def _split(self) -> tuple[int, int, int, int]:
+        """(evictable KV tokens, protected KV tokens, evictable states,
+        protected states), exact under any number of locks: libmarconi
+        counts what no lease pins, and what the locks pin is the union of
+        their paths (a prefix under several locks counts once, separate
+        prefixes add up). Leases of matches not locked yet are released
+        first: SGLang's match pins nothing, so what they pin is evictable."""
+        self._release_pending()
+        s = self.cache.stats()
+        kv = s["kv_bytes"] // self._kv_bpt
+        ev_kv, ev_states = s["evictable_kv_tokens"], s["evictable_states"]
+        return ev_kv, kv - ev_kv, ev_states, s["states"] - ev_states
 
     def full_evictable_size(self) -> int:
-        kv = self.cache.stats()["kv_bytes"] // self._kv_bpt
-        return max(0, kv - self._pinned()[0])
+        return self._split()[0]
 
     def evictable_size(self) -> int:
         return self.full_evictable_size()
 
     def mamba_evictable_size(self) -> int:
-        return max(0, self.cache.stats()["states"] - self._pinned()[1])
+        return self._split()[2]
 
     def protected_size(self) -> int:
-        return self._pinned()[0]
+        return self._split()[1]
 
     def full_protected_size(self) -> int:
-        return self._pinned()[0]
+        return self._split()[1]
 
     def mamba_protected_size(self) -> int:
-        return self._pinned()[1]
+        return self._split()[3]
 
     def swa_evictable_size(self) -> int:
         return 0
@@ -1368,12 +1396,49 @@ class _Insert:
     prev_prefix_len: int
 
 
+FALLBACK_MODEL = "paper-7b"
+"""The preset the SGLang factory falls back to when the served model's
+config cannot be read (it says so in the log)."""
+
+
+def sglang_model(ctx: Any) -> Any:
+    """The served model as libmarconi describes it (its KV and state byte
+    sizes, the FLOPs eviction weighs): SGLang's model config
+    (ctx.model_config.hf_config, the model's Hugging Face config) read by
+    libmarconi's own reader (ModelSpec.from_hf_config). Where that fails (no
+    config, a model type the reader does not know), the FALLBACK_MODEL
+    preset, with a warning in the `marconi` log that says why."""
+    import logging
+
+    from .model import ModelSpec
+
+    mc = getattr(ctx, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    if hf is None:
+        why = "SGLang gave no model config"
+    else:
+        try:
+            return ModelSpec.from_hf_config(hf)
+        except (MarconiError, TypeError, ValueError, OSError) as e:
+            why = f"its config does not read ({e})"
+            if hf is not getattr(mc, "hf_config", hf):
+                try:
+                    return ModelSpec.from_hf_config(mc.hf_config)
+                except (MarconiError, TypeError, ValueError, OSError) as e2:
+                    why = f"its config does not read ({e2})"
+    logging.getLogger("marconi").warning(
+        "libmarconi's SGLang cache: %s; sizing and eviction use the %r preset instead", why, FALLBACK_MODEL
+    )
+    return FALLBACK_MODEL
+
+
 def sglang_factory(ctx: Any) -> SGLangTreeCache:
     """SGLang's RadixCacheFactory: builds the cache from a
-    TreeCacheBuildContext (its CacheInitParams and pools)."""
+    TreeCacheBuildContext (its CacheInitParams and pools), for the served
+    model (sglang_model: SGLang's model config, else a logged preset)."""
     if not getattr(ctx, "is_hybrid_ssm", True):
         raise NotImplementedError("libmarconi's SGLang cache is for hybrid (Mamba) models")
-    return SGLangTreeCache(ctx.params)
+    return SGLangTreeCache(ctx.params, sglang_model(ctx))
 
 
 def register_with_sglang(name: str = "marconi") -> None:

@@ -214,6 +214,53 @@ def breakdown(requests, model: str) -> dict:
     return {k: v / len(requests) for k, v in spent.items()}
 
 
+def lifecycle(kind: str, extra: bool, page_size: int, conversations: int, turns: int, tokens: int, model: str) -> dict:
+    """One run of SGLang's own request life cycle (tests/sglang_real.py:
+    Req, init_next_round_input, lock, slot and KV allocation, the prefill's
+    state tracking, release_kv_cache, the strict idle check after every
+    request) over agentic sessions: `conversations` sessions of `turns`
+    turns, each turn the session so far (outputs included) plus a new
+    message, a shared system prompt, pools a third of what the trace would
+    need (so the cache evicts). Returns CPU microseconds per request (the
+    whole loop: the caches' calls and SGLang's own work around them; the
+    idle check excluded) and the token hit rate."""
+    import random
+
+    import sglang_real
+
+    rng = random.Random(11)
+    system = [rng.randrange(1, 30000) for _ in range(tokens // 4)]
+    sessions = [list(system) for _ in range(conversations)]
+    need = conversations * (tokens // 4 + turns * (tokens // (2 * turns) + 64))
+    params = sglang_real.pools(
+        max(need // 3, 4 * tokens), 8 + 3 * conversations // 2, extra_buffer=extra, page_size=page_size,
+        rows=8, context=4 * tokens + 8 * turns * 64,
+    )
+    tree = sglang_real.sglang_cache(params) if kind == "sglang" else MarconiPrefixCache(params, model)
+    engine = sglang_real.Engine(tree, params)
+    engine.idle_check = lambda: None  # timed apart below
+    check = sglang_real.Engine.idle_check
+    import torch
+
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    spent = 0.0
+    clock = time.process_time
+    for _ in range(turns):
+        for c in rng.sample(range(conversations), conversations):
+            sessions[c] += [rng.randrange(1, 30000) for _ in range(rng.randrange(tokens // (4 * turns), tokens // (2 * turns)))]
+            out = [rng.randrange(1, 30000) for _ in range(rng.randrange(8, 64))]
+            t = clock()
+            engine.step([(list(sessions[c]), out)])
+            spent += clock() - t
+            check(engine)
+            sessions[c] += out
+    gc.unfreeze()
+    n = engine.counts.requests
+    return {"us_per_request": spent / n * 1e6, "hit_rate": engine.counts.hit_tokens / engine.counts.input_tokens, "requests": n}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
@@ -222,7 +269,26 @@ def main() -> None:
     ap.add_argument("--model", default="nemotron-h-8b", help="libmarconi model preset")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's own UnifiedRadixCache")
     ap.add_argument("--breakdown", action="store_true", help="with --sglang: where libmarconi's time goes, per step")
+    ap.add_argument(
+        "--lifecycle", action="store_true",
+        help="instead: SGLang's own request life cycle, both caches, no_buffer and extra_buffer (needs SGLang)",
+    )
+    ap.add_argument("--conversations", type=int, default=8, help="with --lifecycle: sessions (default 8)")
+    ap.add_argument("--turns", type=int, default=6, help="with --lifecycle: turns per session (default 6)")
     a = ap.parse_args()
+    if a.lifecycle:
+        tokens = min(a.tokens, 4000)
+        print(f"SGLang's request life cycle, {a.conversations} sessions x {a.turns} turns, up to ~{tokens} tokens,"
+              f" best of {a.repeat} (CPU us per request, whole loop; token hit rate)")
+        for extra, ps in ((False, 1), (True, 1), (True, 16)):
+            mode = f"{'extra_buffer' if extra else 'no_buffer'}, page {ps}"
+            row = {}
+            for kind in ("sglang", "marconi"):
+                runs = [lifecycle(kind, extra, ps, a.conversations, a.turns, tokens, a.model) for _ in range(a.repeat)]
+                row[kind] = (min(r["us_per_request"] for r in runs), runs[0]["hit_rate"])
+            (ts, th), (ms, mh) = row["sglang"], row["marconi"]
+            print(f"{mode:24s} SGLang {ts:8.1f} us {th:6.1%}   libmarconi {ms:8.1f} us {mh:6.1%}   libmarconi/SGLang {ms / ts:.2f}x")
+        return
     requests = conversations(a.requests, a.tokens)
     mean = sum(len(i) for i, _ in requests) / len(requests)
     print(f"{len(requests)} requests, mean input {mean:.0f} tokens")

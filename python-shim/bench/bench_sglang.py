@@ -258,7 +258,11 @@ def lifecycle(kind: str, extra: bool, page_size: int, conversations: int, turns:
             sessions[c] += out
     gc.unfreeze()
     n = engine.counts.requests
-    return {"us_per_request": spent / n * 1e6, "hit_rate": engine.counts.hit_tokens / engine.counts.input_tokens, "requests": n}
+    evicted = tree.cache.stats()["evictions"] if kind == "marconi" else None
+    return {
+        "us_per_request": spent / n * 1e6, "hit_rate": engine.counts.hit_tokens / engine.counts.input_tokens,
+        "requests": n, "evictions": evicted,
+    }
 
 
 def main() -> None:
@@ -285,9 +289,10 @@ def main() -> None:
             row = {}
             for kind in ("sglang", "marconi"):
                 runs = [lifecycle(kind, extra, ps, a.conversations, a.turns, tokens, a.model) for _ in range(a.repeat)]
-                row[kind] = (min(r["us_per_request"] for r in runs), runs[0]["hit_rate"])
-            (ts, th), (ms, mh) = row["sglang"], row["marconi"]
-            print(f"{mode:24s} SGLang {ts:8.1f} us {th:6.1%}   libmarconi {ms:8.1f} us {mh:6.1%}   libmarconi/SGLang {ms / ts:.2f}x")
+                row[kind] = (min(r["us_per_request"] for r in runs), runs[0]["hit_rate"], runs[0]["evictions"])
+            (ts, th, _), (ms, mh, ev) = row["sglang"], row["marconi"]
+            print(f"{mode:22s} SGLang {ts:7.1f} us {th:6.1%}  libmarconi {ms:7.1f} us {mh:6.1%} ({ev} evictions)"
+                  f"  libmarconi/SGLang {ms / ts:.2f}x")
         return
     requests = conversations(a.requests, a.tokens)
     mean = sum(len(i) for i, _ in requests) / len(requests)

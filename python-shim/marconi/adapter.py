@@ -851,6 +851,10 @@ class SGLangTreeCache(MarconiPrefixCache):
             )
         if ps == 1:
             pages, n_pages = indices, n
+        elif hasattr(indices, "data_ptr"):
+            # One page id per page, in one tensor operation (read in place).
+            pages = (indices[::ps] // ps).contiguous()
+            n_pages = len(pages)
         else:
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)

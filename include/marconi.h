@@ -1423,6 +1423,15 @@ typedef struct marconi_stats {
    * Bytes of one cached recurrent state (all recurrent layers).
    */
   uint64_t state_bytes_per_entry;
+  /**
+   * Tokens of KV that eviction could free now (held by no lease: what
+   * leases pin is the union of their paths).
+   */
+  uint64_t evictable_kv_tokens;
+  /**
+   * States that eviction could free now (held by no lease).
+   */
+  uint64_t evictable_states;
 } marconi_stats;
 
 /**

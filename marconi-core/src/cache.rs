@@ -814,6 +814,23 @@ impl PrefixCache {
                 .sum::<u64>()
     }
 
+    /// What eviction could free now, split: (tokens of KV, states) held by
+    /// entries no lease pins. A lease pins every entry on the path to its
+    /// hit, so what is protected is the union of the leased paths (a prefix
+    /// shared by several leases counts once), never one lease's alone.
+    /// `evictable_bytes` is their bytes: tokens × KV bytes per token +
+    /// states × state bytes.
+    pub fn evictable_split(&self) -> (u64, u64) {
+        let (mut tokens, mut states) = (0u64, 0u64);
+        for n in self.core.tree.nodes.iter() {
+            if n.live && n.parent != NIL && n.leases == 0 {
+                tokens += n.tokens.len() as u64;
+                states += u64::from(n.state.is_some());
+            }
+        }
+        (tokens, states)
+    }
+
     /// Engine ids freed since the last call.
     pub fn drain_freed(&mut self) -> Freed {
         self.core.drain_freed()

@@ -446,3 +446,35 @@ fn peek_is_a_lookup_without_its_effects() {
     assert_eq!(peeked.drain_log(), plain.drain_log());
     assert_eq!(peeked.cached_chains(), plain.cached_chains());
 }
+
+#[test]
+fn what_leases_protect_is_the_union_of_their_paths() {
+    // Two leases on separate cached prefixes of 100 and 60 tokens: both
+    // protected (160 tokens, 2 states), nothing evictable; then one lease
+    // more on the first prefix changes nothing, and releasing the leases
+    // one by one gives back exactly what no other lease holds.
+    let mut c = cache(EvictionPolicy::FlopAware, 1.0, u64::MAX / 4);
+    c.serve(0, &range(0, 100), &[]).unwrap();
+    c.serve(0, &range(1000, 1060), &[]).unwrap();
+    assert_eq!(c.evictable_split(), (160, 2));
+    let whole = |r: Vec<u32>| {
+        let mut v = r;
+        v.push(9_999_999);
+        v
+    };
+    let a = c.lookup(0, &whole(range(0, 100))).unwrap();
+    let b = c.lookup(0, &whole(range(1000, 1060))).unwrap();
+    assert_eq!((a.hit_tokens, b.hit_tokens), (100, 60));
+    assert_eq!(c.evictable_split(), (0, 0));
+    assert_eq!(c.evictable_bytes(), 0);
+    let a2 = c.lookup(0, &whole(range(0, 100))).unwrap();
+    assert_eq!(c.evictable_split(), (0, 0));
+    c.release(a.lease).unwrap();
+    assert_eq!(c.evictable_split(), (0, 0));
+    c.release(a2.lease).unwrap();
+    assert_eq!(c.evictable_split(), (100, 1));
+    assert_eq!(c.evictable_bytes(), 100 * KV + STATE);
+    c.release(b.lease).unwrap();
+    assert_eq!(c.evictable_split(), (160, 2));
+    c.check_invariants();
+}

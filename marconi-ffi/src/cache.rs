@@ -297,6 +297,11 @@ pub struct marconi_stats {
     pub kv_bytes_per_token: u64,
     /// Bytes of one cached recurrent state (all recurrent layers).
     pub state_bytes_per_entry: u64,
+    /// Tokens of KV that eviction could free now (held by no lease: what
+    /// leases pin is the union of their paths).
+    pub evictable_kv_tokens: u64,
+    /// States that eviction could free now (held by no lease).
+    pub evictable_states: u64,
 }
 
 /// Smallest struct_size accepted by marconi_cache_stats (up to `requests`).
@@ -1268,6 +1273,7 @@ pub unsafe extern "C" fn marconi_cache_stats(
         let g = h.lock()?;
         let s = g.cache.stats();
         let model = &g.cache.config().model;
+        let (evictable_kv_tokens, evictable_states) = g.cache.evictable_split();
         let st = marconi_stats {
             struct_size: size as u32,
             tuning_rounds: s.tuning_rounds,
@@ -1296,6 +1302,8 @@ pub unsafe extern "C" fn marconi_cache_stats(
                 .state_bytes
                 .checked_div(s.states)
                 .unwrap_or_else(|| model.state_bytes()),
+            evictable_kv_tokens,
+            evictable_states,
         };
         // SAFETY: out has `size` writable bytes (contract), checked above.
         unsafe { write_versioned(&st, out, size) };

@@ -103,49 +103,12 @@ def run_marconi_tree(requests, model: str) -> float:
 
 def _sglang_tree(total_tokens: int, n_states: int):
     """SGLang's UnifiedRadixCache (FULL + MAMBA, its Rust tree core) over its
-    own CPU pools, small layers (the tree's cost does not depend on them).
-    Harness only: two runtime_context lookups that read a model config are
-    given fixed values (a chunk of 64 tokens, a checkpoint grid of 1)."""
-    import sglang.srt.runtime_context as rc
+    own CPU pools, small layers (the tree's cost does not depend on them):
+    tests/sglang_real.py's pools (`no_buffer`, page size 1)."""
+    import sglang_real
 
-    rc.mamba_cache_chunk_size = lambda: 64
-    rc.mamba_checkpoint_grid = lambda page_size=1: 1
-    import torch
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.environ import envs
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams as SParams
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool as SReqPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=1))
-    layers, full = 4, [3]
-    mamba = [i for i in range(layers) if i not in full]
-    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
-        shape = Mamba2StateShape.create(
-            tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=2, head_dim=32, state_size=8, conv_kernel=4
-        )
-        cache_params = Mamba2CacheParams(shape=shape, layers=mamba)
-    rtp = SReqPool(
-        size=2, mamba_size=n_states, mamba_spec_state_size=2, max_context_len=64, device="cpu",
-        enable_memory_saver=False, cache_params=cache_params, mamba_layer_ids=mamba,
-        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
-    )
-    pool = HybridLinearKVPool(
-        size=total_tokens, dtype=torch.bfloat16, page_size=1, head_num=1, head_dim=8,
-        full_attention_layer_ids=full, device="cpu", enable_memory_saver=False, mamba_pool=rtp.mamba_pool,
-    )
-    alloc = TokenToKVPoolAllocator(size=total_tokens, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=False)
-    tree = UnifiedRadixCache(
-        params=SParams(
-            req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=1, disable=False,
-            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-        )
-    )
-    return tree, alloc, rtp
+    params = sglang_real.pools(total_tokens, n_states, extra_buffer=False, rows=2, context=64)
+    return sglang_real.sglang_cache(params), params.token_to_kv_pool_allocator, params.req_to_token_pool
 
 
 def _same_calls(tree, alloc, rtp, requests) -> tuple[float, float]:
@@ -251,6 +214,57 @@ def breakdown(requests, model: str) -> dict:
     return {k: v / len(requests) for k, v in spent.items()}
 
 
+def lifecycle(kind: str, extra: bool, page_size: int, conversations: int, turns: int, tokens: int, model: str) -> dict:
+    """One run of SGLang's own request life cycle (tests/sglang_real.py:
+    Req, init_next_round_input, lock, slot and KV allocation, the prefill's
+    state tracking, release_kv_cache, the strict idle check after every
+    request) over agentic sessions: `conversations` sessions of `turns`
+    turns, each turn the session so far (outputs included) plus a new
+    message, a shared system prompt, pools a third of what the trace would
+    need (so the cache evicts). Returns CPU microseconds per request (the
+    whole loop: the caches' calls and SGLang's own work around them; the
+    idle check excluded) and the token hit rate."""
+    import random
+
+    import sglang_real
+
+    rng = random.Random(11)
+    system = [rng.randrange(1, 30000) for _ in range(tokens // 4)]
+    sessions = [list(system) for _ in range(conversations)]
+    need = conversations * (tokens // 4 + turns * (tokens // (2 * turns) + 64))
+    params = sglang_real.pools(
+        max(need // 3, 4 * tokens), 8 + 3 * conversations // 2, extra_buffer=extra, page_size=page_size,
+        rows=8, context=4 * tokens + 8 * turns * 64,
+    )
+    tree = sglang_real.sglang_cache(params) if kind == "sglang" else MarconiPrefixCache(params, model)
+    engine = sglang_real.Engine(tree, params)
+    engine.idle_check = lambda: None  # timed apart below
+    check = sglang_real.Engine.idle_check
+    import torch
+
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()
+    spent = 0.0
+    clock = time.process_time
+    for _ in range(turns):
+        for c in rng.sample(range(conversations), conversations):
+            sessions[c] += [rng.randrange(1, 30000) for _ in range(rng.randrange(tokens // (4 * turns), tokens // (2 * turns)))]
+            out = [rng.randrange(1, 30000) for _ in range(rng.randrange(8, 64))]
+            t = clock()
+            engine.step([(list(sessions[c]), out)])
+            spent += clock() - t
+            check(engine)
+            sessions[c] += out
+    gc.unfreeze()
+    n = engine.counts.requests
+    evicted = tree.cache.stats()["evictions"] if kind == "marconi" else None
+    return {
+        "us_per_request": spent / n * 1e6, "hit_rate": engine.counts.hit_tokens / engine.counts.input_tokens,
+        "requests": n, "evictions": evicted,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
@@ -259,7 +273,27 @@ def main() -> None:
     ap.add_argument("--model", default="nemotron-h-8b", help="libmarconi model preset")
     ap.add_argument("--sglang", action="store_true", help="also run SGLang's own UnifiedRadixCache")
     ap.add_argument("--breakdown", action="store_true", help="with --sglang: where libmarconi's time goes, per step")
+    ap.add_argument(
+        "--lifecycle", action="store_true",
+        help="instead: SGLang's own request life cycle, both caches, no_buffer and extra_buffer (needs SGLang)",
+    )
+    ap.add_argument("--conversations", type=int, default=8, help="with --lifecycle: sessions (default 8)")
+    ap.add_argument("--turns", type=int, default=6, help="with --lifecycle: turns per session (default 6)")
     a = ap.parse_args()
+    if a.lifecycle:
+        tokens = min(a.tokens, 4000)
+        print(f"SGLang's request life cycle, {a.conversations} sessions x {a.turns} turns, up to ~{tokens} tokens,"
+              f" best of {a.repeat} (CPU us per request, whole loop; token hit rate)")
+        for extra, ps in ((False, 1), (True, 1), (True, 16)):
+            mode = f"{'extra_buffer' if extra else 'no_buffer'}, page {ps}"
+            row = {}
+            for kind in ("sglang", "marconi"):
+                runs = [lifecycle(kind, extra, ps, a.conversations, a.turns, tokens, a.model) for _ in range(a.repeat)]
+                row[kind] = (min(r["us_per_request"] for r in runs), runs[0]["hit_rate"], runs[0]["evictions"])
+            (ts, th, _), (ms, mh, ev) = row["sglang"], row["marconi"]
+            print(f"{mode:22s} SGLang {ts:7.1f} us {th:6.1%}  libmarconi {ms:7.1f} us {mh:6.1%} ({ev} evictions)"
+                  f"  libmarconi/SGLang {ms / ts:.2f}x")
+        return
     requests = conversations(a.requests, a.tokens)
     mean = sum(len(i) for i, _ in requests) / len(requests)
     print(f"{len(requests)} requests, mean input {mean:.0f} tokens")

@@ -185,6 +185,8 @@ class marconi_stats(Structure):
         ("evictable_bytes", c_uint64),
         ("kv_bytes_per_token", c_uint64),
         ("state_bytes_per_entry", c_uint64),
+        ("evictable_kv_tokens", c_uint64),
+        ("evictable_states", c_uint64),
     ]
 
 

@@ -348,6 +348,20 @@ class _Tail:
         return self.indices[self.start :][item]
 
 
+def _checkpoint_grid(page_size: int) -> int:
+    """SGLang's Mamba checkpoint grid for this page size (the least common
+    multiple of the page and the model's state chunk: positions where
+    SGLang can save a state), from SGLang's runtime context where it is set
+    up; the page size where it is not (no SGLang, no server arguments)."""
+    try:
+        from sglang.srt.runtime_context import mamba_checkpoint_grid
+
+        g = int(mamba_checkpoint_grid(page_size))
+    except Exception:  # SGLang absent, or its server arguments are not set here
+        return page_size
+    return g if g > 0 and g % page_size == 0 else page_size
+
+
 def _truncate_parts(parts: tuple, n: int) -> tuple:
     """The (ids, count) pieces of an SGLangNode covering only its first n tokens."""
     out = []
@@ -495,6 +509,14 @@ class SGLangTreeCache(MarconiPrefixCache):
         self._config.setdefault("page_size", self.page_size)
         self._mamba_allocator = getattr(self.req_to_token_pool, "mamba_allocator", None)
         self._mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
+        # SGLang's Mamba strategy: `extra_buffer` (its default `auto` with
+        # overlap scheduling) tracks states into per-request ping-pong slots,
+        # `no_buffer` hands over the request's working slot.
+        self._extra_buffer = bool(
+            getattr(params, "enable_mamba_extra_buffer", False)
+            or getattr(self.req_to_token_pool, "enable_mamba_extra_buffer", False)
+        )
+        self._grid = _checkpoint_grid(self.page_size)
         self._MatchResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "MatchResult", _MatchResult)
         self._InsertResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "InsertResult", _InsertResult)
         self._EvictResult = _sglang_class("sglang.srt.mem_cache.base_prefix_cache", "EvictResult", _EvictResult)
@@ -688,10 +710,22 @@ class SGLangTreeCache(MarconiPrefixCache):
             best_match_node=node,
             # The deepest page-aligned prefix whose KV is cached: a state saved
             # there would make it a hit (SGLang's branching point).
-            mamba_branching_seqlen=(kv_matched // self.page_size) * self.page_size if kv_matched > node.hit_tokens else None,
+            mamba_branching_seqlen=self._branching_seqlen(kv_matched, node.hit_tokens),
             full_kv_hit_length=max(kv_matched, node.hit_tokens),
         )
         return result
+
+    def _branching_seqlen(self, kv_matched: int, hit: int) -> Optional[int]:
+        """The deepest position on SGLang's Mamba checkpoint grid (the page
+        size and its state chunk) within the cached KV and past the hit, as
+        SGLang's Mamba component computes it: where a request whose KV
+        matches further than any state should save one (in `extra_buffer`
+        mode SGLang tracks the state there during the prefill, and the
+        finished request hands it to the tree: Marconi's state at a branch
+        point). None when there is none."""
+        g = self._grid
+        aligned = (kv_matched // g) * g
+        return aligned if aligned > hit else None
 
     def _copy_state_into(self, req: Any, node: SGLangNode) -> bool:
         """Gives the request a copy of the node's state: as SGLang's Mamba
@@ -817,6 +851,10 @@ class SGLangTreeCache(MarconiPrefixCache):
             )
         if ps == 1:
             pages, n_pages = indices, n
+        elif hasattr(indices, "data_ptr"):
+            # One page id per page, in one tensor operation (read in place).
+            pages = (indices[::ps] // ps).contiguous()
+            n_pages = len(pages)
         else:
             pages = _array("q", [int(i) // ps for i in indices[::ps]])
             n_pages = len(pages)
@@ -940,6 +978,68 @@ class SGLangTreeCache(MarconiPrefixCache):
         if finished:
             self._checkpoint_finished(req, up_to)
 
+    def _finished_state(self, req: Any, n_tokens: int) -> tuple:
+        """The Mamba state a finished request hands to the tree, as SGLang's
+        own Mamba component picks it: (position, slot, keep) where position
+        is the number of tokens the state has consumed, slot its Mamba slot
+        and keep the ping-pong entry holding it (None: the request's working
+        slot, `no_buffer`); (0, None, None) when the request holds none that
+        a key of n_tokens tokens can name.
+
+        `no_buffer`: the working slot, after all n_tokens tokens.
+        `extra_buffer`: the working slot may still be written by a forward in
+        flight (overlap scheduling), so the state is the one SGLang tracked
+        into a ping-pong slot: at `mamba_last_track_seqlen` (the prefill's
+        end on the checkpoint grid, or the branch point this cache returned
+        as `mamba_branching_seqlen`), else the previous tracked one
+        (`mamba_prev_track_seqlen`, in the other entry) when the last ran
+        past the key (SGLang's `_select_finished_checkpoint`)."""
+        kv = getattr(req, "kv", req)
+        if not self._extra_buffer:
+            slot = getattr(kv, "mamba_pool_idx", None)
+            return (n_tokens, slot, None) if slot is not None else (0, None, None)
+        buf = getattr(kv, "mamba_ping_pong_track_buffer", None)
+        keep = getattr(kv, "mamba_last_track_idx", None)
+        if buf is None or keep is None:
+            return 0, None, None
+        pos = getattr(kv, "mamba_last_track_seqlen", None) or 0
+        if pos > n_tokens:
+            prev = getattr(kv, "mamba_prev_track_seqlen", None)
+            if len(buf) != 2 or prev is None or prev > n_tokens:
+                return 0, None, None
+            pos, keep = prev, 1 - keep
+        empty = getattr(kv, "mamba_ping_pong_empty", None)
+        if pos <= 0 or (empty is not None and empty[keep]):
+            return 0, None, None
+        slot = int(buf[keep])
+        return (pos, slot, keep) if slot >= 0 else (0, None, None)
+
+    def _free_request_mamba(self, req: Any, keep: Optional[int] = None) -> None:
+        """Frees the Mamba slots the request still holds (its working slot
+        and, in `extra_buffer` mode, its ping-pong tracking slots except the
+        entry `keep`, which the tree took) through SGLang's own
+        `free_mamba_cache`, as SGLang's Mamba component does when it caches
+        or releases a request."""
+        kv = getattr(req, "kv", req)
+        pool = self.req_to_token_pool
+        holds = getattr(kv, "mamba_pool_idx", None) is not None
+        if holds and hasattr(pool, "free_mamba_cache") and hasattr(kv, "mamba_ping_pong_track_buffer"):
+            pool.free_mamba_cache(req, mamba_ping_pong_track_buffer_to_keep=keep) if self._extra_buffer else pool.free_mamba_cache(req)
+            return
+        if holds:
+            self._free_slot(kv.mamba_pool_idx)
+            kv.mamba_pool_idx = None
+        buf = getattr(kv, "mamba_ping_pong_track_buffer", None)
+        if buf is not None:
+            # Tracking slots without a working slot (not a state SGLang makes):
+            # each entry that holds a slot, but the kept one, goes back.
+            empty = getattr(kv, "mamba_ping_pong_empty", None) or [False] * len(buf)
+            for i in range(len(buf)):
+                if i != keep and not empty[i] and int(buf[i]) >= 0:
+                    self._free_slot(buf[i : i + 1])
+            kv.mamba_ping_pong_track_buffer = None
+            kv.mamba_ping_pong_empty = None
+
     def _checkpoint_finished(self, req: Any, up_to: int) -> None:
         kv = getattr(req, "kv", req)
         ids = getattr(req, "full_untruncated_fill_ids", None)
@@ -947,25 +1047,29 @@ class SGLangTreeCache(MarconiPrefixCache):
             ids = _i64_ids(req.origin_input_ids) + _i64_ids(getattr(req, "output_ids", None) or ())
         tokens = _key_ids(ids)[:up_to]
         ps = self.page_size
+        pos, slot, keep = self._finished_state(req, len(tokens))
+        if self._extra_buffer:
+            # As SGLang's cache: the key ends at the tracked state (its KV
+            # past it is the request's to free).
+            tokens = tokens[:pos]
         n = (len(tokens) // ps) * ps
-        slot = getattr(kv, "mamba_pool_idx", None)
         protected = int(getattr(kv, "cache_protected_len", 0) or 0)
         if self.disable or n <= protected:
-            if slot is not None:
-                self._free_slot(slot)
-                kv.mamba_pool_idx = None
+            self._free_request_mamba(req)
             return
         row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         values = row[:n]
-        # The state is the one after all `up_to` tokens: offered only when
-        # that is a page boundary (libmarconi keeps states at page ends).
-        offer = slot is not None and n == len(tokens)
+        # The state is the one after `pos` tokens: offered only when that is
+        # the key's end on a page boundary (libmarconi keeps states at page ends).
+        offer = slot is not None and pos == n
         key = _Key(tokens[:n], getattr(req, "extra_key", None))
-        result = self.insert(_Insert(key, values, _like(slot, [int(slot)]) if offer else None, protected))
-        if slot is not None:
-            if not offer or result.mamba_exist:
-                self._free_slot(slot)
-            kv.mamba_pool_idx = None
+        ref = getattr(kv, "mamba_pool_idx", None)
+        result = self.insert(_Insert(key, values, _like(ref if type(ref).__module__.startswith("torch") else None, [int(slot)]) if offer else None, protected))
+        taken = offer and not result.mamba_exist
+        if taken and keep is None:
+            kv.mamba_pool_idx = None  # `no_buffer`: the working slot is the tree's now
+        else:
+            self._free_request_mamba(req, keep if taken else None)
         node = result.last_device_node
         owned_by_tree = max(protected, result.tree_kv_len)
         # The row reads the tree's KV where the tree kept its own copy (and
@@ -1001,10 +1105,7 @@ class SGLangTreeCache(MarconiPrefixCache):
         self.free_kv_row(kv, [(protected, owned)])
         self.unlock(getattr(req, "lock", None))
         req.lock = None
-        slot = getattr(kv, "mamba_pool_idx", None)
-        if slot is not None:
-            self._free_slot(slot)
-            kv.mamba_pool_idx = None
+        self._free_request_mamba(req)
 
     def _free_slot(self, slot: Any) -> None:
         if self._mamba_allocator is not None:
@@ -1073,22 +1174,50 @@ class SGLangTreeCache(MarconiPrefixCache):
         return False
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
-        pass
+        """SGLang's release_kv_cache, after the row is freed and the lock
+        dropped. A request released without caching (abort, retraction, an
+        output that is not kept) gives back the Mamba slots it still holds,
+        its working slot and any ping-pong tracking slots, as SGLang's own
+        cache does; a cached one gave them back (or to the tree) at its
+        checkpoint."""
+        if not checkpointed:
+            self._free_request_mamba(req)
 
     # -- eviction -------------------------------------------------------------------
 
     def _give_back(self) -> tuple[int, int]:
         """Hands the KV indices and Mamba slots libmarconi freed to SGLang's
-        allocators; returns (tokens, slots) handed back."""
-        pages, slots = self.cache.drain_freed()
+        allocators; returns (tokens, slots) handed back. The ids are read
+        in place from the drain's buffer into one tensor (page ids times the
+        page size plus each page's offsets, in one broadcast), never through
+        a Python object per id."""
+        pages, n_pages, slots, n_slots = self.cache._drain_freed_raw()
+        if not n_pages and not n_slots:
+            return 0, 0
         ps = self.page_size
         ref = getattr(self, "_index_ref", None)
-        if pages:
-            idx = [p * ps + i for p in pages for i in range(ps)]
-            self.token_to_kv_pool_allocator.free(_like(ref, idx))
-        if slots:
-            self._mamba_allocator.free(_like(ref, slots))
-        return len(pages) * ps, len(slots)
+        if ref is not None and type(ref).__module__.startswith("torch"):
+            import torch
+
+            def ids(buf: Any, n: int, step: int) -> Any:
+                # uint32 ids, read as int32 and widened without sign.
+                t = torch.frombuffer(buf, dtype=torch.int32, count=n).to(torch.int64) & 0xFFFFFFFF
+                if step > 1:
+                    t = (t[:, None] * step + torch.arange(step, dtype=torch.int64)).reshape(-1)
+                return t.to(ref.device)
+
+            if n_pages:
+                self.token_to_kv_pool_allocator.free(ids(pages, n_pages, ps))
+            if n_slots:
+                self._mamba_allocator.free(ids(slots, n_slots, 1))
+        else:
+            if n_pages:
+                got = _array("I")
+                got.frombytes(ctypes.string_at(pages, 4 * n_pages))
+                self.token_to_kv_pool_allocator.free(list(_pages_to_indices(got, ps, n_pages * ps)))
+            if n_slots:
+                self._mamba_allocator.free(list(slots[:n_slots]))
+        return n_pages * ps, n_slots
 
     def evict(self, params: Any) -> Any:
         """Evicts at least params.num_tokens tokens of KV and params.mamba_num
@@ -1120,29 +1249,36 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     # -- sizes and diagnostics ----------------------------------------------------------
 
-    def _pinned(self) -> tuple[int, int]:
-        kv = max((n.hit_tokens for n in self._locked.values()), default=0)
-        states = len({n.state_slot for n in self._locked.values() if n.state_slot is not None})
-        return kv, states
+    def _split(self) -> tuple[int, int, int, int]:
+        """(evictable KV tokens, protected KV tokens, evictable states,
+        protected states), exact under any number of locks: libmarconi
+        counts what no lease pins, and what the locks pin is the union of
+        their paths (a prefix under several locks counts once, separate
+        prefixes add up). Leases of matches not locked yet are released
+        first: SGLang's match pins nothing, so what they pin is evictable."""
+        self._release_pending()
+        s = self.cache.stats()
+        kv = s["kv_bytes"] // self._kv_bpt
+        ev_kv, ev_states = s["evictable_kv_tokens"], s["evictable_states"]
+        return ev_kv, kv - ev_kv, ev_states, s["states"] - ev_states
 
     def full_evictable_size(self) -> int:
-        kv = self.cache.stats()["kv_bytes"] // self._kv_bpt
-        return max(0, kv - self._pinned()[0])
+        return self._split()[0]
 
     def evictable_size(self) -> int:
         return self.full_evictable_size()
 
     def mamba_evictable_size(self) -> int:
-        return max(0, self.cache.stats()["states"] - self._pinned()[1])
+        return self._split()[2]
 
     def protected_size(self) -> int:
-        return self._pinned()[0]
+        return self._split()[1]
 
     def full_protected_size(self) -> int:
-        return self._pinned()[0]
+        return self._split()[1]
 
     def mamba_protected_size(self) -> int:
-        return self._pinned()[1]
+        return self._split()[3]
 
     def swa_evictable_size(self) -> int:
         return 0
@@ -1264,12 +1400,49 @@ class _Insert:
     prev_prefix_len: int
 
 
+FALLBACK_MODEL = "paper-7b"
+"""The preset the SGLang factory falls back to when the served model's
+config cannot be read (it says so in the log)."""
+
+
+def sglang_model(ctx: Any) -> Any:
+    """The served model as libmarconi describes it (its KV and state byte
+    sizes, the FLOPs eviction weighs): SGLang's model config
+    (ctx.model_config.hf_config, the model's Hugging Face config) read by
+    libmarconi's own reader (ModelSpec.from_hf_config). Where that fails (no
+    config, a model type the reader does not know), the FALLBACK_MODEL
+    preset, with a warning in the `marconi` log that says why."""
+    import logging
+
+    from .model import ModelSpec
+
+    mc = getattr(ctx, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    if hf is None:
+        why = "SGLang gave no model config"
+    else:
+        try:
+            return ModelSpec.from_hf_config(hf)
+        except (MarconiError, TypeError, ValueError, OSError) as e:
+            why = f"its config does not read ({e})"
+            if hf is not getattr(mc, "hf_config", hf):
+                try:
+                    return ModelSpec.from_hf_config(mc.hf_config)
+                except (MarconiError, TypeError, ValueError, OSError) as e2:
+                    why = f"its config does not read ({e2})"
+    logging.getLogger("marconi").warning(
+        "libmarconi's SGLang cache: %s; sizing and eviction use the %r preset instead", why, FALLBACK_MODEL
+    )
+    return FALLBACK_MODEL
+
+
 def sglang_factory(ctx: Any) -> SGLangTreeCache:
     """SGLang's RadixCacheFactory: builds the cache from a
-    TreeCacheBuildContext (its CacheInitParams and pools)."""
+    TreeCacheBuildContext (its CacheInitParams and pools), for the served
+    model (sglang_model: SGLang's model config, else a logged preset)."""
     if not getattr(ctx, "is_hybrid_ssm", True):
         raise NotImplementedError("libmarconi's SGLang cache is for hybrid (Mamba) models")
-    return SGLangTreeCache(ctx.params)
+    return SGLangTreeCache(ctx.params, sglang_model(ctx))
 
 
 def register_with_sglang(name: str = "marconi") -> None:

@@ -917,6 +917,32 @@ class PrefixCache(_Closing):
         finally:
             self._end()
 
+    def _drain_freed_raw(self) -> tuple:
+        """As drain_freed, into buffers this cache keeps and reuses (grown
+        when too small): (pages, n_pages, slots, n_slots), the ids in
+        pages[:n_pages] and slots[:n_slots] as uint32 (ctypes arrays, valid
+        until the next call). One native call when the buffers are large
+        enough; no Python object per id."""
+        fn = "marconi_cache_drain_freed"
+        drain = self._lib.marconi_cache_drain_freed
+        bufs = getattr(self, "_freed_bufs", None)
+        if bufs is None:
+            bufs = self._freed_bufs = [(ctypes.c_uint32 * 1024)(), (ctypes.c_uint32 * 256)()]
+        np_, ns_ = ctypes.c_size_t(), ctypes.c_size_t()
+        h = self._begin()
+        try:
+            while True:
+                pages, slots = bufs
+                st = drain(h, pages, len(pages), ctypes.byref(np_), slots, len(slots), ctypes.byref(ns_))
+                if st == 3:  # too small: grow to what is pending, and ask again
+                    bufs[0] = (ctypes.c_uint32 * max(np_.value, len(pages)))()
+                    bufs[1] = (ctypes.c_uint32 * max(ns_.value, len(slots)))()
+                    continue
+                _check(st, fn)
+                return pages, np_.value, slots, ns_.value
+        finally:
+            self._end()
+
     def evict(self, nbytes: int) -> int:
         """Evicts until `nbytes` are free (or nothing evictable is left);
         returns the bytes now free."""

@@ -60,7 +60,10 @@ def hit(tree, tokens, **kw):
 
 
 def release_kv_cache(tree, req, checkpoint):
-    """SGLang 0.5.23's mem_cache/common.py release_kv_cache, as it calls the tree."""
+    """The tree calls of SGLang 0.5.23's mem_cache/common.py release_kv_cache,
+    in its order, and nothing else (SGLang's own function, over SGLang's own
+    pools and Req, runs in test_sglang_lifecycle.py): every Mamba slot the
+    request holds is the tree's to hand back (checkpoint or on_release)."""
     owned = len(req.origin_input_ids) + len(req.output_ids)
     if checkpoint:
         req._finished = True
@@ -69,9 +72,6 @@ def release_kv_cache(tree, req, checkpoint):
     tree.unlock(req.lock)
     req.lock = None
     tree.on_release(req, checkpointed=checkpoint)
-    if req.kv.mamba_pool_idx is not None:  # not handed to the tree
-        tree.req_to_token_pool.mamba_allocator.free([req.kv.mamba_pool_idx])
-        req.kv.mamba_pool_idx = None
 
 
 def own_row(rtp, alloc, req, n):
@@ -204,8 +204,12 @@ def test_cache_finished_req_no_insert():
     own_row(rtp, alloc, req, 3)
     req.last_node = tree.root_node
     before = alloc.available_size()
+    slots = rtp.mamba_allocator.available_size()
     release_kv_cache(tree, req, checkpoint=False)
     assert alloc.available_size() == before + 3
+    # on_release gave the request's Mamba slot back (SGLang's own cache does).
+    assert req.kv.mamba_pool_idx is None
+    assert rtp.mamba_allocator.available_size() == slots + 1
     assert hit(tree, [1, 2, 3]) == 0
     tree.sanity_check()
 
@@ -589,3 +593,123 @@ def test_page_size_2_caches_whole_pages_and_gives_them_back():
     assert alloc.available_size() == free_before + 6
     assert sorted(alloc._free[-6:]) == sorted(value[:6])
     assert tree.total_size() == (0, 0)
+
+
+def test_two_locks_on_separate_prefixes_protect_both():
+    """Two requests lock separate cached prefixes of 100 and 60 tokens:
+    160 tokens and 2 states are protected, none evictable (SGLang's
+    accounting), and eviction then frees nothing. The sizes counted only
+    the largest locked prefix (60 evictable / 100 protected)."""
+    tree, alloc, rtp, make_req = build_tree(kv_size=512, mamba_cache_size=20)
+    a, b = list(range(1, 101)), list(range(1000, 1060))
+    insert(tree, alloc, make_req(), a)
+    insert(tree, alloc, make_req(), b)
+    la = tree.lock(tree.match_prefix(MatchPrefixParams(key=RadixKey(a))).last_device_node)
+    lb = tree.lock(tree.match_prefix(MatchPrefixParams(key=RadixKey(b))).last_device_node)
+    assert (tree.full_evictable_size(), tree.full_protected_size()) == (0, 160)
+    assert (tree.mamba_evictable_size(), tree.mamba_protected_size()) == (0, 2)
+    r = tree.evict(EvictParams(num_tokens=60, mamba_num=1))
+    assert (r.num_tokens_evicted, r.mamba_num_evicted) == (0, 0)
+    tree.unlock(la)
+    assert (tree.full_evictable_size(), tree.full_protected_size()) == (100, 60)
+    tree.unlock(lb)
+    assert (tree.full_evictable_size(), tree.full_protected_size()) == (160, 0)
+    tree.sanity_check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sizes_are_the_union_of_the_locked_paths(seed):
+    """Property: under any set of locks (random prefixes of a random tree of
+    conversations, some locked twice, locks dropped in random order), the
+    protected KV is the number of distinct token positions on the locked
+    paths, the protected states the distinct states on them, evictable +
+    protected + free is each pool's size, and evicting everything frees
+    exactly the evictable sizes."""
+    import random
+
+    rng = random.Random(seed)
+    tree, alloc, rtp, make_req = build_tree(kv_size=4096, max_num_reqs=64, mamba_cache_size=64, max_context_len=512)
+    roots = [[rng.randrange(1, 50_000) for _ in range(rng.randrange(5, 40))] for _ in range(3)]
+    seqs = []
+    for _ in range(14):
+        base = rng.choice(roots + seqs) if seqs else rng.choice(roots)
+        cut = rng.randrange(1, len(base) + 1)
+        seq = base[:cut] + [rng.randrange(1, 50_000) for _ in range(rng.randrange(3, 30))]
+        req = make_req()
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(seq)))
+        k = m.device_prefix_len
+        value = list(tree.path_device_indices(m.last_device_node))[:k] + alloc.alloc(len(seq) - k)
+        r = tree.insert(InsertParams(key=RadixKey(seq), value=value, mamba_value=[req.mamba_pool_idx], prev_prefix_len=k))
+        if r.mamba_exist:
+            rtp.mamba_allocator.free([req.mamba_pool_idx])
+        seqs.append(seq)
+    locks = []
+    for _ in range(rng.randrange(1, 9)):
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(rng.choice(seqs))))
+        if m.device_prefix_len:
+            locks.append((tree.lock(m.last_device_node), m.last_device_node))
+    kv_total, states_total = tree.total_size()
+
+    def check():
+        paths = [node.key[: node.hit_tokens].tolist() for _, node in locks]
+        positions = {tuple(p[: i + 1]) for p in paths for i in range(len(p))}
+        # A state sits at the end of every inserted sequence still cached: on a
+        # locked path where an inserted sequence is a prefix of it.
+        state_ends = {tuple(s) for s in seqs if hit(tree, s) == len(s)}
+        states = {e for e in state_ends if e in positions}
+        assert tree.full_protected_size() == len(positions)
+        assert tree.full_evictable_size() == kv_total - len(positions)
+        assert tree.mamba_protected_size() == len(states)
+        assert tree.mamba_evictable_size() == states_total - len(states)
+
+    check()
+    rng.shuffle(locks)
+    while locks:
+        lk, _ = locks.pop()
+        tree.unlock(lk)
+        check()
+    assert tree.full_protected_size() == 0 and tree.mamba_protected_size() == 0
+    tree.sanity_check()
+
+
+def test_factory_builds_the_cache_for_the_served_model(caplog):
+    """SGLang's build context carries the served model's config
+    (ctx.model_config.hf_config): the cache's byte sizes are that model's,
+    as libmarconi's config reader gives them. Without a readable config the
+    factory falls back to the preset and says so in the log."""
+    import json
+    from types import SimpleNamespace
+
+    import marconi
+    from marconi.adapter import FALLBACK_MODEL, sglang_factory
+
+    tiny = {
+        "model_type": "nemotron_h", "hidden_size": 64, "hybrid_override_pattern": "M-M*-",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "mlp_hidden_act": "relu2", "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
+        "n_groups": 2, "conv_kernel": 4, "torch_dtype": "float32",
+    }
+
+    class HFConfig:  # what a transformers PretrainedConfig offers
+        def __init__(self, fields):
+            self.fields = fields
+
+        def to_json_string(self):
+            return json.dumps(self.fields)
+
+    def ctx(hf):
+        rtp = HybridReqToTokenPool(4, 8, 64)
+        params = CacheInitParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=FreeList(256, "KV"), page_size=1)
+        return SimpleNamespace(params=params, is_hybrid_ssm=True, model_config=SimpleNamespace(hf_config=hf))
+
+    tree = sglang_factory(ctx(HFConfig(tiny)))
+    want = marconi.PrefixCache(1 << 30, model=marconi.ModelSpec.from_hf_config(tiny)).stats()
+    got = tree.cache.stats()
+    assert (got["kv_bytes_per_token"], got["state_bytes_per_entry"]) == (
+        want["kv_bytes_per_token"], want["state_bytes_per_entry"])
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="marconi"):
+        tree = sglang_factory(ctx(HFConfig({"model_type": "llama"})))
+    preset = marconi.PrefixCache(1 << 30, model=FALLBACK_MODEL).stats()
+    assert tree.cache.stats()["kv_bytes_per_token"] == preset["kv_bytes_per_token"]
+    assert any(FALLBACK_MODEL in r.getMessage() and "unsupported model_type" in r.getMessage() for r in caplog.records)

@@ -190,14 +190,17 @@ impl Engine {
 
 /// Bytes a set of chains holds: the KV of the union of their prefixes
 /// (a trie's tokens: sorted, each adds its length less its common prefix
-/// with the previous one) and one state per chain.
-fn copy_bytes(chains: &BTreeSet<Chain>) -> u64 {
+/// with the previous one, in whole pages: chains share only the pages of
+/// their common prefix) and one state per chain.
+fn copy_bytes(chains: &BTreeSet<Chain>, page: usize) -> u64 {
     let m = model();
     let mut tokens = 0u64;
     let mut prev: Option<&Chain> = None;
     for c in chains {
         let lcp = match prev {
-            Some(p) if p.0 == c.0 => p.1.iter().zip(&c.1).take_while(|(a, b)| a == b).count(),
+            Some(p) if p.0 == c.0 => {
+                p.1.iter().zip(&c.1).take_while(|(a, b)| a == b).count() / page * page
+            }
             _ => 0,
         };
         tokens += (c.1.len() - lcp) as u64;
@@ -216,16 +219,17 @@ fn states_of(c: &TieredCache, t: Tier) -> BTreeSet<Chain> {
 }
 
 fn check_copies(c: &TieredCache, e: &Engine, what: &str) {
+    let page = c.device().config().page_size as usize;
     assert_eq!(e.host, states_of(c, Tier::Host), "{what}: host states");
     assert_eq!(e.store, states_of(c, Tier::Store), "{what}: store states");
     let used = c.used_bytes();
     assert_eq!(
-        copy_bytes(&e.host),
+        copy_bytes(&e.host, page),
         used[Tier::Host.index()],
         "{what}: the host claims bytes no op put there"
     );
     assert_eq!(
-        copy_bytes(&e.store),
+        copy_bytes(&e.store, page),
         used[Tier::Store.index()],
         "{what}: the store claims bytes no op put there"
     );

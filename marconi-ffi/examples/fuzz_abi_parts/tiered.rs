@@ -42,13 +42,16 @@ impl Model {
     }
 
     /// Bytes of a set of chains: the KV of the union of their prefixes and
-    /// one state each.
-    fn bytes(&self, chains: &BTreeSet<Chain>) -> u64 {
+    /// one state each. KV is shared in whole pages only (two chains share
+    /// the pages of their common prefix rounded down to `page`).
+    fn bytes(&self, chains: &BTreeSet<Chain>, page: usize) -> u64 {
         let mut tokens = 0u64;
         let mut prev: Option<&Chain> = None;
         for c in chains {
             let lcp = match prev {
-                Some(p) if p.0 == c.0 => p.1.iter().zip(&c.1).take_while(|(a, b)| a == b).count(),
+                Some(p) if p.0 == c.0 => {
+                    p.1.iter().zip(&c.1).take_while(|(a, b)| a == b).count() / page * page
+                }
                 _ => 0,
             };
             tokens += (c.1.len() - lcp) as u64;
@@ -62,7 +65,12 @@ impl Model {
 struct Engine {
     t: *mut marconi_tiered,
     defer: bool,
+    page: usize,
     slots: BTreeMap<u32, Chain>,
+    /// States the cache did not take: still in the engine's slots until
+    /// the admission's ops are replayed (a state the device could not hold
+    /// goes to the host from there).
+    untaken: Vec<Chain>,
     next_slot: u32,
     host: BTreeSet<Chain>,
     store: BTreeSet<Chain>,
@@ -161,7 +169,9 @@ fn new_tiered(
         Engine {
             t,
             defer: cfg.defer_moves != 0,
+            page: page as usize,
             slots: BTreeMap::new(),
+            untaken: Vec::new(),
             next_slot: 0,
             host: BTreeSet::new(),
             store: BTreeSet::new(),
@@ -233,7 +243,7 @@ fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
             }
             e.written[o.tier as usize] += o.bytes;
             if host {
-                if !e.slots.values().any(|c| *c == chain) {
+                if !e.slots.values().chain(&e.untaken).any(|c| *c == chain) {
                     ctx.find(format!(
                         "{what}: a host WRITE (ns {}, {} tokens) of a chain no device slot of the engine holds (handed back already?)",
                         chain.0,
@@ -314,7 +324,7 @@ fn stats(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Option<marconi_tiered_s
 
 fn check_copies(ctx: &mut Ctx<'_>, e: &Engine, what: &str) {
     let Some(s) = stats(ctx, e.t) else { return };
-    let (h, st) = (ctx.m.bytes(&e.host), ctx.m.bytes(&e.store));
+    let (h, st) = (ctx.m.bytes(&e.host, e.page), ctx.m.bytes(&e.store, e.page));
     if h != s.used_bytes[1] || st != s.used_bytes[2] {
         ctx.find(format!(
             "{what}: the engine's copies hold host {h} / store {st} bytes, the tiers claim {} / {}",
@@ -429,9 +439,11 @@ fn serve(
     };
     if ctx.ok("admit", st) {
         for (s, &tk) in states.iter().zip(&taken) {
+            let chain = (ns, full[..s.position as usize].to_vec());
             if tk != 0 {
-                e.slots
-                    .insert(s.slot, (ns, full[..s.position as usize].to_vec()));
+                e.slots.insert(s.slot, chain);
+            } else {
+                e.untaken.push(chain);
             }
         }
         e.admitted.entry(ns).or_default().push(full.clone());
@@ -439,6 +451,8 @@ fn serve(
     // The ops of the admission first: a state the device could not take
     // goes to the host from the engine's slot, which it still holds.
     replay(ctx, e, what);
+    // The engine frees the states the cache did not take.
+    e.untaken.clear();
     // SAFETY: valid handle and lease.
     let st = unsafe { marconi_tiered_release(e.t, l.lease) };
     ctx.ok("release", st);

@@ -652,6 +652,10 @@ pub unsafe extern "C" fn marconi_store_put_state_ns(
 /// # Safety
 ///
 /// The contract of marconi_store_put_state.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
 unsafe fn store_put_state(
     what: &'static str,
     store: *const marconi_store,
@@ -776,6 +780,10 @@ pub unsafe extern "C" fn marconi_store_get_state_ns(
 /// # Safety
 ///
 /// The contract of marconi_store_get_state.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
 unsafe fn store_get_state(
     what: &'static str,
     store: *const marconi_store,
@@ -1007,6 +1015,10 @@ pub unsafe extern "C" fn marconi_store_put_kv_ns(
 /// # Safety
 ///
 /// The contract of marconi_store_put_kv.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
 unsafe fn store_put_kv(
     what: &'static str,
     store: *const marconi_store,
@@ -1141,6 +1153,10 @@ pub unsafe extern "C" fn marconi_store_get_kv_ns(
 /// # Safety
 ///
 /// The contract of marconi_store_get_kv.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
 unsafe fn store_get_kv(
     what: &'static str,
     store: *const marconi_store,

@@ -2487,7 +2487,15 @@ typedef struct marconi_store_config {
    */
   const char *seed;
   /**
-   * The extra key of every block hash (as marconi_events; 0: none).
+   * The cache namespace (a LoRA id, a cache salt) of the calls without
+   * one: the extra key of every block hash (as marconi_events; 0: none).
+   * The `_ns` calls (marconi_store_put_state_ns...) and the store probe
+   * of marconi_tiered_lookup use the namespace they are given instead.
+   * Isolation: the keys of namespace a and namespace b != a differ (the
+   * namespace enters every block hash and the key each envelope is
+   * checked against), so an entry written in one namespace is never
+   * read, probed, found in a KV prefix or removed by a call in another,
+   * whatever the processes or handles.
    */
   uint64_t ns;
   /**
@@ -2500,12 +2508,14 @@ typedef struct marconi_store_config {
    */
   uint32_t layout_version;
   /**
-   * Bound of one store call (DIR, CALLBACK) or of each socket read and
-   * write (REDIS), in milliseconds. Default 50.
+   * Bound of one store call as a whole, in milliseconds: its request
+   * written and every reply read (REDIS, however slowly the server
+   * sends), its files (DIR), its callbacks (CALLBACK). Default 50.
    */
   uint32_t timeout_ms;
   /**
-   * REDIS: bound of opening a connection, in milliseconds. Default 50.
+   * REDIS: bound of opening a connection (connect, AUTH, SELECT), in
+   * milliseconds, before the call's own timeout_ms. Default 50.
    */
   uint32_t connect_timeout_ms;
   /**
@@ -3398,8 +3408,9 @@ marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_
 
 /**
  * Fills `*cfg` with the defaults (documented per field) and sets
- * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
- * struct_size is smaller than this library's struct.
+ * `cfg->struct_size`: any size from the first version's on (an older
+ * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+ * when struct_size is smaller than the first version's.
  *
  * Thread safety: touches only `*cfg`.
  *
@@ -4721,8 +4732,9 @@ marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc)
 
 /**
  * Fills `*cfg` with the defaults (documented per field) and sets
- * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
- * struct_size is smaller than this library's struct.
+ * `cfg->struct_size`: any size from the first version's on (an older
+ * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+ * when struct_size is smaller than the first version's.
  *
  * Thread safety: touches only `*cfg`.
  *
@@ -4783,6 +4795,26 @@ marconi_status marconi_store_put_state(const struct marconi_store *store,
                                        size_t len);
 
 /**
+ * marconi_store_put_state in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_put_state.
+ */
+marconi_status marconi_store_put_state_ns(const struct marconi_store *store,
+                                          uint64_t ns,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          size_t position,
+                                          const uint8_t *data,
+                                          size_t len);
+
+/**
  * Reads the recurrent state after `tokens[0..position]` into `buf`: on a
  * hit writes its size to `*out_len` and 1 to `*out_found`; on a miss (no
  * value, or one that failed verification, or a store that is down or
@@ -4809,6 +4841,28 @@ marconi_status marconi_store_get_state(const struct marconi_store *store,
                                        uint32_t *out_found);
 
 /**
+ * marconi_store_get_state in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_get_state.
+ */
+marconi_status marconi_store_get_state_ns(const struct marconi_store *store,
+                                          uint64_t ns,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          size_t position,
+                                          uint8_t *buf,
+                                          size_t cap,
+                                          size_t *out_len,
+                                          uint32_t *out_found);
+
+/**
  * Removes the state after `tokens[0..position]` from the store.
  * MARCONI_STATUS_BACKEND_FAILURE when the store failed.
  *
@@ -4822,6 +4876,24 @@ marconi_status marconi_store_delete_state(const struct marconi_store *store,
                                           const uint32_t *tokens,
                                           size_t n_tokens,
                                           size_t position);
+
+/**
+ * marconi_store_delete_state in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_delete_state.
+ */
+marconi_status marconi_store_delete_state_ns(const struct marconi_store *store,
+                                             uint64_t ns,
+                                             const uint32_t *tokens,
+                                             size_t n_tokens,
+                                             size_t position);
 
 /**
  * Writes KV blocks `first_block .. first_block + n_blocks` of `tokens`
@@ -4846,6 +4918,27 @@ marconi_status marconi_store_put_kv(const struct marconi_store *store,
                                     size_t n_blocks,
                                     const uint8_t *data,
                                     size_t block_bytes);
+
+/**
+ * marconi_store_put_kv in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_put_kv.
+ */
+marconi_status marconi_store_put_kv_ns(const struct marconi_store *store,
+                                       uint64_t ns,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       size_t first_block,
+                                       size_t n_blocks,
+                                       const uint8_t *data,
+                                       size_t block_bytes);
 
 /**
  * Reads KV blocks of `tokens` from `first_block`, each exactly
@@ -4873,6 +4966,28 @@ marconi_status marconi_store_get_kv(const struct marconi_store *store,
                                     size_t *out_blocks);
 
 /**
+ * marconi_store_get_kv in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_get_kv.
+ */
+marconi_status marconi_store_get_kv_ns(const struct marconi_store *store,
+                                       uint64_t ns,
+                                       const uint32_t *tokens,
+                                       size_t n_tokens,
+                                       size_t first_block,
+                                       size_t block_bytes,
+                                       uint8_t *buf,
+                                       size_t cap,
+                                       size_t *out_blocks);
+
+/**
  * Writes to `*out_blocks` how many of `tokens`' full blocks, from block
  * 0, the store says it has (one existence query, no value read: a hint
  * that marconi_store_get_kv verifies). 0 when the store is down or slow.
@@ -4888,6 +5003,24 @@ marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
                                        const uint32_t *tokens,
                                        size_t n_tokens,
                                        size_t *out_blocks);
+
+/**
+ * marconi_store_kv_prefix in cache namespace `ns` (a LoRA id, a cache salt: the
+ * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+ * Entries of one namespace are never read, probed or removed by a call in
+ * another (their keys differ).
+ *
+ * Thread safety: safe to call concurrently on the same store.
+ *
+ * # Safety
+ *
+ * As marconi_store_kv_prefix.
+ */
+marconi_status marconi_store_kv_prefix_ns(const struct marconi_store *store,
+                                          uint64_t ns,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          size_t *out_blocks);
 
 /**
  * Writes the store's counters to `*out`. Set out->struct_size to
@@ -4906,8 +5039,9 @@ marconi_status marconi_store_get_stats(const struct marconi_store *store,
 
 /**
  * Fills `*cfg` with the defaults (documented per field) and sets
- * `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
- * struct_size is smaller than this library's struct.
+ * `cfg->struct_size`: any size from the first version's on (an older
+ * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+ * when struct_size is smaller than the first version's.
  *
  * Thread safety: touches only `*cfg`.
  *
@@ -4962,7 +5096,13 @@ void marconi_tiered_free(struct marconi_tiered *t);
  * timeout) which of the input's candidate positions have a state, and
  * weighs the longest usable one like any store-tier hit (the tiered
  * cache needs a store tier for its bandwidth; without one the probe is
- * skipped). A store that is down or slow gives an empty probe (counted in
+ * skipped). The probe asks for the keys of namespace `ns` (as
+ * marconi_store_get_state_ns(store, ns, ...)), whatever the store handle's
+ * configured ns: a state written in another namespace is never a hit here.
+ * Write the states a lookup in `ns` should find with the `_ns` store
+ * functions and the same `ns` (the ones without `ns` write in the
+ * handle's configured ns). A store that is down or slow gives an empty
+ * probe, bounded by the store's timeout as a whole (counted in
  * store_probe_failures), never an error. The probe is a hint: when the
  * engine's read of the state then misses, it resumes from the device's hit
  * (device_hit_tokens, device_state_slot) and reports it with
@@ -5139,7 +5279,11 @@ marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
 /**
  * Drains the device's freed engine ids (KV pages, state slots), as
  * marconi_cache_drain_freed (all or nothing). Drain the ops first: a
- * WRITE to the host reads a slot this returns.
+ * WRITE to the host reads a slot this returns. Every id this returns is
+ * the engine's to reuse at once: no op drained later reads it. With
+ * defer_moves, the ids the device freed since the last
+ * marconi_tiered_settle are withheld until the next one (whose WRITEs
+ * read them) has run.
  *
  * Thread safety: safe to call concurrently on the same handle.
  *

@@ -118,6 +118,10 @@ pub(crate) struct Core {
     /// The gaps between a state's previous use and the hit that
     /// supersedes it (`Core::age_superseded`).
     pub(crate) turn_gaps: MeanGap,
+    /// Holds whole chains only (a lower tier): KV no state of it covers
+    /// (a stateless leaf) is removed as soon as it appears, so that the
+    /// bytes charged are exactly those of the chains it holds.
+    pub(crate) chains_only: bool,
 }
 
 /// A running mean of logical-time gaps.
@@ -216,6 +220,7 @@ impl Core {
             units: None,
             freed: Freed::default(),
             turn_gaps: MeanGap::default(),
+            chains_only: false,
         })
     }
 
@@ -850,6 +855,22 @@ impl PrefixCache {
     /// exactly. No-op when events are on.
     pub fn enable_events(&mut self) {
         self.core.enable_events();
+    }
+
+    /// Makes this cache hold whole chains only (a lower tier): a leaf
+    /// left without a state (its last state evicted or discarded, or an
+    /// admission that kept KV but not its state) is removed at once, with
+    /// its KV, so that `used_bytes` is exactly the bytes of the chains the
+    /// states cover.
+    pub(crate) fn set_chains_only(&mut self) {
+        self.core.chains_only = true;
+    }
+
+    /// Removes the stateless, unleased leaves at the end of `tokens` in
+    /// `ns` (a chains-only cache after an admission that did not keep its
+    /// state). Returns the bytes freed.
+    pub(crate) fn prune_stateless_tail(&mut self, ns: u64, tokens: &[u32]) -> u64 {
+        self.core.prune_stateless_tail(ns, tokens)
     }
 
     /// A stream of removals only (see `Core::enable_removal_events`).

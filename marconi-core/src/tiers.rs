@@ -260,7 +260,9 @@ pub struct Move {
     pub ns: u64,
     /// The state's position; the chain is its first `position` tokens.
     pub position: u32,
-    /// Bytes of the chain (its KV and the state) the tier charges anew.
+    /// Bytes the tier charges for the chain: the KV of its `position`
+    /// tokens and the state (what the engine copies), whatever the tier
+    /// already shares with other chains.
     pub bytes: u64,
 }
 
@@ -279,7 +281,8 @@ pub enum TierOp {
         ns: u64,
         /// The state's position.
         position: u32,
-        /// Bytes the tier charges anew.
+        /// Bytes the tier charges for the chain: the KV of its
+        /// `position` tokens and the state (what the engine copies).
         bytes: u64,
         /// Tokens from 0 to at least `position` (the chain's identity).
         prefix: Vec<u32>,
@@ -416,6 +419,11 @@ pub struct TieredCache {
     pending: Vec<(usize, u64, bool)>,
     /// The device lookup's hints, reused from request to request.
     hints: Vec<u32>,
+    /// With deferred moves, the device ids freed up to the last `settle`:
+    /// their chains' writes are among the ops drained before them, so the
+    /// engine may reuse them. Ids freed since are withheld until the next
+    /// `settle` orders the writes that read them.
+    freed_ready: Freed,
 }
 
 /// A candidate hit in one lower tier.
@@ -447,6 +455,9 @@ impl TieredCache {
                 let feeds = i == 0 && tiers.store.is_some();
                 c.events = feeds && through;
                 let mut cache = PrefixCache::new(c)?;
+                // A lower tier holds whole chains: no KV without the state
+                // of its chain (what the engine's copies hold, byte for byte).
+                cache.set_chains_only();
                 if feeds {
                     cache.enable_removal_events();
                 }
@@ -469,6 +480,7 @@ impl TieredCache {
             host_pending: Drained::default(),
             pending: Vec::new(),
             hints: Vec::new(),
+            freed_ready: Freed::default(),
         })
     }
 
@@ -551,9 +563,28 @@ impl TieredCache {
     }
 
     /// The engine ids (device KV pages, state slots) the device freed
-    /// since the last call ([`PrefixCache::drain_freed`]).
+    /// since the last call ([`PrefixCache::drain_freed`]) whose content no
+    /// pending move still reads. With [`TierConfig::defer_moves`] and a
+    /// lower tier, an id the device freed is handed out only after the
+    /// [`settle`](Self::settle) that ordered the writes reading it (drain
+    /// the ops first, then the freed ids): an engine that reuses every id
+    /// it is handed never overwrites a chain a later write copies.
     pub fn drain_freed(&mut self) -> Freed {
+        if self.cfg.defer_moves && self.lower[0].is_some() {
+            return std::mem::take(&mut self.freed_ready);
+        }
         self.device.drain_freed()
+    }
+
+    /// Makes the ids the device freed so far available to
+    /// [`drain_freed`](Self::drain_freed): the writes of what they held
+    /// are ordered.
+    fn release_freed(&mut self) {
+        if self.cfg.defer_moves && self.lower[0].is_some() {
+            let f = self.device.drain_freed();
+            self.freed_ready.kv_pages.extend(f.kv_pages);
+            self.freed_ready.state_slots.extend(f.state_slots);
+        }
     }
 
     /// The positions of an input of `input_len` tokens whose state a shared
@@ -963,7 +994,9 @@ impl TieredCache {
         }
         let mut d = self.drain_log(0);
         let chains = self.to_move(&mut d);
-        self.move_down(0, &chains)
+        self.move_down(0, &chains)?;
+        self.release_freed();
+        Ok(())
     }
 
     /// What tier `t`'s log (0 device, 1 host, 2 store) recorded since the
@@ -1102,7 +1135,6 @@ impl TieredCache {
             return Ok(());
         };
         let tokens = &prefix[..p];
-        let before = l.cache.used_bytes();
         let lk = l.cache.lookup(ns, tokens)?;
         let state = [SavedState {
             position,
@@ -1111,10 +1143,19 @@ impl TieredCache {
         let admitted = l.cache.admit(lk.lease, tokens, &state, &[]);
         l.cache.release(lk.lease)?;
         let out = admitted?;
-        let after = l.cache.used_bytes();
-        if out.rejected.is_none() {
+        if !out.states_taken.contains(&position) {
+            // Not written (the chain does not fit, or the tier holds this
+            // state already): KV the admission kept without its state
+            // would be bytes no chain of the engine's copies holds.
+            l.cache.prune_stateless_tail(ns, tokens);
+            return Ok(());
+        }
+        {
             let tier = if i == 0 { Tier::Host } else { Tier::Store };
-            let bytes = after.saturating_sub(before);
+            // What the tier charges for the chain (its KV and its state),
+            // whatever it shares with chains it holds: the engine copies
+            // the whole chain.
+            let bytes = chain_bytes;
             self.stats.bytes_written[tier.index()] += bytes;
             self.stats.writes[tier.index()] += 1;
             self.moves.push(Move {

@@ -49,6 +49,9 @@ use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
+#[path = "fuzz_abi_parts/tiered.rs"]
+mod tiered_life;
+
 /// Whether a pool handle names a state unit (marconi-gpu's handle layout:
 /// the fuzzer is this project's own code and may read it).
 fn is_state(h: u64) -> bool {
@@ -240,6 +243,7 @@ struct Run {
     calls: AtomicU64,
     watch: Arc<Watch>,
     check_every: u64,
+    only_tiered: bool,
 }
 
 struct Worker<'r> {
@@ -253,6 +257,9 @@ struct Worker<'r> {
     cur_cache: Option<usize>,
     steps: u64,
 }
+
+/// Requests served by `op_tiered` lives, all seeds.
+static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
 
 fn last_error() -> String {
     let mut buf = [0u8; 512];
@@ -3592,6 +3599,35 @@ impl<'r> Worker<'r> {
         }
     }
 
+    /// A tiered cache's short life, driven as an engine drives it
+    /// (`fuzz_abi_parts/tiered.rs`): ops replayed, copies checked against
+    /// each tier's claims after every request.
+    fn op_tiered(&mut self) {
+        let dir = std::env::temp_dir().join(format!(
+            "marconi-fuzz-tiered-{}-{}-{}-{}",
+            std::process::id(),
+            self.run.seed,
+            self.w,
+            self.call
+        ));
+        if std::fs::create_dir_all(&dir).is_err() {
+            return;
+        }
+        let requests = self.rng.range(10, 60) as u32;
+        let mut rng = Rng::new(self.rng.next());
+        let prev = self.cur_cache.take();
+        let life = self.call("tiered_life", || {
+            tiered_life::life(&mut rng, &dir, requests)
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        self.run.calls.fetch_add(life.calls, Ordering::Relaxed);
+        TIERED_REQUESTS.fetch_add(life.requests, Ordering::Relaxed);
+        for f in life.findings {
+            finding!(self, "{f}");
+        }
+        self.cur_cache = prev;
+    }
+
     // ------------------------------------------------------------- loop --
 
     fn step(&mut self) {
@@ -3604,6 +3640,11 @@ impl<'r> Worker<'r> {
             }
         }
         self.cur_cache = Some(c);
+        if self.run.only_tiered {
+            self.op_tiered();
+            self.steps += 1;
+            return;
+        }
         match self.rng.below(100) {
             0..=24 => self.op_lookup(c),
             25..=49 => self.op_admit(),
@@ -3628,7 +3669,8 @@ impl<'r> Worker<'r> {
             }
             94 => self.op_events(c),
             95 => self.op_messages(),
-            96..=98 => self.op_owned_again(c),
+            96..=97 => self.op_owned_again(c),
+            98 => self.op_tiered(),
             _ => self.op_freed_cache_lease(),
         }
         // Too many open leases pin everything: release the oldest.
@@ -3669,6 +3711,7 @@ struct Args {
     check_every: u64,
     max_findings: usize,
     verbose: bool,
+    only_tiered: bool,
 }
 
 fn parse_args() -> Args {
@@ -3683,6 +3726,7 @@ fn parse_args() -> Args {
         check_every: 1,
         max_findings: 20,
         verbose: false,
+        only_tiered: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -3709,10 +3753,16 @@ fn parse_args() -> Args {
                 i += 1;
                 continue;
             }
+            "--only-tiered" => {
+                a.only_tiered = true;
+                i += 1;
+                continue;
+            }
             "-h" | "--help" => {
                 println!(
                     "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
-                     \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]"
+                     \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
+                     \x20        [--only-tiered (tiered cache lives only)]"
                 );
                 std::process::exit(0);
             }
@@ -3743,6 +3793,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
         calls: AtomicU64::new(0),
         watch: Arc::clone(watch),
         check_every: a.check_every,
+        only_tiered: a.only_tiered,
     };
     let per_worker = a.calls / a.threads as u64;
     std::thread::scope(|s| {
@@ -3868,6 +3919,10 @@ fn main() {
         secs,
         calls as f64 / secs.max(1e-9),
         findings.len()
+    );
+    println!(
+        "fuzz_abi: tiered cache lives served {} requests (ops replayed, copies checked after each)",
+        TIERED_REQUESTS.load(Ordering::Relaxed)
     );
     if let Some(f) = findings.first() {
         eprintln!(

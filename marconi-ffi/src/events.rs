@@ -12,8 +12,8 @@ use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, W
 
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, marconi_status, out_slice, read_versioned,
-    require, retire_tag, write_config_init, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, init_versioned, marconi_status, out_slice,
+    read_versioned, require, retire_tag, FfiError, FfiResult, HandleTag,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -203,9 +203,14 @@ fn check_ts(ts: f64) -> FfiResult {
     }
 }
 
+/// The first version's size of marconi_events_config (every field of this one: none was
+/// added since).
+const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_events_config>();
+
 /// Fills `*cfg` with the defaults (documented per field) and sets
-/// `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
-/// struct_size is smaller than this library's struct.
+/// `cfg->struct_size`: any size from the first version's on (an older
+/// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+/// when struct_size is smaller than the first version's.
 ///
 /// Thread safety: touches only `*cfg`.
 ///
@@ -219,19 +224,17 @@ pub unsafe extern "C" fn marconi_events_config_init(
 ) -> marconi_status {
     boundary("marconi_events_config_init", || {
         check_ptr!(cfg);
-        let ours = std::mem::size_of::<marconi_events_config>();
-        if struct_size < ours || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size}: this library's marconi_events_config has {ours} bytes"),
-            ));
+        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
+        // writable bytes (contract); the struct starts with struct_size.
+        unsafe {
+            init_versioned(
+                cfg,
+                struct_size,
+                CONFIG_MIN_SIZE,
+                marconi_events_config::defaults(),
+                "marconi_events_config",
+            )
         }
-        let mut d = marconi_events_config::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes
-        // (checked above; the header's contract).
-        unsafe { write_config_init(&d, cfg, struct_size) };
-        Ok(())
     })
 }
 
@@ -241,12 +244,11 @@ pub unsafe extern "C" fn marconi_events_config_init(
 unsafe fn read_events_config(
     cfg: *const marconi_events_config,
 ) -> FfiResult<marconi_events_config> {
-    let ours = std::mem::size_of::<marconi_events_config>();
     // SAFETY: contract of this function; the config is plain data.
     unsafe {
         read_versioned(
             cfg,
-            ours,
+            CONFIG_MIN_SIZE,
             marconi_events_config::defaults(),
             "events config",
         )

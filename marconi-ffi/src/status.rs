@@ -492,26 +492,62 @@ pub(crate) unsafe fn write_versioned<T: Copy>(value: &T, out: *mut T, size: usiz
 }
 
 /// Writes a versioned config struct's defaults `value` into a caller's
-/// struct of `size` bytes, at least this library's: our fields, then zeros
-/// past them ("not set" for a caller compiled against a newer, longer
-/// version).
+/// struct of `size` bytes: its first `size` bytes when the caller's
+/// (older) struct is shorter than ours; else our fields, then zeros past
+/// them ("not set" for a caller compiled against a newer, longer version).
 ///
 /// # Safety
 ///
-/// `out` is non-NULL and has `size >= size_of::<T>()` writable bytes
-/// (callers check `size` first).
+/// `out` is non-NULL and has `size` writable bytes.
 pub(crate) unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: usize) {
     let ours = std::mem::size_of::<T>();
-    // SAFETY: `out` has size >= ours writable bytes (caller contract); a
-    // local value and the caller's memory do not overlap.
+    let n = size.min(ours);
+    // SAFETY: `out` has `size` writable bytes (caller contract), n <= size
+    // and n <= ours; a local value and the caller's memory do not overlap.
     unsafe {
-        std::ptr::copy_nonoverlapping(
-            std::ptr::from_ref(value).cast::<u8>(),
-            out.cast::<u8>(),
-            ours,
-        );
-        std::ptr::write_bytes(out.cast::<u8>().add(ours), 0, size - ours);
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(value).cast::<u8>(), out.cast::<u8>(), n);
+        if size > ours {
+            std::ptr::write_bytes(out.cast::<u8>().add(ours), 0, size - ours);
+        }
     }
+}
+
+/// A `marconi_<x>_config_init`: fills `*cfg` (`struct_size` bytes, at
+/// least `first`: the first version's size, the smallest that
+/// `marconi_<x>_new` reads) with `defaults` and sets its struct_size, so
+/// that a caller compiled against any released header can initialise the
+/// struct it has. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE below `first`.
+///
+/// # Safety
+///
+/// `cfg` is non-NULL, aligned, and points to `struct_size` writable bytes;
+/// `T` starts with its u32 struct_size.
+pub(crate) unsafe fn init_versioned<T: Copy>(
+    cfg: *mut T,
+    struct_size: usize,
+    first: usize,
+    defaults: T,
+    what: &str,
+) -> FfiResult<()> {
+    if struct_size < first || struct_size > u32::MAX as usize {
+        return Err(FfiError::new(
+            marconi_status::UnsupportedStructSize,
+            format!(
+                "struct_size {struct_size}: {what} is {first} bytes in its first version and {} in this library",
+                std::mem::size_of::<T>()
+            ),
+        ));
+    }
+    let mut d = defaults;
+    // SAFETY: T starts with its u32 struct_size (contract).
+    unsafe {
+        std::ptr::addr_of_mut!(d)
+            .cast::<u32>()
+            .write(struct_size as u32)
+    };
+    // SAFETY: forwarded contract.
+    unsafe { write_config_init(&d, cfg, struct_size) };
+    Ok(())
 }
 
 /// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to

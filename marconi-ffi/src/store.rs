@@ -17,8 +17,8 @@ use ::marconi_store::{
 
 use crate::cache::tokens_len_ok;
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
+    out_slice, read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult,
     HandleTag,
 };
 
@@ -102,17 +102,27 @@ pub struct marconi_store_config {
     /// The seed of the block hashes' NONE_HASH (vLLM's PYTHONHASHSEED), or
     /// NULL for vLLM's default "vllm-none-hash".
     pub seed: *const c_char,
-    /// The extra key of every block hash (as marconi_events; 0: none).
+    /// The cache namespace (a LoRA id, a cache salt) of the calls without
+    /// one: the extra key of every block hash (as marconi_events; 0: none).
+    /// The `_ns` calls (marconi_store_put_state_ns...) and the store probe
+    /// of marconi_tiered_lookup use the namespace they are given instead.
+    /// Isolation: the keys of namespace a and namespace b != a differ (the
+    /// namespace enters every block hash and the key each envelope is
+    /// checked against), so an entry written in one namespace is never
+    /// read, probed, found in a KV prefix or removed by a call in another,
+    /// whatever the processes or handles.
     pub ns: u64,
     /// Tokens per KV block. Required (> 0).
     pub block_size: u32,
     /// The engine's value layout version (bump it when its block or state
     /// byte layout changes). Default 1.
     pub layout_version: u32,
-    /// Bound of one store call (DIR, CALLBACK) or of each socket read and
-    /// write (REDIS), in milliseconds. Default 50.
+    /// Bound of one store call as a whole, in milliseconds: its request
+    /// written and every reply read (REDIS, however slowly the server
+    /// sends), its files (DIR), its callbacks (CALLBACK). Default 50.
     pub timeout_ms: u32,
-    /// REDIS: bound of opening a connection, in milliseconds. Default 50.
+    /// REDIS: bound of opening a connection (connect, AUTH, SELECT), in
+    /// milliseconds, before the call's own timeout_ms. Default 50.
     pub connect_timeout_ms: u32,
     /// The largest value read or written, in bytes. Default 256 MiB.
     pub max_value_bytes: u64,
@@ -157,6 +167,10 @@ impl marconi_store_config {
         }
     }
 }
+
+/// The first version's size of marconi_store_config (every field of this one: none was
+/// added since).
+const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_store_config>();
 
 /// A store's counters (marconi_store_get_stats): hits, misses by kind, writes.
 /// Set struct_size to sizeof(marconi_store_stats) before the call.
@@ -367,8 +381,9 @@ fn callback_store(cb: CCallbacks, timeout: Duration) -> CallbackStore {
 }
 
 /// Fills `*cfg` with the defaults (documented per field) and sets
-/// `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
-/// struct_size is smaller than this library's struct.
+/// `cfg->struct_size`: any size from the first version's on (an older
+/// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+/// when struct_size is smaller than the first version's.
 ///
 /// Thread safety: touches only `*cfg`.
 ///
@@ -382,19 +397,17 @@ pub unsafe extern "C" fn marconi_store_config_init(
 ) -> marconi_status {
     boundary("marconi_store_config_init", || {
         check_ptr!(cfg);
-        let ours = std::mem::size_of::<marconi_store_config>();
-        if struct_size < ours || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size}: this library's marconi_store_config has {ours} bytes"),
-            ));
+        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
+        // writable bytes (contract); the struct starts with struct_size.
+        unsafe {
+            init_versioned(
+                cfg,
+                struct_size,
+                CONFIG_MIN_SIZE,
+                marconi_store_config::defaults(),
+                "marconi_store_config",
+            )
         }
-        let mut d = marconi_store_config::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes
-        // (checked above; the header's contract).
-        unsafe { write_config_init(&d, cfg, struct_size) };
-        Ok(())
     })
 }
 
@@ -421,10 +434,15 @@ pub unsafe extern "C" fn marconi_store_new(
         require!(out);
         check_ptr!(cfg);
         check_ptr!(out);
-        let ours = std::mem::size_of::<marconi_store_config>();
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.
-        let c =
-            unsafe { read_versioned(cfg, ours, marconi_store_config::defaults(), "store config") }?;
+        let c = unsafe {
+            read_versioned(
+                cfg,
+                CONFIG_MIN_SIZE,
+                marconi_store_config::defaults(),
+                "store config",
+            )
+        }?;
         // SAFETY: the string fields are NULL or NUL-terminated (contract).
         let (location, model, prefix, namespace, seed) = unsafe {
             (
@@ -578,7 +596,77 @@ pub unsafe extern "C" fn marconi_store_put_state(
     data: *const u8,
     len: usize,
 ) -> marconi_status {
-    boundary("marconi_store_put_state", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_put_state(
+            "marconi_store_put_state",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            position,
+            data,
+            len,
+        )
+    }
+}
+
+/// marconi_store_put_state in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_put_state.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_put_state_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+    data: *const u8,
+    len: usize,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_put_state(
+            "marconi_store_put_state_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            position,
+            data,
+            len,
+        )
+    }
+}
+
+/// marconi_store_put_state and marconi_store_put_state_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_put_state.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
+unsafe fn store_put_state(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+    data: *const u8,
+    len: usize,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         require!(data, len = len);
@@ -590,12 +678,17 @@ pub unsafe extern "C" fn marconi_store_put_state(
                 in_slice(data, len, "data")?,
             )
         };
-        s.tier.keyer().state_key(t, position).ok_or_else(|| {
-            position_error(StoreError::Invalid(format!(
-                "position {position} is not in 1..={n_tokens}"
-            )))
-        })?;
-        s.tier.put_state(t, position, d).map_err(put_error)
+        s.tier
+            .keyer()
+            .state_key_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t, position)
+            .ok_or_else(|| {
+                position_error(StoreError::Invalid(format!(
+                    "position {position} is not in 1..={n_tokens}"
+                )))
+            })?;
+        s.tier
+            .put_state_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t, position, d)
+            .map_err(put_error)
     })
 }
 
@@ -625,7 +718,85 @@ pub unsafe extern "C" fn marconi_store_get_state(
     out_len: *mut usize,
     out_found: *mut u32,
 ) -> marconi_status {
-    boundary("marconi_store_get_state", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_get_state(
+            "marconi_store_get_state",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            position,
+            buf,
+            cap,
+            out_len,
+            out_found,
+        )
+    }
+}
+
+/// marconi_store_get_state in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_get_state.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_get_state_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+    out_found: *mut u32,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_get_state(
+            "marconi_store_get_state_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            position,
+            buf,
+            cap,
+            out_len,
+            out_found,
+        )
+    }
+}
+
+/// marconi_store_get_state and marconi_store_get_state_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_get_state.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
+unsafe fn store_get_state(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+    out_found: *mut u32,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         require!(buf, cap = cap);
@@ -641,7 +812,10 @@ pub unsafe extern "C" fn marconi_store_get_state(
                 out_slice(buf, cap, "buf")?,
             )
         };
-        let l = s.tier.get_state(t, position).map_err(position_error)?;
+        let l = s
+            .tier
+            .get_state_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t, position)
+            .map_err(position_error)?;
         let (len, found) = match l {
             Lookup::Hit(p) if p.len() > cap => {
                 // SAFETY: checked non-NULL, aligned, writable.
@@ -681,17 +855,80 @@ pub unsafe extern "C" fn marconi_store_delete_state(
     n_tokens: usize,
     position: usize,
 ) -> marconi_status {
-    boundary("marconi_store_delete_state", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_delete_state(
+            "marconi_store_delete_state",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            position,
+        )
+    }
+}
+
+/// marconi_store_delete_state in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_delete_state.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_delete_state_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_delete_state(
+            "marconi_store_delete_state_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            position,
+        )
+    }
+}
+
+/// marconi_store_delete_state and marconi_store_delete_state_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_delete_state.
+unsafe fn store_delete_state(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    position: usize,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         // SAFETY: the caller's contract for each pointer.
         let (s, t) = unsafe { (store_handle(store)?, token_slice(tokens, n_tokens)?) };
-        s.tier.keyer().state_key(t, position).ok_or_else(|| {
-            position_error(StoreError::Invalid(format!(
-                "position {position} is not in 1..={n_tokens}"
-            )))
-        })?;
-        s.tier.delete_state(t, position).map_err(put_error)
+        s.tier
+            .keyer()
+            .state_key_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t, position)
+            .ok_or_else(|| {
+                position_error(StoreError::Invalid(format!(
+                    "position {position} is not in 1..={n_tokens}"
+                )))
+            })?;
+        s.tier
+            .delete_state_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t, position)
+            .map_err(put_error)
     })
 }
 
@@ -719,7 +956,81 @@ pub unsafe extern "C" fn marconi_store_put_kv(
     data: *const u8,
     block_bytes: usize,
 ) -> marconi_status {
-    boundary("marconi_store_put_kv", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_put_kv(
+            "marconi_store_put_kv",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            first_block,
+            n_blocks,
+            data,
+            block_bytes,
+        )
+    }
+}
+
+/// marconi_store_put_kv in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_put_kv.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_put_kv_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    n_blocks: usize,
+    data: *const u8,
+    block_bytes: usize,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_put_kv(
+            "marconi_store_put_kv_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            first_block,
+            n_blocks,
+            data,
+            block_bytes,
+        )
+    }
+}
+
+/// marconi_store_put_kv and marconi_store_put_kv_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_put_kv.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
+unsafe fn store_put_kv(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    n_blocks: usize,
+    data: *const u8,
+    block_bytes: usize,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         require!(data);
@@ -744,7 +1055,14 @@ pub unsafe extern "C" fn marconi_store_put_kv(
             )
         };
         let blocks: Vec<&[u8]> = d.chunks_exact(block_bytes).collect();
-        s.tier.put_kv(t, first_block, &blocks).map_err(put_error)
+        s.tier
+            .put_kv_ns(
+                ns.unwrap_or_else(|| s.tier.default_ns()),
+                t,
+                first_block,
+                &blocks,
+            )
+            .map_err(put_error)
     })
 }
 
@@ -773,7 +1091,85 @@ pub unsafe extern "C" fn marconi_store_get_kv(
     cap: usize,
     out_blocks: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_store_get_kv", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_get_kv(
+            "marconi_store_get_kv",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            first_block,
+            block_bytes,
+            buf,
+            cap,
+            out_blocks,
+        )
+    }
+}
+
+/// marconi_store_get_kv in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_get_kv.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_get_kv_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    block_bytes: usize,
+    buf: *mut u8,
+    cap: usize,
+    out_blocks: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_get_kv(
+            "marconi_store_get_kv_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            first_block,
+            block_bytes,
+            buf,
+            cap,
+            out_blocks,
+        )
+    }
+}
+
+/// marconi_store_get_kv and marconi_store_get_kv_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_get_kv.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the C function's arguments, plus its name and the namespace"
+)]
+unsafe fn store_get_kv(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    first_block: usize,
+    block_bytes: usize,
+    buf: *mut u8,
+    cap: usize,
+    out_blocks: *mut usize,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         require!(buf, cap = cap);
@@ -795,7 +1191,13 @@ pub unsafe extern "C" fn marconi_store_get_kv(
         };
         let got = s
             .tier
-            .get_kv(t, first_block, cap / block_bytes, Some(block_bytes))
+            .get_kv_ns(
+                ns.unwrap_or_else(|| s.tier.default_ns()),
+                t,
+                first_block,
+                cap / block_bytes,
+                Some(block_bytes),
+            )
             .map_err(|e| FfiError::new(marconi_status::InvalidArgument, e.to_string()))?;
         for (dst, p) in b.chunks_exact_mut(block_bytes).zip(&got) {
             dst.copy_from_slice(p);
@@ -823,14 +1225,74 @@ pub unsafe extern "C" fn marconi_store_kv_prefix(
     n_tokens: usize,
     out_blocks: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_store_kv_prefix", || {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_kv_prefix(
+            "marconi_store_kv_prefix",
+            store,
+            None,
+            tokens,
+            n_tokens,
+            out_blocks,
+        )
+    }
+}
+
+/// marconi_store_kv_prefix in cache namespace `ns` (a LoRA id, a cache salt: the
+/// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
+/// Entries of one namespace are never read, probed or removed by a call in
+/// another (their keys differ).
+///
+/// Thread safety: safe to call concurrently on the same store.
+///
+/// # Safety
+///
+/// As marconi_store_kv_prefix.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_store_kv_prefix_ns(
+    store: *const marconi_store,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    out_blocks: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded contract.
+    unsafe {
+        store_kv_prefix(
+            "marconi_store_kv_prefix_ns",
+            store,
+            Some(ns),
+            tokens,
+            n_tokens,
+            out_blocks,
+        )
+    }
+}
+
+/// marconi_store_kv_prefix and marconi_store_kv_prefix_ns (`ns` None: the handle's
+/// configured namespace).
+///
+/// # Safety
+///
+/// The contract of marconi_store_kv_prefix.
+unsafe fn store_kv_prefix(
+    what: &'static str,
+    store: *const marconi_store,
+    ns: Option<u64>,
+    tokens: *const u32,
+    n_tokens: usize,
+    out_blocks: *mut usize,
+) -> marconi_status {
+    boundary(what, || {
         require!(store);
         require!(tokens, len = n_tokens);
         require!(out_blocks);
         check_ptr!(out_blocks);
         // SAFETY: the caller's contract for each pointer.
         let (s, t) = unsafe { (store_handle(store)?, token_slice(tokens, n_tokens)?) };
-        let n = s.tier.kv_prefix(t);
+        let n = s
+            .tier
+            .kv_prefix_ns(ns.unwrap_or_else(|| s.tier.default_ns()), t);
         // SAFETY: checked non-NULL, aligned, writable.
         unsafe { out_blocks.write(n) };
         Ok(())
@@ -899,12 +1361,14 @@ pub unsafe extern "C" fn marconi_store_get_stats(
 /// and the states do not carry their KV; the input length when they do).
 /// A failed query gives an empty probe and `true` (a miss, counted in the
 /// store's stats and by the caller), never an error.
+/// The keys are those of namespace `ns`.
 ///
 /// # Safety
 ///
 /// `store` is NULL or a live handle from marconi_store_new.
 pub(crate) unsafe fn probe_states(
     store: *const marconi_store,
+    ns: u64,
     tokens: &[u32],
     positions: &[u32],
     states_hold_kv: bool,
@@ -917,7 +1381,7 @@ pub(crate) unsafe fn probe_states(
     }
     let keyer = s.tier.keyer();
     let wanted: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
-    match s.tier.states_exist(tokens, &wanted) {
+    match s.tier.states_exist_ns(ns, tokens, &wanted) {
         Some(found) => {
             probe.states = positions
                 .iter()
@@ -931,7 +1395,7 @@ pub(crate) unsafe fn probe_states(
         probe.kv_tokens = if states_hold_kv {
             u32::try_from(tokens.len()).unwrap_or(u32::MAX)
         } else {
-            let blocks = s.tier.kv_prefix(tokens);
+            let blocks = s.tier.kv_prefix_ns(ns, tokens);
             u32::try_from(blocks.saturating_mul(keyer.config().block_size)).unwrap_or(u32::MAX)
         };
     }

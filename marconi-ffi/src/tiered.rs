@@ -21,8 +21,8 @@ use crate::cache::{
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
+    out_slice, read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult,
     HandleTag,
 };
 use crate::store::{marconi_store, probe_states};
@@ -397,8 +397,9 @@ fn flag(v: u32, what: &str) -> FfiResult<bool> {
 }
 
 /// Fills `*cfg` with the defaults (documented per field) and sets
-/// `cfg->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
-/// struct_size is smaller than this library's struct.
+/// `cfg->struct_size`: any size from the first version's on (an older
+/// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+/// when struct_size is smaller than the first version's.
 ///
 /// Thread safety: touches only `*cfg`.
 ///
@@ -412,18 +413,17 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
 ) -> marconi_status {
     boundary("marconi_tiered_config_init", || {
         check_ptr!(cfg);
-        let ours = std::mem::size_of::<marconi_tiered_config>();
-        if struct_size < ours || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size}: this library's marconi_tiered_config has {ours} bytes"),
-            ));
+        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
+        // writable bytes (contract); the struct starts with struct_size.
+        unsafe {
+            init_versioned(
+                cfg,
+                struct_size,
+                CONFIG_MIN_SIZE,
+                marconi_tiered_config::defaults(),
+                "marconi_tiered_config",
+            )
         }
-        let mut d = marconi_tiered_config::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes.
-        unsafe { write_config_init(&d, cfg, struct_size) };
-        Ok(())
     })
 }
 
@@ -562,7 +562,13 @@ pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
 /// timeout) which of the input's candidate positions have a state, and
 /// weighs the longest usable one like any store-tier hit (the tiered
 /// cache needs a store tier for its bandwidth; without one the probe is
-/// skipped). A store that is down or slow gives an empty probe (counted in
+/// skipped). The probe asks for the keys of namespace `ns` (as
+/// marconi_store_get_state_ns(store, ns, ...)), whatever the store handle's
+/// configured ns: a state written in another namespace is never a hit here.
+/// Write the states a lookup in `ns` should find with the `_ns` store
+/// functions and the same `ns` (the ones without `ns` write in the
+/// handle's configured ns). A store that is down or slow gives an empty
+/// probe, bounded by the store's timeout as a whole (counted in
 /// store_probe_failures), never an error. The probe is a hint: when the
 /// engine's read of the state then misses, it resumes from the device's hit
 /// (device_hit_tokens, device_state_slot) and reports it with
@@ -625,7 +631,7 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
                 (p, g.states_hold_kv)
             };
             // SAFETY: store is non-NULL; a live store handle by contract.
-            let r = unsafe { probe_states(store, tokens, &positions, hold_kv) }?;
+            let r = unsafe { probe_states(store, ns, tokens, &positions, hold_kv) }?;
             // Nothing to ask without a store tier to weigh the answer by.
             (!positions.is_empty()).then_some(r)
         };
@@ -1095,7 +1101,11 @@ fn op_parts(o: &TierOp) -> OpParts<'_> {
 
 /// Drains the device's freed engine ids (KV pages, state slots), as
 /// marconi_cache_drain_freed (all or nothing). Drain the ops first: a
-/// WRITE to the host reads a slot this returns.
+/// WRITE to the host reads a slot this returns. Every id this returns is
+/// the engine's to reuse at once: no op drained later reads it. With
+/// defer_moves, the ids the device freed since the last
+/// marconi_tiered_settle are withheld until the next one (whose WRITEs
+/// read them) has run.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///

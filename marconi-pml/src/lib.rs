@@ -21,6 +21,12 @@
 //!   entries pinned in a byte budget, evicted by utility once unregistered,
 //!   and a lookup that says per segment which entry serves it and how.
 //!
+//! Only formatting whitespace is dropped: a run of whitespace that holds a
+//! line break at either end of a text (the indentation and line breaks
+//! around elements); `for <param/> days` keeps both spaces. A character
+//! reference or character that is not an XML 1.0 `Char` (`&#xD800;`,
+//! `&#x110000;`, `&#1;`) is an error, as XML makes it.
+//!
 //! Every error carries the line and column it was found at ([`Error`]).
 //! Pure: no I/O, no unsafe; the engine's tokenizer comes in as a
 //! [`Tokenizer`].
@@ -36,8 +42,9 @@
 //! let prompt = Prompt::parse(r#"<prompt schema="s"><plan days="two"/>Go</prompt>"#, enc.schema()).unwrap();
 //! let layout = enc.layout(&prompt, &mut ByteTokenizer).unwrap();
 //! let spans: Vec<(u32, u32, bool)> = layout.segments.iter().map(|s| (s.start, s.len, s.cached)).collect();
-//! // "Plan" at 5..9, "two" at 9..12 (3 reserved), "days" at 12..16, "Go" after it.
-//! assert_eq!(spans, [(5, 4, true), (9, 3, false), (12, 4, true), (16, 2, false)]);
+//! // "Plan " at 5..10 (the space before the parameter is text), "two" at
+//! // 10..13 (3 reserved), " days" at 13..18, "Go" after it.
+//! assert_eq!(spans, [(5, 5, true), (10, 3, false), (13, 5, true), (18, 2, false)]);
 //! ```
 
 #![forbid(unsafe_code)]

@@ -306,7 +306,7 @@ impl Parser<'_> {
         let mut children = Vec::new();
         for c in node.children() {
             if c.is_text() {
-                if let Some((_, tpos)) = xml::text(c) {
+                if let Some(tpos) = xml::non_space(c) {
                     return Err(Error::new(tpos, ErrorKind::TextInImport { module: name }));
                 }
             } else if c.is_element() {

@@ -195,7 +195,7 @@ impl Parser {
                     let mut members = Vec::new();
                     for m in c.children() {
                         if m.is_text() {
-                            if let Some((_, pos)) = xml::text(m) {
+                            if let Some(pos) = xml::non_space(m) {
                                 return Err(Error::new(pos, ErrorKind::TextInUnion));
                             }
                         } else if m.is_element() {

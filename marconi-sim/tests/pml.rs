@@ -73,23 +73,24 @@ fn travel_bytes_json() {
         segments(&o),
         [
             seg(None, "anonymous", 0, 15, true),
-            seg(Some("travel-plan"), "module", 15, 7, true),
-            seg(Some("days"), "param", 22, 2, false),
-            seg(Some("travel-plan"), "module", 26, 5, true),
-            seg(Some("overseas"), "module", 31, 7, true),
-            seg(Some("rome"), "module", 38, 12, true),
-            seg(Some("overseas"), "module", 50, 9, true),
-            seg(Some("travel-plan"), "module", 59, 4, true),
-            seg(None, "anonymous", 63, 15, true),
-            seg(None, "text", 78, 9, false),
+            seg(Some("travel-plan"), "module", 15, 8, true),
+            seg(Some("days"), "param", 23, 2, false),
+            seg(Some("travel-plan"), "module", 27, 6, true),
+            seg(Some("overseas"), "module", 33, 7, true),
+            seg(Some("rome"), "module", 40, 12, true),
+            seg(Some("overseas"), "module", 52, 9, true),
+            seg(Some("travel-plan"), "module", 61, 4, true),
+            seg(None, "anonymous", 65, 15, true),
+            seg(None, "text", 80, 9, false),
         ]
     );
 }
 
 #[test]
 fn figure2_tiktoken_json() {
-    // cl100k_base: "Plan a trip of" 4 tokens, "3 days" 2, "." 1; the union
-    // (tokyo 9 tokens, miami 7) starts at 7 and ends at 16; the prompt's
+    // cl100k_base: "Plan a trip of " 5 tokens (the space before the
+    // parameter is text, its own token), "3 days" 2, "." 1; the union
+    // (tokyo 9 tokens, miami 7) starts at 8 and ends at 17; the prompt's
     // text follows miami's end.
     let o = pml(
         &fixture("figure2_schema.xml"),
@@ -99,11 +100,11 @@ fn figure2_tiktoken_json() {
     assert_eq!(
         segments(&o),
         [
-            seg(Some("trip-plan"), "module", 0, 4, true),
-            seg(Some("duration"), "param", 4, 2, false),
-            seg(Some("trip-plan"), "module", 6, 1, true),
-            seg(Some("miami"), "module", 7, 7, true),
-            seg(None, "text", 14, 5, false),
+            seg(Some("trip-plan"), "module", 0, 5, true),
+            seg(Some("duration"), "param", 5, 2, false),
+            seg(Some("trip-plan"), "module", 7, 1, true),
+            seg(Some("miami"), "module", 8, 7, true),
+            seg(None, "text", 15, 5, false),
         ]
     );
 }
@@ -198,9 +199,9 @@ fn replay_json(args: &[&str]) -> serde_json::Value {
 
 #[test]
 fn replay_two_prompts_by_hand() {
-    // Figure 2 twice, cl100k_base: 19 tokens each, 12 of module content.
+    // Figure 2 twice, cl100k_base: 20 tokens each, 13 of module content.
     // The second prompt's two imports hit. Exact: trip-plan's first piece
-    // (0..4; the argument ends the run). Composed, window 16: the later
+    // (0..5; the argument ends the run). Composed, window 16: the later
     // pieces are 1 and 7 tokens long, all recomputed.
     let (s, p) = (fixture("figure2_schema.xml"), fixture("figure2_prompt.xml"));
     let v = replay_json(&[
@@ -222,7 +223,7 @@ fn replay_two_prompts_by_hand() {
             n("imports"),
             n("module_hits")
         ],
-        [2, 38, 24, 4, 2]
+        [2, 40, 26, 4, 2]
     );
     assert_eq!(
         [
@@ -230,7 +231,7 @@ fn replay_two_prompts_by_hand() {
             n("reused_exact"),
             n("reused_composed")
         ],
-        [24, 8, 8]
+        [26, 10, 10]
     );
     assert_eq!(v["module_hit_rate"].as_f64(), Some(0.5));
 }
@@ -296,9 +297,9 @@ fn replay_refuses_bad_input() {
 
 #[test]
 fn replay_through_the_module_store_shows_pinning_and_eviction() {
-    // paper-7b-attn: 512 KiB of KV per token. Under tiktoken the travel
-    // schema's modules take 21 MiB and figure 2's 11.5 MiB: at 30 MiB both
-    // cannot be pinned at once.
+    // paper-7b-attn: 512 KiB of KV per token. Under tiktoken the two
+    // schemas' modules take 34 MiB together: at 30 MiB both cannot be
+    // pinned at once.
     let (a, b) = (fixture("travel_schema.xml"), fixture("figure2_schema.xml"));
     let run = |budget: &str| {
         replay_json(&[
@@ -321,7 +322,7 @@ fn replay_through_the_module_store_shows_pinning_and_eviction() {
     let roomy = run("64");
     let st = &roomy["store"];
     assert_eq!(st["mode"], "attention");
-    assert_eq!(st["all_modules_bytes"].as_u64(), Some(34_078_720));
+    assert_eq!(st["all_modules_bytes"].as_u64(), Some(35_651_584));
     let (pinned, per_prompt) = (&st["runs"][0], &st["runs"][1]);
     assert_eq!(pinned["registration"], "pinned");
     assert_eq!(pinned["schemas_registered"].as_u64(), Some(2));

@@ -146,12 +146,24 @@ impl Keyer {
     /// The chained block hashes of `tokens`' full blocks (what vLLM's
     /// `BlockStored` events carry for them).
     pub fn chain(&self, tokens: &[u32]) -> Vec<Digest32> {
-        self.hasher.chain(tokens, self.cfg.block_size, self.cfg.ns)
+        self.chain_ns(self.cfg.ns, tokens)
+    }
+
+    /// [`chain`](Self::chain) in cache namespace `ns` (the extra key of
+    /// every block hash) instead of the configured one.
+    pub fn chain_ns(&self, ns: u64, tokens: &[u32]) -> Vec<Digest32> {
+        self.hasher.chain(tokens, self.cfg.block_size, ns)
     }
 
     /// The keys of `tokens`' full blocks, from block 0.
     pub fn kv_keys(&self, tokens: &[u32]) -> Vec<StoreKey> {
-        self.chain(tokens)
+        self.kv_keys_ns(self.cfg.ns, tokens)
+    }
+
+    /// [`kv_keys`](Self::kv_keys) in namespace `ns`: no key of another
+    /// namespace equals one of these.
+    pub fn kv_keys_ns(&self, ns: u64, tokens: &[u32]) -> Vec<StoreKey> {
+        self.chain_ns(ns, tokens)
             .iter()
             .enumerate()
             .map(|(i, d)| self.derive(KeyKind::Kv, (i as u64 + 1) * self.cfg.block_size as u64, d))
@@ -163,17 +175,22 @@ impl Keyer {
     /// as a block of their own. `None` when `position` is 0 or past the
     /// tokens.
     pub fn state_key(&self, tokens: &[u32], position: usize) -> Option<StoreKey> {
+        self.state_key_ns(self.cfg.ns, tokens, position)
+    }
+
+    /// [`state_key`](Self::state_key) in namespace `ns`.
+    pub fn state_key_ns(&self, ns: u64, tokens: &[u32], position: usize) -> Option<StoreKey> {
         if position == 0 || position > tokens.len() {
             return None;
         }
         let bs = self.cfg.block_size;
         let full = position / bs;
-        let chain = self.chain(&tokens[..full * bs]);
+        let chain = self.chain_ns(ns, &tokens[..full * bs]);
         let tail = &tokens[full * bs..position];
         let digest = if tail.is_empty() {
             *chain.last()?
         } else {
-            self.hasher.hash_block(chain.last(), tail, self.cfg.ns)
+            self.hasher.hash_block(chain.last(), tail, ns)
         };
         Some(self.derive(KeyKind::State, position as u64, &digest))
     }
@@ -182,6 +199,16 @@ impl Keyer {
     /// with the block chain hashed once for all of them: what a probe of
     /// many candidate positions of one input asks for.
     pub fn state_keys(&self, tokens: &[u32], positions: &[usize]) -> Vec<Option<StoreKey>> {
+        self.state_keys_ns(self.cfg.ns, tokens, positions)
+    }
+
+    /// [`state_keys`](Self::state_keys) in namespace `ns`.
+    pub fn state_keys_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        positions: &[usize],
+    ) -> Vec<Option<StoreKey>> {
         let bs = self.cfg.block_size;
         let top = positions
             .iter()
@@ -189,7 +216,7 @@ impl Keyer {
             .filter(|&p| p <= tokens.len())
             .max()
             .unwrap_or(0);
-        let chain = self.chain(&tokens[..top / bs * bs]);
+        let chain = self.chain_ns(ns, &tokens[..top / bs * bs]);
         positions
             .iter()
             .map(|&position| {
@@ -202,7 +229,7 @@ impl Keyer {
                 let digest = if tail.is_empty() {
                     *before?
                 } else {
-                    self.hasher.hash_block(before, tail, self.cfg.ns)
+                    self.hasher.hash_block(before, tail, ns)
                 };
                 Some(self.derive(KeyKind::State, position as u64, &digest))
             })

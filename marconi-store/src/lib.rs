@@ -29,6 +29,7 @@ pub mod envelope;
 mod error;
 mod key;
 mod redis_store;
+mod resp;
 mod tier;
 
 pub use callback::{CallbackStore, Callbacks, DeleteFn, ExistsFn, GetFn, PutFn};

@@ -1,12 +1,13 @@
-//! A store in Redis or Valkey, through the `redis` crate's synchronous
-//! connections.
+//! A store in Redis or Valkey, over RESP2 connections of its own (the
+//! `redis` crate parses the URL), so that every call is bounded as a whole.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use redis::{Client, Connection, RedisWrite, ToRedisArgs, Value};
+use redis::{Client, ConnectionInfo};
 
 use crate::error::{ConfigError, StoreError};
+use crate::resp::{command, Conn, Failure, Reply};
 use crate::{check_names, Fetched, Store};
 
 /// How a [`RedisStore`] connects.
@@ -14,8 +15,9 @@ use crate::{check_names, Fetched, Store};
 pub struct RedisConfig {
     /// `redis://[user:password@]host:port[/db]` (or `unix:///path`).
     pub url: String,
-    /// The bound of each read and write on the socket (each call is one
-    /// pipelined round trip). Default 50 ms.
+    /// The bound of each call as a whole (one pipelined round trip: the
+    /// request written and every reply read, however slowly the server
+    /// sends it). Default 50 ms.
     pub timeout: Duration,
     /// The bound of opening a connection (TCP connect and handshake).
     /// Default 50 ms.
@@ -59,16 +61,20 @@ struct Backoff {
 /// Redis or Valkey as a store: batches are pipelines (`EXISTS`, bounded
 /// `GETRANGE`, `SET`), each a single round trip on one connection.
 ///
-/// Connections are opened lazily, with `connect_timeout`; every socket
-/// read and write is bounded by `timeout`. A connection whose call failed
-/// is dropped (its stream's state is unknown); a failure to connect, or an
-/// I/O failure or timeout on a call, starts a backoff during which calls
-/// fail at once with [`StoreError::Unavailable`], so a dead store costs a
-/// request nothing. Calls from several threads use separate connections.
+/// Connections are opened lazily; opening one (connect and handshake) is
+/// bounded by `connect_timeout`, and each call (its request written, every
+/// reply read) by `timeout` as a whole: a server that trickles its reply
+/// gets no fresh timeout per read. A reply larger than the values asked
+/// for is refused before it is read. A connection whose call failed is
+/// dropped (its stream's state is unknown); a failure to connect, or an
+/// I/O failure, timeout or garbled reply on a call, starts a backoff during
+/// which calls fail at once with [`StoreError::Unavailable`], so a dead or
+/// hostile store costs a request nothing. Calls from several threads use
+/// separate connections.
 pub struct RedisStore {
-    client: Client,
+    info: ConnectionInfo,
     cfg: RedisConfig,
-    idle: Mutex<Vec<Connection>>,
+    idle: Mutex<Vec<Conn>>,
     backoff: Mutex<Backoff>,
 }
 
@@ -86,6 +92,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Bytes of a reply line around a value (`$n\r\n`, CRLF) or of a short
+/// reply (`:1\r\n`, `+OK\r\n`, an error line).
+const REPLY_OVERHEAD: usize = 64;
+
 impl RedisStore {
     /// A store for `cfg` (no connection is opened yet).
     pub fn new(cfg: RedisConfig) -> Result<RedisStore, ConfigError> {
@@ -96,8 +106,15 @@ impl RedisStore {
         }
         let client = Client::open(cfg.url.as_str())
             .map_err(|e| ConfigError(format!("redis url {:?}: {e}", cfg.url)))?;
+        let info = client.get_connection_info().clone();
+        if matches!(info.addr, redis::ConnectionAddr::TcpTls { .. }) {
+            return Err(ConfigError(format!(
+                "redis url {:?}: TLS is not supported",
+                cfg.url
+            )));
+        }
         Ok(RedisStore {
-            client,
+            info,
             backoff: Mutex::new(Backoff {
                 until: None,
                 next: cfg.backoff,
@@ -119,7 +136,7 @@ impl RedisStore {
         lock(&self.idle).clear();
     }
 
-    fn connection(&self) -> Result<Connection, StoreError> {
+    fn connection(&self) -> Result<Conn, StoreError> {
         if let Some(c) = lock(&self.idle).pop() {
             return Ok(c);
         }
@@ -133,15 +150,7 @@ impl RedisStore {
                 }
             }
         }
-        let con = self
-            .client
-            .get_connection_with_timeout(self.cfg.connect_timeout)
-            .and_then(|c| {
-                c.set_read_timeout(Some(self.cfg.timeout))?;
-                c.set_write_timeout(Some(self.cfg.timeout))?;
-                Ok(c)
-            });
-        match con {
+        match Conn::open(&self.info, Instant::now() + self.cfg.connect_timeout) {
             Ok(c) => {
                 let mut b = lock(&self.backoff);
                 b.until = None;
@@ -150,60 +159,69 @@ impl RedisStore {
             }
             Err(e) => {
                 self.fail();
-                Err(if e.is_timeout() {
-                    StoreError::Timeout(self.cfg.connect_timeout)
-                } else {
-                    StoreError::Unavailable(e.to_string())
+                Err(match e {
+                    Failure::Timeout => StoreError::Timeout(self.cfg.connect_timeout),
+                    Failure::Io(m) | Failure::Protocol(m) => StoreError::Unavailable(m),
                 })
             }
         }
     }
 
-    /// Runs `pipe` on a connection: one round trip.
-    fn run(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, StoreError> {
+    /// Runs `n` pipelined commands (`request`) on a connection: one round
+    /// trip, bounded by `timeout` as a whole, its replies by
+    /// `max_reply_bytes`. An error reply fails the call.
+    fn run(
+        &self,
+        request: &[u8],
+        n: usize,
+        max_reply_bytes: usize,
+    ) -> Result<Vec<Reply>, StoreError> {
         let mut con = self.connection()?;
-        match pipe.query::<Vec<Value>>(&mut con) {
+        let deadline = Instant::now() + self.cfg.timeout;
+        match con.exchange(request, n, max_reply_bytes, deadline) {
             Ok(v) => {
+                if let Some(Reply::Error(e)) = v.iter().find(|r| matches!(r, Reply::Error(_))) {
+                    // A server error reply (WRONGTYPE, OOM, READONLY...):
+                    // the stream is in a known state, but the connection
+                    // is dropped anyway.
+                    return Err(StoreError::Failed(e.clone()));
+                }
                 let mut idle = lock(&self.idle);
                 if idle.len() < self.cfg.max_idle {
                     idle.push(con);
                 }
                 Ok(v)
             }
-            Err(e) if e.is_timeout() => {
+            Err(Failure::Timeout) => {
                 self.fail();
                 Err(StoreError::Timeout(self.cfg.timeout))
             }
-            Err(e) if e.is_io_error() || e.is_connection_dropped() => {
+            Err(Failure::Io(m)) => {
                 self.fail();
-                Err(StoreError::Unavailable(e.to_string()))
+                Err(StoreError::Unavailable(m))
             }
-            // A server error reply (WRONGTYPE, OOM, READONLY...): the
-            // connection is in a known state and is dropped anyway.
-            Err(e) => Err(StoreError::Failed(e.to_string())),
+            Err(Failure::Protocol(m)) => {
+                self.fail();
+                Err(StoreError::Failed(format!(
+                    "not a reply to the request: {m}"
+                )))
+            }
         }
+    }
+
+    /// Runs commands that each answer a short reply.
+    fn run_short(&self, request: &[u8], n: usize) -> Result<Vec<Reply>, StoreError> {
+        self.run(request, n, n.saturating_mul(REPLY_OVERHEAD))
     }
 }
 
-/// An object given in two parts, written as one argument straight into the
-/// command buffer (no joined copy first).
-struct Parts<'a>([&'a [u8]; 2]);
-
-impl ToRedisArgs for Parts<'_> {
-    fn write_redis_args<W>(&self, out: &mut W)
-    where
-        W: ?Sized + RedisWrite,
-    {
-        let mut w = out.writer_for_next_arg();
-        for p in self.0 {
-            // The writer appends to the command's Vec: it cannot fail.
-            let _ = std::io::Write::write_all(&mut w, p);
-        }
-    }
-}
-
-fn unexpected(what: &str, v: &Value) -> StoreError {
+fn unexpected(what: &str, v: &Reply) -> StoreError {
     StoreError::Failed(format!("unexpected reply to {what}: {v:?}"))
+}
+
+/// The `EX ttl` arguments of a SET, when objects expire.
+fn ttl_args(ttl_s: u64) -> Option<String> {
+    (ttl_s > 0).then(|| ttl_s.to_string())
 }
 
 impl Store for RedisStore {
@@ -220,17 +238,14 @@ impl Store for RedisStore {
         if names.is_empty() {
             return Ok(Vec::new());
         }
-        let mut p = redis::pipe();
+        let mut req = Vec::new();
         for n in names {
-            p.cmd("EXISTS").arg(*n);
+            command(&mut req, &[&[b"EXISTS"], &[n.as_bytes()]]);
         }
-        let r = self.run(&p)?;
-        if r.len() != names.len() {
-            return Err(StoreError::Failed("EXISTS: wrong number of replies".into()));
-        }
+        let r = self.run_short(&req, names.len())?;
         r.iter()
             .map(|v| match v {
-                Value::Int(i) => Ok(*i > 0),
+                Reply::Int(i) => Ok(*i > 0),
                 v => Err(unexpected("EXISTS", v)),
             })
             .collect()
@@ -244,41 +259,31 @@ impl Store for RedisStore {
         // GETRANGE k 0 max returns at most max + 1 bytes (the end is
         // inclusive), so a larger object is seen without being read, and an
         // absent key is "" (no envelope is empty).
-        let mut p = redis::pipe();
+        let mut req = Vec::new();
+        let end = max_bytes.to_string();
         for n in names {
-            p.cmd("GETRANGE").arg(*n).arg(0).arg(max_bytes);
+            command(
+                &mut req,
+                &[&[b"GETRANGE"], &[n.as_bytes()], &[b"0"], &[end.as_bytes()]],
+            );
         }
-        let r = self.run(&p)?;
-        if r.len() != names.len() {
-            return Err(StoreError::Failed(
-                "GETRANGE: wrong number of replies".into(),
-            ));
-        }
+        let per = max_bytes.saturating_add(1 + REPLY_OVERHEAD);
+        let r = self.run(&req, names.len(), per.saturating_mul(names.len()))?;
         r.into_iter()
             .map(|v| match v {
-                Value::BulkString(b) if b.is_empty() => Ok(Fetched::Absent),
-                Value::BulkString(b) if b.len() > max_bytes => Ok(Fetched::Oversized),
-                Value::BulkString(b) => Ok(Fetched::Value(b)),
-                Value::Nil => Ok(Fetched::Absent),
+                Reply::Bulk(Some(b)) if b.is_empty() => Ok(Fetched::Absent),
+                Reply::Bulk(Some(b)) if b.len() > max_bytes => Ok(Fetched::Oversized),
+                Reply::Bulk(Some(b)) => Ok(Fetched::Value(b)),
+                Reply::Bulk(None) => Ok(Fetched::Absent),
                 v => Err(unexpected("GETRANGE", &v)),
             })
             .collect()
     }
 
     fn batch_put(&self, items: &[(&str, &[u8])]) -> Result<(), StoreError> {
-        check_names(items.iter().map(|(n, _)| *n))?;
-        if items.is_empty() {
-            return Ok(());
-        }
-        let mut p = redis::pipe();
-        for (n, b) in items {
-            p.cmd("SET").arg(*n).arg(*b);
-            if self.cfg.ttl_s > 0 {
-                p.arg("EX").arg(self.cfg.ttl_s);
-            }
-            p.ignore();
-        }
-        self.run(&p).map(drop)
+        let parts: Vec<(&str, [&[u8]; 2])> =
+            items.iter().map(|(n, b)| (*n, [*b, &[][..]])).collect();
+        self.batch_put_parts(&parts)
     }
 
     fn batch_put_parts(&self, items: &[(&str, [&[u8]; 2])]) -> Result<(), StoreError> {
@@ -286,15 +291,28 @@ impl Store for RedisStore {
         if items.is_empty() {
             return Ok(());
         }
-        let mut p = redis::pipe();
+        let ttl = ttl_args(self.cfg.ttl_s);
+        let mut req = Vec::new();
         for (n, parts) in items {
-            p.cmd("SET").arg(*n).arg(Parts(*parts));
-            if self.cfg.ttl_s > 0 {
-                p.arg("EX").arg(self.cfg.ttl_s);
+            match &ttl {
+                Some(t) => command(
+                    &mut req,
+                    &[
+                        &[b"SET"],
+                        &[n.as_bytes()],
+                        &parts[..],
+                        &[b"EX"],
+                        &[t.as_bytes()],
+                    ],
+                ),
+                None => command(&mut req, &[&[b"SET"], &[n.as_bytes()], &parts[..]]),
             }
-            p.ignore();
         }
-        self.run(&p).map(drop)
+        let r = self.run_short(&req, items.len())?;
+        match r.iter().find(|v| !matches!(v, Reply::Status(_))) {
+            Some(v) => Err(unexpected("SET", v)),
+            None => Ok(()),
+        }
     }
 
     fn delete(&self, names: &[&str]) -> Result<(), StoreError> {
@@ -302,12 +320,17 @@ impl Store for RedisStore {
         if names.is_empty() {
             return Ok(());
         }
-        let mut p = redis::pipe();
-        p.cmd("DEL");
-        for n in names {
-            p.arg(*n);
+        let mut args: Vec<&[&[u8]]> = Vec::with_capacity(names.len() + 1);
+        let del: &[&[u8]] = &[b"DEL"];
+        args.push(del);
+        let keys: Vec<[&[u8]; 1]> = names.iter().map(|n| [n.as_bytes()]).collect();
+        args.extend(keys.iter().map(|k| &k[..]));
+        let mut req = Vec::new();
+        command(&mut req, &args);
+        match self.run_short(&req, 1)?.as_slice() {
+            [Reply::Int(_)] => Ok(()),
+            [v] => Err(unexpected("DEL", v)),
+            _ => Err(StoreError::Failed("DEL: no reply".into())),
         }
-        p.ignore();
-        self.run(&p).map(drop)
     }
 }

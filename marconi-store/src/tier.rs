@@ -295,13 +295,20 @@ impl StoreTier {
         }
     }
 
-    fn state_key(&self, tokens: &[u32], position: usize) -> Result<StoreKey, StoreError> {
-        self.keyer.state_key(tokens, position).ok_or_else(|| {
-            StoreError::Invalid(format!(
-                "state position {position} is not in 1..={}",
-                tokens.len()
-            ))
-        })
+    /// The namespace of the calls without one: the keyer's configured `ns`.
+    pub fn default_ns(&self) -> u64 {
+        self.keyer.config().ns
+    }
+
+    fn state_key(&self, ns: u64, tokens: &[u32], position: usize) -> Result<StoreKey, StoreError> {
+        self.keyer
+            .state_key_ns(ns, tokens, position)
+            .ok_or_else(|| {
+                StoreError::Invalid(format!(
+                    "state position {position} is not in 1..={}",
+                    tokens.len()
+                ))
+            })
     }
 
     fn put(&self, keys: &[StoreKey], payloads: &[&[u8]]) -> Result<(), StoreError> {
@@ -401,7 +408,19 @@ impl StoreTier {
         position: usize,
         value: &[u8],
     ) -> Result<(), StoreError> {
-        let key = self.state_key(tokens, position)?;
+        self.put_state_ns(self.default_ns(), tokens, position, value)
+    }
+
+    /// [`put_state`](Self::put_state) in cache namespace `ns`: read only
+    /// by calls in `ns` (the key and the envelope's key derive from it).
+    pub fn put_state_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        position: usize,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
+        let key = self.state_key(ns, tokens, position)?;
         self.put(&[key], &[value])
     }
 
@@ -409,23 +428,44 @@ impl StoreTier {
     /// a position not in `1..=tokens.len()`; everything the store does
     /// wrong is a miss.
     pub fn get_state(&self, tokens: &[u32], position: usize) -> Result<Lookup, StoreError> {
-        let key = self.state_key(tokens, position)?;
+        self.get_state_ns(self.default_ns(), tokens, position)
+    }
+
+    /// [`get_state`](Self::get_state) in namespace `ns`.
+    pub fn get_state_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        position: usize,
+    ) -> Result<Lookup, StoreError> {
+        let key = self.state_key(ns, tokens, position)?;
         Ok(self.get(&[key], None, false).remove(0))
     }
 
     /// Removes the state after `tokens[..position]`.
     pub fn delete_state(&self, tokens: &[u32], position: usize) -> Result<(), StoreError> {
-        let key = self.state_key(tokens, position)?;
+        self.delete_state_ns(self.default_ns(), tokens, position)
+    }
+
+    /// [`delete_state`](Self::delete_state) in namespace `ns`.
+    pub fn delete_state_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        position: usize,
+    ) -> Result<(), StoreError> {
+        let key = self.state_key(ns, tokens, position)?;
         self.store.delete(&[&self.name(&key)])
     }
 
     fn kv_range(
         &self,
+        ns: u64,
         tokens: &[u32],
         first_block: usize,
         n: usize,
     ) -> Result<Vec<StoreKey>, StoreError> {
-        let keys = self.keyer.kv_keys(tokens);
+        let keys = self.keyer.kv_keys_ns(ns, tokens);
         match first_block.checked_add(n) {
             Some(end) if end <= keys.len() => Ok(keys[first_block..end].to_vec()),
             _ => Err(StoreError::Invalid(format!(
@@ -443,7 +483,18 @@ impl StoreTier {
         first_block: usize,
         blocks: &[&[u8]],
     ) -> Result<(), StoreError> {
-        let keys = self.kv_range(tokens, first_block, blocks.len())?;
+        self.put_kv_ns(self.default_ns(), tokens, first_block, blocks)
+    }
+
+    /// [`put_kv`](Self::put_kv) in namespace `ns`.
+    pub fn put_kv_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        first_block: usize,
+        blocks: &[&[u8]],
+    ) -> Result<(), StoreError> {
+        let keys = self.kv_range(ns, tokens, first_block, blocks.len())?;
         self.put(&keys, blocks)
     }
 
@@ -457,7 +508,25 @@ impl StoreTier {
         max_blocks: usize,
         block_bytes: Option<usize>,
     ) -> Result<Vec<Payload>, StoreError> {
-        let all = self.keyer.kv_keys(tokens);
+        self.get_kv_ns(
+            self.default_ns(),
+            tokens,
+            first_block,
+            max_blocks,
+            block_bytes,
+        )
+    }
+
+    /// [`get_kv`](Self::get_kv) in namespace `ns`.
+    pub fn get_kv_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        first_block: usize,
+        max_blocks: usize,
+        block_bytes: Option<usize>,
+    ) -> Result<Vec<Payload>, StoreError> {
+        let all = self.keyer.kv_keys_ns(ns, tokens);
         if first_block > all.len() {
             return Err(StoreError::Invalid(format!(
                 "first block {first_block}: the tokens have {} full blocks",
@@ -483,7 +552,17 @@ impl StoreTier {
     /// `batch_exists`; a hint: a later read verifies). `None` when the
     /// store fails (counted as one miss of its kind).
     pub fn states_exist(&self, tokens: &[u32], positions: &[usize]) -> Option<Vec<bool>> {
-        let keys = self.keyer.state_keys(tokens, positions);
+        self.states_exist_ns(self.default_ns(), tokens, positions)
+    }
+
+    /// [`states_exist`](Self::states_exist) in namespace `ns`.
+    pub fn states_exist_ns(
+        &self,
+        ns: u64,
+        tokens: &[u32],
+        positions: &[usize],
+    ) -> Option<Vec<bool>> {
+        let keys = self.keyer.state_keys_ns(ns, tokens, positions);
         let names: Vec<Option<String>> = keys.iter().map(|k| k.map(|k| self.name(&k))).collect();
         let refs: Vec<&str> = names.iter().flatten().map(String::as_str).collect();
         if refs.is_empty() {
@@ -514,7 +593,12 @@ impl StoreTier {
     /// has (one `batch_exists`; a hint: a later read verifies). 0 when the
     /// store fails.
     pub fn kv_prefix(&self, tokens: &[u32]) -> usize {
-        let keys = self.keyer.kv_keys(tokens);
+        self.kv_prefix_ns(self.default_ns(), tokens)
+    }
+
+    /// [`kv_prefix`](Self::kv_prefix) in namespace `ns`.
+    pub fn kv_prefix_ns(&self, ns: u64, tokens: &[u32]) -> usize {
+        let keys = self.keyer.kv_keys_ns(ns, tokens);
         if keys.is_empty() {
             return 0;
         }

@@ -885,6 +885,21 @@ SIGNATURES = {
         [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
     ),
     "marconi_store_kv_prefix": (status_t, [_store_p, _u32_p, c_size_t, _size_p]),
+    "marconi_store_put_state_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t]),
+    "marconi_store_get_state_ns": (
+        status_t,
+        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t, _size_p, _u32_p],
+    ),
+    "marconi_store_delete_state_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, c_size_t]),
+    "marconi_store_put_kv_ns": (
+        status_t,
+        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t],
+    ),
+    "marconi_store_get_kv_ns": (
+        status_t,
+        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
+    ),
+    "marconi_store_kv_prefix_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
     # The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
     "marconi_tiered_config_init": (status_t, [POINTER(marconi_tiered_config), c_size_t]),

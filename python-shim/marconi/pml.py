@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import _lib, _pml_abi
+from ._convert import OutOfRangeError, _u32, _u64, _uint
+from ._handle import _Guarded
 from .cache import MarconiError, _check, _Closing, last_error
 
 Tokenizer = Callable[[str], Sequence[int]]
@@ -126,10 +128,27 @@ def _u8(data: bytes):
     return ctypes.cast(ctypes.c_char_p(data), POINTER(c_uint8))
 
 
-class Schema(_Closing):
-    """A registered schema (marconi_pml_schema_new). Thread-safe for layouts."""
+_I32_MAX = 2**31 - 1
+
+
+def _index(value, name: str, lo: int = 0) -> int:
+    """`value` as an int32 index in [lo, 2**31 - 1] (TypeError for a
+    non-integer, OutOfRangeError outside)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    v = value.__index__()
+    if not lo <= v <= _I32_MAX:
+        raise OutOfRangeError(f"{name}: {v} does not fit in [{lo}, {_I32_MAX}]")
+    return v
+
+
+class Schema(_Guarded, _Closing):
+    """A registered schema (marconi_pml_schema_new). Thread-safe for
+    layouts; close() raises RuntimeError while a call runs (on another
+    thread, or from the tokenizer a layout calls)."""
 
     def __init__(self, xml, tokenizer: Optional[Tokenizer] = None):
+        self._guard_init("schema")
         lib = _lib.load()
         data = _bytes(xml)
         cb = _Callback(tokenizer)
@@ -148,17 +167,16 @@ class Schema(_Closing):
         self.namespace = ns.value
         """The cache namespace of this schema (with this tokenizer)."""
 
-    def _handle(self) -> c_void_p:
-        if self._h is None:
-            raise ValueError("schema is closed")
-        return self._h
-
     def name_of(self, module: int, param: int = -1) -> str:
-        """The name of module `module` or of its parameter `param`."""
+        """The name of module `module` or of its parameter `param` (-1: the
+        module's own name)."""
+        module = _index(module, "module")
+        param = _index(param, "param", -1)
         lib = _lib.load()
-        n = lib.marconi_pml_name(self._handle(), module, param, None, 0)
-        buf = ctypes.create_string_buffer(n + 1)
-        lib.marconi_pml_name(self._handle(), module, param, buf, n + 1)
+        with self._using() as h:
+            n = lib.marconi_pml_name(h, module, param, None, 0)
+            buf = ctypes.create_string_buffer(n + 1)
+            lib.marconi_pml_name(h, module, param, buf, n + 1)
         return buf.value.decode("utf-8")
 
     def layout(self, prompt, tokenizer: Optional[Tokenizer] = None) -> Layout:
@@ -173,10 +191,11 @@ class Schema(_Closing):
             toks = (c_uint32 * cap_t)()
             ns, nt = c_size_t(), c_size_t()
             err = _pml_abi.marconi_pml_error()
-            status = lib.marconi_pml_layout(
-                self._handle(), _u8(data), len(data), cb.fn, None,
-                segs, cap_s, byref(ns), toks, cap_t, byref(nt), byref(err),
-            )
+            with self._using() as h:
+                status = lib.marconi_pml_layout(
+                    h, _u8(data), len(data), cb.fn, None,
+                    segs, cap_s, byref(ns), toks, cap_t, byref(nt), byref(err),
+                )
             cb.reraise()
             if status == _BUFFER_TOO_SMALL:
                 cap_s, cap_t = max(ns.value, 1), max(nt.value, 1)
@@ -203,10 +222,9 @@ class Schema(_Closing):
         return Layout(out, self, raw)
 
     def close(self) -> None:
-        """Frees the schema (marconi_pml_schema_free); later calls raise ValueError."""
-        if self._h is not None:
-            _lib.load().marconi_pml_schema_free(self._h)
-            self._h = None
+        """Frees the schema (marconi_pml_schema_free); later calls raise
+        ValueError. Idempotent; RuntimeError while a call runs."""
+        self._close_with(lambda h: _lib.load().marconi_pml_schema_free(h))
 
     def __reduce__(self):
         raise TypeError("a marconi.pml.Schema cannot be pickled or copied")
@@ -242,7 +260,7 @@ class Served(_ServedFields):
     in_run: bool = False
 
 
-class ModuleCache(_Closing):
+class ModuleCache(_Guarded, _Closing):
     """The module store (marconi_pml_cache_*): a registered schema's module
     entries pinned in a byte budget, evicted by utility once unregistered.
 
@@ -262,6 +280,7 @@ class ModuleCache(_Closing):
         flops_per_token: float = 1.0,
         flops_per_token_squared: float = 0.0,
     ):
+        self._guard_init("module cache")
         lib = _lib.load()
         cfg = _pml_abi.marconi_pml_cache_config()
         _check(lib.marconi_pml_cache_config_init(byref(cfg), ctypes.sizeof(cfg)), "marconi_pml_cache_config_init")
@@ -285,26 +304,22 @@ class ModuleCache(_Closing):
         """Whether the model has recurrent state (modes exact and composed)."""
         self._ids: dict = {}
 
-    def _handle(self) -> c_void_p:
-        if self._h is None:
-            raise ValueError("module cache is closed")
-        return self._h
-
     def register(self, schema: Schema) -> int:
         """Registers `schema`: reserves and pins all its module entries
         (MarconiError OUT_OF_MEMORY when they do not fit beside those
         already pinned). Returns its id."""
+        if not isinstance(schema, Schema):
+            raise TypeError(f"schema: expected a Schema, got {type(schema).__name__}")
         sid = c_uint64()
-        _check(
-            _lib.load().marconi_pml_cache_register(self._handle(), schema._handle(), byref(sid)),
-            "marconi_pml_cache_register",
-        )
+        with self._using() as h, schema._using() as sh:
+            st = _lib.load().marconi_pml_cache_register(h, sh, byref(sid))
+        _check(st, "marconi_pml_cache_register")
         self._ids.setdefault(schema.namespace, []).append(sid.value)
         return sid.value
 
     def _id(self, schema) -> int:
         if isinstance(schema, int) and not isinstance(schema, bool):
-            return schema
+            return _u64(schema, "schema id")
         ids = self._ids.get(getattr(schema, "namespace", None))
         if not ids:
             raise ValueError("schema is not registered in this module cache")
@@ -314,7 +329,9 @@ class ModuleCache(_Closing):
         """Drops one registration of `schema` (a Schema or its id); at the
         last its module entries become evictable."""
         sid = self._id(schema)
-        _check(_lib.load().marconi_pml_cache_unregister(self._handle(), sid), "marconi_pml_cache_unregister")
+        with self._using() as h:
+            st = _lib.load().marconi_pml_cache_unregister(h, sid)
+        _check(st, "marconi_pml_cache_unregister")
         for ns, ids in list(self._ids.items()):
             if sid in ids:
                 ids.remove(sid)
@@ -332,15 +349,14 @@ class ModuleCache(_Closing):
             raise ValueError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
         if not isinstance(layout, Layout):
             raise TypeError("layout must come from Schema.layout")
+        window = _u32(window, "window")
         n = len(layout)
         out = (_pml_abi.marconi_pml_served * max(n, 1))()
         n_out = c_size_t()
-        _check(
-            _lib.load().marconi_pml_cache_lookup(
-                self._handle(), self._id(layout.schema), layout._raw, n, MODES[mode], window, out, n, byref(n_out)
-            ),
-            "marconi_pml_cache_lookup",
-        )
+        sid = self._id(layout.schema)
+        with self._using() as h:
+            st = _lib.load().marconi_pml_cache_lookup(h, sid, layout._raw, n, MODES[mode], window, out, n, byref(n_out))
+        _check(st, "marconi_pml_cache_lookup")
         result = []
         for g, o in zip(layout, out[: n_out.value]):
             r = Served(g.name, g.kind, o.start, o.len, SERVED[o.how])
@@ -362,12 +378,12 @@ class ModuleCache(_Closing):
                 raise ValueError(f"schema has no module named {module_name!r}")
             kind = 0
         else:
-            kind, index = 1, anonymous
+            kind, index = 1, _u32(anonymous, "anonymous")
         entry = c_uint64()
-        _check(
-            _lib.load().marconi_pml_cache_admit(self._handle(), self._id(schema), kind, index, byref(entry)),
-            "marconi_pml_cache_admit",
-        )
+        sid = self._id(schema)
+        with self._using() as h:
+            st = _lib.load().marconi_pml_cache_admit(h, sid, kind, index, byref(entry))
+        _check(st, "marconi_pml_cache_admit")
         return entry.value
 
     def admit_exact(self, layout: Layout, segment: int) -> int:
@@ -376,13 +392,12 @@ class ModuleCache(_Closing):
         its entry id; MarconiError OUT_OF_MEMORY when it cannot fit."""
         if not isinstance(layout, Layout):
             raise TypeError("layout must come from Schema.layout")
+        segment = _uint(segment, "segment", 2**64 - 1)
         entry = c_uint64()
-        _check(
-            _lib.load().marconi_pml_cache_admit_exact(
-                self._handle(), self._id(layout.schema), layout._raw, len(layout), segment, byref(entry)
-            ),
-            "marconi_pml_cache_admit_exact",
-        )
+        sid = self._id(layout.schema)
+        with self._using() as h:
+            st = _lib.load().marconi_pml_cache_admit_exact(h, sid, layout._raw, len(layout), segment, byref(entry))
+        _check(st, "marconi_pml_cache_admit_exact")
         return entry.value
 
     def evicted(self) -> list:
@@ -392,7 +407,8 @@ class ModuleCache(_Closing):
         while True:
             cap = max(n.value, 16)
             buf = (c_uint64 * cap)()
-            status = lib.marconi_pml_cache_evicted(self._handle(), buf, cap, byref(n))
+            with self._using() as h:
+                status = lib.marconi_pml_cache_evicted(h, buf, cap, byref(n))
             if status == _BUFFER_TOO_SMALL:
                 continue
             _check(status, "marconi_pml_cache_evicted")
@@ -404,14 +420,15 @@ class ModuleCache(_Closing):
         used_bytes, capacity_bytes, schemas."""
         st = _pml_abi.marconi_pml_cache_stats()
         st.struct_size = ctypes.sizeof(st)
-        _check(_lib.load().marconi_pml_cache_get_stats(self._handle(), byref(st)), "marconi_pml_cache_get_stats")
+        with self._using() as h:
+            status = _lib.load().marconi_pml_cache_get_stats(h, byref(st))
+        _check(status, "marconi_pml_cache_get_stats")
         return {name: getattr(st, name) for name, _ in st._fields_[2:]}
 
     def close(self) -> None:
-        """Frees the store (marconi_pml_cache_free); later calls raise ValueError."""
-        if self._h is not None:
-            _lib.load().marconi_pml_cache_free(self._h)
-            self._h = None
+        """Frees the store (marconi_pml_cache_free); later calls raise
+        ValueError. Idempotent; RuntimeError while a call runs."""
+        self._close_with(lambda h: _lib.load().marconi_pml_cache_free(h))
 
     def __reduce__(self):
         raise TypeError("a marconi.pml.ModuleCache cannot be pickled or copied")

@@ -17,10 +17,10 @@ bool and delete(name); an exception in one of them is a failed call (a miss).
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, Optional, Sequence
 
-from . import _lib
+from . import _convert, _lib
+from ._handle import _Guarded
 from .cache import _check, _Closing
 
 BACKENDS = {"dir": 0, "redis": 1, "callback": 2}
@@ -37,11 +37,28 @@ def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
 
 
 def _uint(value: Any, name: str, bits: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if not 0 <= value < 2**bits:
-        raise ValueError(f"{name}: {value} is not in 0..2**{bits}")
-    return value
+    """`value` checked as TieredCache checks its ints: TypeError for a
+    non-integer (bool included), OutOfRangeError (a ValueError and an
+    OverflowError) outside 0 .. 2**bits - 1."""
+    return _convert._uint(value, name, 2**bits - 1)
+
+
+def _state_bytes(data: Any) -> bytes:
+    """A state's bytes: bytes, bytearray, memoryview or another buffer
+    (an int would make bytes(5) five zero bytes; a str has no byte form)."""
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    if isinstance(data, (str, int)) or not _has_buffer(data):
+        raise TypeError(f"data: expected bytes or a buffer, got {type(data).__name__}")
+    return bytes(memoryview(data).cast("B"))
+
+
+def _has_buffer(obj: Any) -> bool:
+    try:
+        memoryview(obj)
+    except TypeError:
+        return False
+    return True
 
 
 def _tokens(tokens: Sequence[int]) -> tuple[Any, int]:
@@ -97,7 +114,7 @@ class _Adapter:
             return -1
 
 
-class Store(_Closing):
+class Store(_Guarded, _Closing):
     """A store handle (marconi_store). Thread-safe; close() (or `with`)
     frees it."""
 
@@ -119,9 +136,7 @@ class Store(_Closing):
         ttl_s: int = 0,
         callbacks: Any = None,
     ):
-        self._h: Optional[ctypes.c_void_p] = None
-        self._lock = threading.Lock()
-        self._calls = 0
+        self._guard_init("store")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}")
         if (backend == "callback") != (callbacks is not None):
@@ -153,31 +168,33 @@ class Store(_Closing):
         self.max_value_bytes = max_value_bytes
         self._hint = 1 << 20
 
-    def _begin(self) -> ctypes.c_void_p:
-        with self._lock:
-            if self._h is None:
-                raise ValueError("the store is closed")
-            self._calls += 1
-            return self._h
+    def _fn(self, name: str, ns: Optional[int]) -> tuple[str, tuple]:
+        """The C function and its leading arguments after the handle: the
+        `_ns` variant with `ns` when given, else the plain one (the handle's
+        configured ns)."""
+        if ns is None:
+            return name, ()
+        return name + "_ns", (_uint(ns, "ns", 64),)
 
-    def _end(self) -> None:
-        with self._lock:
-            self._calls -= 1
-
-    def put_state(self, tokens: Sequence[int], position: int, data: bytes) -> None:
-        """Writes the state after tokens[:position]. Raises MarconiError
-        (BACKEND_FAILURE) when the store did not take it."""
+    def put_state(self, tokens: Sequence[int], position: int, data: bytes, *, ns: Optional[int] = None) -> None:
+        """Writes the state after tokens[:position] (`data`: bytes or a
+        buffer) in cache namespace `ns` (None: the handle's `ns`, 0 by
+        default); read only by calls in the same namespace. Raises
+        MarconiError (BACKEND_FAILURE) when the store did not take it."""
         t, n = _tokens(tokens)
-        data = bytes(data)
+        position = _uint(position, "position", 64)
+        data = _state_bytes(data)
+        fn, pre = self._fn("marconi_store_put_state", ns)
         buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_put_state(h, t, n, _uint(position, "position", 64), buf, len(data)),
-                   "marconi_store_put_state")
+            _check(getattr(self._lib, fn)(h, *pre, t, n, position, buf, len(data)), fn)
         finally:
             self._end()
 
-    def get_state(self, tokens: Sequence[int], position: int, max_bytes: Optional[int] = None) -> Optional[bytes]:
+    def get_state(
+        self, tokens: Sequence[int], position: int, max_bytes: Optional[int] = None, *, ns: Optional[int] = None
+    ) -> Optional[bytes]:
         """The state after tokens[:position], or None on a miss. The buffer
         starts at the last state's size (1 MiB at first) and grows once when
         the state is larger (a second read); `max_bytes` caps it
@@ -185,76 +202,84 @@ class Store(_Closing):
         t, n = _tokens(tokens)
         limit = self.max_value_bytes if max_bytes is None else _uint(max_bytes, "max_bytes", 64)
         position = _uint(position, "position", 64)
+        fn, pre = self._fn("marconi_store_get_state", ns)
         cap = min(self._hint, limit)
         length, found = ctypes.c_size_t(0), ctypes.c_uint32(0)
         for _ in range(2):
             buf = (ctypes.c_uint8 * max(cap, 1))()
             h = self._begin()
             try:
-                st = self._lib.marconi_store_get_state(h, t, n, position, buf, cap,
-                                                       ctypes.byref(length), ctypes.byref(found))
+                st = getattr(self._lib, fn)(h, *pre, t, n, position, buf, cap,
+                                            ctypes.byref(length), ctypes.byref(found))
             finally:
                 self._end()
             if st == 3 and length.value <= limit and length.value > cap:  # BUFFER_TOO_SMALL
                 cap = length.value
                 continue
-            _check(st, "marconi_store_get_state")
+            _check(st, fn)
             break
         if not found.value:
             return None
         self._hint = max(length.value, 1)
         return ctypes.string_at(buf, length.value)
 
-    def delete_state(self, tokens: Sequence[int], position: int) -> None:
-        """Removes the state after tokens[:position]."""
+    def delete_state(self, tokens: Sequence[int], position: int, *, ns: Optional[int] = None) -> None:
+        """Removes the state after tokens[:position] (namespace `ns`)."""
         t, n = _tokens(tokens)
+        position = _uint(position, "position", 64)
+        fn, pre = self._fn("marconi_store_delete_state", ns)
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_delete_state(h, t, n, _uint(position, "position", 64)),
-                   "marconi_store_delete_state")
+            _check(getattr(self._lib, fn)(h, *pre, t, n, position), fn)
         finally:
             self._end()
 
-    def put_kv(self, tokens: Sequence[int], first_block: int, blocks: Sequence[bytes]) -> None:
-        """Writes KV blocks first_block.. of tokens' full blocks (all of one size)."""
+    def put_kv(self, tokens: Sequence[int], first_block: int, blocks: Sequence[bytes], *,
+               ns: Optional[int] = None) -> None:
+        """Writes KV blocks first_block.. of tokens' full blocks (all of one
+        size; namespace `ns`)."""
         if not blocks or len({len(b) for b in blocks}) != 1:
             raise ValueError("blocks: at least one, all of the same size")
         t, n = _tokens(tokens)
-        data = b"".join(bytes(b) for b in blocks)
+        first_block = _uint(first_block, "first_block", 64)
+        data = b"".join(_state_bytes(b) for b in blocks)
+        fn, pre = self._fn("marconi_store_put_kv", ns)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data) if data else None
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_put_kv(h, t, n, _uint(first_block, "first_block", 64), len(blocks),
-                                                  buf, len(blocks[0])), "marconi_store_put_kv")
+            _check(getattr(self._lib, fn)(h, *pre, t, n, first_block, len(blocks), buf, len(blocks[0])), fn)
         finally:
             self._end()
 
-    def get_kv(self, tokens: Sequence[int], first_block: int, block_bytes: int, max_blocks: int) -> list[bytes]:
+    def get_kv(self, tokens: Sequence[int], first_block: int, block_bytes: int, max_blocks: int, *,
+               ns: Optional[int] = None) -> list[bytes]:
         """The verified KV blocks from first_block (each block_bytes long),
-        up to the first miss, at most max_blocks."""
+        up to the first miss, at most max_blocks (namespace `ns`)."""
         t, n = _tokens(tokens)
+        first_block = _uint(first_block, "first_block", 64)
         _uint(block_bytes, "block_bytes", 64)
         cap = block_bytes * _uint(max_blocks, "max_blocks", 32)
+        fn, pre = self._fn("marconi_store_get_kv", ns)
         buf = (ctypes.c_uint8 * max(cap, 1))()
         got = ctypes.c_size_t(0)
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_get_kv(h, t, n, _uint(first_block, "first_block", 64), block_bytes,
-                                                  buf if cap else None, cap, ctypes.byref(got)),
-                   "marconi_store_get_kv")
+            _check(getattr(self._lib, fn)(h, *pre, t, n, first_block, block_bytes,
+                                          buf if cap else None, cap, ctypes.byref(got)), fn)
         finally:
             self._end()
         raw = ctypes.string_at(buf, got.value * block_bytes)
         return [raw[i * block_bytes:(i + 1) * block_bytes] for i in range(got.value)]
 
-    def kv_prefix(self, tokens: Sequence[int]) -> int:
+    def kv_prefix(self, tokens: Sequence[int], *, ns: Optional[int] = None) -> int:
         """How many of tokens' full blocks, from block 0, the store says it
-        has (a hint; get_kv verifies)."""
+        has in namespace `ns` (a hint; get_kv verifies)."""
         t, n = _tokens(tokens)
+        fn, pre = self._fn("marconi_store_kv_prefix", ns)
         got = ctypes.c_size_t(0)
         h = self._begin()
         try:
-            _check(self._lib.marconi_store_kv_prefix(h, t, n, ctypes.byref(got)), "marconi_store_kv_prefix")
+            _check(getattr(self._lib, fn)(h, *pre, t, n, ctypes.byref(got)), fn)
         finally:
             self._end()
         return got.value
@@ -271,15 +296,9 @@ class Store(_Closing):
         return {f: getattr(s, f) for f in _lib.STORE_STATS_FIELDS}
 
     def close(self) -> None:
-        """Frees the handle. Idempotent; raises RuntimeError while another
-        thread is inside a call."""
-        with self._lock:
-            if self._h is None:
-                return
-            if self._calls:
-                raise RuntimeError("a call is running on another thread")
-            h, self._h = self._h, None
-        self._lib.marconi_store_free(h)
+        """Frees the handle. Idempotent; raises RuntimeError while a call
+        is running (on another thread, or from a callback of that call)."""
+        self._close_with(lambda h: self._lib.marconi_store_free(h))
 
     def __reduce__(self):
         raise TypeError("a Store cannot be pickled")

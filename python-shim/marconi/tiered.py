@@ -19,12 +19,12 @@ is down or slow gives misses within its timeout.
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _lib
 from ._convert import _u32, _u64
+from ._handle import _Guarded
 from .cache import ADOPTION, AdmitResult, _check, _Closing, _real, _saved_states
 from .store import Store, _tokens
 
@@ -88,7 +88,7 @@ def _spec(spec: Any, capacity: int, gbps: Optional[float], latency_us: Optional[
         spec.latency_s = _real(latency_us, f"{name}_latency_us") * 1e-6
 
 
-class TieredCache(_Closing):
+class TieredCache(_Guarded, _Closing):
     """A tiered cache handle (marconi_tiered). Thread-safe; close() (or
     `with`) frees it. Not copyable or picklable.
 
@@ -128,9 +128,7 @@ class TieredCache(_Closing):
         store_states_hold_kv: bool = False,
         exclusive: bool = True,
     ):
-        self._h: Optional[ctypes.c_void_p] = None
-        self._lock = threading.Lock()
-        self._calls = 0
+        self._guard_init("tiered cache")
         if write not in WRITE_MODES:
             raise ValueError(f"write: expected one of {sorted(WRITE_MODES)}, got {write!r}")
         if tuner_adoption not in ADOPTION:
@@ -181,17 +179,6 @@ class TieredCache(_Closing):
         del preset  # read only during marconi_tiered_new
         self._lib = lib
         self._h = h
-
-    def _begin(self) -> ctypes.c_void_p:
-        with self._lock:
-            if self._h is None:
-                raise ValueError("the tiered cache is closed")
-            self._calls += 1
-            return self._h
-
-    def _end(self) -> None:
-        with self._lock:
-            self._calls -= 1
 
     def _call(self, fn: str, *args) -> None:
         h = self._begin()
@@ -349,15 +336,9 @@ class TieredCache(_Closing):
         self._call("marconi_tiered_check")
 
     def close(self) -> None:
-        """Frees the handle. Idempotent; raises RuntimeError while another
-        thread is inside a call."""
-        with self._lock:
-            if self._h is None:
-                return
-            if self._calls:
-                raise RuntimeError("a call is running on another thread")
-            h, self._h = self._h, None
-        self._lib.marconi_tiered_free(h)
+        """Frees the handle. Idempotent; raises RuntimeError while a call
+        is running (on another thread, or from a callback of that call)."""
+        self._close_with(lambda h: self._lib.marconi_tiered_free(h))
 
     def __reduce__(self):
         raise TypeError("a TieredCache cannot be pickled")

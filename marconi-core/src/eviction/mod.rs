@@ -529,6 +529,17 @@ impl Core {
     /// unleased inner node left with one child merges into it.
     fn after_child_removed(&mut self, parent: NodeId) {
         let n = self.tree.node(parent);
+        if self.chains_only
+            && n.parent != NIL
+            && n.children.is_empty()
+            && n.state.is_none()
+            && n.leases == 0
+        {
+            // A chains-only cache holds no KV that no state covers: the
+            // parent's edge belonged to the chain just removed.
+            self.remove_entry(parent);
+            return;
+        }
         if n.parent != NIL && n.children.len() == 1 && n.state.is_none() && n.leases == 0 {
             self.unindex(parent);
             let child = self.tree.merge_into_child(parent);
@@ -536,6 +547,30 @@ impl Core {
         } else {
             self.refresh(parent);
         }
+    }
+
+    /// [`PrefixCache::prune_stateless_tail`](crate::PrefixCache): removes
+    /// the deepest node on `tokens`' path while it is a stateless, unleased
+    /// leaf. The bytes freed.
+    pub(crate) fn prune_stateless_tail(&mut self, ns: u64, tokens: &[u32]) -> u64 {
+        let Some(root) = self.tree.root(ns) else {
+            return 0;
+        };
+        let walk = self.tree.walk(root, tokens, self.cfg.page_size);
+        let last = match walk.partial {
+            Some((id, _)) => Some(id),
+            None => walk.path.last().copied(),
+        };
+        let Some(id) = last else {
+            return 0;
+        };
+        let n = self.tree.node(id);
+        if n.parent == NIL || !n.children.is_empty() || n.state.is_some() || n.leases > 0 {
+            return 0;
+        }
+        let before = self.used_bytes();
+        self.remove_entry(id);
+        before - self.used_bytes()
     }
 
     pub(crate) fn drain_freed(&mut self) -> Freed {

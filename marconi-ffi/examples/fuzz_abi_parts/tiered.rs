@@ -1,0 +1,553 @@
+//! The tiered cache driven as an engine drives it (`op_tiered`): random
+//! tier shapes (page size 1 or 4, write-back or write-through, exclusive or
+//! inclusive, moves deferred or not, with or without a store tier), chat
+//! sessions in two or three namespaces served by two handles that share a
+//! directory store (two engine processes), every op replayed in order on a
+//! model of the engine's copies and the device slots handed back reused.
+//!
+//! Checked after every request (after `settle` when moves are deferred):
+//! - the engine's copies equal each lower tier's claims byte for byte (the
+//!   KV of the union of their chains plus one state each == `used_bytes`);
+//! - a WRITE's bytes are the chain's (its KV and its state), and
+//!   `bytes_written` sums them;
+//! - a host WRITE reads a device slot the engine still holds (never one
+//!   `drain_freed` already handed back), a store WRITE a host copy;
+//! - a DROP drops a copy that exists; a freed slot was the cache's, once;
+//! - namespaces never meet: a hit in namespace n resumes from a prefix
+//!   admitted in n, a shared (store probe) hit from a state written in n.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::CString;
+use std::mem::{size_of, MaybeUninit};
+use std::ptr;
+
+use marconi::cache::*;
+use marconi::config::*;
+use marconi::status::marconi_status as St;
+use marconi::store::*;
+use marconi::tiered::*;
+
+use super::Rng;
+
+type Chain = (u64, Vec<u32>);
+
+struct Model {
+    kv: u64,
+    state: u64,
+}
+
+impl Model {
+    fn chain(&self, tokens: u64) -> u64 {
+        tokens * self.kv + self.state
+    }
+
+    /// Bytes of a set of chains: the KV of the union of their prefixes and
+    /// one state each. KV is shared in whole pages only (two chains share
+    /// the pages of their common prefix rounded down to `page`).
+    fn bytes(&self, chains: &BTreeSet<Chain>, page: usize) -> u64 {
+        let mut tokens = 0u64;
+        let mut prev: Option<&Chain> = None;
+        for c in chains {
+            let lcp = match prev {
+                Some(p) if p.0 == c.0 => {
+                    p.1.iter().zip(&c.1).take_while(|(a, b)| a == b).count() / page * page
+                }
+                _ => 0,
+            };
+            tokens += (c.1.len() - lcp) as u64;
+            prev = Some(c);
+        }
+        tokens * self.kv + chains.len() as u64 * self.state
+    }
+}
+
+/// One engine process: its handle, its device slots and its copies.
+struct Engine {
+    t: *mut marconi_tiered,
+    defer: bool,
+    page: usize,
+    slots: BTreeMap<u32, Chain>,
+    /// States the cache did not take: still in the engine's slots until
+    /// the admission's ops are replayed (a state the device could not hold
+    /// goes to the host from there).
+    untaken: Vec<Chain>,
+    next_slot: u32,
+    host: BTreeSet<Chain>,
+    store: BTreeSet<Chain>,
+    written: [u64; 3],
+    /// Sequences admitted, per namespace.
+    admitted: BTreeMap<u64, Vec<Vec<u32>>>,
+}
+
+/// What one life found, and the calls it made.
+pub(crate) struct Life {
+    pub(crate) calls: u64,
+    pub(crate) findings: Vec<String>,
+    pub(crate) requests: u64,
+}
+
+struct Ctx<'a> {
+    life: &'a mut Life,
+    m: Model,
+    store: *mut marconi_store,
+    /// (ns, chain) written into the shared store, by any engine.
+    shared: BTreeSet<Chain>,
+}
+
+impl Ctx<'_> {
+    fn find(&mut self, s: String) {
+        if self.life.findings.len() < 20 {
+            self.life.findings.push(s);
+        }
+    }
+
+    fn ok(&mut self, what: &str, st: St) -> bool {
+        self.life.calls += 1;
+        if st != St::Ok {
+            let e = super::last_error();
+            self.find(format!("tiered {what}: {st:?} ({e})"));
+            return false;
+        }
+        true
+    }
+}
+
+fn new_tiered(
+    ctx: &mut Ctx<'_>,
+    rng: &mut Rng,
+    shape: &mut String,
+) -> Option<(Engine, Box<marconi_cache_config>)> {
+    let page = if rng.below(2) == 0 { 1 } else { 4 };
+    let mut dev = MaybeUninit::<marconi_cache_config>::uninit();
+    // SAFETY: dev has sizeof writable bytes.
+    let st =
+        unsafe { marconi_cache_config_init(dev.as_mut_ptr(), size_of::<marconi_cache_config>()) };
+    if !ctx.ok("cache_config_init", st) {
+        return None;
+    }
+    // SAFETY: initialised above.
+    let mut dev = Box::new(unsafe { dev.assume_init() });
+    dev.capacity_bytes = ctx.m.chain(rng.range(80, 400));
+    dev.page_size = page;
+    dev.checkpoint_grid = page;
+    let mut cfg = MaybeUninit::<marconi_tiered_config>::uninit();
+    // SAFETY: cfg has sizeof writable bytes.
+    let st =
+        unsafe { marconi_tiered_config_init(cfg.as_mut_ptr(), size_of::<marconi_tiered_config>()) };
+    if !ctx.ok("tiered_config_init", st) {
+        return None;
+    }
+    // SAFETY: initialised above.
+    let mut cfg = unsafe { cfg.assume_init() };
+    cfg.device = &*dev;
+    cfg.write_mode = rng.below(2) as u32;
+    cfg.exclusive = rng.below(2) as u32;
+    cfg.defer_moves = rng.below(2) as u32;
+    cfg.store_states_hold_kv = 1;
+    cfg.host.capacity_bytes = ctx.m.chain(rng.range(100, 900));
+    if rng.below(3) > 0 {
+        cfg.store.capacity_bytes = ctx.m.chain(rng.range(200, 2000));
+        cfg.store.bandwidth_bytes_per_s = 20e9;
+        cfg.store.latency_s = 10e-6;
+    }
+    *shape = format!(
+        "page {page} write {} exclusive {} defer {} device {} host {} store {}",
+        cfg.write_mode,
+        cfg.exclusive,
+        cfg.defer_moves,
+        dev.capacity_bytes,
+        cfg.host.capacity_bytes,
+        cfg.store.capacity_bytes
+    );
+    let mut t = ptr::null_mut();
+    // SAFETY: valid config (its device lives in the Box) and out.
+    let st = unsafe { marconi_tiered_new(&cfg, &mut t) };
+    if !ctx.ok("tiered_new", st) {
+        return None;
+    }
+    Some((
+        Engine {
+            t,
+            defer: cfg.defer_moves != 0,
+            page: page as usize,
+            slots: BTreeMap::new(),
+            untaken: Vec::new(),
+            next_slot: 0,
+            host: BTreeSet::new(),
+            store: BTreeSet::new(),
+            written: [0; 3],
+            admitted: BTreeMap::new(),
+        },
+        dev,
+    ))
+}
+
+fn drain_ops(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Vec<(marconi_tier_op, Vec<u32>)> {
+    let (mut no, mut nt) = (0usize, 0usize);
+    // SAFETY: a size query.
+    let st = unsafe {
+        marconi_tiered_drain_ops(t, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
+    };
+    ctx.life.calls += 1;
+    if no == 0 {
+        ctx.ok("drain_ops (size)", st);
+        return Vec::new();
+    }
+    if st != St::BufferTooSmall {
+        ctx.find(format!("drain_ops size query of {no} ops: {st:?}"));
+        return Vec::new();
+    }
+    let mut ops = vec![marconi_tier_op::default(); no];
+    let mut toks = vec![0u32; nt];
+    // SAFETY: buffers of the sizes given.
+    let st = unsafe {
+        marconi_tiered_drain_ops(
+            t,
+            ops.as_mut_ptr(),
+            no,
+            &mut no,
+            toks.as_mut_ptr(),
+            nt,
+            &mut nt,
+        )
+    };
+    if !ctx.ok("drain_ops", st) {
+        return Vec::new();
+    }
+    ops.truncate(no);
+    ops.into_iter()
+        .map(|o| {
+            let s = o.tokens_offset as usize;
+            let tokens = toks
+                .get(s..s + o.position as usize)
+                .map(<[u32]>::to_vec)
+                .unwrap_or_default();
+            (o, tokens)
+        })
+        .collect()
+}
+
+/// Replays the ops, then takes the freed ids (in that order, as the header
+/// asks).
+fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
+    for (o, tokens) in drain_ops(ctx, e.t) {
+        let chain = (o.ns, tokens);
+        let host = o.tier == marconi_tier::Host as u32;
+        if o.kind == marconi_tier_op_kind::Write as u32 {
+            let want = ctx.m.chain(o.position as u64);
+            if o.bytes != want {
+                ctx.find(format!(
+                    "{what}: a WRITE of {} tokens charges {} bytes, the chain is {want}",
+                    o.position, o.bytes
+                ));
+            }
+            e.written[o.tier as usize] += o.bytes;
+            if host {
+                if !e.slots.values().chain(&e.untaken).any(|c| *c == chain) {
+                    ctx.find(format!(
+                        "{what}: a host WRITE (ns {}, {} tokens) of a chain no device slot of the engine holds (handed back already?)",
+                        chain.0,
+                        chain.1.len()
+                    ));
+                }
+                e.host.insert(chain);
+            } else {
+                if !e.host.contains(&chain) {
+                    ctx.find(format!(
+                        "{what}: a store WRITE of a chain the host copy lacks"
+                    ));
+                }
+                if !ctx.store.is_null() {
+                    let v = blob(&chain);
+                    // SAFETY: valid store, tokens and data.
+                    let st = unsafe {
+                        marconi_store_put_state_ns(
+                            ctx.store,
+                            chain.0,
+                            chain.1.as_ptr(),
+                            chain.1.len(),
+                            chain.1.len(),
+                            v.as_ptr(),
+                            v.len(),
+                        )
+                    };
+                    if ctx.ok("store_put_state_ns", st) {
+                        ctx.shared.insert(chain.clone());
+                    }
+                }
+                e.store.insert(chain);
+            }
+        } else {
+            let set = if host { &mut e.host } else { &mut e.store };
+            if !set.remove(&chain) {
+                ctx.find(format!(
+                    "{what}: a DROP of a chain never written (tier {})",
+                    o.tier
+                ));
+            }
+        }
+    }
+    let (mut np, mut ns) = (0usize, 0usize);
+    let mut slots = vec![0u32; 8192];
+    let mut pages = vec![0u32; 1];
+    // SAFETY: buffers of the sizes given.
+    let st = unsafe {
+        marconi_tiered_drain_freed(
+            e.t,
+            pages.as_mut_ptr(),
+            pages.len(),
+            &mut np,
+            slots.as_mut_ptr(),
+            slots.len(),
+            &mut ns,
+        )
+    };
+    if !ctx.ok("drain_freed", st) {
+        return;
+    }
+    for s in &slots[..ns] {
+        if e.slots.remove(s).is_none() {
+            ctx.find(format!("{what}: slot {s} freed twice or never taken"));
+        }
+    }
+}
+
+fn stats(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Option<marconi_tiered_stats> {
+    let mut s = marconi_tiered_stats {
+        struct_size: size_of::<marconi_tiered_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: valid handle and out.
+    let st = unsafe { marconi_tiered_get_stats(t, &mut s) };
+    ctx.ok("get_stats", st).then_some(s)
+}
+
+fn check_copies(ctx: &mut Ctx<'_>, e: &Engine, what: &str) {
+    let Some(s) = stats(ctx, e.t) else { return };
+    let (h, st) = (ctx.m.bytes(&e.host, e.page), ctx.m.bytes(&e.store, e.page));
+    if h != s.used_bytes[1] || st != s.used_bytes[2] {
+        ctx.find(format!(
+            "{what}: the engine's copies hold host {h} / store {st} bytes, the tiers claim {} / {}",
+            s.used_bytes[1], s.used_bytes[2]
+        ));
+    }
+    if e.written[1] != s.bytes_written[1] || e.written[2] != s.bytes_written[2] {
+        ctx.find(format!(
+            "{what}: WRITE bytes sum to {:?}, bytes_written says {:?}",
+            e.written, s.bytes_written
+        ));
+    }
+    // SAFETY: valid handle.
+    let st = unsafe { marconi_tiered_check(e.t) };
+    ctx.ok("check", st);
+}
+
+fn blob(c: &Chain) -> Vec<u8> {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ c.0;
+    for &t in &c.1 {
+        h = (h ^ u64::from(t)).wrapping_mul(0x100_0000_01b3);
+    }
+    h.to_le_bytes().repeat(4)
+}
+
+fn serve(
+    ctx: &mut Ctx<'_>,
+    e: &mut Engine,
+    ns: u64,
+    input: &[u32],
+    output: &[u32],
+    page: u32,
+    what: &str,
+) {
+    let mut l = marconi_tiered_hit::default();
+    // SAFETY: valid handles, arrays and out.
+    let st = unsafe {
+        marconi_tiered_lookup(
+            e.t,
+            ns,
+            input.as_ptr(),
+            input.len(),
+            ptr::null(),
+            0,
+            ctx.store,
+            &mut l,
+        )
+    };
+    if !ctx.ok("lookup", st) {
+        return;
+    }
+    let hit = l.hit_tokens as usize;
+    if hit > 0 {
+        let prefix = &input[..hit];
+        let own = e
+            .admitted
+            .get(&ns)
+            .is_some_and(|v| v.iter().any(|s| s.starts_with(prefix)));
+        let shared = l.shared == 1 && ctx.shared.contains(&(ns, prefix.to_vec()));
+        if !own && !shared {
+            ctx.find(format!(
+                "{what}: a hit of {hit} tokens in namespace {ns} (tier {}, shared {}) on a prefix never admitted or written in it",
+                l.tier, l.shared
+            ));
+        }
+    }
+    let mut full = input.to_vec();
+    full.extend_from_slice(output);
+    let mut plan = vec![0u32; 512];
+    let mut n = 0usize;
+    // SAFETY: valid handle, lease and buffer.
+    let st =
+        unsafe { marconi_tiered_lease_plan(e.t, l.lease, plan.as_mut_ptr(), plan.len(), &mut n) };
+    ctx.ok("lease_plan", st);
+    plan.truncate(n);
+    let mut positions: Vec<u32> = plan
+        .into_iter()
+        .filter(|&p| p as usize > hit && p as usize <= full.len())
+        .collect();
+    let last = full.len() as u32 / page * page;
+    if last as usize > hit {
+        positions.push(last);
+    }
+    positions.sort_unstable();
+    positions.dedup();
+    let states: Vec<marconi_saved_state> = positions
+        .iter()
+        .map(|&p| {
+            e.next_slot += 1;
+            marconi_saved_state {
+                position: p,
+                slot: e.next_slot,
+            }
+        })
+        .collect();
+    let mut taken = vec![0u8; states.len()];
+    let mut r = marconi_admit_result::default();
+    // SAFETY: valid handle, lease, arrays and out.
+    let st = unsafe {
+        marconi_tiered_admit(
+            e.t,
+            l.lease,
+            full.as_ptr(),
+            full.len(),
+            states.as_ptr(),
+            states.len(),
+            ptr::null(),
+            0,
+            taken.as_mut_ptr(),
+            &mut r,
+        )
+    };
+    if ctx.ok("admit", st) {
+        for (s, &tk) in states.iter().zip(&taken) {
+            let chain = (ns, full[..s.position as usize].to_vec());
+            if tk != 0 {
+                e.slots.insert(s.slot, chain);
+            } else {
+                e.untaken.push(chain);
+            }
+        }
+        e.admitted.entry(ns).or_default().push(full.clone());
+    }
+    // The ops of the admission first: a state the device could not take
+    // goes to the host from the engine's slot, which it still holds.
+    replay(ctx, e, what);
+    // The engine frees the states the cache did not take.
+    e.untaken.clear();
+    // SAFETY: valid handle and lease.
+    let st = unsafe { marconi_tiered_release(e.t, l.lease) };
+    ctx.ok("release", st);
+    replay(ctx, e, what);
+    if !e.defer {
+        check_copies(ctx, e, what);
+    }
+    // SAFETY: valid handle.
+    let st = unsafe { marconi_tiered_settle(e.t) };
+    ctx.ok("settle", st);
+    replay(ctx, e, what);
+    check_copies(ctx, e, what);
+    ctx.life.requests += 1;
+}
+
+/// One life: two engines over a shared directory store, `requests`
+/// requests. `dir` is a fresh directory for the store.
+pub(crate) fn life(rng: &mut Rng, dir: &std::path::Path, requests: u32) -> Life {
+    let mut life = Life {
+        calls: 0,
+        findings: Vec::new(),
+        requests: 0,
+    };
+    let m = marconi_core::ModelSpec::preset("paper-7b").expect("preset");
+    let mut ctx = Ctx {
+        life: &mut life,
+        m: Model {
+            kv: m.kv_bytes_per_token(),
+            state: m.state_bytes(),
+        },
+        store: ptr::null_mut(),
+        shared: BTreeSet::new(),
+    };
+    let loc = CString::new(dir.to_str().unwrap_or(".")).unwrap_or_default();
+    let model = CString::new("fuzz tiered").unwrap_or_default();
+    let mut scfg = MaybeUninit::<marconi_store_config>::uninit();
+    // SAFETY: scfg has sizeof writable bytes.
+    let st =
+        unsafe { marconi_store_config_init(scfg.as_mut_ptr(), size_of::<marconi_store_config>()) };
+    if ctx.ok("store_config_init", st) {
+        // SAFETY: initialised above.
+        let mut scfg = unsafe { scfg.assume_init() };
+        scfg.location = loc.as_ptr();
+        scfg.model = model.as_ptr();
+        scfg.block_size = 4;
+        scfg.timeout_ms = 1000;
+        // SAFETY: valid config; the strings live during the call.
+        let st = unsafe { marconi_store_new(&scfg, &mut ctx.store) };
+        ctx.ok("store_new", st);
+    }
+    let mut shapes = [String::new(), String::new()];
+    let mut engines = Vec::new();
+    for s in shapes.iter_mut() {
+        if let Some(e) = new_tiered(&mut ctx, rng, s) {
+            engines.push(e);
+        }
+    }
+    let pages: Vec<u32> = engines.iter().map(|(_, d)| d.page_size).collect();
+    let namespaces = rng.range(2, 3);
+    let sessions = rng.range(2, 6) as usize;
+    let system: Vec<u32> = (0..rng.range(8, 64) as u32)
+        .map(|i| 1_000_000 + i)
+        .collect();
+    let mut hist: Vec<(u64, Vec<u32>)> = (0..sessions)
+        .map(|k| (k as u64 % namespaces, system.clone()))
+        .collect();
+    for r in 0..requests {
+        if engines.is_empty() || ctx.life.findings.len() >= 5 {
+            break;
+        }
+        let k = rng.below(sessions as u64) as usize;
+        let ei = rng.below(engines.len() as u64) as usize;
+        let (ns, h) = &mut hist[k];
+        if h.len() > 1500 {
+            h.truncate(system.len());
+        }
+        let n = rng.range(1, 60) as u32;
+        h.extend((0..n).map(|_| rng.below(500) as u32));
+        let output: Vec<u32> = (0..rng.range(0, 30))
+            .map(|_| rng.below(500) as u32)
+            .collect();
+        let input = h.clone();
+        let ns = *ns;
+        let what = format!("request {r} engine {ei} ({})", shapes[ei]);
+        let (e, _) = &mut engines[ei];
+        serve(&mut ctx, e, ns, &input, &output, pages[ei], &what);
+        hist[k].1.extend(output);
+    }
+    for (e, _dev) in engines {
+        // SAFETY: from marconi_tiered_new, freed once.
+        unsafe { marconi_tiered_free(e.t) };
+    }
+    if !ctx.store.is_null() {
+        // SAFETY: from marconi_store_new, freed once.
+        unsafe { marconi_store_free(ctx.store) };
+    }
+    life
+}

@@ -259,12 +259,14 @@ def chat(port, msgs, max_tokens, timeout=120.0):
 
 
 class Server:
+    model = "nemotron-h"
+
     def __init__(self, cache, port, parallel, mib, logdir, extra=(), tag=""):
         self.cache, self.port = cache, port
         self.log_path = os.path.join(logdir, f"server-{cache}{tag}-{port}.log")
         self.log = open(self.log_path, "w")
         cmd = [os.path.join(HERE, "serve.sh"), "--port", str(port), "--cache", cache, "--parallel", str(parallel),
-               "--mib", str(mib)]
+               "--mib", str(mib), "--model", Server.model]
         if extra:
             cmd += ["--"] + list(extra)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -724,9 +726,12 @@ def main():
                     help="run the negative control instead of the side by side")
     ap.add_argument("--stores", action="store_true",
                     help="run the store tests (restart on a directory, sharing through Redis) instead")
+    ap.add_argument("--model", choices=("nemotron-h", "granite-hybrid", "falcon-h1"), default="nemotron-h",
+                    help="serve.sh --model: the random-weight hybrid family")
     ap.add_argument("--ready-s", type=float, default=3600, help="how long a server may take to start (a build)")
     ap.add_argument("--logdir", default=None)
     args = ap.parse_args()
+    Server.model = args.model
     if args.requests is None:
         args.requests = 64 if args.workload == "agent" else 48
     if args.sessions is None:
@@ -743,7 +748,7 @@ def main():
     kinds = {}
     for q in reqs:
         kinds[q["kind"]] = kinds.get(q["kind"], 0) + 1
-    print(f"workload {args.workload}: {len(reqs)} requests over {args.sessions} sessions, seed {args.seed}: "
+    print(f"model tiny-{args.model}, workload {args.workload}: {len(reqs)} requests over {args.sessions} sessions, seed {args.seed}: "
           + ", ".join(f"{v} {k}" for k, v in kinds.items()), flush=True)
 
     if args.negative:

@@ -508,6 +508,9 @@ bool init(const char *model_path) {
     tc.store.latency_s = 1e-3;
     tc.compute_flops = H.flops;
     tc.store_states_hold_kv = 1;  // whole sequence states: their KV comes with them
+    // The probe asks the store about the positions just below the input's
+    // end, longest first: as many as a slot's context holds.
+    tc.max_store_probe = 8192;
     st = marconi_tiered_new(&tc, &H.tiered);
     if (st != MARCONI_STATUS_OK) {
         log_error("marconi_tiered_new", st);

@@ -10,7 +10,7 @@
 #   - libmarconi (cargo build --release -p marconi-ffi);
 #   - llama-server (CPU, -j$JOBS, default 2) and make-gguf;
 #   - the random-weight hybrid GGUFs (make-gguf): tiny-nemotron-h.gguf,
-#     tiny-granite-hybrid.gguf, tiny-falcon-h1.gguf.
+#     tiny-granite-hybrid.gguf, tiny-falcon-h1.gguf, tiny-qwen35.gguf.
 # Safe to start several times at once (serve.sh calls it): one flock on
 # $CARGO_TARGET_DIR/llama.cpp/llama-server.lock; the first caller builds,
 # the others wait for it and then find everything built.
@@ -114,7 +114,7 @@ if [ ! -x "$out/make-gguf" ] || [ "$here/make-gguf.cpp" -nt "$out/make-gguf" ]; 
     -o "$out/make-gguf.$$" -L"$build/bin" -Wl,-rpath,"$build/bin" -lllama -lggml -lggml-base
   mv "$out/make-gguf.$$" "$out/make-gguf"
 fi
-for m in nemotron_h:tiny-nemotron-h granitehybrid:tiny-granite-hybrid falcon-h1:tiny-falcon-h1; do
+for m in nemotron_h:tiny-nemotron-h granitehybrid:tiny-granite-hybrid falcon-h1:tiny-falcon-h1 qwen35:tiny-qwen35; do
   gguf="$out/${m#*:}.gguf"
   if [ ! -f "$gguf" ] || [ "$out/make-gguf" -nt "$gguf" ]; then
     "$out/make-gguf" "$src/models/ggml-vocab-phi-3.gguf" "$gguf.part" 12 "${m%%:*}" >&2

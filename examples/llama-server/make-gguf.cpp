@@ -2,7 +2,8 @@
 // loads: a Nemotron-H (Mamba-2 + attention + MLP layers, the default, the
 // layer layout of examples/llama-engine), a Granite 4.0 hybrid
 // (granitehybrid: Mamba-2 or attention, each with a gated MLP) or a
-// Falcon-H1 (falcon-h1: attention and Mamba-2 in every layer); the
+// Falcon-H1 (falcon-h1: attention and Mamba-2 in every layer) or a Qwen3.5
+// (qwen35: gated delta net, gated attention every 4th layer); the
 // tokenizer and chat template of a vocab-only GGUF shipped with llama.cpp's
 // sources (models/ggml-vocab-*.gguf), seeded random weights (stdev 0.3, A negative), saved by llama_model_save_to_file.
 //
@@ -98,12 +99,13 @@ int main(int argc, char **argv) {
     if (arch == "nemotron_h") pattern = "M*-M-M*-";
     else if (arch == "granitehybrid") pattern = "mmammamm";
     else if (arch == "falcon-h1") pattern = "HHHH";
-    else die("ARCH is nemotron_h, granitehybrid or falcon-h1");
+    else if (arch == "qwen35") pattern = "gggAgggA";  // g: gated delta net, A: gated attention (every 4th)
+    else die("ARCH is nemotron_h, granitehybrid, falcon-h1 or qwen35");
     const uint32_t n_layer = (uint32_t)pattern.size();
     std::vector<uint32_t> kv(n_layer), ff(n_layer);
     for (uint32_t i = 0; i < n_layer; i++) {
         const char c = pattern[i];
-        kv[i] = (c == '*' || c == 'a' || c == 'H') ? n_head_kv : 0;
+        kv[i] = (c == '*' || c == 'a' || c == 'H' || c == 'A') ? n_head_kv : 0;
         ff[i] = c == '*' || c == 'M' ? 0 : n_ff;
     }
     const std::string a = arch + ".";
@@ -115,15 +117,29 @@ int main(int argc, char **argv) {
     gguf_set_val_u32(g, (a + "block_count").c_str(), n_layer);
     gguf_set_arr_data(g, (a + "feed_forward_length").c_str(), GGUF_TYPE_UINT32, ff.data(), ff.size());
     gguf_set_val_u32(g, (a + "attention.head_count").c_str(), n_head);
-    gguf_set_arr_data(g, (a + "attention.head_count_kv").c_str(), GGUF_TYPE_UINT32, kv.data(), kv.size());
+    if (arch == "qwen35") gguf_set_val_u32(g, (a + "attention.head_count_kv").c_str(), n_head_kv);
+    else gguf_set_arr_data(g, (a + "attention.head_count_kv").c_str(), GGUF_TYPE_UINT32, kv.data(), kv.size());
     gguf_set_val_f32(g, (a + "attention.layer_norm_epsilon").c_str(), 1e-5f);
     gguf_set_val_f32(g, (a + "attention.layer_norm_rms_epsilon").c_str(), 1e-5f);
     gguf_set_val_u32(g, (a + "rope.dimension_count").c_str(), n_embd / n_head);
     gguf_set_val_u32(g, (a + "ssm.conv_kernel").c_str(), 4);
-    gguf_set_val_u32(g, (a + "ssm.inner_size").c_str(), 2 * n_embd);
-    gguf_set_val_u32(g, (a + "ssm.state_size").c_str(), 64);
-    gguf_set_val_u32(g, (a + "ssm.time_step_rank").c_str(), 8);
-    gguf_set_val_u32(g, (a + "ssm.group_count").c_str(), 2);
+    if (arch == "qwen35") {
+        // Gated delta net: 2 key heads, 4 value heads of dim 64 (inner size
+        // = value dim 256), full attention every 4th layer, M-RoPE.
+        gguf_set_val_u32(g, (a + "ssm.inner_size").c_str(), 256);
+        gguf_set_val_u32(g, (a + "ssm.state_size").c_str(), 64);
+        gguf_set_val_u32(g, (a + "ssm.time_step_rank").c_str(), 4);
+        gguf_set_val_u32(g, (a + "ssm.group_count").c_str(), 2);
+        gguf_set_val_u32(g, (a + "full_attention_interval").c_str(), 4);
+        const int32_t sections[4] = {11, 11, 10, 0};
+        gguf_set_arr_data(g, (a + "rope.dimension_sections").c_str(), GGUF_TYPE_INT32, sections, 4);
+        gguf_set_val_u32(g, (a + "feed_forward_length").c_str(), n_ff);
+    } else {
+        gguf_set_val_u32(g, (a + "ssm.inner_size").c_str(), 2 * n_embd);
+        gguf_set_val_u32(g, (a + "ssm.state_size").c_str(), 64);
+        gguf_set_val_u32(g, (a + "ssm.time_step_rank").c_str(), 8);
+        gguf_set_val_u32(g, (a + "ssm.group_count").c_str(), 2);
+    }
 
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs llama-server (llama.cpp's, patched by server.patch) on a small
 # random-weight hybrid model (default Nemotron-H: Mamba-2 + attention layers;
-# --model granite-hybrid or falcon-h1 for those families' layouts), in the
+# --model granite-hybrid, falcon-h1 or qwen35 for those families' layouts),
+# in the
 # foreground on 127.0.0.1:PORT; /health answers when it is ready. Builds what
 # is missing first (examples/llama-server/build.sh, cached under the target
 # dir).
 #
 #   serve.sh --port P --cache marconi|stock|off [--parallel N] [--mib M]
-#            [--model nemotron-h|granite-hybrid|falcon-h1] [-- extra llama-server args]
+#            [--model nemotron-h|granite-hybrid|falcon-h1|qwen35] [-- extra llama-server args]
 #
 # With --cache marconi the extra arguments may give libmarconi's options,
 # e.g. -- --marconi-store DIR|redis://127.0.0.1:PORT (docs/llama-server.md).
@@ -26,7 +27,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
 port="" cache="" parallel=1 mib=8 model=nemotron-h extra=()
-usage() { echo "usage: serve.sh --port P --cache marconi|stock|off [--parallel N] [--mib M] [--model nemotron-h|granite-hybrid|falcon-h1] [-- llama-server args]" >&2; exit 2; }
+usage() { echo "usage: serve.sh --port P --cache marconi|stock|off [--parallel N] [--mib M] [--model nemotron-h|granite-hybrid|falcon-h1|qwen35] [-- llama-server args]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --port) port="${2:-}"; shift 2 ;;
@@ -47,6 +48,7 @@ case "$model" in
   nemotron-h) CKPT_KIB=412 ;;      # 3 Mamba-2 layers
   granite-hybrid) CKPT_KIB=824 ;;  # 6
   falcon-h1) CKPT_KIB=549 ;;       # 4
+  qwen35) CKPT_KIB=421 ;;          # 6 gated delta net layers, 4 B x (256 x 64 + 512 x 3) = 70 KiB each
   *) usage ;;
 esac
 

@@ -726,7 +726,7 @@ def main():
                     help="run the negative control instead of the side by side")
     ap.add_argument("--stores", action="store_true",
                     help="run the store tests (restart on a directory, sharing through Redis) instead")
-    ap.add_argument("--model", choices=("nemotron-h", "granite-hybrid", "falcon-h1"), default="nemotron-h",
+    ap.add_argument("--model", choices=("nemotron-h", "granite-hybrid", "falcon-h1", "qwen35"), default="nemotron-h",
                     help="serve.sh --model: the random-weight hybrid family")
     ap.add_argument("--ready-s", type=float, default=3600, help="how long a server may take to start (a build)")
     ap.add_argument("--logdir", default=None)

@@ -17,6 +17,7 @@
 
 #include "marconi-hooks.h"
 
+#include "gguf.h"
 #include "marconi.h"
 
 #include <cstdio>
@@ -401,6 +402,64 @@ void summary(const char *event, int seq) {
                  (unsigned long long)store_misses, (unsigned long long)H.corrupted);
 }
 
+// libmarconi's GGUF reader does not map gated-delta-net hybrids (Qwen3.5:
+// `qwen35`) yet. Their shape from the GGUF keys llama.cpp reads
+// (llama_model_qwen35::load_arch_hparams): every full_attention_interval-th
+// layer gated attention, the others gated delta net, each with a gated MLP.
+// A delta-net layer's state is n_v_heads x head_v x head_k numbers
+// (ssm.inner_size x ssm.state_size), its conv state (2 x key dim + value
+// dim) x (conv_kernel - 1); its FLOPs are counted as a Mamba-2 mixer's of
+// the same state.
+bool spec_from_gguf_keys(const char *path, marconi_model_spec &s) {
+    gguf_init_params gp{/*no_alloc=*/true, /*ctx=*/nullptr};
+    gguf_context *g = gguf_init_from_file(path, gp);
+    if (!g) return false;
+    auto str = [&](const std::string &k) -> std::string {
+        const int64_t id = gguf_find_key(g, k.c_str());
+        return id >= 0 && gguf_get_kv_type(g, id) == GGUF_TYPE_STRING ? gguf_get_val_str(g, id) : "";
+    };
+    const std::string arch = str("general.architecture");
+    auto u32 = [&](const char *k, uint32_t dflt) -> uint32_t {
+        const int64_t id = gguf_find_key(g, (arch + "." + k).c_str());
+        if (id < 0) return dflt;
+        const gguf_type t = gguf_get_kv_type(g, id);
+        if (t == GGUF_TYPE_UINT32) return gguf_get_val_u32(g, id);
+        if (t == GGUF_TYPE_INT32) return (uint32_t)gguf_get_val_i32(g, id);
+        return 0;  // an array (per-layer values) or another type: not this shape
+    };
+    bool ok = false;
+    if (arch == "qwen35") {
+        const uint32_t n_layer = u32("block_count", 0), interval = u32("full_attention_interval", 4);
+        const uint32_t d = u32("embedding_length", 0), heads = u32("attention.head_count", 0);
+        const uint32_t kv = u32("attention.head_count_kv", 0), ff = u32("feed_forward_length", 0);
+        const uint32_t inner = u32("ssm.inner_size", 0), d_state = u32("ssm.state_size", 0);
+        const uint32_t groups = u32("ssm.group_count", 0), conv = u32("ssm.conv_kernel", 0);
+        if (n_layer && interval && d && heads && kv && ff && inner && d_state && groups && conv > 1 &&
+            gguf_find_key(g, "qwen35.expert_count") < 0) {
+            s = marconi_model_spec{};
+            s.attn_layers = n_layer / interval;
+            s.ssm_layers = n_layer - s.attn_layers;
+            s.mlp_layers = n_layer;
+            s.d_model = d;
+            s.n_heads = heads;
+            s.kv_heads = kv;
+            s.head_dim = u32("attention.key_length", d / heads);
+            s.ffn_dim = ff;
+            s.ffn_matrices = 3;
+            s.ssm_inner = inner;
+            s.d_state = d_state;
+            s.ssm_state_channels = inner;
+            s.conv_channels = 2ULL * groups * d_state + inner;
+            s.conv_kernel = conv - 1;
+            s.dtype_bytes = 2;
+            s.state_dtype_bytes = 4;
+            ok = true;
+        }
+    }
+    gguf_free(g);
+    return ok;
+}
+
 [[noreturn]] void bad_arg(const char *what) {
     std::fprintf(stderr, "%s\n", what);
     std::exit(1);
@@ -465,9 +524,12 @@ bool init(const char *model_path) {
     if (!H.on) return false;
     marconi_status st = marconi_model_spec_from_gguf(model_path, &H.spec);
     if (st != MARCONI_STATUS_OK) {
-        log_error("marconi_model_spec_from_gguf", st);
-        H.on = false;
-        return false;
+        if (!spec_from_gguf_keys(model_path, H.spec)) {
+            log_error("marconi_model_spec_from_gguf", st);
+            H.on = false;
+            return false;
+        }
+        std::fprintf(stderr, "marconi: model shape from the GGUF keys (gated delta net hybrid)\n");
     }
     marconi_cache_config cfg;
     marconi_cache_config_init(&cfg, sizeof cfg);

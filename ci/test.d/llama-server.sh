@@ -19,7 +19,9 @@
 #  5. the store: a server restarted on a directory store, a second server
 #     on the first's Redis (redis-server started here on 127.0.0.1),
 #     corrupted/truncated/swapped objects, another model's identity, Redis
-#     killed: misses and replies equal to `off`.
+#     killed: misses and replies equal to `off`;
+#  6. the Granite 4.0 hybrid, Falcon-H1 and Qwen3.5 (gated delta net)
+#     layouts: a short side by side each.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS="${CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS:-true}"
@@ -96,4 +98,8 @@ echo "--- negative control: every restored state's SSM state zeroed"
 "$python" "${sbs[@]}" --requests 8 --sessions 2 --negative zero-ssm
 echo "--- the store: restart, sharing, bad objects, another model, a dead Redis"
 "$python" "${sbs[@]}" --stores --requests 16 --sessions 4
+for model in granite-hybrid falcon-h1 qwen35; do
+  echo "--- side by side on the $model layout (chat workload, short)"
+  "$python" "${sbs[@]}" --model "$model" --requests 10 --sessions 3 --mib 4 --clients 0
+done
 echo "llama-server step: $((SECONDS - start)) s"

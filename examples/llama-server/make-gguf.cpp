@@ -1,11 +1,12 @@
 // make-gguf: writes a small random-weight hybrid GGUF that llama-server
 // loads: a Nemotron-H (Mamba-2 + attention + MLP layers, the default, the
 // layer layout of examples/llama-engine), a Granite 4.0 hybrid
-// (granitehybrid: Mamba-2 or attention, each with a gated MLP) or a
-// Falcon-H1 (falcon-h1: attention and Mamba-2 in every layer) or a Qwen3.5
-// (qwen35: gated delta net, gated attention every 4th layer); the
-// tokenizer and chat template of a vocab-only GGUF shipped with llama.cpp's
-// sources (models/ggml-vocab-*.gguf), seeded random weights (stdev 0.3, A negative), saved by llama_model_save_to_file.
+// (granitehybrid: Mamba-2 or attention, each with a gated MLP), a Falcon-H1
+// (falcon-h1: attention and Mamba-2 in every layer) or a Qwen3.5 (qwen35:
+// gated delta net, gated attention every 4th layer); the tokenizer and chat
+// template of a vocab-only GGUF shipped with llama.cpp's sources
+// (models/ggml-vocab-*.gguf), seeded random weights (stdev 0.3, A
+// negative), saved by llama_model_save_to_file.
 //
 // usage: make-gguf VOCAB.gguf OUT.gguf [SEED] [ARCH]
 

@@ -38,7 +38,8 @@ struct Pending {
     uint64_t lease = 0;
     uint64_t ns = 0;
     std::vector<uint32_t> tokens;  // the whole prompt
-    size_t key_len = 0;            // tokens looked up and admitted: all but the last 2
+    size_t key_len = 0;            // all but the last 2 tokens: a state is saved there
+    size_t input_len = 0;          // tokens looked up and admitted
     std::vector<uint32_t> cuts;
     size_t next_cut = 0;
     std::vector<marconi_saved_state> saved;
@@ -610,35 +611,46 @@ int begin(llama_context *ctx, int seq, const llama_token *tokens, size_t n_token
     p.key_len = n_tokens - 2;
     uint32_t h = 0, slot = MARCONI_NO_SLOT, tier = MARCONI_TIER_DEVICE, dev_h = 0, dev_slot = MARCONI_NO_SLOT;
     size_t n_plan_max = 0;
-    if (H.tiered) {
-        marconi_tiered_hit lk{};
-        const marconi_status st =
-            marconi_tiered_lookup(H.tiered, p.ns, p.tokens.data(), p.key_len, nullptr, 0, sp->store, &lk);
+    // The input looked up is the prompt but its last token (a lookup never
+    // hits its whole input), with the key's end as a checkpoint hint so
+    // that the state there is planned; a hit past the key (an earlier
+    // prompt's state 1 token before this one's end) would leave a one-token
+    // batch: then the key alone is looked up again.
+    const uint32_t hint = (uint32_t)p.key_len;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        p.input_len = attempt == 0 ? n_tokens - 1 : p.key_len;
+        const uint32_t *hints = attempt == 0 ? &hint : nullptr;
+        const size_t n_hints = attempt == 0 ? 1 : 0;
+        marconi_status st;
+        if (H.tiered) {
+            marconi_tiered_hit lk{};
+            st = marconi_tiered_lookup(H.tiered, p.ns, p.tokens.data(), p.input_len, hints, n_hints, sp->store, &lk);
+            p.lease = lk.lease;
+            h = lk.hit_tokens;
+            tier = lk.tier;
+            slot = lk.device_state_slot;
+            dev_h = lk.device_hit_tokens;
+            dev_slot = lk.device_state_slot;
+            n_plan_max = lk.n_plan;
+        } else {
+            marconi_lookup lk{};
+            st = marconi_cache_lookup_hinted(H.cache, p.ns, p.tokens.data(), p.input_len, hints, n_hints,
+                                             MARCONI_NO_SLOT, &lk);
+            p.lease = lk.lease;
+            h = lk.hit_tokens;
+            slot = lk.state_slot;
+            n_plan_max = lk.n_plan;
+        }
         if (st != MARCONI_STATUS_OK) {
-            log_error("marconi_tiered_lookup", st);
+            log_error("lookup", st);
             llama_memory_seq_rm(mem, seq, -1, -1);
             return 0;
         }
-        p.lease = lk.lease;
-        h = lk.hit_tokens;
-        tier = lk.tier;
-        slot = lk.device_state_slot;
-        dev_h = lk.device_hit_tokens;
-        dev_slot = lk.device_state_slot;
-        n_plan_max = lk.n_plan;
-    } else {
-        marconi_lookup lk{};
-        const marconi_status st =
-            marconi_cache_lookup(H.cache, p.ns, p.tokens.data(), p.key_len, MARCONI_NO_SLOT, &lk);
-        if (st != MARCONI_STATUS_OK) {
-            log_error("marconi_cache_lookup", st);
-            llama_memory_seq_rm(mem, seq, -1, -1);
-            return 0;
-        }
-        p.lease = lk.lease;
-        h = lk.hit_tokens;
-        slot = lk.state_slot;
-        n_plan_max = lk.n_plan;
+        if (h <= p.key_len) break;
+        const marconi_status rs =
+            H.tiered ? marconi_tiered_release(H.tiered, p.lease) : marconi_cache_release(H.cache, p.lease);
+        if (rs != MARCONI_STATUS_OK) log_error("release", rs);
+        p.lease = 0;
     }
     std::vector<uint32_t> plan(n_plan_max + 1);
     size_t n_plan = 0;
@@ -743,9 +755,9 @@ void prompt_done(llama_context *ctx, int seq, size_t n_tokens) {
     std::vector<uint8_t> taken(p.saved.size(), 0);
     marconi_admit_result ar{};
     const marconi_status st =
-        H.tiered ? marconi_tiered_admit(H.tiered, p.lease, p.tokens.data(), p.key_len, p.saved.data(), p.saved.size(),
+        H.tiered ? marconi_tiered_admit(H.tiered, p.lease, p.tokens.data(), p.input_len, p.saved.data(), p.saved.size(),
                                         nullptr, 0, taken.data(), &ar)
-                 : marconi_cache_admit(H.cache, p.lease, p.tokens.data(), p.key_len, p.saved.data(), p.saved.size(),
+                 : marconi_cache_admit(H.cache, p.lease, p.tokens.data(), p.input_len, p.saved.data(), p.saved.size(),
                                        nullptr, 0, taken.data(), &ar);
     if (st != MARCONI_STATUS_OK) {
         log_error("admit", st);

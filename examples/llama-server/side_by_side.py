@@ -712,6 +712,9 @@ def store_tests(args, reqs, logdir):
 
 
 def main():
+    # A run stopped by a timeout or ^C still stops the servers it started
+    # (the finally blocks run on SystemExit).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=("chat", "agent"), default="chat")
     ap.add_argument("--requests", type=int, default=None, help="default 48 (chat), 64 (agent)")

@@ -41,8 +41,8 @@ struct Pending {
     std::vector<uint32_t> tokens;  // the whole prompt
     size_t key_len = 0;            // all but the last 2 tokens: a state is saved there
     size_t input_len = 0;          // tokens looked up and admitted
-    std::vector<uint32_t> cuts;
-    size_t next_cut = 0;
+    std::vector<std::pair<uint32_t, bool>> stops;  // where filling stops; true: a state is saved there
+    size_t next_stop = 0;
     std::vector<marconi_saved_state> saved;
 };
 
@@ -729,15 +729,25 @@ int begin(llama_context *ctx, int seq, const llama_token *tokens, size_t n_token
     }
     // Cuts: the planned positions, then the key's end (the state a
     // regenerate and every continuation resume from); every chunk >= 2
-    // tokens.
+    // tokens. llama.cpp splits a chunk into micro-batches of n_ubatch
+    // tokens: a chunk of k * n_ubatch + 1 tokens would end in a one-token
+    // micro-batch (another matmul path in ggml, not bitwise that of a
+    // prefill in one pass), so such a chunk is stopped 2 tokens early
+    // once more (a stop where nothing is saved).
+    const uint32_t ub = std::max<uint32_t>(llama_n_ubatch(ctx), 2);
     uint32_t last = h;
+    auto add = [&](uint32_t c, bool keep) {
+        if ((c - last) % ub == 1) p.stops.push_back({c - 2, false});
+        p.stops.push_back({c, keep});
+        last = c;
+    };
     for (size_t k = 0; k < n_plan; k++) {
         const uint32_t c = plan[k];
         if (c < last + 2 || c + 2 > p.key_len) continue;
-        p.cuts.push_back(c);
-        last = c;
+        add(c, true);
     }
-    if (p.key_len >= (size_t)last + 2) p.cuts.push_back((uint32_t)p.key_len);
+    if (p.key_len >= (size_t)last + 2) add((uint32_t)p.key_len, true);
+    if ((p.tokens.size() - last) % ub == 1) p.stops.push_back({(uint32_t)p.tokens.size() - 2, false});
     if (h > 0) {
         H.hits++;
         H.hit_tokens += h;
@@ -752,13 +762,14 @@ bool is_cut(int seq, size_t n_done) {
     auto it = H.seqs.find(seq);
     if (it == H.seqs.end()) return false;
     const Pending &p = it->second;
-    return p.next_cut < p.cuts.size() && p.cuts[p.next_cut] == n_done;
+    return p.next_stop < p.stops.size() && p.stops[p.next_stop].first == n_done;
 }
 
 void before_fill(llama_context *ctx, int seq, size_t n_done) {
     if (!is_cut(seq, n_done)) return;
     Pending &p = H.seqs[seq];
-    p.next_cut++;
+    const bool keep = p.stops[p.next_stop++].second;
+    if (!keep) return;
     std::vector<uint8_t> b = save(ctx, seq);
     if (b.empty()) {
         std::fprintf(stderr, "marconi: cannot save the state of seq %d at %zu\n", seq, n_done);

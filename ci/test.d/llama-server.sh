@@ -101,6 +101,6 @@ echo "--- the store: restart, sharing, bad objects, another model, a dead Redis"
 "$python" "${sbs[@]}" --stores --requests 8 --sessions 2
 for model in granite-hybrid falcon-h1 qwen35; do
   echo "--- side by side on the $model layout (chat workload, short)"
-  "$python" "${sbs[@]}" --model "$model" --requests 6 --sessions 2 --mib 4 --clients 0
+  "$python" "${sbs[@]}" --model "$model" --requests 10 --sessions 3 --mib 4 --clients 0
 done
 echo "llama-server step: $((SECONDS - start)) s"

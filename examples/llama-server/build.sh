@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Builds what examples/llama-server needs, each step skipped when its output
 # is there (everything cached under the cargo target dir):
-#   - llama.cpp's sources from the PyPI sdist of llama-cpp-python (pinned
-#     version, sha256 checked; the same tree and build directory as
-#     ci/test.d/llama-engine.sh), with server.patch applied to tools/server;
+#   - the build tools (cmake, g++, make, patch), installed with apt-get only
+#     when one is missing;
+#   - llama.cpp's sources: the llama-cpp-python sdist (pinned version,
+#     sha256 checked) fetched with `pip download`, the same tree and cmake
+#     build directory as ci/test.d/llama-engine.sh (whichever runs first
+#     fetches it), with server.patch applied to tools/server;
 #   - libmarconi (cargo build --release -p marconi-ffi);
-#   - llama-server (CPU) and make-gguf;
-#   - the random-weight hybrid GGUF, tiny-nemotron-h.gguf.
-# Prints the directory holding llama-server and the GGUF as its last line.
+#   - llama-server (CPU, -j$JOBS, default 2) and make-gguf;
+#   - the random-weight hybrid GGUFs (make-gguf): tiny-nemotron-h.gguf,
+#     tiny-granite-hybrid.gguf, tiny-falcon-h1.gguf, tiny-qwen35.gguf.
+# Safe to start several times at once (serve.sh calls it): one flock on
+# $CARGO_TARGET_DIR/llama.cpp/llama-server.lock; the first caller builds,
+# the others wait for it and then find everything built.
+# Prints the directory holding llama-server and the GGUFs as its last line.
 set -euo pipefail
 # As CI builds libmarconi (a different profile setting would rebuild it).
 export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS="${CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS:-true}"
@@ -29,30 +36,42 @@ jobs="${JOBS:-2}"
 python="${PYTHON:-python3}"
 mkdir -p "$cache" "$out"
 
-for tool in cmake g++ make patch; do
-  if ! command -v "$tool" >/dev/null; then
-    echo "--- apt-get install cmake g++ make patch" >&2
-    apt-get update -qq && apt-get install -y -qq cmake g++ make patch >/dev/null
-    break
-  fi
+# One build at a time; the others wait (bounded: 60 minutes).
+exec 9>"$cache/llama-server.lock"
+if ! flock -n 9; then
+  echo "--- waiting for another examples/llama-server/build.sh to finish" >&2
+  flock -w 3600 9 || { echo "build.sh: another build held the lock for an hour" >&2; exit 1; }
+fi
+
+missing=()
+for tool in cmake g++ make patch readelf; do
+  command -v "$tool" >/dev/null || missing+=("$tool")
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "--- apt-get install cmake g++ make patch binutils (missing: ${missing[*]})" >&2
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    cmake g++ make patch binutils util-linux >/dev/null
+fi
 
 if [ ! -f "$src/include/llama.h" ]; then
   tarball="$cache/llama_cpp_python-$version.tar.gz"
   if [ ! -f "$tarball" ]; then
-    echo "--- download llama-cpp-python $version sdist (llama.cpp's sources)" >&2
-    # The sdist itself from PyPI's files host: pip download would build the
-    # package's build dependencies (cmake) from source to read its metadata.
-    "$python" - "$version" "$tarball" <<'PY'
-import sys, urllib.request
-v, dst = sys.argv[1], sys.argv[2]
-url = f"https://files.pythonhosted.org/packages/source/l/llama_cpp_python/llama_cpp_python-{v}.tar.gz"
-with urllib.request.urlopen(url, timeout=300) as r, open(dst + ".part", "wb") as f:
-    f.write(r.read())
-import os; os.replace(dst + ".part", dst)
-PY
+    echo "--- pip download llama-cpp-python==$version (sdist: llama.cpp's sources)" >&2
+    # A venv of its own (a system Python may refuse pip, PEP 668), the one
+    # ci/test.d/llama-engine.sh makes. Only this package from source: its
+    # build requirements (scikit-build-core, cmake) come as wheels to read
+    # the sdist's metadata.
+    [ -x "$cache/venv/bin/python" ] || "$python" -m venv "$cache/venv" >&2
+    "$cache/venv/bin/python" -m pip download --quiet --no-deps --no-binary llama-cpp-python \
+      "llama-cpp-python==$version" -d "$cache/download.$$" >&2
+    mv "$cache/download.$$/llama_cpp_python-$version.tar.gz" "$tarball"
+    rm -rf "$cache/download.$$"
   fi
-  echo "$sha256  $tarball" | sha256sum -c - >&2
+  echo "$sha256  $tarball" | sha256sum -c - >&2 || { rm -f "$tarball"; exit 1; }
+  rm -rf "$cache/llama_cpp_python-$version"
   tar -xzf "$tarball" -C "$cache"
 fi
 
@@ -68,8 +87,13 @@ lib="$target/release"
 soname="$(readelf -d "$lib/libmarconi.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]$/\1/p')"
 [ -z "$soname" ] || ln -sfn libmarconi.so "$lib/$soname"
 
-if [ ! -f "$build/bin/llama-server" ] || [ "$here/hooks/marconi-hooks.cpp" -nt "$build/bin/llama-server" ] \
-   || [ "$here/server.patch" -nt "$build/bin/llama-server" ] || [ "$lib/libmarconi.so" -nt "$build/bin/llama-server" ]; then
+stale=0
+[ -f "$build/bin/llama-server" ] || stale=1
+for f in "$here/hooks/marconi-hooks.cpp" "$here/hooks/marconi-hooks.h" "$here/server.patch" "$lib/libmarconi.so" \
+         "$root/include/marconi.h"; do
+  [ "$stale" = 1 ] || [ ! "$f" -nt "$build/bin/llama-server" ] || stale=1
+done
+if [ "$stale" = 1 ]; then
   echo "--- build llama-server (CPU, -j$jobs)" >&2
   start=$SECONDS
   cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
@@ -80,17 +104,21 @@ if [ ! -f "$build/bin/llama-server" ] || [ "$here/hooks/marconi-hooks.cpp" -nt "
     -DMARCONI_HOOKS_DIR="$here/hooks" -DMARCONI_INCLUDE_DIR="$root/include" \
     -DMARCONI_LIBRARY="$lib/libmarconi.so" >"$cache/cmake-server.log" 2>&1 || { tail -40 "$cache/cmake-server.log" >&2; exit 1; }
   cmake --build "$build" -j"$jobs" --target llama-server >"$cache/build-server.log" 2>&1 || { tail -60 "$cache/build-server.log" >&2; exit 1; }
+  touch "$build/bin/llama-server"
   echo "llama-server built in $((SECONDS - start)) s" >&2
 fi
 ln -sfn "$build/bin/llama-server" "$out/llama-server"
 
 if [ ! -x "$out/make-gguf" ] || [ "$here/make-gguf.cpp" -nt "$out/make-gguf" ]; then
   g++ -O2 -std=c++17 -Wall -Wextra -Werror -I"$src/include" -I"$src/ggml/include" "$here/make-gguf.cpp" \
-    -o "$out/make-gguf" -L"$build/bin" -Wl,-rpath,"$build/bin" -lllama -lggml -lggml-base
+    -o "$out/make-gguf.$$" -L"$build/bin" -Wl,-rpath,"$build/bin" -lllama -lggml -lggml-base
+  mv "$out/make-gguf.$$" "$out/make-gguf"
 fi
-gguf="$out/tiny-nemotron-h.gguf"
-if [ ! -f "$gguf" ] || [ "$out/make-gguf" -nt "$gguf" ]; then
-  "$out/make-gguf" "$src/models/ggml-vocab-phi-3.gguf" "$gguf.part" >&2
-  mv "$gguf.part" "$gguf"
-fi
+for m in nemotron_h:tiny-nemotron-h granitehybrid:tiny-granite-hybrid falcon-h1:tiny-falcon-h1 qwen35:tiny-qwen35; do
+  gguf="$out/${m#*:}.gguf"
+  if [ ! -f "$gguf" ] || [ "$out/make-gguf" -nt "$gguf" ]; then
+    "$out/make-gguf" "$src/models/ggml-vocab-phi-3.gguf" "$gguf.part" 12 "${m%%:*}" >&2
+    mv "$gguf.part" "$gguf"
+  fi
+done
 echo "$out"

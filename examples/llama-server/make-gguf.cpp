@@ -1,10 +1,14 @@
-// make-gguf: writes a small random-weight Nemotron-H (Mamba-2 + attention +
-// MLP layers) GGUF that llama-server loads: the tokenizer and chat template
-// of a vocab-only GGUF shipped with llama.cpp's sources (models/
-// ggml-vocab-*.gguf), the layer layout of examples/llama-engine, seeded
-// random weights (stdev 0.3, A negative), saved by llama_model_save_to_file.
+// make-gguf: writes a small random-weight hybrid GGUF that llama-server
+// loads: a Nemotron-H (Mamba-2 + attention + MLP layers, the default, the
+// layer layout of examples/llama-engine), a Granite 4.0 hybrid
+// (granitehybrid: Mamba-2 or attention, each with a gated MLP), a Falcon-H1
+// (falcon-h1: attention and Mamba-2 in every layer) or a Qwen3.5 (qwen35:
+// gated delta net, gated attention every 4th layer); the tokenizer and chat
+// template of a vocab-only GGUF shipped with llama.cpp's sources
+// (models/ggml-vocab-*.gguf), seeded random weights (stdev 0.3, A
+// negative), saved by llama_model_save_to_file.
 //
-// usage: make-gguf VOCAB.gguf OUT.gguf [SEED]
+// usage: make-gguf VOCAB.gguf OUT.gguf [SEED] [ARCH]
 
 #include "ggml.h"
 #include "gguf.h"
@@ -73,8 +77,9 @@ void quiet_log(ggml_log_level level, const char *text, void *) {
 }  // namespace
 
 int main(int argc, char **argv) {
-    if (argc < 3 || argc > 4) die("usage: make-gguf VOCAB.gguf OUT.gguf [SEED]");
-    const uint64_t seed = argc == 4 ? std::strtoull(argv[3], nullptr, 10) : 12;
+    if (argc < 3 || argc > 5) die("usage: make-gguf VOCAB.gguf OUT.gguf [SEED] [ARCH]");
+    const uint64_t seed = argc >= 4 ? std::strtoull(argv[3], nullptr, 10) : 12;
+    const std::string arch = argc >= 5 ? argv[4] : "nemotron_h";
 
     gguf_init_params vp{/*no_alloc=*/true, /*ctx=*/nullptr};
     gguf_context *vocab = gguf_init_from_file(argv[1], vp);
@@ -87,30 +92,55 @@ int main(int argc, char **argv) {
     // then the architecture keys over it.
     gguf_context *g = gguf_init_empty();
     gguf_set_kv(g, vocab);
-    const std::string pattern = "M*-M-M*-";  // M: Mamba-2, *: attention, -: MLP
-    const uint32_t n_layer = (uint32_t)pattern.size();
+    // M: Mamba-2, *: attention, -: MLP, H: attention and Mamba-2 side by
+    // side then a gated MLP (Falcon-H1), m / a: Mamba-2 / attention, each
+    // followed by a gated MLP (Granite 4.0 hybrid).
+    std::string pattern;
     const uint32_t n_embd = 256, n_head = 4, n_head_kv = 2, n_ff = 512;
+    if (arch == "nemotron_h") pattern = "M*-M-M*-";
+    else if (arch == "granitehybrid") pattern = "mmammamm";
+    else if (arch == "falcon-h1") pattern = "HHHH";
+    else if (arch == "qwen35") pattern = "gggAgggA";  // g: gated delta net, A: gated attention (every 4th)
+    else die("ARCH is nemotron_h, granitehybrid, falcon-h1 or qwen35");
+    const uint32_t n_layer = (uint32_t)pattern.size();
     std::vector<uint32_t> kv(n_layer), ff(n_layer);
     for (uint32_t i = 0; i < n_layer; i++) {
-        kv[i] = pattern[i] == '*' ? n_head_kv : 0;
-        ff[i] = pattern[i] == '-' ? n_ff : 0;
+        const char c = pattern[i];
+        kv[i] = (c == '*' || c == 'a' || c == 'H' || c == 'A') ? n_head_kv : 0;
+        ff[i] = c == '*' || c == 'M' ? 0 : n_ff;
     }
-    gguf_set_val_str(g, "general.architecture", "nemotron_h");
-    gguf_set_val_str(g, "general.name", "tiny-random-nemotron-h");
-    gguf_set_val_u32(g, "nemotron_h.vocab_size", n_vocab);
-    gguf_set_val_u32(g, "nemotron_h.context_length", 8192);
-    gguf_set_val_u32(g, "nemotron_h.embedding_length", n_embd);
-    gguf_set_val_u32(g, "nemotron_h.block_count", n_layer);
-    gguf_set_arr_data(g, "nemotron_h.feed_forward_length", GGUF_TYPE_UINT32, ff.data(), ff.size());
-    gguf_set_val_u32(g, "nemotron_h.attention.head_count", n_head);
-    gguf_set_arr_data(g, "nemotron_h.attention.head_count_kv", GGUF_TYPE_UINT32, kv.data(), kv.size());
-    gguf_set_val_f32(g, "nemotron_h.attention.layer_norm_epsilon", 1e-5f);
-    gguf_set_val_f32(g, "nemotron_h.attention.layer_norm_rms_epsilon", 1e-5f);
-    gguf_set_val_u32(g, "nemotron_h.ssm.conv_kernel", 4);
-    gguf_set_val_u32(g, "nemotron_h.ssm.inner_size", 512);
-    gguf_set_val_u32(g, "nemotron_h.ssm.state_size", 64);
-    gguf_set_val_u32(g, "nemotron_h.ssm.time_step_rank", 8);
-    gguf_set_val_u32(g, "nemotron_h.ssm.group_count", 2);
+    const std::string a = arch + ".";
+    gguf_set_val_str(g, "general.architecture", arch.c_str());
+    gguf_set_val_str(g, "general.name", ("tiny-random-" + arch).c_str());
+    gguf_set_val_u32(g, (a + "vocab_size").c_str(), n_vocab);
+    gguf_set_val_u32(g, (a + "context_length").c_str(), 8192);
+    gguf_set_val_u32(g, (a + "embedding_length").c_str(), n_embd);
+    gguf_set_val_u32(g, (a + "block_count").c_str(), n_layer);
+    gguf_set_arr_data(g, (a + "feed_forward_length").c_str(), GGUF_TYPE_UINT32, ff.data(), ff.size());
+    gguf_set_val_u32(g, (a + "attention.head_count").c_str(), n_head);
+    if (arch == "qwen35") gguf_set_val_u32(g, (a + "attention.head_count_kv").c_str(), n_head_kv);
+    else gguf_set_arr_data(g, (a + "attention.head_count_kv").c_str(), GGUF_TYPE_UINT32, kv.data(), kv.size());
+    gguf_set_val_f32(g, (a + "attention.layer_norm_epsilon").c_str(), 1e-5f);
+    gguf_set_val_f32(g, (a + "attention.layer_norm_rms_epsilon").c_str(), 1e-5f);
+    gguf_set_val_u32(g, (a + "rope.dimension_count").c_str(), n_embd / n_head);
+    gguf_set_val_u32(g, (a + "ssm.conv_kernel").c_str(), 4);
+    if (arch == "qwen35") {
+        // Gated delta net: 2 key heads, 4 value heads of dim 64 (inner size
+        // = value dim 256), full attention every 4th layer, M-RoPE.
+        gguf_set_val_u32(g, (a + "ssm.inner_size").c_str(), 256);
+        gguf_set_val_u32(g, (a + "ssm.state_size").c_str(), 64);
+        gguf_set_val_u32(g, (a + "ssm.time_step_rank").c_str(), 4);
+        gguf_set_val_u32(g, (a + "ssm.group_count").c_str(), 2);
+        gguf_set_val_u32(g, (a + "full_attention_interval").c_str(), 4);
+        const int32_t sections[4] = {11, 11, 10, 0};
+        gguf_set_arr_data(g, (a + "rope.dimension_sections").c_str(), GGUF_TYPE_INT32, sections, 4);
+        gguf_set_val_u32(g, (a + "feed_forward_length").c_str(), n_ff);
+    } else {
+        gguf_set_val_u32(g, (a + "ssm.inner_size").c_str(), 2 * n_embd);
+        gguf_set_val_u32(g, (a + "ssm.state_size").c_str(), 64);
+        gguf_set_val_u32(g, (a + "ssm.time_step_rank").c_str(), 8);
+        gguf_set_val_u32(g, (a + "ssm.group_count").c_str(), 2);
+    }
 
     llama_log_set(quiet_log, nullptr);
     llama_backend_init();
@@ -118,7 +148,8 @@ int main(int argc, char **argv) {
     llama_model *model = llama_model_init_from_user(g, set_tensor_data, &init, llama_model_default_params());
     if (!model) die("llama_model_init_from_user failed");
     llama_model_save_to_file(model, argv[2]);
-    std::printf("make-gguf: wrote %s (nemotron_h %s, %u tokens of %s)\n", argv[2], pattern.c_str(), n_vocab, argv[1]);
+    std::printf("make-gguf: wrote %s (%s %s, %u tokens of %s)\n", argv[2], arch.c_str(), pattern.c_str(), n_vocab,
+                argv[1]);
     llama_model_free(model);
     gguf_free(g);
     gguf_free(vocab);

@@ -22,6 +22,12 @@ the ends of requests, where later requests resume) and, when vLLM asks for
 room, what to drop (its FLOP-aware eviction, leaves first). Chunks the
 mirror does not hold (states it did not admit, chunks it evicted) go first.
 
+`MarconiStoreTier` is a secondary tier below that CPU tier (vLLM's
+`TieringOffloadingSpec`, `"secondary_tiers": [{"type": "MarconiStoreTier",
+"module_path": "marconi.vllm", "backend": "dir" or "redis", "location": ...}]`):
+chunks in libmarconi's store (marconi.Store), shared by every process of
+the same model, hashing and seed; a store fault is a miss.
+
 vLLM is imported only when a class of this module is first used:
 `import marconi` and `import marconi.vllm` work without it.
 """
@@ -483,7 +489,7 @@ def _build_tier_class() -> type:
             timeout_ms: int = 50,
             connect_timeout_ms: int = 50,
             ttl_s: int = 0,
-            staged_chunks: int = 256,
+            staged_bytes: int = 256 << 20,
             marconi_model: Any = None,
             **unknown: Any,
         ) -> None:
@@ -534,7 +540,8 @@ def _build_tier_class() -> type:
             self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" \
                 else primary_kv_view
             self._staged: OrderedDict = OrderedDict()  # key -> verified bytes, from lookup to load
-            self._staged_cap = max(1, int(staged_chunks))
+            # Chunks read by a lookup HIT, waiting for their load (bounded in bytes).
+            self._staged_cap = max(1, int(staged_bytes) // max(self.block_size_bytes, 1))
             self._done: list = []
             self.counts = {"written": 0, "skipped_states": 0, "put_failures": 0, "hits": 0, "misses": 0,
                            "loaded": 0, "load_failures": 0}

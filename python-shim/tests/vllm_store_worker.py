@@ -107,8 +107,13 @@ def main(cfg: dict) -> dict:
     e = engine(cfg["model_dir"], tv.B, cfg["location"], backend=cfg.get("backend", "dir"),
                host_chunks=cfg.get("host_chunks", 40))
     check = StoreChecker(e)
-    trace = tv._trace(cfg.get("seed", 1))
-    out = serve(e, trace)
+    nconv, turns = cfg.get("sessions", 8), cfg.get("turns", 4)
+    trace = tv._trace(cfg.get("seed", 1), nconv=nconv, turns=turns)
+    lo, hi = cfg.get("serve", [0, turns])  # the turns this process serves (the trace is turn-major)
+    mlo, mhi = cfg.get("measure", [lo, hi])
+    out = serve(e, trace[lo * nconv:mlo * nconv])
+    out = serve(e, trace[mlo * nconv:mhi * nconv])  # the figures are of these turns
+    serve(e, trace[mhi * nconv:hi * nconv])
     out.update(counts=dict(check.tier.counts), verified=check.verified, loads=check.loads, pid=os.getpid(),
                fingerprint=check.tier.fingerprint)
     e.manager.shutdown()

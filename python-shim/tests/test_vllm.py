@@ -496,3 +496,53 @@ def test_store_tier_two_processes_share_redis(model_dir, redis_url):
     assert a["counts"]["written"] > 0 and a["counts"]["put_failures"] == 0, a
     assert b["counts"]["hits"] > 0 and b["verified"] > 0 and b["loads"] > 0, b
     assert b["hit"] > a["hit"], (a, b)
+
+
+def test_doc_store_tier_config(model_dir, redis_url):
+    """The store tier's kv-transfer-config in docs/vllm.md, loaded by vLLM
+    0.33.0's KVTransferConfig, runs as written (Redis location, model path
+    and host bytes replaced) through vLLM's scheduler and connector."""
+    from vllm.config import KVTransferConfig
+
+    doc = (HERE.parents[1] / "docs" / "vllm.md").read_text()
+    block = doc.split("<!-- vllm-store-tier -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    kt = KVTransferConfig(**json.loads(block))
+    assert kt.kv_connector == "OffloadingConnector"
+    extra = json.loads(json.dumps(dict(kt.kv_connector_extra_config)))
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    (tier,) = extra["secondary_tiers"]
+    assert tier["type"] == "MarconiStoreTier" and tier["module_path"] == "marconi.vllm"
+    tier["location"] = redis_url
+    extra["marconi_model"] = os.path.join(model_dir, "config.json")
+    host = ve.Engine.page_bytes_for(B) * 40
+    extra["cpu_bytes_to_use"] = host
+    e = ve.Engine(model_dir, block_size=B, gpu_blocks=40, cpu_bytes=host, extra=extra)
+    try:
+        check = sw.StoreChecker(e)
+        sw.serve(e, _trace(3))
+        assert check.tier.counts["written"] > 0 and check.tier.counts["put_failures"] == 0
+        assert check.tier.store.stats()["hits"] > 0 and check.verified > 0
+    finally:
+        e.manager.shutdown()
+
+
+def test_negative_control_a_tier_that_mixes_keys_is_caught(tmp_path, tiered):
+    """Negative control: a tier that reads a Mamba state chunk's block under
+    the attention group's key (valid bytes of another chunk, as a tier
+    keyed without the group index would) is caught by StoreChecker."""
+    store = str(tmp_path / "store")
+    a = tiered(store)
+    sw.StoreChecker(a)
+    sw.serve(a, _trace(1))
+    b = tiered(store)
+    check = sw.StoreChecker(b)
+    real = check.tier.store.get_state
+
+    def mixed(tokens, position, max_bytes=None):
+        t = list(tokens)
+        t[-1] = 0  # the group-index word: group 0's chunk of the same block
+        return real(t, position, max_bytes)
+
+    check.tier.store.get_state = mixed
+    with pytest.raises(AssertionError, match="another key's bytes"):
+        sw.serve(b, _trace(1))

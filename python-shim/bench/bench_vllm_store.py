@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="marconi-vllm-store-")
     md = model_dir(os.path.join(tmp, "model"))
     turns, split = 4, 2
+    # A SIGTERM unwinds through the `finally` below: the server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, url = redis_server(os.path.join(tmp))
     print("| backend | seed | host chunks | one process, turns 3-4 | B after A, turns 3-4 | B / one | "
           "C, empty store | B chunks loaded (verified) |")

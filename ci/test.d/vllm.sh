@@ -4,7 +4,9 @@
 # vLLM's own Scheduler, hybrid KVCacheManager (one full-attention group, one
 # Mamba group, align mode, sha256_cbor) and OffloadingConnector with its CPU
 # tier, on CPU with a fake model runner (python-shim/tests/vllm_engine.py):
-# python-shim/tests/test_vllm.py.
+# python-shim/tests/test_vllm.py; with TieringOffloadingSpec, MarconiStoreTier
+# below the CPU tier over a directory, a Redis nobody listens on and a
+# redis-server started by the test on 127.0.0.1 (installed here when missing).
 #
 # The venv (ci/vllm-venv.sh) overlays the pinned vLLM wheel (version and
 # sha256) on the torch engine's venv, under the target dir, behind a lock.
@@ -21,6 +23,14 @@ start=$SECONDS
 echo "--- cargo build --release -p marconi-ffi"
 cargo build --release -p marconi-ffi
 lib="$(cd "$target/release" && pwd)/libmarconi.so"
+
+if ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
+  echo "--- apt-get install redis-server"
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
 
 source ci/vllm-venv.sh  # sets vllm_venv
 echo "--- venv ready after $((SECONDS - start)) s"

@@ -22,6 +22,12 @@ the ends of requests, where later requests resume) and, when vLLM asks for
 room, what to drop (its FLOP-aware eviction, leaves first). Chunks the
 mirror does not hold (states it did not admit, chunks it evicted) go first.
 
+`MarconiStoreTier` is a secondary tier below that CPU tier (vLLM's
+`TieringOffloadingSpec`, `"secondary_tiers": [{"type": "MarconiStoreTier",
+"module_path": "marconi.vllm", "backend": "dir" or "redis", "location": ...}]`):
+chunks in libmarconi's store (marconi.Store), shared by every process of
+the same model, hashing and seed; a store fault is a miss.
+
 vLLM is imported only when a class of this module is first used:
 `import marconi` and `import marconi.vllm` work without it.
 """
@@ -39,7 +45,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from .cache import MarconiError, PrefixCache
 from .model import ModelSpec
 
-__all__ = ["MarconiCachePolicy", "MODEL_KEY", "STATE_GROUPS_KEY", "load_model_spec"]
+__all__ = ["MarconiCachePolicy", "MarconiStoreTier", "MODEL_KEY", "STATE_GROUPS_KEY", "load_model_spec"]
 
 logger = logging.getLogger(__name__)
 
@@ -427,14 +433,274 @@ def _build_classes() -> dict:
     return {"MarconiCachePolicy": MarconiCachePolicy}
 
 
+def _key_tokens(key: bytes) -> list[int]:
+    """A chunk key (block hash + 4-byte group index) as the uint32 token ids
+    of its store name: the store names it like a state after these tokens."""
+    b = bytes(key)
+    if len(b) % 4:
+        b += b"\0" * (4 - len(b) % 4)
+    a = array.array("I")
+    a.frombytes(b)
+    return list(a)
+
+
+def _build_tier_class() -> type:
+    from vllm.v1.kv_offload.base import LookupResult, Medium, RequestOffloadingContext, get_offload_block_hash
+    from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+    from .store import Store
+
+    class MarconiStoreTier(SecondaryTierManager):
+        """vLLM secondary tier (below the CPU tier of TieringOffloadingSpec)
+        over libmarconi's store (marconi.Store: a directory or Redis/Valkey,
+        checksummed envelopes). Selected by configuration:
+
+            "spec_name": "TieringOffloadingSpec",
+            "secondary_tiers": [{"type": "MarconiStoreTier", "module_path": "marconi.vllm",
+                                 "backend": "dir", "location": "/var/cache/marconi"}]
+
+        A chunk (vLLM block hash + group index) is one store object,
+        named by its key under a fingerprint of the model identity (model,
+        KV dtype, chunk size and bytes, group layout, parallel layout) and
+        the block-hash seed, so processes of one model share every chunk and
+        two models none. What is written: every attention chunk of a store
+        job, and Mamba state chunks only at the positions libmarconi's
+        admission keeps (the branch points its planner names for the
+        request's path, and the job's last position). A miss of any kind
+        (absent, corrupt, truncated, another model, store down or slow) is a
+        MISS; a lookup HIT has already read and verified the chunk, so the
+        load that follows cannot return other bytes.
+
+        Calls are synchronous and bounded by the store's timeouts
+        (`timeout_ms`, `connect_timeout_ms`; a Redis that is down is skipped
+        for a backoff after the first failure)."""
+
+        medium = Medium.STORAGE
+
+        def __init__(
+            self,
+            offloading_spec: Any,
+            primary_kv_view: memoryview,
+            tier_type: str,
+            backpressure_detector: Any = None,
+            backend: str = "dir",
+            location: Optional[str] = None,
+            namespace: Optional[str] = None,
+            timeout_ms: int = 50,
+            connect_timeout_ms: int = 50,
+            ttl_s: int = 0,
+            staged_bytes: int = 256 << 20,
+            marconi_model: Any = None,
+            **unknown: Any,
+        ) -> None:
+            super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+            unknown.pop("locality", None)
+            if unknown:
+                raise ValueError(f"MarconiStoreTier: unknown settings {sorted(unknown)}")
+            if backend not in ("dir", "redis"):
+                raise ValueError(f"MarconiStoreTier: backend must be 'dir' or 'redis', got {backend!r}")
+            if not location:
+                raise ValueError("MarconiStoreTier: 'location' (a directory, or redis://host:port/db) is required")
+            spec = offloading_spec
+            cfg = spec.config
+            extra = spec.extra_config
+            groups = cfg.groups
+            sizes = {g.tokens_per_block * spec.blocks_per_chunk for g in groups}
+            if len(sizes) != 1:
+                raise ValueError(f"MarconiStoreTier needs one chunk size across the groups, got {sorted(sizes)}")
+            self.tokens_per_chunk = sizes.pop()
+            if extra.get(STATE_GROUPS_KEY) is not None:
+                sg = extra[STATE_GROUPS_KEY]
+            else:
+                sg = [g.group_id for g in groups if g.sliding_window_size_in_chunks == 1]
+            self.state_groups = frozenset(int(g) for g in sg)
+            self._state_tags = frozenset(g.to_bytes(4, "big") for g in self.state_groups)
+            model = marconi_model if marconi_model is not None else extra.get(MODEL_KEY)
+            if model is None:
+                raise ValueError(
+                    f"MarconiStoreTier needs kv_connector_extra_config[{MODEL_KEY!r}] (or {MODEL_KEY!r} in its tier "
+                    "config): libmarconi's admission plans states with the model's sizes"
+                )
+            self.model = load_model_spec(model)
+            par = cfg.parallel
+            layout = ",".join(f"{g.group_id}:{g.sliding_window_size_in_chunks}" for g in groups)
+            self.fingerprint = (
+                f"vllm model={cfg.model.name} dtype={cfg.model.dtype} chunk_tokens={self.tokens_per_chunk} "
+                f"chunk_bytes={self.block_size_bytes} groups={layout} tp={par.tp_size} pp={par.pp_size} "
+                f"pcp={par.pcp_size} dcp={par.dcp_size} layout={cfg.kv_cache_layout} canonical={cfg.canonical_layout}"
+            )
+            # Block hashes chain from vLLM's NONE_HASH, derived from
+            # PYTHONHASHSEED when set (a fixed default for sha256 /
+            # sha256_cbor otherwise): the seed goes into the names too.
+            self.hash_seed = os.environ.get("PYTHONHASHSEED", "vllm-default")
+            self.store = Store(backend, location, model=self.fingerprint, block_size=self.tokens_per_chunk,
+                               namespace=namespace, seed=self.hash_seed, timeout_ms=timeout_ms,
+                               connect_timeout_ms=connect_timeout_ms, ttl_s=ttl_s,
+                               max_value_bytes=max(self.block_size_bytes, 1))
+            self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 or primary_kv_view.format != "B" \
+                else primary_kv_view
+            self._staged: OrderedDict = OrderedDict()  # key -> verified bytes, from lookup to load
+            # Chunks read by a lookup HIT, waiting for their load (bounded in bytes).
+            self._staged_cap = max(1, int(staged_bytes) // max(self.block_size_bytes, 1))
+            self._done: list = []
+            self.counts = {"written": 0, "skipped_states": 0, "put_failures": 0, "hits": 0, "misses": 0,
+                           "loaded": 0, "load_failures": 0}
+            T = self.tokens_per_chunk
+            self._mirror = PrefixCache(1 << 36, model=dict(self.model), page_size=T, checkpoint_grid=T,
+                                       tuner_adoption="deterministic")
+            self._ids = 0
+            self._free: list[int] = []
+
+        # -- admission -----------------------------------------------------
+
+        def _new_id(self) -> int:
+            if self._free:
+                return self._free.pop()
+            self._ids += 1
+            return self._ids
+
+        def _kept_states(self, ctx: Any, job_positions: list[int]) -> set:
+            """Positions of this job whose Mamba state is written: the
+            job's last one and those libmarconi's planner names for the
+            request's path (its branch points against what it has seen)."""
+            keep = {max(job_positions)} if job_positions else set()
+            positions = getattr(ctx, "_offload_key_positions", None)
+            if not positions:
+                return keep
+            T = self.tokens_per_chunk
+            kv_at: dict[int, bytes] = {}
+            for key, pos in positions.items():
+                if key[-4:] not in self._state_tags:
+                    kv_at.setdefault(pos, key)
+            depth = 0
+            while (depth + 1) * T in kv_at:
+                depth += 1
+            if depth == 0:
+                return keep
+            tokens = array.array("I")
+            tokens.frombytes(b"".join(_chunk_tokens(get_offload_block_hash(kv_at[(i + 1) * T]), T).tobytes()
+                                      for i in range(depth)))
+            try:
+                with self._mirror.lookup(tokens) as lease:
+                    plan = set(lease.plan)
+                    pages = [self._new_id() for _ in range(depth)]
+                    slot = self._new_id()
+                    res = lease.admit(tokens, [(depth * T, slot)], pages)
+                freed_pages, freed_slots = self._mirror.drain_freed()
+                self._free.extend(freed_pages)
+                self._free.extend(freed_slots)
+                taken = set(res.kv_pages_taken)
+                self._free.extend(p for i, p in enumerate(pages) if i not in taken)
+                if not res.taken or not res.taken[0]:
+                    self._free.append(slot)
+            except MarconiError as e:  # admission falls back to the job's last state
+                logger.warning("MarconiStoreTier: admission plan failed (%s); keeping the last state only", e)
+                return keep
+            return keep | {p for p in plan if p in set(job_positions)}
+
+        # -- vLLM's SecondaryTierManager -----------------------------------
+
+        def _chunk(self, chunk_id: int) -> memoryview:
+            n = self.block_size_bytes
+            return self._flat[int(chunk_id) * n:(int(chunk_id) + 1) * n]
+
+        def lookup(self, key, req_context):
+            if key in self._staged:
+                return LookupResult.HIT
+            try:
+                data = self.store.get_state(_key_tokens(key), len(_key_tokens(key)),
+                                            max_bytes=max(self.block_size_bytes, 1))
+            except Exception as e:  # noqa: BLE001 - any store trouble is a miss
+                logger.debug("MarconiStoreTier: lookup failed: %s", e)
+                data = None
+            if data is None or len(data) != self.block_size_bytes:
+                self.counts["misses"] += 1
+                return LookupResult.MISS
+            self._staged[key] = data
+            while len(self._staged) > self._staged_cap:
+                self._staged.popitem(last=False)
+            self.counts["hits"] += 1
+            return LookupResult.HIT
+
+        def submit_store(self, job_metadata) -> None:
+            keys = list(job_metadata.keys)
+            ids = list(job_metadata.chunk_ids)
+            ctx = job_metadata.req_context
+            ok = True
+            try:
+                pos = {k: ctx.get_offload_key_position(k) for k in keys}
+                st_pos = [p for k, p in pos.items() if k[-4:] in self._state_tags and p is not None]
+                keep = self._kept_states(ctx, st_pos)
+                for key, cid in zip(keys, ids):
+                    if key[-4:] in self._state_tags and pos.get(key) not in keep:
+                        self.counts["skipped_states"] += 1
+                        continue
+                    try:
+                        self.store.put_state(_key_tokens(key), len(_key_tokens(key)), bytes(self._chunk(cid)))
+                        self.counts["written"] += 1
+                    except Exception as e:  # noqa: BLE001 - a refused write is only a later miss
+                        self.counts["put_failures"] += 1
+                        logger.debug("MarconiStoreTier: write failed: %s", e)
+            except Exception:  # noqa: BLE001
+                logger.exception("MarconiStoreTier: store job failed")
+                ok = False
+            self._done.append(JobResult(job_id=job_metadata.job_id, success=ok))
+
+        def submit_load(self, job_metadata) -> None:
+            good = []
+            for key, cid in zip(list(job_metadata.keys), list(job_metadata.chunk_ids)):
+                data = self._staged.pop(key, None)
+                if data is None:
+                    try:
+                        data = self.store.get_state(_key_tokens(key), len(_key_tokens(key)),
+                                                    max_bytes=max(self.block_size_bytes, 1))
+                    except Exception:  # noqa: BLE001
+                        data = None
+                if data is None or len(data) != self.block_size_bytes:
+                    self.counts["load_failures"] += 1
+                    continue
+                self._chunk(cid)[:] = data
+                self.counts["loaded"] += 1
+                good.append(key)
+            n = len(job_metadata.keys)
+            if len(good) == n:
+                self._done.append(JobResult(job_id=job_metadata.job_id, success=True))
+            else:
+                self._done.append(JobResult(job_id=job_metadata.job_id, success=False, successful_keys=good))
+
+        def get_finished_jobs(self):
+            out, self._done = self._done, []
+            return out
+
+        def on_new_request(self, req_context):
+            return RequestOffloadingContext()
+
+        def drain_jobs(self) -> None:
+            return  # synchronous: every job is done when submit_* returns
+
+        def shutdown(self) -> None:
+            self._staged.clear()
+            self.store.close()
+            self._mirror.close()
+            if self._flat is not self._primary_kv_view:
+                self._flat.release()  # the CPU tier's region can be unmapped
+
+    MarconiStoreTier.__module__ = __name__
+    MarconiStoreTier.__qualname__ = "MarconiStoreTier"
+    return MarconiStoreTier
+
+
 _classes: dict = {}
 
 
 def __getattr__(name: str):
-    if name in ("MarconiCachePolicy",):
-        if not _classes:
+    if name in ("MarconiCachePolicy", "MarconiStoreTier"):
+        if name not in _classes:
             try:
-                _classes.update(_build_classes())
+                if name == "MarconiCachePolicy":
+                    _classes.update(_build_classes())
+                else:
+                    _classes[name] = _build_tier_class()
             except ImportError as e:
                 raise ImportError(f"marconi.vllm.{name} needs vLLM 0.33 (pip install vllm==0.33.0): {e}") from e
         return _classes[name]

@@ -327,3 +327,222 @@ def test_doc_config_lines(model_dir):
     TierChecker(e)
     tot, hit, host_hit = _serve(e, _trace(3))
     assert host_hit > 0
+
+
+# -- MarconiStoreTier: libmarconi's store below vLLM's CPU tier --------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import vllm_store_worker as sw  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def tiered(model_dir):
+    """Builds engines with MarconiStoreTier and shuts each down at the end
+    (its CPU tier's shared-memory region goes with it)."""
+    made = []
+
+    def make(location, **kw):
+        e = sw.engine(model_dir, B, location, **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.manager.shutdown()
+
+
+def _worker(cfg: dict) -> dict:
+    """One scheduler process (vllm_store_worker.py) serving a trace over a store."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONHASHSEED"] = "1234"  # the block-hash seed both processes share
+    p = subprocess.run([sys.executable, str(HERE / "vllm_store_worker.py"), json.dumps(cfg)], cwd=str(HERE), env=env,
+                       capture_output=True, text=True, timeout=300)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, (p.returncode, p.stdout[-2000:], p.stderr[-4000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_store_tier_is_selected_by_config(model_dir, tmp_path, tiered):
+    e = tiered(str(tmp_path / "store"))
+    assert type(e.manager).__name__ == "TieringOffloadingManager"
+    assert [type(t).__name__ for t in e.tiers] == ["MarconiStoreTier"]
+    t = e.tiers[0]
+    assert t.state_groups == {1} and t.tokens_per_chunk == B
+    assert "model=" + model_dir in t.fingerprint
+    with pytest.raises(ValueError, match="location"):
+        tiered("")
+
+
+def test_store_tier_second_process_resumes_the_first(model_dir, tmp_path):
+    """Two scheduler processes over one directory store: the second serves
+    the first's sessions from what the first wrote down, each loaded chunk
+    holding its own key's bytes and each hit's Mamba state at its end."""
+    cfg = {"model_dir": model_dir, "backend": "dir", "location": str(tmp_path / "store"), "seed": 1}
+    a = _worker(cfg)
+    b = _worker(cfg)
+    assert a["pid"] != b["pid"] and a["fingerprint"] == b["fingerprint"]
+    assert a["counts"]["written"] > 0
+    assert b["counts"]["hits"] > 0 and b["verified"] > 0 and b["loads"] > 0
+    # Hits the second could not have had alone: it starts with an empty device and CPU tier.
+    assert b["hit"] > a["hit"], (a, b)
+    assert b["hit"] / b["prompt"] >= 0.8 * a["hit"] / a["prompt"]
+
+
+def _first_and_rest(e, trace):
+    first = e.run(*trace[0])
+    rest = sw.serve(e, trace[1:])
+    return first, rest
+
+
+def test_store_tier_corrupt_objects_are_misses(model_dir, tmp_path, tiered):
+    """A directory whose objects are truncated, bit-flipped or swapped gives
+    misses (and the requests complete); an intact copy gives hits."""
+    store = tmp_path / "store"
+    a = tiered(str(store))
+    sw.StoreChecker(a)
+    trace = _trace(1)
+    sw.serve(a, trace)
+    intact = tmp_path / "intact"
+    shutil.copytree(store, intact)
+    files = sorted(p for p in store.rglob("*") if p.is_file())
+    assert len(files) > 3
+    original = [f.read_bytes() for f in files]
+    for i, f in enumerate(files):
+        data = original[i]
+        if i % 3 == 0:
+            f.write_bytes(data[: len(data) // 2])
+        elif i % 3 == 1:
+            b = bytearray(data)
+            b[len(b) // 2] ^= 0x40
+            f.write_bytes(bytes(b))
+        else:
+            f.write_bytes(original[i - 1])  # a valid object under another key's name
+    good = tiered(str(intact))
+    sw.StoreChecker(good)
+    first, _ = _first_and_rest(good, trace)
+    assert first["host_hit"] > 0, first
+    bad = tiered(str(store))
+    check = sw.StoreChecker(bad)
+    first, rest = _first_and_rest(bad, trace)
+    assert first["host_hit"] == 0 and first["hit"] == 0, first
+    st = check.tier.store.stats()
+    assert st["truncated"] > 0 and st["corrupt"] > 0 and st["wrong_key"] > 0, st
+    assert rest["prompt"] > 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_store_tier_redis_down_gives_misses(tiered):
+    """A Redis nobody listens on: every lookup misses, writes are refused
+    and counted, the requests complete with what the CPU tier holds."""
+    e = tiered(f"redis://127.0.0.1:{_free_port()}/0", backend="redis")
+    check = sw.StoreChecker(e)
+    out = sw.serve(e, _trace(1))
+    c = check.tier.counts
+    assert out["prompt"] > 0
+    assert c["hits"] == 0 and c["loaded"] == 0 and c["misses"] > 0 and c["written"] == 0 and c["put_failures"] > 0, c
+    st = check.tier.store.stats()
+    assert st["hits"] == 0 and st["unavailable"] + st["timeout"] > 0, st
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        assert not STRICT, "no redis-server and MARCONI_VLLM_STRICT=1"
+        pytest.skip("no redis-server or valkey-server on PATH")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_store_tier_two_processes_share_redis(model_dir, redis_url):
+    cfg = {"model_dir": model_dir, "backend": "redis", "location": redis_url, "seed": 2}
+    a = _worker(cfg)
+    b = _worker(cfg)
+    assert a["counts"]["written"] > 0 and a["counts"]["put_failures"] == 0, a
+    assert b["counts"]["hits"] > 0 and b["verified"] > 0 and b["loads"] > 0, b
+    assert b["hit"] > a["hit"], (a, b)
+
+
+def test_doc_store_tier_config(model_dir, redis_url):
+    """The store tier's kv-transfer-config in docs/vllm.md, loaded by vLLM
+    0.33.0's KVTransferConfig, runs as written (Redis location, model path
+    and host bytes replaced) through vLLM's scheduler and connector."""
+    from vllm.config import KVTransferConfig
+
+    doc = (HERE.parents[1] / "docs" / "vllm.md").read_text()
+    block = doc.split("<!-- vllm-store-tier -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    kt = KVTransferConfig(**json.loads(block))
+    assert kt.kv_connector == "OffloadingConnector"
+    extra = json.loads(json.dumps(dict(kt.kv_connector_extra_config)))
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    (tier,) = extra["secondary_tiers"]
+    assert tier["type"] == "MarconiStoreTier" and tier["module_path"] == "marconi.vllm"
+    tier["location"] = redis_url
+    extra["marconi_model"] = os.path.join(model_dir, "config.json")
+    host = ve.Engine.page_bytes_for(B) * 40
+    extra["cpu_bytes_to_use"] = host
+    e = ve.Engine(model_dir, block_size=B, gpu_blocks=40, cpu_bytes=host, extra=extra)
+    try:
+        check = sw.StoreChecker(e)
+        sw.serve(e, _trace(3))
+        assert check.tier.counts["written"] > 0 and check.tier.counts["put_failures"] == 0
+        assert check.tier.store.stats()["hits"] > 0 and check.verified > 0
+    finally:
+        e.manager.shutdown()
+
+
+def test_negative_control_a_tier_that_mixes_keys_is_caught(tmp_path, tiered):
+    """Negative control: a tier that reads a Mamba state chunk's block under
+    the attention group's key (valid bytes of another chunk, as a tier
+    keyed without the group index would) is caught by StoreChecker."""
+    store = str(tmp_path / "store")
+    a = tiered(store)
+    sw.StoreChecker(a)
+    sw.serve(a, _trace(1))
+    b = tiered(store)
+    check = sw.StoreChecker(b)
+    real = check.tier.store.get_state
+
+    def mixed(tokens, position, max_bytes=None):
+        t = list(tokens)
+        t[-1] = 0  # the group-index word: group 0's chunk of the same block
+        return real(t, position, max_bytes)
+
+    check.tier.store.get_state = mixed
+    with pytest.raises(AssertionError, match="another key's bytes"):
+        sw.serve(b, _trace(1))

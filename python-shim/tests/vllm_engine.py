@@ -185,7 +185,10 @@ class Engine:
         self.connector = self.scheduler.connector
         cs = self.connector.connector_scheduler
         self.manager = cs.manager
-        self.policy = self.manager._policy
+        # TieringOffloadingSpec: the CPU tier is the manager's primary tier.
+        self.primary = getattr(self.manager, "primary_tier", self.manager)
+        self.policy = getattr(self.primary, "_policy", None)
+        self.tiers = list(getattr(self.manager, "secondary_tiers", ()))
         self._hit: dict = {}
         self._external: dict = {}
         # Records what the connector answers (the host tier's hit) without

@@ -473,7 +473,7 @@ pub fn lines_with(
                     p.iter().copied(),
                     size,
                     gap,
-                    c.stroke_width(width).into(),
+                    c.stroke_width(width),
                 ))
                 .map_err(err)?;
         } else {

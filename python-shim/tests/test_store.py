@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port, running_redis
 
 import marconi
 from marconi import _lib
@@ -180,40 +181,10 @@ def test_callback_store_round_trip_and_faults():
         assert (s["hits"], s["truncated"], s["corrupt"], s["failed"], s["put_failures"]) == (1, 1, 1, 2, 1)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def redis_server(tmp_path):
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        assert os.environ.get("MARCONI_STORE_STRICT") != "1", "no redis-server and MARCONI_STORE_STRICT=1"
-        pytest.skip("no redis-server or valkey-server on PATH")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
+    with running_redis(tmp_path, os.environ.get("MARCONI_STORE_STRICT") == "1") as (proc, port):
         yield proc, f"redis://127.0.0.1:{port}/"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_redis_round_trip_and_a_killed_server_gives_quick_misses(redis_server):
@@ -236,7 +207,7 @@ def test_redis_round_trip_and_a_killed_server_gives_quick_misses(redis_server):
 
 
 def test_redis_never_started_gives_quick_misses():
-    with marconi.Store("redis", f"redis://127.0.0.1:{_free_port()}/", model="m", block_size=8) as a:
+    with marconi.Store("redis", f"redis://127.0.0.1:{free_port()}/", model="m", block_size=8) as a:
         t = time.monotonic()
         for _ in range(20):
             assert a.get_state(TOKENS, 8) is None

@@ -340,6 +340,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import vllm_store_worker as sw  # noqa: E402
+from conftest import free_port, running_redis  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -440,16 +441,10 @@ def test_store_tier_corrupt_objects_are_misses(model_dir, tmp_path, tiered):
     assert rest["prompt"] > 0
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_store_tier_redis_down_gives_misses(tiered):
     """A Redis nobody listens on: every lookup misses, writes are refused
     and counted, the requests complete with what the CPU tier holds."""
-    e = tiered(f"redis://127.0.0.1:{_free_port()}/0", backend="redis")
+    e = tiered(f"redis://127.0.0.1:{free_port()}/0", backend="redis")
     check = sw.StoreChecker(e)
     out = sw.serve(e, _trace(1))
     c = check.tier.counts
@@ -461,32 +456,8 @@ def test_store_tier_redis_down_gives_misses(tiered):
 
 @pytest.fixture
 def redis_url(tmp_path):
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        assert not STRICT, "no redis-server and MARCONI_VLLM_STRICT=1"
-        pytest.skip("no redis-server or valkey-server on PATH")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.02)
+    with running_redis(tmp_path, STRICT) as (_, port):
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_store_tier_two_processes_share_redis(model_dir, redis_url):

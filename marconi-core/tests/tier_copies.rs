@@ -16,6 +16,9 @@
 //! Page sizes 1 and 4, write-back and write-through, exclusive and
 //! inclusive tiers, moves deferred or not.
 
+#[path = "common/chat.rs"]
+mod chat;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use marconi_core::{
@@ -79,34 +82,18 @@ fn cache(s: Shape, dev: u64, host: u64, store: u64) -> TieredCache {
     c
 }
 
-/// Sessions of chat turns over a shared system prompt, interleaved; the
-/// namespace of each session is `session % namespaces`.
+/// Chat sessions ([`chat::sessions`]); the namespace of each session is
+/// `session % namespaces`.
 fn workload(
     sessions: u32,
     turns: u32,
     seed: u32,
     namespaces: u64,
 ) -> Vec<(u64, Vec<u32>, Vec<u32>)> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    let mut rnd = || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        x
-    };
-    let system: Vec<u32> = (0..64).map(|i| 1_000_000 + i).collect();
-    let mut hist = vec![system; sessions as usize];
-    let mut out = Vec::new();
-    for _ in 0..turns {
-        for (k, h) in hist.iter_mut().enumerate() {
-            let n = 10 + rnd() % 60;
-            h.extend((0..n).map(|_| rnd() % 50_000));
-            let reply: Vec<u32> = (0..(5 + rnd() % 30)).map(|_| rnd() % 50_000).collect();
-            out.push((k as u64 % namespaces, h.clone(), reply.clone()));
-            h.extend(reply);
-        }
-    }
-    out
+    chat::sessions(sessions, turns, seed)
+        .into_iter()
+        .map(|(k, input, reply)| (k as u64 % namespaces, input, reply))
+        .collect()
 }
 
 type Chain = (u64, Vec<u32>);

@@ -8,6 +8,9 @@
 //!   wrote into the shared store, through a probe of that store, and only
 //!   where the probe says the state and its KV are there.
 
+#[path = "common/chat.rs"]
+mod chat;
+
 use std::collections::BTreeSet;
 
 use marconi_core::{
@@ -42,28 +45,12 @@ fn cache_with(dev: u64, host: u64, store: u64, f: impl FnOnce(&mut TierConfig)) 
     c
 }
 
-/// Sessions of chat turns over a shared system prompt, interleaved.
+/// Chat sessions ([`chat::sessions`]) as (input, reply).
 fn workload(sessions: u32, turns: u32, seed: u32) -> Vec<(Vec<u32>, Vec<u32>)> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    let mut rnd = || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        x
-    };
-    let system: Vec<u32> = (0..64).map(|i| 1_000_000 + i).collect();
-    let mut hist = vec![system; sessions as usize];
-    let mut out = Vec::new();
-    for _ in 0..turns {
-        for h in hist.iter_mut() {
-            let n = 10 + rnd() % 60;
-            h.extend((0..n).map(|_| rnd() % 50_000));
-            let reply: Vec<u32> = (0..(5 + rnd() % 30)).map(|_| rnd() % 50_000).collect();
-            out.push((h.clone(), reply.clone()));
-            h.extend(reply);
-        }
-    }
-    out
+    chat::sessions(sessions, turns, seed)
+        .into_iter()
+        .map(|(_, input, reply)| (input, reply))
+        .collect()
 }
 
 type Chain = (u64, Vec<u32>);

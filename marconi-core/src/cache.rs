@@ -275,6 +275,19 @@ impl Core {
             }
             cur = parent;
         }
+        // A chains-only cache keeps no KV without a state: an eviction
+        // under a pinned node (a lookup's hit, an admission's anchor) may
+        // have left it a stateless leaf, kept only while pinned.
+        let n = self.tree.node(id);
+        if self.chains_only
+            && n.live
+            && n.parent != NIL
+            && n.leases == 0
+            && n.children.is_empty()
+            && n.state.is_none()
+        {
+            self.remove_entry(id);
+        }
     }
 
     pub(crate) fn release(&mut self, lease: LeaseId) -> Result<LeaseInfoOut, CacheError> {
@@ -924,6 +937,7 @@ impl PrefixCache {
     /// for tests and debugging.
     pub fn check_invariants(&self) {
         self.core.check_invariants();
+        self.core.check_chains_only();
     }
 }
 
@@ -1005,5 +1019,44 @@ mod tests {
         }
         assert_ne!(fingerprint(&a), fingerprint(&a[..36]));
         assert_eq!(fingerprint(&a), fingerprint(&a.clone()));
+    }
+
+    /// A lower tier holds chains only: when an admission's eviction leaves
+    /// the node it extends (pinned meanwhile) a stateless leaf, the end of
+    /// the admission takes that KV away (no engine copy holds it). Found by
+    /// the C-ABI fuzzer: the host tier claimed a token more than the
+    /// engine's copies held.
+    #[test]
+    fn a_chains_only_cache_keeps_no_stateless_leaf_after_an_admission() {
+        use crate::SavedState;
+        let m = ModelSpec::preset("paper-7b").unwrap();
+        let (kv, st) = (m.kv_bytes_per_token(), m.state_bytes());
+        let mut c = PrefixCache::new(CacheConfig::marconi(m, 100 * kv + 2 * st)).unwrap();
+        c.set_chains_only();
+        let common: Vec<u32> = (0..24).collect();
+        let seq = |keep: usize, tail: std::ops::Range<u32>| {
+            let mut v = common[..keep].to_vec();
+            v.extend(tail);
+            v
+        };
+        let admit = |c: &mut PrefixCache, tokens: &[u32]| {
+            let l = c.lookup(0, tokens).unwrap();
+            let state = [SavedState {
+                position: tokens.len() as u32,
+                slot: None,
+            }];
+            let out = c.admit(l.lease, tokens, &state, &[]).unwrap();
+            c.release(l.lease).unwrap();
+            assert_eq!(out.states_taken, vec![tokens.len() as u32]);
+            c.check_invariants();
+        };
+        // A stateless branch point at 24 tokens with two chains below it.
+        admit(&mut c, &seq(24, 1000..1026));
+        admit(&mut c, &seq(24, 2000..2026));
+        assert_eq!(c.used_bytes(), 76 * kv + 2 * st);
+        // A chain that leaves the branch point's edge a token early: the
+        // admission pins that edge, evicts both chains below it, splits it.
+        admit(&mut c, &seq(23, 3000..3077));
+        assert_eq!(c.used_bytes(), 100 * kv + st, "only the new chain is left");
     }
 }

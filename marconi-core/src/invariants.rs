@@ -111,4 +111,25 @@ impl Core {
             self.cfg.capacity_bytes
         );
     }
+
+    /// A chains-only cache (a lower tier) holds no KV that no state covers
+    /// once nothing pins it: the engine's copies are chains. Holds between
+    /// the tiered cache's calls (an admission may leave a stateless tail
+    /// that its caller prunes).
+    pub(crate) fn check_chains_only(&self) {
+        if !self.chains_only {
+            return;
+        }
+        for (id, n) in self.tree.nodes.iter().enumerate() {
+            assert!(
+                !n.live
+                    || n.parent == NIL
+                    || n.leases > 0
+                    || !n.children.is_empty()
+                    || n.state.is_some(),
+                "chains-only cache keeps a stateless leaf {id} ({} tokens)",
+                n.tokens.len()
+            );
+        }
+    }
 }

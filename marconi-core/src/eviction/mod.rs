@@ -459,7 +459,7 @@ impl Core {
     /// one child) out of the cache as an eviction does: its state, and its
     /// edge's KV when it is a leaf (else it merges into its child), with
     /// the events and freed ids that go with it.
-    fn remove_entry(&mut self, id: NodeId) {
+    pub(crate) fn remove_entry(&mut self, id: NodeId) {
         let (edge, leaf) = {
             let n = self.tree.node(id);
             (n.tokens.len() as u32, n.children.is_empty())

@@ -903,8 +903,10 @@ typedef struct marconi_pooled_cache marconi_pooled_cache;
 typedef struct marconi_store marconi_store;
 
 /**
- * A tiered cache handle: opaque to C. Create with marconi_tiered_new,
- * free with marconi_tiered_free. Safe to call from several threads.
+ * A tiered cache handle: opaque to C. Deprecated (removed in the next
+ * release): a marconi_tiered is a marconi_cache created with
+ * marconi_cache_config.tiers set, and every marconi_tiered_* call forwards
+ * to its marconi_cache_* counterpart.
  */
 typedef struct marconi_tiered marconi_tiered;
 
@@ -991,6 +993,92 @@ typedef struct marconi_model_spec {
    */
   uint64_t state_dtype_bytes;
 } marconi_model_spec;
+
+/**
+ * One lower tier. Absent when capacity_bytes is 0.
+ */
+typedef struct marconi_tier_spec {
+  /**
+   * Bytes of KV and states the tier may hold (0: no such tier). Its
+   * policy is the device's (admission, eviction, alpha, page size).
+   */
+  uint64_t capacity_bytes;
+  /**
+   * Bytes per second from this tier into the device (finite, > 0).
+   */
+  double bandwidth_bytes_per_s;
+  /**
+   * Fixed cost of one load from this tier, seconds (finite, >= 0).
+   */
+  double latency_s;
+} marconi_tier_spec;
+
+/**
+ * The lower tiers of a cache (marconi_cache_config.tiers): what the
+ * tiered core and the C leases over it need. Versioned by size: fill it
+ * with marconi_tier_options_init(&opts, sizeof opts), then set fields.
+ * The device tier is the cache's own configuration.
+ */
+typedef struct marconi_tier_options {
+  /**
+   * sizeof(marconi_tier_options) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
+   */
+  uint32_t write_mode;
+  /**
+   * The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
+   */
+  struct marconi_tier_spec host;
+  /**
+   * The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
+   */
+  struct marconi_tier_spec store;
+  /**
+   * Effective prefill FLOP/s of the device: what a skipped token is
+   * worth in time. Default 989e12 x 0.4.
+   */
+  double compute_flops;
+  /**
+   * Non-zero: save the state of a lower-tier hit on the device too.
+   * Default 0.
+   */
+  uint32_t promote;
+  /**
+   * Non-zero: load every longer lower-tier hit, however slow. Default 0.
+   */
+  uint32_t always_load;
+  /**
+   * Non-zero: plan on the device the branch checkpoints the lower tiers
+   * see. Default 1.
+   */
+  uint32_t lower_plans;
+  /**
+   * Non-zero: moves into the lower tiers wait for marconi_cache_settle
+   * (call it off the request path, before the next lookup). Default 0.
+   */
+  uint32_t defer_moves;
+  /**
+   * Most state positions one store probe asks about (the longest first).
+   * Default 1024.
+   */
+  uint32_t max_store_probe;
+  /**
+   * Non-zero: the engine's state objects in the store carry the KV of
+   * their prefix too (see marconi_tiered_config). Default 0.
+   */
+  uint32_t store_states_hold_kv;
+  /**
+   * Non-zero: exclusive tiers (see marconi_tiered_config). Default 1.
+   */
+  uint32_t exclusive;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+} marconi_tier_options;
 
 /**
  * Everything a cache is built from. Versioned by size: set struct_size to
@@ -1202,6 +1290,16 @@ typedef struct marconi_cache_config {
    * Default 1. Added in version 4 of the struct.
    */
   double superseded_age;
+  /**
+   * The lower tiers (host, store) below this cache, or NULL for none
+   * (the default). Initialise them with marconi_tier_options_init; read
+   * only during marconi_cache_new. With tiers, every marconi_cache_* call
+   * works on the device tier as without, and the tier calls
+   * (marconi_cache_lookup_tiered, marconi_cache_lease_loads,
+   * marconi_cache_drain_ops, ...) are available. Added in version 5 of
+   * the struct: a caller whose struct ends before it gets NULL.
+   */
+  const struct marconi_tier_options *tiers;
 } marconi_cache_config;
 
 /**
@@ -2630,99 +2728,6 @@ typedef struct marconi_store_stats {
 } marconi_store_stats;
 
 /**
- * One lower tier. Absent when capacity_bytes is 0.
- */
-typedef struct marconi_tier_spec {
-  /**
-   * Bytes of KV and states the tier may hold (0: no such tier). Its
-   * policy is the device's (admission, eviction, alpha, page size).
-   */
-  uint64_t capacity_bytes;
-  /**
-   * Bytes per second from this tier into the device (finite, > 0).
-   */
-  double bandwidth_bytes_per_s;
-  /**
-   * Fixed cost of one load from this tier, seconds (finite, >= 0).
-   */
-  double latency_s;
-} marconi_tier_spec;
-
-/**
- * Configuration of a tiered cache. Versioned by size: fill it with
- * marconi_tiered_config_init(&cfg, sizeof cfg), then set fields.
- */
-typedef struct marconi_tiered_config {
-  /**
-   * sizeof(marconi_tiered_config) as the caller compiled it.
-   */
-  uint32_t struct_size;
-  /**
-   * A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
-   */
-  uint32_t write_mode;
-  /**
-   * The device cache's configuration (initialised by
-   * marconi_cache_config_init). Required; read only during
-   * marconi_tiered_new.
-   */
-  const struct marconi_cache_config *device;
-  /**
-   * The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
-   */
-  struct marconi_tier_spec host;
-  /**
-   * The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
-   */
-  struct marconi_tier_spec store;
-  /**
-   * Effective prefill FLOP/s of the device: what a skipped token is
-   * worth in time. Default 989e12 x 0.4.
-   */
-  double compute_flops;
-  /**
-   * Non-zero: save the state of a lower-tier hit on the device too.
-   * Default 0.
-   */
-  uint32_t promote;
-  /**
-   * Non-zero: load every longer lower-tier hit, however slow. Default 0.
-   */
-  uint32_t always_load;
-  /**
-   * Non-zero: plan on the device the branch checkpoints the lower tiers
-   * see. Default 1.
-   */
-  uint32_t lower_plans;
-  /**
-   * Non-zero: moves into the lower tiers wait for marconi_tiered_settle
-   * (call it off the request path, before the next lookup). Default 0.
-   */
-  uint32_t defer_moves;
-  /**
-   * Most state positions one store probe asks about (the longest first).
-   * Default 1024.
-   */
-  uint32_t max_store_probe;
-  /**
-   * Non-zero: the engine's state objects in the store carry the KV of
-   * their prefix too (a whole-sequence snapshot), so a probed state
-   * needs no KV blocks; 0: a probe also asks for the store's KV prefix
-   * (marconi_store_kv_prefix) and uses only states it covers. Default 0.
-   */
-  uint32_t store_states_hold_kv;
-  /**
-   * Non-zero: exclusive tiers. Once a host or store hit was loaded and
-   * the device admitted the request's state at or beyond it, that tier
-   * drops the chain (a MARCONI_TIER_OP_KIND_DROP op; the device's
-   * eviction writes it down again later). 0: inclusive tiers (a lower
-   * tier keeps a copy of what it served). Default 1. Added after the
-   * first version: a caller whose struct ends before it gets 1.
-   */
-  uint32_t exclusive;
-} marconi_tiered_config;
-
-/**
  * What marconi_tiered_lookup found.
  */
 typedef struct marconi_tiered_hit {
@@ -2951,6 +2956,80 @@ typedef struct marconi_tiered_stats {
    */
   double load_s;
 } marconi_tiered_stats;
+
+/**
+ * Configuration of a tiered cache. Versioned by size: fill it with
+ * marconi_tiered_config_init(&cfg, sizeof cfg), then set fields.
+ */
+typedef struct marconi_tiered_config {
+  /**
+   * sizeof(marconi_tiered_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
+   */
+  uint32_t write_mode;
+  /**
+   * The device cache's configuration (initialised by
+   * marconi_cache_config_init). Required; read only during
+   * marconi_tiered_new.
+   */
+  const struct marconi_cache_config *device;
+  /**
+   * The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
+   */
+  struct marconi_tier_spec host;
+  /**
+   * The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
+   */
+  struct marconi_tier_spec store;
+  /**
+   * Effective prefill FLOP/s of the device: what a skipped token is
+   * worth in time. Default 989e12 x 0.4.
+   */
+  double compute_flops;
+  /**
+   * Non-zero: save the state of a lower-tier hit on the device too.
+   * Default 0.
+   */
+  uint32_t promote;
+  /**
+   * Non-zero: load every longer lower-tier hit, however slow. Default 0.
+   */
+  uint32_t always_load;
+  /**
+   * Non-zero: plan on the device the branch checkpoints the lower tiers
+   * see. Default 1.
+   */
+  uint32_t lower_plans;
+  /**
+   * Non-zero: moves into the lower tiers wait for marconi_tiered_settle
+   * (call it off the request path, before the next lookup). Default 0.
+   */
+  uint32_t defer_moves;
+  /**
+   * Most state positions one store probe asks about (the longest first).
+   * Default 1024.
+   */
+  uint32_t max_store_probe;
+  /**
+   * Non-zero: the engine's state objects in the store carry the KV of
+   * their prefix too (a whole-sequence snapshot), so a probed state
+   * needs no KV blocks; 0: a probe also asks for the store's KV prefix
+   * (marconi_store_kv_prefix) and uses only states it covers. Default 0.
+   */
+  uint32_t store_states_hold_kv;
+  /**
+   * Non-zero: exclusive tiers. Once a host or store hit was loaded and
+   * the device admitted the request's state at or beyond it, that tier
+   * drops the chain (a MARCONI_TIER_OP_KIND_DROP op; the device's
+   * eviction writes it down again later). 0: inclusive tiers (a lower
+   * tier keeps a copy of what it served). Default 1. Added after the
+   * first version: a caller whose struct ends before it gets 1.
+   */
+  uint32_t exclusive;
+} marconi_tiered_config;
 
 #ifdef __cplusplus
 extern "C" {
@@ -5038,6 +5117,194 @@ marconi_status marconi_store_get_stats(const struct marconi_store *store,
                                        struct marconi_store_stats *out);
 
 /**
+ * Fills `*opts` with the defaults (documented per field) and sets
+ * `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than the first version's.
+ *
+ * Thread safety: touches only `*opts`.
+ *
+ * # Safety
+ *
+ * `opts` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_tier_options_init(struct marconi_tier_options *opts, size_t struct_size);
+
+/**
+ * Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier of a
+ * cache with lower tiers and writes the hit to resume from to `*out`,
+ * with a lease pinning it until marconi_cache_release (use it with every
+ * marconi_cache_* call that takes a lease). `checkpoints[0..n_checkpoints]`
+ * are application checkpoint hints (as marconi_cache_lookup_hinted; none:
+ * NULL, 0). marconi_cache_lookup and its variants on such a cache return
+ * the device's view only (a longer lower-tier hit is neither chosen nor
+ * pinned); this lookup weighs every tier and gives the loads
+ * (marconi_cache_lease_loads) that make a lower-tier hit usable.
+ *
+ * `store` (NULL: none) is a store handle shared with other processes:
+ * the lookup first asks it (one existence query, bounded by the store's
+ * timeout) which of the input's candidate positions have a state, and
+ * weighs the longest usable one like any store-tier hit (this needs a
+ * store tier for its bandwidth; without one the probe is skipped). The
+ * probe asks for the keys of namespace `ns` (as
+ * marconi_store_get_state_ns(store, ns, ...)), whatever the store handle's
+ * configured ns. A store that is down or slow gives an empty probe,
+ * bounded by the store's timeout as a whole (counted in
+ * store_probe_failures), never an error. The probe is a hint: when the
+ * engine's read of the state then misses, it resumes from the device's hit
+ * (device_hit_tokens, device_state_slot) and reports it with
+ * marconi_cache_report_load_failure.
+ *
+ * Errors: MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers (the
+ * reason in marconi_last_error), MARCONI_STATUS_EMPTY_TOKENS for n_tokens
+ * 0, MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
+ * MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
+ * handle (cache or store) that is not one.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `cache` and `store` are live handles or NULL; each array has its
+ * length in readable u32 (or is NULL with 0); `out` is writable or NULL.
+ */
+marconi_status marconi_cache_lookup_tiered(const struct marconi_cache *cache,
+                                           uint64_t ns,
+                                           const uint32_t *tokens,
+                                           size_t n_tokens,
+                                           const uint32_t *checkpoints,
+                                           size_t n_checkpoints,
+                                           const struct marconi_store *store,
+                                           struct marconi_tiered_hit *out);
+
+/**
+ * marconi_cache_lookup_tiered with the tokens as int64 ids (as
+ * marconi_cache_lookup_i64) and `flags` (as
+ * marconi_cache_lookup_i64_flags: MARCONI_LOOKUP_WHOLE_INPUT,
+ * MARCONI_LOOKUP_NO_KV_PAGES, which leaves `out->n_kv_pages` 0 and the
+ * device hit's pages to marconi_cache_lease_kv_pages); no hints. SGLang's
+ * path through the tiers.
+ *
+ * Errors: those of marconi_cache_lookup_tiered, and
+ * MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
+ * [0, 2^32 - 1] (nothing changes).
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * As marconi_cache_lookup_tiered, with `tokens` pointing to n_tokens
+ * readable, aligned int64 (or NULL).
+ */
+marconi_status marconi_cache_lookup_tiered_i64_flags(const struct marconi_cache *cache,
+                                                     uint64_t ns,
+                                                     const int64_t *tokens,
+                                                     size_t n_tokens,
+                                                     uint32_t flags,
+                                                     const struct marconi_store *store,
+                                                     struct marconi_tiered_hit *out);
+
+/**
+ * Writes a lease's load orders (KV ranges in token order, then the state)
+ * into `buf[0..cap]` and their number to `*out_len`: what the engine reads
+ * from the lower tiers before prefilling from the hit of
+ * marconi_cache_lookup_tiered (none for a device hit, or for a lease of
+ * marconi_cache_lookup). A buffer too small (NULL with cap 0 is a size
+ * query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+ * written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `buf` has cap writable elements (or
+ * is NULL); `out_len` is writable or NULL.
+ */
+marconi_status marconi_cache_lease_loads(const struct marconi_cache *cache,
+                                         uint64_t lease,
+                                         struct marconi_load_order *buf,
+                                         size_t cap,
+                                         size_t *out_len);
+
+/**
+ * Records that a load of `lease`'s orders failed (the engine could not
+ * read the entry: a shared store that lost it, was killed, or returned a
+ * corrupt object) and that the engine recomputed from the device's hit.
+ * Counted in load_failures; the lease stays valid.
+ * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL.
+ */
+marconi_status marconi_cache_report_load_failure(const struct marconi_cache *cache, uint64_t lease);
+
+/**
+ * Runs the moves into the lower tiers that defer_moves left waiting
+ * (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
+ * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL.
+ */
+marconi_status marconi_cache_settle(const struct marconi_cache *cache);
+
+/**
+ * Drains the ops the tiers decided since the last drain, in order: each
+ * op into `ops[0..ops_cap]` and the tokens of its chain (`position`
+ * tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
+ * counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
+ * the host copies the chain from the device (before its slot, returned by
+ * marconi_cache_drain_freed, is reused), a WRITE to the store copies it
+ * from the host copy, a DROP frees a copy. All or nothing: when either
+ * buffer is too small (NULL with capacity 0 is a size query), returns
+ * MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
+ * nothing. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+ *
+ * On a cache with lower tiers, marconi_cache_drain_freed hands out only
+ * ids no op still to be drained reads: drain the ops first. Every id it
+ * returns is the engine's to reuse at once. With defer_moves, the ids the
+ * device freed since the last marconi_cache_settle are withheld until the
+ * next one (whose WRITEs read them) has run.
+ *
+ * Thread safety: safe to call concurrently on the same handle; each op is
+ * delivered to exactly one caller.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; each buffer has its capacity in
+ * writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
+ */
+marconi_status marconi_cache_drain_ops(const struct marconi_cache *cache,
+                                       struct marconi_tier_op *ops,
+                                       size_t ops_cap,
+                                       size_t *n_ops,
+                                       uint32_t *tokens,
+                                       size_t tokens_cap,
+                                       size_t *n_tokens);
+
+/**
+ * Writes the tiers' counters and gauges to `*out` (marconi_cache_stats
+ * has the device's). Set out->struct_size to sizeof(marconi_tiered_stats)
+ * first: only that many bytes are written (at least 16).
+ * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+ *
+ * Thread safety: safe to call concurrently on the same handle.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `out` is NULL or points to
+ * out->struct_size writable bytes.
+ */
+marconi_status marconi_cache_tier_stats(const struct marconi_cache *cache,
+                                        struct marconi_tiered_stats *out);
+
+/**
+ * Deprecated: marconi_tier_options_init and marconi_cache_config.tiers.
  * Fills `*cfg` with the defaults (documented per field) and sets
  * `cfg->struct_size`: any size from the first version's on (an older
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
@@ -5052,13 +5319,11 @@ marconi_status marconi_store_get_stats(const struct marconi_store *store,
 marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg, size_t struct_size);
 
 /**
- * Creates a tiered cache from `*cfg` and writes the handle to `*out`
- * (free it with marconi_tiered_free). MARCONI_STATUS_INVALID_CONFIG (the
- * reason in marconi_last_error) for a device configuration that cannot
- * drive a cache, a store tier without a host tier, a bandwidth that is not
- * finite and > 0, a latency that is not finite and >= 0, compute_flops not
- * finite and > 0, an unknown write_mode, a flag other than 0 or 1, or
- * max_store_probe 0.
+ * Deprecated: marconi_cache_new with marconi_cache_config.tiers. Creates a
+ * cache with lower tiers from `*cfg` (the device's configuration in
+ * `cfg->device`, the tiers in the other fields) and writes the handle to
+ * `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
+ * marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
  *
  * Thread safety: may run concurrently with anything.
  *
@@ -5072,9 +5337,8 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
                                   struct marconi_tiered **out);
 
 /**
- * Frees a tiered cache. NULL is a no-op; a pointer that is not a live
- * tiered handle (a foreign one, or one already freed whose memory still
- * holds the cleared tag) is refused and left alone.
+ * Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
+ * a pointer that is not a live cache handle is refused and left alone.
  *
  * Thread safety: must not run concurrently with any other call on this
  * handle; the handle must not be used afterwards.
@@ -5086,39 +5350,11 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
 void marconi_tiered_free(struct marconi_tiered *t);
 
 /**
- * Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier and
- * writes the hit to resume from to `*out`, with a lease pinning it until
- * marconi_tiered_release. `checkpoints[0..n_checkpoints]` are application
- * checkpoint hints (as marconi_cache_lookup_hinted; none: NULL, 0).
- *
- * `store` (NULL: none) is a store handle shared with other processes:
- * the lookup first asks it (one existence query, bounded by the store's
- * timeout) which of the input's candidate positions have a state, and
- * weighs the longest usable one like any store-tier hit (the tiered
- * cache needs a store tier for its bandwidth; without one the probe is
- * skipped). The probe asks for the keys of namespace `ns` (as
- * marconi_store_get_state_ns(store, ns, ...)), whatever the store handle's
- * configured ns: a state written in another namespace is never a hit here.
- * Write the states a lookup in `ns` should find with the `_ns` store
- * functions and the same `ns` (the ones without `ns` write in the
- * handle's configured ns). A store that is down or slow gives an empty
- * probe, bounded by the store's timeout as a whole (counted in
- * store_probe_failures), never an error. The probe is a hint: when the
- * engine's read of the state then misses, it resumes from the device's hit
- * (device_hit_tokens, device_state_slot) and reports it with
- * marconi_tiered_report_load_failure.
- *
- * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
- * MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
- * MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
- * handle (tiered or store) that is not one.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_lookup_tiered (same arguments, same meaning).
  *
  * # Safety
  *
- * `tiered` and `store` are live handles or NULL; each array has its
- * length in readable u32 (or is NULL with 0); `out` is writable or NULL.
+ * As marconi_cache_lookup_tiered.
  */
 marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
                                      uint64_t ns,
@@ -5130,17 +5366,11 @@ marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
                                      struct marconi_tiered_hit *out);
 
 /**
- * Writes a lease's load orders (KV ranges in token order, then the state)
- * into `buf[0..cap]` and their number to `*out_len`. A buffer too small
- * (NULL with cap 0 is a size query) gives MARCONI_STATUS_BUFFER_TOO_SMALL
- * with only the count written.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_lease_loads.
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL; `buf` has cap writable elements (or
- * is NULL); `out_len` is writable or NULL.
+ * As marconi_cache_lease_loads.
  */
 marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
                                           uint64_t lease,
@@ -5149,15 +5379,12 @@ marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
                                           size_t *out_len);
 
 /**
- * Writes a lease's checkpoint positions (ascending; save the state after
- * each during prefill) into `buf[0..cap]`, their number to `*out_len`;
- * a buffer too small as in marconi_tiered_lease_loads.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_lease_plan (a tiered lease's checkpoint
+ * positions, ascending).
  *
  * # Safety
  *
- * As marconi_tiered_lease_loads.
+ * As marconi_cache_lease_plan.
  */
 marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
                                          uint64_t lease,
@@ -5166,15 +5393,12 @@ marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
                                          size_t *out_len);
 
 /**
- * Writes the device KV page ids of a lease's device hit into
- * `buf[0..cap]`, their number to `*out_len`; a buffer too small as in
- * marconi_tiered_lease_loads.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_lease_kv_pages (the device KV page ids of a
+ * lease's device hit).
  *
  * # Safety
  *
- * As marconi_tiered_lease_loads.
+ * As marconi_cache_lease_kv_pages.
  */
 marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered,
                                              uint64_t lease,
@@ -5183,20 +5407,13 @@ marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered
                                              size_t *out_len);
 
 /**
- * Admits `tokens[0..n_tokens]` under `lease` into the device, with the
- * states the engine saved and its KV pages (as marconi_cache_admit: the
- * same ownership rules, `taken` and `*out`), then moves what the device
- * evicted into the lower tiers (unless defer_moves): drain the resulting
- * ops with marconi_tiered_drain_ops before reusing the slots
- * marconi_tiered_drain_freed returns.
- *
- * Errors (nothing changes): those of marconi_cache_admit.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_admit (on a cache with lower tiers it also
+ * moves what the device evicted into them, unless defer_moves: drain the
+ * ops before reusing the freed ids).
  *
  * # Safety
  *
- * As marconi_cache_admit, with a tiered handle.
+ * As marconi_cache_admit.
  */
 marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
                                     uint64_t lease,
@@ -5210,63 +5427,39 @@ marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
                                     struct marconi_admit_result *out);
 
 /**
- * Releases `lease` in every tier. MARCONI_STATUS_UNKNOWN_LEASE for a
- * lease this handle never issued or already released.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_release (releases the lease in every tier).
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL.
+ * As marconi_cache_release.
  */
 marconi_status marconi_tiered_release(const struct marconi_tiered *tiered, uint64_t lease);
 
 /**
- * Records that a load of `lease`'s orders failed (the engine could not
- * read the entry: a shared store that lost it, was killed, or returned a
- * corrupt object) and that the engine recomputed from the device's hit.
- * Counted in load_failures; the lease stays valid.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_report_load_failure.
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL.
+ * As marconi_cache_report_load_failure.
  */
 marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *tiered,
                                                   uint64_t lease);
 
 /**
- * Runs the moves into the lower tiers that defer_moves left waiting
- * (a no-op otherwise); then drain the ops.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_settle.
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL.
+ * As marconi_cache_settle.
  */
 marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
 
 /**
- * Drains the ops the tiers decided since the last drain, in order: each
- * op into `ops[0..ops_cap]` and the tokens of its chain (`position`
- * tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
- * counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
- * the host copies the chain from the device (before its slot, returned by
- * marconi_tiered_drain_freed, is reused), a WRITE to the store copies it
- * from the host copy, a DROP frees a copy. All or nothing: when either
- * buffer is too small (NULL with capacity 0 is a size query), returns
- * MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
- * nothing.
- *
- * Thread safety: safe to call concurrently on the same handle; each op is
- * delivered to exactly one caller.
+ * Deprecated: marconi_cache_drain_ops.
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL; each buffer has its capacity in
- * writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
+ * As marconi_cache_drain_ops.
  */
 marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
                                         struct marconi_tier_op *ops,
@@ -5277,19 +5470,11 @@ marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
                                         size_t *n_tokens);
 
 /**
- * Drains the device's freed engine ids (KV pages, state slots), as
- * marconi_cache_drain_freed (all or nothing). Drain the ops first: a
- * WRITE to the host reads a slot this returns. Every id this returns is
- * the engine's to reuse at once: no op drained later reads it. With
- * defer_moves, the ids the device freed since the last
- * marconi_tiered_settle are withheld until the next one (whose WRITEs
- * read them) has run.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_drain_freed (drain the ops first).
  *
  * # Safety
  *
- * As marconi_cache_drain_freed, with a tiered handle.
+ * As marconi_cache_drain_freed.
  */
 marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
                                           uint32_t *pages,
@@ -5300,30 +5485,21 @@ marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
                                           size_t *n_slots);
 
 /**
- * Writes the counters and gauges to `*out`. Set out->struct_size to
- * sizeof(marconi_tiered_stats) first: only that many bytes are written
- * (at least 16).
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_tier_stats.
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
+ * As marconi_cache_tier_stats.
  */
 marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
                                         struct marconi_tiered_stats *out);
 
 /**
- * Checks every tier's invariants (byte accounting, no tier over its
- * capacity). MARCONI_STATUS_INVARIANT_VIOLATED, with the failed check in
- * marconi_last_error, when one does not hold.
- *
- * Thread safety: safe to call concurrently on the same handle.
+ * Deprecated: marconi_cache_check (checks every tier's invariants).
  *
  * # Safety
  *
- * `tiered` is a live handle or NULL.
+ * As marconi_cache_check.
  */
 marconi_status marconi_tiered_check(const struct marconi_tiered *tiered);
 

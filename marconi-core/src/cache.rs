@@ -544,6 +544,36 @@ impl PrefixCache {
         Ok(l)
     }
 
+    /// [`lookup_hinted`](Self::lookup_hinted) with the options of
+    /// [`lookup_with`](Self::lookup_with). With `LookupOptions::default()`
+    /// this is `lookup_hinted`, decision for decision; with no hints it is
+    /// `lookup_with`.
+    pub fn lookup_hinted_with(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+        opts: LookupOptions,
+    ) -> Result<Lookup, CacheError> {
+        let l = self
+            .core
+            .lookup_walk_opts(ns, input, true, checkpoints, opts)
+            .map(|(l, _)| l)?;
+        if self.shadows.is_some() || self.tuner.as_ref().is_some_and(Tuner::recording) {
+            self.core.set_recording(l.lease, checkpoints);
+        }
+        Ok(l)
+    }
+
+    /// The events that bring a subscriber to the current content
+    /// (`AllCleared`, then every block and state), with the stream
+    /// switched to a full one from now on. Removals recorded for a lower
+    /// tier and not yet read stay recorded. For a tiered cache whose
+    /// engine asks for the device's events after construction.
+    pub(crate) fn restart_events(&mut self) -> Vec<CacheEvent> {
+        self.core.restart_events()
+    }
+
     /// What [`lookup`](Self::lookup) of `input` would find now, without
     /// taking a lease or changing anything (recency, counters, the tuner's
     /// record): its hit, its KV match and, when `with_plan`, the positions

@@ -324,6 +324,21 @@ impl Core {
         self.events = Some(log);
     }
 
+    /// See [`crate::PrefixCache::restart_events`].
+    pub(crate) fn restart_events(&mut self) -> Vec<CacheEvent> {
+        let old = self.events.take();
+        self.enable_events();
+        let snapshot = self.drain_events();
+        if let (Some(old), Some(log)) = (old, self.events.as_mut()) {
+            // What a lower tier has not read yet, in both forms.
+            log.removed = old.removed;
+            if !old.removals_only {
+                log.pending = old.pending;
+            }
+        }
+        snapshot
+    }
+
     pub(crate) fn drain_events(&mut self) -> Vec<CacheEvent> {
         self.events
             .as_mut()

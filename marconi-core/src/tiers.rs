@@ -32,7 +32,7 @@ use crate::config::CacheConfig;
 use crate::error::CacheError;
 use crate::events::CacheEvent;
 use crate::eviction::Freed;
-use crate::lookup::{Lookup, Peek};
+use crate::lookup::{Lookup, LookupOptions, Peek};
 use crate::tree::NodeId;
 
 /// Where an entry lives.
@@ -659,6 +659,32 @@ impl TieredCache {
         checkpoints: &[u32],
         probe: Option<&StoreProbe>,
     ) -> Result<TieredLookup, CacheError> {
+        self.lookup_opts(
+            ns,
+            input,
+            checkpoints,
+            probe,
+            LookupOptions::default(),
+            false,
+        )
+    }
+
+    /// [`lookup_probed`](Self::lookup_probed) with the device lookup's
+    /// options ([`PrefixCache::lookup_with`]) and, with `device_only`, the
+    /// view of an engine that loads nothing from the lower tiers: the hit
+    /// is the device's own (the lower tiers are still peeked at for the
+    /// branch points they see, but no lower-tier hit is chosen, pinned or
+    /// counted, and the probe is ignored).
+    pub fn lookup_opts(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+        probe: Option<&StoreProbe>,
+        opts: LookupOptions,
+        device_only: bool,
+    ) -> Result<TieredLookup, CacheError> {
+        let probe = if device_only { None } else { probe };
         // The lower tiers are peeked at (one walk each, nothing changes
         // there); only the tier whose hit is taken is looked up for real
         // (its lease pins the hit while it loads).
@@ -688,7 +714,12 @@ impl TieredCache {
         if self.cfg.promote && best_lower > 0 {
             self.hints.push(best_lower);
         }
-        let device = self.device.lookup_hinted(ns, input, &self.hints)?;
+        let device = if opts == LookupOptions::default() {
+            self.device.lookup_hinted(ns, input, &self.hints)?
+        } else {
+            self.device
+                .lookup_hinted_with(ns, input, &self.hints, opts)?
+        };
         let d = device.hit_tokens;
         let dkv = device.kv_matched_tokens;
         let shared_hit = self.shared_candidate(input.len(), dkv, &probes, probe);
@@ -700,7 +731,7 @@ impl TieredCache {
         let mut declined = None;
         for i in 0..2 {
             let Some(p) = probes[i] else { continue };
-            if p.hit <= d {
+            if p.hit <= d || device_only {
                 continue;
             }
             let load = self.load_plan(i, p.hit, dkv, &probes);
@@ -945,6 +976,55 @@ impl TieredCache {
             return Ok(());
         }
         self.settle()
+    }
+
+    /// Evicts from the device until at least `bytes` are free there (as
+    /// [`PrefixCache::evict`]) and moves what it evicted into the lower
+    /// tiers (unless [`TierConfig::defer_moves`]: then at the next
+    /// [`settle`](Self::settle)). Returns the device's free bytes.
+    pub fn evict(&mut self, bytes: u64) -> Result<u64, CacheError> {
+        let free = self.device.evict(bytes);
+        if !self.cfg.defer_moves {
+            self.settle()?;
+        }
+        Ok(free)
+    }
+
+    /// Drains the device's decision records ([`PrefixCache::drain_log`]);
+    /// the lower tiers keep none.
+    pub fn drain_device_log(&mut self) -> Vec<crate::Decision> {
+        self.device.drain_log()
+    }
+
+    /// Turns the device's event stream on for the caller, as
+    /// [`PrefixCache::enable_events`] does: the next
+    /// [`drain_device_events`](Self::drain_device_events) starts with
+    /// `AllCleared` and the device's content. Runs the moves
+    /// [`TierConfig::defer_moves`] left waiting first, so that no change
+    /// from before is delivered twice. No-op when the events are on.
+    pub fn enable_device_events(&mut self) -> Result<(), CacheError> {
+        if self.device_events_wanted {
+            return Ok(());
+        }
+        if self.lower[0].is_none() {
+            self.device.enable_events();
+            self.device_events_wanted = true;
+            return Ok(());
+        }
+        self.settle()?;
+        self.device_events = self.device.restart_events();
+        self.device_events_wanted = true;
+        Ok(())
+    }
+
+    /// Turns the caller's device event stream off (what the tiers read of
+    /// the device stays on); pending events are dropped.
+    pub fn disable_device_events(&mut self) {
+        self.device_events_wanted = false;
+        self.device_events.clear();
+        if self.lower[0].is_none() {
+            self.device.disable_events();
+        }
     }
 
     /// The device's events, when the device configuration asked for them

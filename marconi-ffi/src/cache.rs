@@ -15,6 +15,7 @@ use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
     retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
+use crate::tiered::Tiers;
 
 /// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
 /// no engine slot, or there is no hit), in marconi_saved_state.slot (the
@@ -79,24 +80,33 @@ pub struct marconi_cache {
     inner: Mutex<Inner>,
 }
 
+/// The core a cache runs on: the device cache alone, or the device cache
+/// with lower tiers below it (marconi_cache_config.tiers). The plain cache
+/// stays inline: no indirection more than before on its request path.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Core {
+    Plain(PrefixCache),
+    Tiered(Box<Tiers>),
+}
+
 /// An outstanding lease, by its C id.
-struct Lease {
-    /// The core's lease number.
-    core: u64,
+pub(crate) struct Lease {
+    /// The core's lease number (the device's, on a tiered cache).
+    pub(crate) core: u64,
     /// KV page ids of its hit; None when the lookup skipped them (computed
     /// from the core's lease when asked).
-    pages: Option<Vec<u32>>,
+    pub(crate) pages: Option<Vec<u32>>,
 }
 
 /// What the lock protects: the core cache and the outputs waiting to be
 /// drained by the engine.
-struct Inner {
-    cache: PrefixCache,
+pub(crate) struct Inner {
+    pub(crate) core: Core,
     /// Outstanding leases by C id: the only ids this cache accepts.
-    leases: HashMap<u64, Lease>,
+    pub(crate) leases: HashMap<u64, Lease>,
     /// C id of each outstanding core lease, kept only with the decision log
     /// on (records name core leases; the engine sees C ids).
-    c_of_core: Option<HashMap<u64, u64>>,
+    pub(crate) c_of_core: Option<HashMap<u64, u64>>,
     /// State slots the cache owns (taken by admissions, not yet freed).
     owned_slots: HashSet<u32>,
     freed_pages: Vec<u32>,
@@ -107,9 +117,35 @@ struct Inner {
 }
 
 impl Inner {
-    /// Moves what the core freed since the last call into the pending lists.
-    fn collect_freed(&mut self) {
-        let f = self.cache.drain_freed();
+    /// The device cache.
+    pub(crate) fn device(&self) -> &PrefixCache {
+        match &self.core {
+            Core::Plain(c) => c,
+            Core::Tiered(t) => t.cache.device(),
+        }
+    }
+
+    /// The tiers, or MARCONI_STATUS_UNSUPPORTED naming `what` on a cache
+    /// configured without them.
+    pub(crate) fn tiers(&mut self, what: &str) -> FfiResult<&mut Tiers> {
+        match &mut self.core {
+            Core::Tiered(t) => Ok(t),
+            Core::Plain(_) => Err(no_tiers(what)),
+        }
+    }
+
+    /// Moves what the core freed since the last call into the pending lists
+    /// (on a tiered cache, the tier ops first: they are ordered before the
+    /// ids they read).
+    pub(crate) fn collect_freed(&mut self) {
+        let f = match &mut self.core {
+            Core::Plain(c) => c.drain_freed(),
+            Core::Tiered(t) => {
+                let ops = t.cache.drain_ops();
+                t.ops.extend(ops);
+                t.cache.drain_freed()
+            }
+        };
         for s in &f.state_slots {
             self.owned_slots.remove(s);
         }
@@ -120,11 +156,15 @@ impl Inner {
     /// Moves the core's decision records into the pending JSON lines. Runs
     /// after every call that can log a lease while the lease's C id is still
     /// known, so records keep their order and name the ids the engine saw.
-    fn collect_log(&mut self) {
+    pub(crate) fn collect_log(&mut self) {
         let Some(c_of_core) = &self.c_of_core else {
             return;
         };
-        for mut d in self.cache.drain_log() {
+        let records = match &mut self.core {
+            Core::Plain(c) => c.drain_log(),
+            Core::Tiered(t) => t.cache.drain_device_log(),
+        };
+        for mut d in records {
             match &mut d {
                 Decision::Lookup { lease, .. }
                 | Decision::Plan { lease, .. }
@@ -145,7 +185,7 @@ impl Inner {
 
     /// The core lease number of C lease id `lease`, if this cache issued it
     /// and it is outstanding.
-    fn core_lease(&self, lease: u64) -> FfiResult<u64> {
+    pub(crate) fn core_lease(&self, lease: u64) -> FfiResult<u64> {
         self.leases.get(&lease).map(|l| l.core).ok_or_else(|| {
             FfiError::new(
                 marconi_status::UnknownLease,
@@ -307,14 +347,61 @@ pub struct marconi_stats {
 /// Smallest struct_size accepted by marconi_cache_stats (up to `requests`).
 const STATS_MIN_SIZE: usize = 16;
 
+/// The refusal of a tier operation on a cache configured without tiers.
+pub(crate) fn no_tiers(what: &str) -> FfiError {
+    FfiError::new(
+        marconi_status::Unsupported,
+        format!(
+            "{what} needs lower tiers, and this cache has none: create it with \
+             marconi_cache_config.tiers pointing to a marconi_tier_options \
+             (marconi_tier_options_init, then set host.capacity_bytes)"
+        ),
+    )
+}
+
 impl marconi_cache {
-    /// Runs `f` on the core cache under the lock (the events handle's way in).
-    pub(crate) fn with_core<T>(&self, f: impl FnOnce(&mut PrefixCache) -> T) -> FfiResult<T> {
-        let mut g = self.lock()?;
-        Ok(f(&mut g.cache))
+    /// The device's page size (the events handle's block size).
+    pub(crate) fn page_size(&self) -> FfiResult<u32> {
+        Ok(self.lock()?.device().config().page_size)
     }
 
-    fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
+    /// Turns the device's event stream on (the events handle's way in).
+    pub(crate) fn enable_events(&self) -> FfiResult {
+        let mut g = self.lock()?;
+        match &mut g.core {
+            Core::Plain(c) => c.enable_events(),
+            Core::Tiered(t) => t.cache.enable_device_events()?,
+        }
+        // Moves run to turn them on may have freed ids.
+        g.collect_freed();
+        Ok(())
+    }
+
+    /// Turns the device's event stream off.
+    pub(crate) fn disable_events(&self) -> FfiResult {
+        let mut g = self.lock()?;
+        match &mut g.core {
+            Core::Plain(c) => c.disable_events(),
+            Core::Tiered(t) => t.cache.disable_device_events(),
+        }
+        Ok(())
+    }
+
+    /// Drains the device's events.
+    pub(crate) fn drain_events(&self) -> FfiResult<Vec<marconi_core::CacheEvent>> {
+        let mut g = self.lock()?;
+        Ok(match &mut g.core {
+            Core::Plain(c) => c.drain_events(),
+            Core::Tiered(t) => t.cache.drain_device_events(),
+        })
+    }
+
+    /// The device's content as chains.
+    pub(crate) fn cached_chains(&self) -> FfiResult<marconi_core::CachedChains> {
+        Ok(self.lock()?.device().cached_chains())
+    }
+
+    pub(crate) fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
         self.inner.lock().map_err(|_| {
             FfiError::new(
                 marconi_status::Poisoned,
@@ -344,6 +431,19 @@ pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a ma
     // SAFETY: a live cache handle (tag checked, contract); only shared
     // references are formed (the handle is Sync via its Mutex).
     Ok(unsafe { &*cache })
+}
+
+/// A placeholder for a lookup moved out of its tiered lookup (only its
+/// lease is read afterwards).
+fn empty_lookup() -> marconi_core::Lookup {
+    marconi_core::Lookup {
+        lease: 0,
+        hit_tokens: 0,
+        kv_matched_tokens: 0,
+        state_slot: None,
+        kv_pages: Vec::new(),
+        plan: Vec::new(),
+    }
 }
 
 pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
@@ -381,25 +481,48 @@ pub unsafe extern "C" fn marconi_cache_new(
         let c = unsafe { read_config(cfg) }?;
         // SAFETY: the pointers inside c follow the documented contracts.
         let core_cfg = unsafe { to_core_config(&c) }?;
-        let cache = PrefixCache::new(core_cfg)?;
-        let c_of_core = cache.config().decision_log.then(HashMap::new);
-        let handle = Box::new(marconi_cache {
-            tag: HandleTag::CACHE,
-            inner: Mutex::new(Inner {
-                cache,
-                leases: HashMap::new(),
-                c_of_core,
-                owned_slots: HashSet::new(),
-                freed_pages: Vec::new(),
-                freed_slots: Vec::new(),
-                log: VecDeque::new(),
-                log_bytes: 0,
-            }),
-        });
-        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(handle)) };
+        let tiers = c.tiers;
+        let core = if tiers.is_null() {
+            Core::Plain(PrefixCache::new(core_cfg)?)
+        } else {
+            check_ptr!(tiers);
+            // SAFETY: non-NULL and aligned (checked); initialised by
+            // marconi_tier_options_init (contract).
+            let o = unsafe { crate::tiered::read_tier_options(tiers) }?;
+            Core::Tiered(Box::new(crate::tiered::build_tiers(core_cfg, &o)?))
+        };
+        // SAFETY: out is non-NULL, aligned (checked) and writable (contract).
+        unsafe { new_handle(core, out) };
         Ok(())
     })
+}
+
+/// Boxes a cache over `core` and writes the handle to `*out`.
+///
+/// # Safety
+///
+/// `out` is non-NULL, aligned and writable.
+pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
+    let decision_log = match &core {
+        Core::Plain(c) => c.config().decision_log,
+        Core::Tiered(t) => t.cache.device().config().decision_log,
+    };
+    let c_of_core = decision_log.then(HashMap::new);
+    let handle = Box::new(marconi_cache {
+        tag: HandleTag::CACHE,
+        inner: Mutex::new(Inner {
+            core,
+            leases: HashMap::new(),
+            c_of_core,
+            owned_slots: HashSet::new(),
+            freed_pages: Vec::new(),
+            freed_slots: Vec::new(),
+            log: VecDeque::new(),
+            log_bytes: 0,
+        }),
+    });
+    // SAFETY: out is non-NULL, aligned and writable (contract).
+    unsafe { out.write(Box::into_raw(handle)) };
 }
 
 /// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
@@ -607,19 +730,7 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
         require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
-        if flags & !LOOKUP_FLAGS != 0 {
-            return Err(FfiError::new(
-                marconi_status::InvalidArgument,
-                format!(
-                    "flags {flags:#x}: unknown bits {:#x}",
-                    flags & !LOOKUP_FLAGS
-                ),
-            ));
-        }
-        let opts = LookupOptions {
-            whole_input: flags & MARCONI_LOOKUP_WHOLE_INPUT != 0,
-            skip_kv_pages: flags & MARCONI_LOOKUP_NO_KV_PAGES != 0,
-        };
+        let opts = lookup_flags(flags)?;
         // SAFETY: forwarded caller contract; no hints.
         unsafe {
             lookup_opts(
@@ -635,10 +746,28 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
     })
 }
 
+/// The lookup options of a marconi_cache_lookup_i64_flags `flags` word;
+/// MARCONI_STATUS_INVALID_ARGUMENT for a bit this library does not know.
+pub(crate) fn lookup_flags(flags: u32) -> FfiResult<LookupOptions> {
+    if flags & !LOOKUP_FLAGS != 0 {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!(
+                "flags {flags:#x}: unknown bits {:#x}",
+                flags & !LOOKUP_FLAGS
+            ),
+        ));
+    }
+    Ok(LookupOptions {
+        whole_input: flags & MARCONI_LOOKUP_WHOLE_INPUT != 0,
+        skip_kv_pages: flags & MARCONI_LOOKUP_NO_KV_PAGES != 0,
+    })
+}
+
 /// A caller's id array: uint32 ids (read in place) or int64 ids (checked
 /// and narrowed, in one pass).
 #[derive(Clone, Copy)]
-enum TokenSource {
+pub(crate) enum TokenSource {
     U32(*const u32, usize),
     I64(*const i64, usize),
 }
@@ -650,7 +779,7 @@ impl TokenSource {
     /// # Safety
     ///
     /// The pointer has its length in readable elements, or is NULL.
-    unsafe fn read<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
+    pub(crate) unsafe fn read<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
         let (TokenSource::U32(_, n) | TokenSource::I64(_, n)) = self;
         tokens_len_ok(n, what)?;
         // SAFETY: forwarded caller contract.
@@ -755,10 +884,25 @@ unsafe fn lookup_opts(
             "this process has issued 2^64 - 1 lease ids",
         )
     })?;
-    let l = if hints.is_empty() {
-        g.cache.lookup_with(ns, tokens, opts)?
-    } else {
-        g.cache.lookup_hinted(ns, tokens, hints)?
+    let g = &mut *g;
+    let l = match &mut g.core {
+        Core::Plain(c) => {
+            if hints.is_empty() {
+                c.lookup_with(ns, tokens, opts)?
+            } else {
+                c.lookup_hinted(ns, tokens, hints)?
+            }
+        }
+        // The device's view: a longer hit in a lower tier is neither chosen
+        // nor pinned (the engine would have to load it first; the tier
+        // lookup, marconi_cache_lookup_tiered, offers it with its loads).
+        Core::Tiered(t) => {
+            let mut tl = t.cache.lookup_opts(ns, tokens, hints, None, opts, true)?;
+            let l = std::mem::replace(&mut tl.device, empty_lookup());
+            tl.device.lease = l.lease;
+            t.leases.insert(id, tl);
+            l
+        }
     };
     let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
     let core_lease = l.lease;
@@ -849,7 +993,7 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
             Some(pages) => copy_list(pages, buf, out_len),
             None => {
                 let pages = g
-                    .cache
+                    .device()
                     .lease_kv_pages(core_lease)
                     .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
                 copy_list(&pages, buf, out_len)
@@ -888,10 +1032,15 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
         check_ptr!(out_len);
         let g = h.lock()?;
         let core_lease = g.core_lease(lease)?;
-        let plan = g
-            .cache
-            .plan(core_lease)
-            .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
+        let plan = match &g.core {
+            Core::Plain(c) => c.plan(core_lease),
+            Core::Tiered(t) => t
+                .leases
+                .get(&lease)
+                .map(|l| &l.plan[..])
+                .ok_or(marconi_core::CacheError::UnknownLease(core_lease)),
+        }
+        .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
         copy_list(plan, buf, out_len)
     })
 }
@@ -1045,15 +1194,28 @@ unsafe fn admit(
         .collect();
     let mut g = h.lock()?;
     let core_lease = g.core_lease(lease)?;
-    let o = g
-        .cache
-        .admit(core_lease, tokens, &saved, kv_pages)
-        .map_err(|e| match e {
-            marconi_core::CacheError::UnknownLease(_) => {
-                FfiError::from(marconi_core::CacheError::UnknownLease(lease))
+    let o = match &mut g.core {
+        Core::Plain(c) => c.admit(core_lease, tokens, &saved, kv_pages),
+        Core::Tiered(t) => match t.leases.remove(&lease) {
+            Some(l) => {
+                let o = t.cache.admit(&l, tokens, &saved, kv_pages);
+                t.leases.insert(lease, l);
+                o
             }
-            e => FfiError::from(e),
-        })?;
+            None => Err(marconi_core::CacheError::UnknownLease(core_lease)),
+        },
+    };
+    // Moves into the lower tiers run even when the admission failed.
+    let o = o.map_err(|e| match e {
+        marconi_core::CacheError::UnknownLease(_) => {
+            FfiError::from(marconi_core::CacheError::UnknownLease(lease))
+        }
+        e => FfiError::from(e),
+    });
+    if o.is_err() {
+        g.collect_freed();
+    }
+    let o = o?;
     for s in &saved {
         if let (Some(slot), true) = (s.slot, o.states_taken.contains(&s.position)) {
             g.owned_slots.insert(slot);
@@ -1109,9 +1271,18 @@ pub unsafe extern "C" fn marconi_cache_release(
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
         let core_lease = g.core_lease(lease)?;
-        g.cache
-            .release(core_lease)
-            .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
+        let r = match &mut g.core {
+            Core::Plain(c) => c.release(core_lease),
+            Core::Tiered(t) => match t.leases.remove(&lease) {
+                Some(l) => t.cache.release(&l),
+                None => Err(marconi_core::CacheError::UnknownLease(core_lease)),
+            },
+        };
+        if matches!(g.core, Core::Tiered(_)) {
+            // Releasing runs the moves into the lower tiers.
+            g.collect_freed();
+        }
+        r.map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
         g.collect_log();
         g.leases.remove(&lease);
         if let Some(m) = &mut g.c_of_core {
@@ -1233,8 +1404,12 @@ pub unsafe extern "C" fn marconi_cache_evict(
         let h = unsafe { handle(cache) }?;
         check_ptr!(free_bytes);
         let mut g = h.lock()?;
-        let free = g.cache.evict(bytes);
+        let free = match &mut g.core {
+            Core::Plain(c) => Ok(c.evict(bytes)),
+            Core::Tiered(t) => t.cache.evict(bytes),
+        };
         g.collect_freed();
+        let free = free?;
         // SAFETY: free_bytes is non-NULL, aligned and writable.
         unsafe { free_bytes.write(free) };
         Ok(())
@@ -1271,9 +1446,10 @@ pub unsafe extern "C" fn marconi_cache_stats(
             ));
         }
         let g = h.lock()?;
-        let s = g.cache.stats();
-        let model = &g.cache.config().model;
-        let (evictable_kv_tokens, evictable_states) = g.cache.evictable_split();
+        let c = g.device();
+        let s = c.stats();
+        let model = &c.config().model;
+        let (evictable_kv_tokens, evictable_states) = c.evictable_split();
         let st = marconi_stats {
             struct_size: size as u32,
             tuning_rounds: s.tuning_rounds,
@@ -1295,8 +1471,8 @@ pub unsafe extern "C" fn marconi_cache_stats(
             admissions_truncated: s.admissions_truncated,
             leases: s.leases,
             alpha: s.alpha,
-            used_bytes: g.cache.used_bytes(),
-            evictable_bytes: g.cache.evictable_bytes(),
+            used_bytes: c.used_bytes(),
+            evictable_bytes: c.evictable_bytes(),
             kv_bytes_per_token: model.kv_bytes_per_token(),
             state_bytes_per_entry: s
                 .state_bytes
@@ -1387,8 +1563,9 @@ pub unsafe extern "C" fn marconi_cache_check(cache: *const marconi_cache) -> mar
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let g = h.lock()?;
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            g.cache.check_invariants();
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &g.core {
+            Core::Plain(c) => c.check_invariants(),
+            Core::Tiered(t) => t.cache.check_invariants(),
         }));
         match res {
             Ok(()) => Ok(()),

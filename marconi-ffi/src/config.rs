@@ -298,6 +298,14 @@ pub struct marconi_cache_config {
     /// the paper's rule, as the marconi-paper and sglang-plus presets set).
     /// Default 1. Added in version 4 of the struct.
     pub superseded_age: f64,
+    /// The lower tiers (host, store) below this cache, or NULL for none
+    /// (the default). Initialise them with marconi_tier_options_init; read
+    /// only during marconi_cache_new. With tiers, every marconi_cache_* call
+    /// works on the device tier as without, and the tier calls
+    /// (marconi_cache_lookup_tiered, marconi_cache_lease_loads,
+    /// marconi_cache_drain_ops, ...) are available. Added in version 5 of
+    /// the struct: a caller whose struct ends before it gets NULL.
+    pub tiers: *const crate::tiered::marconi_tier_options,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -309,6 +317,11 @@ const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_a
 /// take their defaults when a caller's struct is this short.
 #[cfg(test)]
 const CONFIG_V2_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_max_window);
+
+/// The size of version 4 (up to superseded_age): tiers takes its default
+/// (NULL) when a caller's struct is this short.
+#[cfg(test)]
+const CONFIG_V4_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tiers);
 
 /// The size of version 3 (up to min_branch_depth): superseded_age takes its
 /// default when a caller's struct is this short.
@@ -362,6 +375,7 @@ impl marconi_cache_config {
             shadow_sample_tokens: shadow.sample_tokens,
             min_branch_depth: base.min_branch_depth,
             superseded_age: base.superseded_age,
+            tiers: std::ptr::null(),
         }
     }
 
@@ -860,8 +874,12 @@ mod tests {
     fn the_layout_has_no_padding() {
         let ours = std::mem::size_of::<marconi_cache_config>();
         assert_eq!(
-            std::mem::offset_of!(marconi_cache_config, superseded_age) + 8,
+            std::mem::offset_of!(marconi_cache_config, tiers) + std::mem::size_of::<usize>(),
             ours
+        );
+        assert_eq!(
+            std::mem::offset_of!(marconi_cache_config, superseded_age) + 8,
+            CONFIG_V4_SIZE
         );
         assert_eq!(
             std::mem::offset_of!(marconi_cache_config, min_branch_depth) + 4,
@@ -999,6 +1017,37 @@ mod tests {
             core_of(&c).unwrap().superseded_age,
             marconi_core::DEFAULT_SUPERSEDED_AGE
         );
+    }
+
+    /// A caller of version 4 (no `tiers` field) gets a cache without
+    /// lower tiers: the field it lacks reads as NULL, whatever follows its
+    /// struct in memory.
+    #[test]
+    fn a_version_4_caller_gets_no_tiers() {
+        let c = init_as_older(CONFIG_V4_SIZE);
+        assert!(c.tiers.is_null());
+        assert_eq!(
+            c.superseded_age,
+            marconi_cache_config::defaults().superseded_age
+        );
+        let mut c = c;
+        c.capacity_bytes = 1 << 30;
+        assert_eq!(c.struct_size as usize, CONFIG_V4_SIZE);
+        // Past the caller's struct: never read.
+        c.tiers = std::ptr::NonNull::dangling().as_ptr();
+        let mut cache = std::ptr::null_mut();
+        // SAFETY: `c` is a whole current struct with struct_size set to
+        // version 4's: only that much is read.
+        let st = unsafe { crate::cache::marconi_cache_new(&c, &mut cache) };
+        assert_eq!(st, marconi_status::Ok);
+        // SAFETY: a live handle; a tier call refuses, then it is freed once.
+        unsafe {
+            assert_eq!(
+                crate::tiered::marconi_cache_settle(cache),
+                marconi_status::Unsupported
+            );
+            crate::cache::marconi_cache_free(cache);
+        }
     }
 
     /// The version-3 fields map to the core's, and bad values are refused

@@ -329,7 +329,7 @@ pub unsafe extern "C" fn marconi_events_new(
                 opt_str(c.endpoint, "endpoint")?,
             )
         };
-        let block_size = h.with_core(|core| core.config().page_size)?;
+        let block_size = h.page_size()?;
         let mut ecfg = EncoderConfig::new(block_size);
         if let Some(s) = seed {
             ecfg.seed = s;
@@ -374,7 +374,7 @@ pub unsafe extern "C" fn marconi_events_new(
                 format!("endpoint {ep:?}: this libmarconi was built without the ZeroMQ publisher (cargo feature `publisher` of marconi-ffi); drain batches with marconi_events_drain and publish them yourself"),
             ));
         }
-        h.with_core(|core| core.enable_events())?;
+        h.enable_events()?;
         let ev = Box::new(marconi_events {
             tag: HandleTag::EVENTS,
             inner: Mutex::new(Inner {
@@ -414,7 +414,7 @@ pub unsafe extern "C" fn marconi_events_free(
             // SAFETY: NULL or a live handle (contract); a misaligned one is
             // refused by `handle` and ignored here.
             if let Ok(h) = unsafe { handle(cache) } {
-                let _ = h.with_core(|c| c.disable_events());
+                let _ = h.disable_events();
             }
         }
         // SAFETY: NULL or a handle (contract); anything but a live events
@@ -440,7 +440,7 @@ pub extern "C" fn marconi_events_has_publisher() -> u32 {
 
 /// Checks that `cache` is one this handle can encode (same page size).
 fn same_blocks(e: &Inner, h: &marconi_cache) -> FfiResult {
-    let page = h.with_core(|c| c.config().page_size)?;
+    let page = h.page_size()?;
     if page != e.block_size {
         return Err(FfiError::new(
             marconi_status::InvalidArgument,
@@ -517,7 +517,7 @@ pub unsafe extern "C" fn marconi_events_drain(
         let mut g = e.lock()?;
         same_blocks(&g, h)?;
         if g.pending.is_none() {
-            let evs = h.with_core(|c| c.drain_events())?;
+            let evs = h.drain_events()?;
             // Changes a subscriber never sees (states with state events
             // off, less than a block) make no batch.
             let Some(batch) = g.enc.encode_changes(ts, &evs) else {
@@ -570,7 +570,7 @@ pub unsafe extern "C" fn marconi_events_snapshot(
         check_ts(ts)?;
         let mut g = e.lock()?;
         same_blocks(&g, h)?;
-        let chains = h.with_core(|c| c.cached_chains())?;
+        let chains = h.cached_chains()?;
         let wire = g.enc.snapshot(&chains);
         let payload = ::marconi_events::encode_batch(ts, &wire, &g.enc.config().wire);
         // SAFETY: out_len checked above.
@@ -645,7 +645,7 @@ fn publish_locked(g: &mut Inner, h: &marconi_cache, ts: f64) -> FfiResult<u64> {
     if let Some(b) = pending.take() {
         seq = send(b)?;
     }
-    let evs = h.with_core(|c| c.drain_events())?;
+    let evs = h.drain_events()?;
     if let Some(batch) = enc.encode_changes(ts, &evs) {
         seq = send(batch)?;
     }

@@ -737,8 +737,6 @@ impl HandleTag {
     pub(crate) const PML_SCHEMA: HandleTag = HandleTag(0x6d63_706d_6c73_6331);
     /// `marconi_store`: "mcstore1".
     pub(crate) const STORE: HandleTag = HandleTag(0x6d63_7374_6f72_6531);
-    /// `marconi_tiered`: "mctiered".
-    pub(crate) const TIERED: HandleTag = HandleTag(0x6d63_7469_6572_6564);
     /// What a freed handle's tag becomes.
     const FREED: HandleTag = HandleTag(0);
 }

@@ -8,22 +8,23 @@
 //! or slow gives an empty probe within its timeout.
 
 use std::collections::HashMap;
-use std::ptr;
-use std::sync::{Mutex, MutexGuard};
 
 use marconi_core::{
-    LoadWhat, SavedState, Tier, TierConfig, TierOp, TierSpec, TieredCache, TieredLookup, WriteMode,
+    CacheConfig, LoadWhat, LookupOptions, Tier, TierConfig, TierOp, TierSpec, TieredCache,
+    TieredLookup, WriteMode,
 };
 
 use crate::cache::{
-    marconi_admit_result, marconi_saved_state, next_lease_id, tokens_len_ok, MARCONI_NO_SLOT,
-    NEXT_LEASE,
+    handle, lookup_flags, marconi_admit_result, marconi_cache, marconi_cache_admit,
+    marconi_cache_check, marconi_cache_drain_freed, marconi_cache_free,
+    marconi_cache_lease_kv_pages, marconi_cache_lease_plan, marconi_cache_release,
+    marconi_saved_state, new_handle, next_lease_id, tokens_len_ok, Core, Lease, TokenSource,
+    MARCONI_NO_SLOT, NEXT_LEASE,
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
-    out_slice, read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult,
-    HandleTag,
+    boundary, check_ptr, in_slice, init_versioned, marconi_status, out_slice, read_versioned,
+    require, write_versioned, FfiError, FfiResult,
 };
 use crate::store::{marconi_store, probe_states};
 
@@ -308,25 +309,137 @@ pub struct marconi_tiered_stats {
 /// The first version's size of marconi_tiered_stats (up to `requests`).
 const STATS_MIN_SIZE: usize = 16;
 
-/// A tiered cache handle: opaque to C. Create with marconi_tiered_new,
-/// free with marconi_tiered_free. Safe to call from several threads.
-pub struct marconi_tiered {
-    _private: [u8; 0],
+/// The lower tiers of a cache (marconi_cache_config.tiers): what the
+/// tiered core and the C leases over it need. Versioned by size: fill it
+/// with marconi_tier_options_init(&opts, sizeof opts), then set fields.
+/// The device tier is the cache's own configuration.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct marconi_tier_options {
+    /// sizeof(marconi_tier_options) as the caller compiled it.
+    pub struct_size: u32,
+    /// A marconi_tier_write value. Default MARCONI_TIER_WRITE_BACK.
+    pub write_mode: u32,
+    /// The host tier. Default absent (capacity 0), 25 GB/s, 10 us.
+    pub host: marconi_tier_spec,
+    /// The store tier (needs a host tier). Default absent, 5 GB/s, 1 ms.
+    pub store: marconi_tier_spec,
+    /// Effective prefill FLOP/s of the device: what a skipped token is
+    /// worth in time. Default 989e12 x 0.4.
+    pub compute_flops: f64,
+    /// Non-zero: save the state of a lower-tier hit on the device too.
+    /// Default 0.
+    pub promote: u32,
+    /// Non-zero: load every longer lower-tier hit, however slow. Default 0.
+    pub always_load: u32,
+    /// Non-zero: plan on the device the branch checkpoints the lower tiers
+    /// see. Default 1.
+    pub lower_plans: u32,
+    /// Non-zero: moves into the lower tiers wait for marconi_cache_settle
+    /// (call it off the request path, before the next lookup). Default 0.
+    pub defer_moves: u32,
+    /// Most state positions one store probe asks about (the longest first).
+    /// Default 1024.
+    pub max_store_probe: u32,
+    /// Non-zero: the engine's state objects in the store carry the KV of
+    /// their prefix too (see marconi_tiered_config). Default 0.
+    pub store_states_hold_kv: u32,
+    /// Non-zero: exclusive tiers (see marconi_tiered_config). Default 1.
+    pub exclusive: u32,
+    /// Reserved, 0.
+    pub reserved: u32,
 }
 
-/// What a `*marconi_tiered` points to.
-struct TieredHandle {
-    tag: HandleTag,
-    inner: Mutex<Inner>,
+impl marconi_tier_options {
+    fn defaults() -> Self {
+        let d = marconi_tiered_config::defaults();
+        marconi_tier_options {
+            struct_size: std::mem::size_of::<marconi_tier_options>() as u32,
+            reserved: 0,
+            ..Self::from_tiered(&d)
+        }
+    }
+
+    /// The tier options of a marconi_tiered_config (all but `device`).
+    fn from_tiered(c: &marconi_tiered_config) -> Self {
+        marconi_tier_options {
+            struct_size: std::mem::size_of::<marconi_tier_options>() as u32,
+            write_mode: c.write_mode,
+            host: c.host,
+            store: c.store,
+            compute_flops: c.compute_flops,
+            promote: c.promote,
+            always_load: c.always_load,
+            lower_plans: c.lower_plans,
+            defer_moves: c.defer_moves,
+            max_store_probe: c.max_store_probe,
+            store_states_hold_kv: c.store_states_hold_kv,
+            exclusive: c.exclusive,
+            reserved: 0,
+        }
+    }
 }
 
-struct Inner {
-    cache: TieredCache,
-    leases: HashMap<u64, TieredLookup>,
+/// The first version's size of marconi_tier_options: all of it.
+const OPTIONS_MIN_SIZE: usize = std::mem::size_of::<marconi_tier_options>();
+
+/// Fills `*opts` with the defaults (documented per field) and sets
+/// `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+/// struct_size is smaller than the first version's.
+///
+/// Thread safety: touches only `*opts`.
+///
+/// # Safety
+///
+/// `opts` is NULL or points to `struct_size` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tier_options_init(
+    opts: *mut marconi_tier_options,
+    struct_size: usize,
+) -> marconi_status {
+    boundary("marconi_tier_options_init", || {
+        check_ptr!(opts);
+        // SAFETY: opts is non-NULL and aligned (checked) with struct_size
+        // writable bytes (contract); the struct starts with struct_size.
+        unsafe {
+            init_versioned(
+                opts,
+                struct_size,
+                OPTIONS_MIN_SIZE,
+                marconi_tier_options::defaults(),
+                "marconi_tier_options",
+            )
+        }
+    })
+}
+
+/// Reads a caller's tier options (any struct_size this library accepts).
+///
+/// # Safety
+///
+/// `p` is non-NULL, aligned and points to its struct_size readable bytes.
+pub(crate) unsafe fn read_tier_options(
+    p: *const marconi_tier_options,
+) -> FfiResult<marconi_tier_options> {
+    // SAFETY: this function's contract.
+    unsafe {
+        read_versioned(
+            p,
+            OPTIONS_MIN_SIZE,
+            marconi_tier_options::defaults(),
+            "tier options",
+        )
+    }
+}
+
+/// The tiered part of a cache with lower tiers.
+pub(crate) struct Tiers {
+    pub(crate) cache: TieredCache,
+    /// The tiered lookup of each outstanding lease, by C id (its device
+    /// lookup's page list moved to the cache's lease).
+    pub(crate) leases: HashMap<u64, TieredLookup>,
     /// Ops drained from the core, not yet delivered.
-    ops: Vec<TierOp>,
-    freed_pages: Vec<u32>,
-    freed_slots: Vec<u32>,
+    pub(crate) ops: Vec<TierOp>,
     max_probe: usize,
     states_hold_kv: bool,
     store_probes: u64,
@@ -334,54 +447,65 @@ struct Inner {
     load_failures: u64,
 }
 
-impl Inner {
-    fn collect(&mut self) {
-        self.ops.extend(self.cache.drain_ops());
-        let f = self.cache.drain_freed();
-        self.freed_pages.extend(f.kv_pages);
-        self.freed_slots.extend(f.state_slots);
+/// Builds the tiers over a device configured by `dev`.
+/// MARCONI_STATUS_INVALID_CONFIG for a store tier without a host tier, a
+/// bandwidth that is not finite and positive, a latency that is not finite
+/// and at least 0, compute_flops not finite and positive, an unknown
+/// write_mode, a flag other than 0 or 1, max_store_probe 0 or reserved not
+/// 0.
+pub(crate) fn build_tiers(dev: CacheConfig, c: &marconi_tier_options) -> FfiResult<Tiers> {
+    let write = match c.write_mode {
+        0 => WriteMode::Back,
+        1 => WriteMode::Through,
+        v => return Err(bad_config(format!("write_mode {v} is unknown"))),
+    };
+    if c.max_store_probe == 0 {
+        return Err(bad_config("max_store_probe is 0"));
     }
-
-    fn lease(&self, lease: u64) -> FfiResult<&TieredLookup> {
-        self.leases.get(&lease).ok_or_else(|| unknown_lease(lease))
+    if c.reserved != 0 {
+        return Err(bad_config("tier options: reserved must be 0"));
     }
+    let spec = |s: &marconi_tier_spec| {
+        (s.capacity_bytes > 0).then(|| {
+            let mut cache = dev.clone();
+            cache.capacity_bytes = s.capacity_bytes;
+            cache.decision_log = false;
+            cache.events = false;
+            TierSpec {
+                cache,
+                bandwidth_bytes_per_s: s.bandwidth_bytes_per_s,
+                latency_s: s.latency_s,
+            }
+        })
+    };
+    let mut t = TierConfig::marconi(spec(&c.host), spec(&c.store));
+    t.write = write;
+    t.compute_flops = c.compute_flops;
+    t.promote = flag(c.promote, "promote")?;
+    t.always_load = flag(c.always_load, "always_load")?;
+    t.lower_plans = flag(c.lower_plans, "lower_plans")?;
+    t.defer_moves = flag(c.defer_moves, "defer_moves")?;
+    t.exclusive = flag(c.exclusive, "exclusive")?;
+    let states_hold_kv = flag(c.store_states_hold_kv, "store_states_hold_kv")?;
+    let mut cache = TieredCache::new(dev, t)?;
+    cache.record_ops(true);
+    Ok(Tiers {
+        cache,
+        leases: HashMap::new(),
+        ops: Vec::new(),
+        max_probe: c.max_store_probe as usize,
+        states_hold_kv,
+        store_probes: 0,
+        store_probe_failures: 0,
+        load_failures: 0,
+    })
 }
 
 fn unknown_lease(lease: u64) -> FfiError {
     FfiError::new(
         marconi_status::UnknownLease,
-        format!("lease {lease} was not issued by this tiered cache or is already released"),
+        format!("lease {lease} was not issued by this cache or is already released"),
     )
-}
-
-/// # Safety
-///
-/// `t` is NULL or a live handle from marconi_tiered_new.
-unsafe fn handle<'a>(t: *const marconi_tiered) -> FfiResult<&'a TieredHandle> {
-    let t = t.cast::<TieredHandle>();
-    check_ptr!(t);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a tiered
-    // handle.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*t).tag),
-            HandleTag::TIERED,
-            "tiered",
-            "marconi_tiered",
-        )
-    }?;
-    // SAFETY: as above; only shared references are formed (Sync via Mutex).
-    Ok(unsafe { &*t })
-}
-
-fn lock(h: &TieredHandle) -> FfiResult<MutexGuard<'_, Inner>> {
-    h.inner.lock().map_err(|_| {
-        FfiError::new(
-            marconi_status::Poisoned,
-            "the tiered cache is unusable after an earlier internal panic",
-        )
-    })
 }
 
 fn bad_config(s: impl Into<String>) -> FfiError {
@@ -396,198 +520,45 @@ fn flag(v: u32, what: &str) -> FfiResult<bool> {
     }
 }
 
-/// Fills `*cfg` with the defaults (documented per field) and sets
-/// `cfg->struct_size`: any size from the first version's on (an older
-/// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
-/// when struct_size is smaller than the first version's.
-///
-/// Thread safety: touches only `*cfg`.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_config_init(
-    cfg: *mut marconi_tiered_config,
-    struct_size: usize,
-) -> marconi_status {
-    boundary("marconi_tiered_config_init", || {
-        check_ptr!(cfg);
-        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
-        // writable bytes (contract); the struct starts with struct_size.
-        unsafe {
-            init_versioned(
-                cfg,
-                struct_size,
-                CONFIG_MIN_SIZE,
-                marconi_tiered_config::defaults(),
-                "marconi_tiered_config",
-            )
-        }
-    })
-}
-
-/// Creates a tiered cache from `*cfg` and writes the handle to `*out`
-/// (free it with marconi_tiered_free). MARCONI_STATUS_INVALID_CONFIG (the
-/// reason in marconi_last_error) for a device configuration that cannot
-/// drive a cache, a store tier without a host tier, a bandwidth that is not
-/// finite and > 0, a latency that is not finite and >= 0, compute_flops not
-/// finite and > 0, an unknown write_mode, a flag other than 0 or 1, or
-/// max_store_probe 0.
-///
-/// Thread safety: may run concurrently with anything.
-///
-/// # Safety
-///
-/// `cfg` is NULL or initialised by marconi_tiered_config_init, its
-/// `device` NULL or initialised by marconi_cache_config_init; `out` is
-/// writable or NULL.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_new(
-    cfg: *const marconi_tiered_config,
-    out: *mut *mut marconi_tiered,
-) -> marconi_status {
-    boundary("marconi_tiered_new", || {
-        require!(cfg);
-        require!(out);
-        check_ptr!(cfg);
-        check_ptr!(out);
-        // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                CONFIG_MIN_SIZE,
-                marconi_tiered_config::defaults(),
-                "tiered config",
-            )
-        }?;
-        let device = c.device;
-        require!(device);
-        check_ptr!(device);
-        // SAFETY: device is non-NULL and aligned; initialised by contract.
-        let d = unsafe { read_config(device) }?;
-        // SAFETY: the pointers inside d follow their documented contracts.
-        let dev = unsafe { to_core_config(&d) }?;
-        let write = match c.write_mode {
-            0 => WriteMode::Back,
-            1 => WriteMode::Through,
-            v => return Err(bad_config(format!("write_mode {v} is unknown"))),
-        };
-        if c.max_store_probe == 0 {
-            return Err(bad_config("max_store_probe is 0"));
-        }
-        let spec = |s: &marconi_tier_spec| {
-            (s.capacity_bytes > 0).then(|| {
-                let mut cache = dev.clone();
-                cache.capacity_bytes = s.capacity_bytes;
-                cache.decision_log = false;
-                cache.events = false;
-                TierSpec {
-                    cache,
-                    bandwidth_bytes_per_s: s.bandwidth_bytes_per_s,
-                    latency_s: s.latency_s,
-                }
-            })
-        };
-        let mut t = TierConfig::marconi(spec(&c.host), spec(&c.store));
-        t.write = write;
-        t.compute_flops = c.compute_flops;
-        t.promote = flag(c.promote, "promote")?;
-        t.always_load = flag(c.always_load, "always_load")?;
-        t.lower_plans = flag(c.lower_plans, "lower_plans")?;
-        t.defer_moves = flag(c.defer_moves, "defer_moves")?;
-        t.exclusive = flag(c.exclusive, "exclusive")?;
-        let states_hold_kv = flag(c.store_states_hold_kv, "store_states_hold_kv")?;
-        let mut cache = TieredCache::new(dev, t)?;
-        cache.record_ops(true);
-        let h = Box::new(TieredHandle {
-            tag: HandleTag::TIERED,
-            inner: Mutex::new(Inner {
-                cache,
-                leases: HashMap::new(),
-                ops: Vec::new(),
-                freed_pages: Vec::new(),
-                freed_slots: Vec::new(),
-                max_probe: c.max_store_probe as usize,
-                states_hold_kv,
-                store_probes: 0,
-                store_probe_failures: 0,
-                load_failures: 0,
-            }),
-        });
-        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(h).cast::<marconi_tiered>()) };
-        Ok(())
-    })
-}
-
-/// Frees a tiered cache. NULL is a no-op; a pointer that is not a live
-/// tiered handle (a foreign one, or one already freed whose memory still
-/// holds the cleared tag) is refused and left alone.
-///
-/// Thread safety: must not run concurrently with any other call on this
-/// handle; the handle must not be used afterwards.
-///
-/// # Safety
-///
-/// `t` is NULL or a handle from marconi_tiered_new.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
-    boundary_or("marconi_tiered_free", (), || {
-        if t.is_null() {
-            return;
-        }
-        // SAFETY: NULL handled; otherwise a handle by contract. A foreign
-        // pointer is refused rather than freed.
-        if unsafe { handle(t) }.is_err() {
-            return;
-        }
-        let t = t.cast::<TieredHandle>();
-        // SAFETY: from Box::into_raw in marconi_tiered_new, freed once; its
-        // tag is zeroed first.
-        unsafe {
-            retire_tag(ptr::addr_of_mut!((*t).tag));
-            drop(Box::from_raw(t));
-        }
-    })
-}
-
-/// Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier and
-/// writes the hit to resume from to `*out`, with a lease pinning it until
-/// marconi_tiered_release. `checkpoints[0..n_checkpoints]` are application
-/// checkpoint hints (as marconi_cache_lookup_hinted; none: NULL, 0).
+/// Looks up `tokens[0..n_tokens]` in namespace `ns` in every tier of a
+/// cache with lower tiers and writes the hit to resume from to `*out`,
+/// with a lease pinning it until marconi_cache_release (use it with every
+/// marconi_cache_* call that takes a lease). `checkpoints[0..n_checkpoints]`
+/// are application checkpoint hints (as marconi_cache_lookup_hinted; none:
+/// NULL, 0). marconi_cache_lookup and its variants on such a cache return
+/// the device's view only (a longer lower-tier hit is neither chosen nor
+/// pinned); this lookup weighs every tier and gives the loads
+/// (marconi_cache_lease_loads) that make a lower-tier hit usable.
 ///
 /// `store` (NULL: none) is a store handle shared with other processes:
 /// the lookup first asks it (one existence query, bounded by the store's
 /// timeout) which of the input's candidate positions have a state, and
-/// weighs the longest usable one like any store-tier hit (the tiered
-/// cache needs a store tier for its bandwidth; without one the probe is
-/// skipped). The probe asks for the keys of namespace `ns` (as
+/// weighs the longest usable one like any store-tier hit (this needs a
+/// store tier for its bandwidth; without one the probe is skipped). The
+/// probe asks for the keys of namespace `ns` (as
 /// marconi_store_get_state_ns(store, ns, ...)), whatever the store handle's
-/// configured ns: a state written in another namespace is never a hit here.
-/// Write the states a lookup in `ns` should find with the `_ns` store
-/// functions and the same `ns` (the ones without `ns` write in the
-/// handle's configured ns). A store that is down or slow gives an empty
-/// probe, bounded by the store's timeout as a whole (counted in
+/// configured ns. A store that is down or slow gives an empty probe,
+/// bounded by the store's timeout as a whole (counted in
 /// store_probe_failures), never an error. The probe is a hint: when the
 /// engine's read of the state then misses, it resumes from the device's hit
 /// (device_hit_tokens, device_state_slot) and reports it with
-/// marconi_tiered_report_load_failure.
+/// marconi_cache_report_load_failure.
 ///
-/// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
-/// MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
+/// Errors: MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers (the
+/// reason in marconi_last_error), MARCONI_STATUS_EMPTY_TOKENS for n_tokens
+/// 0, MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
 /// MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
-/// handle (tiered or store) that is not one.
+/// handle (cache or store) that is not one.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
-/// `tiered` and `store` are live handles or NULL; each array has its
+/// `cache` and `store` are live handles or NULL; each array has its
 /// length in readable u32 (or is NULL with 0); `out` is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_lookup(
-    tiered: *const marconi_tiered,
+pub unsafe extern "C" fn marconi_cache_lookup_tiered(
+    cache: *const marconi_cache,
     ns: u64,
     tokens: *const u32,
     n_tokens: usize,
@@ -596,82 +567,177 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
     store: *const marconi_store,
     out: *mut marconi_tiered_hit,
 ) -> marconi_status {
-    boundary("marconi_tiered_lookup", || {
-        require!(tiered);
+    boundary("marconi_cache_lookup_tiered", || {
+        require!(cache);
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        tokens_len_ok(n_tokens, "tokens")?;
         tokens_len_ok(n_checkpoints, "checkpoints")?;
-        if n_tokens == 0 {
-            return Err(FfiError::new(
-                marconi_status::EmptyTokens,
-                "tokens is empty",
-            ));
-        }
-        // SAFETY: buffer contracts of the header.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
+        // SAFETY: buffer contract of the header.
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
-        check_ptr!(out);
-        // The probe's I/O runs without the lock.
-        let probe = if store.is_null() {
-            None
-        } else {
-            let (positions, hold_kv) = {
-                let g = lock(h)?;
-                let has_store = g.cache.tier(Tier::Store).is_some();
-                let p = if has_store {
-                    g.cache.store_probe_positions(n_tokens, g.max_probe)
-                } else {
-                    Vec::new()
-                };
-                (p, g.states_hold_kv)
-            };
-            // SAFETY: store is non-NULL; a live store handle by contract.
-            let r = unsafe { probe_states(store, ns, tokens, &positions, hold_kv) }?;
-            // Nothing to ask without a store tier to weigh the answer by.
-            (!positions.is_empty()).then_some(r)
-        };
-        let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                "this process has issued 2^64 - 1 lease ids",
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            lookup_tiered(
+                cache,
+                ns,
+                TokenSource::U32(tokens, n_tokens),
+                hints,
+                LookupOptions::default(),
+                store,
+                out,
+                "marconi_cache_lookup_tiered",
             )
-        })?;
-        let mut g = lock(h)?;
-        if let Some((_, failed)) = &probe {
-            g.store_probes += 1;
-            g.store_probe_failures += u64::from(*failed);
         }
-        let p = probe.as_ref().map(|(p, _)| p);
-        let l = g.cache.lookup_probed(ns, tokens, hints, p)?;
-        let (declined_tier, declined_tokens) =
-            l.declined.map_or((0, 0), |(t, n)| (tier_code(t), n));
-        let res = marconi_tiered_hit {
-            lease: id,
-            hit_tokens: l.hit_tokens,
-            tier: tier_code(l.tier),
-            device_hit_tokens: l.device.hit_tokens,
-            device_kv_tokens: l.device.kv_matched_tokens,
-            device_state_slot: l.device.state_slot.unwrap_or(MARCONI_NO_SLOT),
-            n_loads: l.loads.len() as u32,
-            n_plan: l.plan.len() as u32,
-            n_kv_pages: l.device.kv_pages.len() as u32,
-            shared: u32::from(l.shared),
-            declined_tier,
-            declined_tokens,
-            reserved: 0,
-            load_s: l.load_s,
-            recompute_s: l.recompute_s,
-        };
-        g.leases.insert(id, l);
-        // SAFETY: out is non-NULL and aligned (checked) and writable.
-        unsafe { out.write(res) };
-        Ok(())
     })
+}
+
+/// marconi_cache_lookup_tiered with the tokens as int64 ids (as
+/// marconi_cache_lookup_i64) and `flags` (as
+/// marconi_cache_lookup_i64_flags: MARCONI_LOOKUP_WHOLE_INPUT,
+/// MARCONI_LOOKUP_NO_KV_PAGES, which leaves `out->n_kv_pages` 0 and the
+/// device hit's pages to marconi_cache_lease_kv_pages); no hints. SGLang's
+/// path through the tiers.
+///
+/// Errors: those of marconi_cache_lookup_tiered, and
+/// MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
+/// [0, 2^32 - 1] (nothing changes).
+///
+/// Thread safety: safe to call concurrently on the same handle.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_tiered, with `tokens` pointing to n_tokens
+/// readable, aligned int64 (or NULL).
+#[no_mangle]
+pub unsafe extern "C" fn marconi_cache_lookup_tiered_i64_flags(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: *const i64,
+    n_tokens: usize,
+    flags: u32,
+    store: *const marconi_store,
+    out: *mut marconi_tiered_hit,
+) -> marconi_status {
+    boundary("marconi_cache_lookup_tiered_i64_flags", || {
+        require!(cache);
+        require!(tokens, len = n_tokens);
+        require!(out);
+        let opts = lookup_flags(flags)?;
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            lookup_tiered(
+                cache,
+                ns,
+                TokenSource::I64(tokens, n_tokens),
+                &[],
+                opts,
+                store,
+                out,
+                "marconi_cache_lookup_tiered_i64_flags",
+            )
+        }
+    })
+}
+
+/// The body of the tier lookups, after the NULL checks.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_tiered.
+#[allow(clippy::too_many_arguments)]
+unsafe fn lookup_tiered(
+    cache: *const marconi_cache,
+    ns: u64,
+    tokens: TokenSource,
+    hints: &[u32],
+    opts: LookupOptions,
+    store: *const marconi_store,
+    out: *mut marconi_tiered_hit,
+    what: &str,
+) -> FfiResult {
+    // SAFETY: the caller passes a live handle or NULL.
+    let h = unsafe { handle(cache) }?;
+    // Refused before the arguments are read: a plain cache has no tiers.
+    let (positions, hold_kv) = {
+        let mut g = h.lock()?;
+        let t = g.tiers(what)?;
+        let p = if !store.is_null() && t.cache.tier(Tier::Store).is_some() {
+            let (TokenSource::U32(_, n) | TokenSource::I64(_, n)) = tokens;
+            t.cache.store_probe_positions(n, t.max_probe)
+        } else {
+            Vec::new()
+        };
+        (p, t.states_hold_kv)
+    };
+    // SAFETY: buffer contract of the header.
+    let tokens = unsafe { tokens.read("tokens") }?;
+    let tokens = &tokens[..];
+    if tokens.is_empty() {
+        return Err(FfiError::new(
+            marconi_status::EmptyTokens,
+            "tokens is empty",
+        ));
+    }
+    check_ptr!(out);
+    // The probe's I/O runs without the lock.
+    let probe = if store.is_null() {
+        None
+    } else {
+        // SAFETY: store is non-NULL; a live store handle by contract.
+        let r = unsafe { probe_states(store, ns, tokens, &positions, hold_kv) }?;
+        // Nothing to ask without a store tier to weigh the answer by.
+        (!positions.is_empty()).then_some(r)
+    };
+    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            "this process has issued 2^64 - 1 lease ids",
+        )
+    })?;
+    let mut g = h.lock()?;
+    let g = &mut *g;
+    let t = g.tiers(what)?;
+    if let Some((_, failed)) = &probe {
+        t.store_probes += 1;
+        t.store_probe_failures += u64::from(*failed);
+    }
+    let p = probe.as_ref().map(|(p, _)| p);
+    let mut l = t.cache.lookup_opts(ns, tokens, hints, p, opts, false)?;
+    let pages = std::mem::take(&mut l.device.kv_pages);
+    let (declined_tier, declined_tokens) = l.declined.map_or((0, 0), |(t, n)| (tier_code(t), n));
+    let res = marconi_tiered_hit {
+        lease: id,
+        hit_tokens: l.hit_tokens,
+        tier: tier_code(l.tier),
+        device_hit_tokens: l.device.hit_tokens,
+        device_kv_tokens: l.device.kv_matched_tokens,
+        device_state_slot: l.device.state_slot.unwrap_or(MARCONI_NO_SLOT),
+        n_loads: l.loads.len() as u32,
+        n_plan: l.plan.len() as u32,
+        n_kv_pages: pages.len() as u32,
+        shared: u32::from(l.shared),
+        declined_tier,
+        declined_tokens,
+        reserved: 0,
+        load_s: l.load_s,
+        recompute_s: l.recompute_s,
+    };
+    let core = l.device.lease;
+    t.leases.insert(id, l);
+    g.leases.insert(
+        id,
+        Lease {
+            core,
+            pages: (!opts.skip_kv_pages).then_some(pages),
+        },
+    );
+    if let Some(m) = &mut g.c_of_core {
+        m.insert(core, id);
+    }
+    g.collect_log();
+    // SAFETY: out is non-NULL and aligned (checked) and writable.
+    unsafe { out.write(res) };
+    Ok(())
 }
 
 /// Copies `list` into `buf` or reports the needed size (all or nothing).
@@ -688,254 +754,67 @@ fn copy_out<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResul
     Ok(())
 }
 
-/// The body of the three lease list getters.
-///
-/// # Safety
-///
-/// As marconi_tiered_lease_plan, for a buffer of `T`.
-unsafe fn lease_list<T: Copy>(
-    tiered: *const marconi_tiered,
-    lease: u64,
-    buf: *mut T,
-    cap: usize,
-    out_len: *mut usize,
-    list: impl FnOnce(&TieredLookup) -> Vec<T>,
-) -> FfiResult {
-    require!(tiered);
-    require!(buf, cap = cap);
-    require!(out_len);
-    // SAFETY: the caller passes a live handle or NULL.
-    let h = unsafe { handle(tiered) }?;
-    // SAFETY: buffer contract of the header.
-    let buf = unsafe { out_slice(buf, cap, "buf") }?;
-    check_ptr!(out_len);
-    let g = lock(h)?;
-    let l = g.lease(lease)?;
-    copy_out(&list(l), buf, out_len)
-}
-
 /// Writes a lease's load orders (KV ranges in token order, then the state)
-/// into `buf[0..cap]` and their number to `*out_len`. A buffer too small
-/// (NULL with cap 0 is a size query) gives MARCONI_STATUS_BUFFER_TOO_SMALL
-/// with only the count written.
+/// into `buf[0..cap]` and their number to `*out_len`: what the engine reads
+/// from the lower tiers before prefilling from the hit of
+/// marconi_cache_lookup_tiered (none for a device hit, or for a lease of
+/// marconi_cache_lookup). A buffer too small (NULL with cap 0 is a size
+/// query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+/// written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
-/// `tiered` is a live handle or NULL; `buf` has cap writable elements (or
+/// `cache` is a live handle or NULL; `buf` has cap writable elements (or
 /// is NULL); `out_len` is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_lease_loads(
-    tiered: *const marconi_tiered,
+pub unsafe extern "C" fn marconi_cache_lease_loads(
+    cache: *const marconi_cache,
     lease: u64,
     buf: *mut marconi_load_order,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_tiered_lease_loads", || {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            lease_list(tiered, lease, buf, cap, out_len, |l| {
-                l.loads
-                    .iter()
-                    .map(|o| {
-                        let (kind, start, end, slot) = match &o.what {
-                            LoadWhat::Kv { start, end, .. } => {
-                                (marconi_load_kind::Kv, *start, *end, MARCONI_NO_SLOT)
-                            }
-                            LoadWhat::State { position, slot } => (
-                                marconi_load_kind::State,
-                                *position,
-                                *position,
-                                slot.unwrap_or(MARCONI_NO_SLOT),
-                            ),
-                        };
-                        marconi_load_order {
-                            tier: tier_code(o.tier),
-                            kind: kind as u32,
-                            start,
-                            end,
-                            position: end,
-                            slot,
-                            bytes: o.bytes,
-                        }
-                    })
-                    .collect()
-            })
-        }
-    })
-}
-
-/// Writes a lease's checkpoint positions (ascending; save the state after
-/// each during prefill) into `buf[0..cap]`, their number to `*out_len`;
-/// a buffer too small as in marconi_tiered_lease_loads.
-///
-/// Thread safety: safe to call concurrently on the same handle.
-///
-/// # Safety
-///
-/// As marconi_tiered_lease_loads.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_lease_plan(
-    tiered: *const marconi_tiered,
-    lease: u64,
-    buf: *mut u32,
-    cap: usize,
-    out_len: *mut usize,
-) -> marconi_status {
-    boundary("marconi_tiered_lease_plan", || {
-        // SAFETY: forwarded caller contract.
-        unsafe { lease_list(tiered, lease, buf, cap, out_len, |l| l.plan.clone()) }
-    })
-}
-
-/// Writes the device KV page ids of a lease's device hit into
-/// `buf[0..cap]`, their number to `*out_len`; a buffer too small as in
-/// marconi_tiered_lease_loads.
-///
-/// Thread safety: safe to call concurrently on the same handle.
-///
-/// # Safety
-///
-/// As marconi_tiered_lease_loads.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
-    tiered: *const marconi_tiered,
-    lease: u64,
-    buf: *mut u32,
-    cap: usize,
-    out_len: *mut usize,
-) -> marconi_status {
-    boundary("marconi_tiered_lease_kv_pages", || {
-        // SAFETY: forwarded caller contract.
-        unsafe {
-            lease_list(tiered, lease, buf, cap, out_len, |l| {
-                l.device.kv_pages.clone()
-            })
-        }
-    })
-}
-
-/// Admits `tokens[0..n_tokens]` under `lease` into the device, with the
-/// states the engine saved and its KV pages (as marconi_cache_admit: the
-/// same ownership rules, `taken` and `*out`), then moves what the device
-/// evicted into the lower tiers (unless defer_moves): drain the resulting
-/// ops with marconi_tiered_drain_ops before reusing the slots
-/// marconi_tiered_drain_freed returns.
-///
-/// Errors (nothing changes): those of marconi_cache_admit.
-///
-/// Thread safety: safe to call concurrently on the same handle.
-///
-/// # Safety
-///
-/// As marconi_cache_admit, with a tiered handle.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_admit(
-    tiered: *const marconi_tiered,
-    lease: u64,
-    tokens: *const u32,
-    n_tokens: usize,
-    states: *const marconi_saved_state,
-    n_states: usize,
-    kv_pages: *const u32,
-    n_kv_pages: usize,
-    taken: *mut u8,
-    out: *mut marconi_admit_result,
-) -> marconi_status {
-    boundary("marconi_tiered_admit", || {
-        require!(tiered);
-        require!(tokens, len = n_tokens);
-        require!(states, len = n_states);
-        require!(kv_pages, len = n_kv_pages);
-        require!(out);
+    boundary("marconi_cache_lease_loads", || {
+        require!(cache);
+        require!(buf, cap = cap);
+        require!(out_len);
         // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        tokens_len_ok(n_tokens, "tokens")?;
-        // SAFETY: buffer contracts of the header.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
-        let states = unsafe { in_slice(states, n_states, "states") }?;
-        // SAFETY: as above.
-        let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
-        let taken = if taken.is_null() {
-            None
-        } else {
-            // SAFETY: taken has n_states writable bytes (contract).
-            Some(unsafe { out_slice(taken, n_states, "taken") }?)
-        };
-        check_ptr!(out);
-        let saved: Vec<SavedState> = states
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        let t = g.tiers("marconi_cache_lease_loads")?;
+        // SAFETY: buffer contract of the header.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let l = t.leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
+        let list: Vec<marconi_load_order> = l
+            .loads
             .iter()
-            .map(|s| SavedState {
-                position: s.position,
-                slot: (s.slot != MARCONI_NO_SLOT).then_some(s.slot),
+            .map(|o| {
+                let (kind, start, end, slot) = match &o.what {
+                    LoadWhat::Kv { start, end, .. } => {
+                        (marconi_load_kind::Kv, *start, *end, MARCONI_NO_SLOT)
+                    }
+                    LoadWhat::State { position, slot } => (
+                        marconi_load_kind::State,
+                        *position,
+                        *position,
+                        slot.unwrap_or(MARCONI_NO_SLOT),
+                    ),
+                };
+                marconi_load_order {
+                    tier: tier_code(o.tier),
+                    kind: kind as u32,
+                    start,
+                    end,
+                    position: end,
+                    slot,
+                    bytes: o.bytes,
+                }
             })
             .collect();
-        let mut g = lock(h)?;
-        let l = g.lease(lease)?.clone();
-        let o = g
-            .cache
-            .admit(&l, tokens, &saved, kv_pages)
-            .map_err(|e| match e {
-                marconi_core::CacheError::UnknownLease(_) => unknown_lease(lease),
-                e => FfiError::from(e),
-            });
-        g.collect();
-        let o = o?;
-        if let Some(t) = taken {
-            for (flag, s) in t.iter_mut().zip(states) {
-                *flag = u8::from(o.states_taken.contains(&s.position));
-            }
-        }
-        let res = marconi_admit_result {
-            states_taken: o.states_taken.len() as u32,
-            slots_returned: o.slots_returned.len() as u32,
-            kv_pages_taken_start: if kv_pages.is_empty() {
-                0
-            } else {
-                o.kv_pages_taken.start
-            },
-            kv_pages_taken_end: if kv_pages.is_empty() {
-                0
-            } else {
-                o.kv_pages_taken.end
-            },
-            new_kv_tokens: o.new_kv_tokens,
-            truncated_to: o.truncated_to.unwrap_or(0),
-            rejected: o.rejected.is_some(),
-        };
-        // SAFETY: out is non-NULL and aligned (checked) and writable.
-        unsafe { out.write(res) };
-        Ok(())
-    })
-}
-
-/// Releases `lease` in every tier. MARCONI_STATUS_UNKNOWN_LEASE for a
-/// lease this handle never issued or already released.
-///
-/// Thread safety: safe to call concurrently on the same handle.
-///
-/// # Safety
-///
-/// `tiered` is a live handle or NULL.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_release(
-    tiered: *const marconi_tiered,
-    lease: u64,
-) -> marconi_status {
-    boundary("marconi_tiered_release", || {
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        let mut g = lock(h)?;
-        let l = g
-            .leases
-            .remove(&lease)
-            .ok_or_else(|| unknown_lease(lease))?;
-        let r = g.cache.release(&l);
-        g.collect();
-        r.map_err(FfiError::from)
+        copy_out(&list, buf, out_len)
     })
 }
 
@@ -943,43 +822,49 @@ pub unsafe extern "C" fn marconi_tiered_release(
 /// read the entry: a shared store that lost it, was killed, or returned a
 /// corrupt object) and that the engine recomputed from the device's hit.
 /// Counted in load_failures; the lease stays valid.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
-/// `tiered` is a live handle or NULL.
+/// `cache` is a live handle or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_report_load_failure(
-    tiered: *const marconi_tiered,
+pub unsafe extern "C" fn marconi_cache_report_load_failure(
+    cache: *const marconi_cache,
     lease: u64,
 ) -> marconi_status {
-    boundary("marconi_tiered_report_load_failure", || {
+    boundary("marconi_cache_report_load_failure", || {
         // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        let mut g = lock(h)?;
-        g.lease(lease)?;
-        g.load_failures += 1;
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        let t = g.tiers("marconi_cache_report_load_failure")?;
+        if !t.leases.contains_key(&lease) {
+            return Err(unknown_lease(lease));
+        }
+        t.load_failures += 1;
         Ok(())
     })
 }
 
 /// Runs the moves into the lower tiers that defer_moves left waiting
-/// (a no-op otherwise); then drain the ops.
+/// (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
+/// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
-/// `tiered` is a live handle or NULL.
+/// `cache` is a live handle or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) -> marconi_status {
-    boundary("marconi_tiered_settle", || {
+pub unsafe extern "C" fn marconi_cache_settle(cache: *const marconi_cache) -> marconi_status {
+    boundary("marconi_cache_settle", || {
         // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        let mut g = lock(h)?;
-        let r = g.cache.settle();
-        g.collect();
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        let r = g.tiers("marconi_cache_settle")?.cache.settle();
+        g.collect_freed();
+        g.collect_log();
         r.map_err(FfiError::from)
     })
 }
@@ -989,22 +874,28 @@ pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) ->
 /// tokens from `ops[i].tokens_offset`) into `tokens[0..tokens_cap]`, with the
 /// counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
 /// the host copies the chain from the device (before its slot, returned by
-/// marconi_tiered_drain_freed, is reused), a WRITE to the store copies it
+/// marconi_cache_drain_freed, is reused), a WRITE to the store copies it
 /// from the host copy, a DROP frees a copy. All or nothing: when either
 /// buffer is too small (NULL with capacity 0 is a size query), returns
 /// MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
-/// nothing.
+/// nothing. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
+///
+/// On a cache with lower tiers, marconi_cache_drain_freed hands out only
+/// ids no op still to be drained reads: drain the ops first. Every id it
+/// returns is the engine's to reuse at once. With defer_moves, the ids the
+/// device freed since the last marconi_cache_settle are withheld until the
+/// next one (whose WRITEs read them) has run.
 ///
 /// Thread safety: safe to call concurrently on the same handle; each op is
 /// delivered to exactly one caller.
 ///
 /// # Safety
 ///
-/// `tiered` is a live handle or NULL; each buffer has its capacity in
+/// `cache` is a live handle or NULL; each buffer has its capacity in
 /// writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_drain_ops(
-    tiered: *const marconi_tiered,
+pub unsafe extern "C" fn marconi_cache_drain_ops(
+    cache: *const marconi_cache,
     ops: *mut marconi_tier_op,
     ops_cap: usize,
     n_ops: *mut usize,
@@ -1012,24 +903,26 @@ pub unsafe extern "C" fn marconi_tiered_drain_ops(
     tokens_cap: usize,
     n_tokens: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_tiered_drain_ops", || {
-        require!(tiered);
+    boundary("marconi_cache_drain_ops", || {
+        require!(cache);
         require!(ops, cap = ops_cap);
         require!(n_ops);
         require!(tokens, cap = tokens_cap);
         require!(n_tokens);
         // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        g.tiers("marconi_cache_drain_ops")?;
         // SAFETY: buffer contracts of the header.
         let ops = unsafe { out_slice(ops, ops_cap, "ops") }?;
         // SAFETY: as above.
         let tokens = unsafe { out_slice(tokens, tokens_cap, "tokens") }?;
         check_ptr!(n_ops);
         check_ptr!(n_tokens);
-        let mut g = lock(h)?;
-        g.collect();
-        let need_ops = g.ops.len();
-        let need_tokens: usize = g.ops.iter().map(|o| op_parts(o).3.len()).sum();
+        g.collect_freed();
+        let t = g.tiers("marconi_cache_drain_ops")?;
+        let need_ops = t.ops.len();
+        let need_tokens: usize = t.ops.iter().map(|o| op_parts(o).3.len()).sum();
         // SAFETY: n_ops and n_tokens are non-NULL, aligned and writable.
         unsafe {
             n_ops.write(need_ops);
@@ -1046,7 +939,7 @@ pub unsafe extern "C" fn marconi_tiered_drain_ops(
             ));
         }
         let mut at = 0usize;
-        for (dst, o) in ops.iter_mut().zip(&g.ops) {
+        for (dst, o) in ops.iter_mut().zip(&t.ops) {
             let (kind, tier, ns, prefix, position, bytes) = op_parts(o);
             tokens[at..at + prefix.len()].copy_from_slice(prefix);
             *dst = marconi_tier_op {
@@ -1060,7 +953,7 @@ pub unsafe extern "C" fn marconi_tiered_drain_ops(
             };
             at += prefix.len();
         }
-        g.ops.clear();
+        t.ops.clear();
         Ok(())
     })
 }
@@ -1099,78 +992,29 @@ fn op_parts(o: &TierOp) -> OpParts<'_> {
     }
 }
 
-/// Drains the device's freed engine ids (KV pages, state slots), as
-/// marconi_cache_drain_freed (all or nothing). Drain the ops first: a
-/// WRITE to the host reads a slot this returns. Every id this returns is
-/// the engine's to reuse at once: no op drained later reads it. With
-/// defer_moves, the ids the device freed since the last
-/// marconi_tiered_settle are withheld until the next one (whose WRITEs
-/// read them) has run.
+/// Writes the tiers' counters and gauges to `*out` (marconi_cache_stats
+/// has the device's). Set out->struct_size to sizeof(marconi_tiered_stats)
+/// first: only that many bytes are written (at least 16).
+/// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
 /// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
-/// As marconi_cache_drain_freed, with a tiered handle.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_drain_freed(
-    tiered: *const marconi_tiered,
-    pages: *mut u32,
-    pages_cap: usize,
-    n_pages: *mut usize,
-    slots: *mut u32,
-    slots_cap: usize,
-    n_slots: *mut usize,
-) -> marconi_status {
-    boundary("marconi_tiered_drain_freed", || {
-        require!(tiered);
-        require!(pages, cap = pages_cap);
-        require!(n_pages);
-        require!(slots, cap = slots_cap);
-        require!(n_slots);
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        // SAFETY: buffer contracts of the header.
-        let pages = unsafe { out_slice(pages, pages_cap, "pages") }?;
-        // SAFETY: as above.
-        let slots = unsafe { out_slice(slots, slots_cap, "slots") }?;
-        check_ptr!(n_pages);
-        check_ptr!(n_slots);
-        let mut g = lock(h)?;
-        g.collect();
-        let g = &mut *g;
-        // SAFETY: n_pages and n_slots are non-NULL and aligned (checked),
-        // writable by the caller's contract.
-        unsafe {
-            crate::cache::hand_out_freed(
-                (&mut g.freed_pages, &mut g.freed_slots),
-                (pages, slots),
-                (n_pages, n_slots),
-            )
-        }
-    })
-}
-
-/// Writes the counters and gauges to `*out`. Set out->struct_size to
-/// sizeof(marconi_tiered_stats) first: only that many bytes are written
-/// (at least 16).
-///
-/// Thread safety: safe to call concurrently on the same handle.
-///
-/// # Safety
-///
-/// `tiered` is a live handle or NULL; `out` is NULL or points to
+/// `cache` is a live handle or NULL; `out` is NULL or points to
 /// out->struct_size writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_get_stats(
-    tiered: *const marconi_tiered,
+pub unsafe extern "C" fn marconi_cache_tier_stats(
+    cache: *const marconi_cache,
     out: *mut marconi_tiered_stats,
 ) -> marconi_status {
-    boundary("marconi_tiered_get_stats", || {
-        require!(tiered);
+    boundary("marconi_cache_tier_stats", || {
+        require!(cache);
         require!(out);
         // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        let t = g.tiers("marconi_cache_tier_stats")?;
         check_ptr!(out);
         // SAFETY: out is non-NULL and aligned; its first field is struct_size.
         let size = unsafe { out.cast::<u32>().read() } as usize;
@@ -1182,8 +1026,7 @@ pub unsafe extern "C" fn marconi_tiered_get_stats(
                 ),
             ));
         }
-        let g = lock(h)?;
-        let s = g.cache.stats();
+        let s = t.cache.stats();
         let v = marconi_tiered_stats {
             struct_size: size as u32,
             reserved: 0,
@@ -1199,11 +1042,11 @@ pub unsafe extern "C" fn marconi_tiered_get_stats(
             loads_declined: s.loads_declined,
             shared_hits: s.shared_hits,
             shared_hit_tokens: s.shared_hit_tokens,
-            store_probes: g.store_probes,
-            store_probe_failures: g.store_probe_failures,
-            load_failures: g.load_failures,
-            used_bytes: g.cache.used_bytes(),
-            capacity_bytes: g.cache.capacity_bytes(),
+            store_probes: t.store_probes,
+            store_probe_failures: t.store_probe_failures,
+            load_failures: t.load_failures,
+            used_bytes: t.cache.used_bytes(),
+            capacity_bytes: t.cache.capacity_bytes(),
             load_s: s.load_s,
         };
         // SAFETY: out has `size` writable bytes (contract), checked above.
@@ -1212,42 +1055,359 @@ pub unsafe extern "C" fn marconi_tiered_get_stats(
     })
 }
 
-/// Checks every tier's invariants (byte accounting, no tier over its
-/// capacity). MARCONI_STATUS_INVARIANT_VIOLATED, with the failed check in
-/// marconi_last_error, when one does not hold.
+// ---------------------------------------------------------------------------
+// The deprecated tiered handle: thin forwarders onto marconi_cache.
+// ---------------------------------------------------------------------------
+
+/// A tiered cache handle: opaque to C. Deprecated (removed in the next
+/// release): a marconi_tiered is a marconi_cache created with
+/// marconi_cache_config.tiers set, and every marconi_tiered_* call forwards
+/// to its marconi_cache_* counterpart.
+pub struct marconi_tiered {
+    _private: [u8; 0],
+}
+
+fn as_cache(t: *const marconi_tiered) -> *const marconi_cache {
+    t.cast()
+}
+
+/// Deprecated: marconi_tier_options_init and marconi_cache_config.tiers.
+/// Fills `*cfg` with the defaults (documented per field) and sets
+/// `cfg->struct_size`: any size from the first version's on (an older
+/// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
+/// when struct_size is smaller than the first version's.
 ///
-/// Thread safety: safe to call concurrently on the same handle.
+/// Thread safety: touches only `*cfg`.
 ///
 /// # Safety
 ///
-/// `tiered` is a live handle or NULL.
+/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_tiered_check(tiered: *const marconi_tiered) -> marconi_status {
-    boundary("marconi_tiered_check", || {
-        // SAFETY: the caller passes a live handle or NULL.
-        let h = unsafe { handle(tiered) }?;
-        let g = lock(h)?;
-        let res =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| g.cache.check_invariants()));
-        match res {
-            Ok(()) => Ok(()),
-            Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
-                // Poison the lock: a cache with a broken invariant must not
-                // be used again.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                    let _g = g;
-                    panic!("invariant violated");
-                }));
-                Err(FfiError::new(
-                    marconi_status::InvariantViolated,
-                    format!("invariant violated: {msg}"),
-                ))
-            }
+pub unsafe extern "C" fn marconi_tiered_config_init(
+    cfg: *mut marconi_tiered_config,
+    struct_size: usize,
+) -> marconi_status {
+    boundary("marconi_tiered_config_init", || {
+        check_ptr!(cfg);
+        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
+        // writable bytes (contract); the struct starts with struct_size.
+        unsafe {
+            init_versioned(
+                cfg,
+                struct_size,
+                CONFIG_MIN_SIZE,
+                marconi_tiered_config::defaults(),
+                "marconi_tiered_config",
+            )
         }
     })
+}
+
+/// Deprecated: marconi_cache_new with marconi_cache_config.tiers. Creates a
+/// cache with lower tiers from `*cfg` (the device's configuration in
+/// `cfg->device`, the tiers in the other fields) and writes the handle to
+/// `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
+/// marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
+///
+/// Thread safety: may run concurrently with anything.
+///
+/// # Safety
+///
+/// `cfg` is NULL or initialised by marconi_tiered_config_init, its
+/// `device` NULL or initialised by marconi_cache_config_init; `out` is
+/// writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_new(
+    cfg: *const marconi_tiered_config,
+    out: *mut *mut marconi_tiered,
+) -> marconi_status {
+    boundary("marconi_tiered_new", || {
+        require!(cfg);
+        require!(out);
+        check_ptr!(cfg);
+        check_ptr!(out);
+        // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
+        let c = unsafe {
+            read_versioned(
+                cfg,
+                CONFIG_MIN_SIZE,
+                marconi_tiered_config::defaults(),
+                "tiered config",
+            )
+        }?;
+        let device = c.device;
+        require!(device);
+        check_ptr!(device);
+        // SAFETY: device is non-NULL and aligned; initialised by contract.
+        let d = unsafe { read_config(device) }?;
+        if !d.tiers.is_null() {
+            return Err(bad_config(
+                "the device configuration of marconi_tiered_new sets tiers: use marconi_cache_new",
+            ));
+        }
+        // SAFETY: the pointers inside d follow their documented contracts.
+        let dev = unsafe { to_core_config(&d) }?;
+        let t = build_tiers(dev, &marconi_tier_options::from_tiered(&c))?;
+        // SAFETY: out is non-NULL, aligned (checked) and writable (contract).
+        unsafe { new_handle(Core::Tiered(Box::new(t)), out.cast()) };
+        Ok(())
+    })
+}
+
+/// Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
+/// a pointer that is not a live cache handle is refused and left alone.
+///
+/// Thread safety: must not run concurrently with any other call on this
+/// handle; the handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `t` is NULL or a handle from marconi_tiered_new.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_free(t.cast()) }
+}
+
+/// Deprecated: marconi_cache_lookup_tiered (same arguments, same meaning).
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_tiered.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lookup(
+    tiered: *const marconi_tiered,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    checkpoints: *const u32,
+    n_checkpoints: usize,
+    store: *const marconi_store,
+    out: *mut marconi_tiered_hit,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_lookup_tiered(
+            as_cache(tiered),
+            ns,
+            tokens,
+            n_tokens,
+            checkpoints,
+            n_checkpoints,
+            store,
+            out,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_lease_loads.
+///
+/// # Safety
+///
+/// As marconi_cache_lease_loads.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_loads(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut marconi_load_order,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lease_loads(as_cache(tiered), lease, buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_lease_plan (a tiered lease's checkpoint
+/// positions, ascending).
+///
+/// # Safety
+///
+/// As marconi_cache_lease_plan.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_plan(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lease_plan(as_cache(tiered), lease, buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_lease_kv_pages (the device KV page ids of a
+/// lease's device hit).
+///
+/// # Safety
+///
+/// As marconi_cache_lease_kv_pages.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lease_kv_pages(as_cache(tiered), lease, buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_admit (on a cache with lower tiers it also
+/// moves what the device evicted into them, unless defer_moves: drain the
+/// ops before reusing the freed ids).
+///
+/// # Safety
+///
+/// As marconi_cache_admit.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_admit(
+    tiered: *const marconi_tiered,
+    lease: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    states: *const marconi_saved_state,
+    n_states: usize,
+    kv_pages: *const u32,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_admit(
+            as_cache(tiered),
+            lease,
+            tokens,
+            n_tokens,
+            states,
+            n_states,
+            kv_pages,
+            n_kv_pages,
+            taken,
+            out,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_release (releases the lease in every tier).
+///
+/// # Safety
+///
+/// As marconi_cache_release.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_release(
+    tiered: *const marconi_tiered,
+    lease: u64,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_release(as_cache(tiered), lease) }
+}
+
+/// Deprecated: marconi_cache_report_load_failure.
+///
+/// # Safety
+///
+/// As marconi_cache_report_load_failure.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_report_load_failure(
+    tiered: *const marconi_tiered,
+    lease: u64,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_report_load_failure(as_cache(tiered), lease) }
+}
+
+/// Deprecated: marconi_cache_settle.
+///
+/// # Safety
+///
+/// As marconi_cache_settle.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_settle(as_cache(tiered)) }
+}
+
+/// Deprecated: marconi_cache_drain_ops.
+///
+/// # Safety
+///
+/// As marconi_cache_drain_ops.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_drain_ops(
+    tiered: *const marconi_tiered,
+    ops: *mut marconi_tier_op,
+    ops_cap: usize,
+    n_ops: *mut usize,
+    tokens: *mut u32,
+    tokens_cap: usize,
+    n_tokens: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_drain_ops(
+            as_cache(tiered),
+            ops,
+            ops_cap,
+            n_ops,
+            tokens,
+            tokens_cap,
+            n_tokens,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_drain_freed (drain the ops first).
+///
+/// # Safety
+///
+/// As marconi_cache_drain_freed.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_drain_freed(
+    tiered: *const marconi_tiered,
+    pages: *mut u32,
+    pages_cap: usize,
+    n_pages: *mut usize,
+    slots: *mut u32,
+    slots_cap: usize,
+    n_slots: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_drain_freed(
+            as_cache(tiered),
+            pages,
+            pages_cap,
+            n_pages,
+            slots,
+            slots_cap,
+            n_slots,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_tier_stats.
+///
+/// # Safety
+///
+/// As marconi_cache_tier_stats.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_get_stats(
+    tiered: *const marconi_tiered,
+    out: *mut marconi_tiered_stats,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_tier_stats(as_cache(tiered), out) }
+}
+
+/// Deprecated: marconi_cache_check (checks every tier's invariants).
+///
+/// # Safety
+///
+/// As marconi_cache_check.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_tiered_check(tiered: *const marconi_tiered) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_check(as_cache(tiered)) }
 }

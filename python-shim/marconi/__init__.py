@@ -49,12 +49,13 @@ from .pool import (
 )
 from .gguf import model_spec_from_gguf, model_spec_from_gguf_bytes
 from .store import Store
-from .tiered import LoadOrder, TieredCache, TieredHit, TierOp
+from .tiered import LoadOrder, TieredCache, TieredHit, TierOp, Tiers
 
 __all__ = [
     "LoadOrder",
     "TieredCache",
     "TieredHit",
+    "Tiers",
     "TierOp",
     "NO_SLOT",
     "AdmitResult",

@@ -69,6 +69,36 @@ class marconi_model_spec(Structure):
     ]
 
 
+class marconi_tier_spec(Structure):
+    """struct marconi_tier_spec: one lower tier (absent when capacity_bytes is 0)."""
+
+    _fields_ = [
+        ("capacity_bytes", c_uint64),
+        ("bandwidth_bytes_per_s", c_double),
+        ("latency_s", c_double),
+    ]
+
+
+class marconi_tier_options(Structure):
+    """struct marconi_tier_options: the lower tiers of a cache (marconi_cache_config.tiers)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("write_mode", c_uint32),
+        ("host", marconi_tier_spec),
+        ("store", marconi_tier_spec),
+        ("compute_flops", c_double),
+        ("promote", c_uint32),
+        ("always_load", c_uint32),
+        ("lower_plans", c_uint32),
+        ("defer_moves", c_uint32),
+        ("max_store_probe", c_uint32),
+        ("store_states_hold_kv", c_uint32),
+        ("exclusive", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
 class marconi_cache_config(Structure):
     """struct marconi_cache_config (versioned by struct_size)."""
 
@@ -113,6 +143,7 @@ class marconi_cache_config(Structure):
         ("shadow_sample_tokens", c_uint32),
         ("min_branch_depth", c_uint32),
         ("superseded_age", c_double),
+        ("tiers", POINTER(marconi_tier_options)),
     ]
 
 
@@ -514,16 +545,8 @@ class marconi_store_stats(Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(f, c_uint64) for f in STORE_STATS_FIELDS]
 
 
-# The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
-class marconi_tier_spec(Structure):
-    """struct marconi_tier_spec: one lower tier (absent when capacity_bytes is 0)."""
-
-    _fields_ = [
-        ("capacity_bytes", c_uint64),
-        ("bandwidth_bytes_per_s", c_double),
-        ("latency_s", c_double),
-    ]
-
+# The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md): marconi_tier_spec and
+# marconi_tier_options are above marconi_cache_config, which points to them.
 
 class marconi_tiered_config(Structure):
     """struct marconi_tiered_config."""
@@ -651,6 +674,7 @@ STRUCTS = {
         marconi_store_config,
         marconi_store_stats,
         marconi_tier_spec,
+        marconi_tier_options,
         marconi_tiered_config,
         marconi_tiered_hit,
         marconi_load_order,
@@ -901,7 +925,28 @@ SIGNATURES = {
     ),
     "marconi_store_kv_prefix_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
-    # The tiered cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
+    # The tiers of a cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
+    "marconi_tier_options_init": (status_t, [POINTER(marconi_tier_options), c_size_t]),
+    "marconi_cache_lookup_tiered": (
+        status_t,
+        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
+    ),
+    "marconi_cache_lookup_tiered_i64_flags": (
+        status_t,
+        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, _store_p, POINTER(marconi_tiered_hit)],
+    ),
+    "marconi_cache_lease_loads": (
+        status_t,
+        [_cache_p, c_uint64, POINTER(marconi_load_order), c_size_t, _size_p],
+    ),
+    "marconi_cache_report_load_failure": (status_t, [_cache_p, c_uint64]),
+    "marconi_cache_settle": (status_t, [_cache_p]),
+    "marconi_cache_drain_ops": (
+        status_t,
+        [_cache_p, POINTER(marconi_tier_op), c_size_t, _size_p, _u32_p, c_size_t, _size_p],
+    ),
+    "marconi_cache_tier_stats": (status_t, [_cache_p, POINTER(marconi_tiered_stats)]),
+    # The deprecated tiered handle: forwarders onto the calls above.
     "marconi_tiered_config_init": (status_t, [POINTER(marconi_tiered_config), c_size_t]),
     "marconi_tiered_new": (status_t, [POINTER(marconi_tiered_config), POINTER(_tiered_p)]),
     "marconi_tiered_free": (None, [_tiered_p]),

@@ -353,6 +353,7 @@ class PrefixCache(_Closing):
         tuner_min_gain: Optional[float] = None,
         tuner_tune_rules: Optional[bool] = None,
         shadows: Union[None, bool, Mapping] = None,
+        tiers: Union[None, "Tiers", Mapping] = None,
     ):
         # The lifetime state first, so that close() (from __del__) works on
         # an object whose __init__ raised.
@@ -465,11 +466,20 @@ class PrefixCache(_Closing):
             grid = (ctypes.c_double * len(values))(*values)
             cfg.tuner_grid = ctypes.cast(grid, ctypes.POINTER(ctypes.c_double))
             cfg.tuner_grid_len = len(values)
+        opts = None
+        if tiers is not None:
+            from .tiered import _tiers
+
+            opts = _tiers(dict(tiers) if isinstance(tiers, Mapping) else tiers)._options(lib)
+            cfg.tiers = ctypes.pointer(opts)
         handle = ctypes.c_void_p()
         _check(lib.marconi_cache_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_cache_new")
+        del opts  # read only during marconi_cache_new
         self._lib = lib
         self._handle = handle
         self.page_size = page_size
+        self.has_tiers = tiers is not None
+        """Whether the cache has lower tiers (the tier methods need them)."""
 
     # -- lifetime --------------------------------------------------------
     #
@@ -987,6 +997,64 @@ class PrefixCache(_Closing):
         finally:
             self._end()
         return [json.loads(line) for chunk in out for line in chunk.decode().splitlines()]
+
+    # -- lower tiers (tiers=...; docs/tiers.md) --------------------------
+    #
+    # On a cache without tiers each raises MarconiError (UNSUPPORTED) with
+    # what to configure. lookup() and the other calls keep their meaning
+    # on a cache with tiers: they see the device tier only.
+
+    def lookup_tiered(
+        self,
+        tokens: Sequence[int],
+        ns: int = 0,
+        checkpoints: Sequence[int] = (),
+        store: Any = None,
+    ) -> Any:
+        """Looks tokens up in every tier (and in `store`, a marconi.Store
+        shared with other processes, when given) and returns a
+        marconi.TieredHit whose lease (an id) admit(), release() and the
+        other lease calls take. Its loads say what to read from the lower
+        tiers before prefilling from hit_tokens."""
+        from .tiered import CACHE_NAMES, _lookup
+
+        hit = _lookup(self, CACHE_NAMES, tokens, ns, checkpoints, store)
+        self._live.add(hit.lease)
+        return hit
+
+    def lease_loads(self, lease: Union[Lease, int]) -> list:
+        """The load orders of a lease (marconi.LoadOrder; none for a device hit)."""
+        from .tiered import _lease_loads
+
+        return _lease_loads(self, "marconi_cache_lease_loads", self._lease_id(lease))
+
+    def report_load_failure(self, lease: Union[Lease, int]) -> None:
+        """Counts a load the engine could not make (it recomputed from the
+        device's hit instead)."""
+        from .tiered import _call
+
+        _call(self, "marconi_cache_report_load_failure", self._lease_id(lease))
+
+    def settle(self) -> None:
+        """Runs the moves into the lower tiers that defer_moves left waiting."""
+        from .tiered import _call
+
+        _call(self, "marconi_cache_settle")
+
+    def drain_ops(self) -> list:
+        """The writes into and drops from the lower tiers since the last
+        drain (marconi.TierOp), in the order to carry them out: before
+        drain_freed()."""
+        from .tiered import _drain_ops
+
+        return _drain_ops(self, "marconi_cache_drain_ops")
+
+    def tier_stats(self) -> dict:
+        """The tiers' counters and gauges; per-tier values are dicts keyed
+        by tier name ("device", "host", "store"). stats() has the device's."""
+        from .tiered import _tier_stats
+
+        return _tier_stats(self, "marconi_cache_tier_stats")
 
     def check(self) -> None:
         """Checks the internal invariants (MarconiError(INVARIANT_VIOLATED))."""

@@ -5,6 +5,13 @@
 //! directory store (two engine processes), every op replayed in order on a
 //! model of the engine's copies and the device slots handed back reused.
 //!
+//! Each engine is built either through the deprecated tiered handle
+//! (`marconi_tiered_new`, its uint32 calls) or as the one cache handle with
+//! tiers (`marconi_cache_new` with `marconi_cache_config.tiers`): int64
+//! lookups with random flags (the tier lookup or the device view),
+//! `marconi_cache_admit_i64`, the `marconi_cache_*` tier calls, and the
+//! device's event stream drained after each request on some.
+//!
 //! Checked after every request (after `settle` when moves are deferred):
 //! - the engine's copies equal each lower tier's claims byte for byte (the
 //!   KV of the union of their chains plus one state each == `used_bytes`);
@@ -23,6 +30,7 @@ use std::ptr;
 
 use marconi::cache::*;
 use marconi::config::*;
+use marconi::events::*;
 use marconi::status::marconi_status as St;
 use marconi::store::*;
 use marconi::tiered::*;
@@ -64,6 +72,10 @@ impl Model {
 /// One engine process: its handle, its device slots and its copies.
 struct Engine {
     t: *mut marconi_tiered,
+    /// Built as the one cache handle with tiers (`t` is that cache).
+    one: bool,
+    /// The device's event stream (one handle only; NULL when off).
+    events: *mut marconi_events,
     defer: bool,
     page: usize,
     slots: BTreeMap<u32, Chain>,
@@ -92,6 +104,10 @@ struct Ctx<'a> {
     store: *mut marconi_store,
     /// (ns, chain) written into the shared store, by any engine.
     shared: BTreeSet<Chain>,
+    /// The int64 lookup flags of the current request (one handle).
+    rng_flags: u32,
+    /// The current request takes the device view (one handle).
+    device_view: bool,
 }
 
 impl Ctx<'_> {
@@ -159,15 +175,64 @@ fn new_tiered(
         cfg.host.capacity_bytes,
         cfg.store.capacity_bytes
     );
+    let one = rng.below(2) == 0;
     let mut t = ptr::null_mut();
-    // SAFETY: valid config (its device lives in the Box) and out.
-    let st = unsafe { marconi_tiered_new(&cfg, &mut t) };
-    if !ctx.ok("tiered_new", st) {
-        return None;
+    let mut events = ptr::null_mut();
+    if one {
+        let mut o = MaybeUninit::<marconi_tier_options>::uninit();
+        // SAFETY: o has sizeof writable bytes.
+        let st =
+            unsafe { marconi_tier_options_init(o.as_mut_ptr(), size_of::<marconi_tier_options>()) };
+        if !ctx.ok("tier_options_init", st) {
+            return None;
+        }
+        // SAFETY: initialised above.
+        let mut o = unsafe { o.assume_init() };
+        o.write_mode = cfg.write_mode;
+        o.exclusive = cfg.exclusive;
+        o.defer_moves = cfg.defer_moves;
+        o.store_states_hold_kv = cfg.store_states_hold_kv;
+        o.host = cfg.host;
+        o.store = cfg.store;
+        dev.tiers = &o;
+        let mut c = ptr::null_mut();
+        // SAFETY: valid config (the options live during the call) and out.
+        let st = unsafe { marconi_cache_new(&*dev, &mut c) };
+        dev.tiers = ptr::null();
+        if !ctx.ok("cache_new (tiers)", st) {
+            return None;
+        }
+        t = c.cast();
+        if rng.below(2) == 0 {
+            let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
+            // SAFETY: ecfg has sizeof writable bytes.
+            let st = unsafe {
+                marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
+            };
+            if ctx.ok("events_config_init", st) {
+                // SAFETY: initialised above.
+                let ecfg = unsafe { ecfg.assume_init() };
+                // SAFETY: a live cache, a valid config and out.
+                let st = unsafe { marconi_events_new(c, &ecfg, &mut events) };
+                ctx.ok("events_new (tiers)", st);
+            }
+        }
+        shape.push_str(&format!(
+            " one-handle events {}",
+            u32::from(!events.is_null())
+        ));
+    } else {
+        // SAFETY: valid config (its device lives in the Box) and out.
+        let st = unsafe { marconi_tiered_new(&cfg, &mut t) };
+        if !ctx.ok("tiered_new", st) {
+            return None;
+        }
     }
     Some((
         Engine {
             t,
+            one,
+            events,
             defer: cfg.defer_moves != 0,
             page: page as usize,
             slots: BTreeMap::new(),
@@ -182,12 +247,22 @@ fn new_tiered(
     ))
 }
 
-fn drain_ops(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Vec<(marconi_tier_op, Vec<u32>)> {
+fn drain_ops(
+    ctx: &mut Ctx<'_>,
+    t: *const marconi_tiered,
+    one: bool,
+) -> Vec<(marconi_tier_op, Vec<u32>)> {
     let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: a size query.
-    let st = unsafe {
-        marconi_tiered_drain_ops(t, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
+    let drain = if one {
+        // SAFETY: the same arguments, the handle seen as the cache it is.
+        |t: *const marconi_tiered, o, oc, on, k, kc, kn| unsafe {
+            marconi_cache_drain_ops(t.cast(), o, oc, on, k, kc, kn)
+        }
+    } else {
+        // SAFETY: as above.
+        |t, o, oc, on, k, kc, kn| unsafe { marconi_tiered_drain_ops(t, o, oc, on, k, kc, kn) }
     };
+    let st = drain(t, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt);
     ctx.life.calls += 1;
     if no == 0 {
         ctx.ok("drain_ops (size)", st);
@@ -199,18 +274,15 @@ fn drain_ops(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Vec<(marconi_tier_o
     }
     let mut ops = vec![marconi_tier_op::default(); no];
     let mut toks = vec![0u32; nt];
-    // SAFETY: buffers of the sizes given.
-    let st = unsafe {
-        marconi_tiered_drain_ops(
-            t,
-            ops.as_mut_ptr(),
-            no,
-            &mut no,
-            toks.as_mut_ptr(),
-            nt,
-            &mut nt,
-        )
-    };
+    let st = drain(
+        t,
+        ops.as_mut_ptr(),
+        no,
+        &mut no,
+        toks.as_mut_ptr(),
+        nt,
+        &mut nt,
+    );
     if !ctx.ok("drain_ops", st) {
         return Vec::new();
     }
@@ -230,7 +302,7 @@ fn drain_ops(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Vec<(marconi_tier_o
 /// Replays the ops, then takes the freed ids (in that order, as the header
 /// asks).
 fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
-    for (o, tokens) in drain_ops(ctx, e.t) {
+    for (o, tokens) in drain_ops(ctx, e.t, e.one) {
         let chain = (o.ns, tokens);
         let host = o.tier == marconi_tier::Host as u32;
         if o.kind == marconi_tier_op_kind::Write as u32 {
@@ -290,10 +362,10 @@ fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
     let (mut np, mut ns) = (0usize, 0usize);
     let mut slots = vec![0u32; 8192];
     let mut pages = vec![0u32; 1];
-    // SAFETY: buffers of the sizes given.
+    // SAFETY: buffers of the sizes given; a tiered handle is a cache.
     let st = unsafe {
-        marconi_tiered_drain_freed(
-            e.t,
+        marconi_cache_drain_freed(
+            e.t.cast(),
             pages.as_mut_ptr(),
             pages.len(),
             &mut np,
@@ -312,18 +384,26 @@ fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
     }
 }
 
-fn stats(ctx: &mut Ctx<'_>, t: *const marconi_tiered) -> Option<marconi_tiered_stats> {
+fn stats(ctx: &mut Ctx<'_>, t: *const marconi_tiered, one: bool) -> Option<marconi_tiered_stats> {
     let mut s = marconi_tiered_stats {
         struct_size: size_of::<marconi_tiered_stats>() as u32,
         ..Default::default()
     };
     // SAFETY: valid handle and out.
-    let st = unsafe { marconi_tiered_get_stats(t, &mut s) };
+    let st = unsafe {
+        if one {
+            marconi_cache_tier_stats(t.cast(), &mut s)
+        } else {
+            marconi_tiered_get_stats(t, &mut s)
+        }
+    };
     ctx.ok("get_stats", st).then_some(s)
 }
 
 fn check_copies(ctx: &mut Ctx<'_>, e: &Engine, what: &str) {
-    let Some(s) = stats(ctx, e.t) else { return };
+    let Some(s) = stats(ctx, e.t, e.one) else {
+        return;
+    };
     let (h, st) = (ctx.m.bytes(&e.host, e.page), ctx.m.bytes(&e.store, e.page));
     if h != s.used_bytes[1] || st != s.used_bytes[2] {
         ctx.find(format!(
@@ -338,7 +418,13 @@ fn check_copies(ctx: &mut Ctx<'_>, e: &Engine, what: &str) {
         ));
     }
     // SAFETY: valid handle.
-    let st = unsafe { marconi_tiered_check(e.t) };
+    let st = unsafe {
+        if e.one {
+            marconi_cache_check(e.t.cast())
+        } else {
+            marconi_tiered_check(e.t)
+        }
+    };
     ctx.ok("check", st);
 }
 
@@ -360,21 +446,83 @@ fn serve(
     what: &str,
 ) {
     let mut l = marconi_tiered_hit::default();
-    // SAFETY: valid handles, arrays and out.
-    let st = unsafe {
-        marconi_tiered_lookup(
-            e.t,
-            ns,
-            input.as_ptr(),
-            input.len(),
-            ptr::null(),
-            0,
-            ctx.store,
-            &mut l,
-        )
+    let ids: Vec<i64> = input.iter().map(|&t| i64::from(t)).collect();
+    let flags = if e.one { ctx.rng_flags } else { 0 };
+    let view = e.one && ctx.device_view;
+    let st = if !e.one {
+        // SAFETY: valid handles, arrays and out.
+        unsafe {
+            marconi_tiered_lookup(
+                e.t,
+                ns,
+                input.as_ptr(),
+                input.len(),
+                ptr::null(),
+                0,
+                ctx.store,
+                &mut l,
+            )
+        }
+    } else if view {
+        // The device's view: no lower-tier hit, no loads.
+        let mut d = marconi_lookup::default();
+        // SAFETY: valid handle, ids and out.
+        let st = unsafe {
+            marconi_cache_lookup_i64_flags(
+                e.t.cast(),
+                ns,
+                ids.as_ptr(),
+                ids.len(),
+                MARCONI_NO_SLOT,
+                flags,
+                &mut d,
+            )
+        };
+        l.lease = d.lease;
+        l.hit_tokens = d.hit_tokens;
+        l.device_hit_tokens = d.hit_tokens;
+        st
+    } else {
+        // SAFETY: valid handles, ids and out.
+        unsafe {
+            marconi_cache_lookup_tiered_i64_flags(
+                e.t.cast(),
+                ns,
+                ids.as_ptr(),
+                ids.len(),
+                flags,
+                ctx.store,
+                &mut l,
+            )
+        }
     };
     if !ctx.ok("lookup", st) {
         return;
+    }
+    if e.one {
+        let mut n = usize::MAX;
+        // SAFETY: a size query on a valid handle and lease.
+        let st =
+            unsafe { marconi_cache_lease_loads(e.t.cast(), l.lease, ptr::null_mut(), 0, &mut n) };
+        ctx.life.calls += 1;
+        let want = if view { 0 } else { l.n_loads as usize };
+        if !matches!(st, St::Ok | St::BufferTooSmall) || n != want {
+            ctx.find(format!(
+                "{what}: lease_loads size query: {st:?}, {n} orders, the lookup said {want}"
+            ));
+        }
+        let mut pages = vec![0u32; input.len() + 1];
+        // SAFETY: pages has its length in elements.
+        let st = unsafe {
+            marconi_cache_lease_kv_pages(
+                e.t.cast(),
+                l.lease,
+                pages.as_mut_ptr(),
+                pages.len(),
+                &mut n,
+            )
+        };
+        ctx.ok("lease_kv_pages", st);
     }
     let hit = l.hit_tokens as usize;
     if hit > 0 {
@@ -422,20 +570,36 @@ fn serve(
         .collect();
     let mut taken = vec![0u8; states.len()];
     let mut r = marconi_admit_result::default();
+    let full_ids: Vec<i64> = full.iter().map(|&t| i64::from(t)).collect();
     // SAFETY: valid handle, lease, arrays and out.
     let st = unsafe {
-        marconi_tiered_admit(
-            e.t,
-            l.lease,
-            full.as_ptr(),
-            full.len(),
-            states.as_ptr(),
-            states.len(),
-            ptr::null(),
-            0,
-            taken.as_mut_ptr(),
-            &mut r,
-        )
+        if e.one {
+            marconi_cache_admit_i64(
+                e.t.cast(),
+                l.lease,
+                full_ids.as_ptr(),
+                full_ids.len(),
+                states.as_ptr(),
+                states.len(),
+                ptr::null(),
+                0,
+                taken.as_mut_ptr(),
+                &mut r,
+            )
+        } else {
+            marconi_tiered_admit(
+                e.t,
+                l.lease,
+                full.as_ptr(),
+                full.len(),
+                states.as_ptr(),
+                states.len(),
+                ptr::null(),
+                0,
+                taken.as_mut_ptr(),
+                &mut r,
+            )
+        }
     };
     if ctx.ok("admit", st) {
         for (s, &tk) in states.iter().zip(&taken) {
@@ -454,17 +618,45 @@ fn serve(
     // The engine frees the states the cache did not take.
     e.untaken.clear();
     // SAFETY: valid handle and lease.
-    let st = unsafe { marconi_tiered_release(e.t, l.lease) };
+    let st = unsafe {
+        if e.one {
+            marconi_cache_release(e.t.cast(), l.lease)
+        } else {
+            marconi_tiered_release(e.t, l.lease)
+        }
+    };
     ctx.ok("release", st);
     replay(ctx, e, what);
     if !e.defer {
         check_copies(ctx, e, what);
     }
     // SAFETY: valid handle.
-    let st = unsafe { marconi_tiered_settle(e.t) };
+    let st = unsafe {
+        if e.one {
+            marconi_cache_settle(e.t.cast())
+        } else {
+            marconi_tiered_settle(e.t)
+        }
+    };
     ctx.ok("settle", st);
     replay(ctx, e, what);
     check_copies(ctx, e, what);
+    if !e.events.is_null() {
+        let mut buf = vec![0u8; 1 << 22];
+        let mut n = 0usize;
+        // SAFETY: live handles; buf has its length in bytes.
+        let st = unsafe {
+            marconi_events_drain(
+                e.events,
+                e.t.cast(),
+                1.0,
+                buf.as_mut_ptr(),
+                buf.len(),
+                &mut n,
+            )
+        };
+        ctx.ok("events_drain (tiers)", st);
+    }
     ctx.life.requests += 1;
 }
 
@@ -485,6 +677,8 @@ pub(crate) fn life(rng: &mut Rng, dir: &std::path::Path, requests: u32) -> Life 
         },
         store: ptr::null_mut(),
         shared: BTreeSet::new(),
+        rng_flags: 0,
+        device_view: false,
     };
     let loc = CString::new(dir.to_str().unwrap_or(".")).unwrap_or_default();
     let model = CString::new("fuzz tiered").unwrap_or_default();
@@ -537,13 +731,24 @@ pub(crate) fn life(rng: &mut Rng, dir: &std::path::Path, requests: u32) -> Life 
         let input = h.clone();
         let ns = *ns;
         let what = format!("request {r} engine {ei} ({})", shapes[ei]);
+        ctx.rng_flags = rng.below(4) as u32;
+        ctx.device_view = rng.below(4) == 0;
         let (e, _) = &mut engines[ei];
         serve(&mut ctx, e, ns, &input, &output, pages[ei], &what);
         hist[k].1.extend(output);
     }
     for (e, _dev) in engines {
-        // SAFETY: from marconi_tiered_new, freed once.
-        unsafe { marconi_tiered_free(e.t) };
+        // SAFETY: from their _new, freed once (the events handle first).
+        unsafe {
+            if !e.events.is_null() {
+                marconi_events_free(e.events, e.t.cast());
+            }
+            if e.one {
+                marconi_cache_free(e.t.cast());
+            } else {
+                marconi_tiered_free(e.t);
+            }
+        }
     }
     if !ctx.store.is_null() {
         // SAFETY: from marconi_store_new, freed once.

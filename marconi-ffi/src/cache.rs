@@ -140,11 +140,7 @@ impl Inner {
     pub(crate) fn collect_freed(&mut self) {
         let f = match &mut self.core {
             Core::Plain(c) => c.drain_freed(),
-            Core::Tiered(t) => {
-                let ops = t.cache.drain_ops();
-                t.ops.extend(ops);
-                t.cache.drain_freed()
-            }
+            Core::Tiered(t) => t.drain_freed(),
         };
         for s in &f.state_slots {
             self.owned_slots.remove(s);
@@ -431,19 +427,6 @@ pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a ma
     // SAFETY: a live cache handle (tag checked, contract); only shared
     // references are formed (the handle is Sync via its Mutex).
     Ok(unsafe { &*cache })
-}
-
-/// A placeholder for a lookup moved out of its tiered lookup (only its
-/// lease is read afterwards).
-fn empty_lookup() -> marconi_core::Lookup {
-    marconi_core::Lookup {
-        lease: 0,
-        hit_tokens: 0,
-        kv_matched_tokens: 0,
-        state_slot: None,
-        kv_pages: Vec::new(),
-        plan: Vec::new(),
-    }
 }
 
 pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
@@ -896,13 +879,7 @@ unsafe fn lookup_opts(
         // The device's view: a longer hit in a lower tier is neither chosen
         // nor pinned (the engine would have to load it first; the tier
         // lookup, marconi_cache_lookup_tiered, offers it with its loads).
-        Core::Tiered(t) => {
-            let mut tl = t.cache.lookup_opts(ns, tokens, hints, None, opts, true)?;
-            let l = std::mem::replace(&mut tl.device, empty_lookup());
-            tl.device.lease = l.lease;
-            t.leases.insert(id, tl);
-            l
-        }
+        Core::Tiered(t) => t.device_lookup(id, ns, tokens, hints, opts)?,
     };
     let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
     let core_lease = l.lease;
@@ -1196,14 +1173,7 @@ unsafe fn admit(
     let core_lease = g.core_lease(lease)?;
     let o = match &mut g.core {
         Core::Plain(c) => c.admit(core_lease, tokens, &saved, kv_pages),
-        Core::Tiered(t) => match t.leases.remove(&lease) {
-            Some(l) => {
-                let o = t.cache.admit(&l, tokens, &saved, kv_pages);
-                t.leases.insert(lease, l);
-                o
-            }
-            None => Err(marconi_core::CacheError::UnknownLease(core_lease)),
-        },
+        Core::Tiered(t) => t.admit(lease, core_lease, tokens, &saved, kv_pages),
     };
     // Moves into the lower tiers run even when the admission failed.
     let o = o.map_err(|e| match e {
@@ -1273,10 +1243,7 @@ pub unsafe extern "C" fn marconi_cache_release(
         let core_lease = g.core_lease(lease)?;
         let r = match &mut g.core {
             Core::Plain(c) => c.release(core_lease),
-            Core::Tiered(t) => match t.leases.remove(&lease) {
-                Some(l) => t.cache.release(&l),
-                None => Err(marconi_core::CacheError::UnknownLease(core_lease)),
-            },
+            Core::Tiered(t) => t.release(lease, core_lease),
         };
         if matches!(g.core, Core::Tiered(_)) {
             // Releasing runs the moves into the lower tiers.

@@ -10,8 +10,8 @@
 use std::collections::HashMap;
 
 use marconi_core::{
-    CacheConfig, LoadWhat, LookupOptions, Tier, TierConfig, TierOp, TierSpec, TieredCache,
-    TieredLookup, WriteMode,
+    AdmitOutcome, CacheConfig, CacheError, Freed, LoadWhat, Lookup, LookupOptions, SavedState,
+    Tier, TierConfig, TierOp, TierSpec, TieredCache, TieredLookup, WriteMode,
 };
 
 use crate::cache::{
@@ -445,6 +445,80 @@ pub(crate) struct Tiers {
     store_probes: u64,
     store_probe_failures: u64,
     load_failures: u64,
+}
+
+// The tiered arms of the marconi_cache_* calls, out of line and cold: the
+// plain cache's request path keeps its code as it was.
+impl Tiers {
+    /// The device's view of a lookup (marconi_cache_lookup on a cache with
+    /// tiers): a longer hit in a lower tier is neither chosen nor pinned
+    /// (the engine would have to load it first; marconi_cache_lookup_tiered
+    /// offers it with its loads). Keeps the tiered lookup under C id `id`.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn device_lookup(
+        &mut self,
+        id: u64,
+        ns: u64,
+        tokens: &[u32],
+        hints: &[u32],
+        opts: LookupOptions,
+    ) -> Result<Lookup, CacheError> {
+        let mut tl = self
+            .cache
+            .lookup_opts(ns, tokens, hints, None, opts, true)?;
+        let placeholder = Lookup {
+            lease: tl.device.lease,
+            hit_tokens: 0,
+            kv_matched_tokens: 0,
+            state_slot: None,
+            kv_pages: Vec::new(),
+            plan: Vec::new(),
+        };
+        // Only the device lease of the kept lookup is read later.
+        let l = std::mem::replace(&mut tl.device, placeholder);
+        self.leases.insert(id, tl);
+        Ok(l)
+    }
+
+    /// marconi_cache_admit's core call on a cache with tiers.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn admit(
+        &mut self,
+        lease: u64,
+        core_lease: u64,
+        tokens: &[u32],
+        saved: &[SavedState],
+        kv_pages: &[u32],
+    ) -> Result<AdmitOutcome, CacheError> {
+        let Some(l) = self.leases.remove(&lease) else {
+            return Err(CacheError::UnknownLease(core_lease));
+        };
+        let o = self.cache.admit(&l, tokens, saved, kv_pages);
+        self.leases.insert(lease, l);
+        o
+    }
+
+    /// marconi_cache_release's core call on a cache with tiers.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn release(&mut self, lease: u64, core_lease: u64) -> Result<(), CacheError> {
+        match self.leases.remove(&lease) {
+            Some(l) => self.cache.release(&l),
+            None => Err(CacheError::UnknownLease(core_lease)),
+        }
+    }
+
+    /// The ops decided so far, kept for marconi_cache_drain_ops, then the
+    /// freed ids (the ops are ordered before the ids they read).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn drain_freed(&mut self) -> Freed {
+        let ops = self.cache.drain_ops();
+        self.ops.extend(ops);
+        self.cache.drain_freed()
+    }
 }
 
 /// Builds the tiers over a device configured by `dev`.

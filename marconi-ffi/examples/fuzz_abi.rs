@@ -261,6 +261,9 @@ struct Worker<'r> {
 /// Requests served by `op_tiered` lives, all seeds.
 static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
 
+/// Of those, requests served through the one cache handle with tiers.
+static ONE_HANDLE_REQUESTS: AtomicU64 = AtomicU64::new(0);
+
 fn last_error() -> String {
     let mut buf = [0u8; 512];
     // SAFETY: buf has 512 writable bytes.
@@ -3622,6 +3625,7 @@ impl<'r> Worker<'r> {
         let _ = std::fs::remove_dir_all(&dir);
         self.run.calls.fetch_add(life.calls, Ordering::Relaxed);
         TIERED_REQUESTS.fetch_add(life.requests, Ordering::Relaxed);
+        ONE_HANDLE_REQUESTS.fetch_add(life.one_handle_requests, Ordering::Relaxed);
         for f in life.findings {
             finding!(self, "{f}");
         }
@@ -3921,8 +3925,9 @@ fn main() {
         findings.len()
     );
     println!(
-        "fuzz_abi: tiered cache lives served {} requests (ops replayed, copies checked after each)",
-        TIERED_REQUESTS.load(Ordering::Relaxed)
+        "fuzz_abi: tiered cache lives served {} requests (ops replayed, copies checked after each), {} through the one cache handle (int64 lookups, flags, device views, events)",
+        TIERED_REQUESTS.load(Ordering::Relaxed),
+        ONE_HANDLE_REQUESTS.load(Ordering::Relaxed)
     );
     if let Some(f) = findings.first() {
         eprintln!(

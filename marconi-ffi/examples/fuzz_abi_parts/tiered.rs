@@ -96,6 +96,8 @@ pub(crate) struct Life {
     pub(crate) calls: u64,
     pub(crate) findings: Vec<String>,
     pub(crate) requests: u64,
+    /// Requests served through the one cache handle with tiers.
+    pub(crate) one_handle_requests: u64,
 }
 
 struct Ctx<'a> {
@@ -511,18 +513,23 @@ fn serve(
                 "{what}: lease_loads size query: {st:?}, {n} orders, the lookup said {want}"
             ));
         }
-        let mut pages = vec![0u32; input.len() + 1];
-        // SAFETY: pages has its length in elements.
+        // SAFETY: a size query on a valid handle and lease.
         let st = unsafe {
-            marconi_cache_lease_kv_pages(
-                e.t.cast(),
-                l.lease,
-                pages.as_mut_ptr(),
-                pages.len(),
-                &mut n,
-            )
+            marconi_cache_lease_kv_pages(e.t.cast(), l.lease, ptr::null_mut(), 0, &mut n)
         };
-        ctx.ok("lease_kv_pages", st);
+        ctx.life.calls += 1;
+        let want = (l.device_hit_tokens as usize).div_ceil(page as usize);
+        let fine = match st {
+            St::Ok => n == 0,
+            St::BufferTooSmall => n > 0,
+            _ => false,
+        };
+        if !fine || n > want {
+            ctx.find(format!(
+                "{what}: lease_kv_pages size query: {st:?}, {n} pages for a device hit of {} tokens",
+                l.device_hit_tokens
+            ));
+        }
     }
     let hit = l.hit_tokens as usize;
     if hit > 0 {
@@ -642,22 +649,33 @@ fn serve(
     replay(ctx, e, what);
     check_copies(ctx, e, what);
     if !e.events.is_null() {
-        let mut buf = vec![0u8; 1 << 22];
         let mut n = 0usize;
-        // SAFETY: live handles; buf has its length in bytes.
-        let st = unsafe {
-            marconi_events_drain(
-                e.events,
-                e.t.cast(),
-                1.0,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut n,
-            )
-        };
-        ctx.ok("events_drain (tiers)", st);
+        // SAFETY: live handles; a size query.
+        let st =
+            unsafe { marconi_events_drain(e.events, e.t.cast(), 1.0, ptr::null_mut(), 0, &mut n) };
+        ctx.life.calls += 1;
+        if st == St::BufferTooSmall {
+            let mut buf = vec![0u8; n];
+            // SAFETY: live handles; buf has its length in bytes.
+            let st = unsafe {
+                marconi_events_drain(
+                    e.events,
+                    e.t.cast(),
+                    1.0,
+                    buf.as_mut_ptr(),
+                    buf.len(),
+                    &mut n,
+                )
+            };
+            ctx.ok("events_drain (tiers)", st);
+        } else {
+            ctx.ok("events_drain size (tiers)", st);
+        }
     }
     ctx.life.requests += 1;
+    if e.one {
+        ctx.life.one_handle_requests += 1;
+    }
 }
 
 /// One life: two engines over a shared directory store, `requests`
@@ -667,6 +685,7 @@ pub(crate) fn life(rng: &mut Rng, dir: &std::path::Path, requests: u32) -> Life 
         calls: 0,
         findings: Vec::new(),
         requests: 0,
+        one_handle_requests: 0,
     };
     let m = marconi_core::ModelSpec::preset("paper-7b").expect("preset");
     let mut ctx = Ctx {

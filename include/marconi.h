@@ -3116,6 +3116,12 @@ void marconi_cache_free(struct marconi_cache *cache);
  * not yet freed by an eviction) is MARCONI_STATUS_INVALID_ARGUMENT, and
  * nothing changes: the engine would overwrite a cached state.
  *
+ * On a cache with lower tiers (marconi_cache_config.tiers) this and every
+ * other marconi_cache_lookup* call give the device tier's view: the
+ * device's own hit, slot and pages, with no lower-tier hit chosen, pinned
+ * or counted (the lease loads nothing). marconi_cache_lookup_tiered
+ * weighs every tier.
+ *
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
  *
@@ -3344,6 +3350,11 @@ marconi_status marconi_cache_release(const struct marconi_cache *cache, uint64_t
  * MARCONI_STATUS_BUFFER_TOO_SMALL, writes the needed counts to `*n_pages`
  * and `*n_slots`, and drains nothing.
  *
+ * On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
+ * first: a WRITE to the host reads a slot this returns; every id this
+ * returns is the engine's to reuse at once (with defer_moves, ids freed
+ * since the last marconi_cache_settle wait for the next one).
+ *
  * Thread safety: safe to call concurrently on the same cache; each freed id
  * is delivered to exactly one caller.
  *
@@ -3363,7 +3374,10 @@ marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
 /**
  * Evicts until at least `bytes` are free (or nothing evictable is left) and
  * writes the bytes now free to `*free_bytes`. Freed ids are reported by
- * marconi_cache_drain_freed.
+ * marconi_cache_drain_freed. On a cache with lower tiers what it evicts
+ * moves down as an admission's evictions do (ops in
+ * marconi_cache_drain_ops; with defer_moves at the next
+ * marconi_cache_settle).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *

@@ -547,6 +547,12 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
 /// not yet freed by an eviction) is MARCONI_STATUS_INVALID_ARGUMENT, and
 /// nothing changes: the engine would overwrite a cached state.
 ///
+/// On a cache with lower tiers (marconi_cache_config.tiers) this and every
+/// other marconi_cache_lookup* call give the device tier's view: the
+/// device's own hit, slot and pages, with no lower-tier hit chosen, pinned
+/// or counted (the lease loads nothing). marconi_cache_lookup_tiered
+/// weighs every tier.
+///
 /// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
 /// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
 ///
@@ -1267,6 +1273,11 @@ pub unsafe extern "C" fn marconi_cache_release(
 /// MARCONI_STATUS_BUFFER_TOO_SMALL, writes the needed counts to `*n_pages`
 /// and `*n_slots`, and drains nothing.
 ///
+/// On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
+/// first: a WRITE to the host reads a slot this returns; every id this
+/// returns is the engine's to reuse at once (with defer_moves, ids freed
+/// since the last marconi_cache_settle wait for the next one).
+///
 /// Thread safety: safe to call concurrently on the same cache; each freed id
 /// is delivered to exactly one caller.
 ///
@@ -1351,7 +1362,10 @@ pub(crate) unsafe fn hand_out_freed(
 
 /// Evicts until at least `bytes` are free (or nothing evictable is left) and
 /// writes the bytes now free to `*free_bytes`. Freed ids are reported by
-/// marconi_cache_drain_freed.
+/// marconi_cache_drain_freed. On a cache with lower tiers what it evicts
+/// moves down as an admission's evictions do (ops in
+/// marconi_cache_drain_ops; with defer_moves at the next
+/// marconi_cache_settle).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///

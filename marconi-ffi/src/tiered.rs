@@ -22,8 +22,8 @@ use crate::cache::{
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
-    out_slice, read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult,
-    HandleTag,
+    out_slice, read_versioned, register_tag, require, retire_tag, write_versioned, FfiError,
+    FfiResult, HandleTag,
 };
 use crate::store::{marconi_store, probe_states};
 
@@ -360,9 +360,9 @@ fn unknown_lease(lease: u64) -> FfiError {
 unsafe fn handle<'a>(t: *const marconi_tiered) -> FfiResult<&'a TieredHandle> {
     let t = t.cast::<TieredHandle>();
     check_ptr!(t);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a tiered
-    // handle.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a tiered handle.
     unsafe {
         check_tag(
             ptr::addr_of!((*t).tag),
@@ -516,7 +516,10 @@ pub unsafe extern "C" fn marconi_tiered_new(
             }),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(h).cast::<marconi_tiered>()) };
+        let raw = Box::into_raw(h);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::TIERED);
+        unsafe { out.write(raw.cast::<marconi_tiered>()) };
         Ok(())
     })
 }
@@ -546,8 +549,9 @@ pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
         // SAFETY: from Box::into_raw in marconi_tiered_new, freed once; its
         // tag is zeroed first.
         unsafe {
-            retire_tag(ptr::addr_of_mut!((*t).tag));
-            drop(Box::from_raw(t));
+            if retire_tag(ptr::addr_of_mut!((*t).tag), HandleTag::TIERED) {
+                drop(Box::from_raw(t));
+            }
         }
     })
 }

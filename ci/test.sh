@@ -100,8 +100,11 @@ wait_background() { # wait_background SCRIPT: its output, then its status
 # (Each of these functions chains with &&: errexit does not apply inside a function that
 # step runs under `||`.)
 fuzz_smoke() {
-  cargo run "${strict[@]}" -p marconi-ffi --example fuzz_abi -- --seed 1 --seconds 45 &&
-    cargo run "${strict[@]}" -p marconi-ffi --example fuzz_abi -- --seed 100001 --seconds 30 --threads 2 --caches 2
+  # The fuzzer as the test step built it (ci/built.sh: no second build).
+  local fuzz
+  fuzz="$(bash ci/built.sh example fuzz_abi)" &&
+    "$fuzz" --seed 1 --seconds 45 &&
+    "$fuzz" --seed 100001 --seconds 30 --threads 2 --caches 2
 }
 cuda_feature() {
   cargo clippy -p marconi-gpu --all-targets --release --features cuda -- -D warnings &&

@@ -93,7 +93,7 @@ mkdir -p "$target/readme-figures"
 import json, os, sys, time
 c = json.load(open(os.path.join(sys.argv[1], "consumers.json")))["rows"]
 api = json.load(open(os.path.join(sys.argv[1], "api.json")))
-alike = sum(1 for r in api if r["dynamo"] == r["ours"])
+alike = sum(1 for r in api if not r["documented"])  # same status and content type, asserted
 json.dump({"step": "ci/test.d/consumers.sh", "run": sys.argv[3], "commit": sys.argv[4],
            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "figures": {"pairs": c["marconi-router"]["pairs"], "over_router": c["marconi-router"]["over_pairs"],

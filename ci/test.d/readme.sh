@@ -26,11 +26,11 @@
 # The C, Python and Rust snippets are checked where they build (the list at
 # the end says where). MARCONI_BLESS=1 rewrites the README's figures (and
 # docs/routing.md's table) from what the commands printed.
-# Measured on 2 shared cores with another build running, the test run's
-# build present: warm 1 min 28 s (the main job 34 s, the tiers command
-# 35 s); cold, add the default-feature build of marconi-sim (marconi-core,
-# marconi-gpu, marconi-sim: 2 min 16 s; the router's comes from
-# consumers.sh). Runs from the repository root.
+# Measured on 2 shared cores, the test run's build present: warm 13 s
+# quiet (the main job 7 s), 1 min 28 s beside a llama.cpp build; cold, add
+# the default-feature build of marconi-sim (marconi-core, marconi-gpu,
+# marconi-sim: 2 min 16 s under load; the router's comes from consumers.sh).
+# Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo="$(pwd)"

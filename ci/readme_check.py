@@ -11,7 +11,7 @@ where). FIGURES_DIR (`$CARGO_TARGET_DIR/readme-figures`) holds the figures
 the heavy steps measured (llama-engine.json, llama-server.json,
 consumers.json); a row is compared when its file comes from this CI run
 (MARCONI_CI_RUN) or, run alone, from a run of this commit or of one that
-differs from it in documentation only; otherwise the output says it was
+differs from it in documentation (or this check) only; otherwise the output says it was
 not checked (and in a CI run, fails: those steps run before readme.sh). MARCONI_BLESS=1 rewrites what differs.
 Runs from the repository root; exit status 1 on a difference."""
 
@@ -154,9 +154,10 @@ not_checked = []
 
 
 def code_unchanged_since(commit):
-    """Whether HEAD differs from commit in documentation only (Markdown, docs/)."""
+    """Whether HEAD differs from commit in documentation only (Markdown, docs/, this check)."""
     r = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", ".", ":(exclude)*.md",
-                        ":(exclude)docs"], capture_output=True)
+                        ":(exclude)docs", ":(exclude)ci/readme_check.py", ":(exclude)ci/test.d/readme.sh"],
+                       capture_output=True)
     return r.returncode == 0
 
 

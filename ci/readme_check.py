@@ -174,7 +174,7 @@ def figures(name, row_key):
             return f["figures"], f"{step} run at {f.get('written')} on this commit"
         if not ci_run and f.get("commit") and code_unchanged_since(f["commit"]):
             return f["figures"], (f"{step} run at {f.get('written')} on {f['commit'][:12]} "
-                                  "(only documentation changed since)")
+                                  "(only documentation or this check changed since)")
         why = (f"{path} comes from another run (run {f.get('run')!r}, commit {f.get('commit', '?')[:12]}, "
                f"{f.get('written')})")
     if ci_run:

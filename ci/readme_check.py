@@ -111,7 +111,7 @@ def check_numbers(row_key, patterns, values, source):
     for pat, vals in zip(patterns, values):
         m = re.search(pat, new_row)
         if not m:
-            fail(f"README row of {row_key}: no text matching {pat!r}")
+            fail(f"README row of `{table_cmd(row)}`: no text matching {pat!r}")
             return
         got = m.groups()
         if list(got) != list(vals):
@@ -123,9 +123,9 @@ def check_numbers(row_key, patterns, values, source):
             new_row = "".join(pieces) + new_row[last:]
     if diffs and bless:
         readme = readme.replace(row, new_row)
-        print(f"README.md: row of {row_key} rewritten")
+        print(f"README.md: row of `{table_cmd(row)}` rewritten")
     elif diffs:
-        fail(f"README row of {row_key} differs:\n  " + "\n  ".join(diffs))
+        fail(f"README row of `{table_cmd(row)}` differs:\n  " + "\n  ".join(diffs))
     checked.append((f"examples table row of `{table_cmd(row)}`", f"compared with {source}"))
 
 

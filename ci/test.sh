@@ -16,6 +16,9 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 # Every build of the test run traps integer overflow (release builds wrap otherwise);
 # set once here so clippy, the tests and the C/Python steps share one build.
 export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true
+# This run's id: steps that measure the README's figures record it beside them
+# ($CARGO_TARGET_DIR/readme-figures), and ci/test.d/readme.sh compares only this run's.
+export MARCONI_CI_RUN="${MARCONI_CI_RUN:-$(date -u +%Y%m%dT%H%M%SZ)-$$}"
 strict=(--release --features marconi-core/strict-checks)
 
 if ! command -v cargo >/dev/null; then

@@ -16,6 +16,9 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 # Every build of the test run traps integer overflow (release builds wrap otherwise);
 # set once here so clippy, the tests and the C/Python steps share one build.
 export CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true
+# This run's id: steps that measure the README's figures record it beside them
+# ($CARGO_TARGET_DIR/readme-figures), and ci/test.d/readme.sh compares only this run's.
+export MARCONI_CI_RUN="${MARCONI_CI_RUN:-$(date -u +%Y%m%dT%H%M%SZ)-$$}"
 strict=(--release --features marconi-core/strict-checks)
 
 if ! command -v cargo >/dev/null; then
@@ -100,8 +103,11 @@ wait_background() { # wait_background SCRIPT: its output, then its status
 # (Each of these functions chains with &&: errexit does not apply inside a function that
 # step runs under `||`.)
 fuzz_smoke() {
-  cargo run "${strict[@]}" -p marconi-ffi --example fuzz_abi -- --seed 1 --seconds 45 &&
-    cargo run "${strict[@]}" -p marconi-ffi --example fuzz_abi -- --seed 100001 --seconds 30 --threads 2 --caches 2
+  # The fuzzer as the test step built it (ci/built.sh: no second build).
+  local fuzz
+  fuzz="$(bash ci/built.sh example fuzz_abi)" &&
+    "$fuzz" --seed 1 --seconds 45 &&
+    "$fuzz" --seed 100001 --seconds 30 --threads 2 --caches 2
 }
 cuda_feature() {
   cargo clippy -p marconi-gpu --all-targets --release --features cuda -- -D warnings &&

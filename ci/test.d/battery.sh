@@ -12,10 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(mktemp -d "${TMPDIR:-/tmp}/marconi-battery.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
-# The same features as the test run: its release build is reused. One run
+# The test run's own marconi-sim (ci/built.sh): its build is reused. One run
 # (the --quick battery it used to start with added no check this one lacks):
 # the per-cell gate, then its files.
-cargo run --release -q -p marconi-sim --features marconi-core/strict-checks -- \
+"$(bash ci/built.sh bin marconi-sim)" \
   battery --quiet --seeds 0..80 --sharegpt-seeds 0..80 --check-cells --out-dir "$out" \
   | grep -E '^([0-9]+ cells|note:)' || { echo "battery: marconi loses on a cell (seeds 0..80)" >&2; exit 1; }
 for f in battery.md battery.csv battery.json battery.svg; do

@@ -85,6 +85,22 @@ mkdir -p "$cache/out"
   PYTHONPATH="$repo/python-shim" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs \
   test_consumers.py test_events.py test_events_zmq.py)
 cat "$cache/out/consumers.json"
+# The README's figures of this run (its examples table; ci/test.d/readme.sh
+# compares them): scores over-reported, HTTP requests answered alike.
+mkdir -p "$target/readme-figures"
+"$python" - "$cache/out" "$target/readme-figures/consumers.json" "${MARCONI_CI_RUN:-}" \
+  "$(git rev-parse HEAD 2>/dev/null || true)" <<'PY'
+import json, os, sys, time
+c = json.load(open(os.path.join(sys.argv[1], "consumers.json")))["rows"]
+api = json.load(open(os.path.join(sys.argv[1], "api.json")))
+alike = sum(1 for r in api if not r["documented"])  # same status and content type, asserted
+json.dump({"step": "ci/test.d/consumers.sh", "run": sys.argv[3], "commit": sys.argv[4],
+           "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "figures": {"pairs": c["marconi-router"]["pairs"], "over_router": c["marconi-router"]["over_pairs"],
+                       "over_dynamo": c["dynamo-indexer"]["over_pairs"], "api_alike": alike,
+                       "api_differences": len(api) - alike}},
+          open(sys.argv[2], "w"), indent=1)
+PY
 
 echo "--- pip install ./python-shim: import marconi publishes"
 "$venv/bin/python" -m pip install --quiet ./python-shim

@@ -7,6 +7,5 @@
 # on any finding (exit 1) or hang (exit 3). Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# The same features as the test run: its release build is reused.
-cargo run --release -q -p marconi-ffi --features marconi-core/strict-checks \
-  --example fuzz_readers -- --seed 0 --seeds 8 --calls 3000 --seconds 30 --call-timeout 5
+# The test run's own fuzz_readers (ci/built.sh): its build is reused.
+"$(bash ci/built.sh example fuzz_readers)" --seed 0 --seeds 8 --calls 3000 --seconds 30 --call-timeout 5

@@ -15,6 +15,7 @@
 # runs: about 40 s).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+repo="$(pwd)"
 
 version=0.3.36
 sha256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
@@ -97,7 +98,27 @@ start=$SECONDS
   --store "dir:$work/store" --transcript-out "$work/sessions.txt"
 # B: a fresh process (empty device cache) continues A's sessions.
 ./llama-engine --gguf tiny-nemotron-h.gguf --tiers --store "dir:$work/store" \
-  --resume "$work/sessions.txt" --expect shared
+  --resume "$work/sessions.txt" --expect shared | tee "$work/resume.txt"
+# The README's figures of this run (its examples table; ci/test.d/readme.sh
+# compares the deterministic ones: requests resumed, from the other process).
+mkdir -p "$target/readme-figures"
+"$python" - "$work/resume.txt" "$target/readme-figures/llama-engine.json" "${MARCONI_CI_RUN:-}" \
+  "$(git -C "$repo" rev-parse HEAD 2>/dev/null || true)" <<'PY'
+import json, re, sys, time
+text = open(sys.argv[1]).read()
+row = lambda name: re.search(r"^  %s +(\d+) prompt tokens, +(\d+) prefilled .*?(\d+) hit requests, prefill +([\d.]+) s$"
+                             % name, text, re.M)
+cached, nocache = row("libmarconi tiers"), row("no cache")
+shared = re.search(r"^hits by tier .*\((\d+) of them written by another process\)", text, re.M)
+exact = re.search(r"^exactness: (\d+) of (\d+) requests bitwise equal to no cache \((\d+) served", text, re.M)
+assert cached and nocache and shared and exact, "llama-engine's output lost a line readme-figures reads"
+json.dump({"step": "ci/test.d/llama-engine.sh", "run": sys.argv[3], "commit": sys.argv[4],
+           "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "figures": {"resumed": int(exact.group(3)), "requests": int(exact.group(2)),
+                       "from_other_process": int(shared.group(1)), "bitwise_equal": int(exact.group(1))},
+           "timings": {"prefill_s_cached": float(cached.group(4)), "prefill_s_no_cache": float(nocache.group(4))}},
+          open(sys.argv[2], "w"), indent=1)
+PY
 echo "--- llama-engine tiers: corrupted store objects are misses"
 for f in "$work"/store/*; do
   size=$(stat -c %s "$f")

@@ -92,13 +92,35 @@ echo "three servers: $((SECONDS - start)) s"
 
 sbs=(examples/llama-server/side_by_side.py --logdir "$logs")
 echo "--- side by side, chat workload: off, stock, libmarconi"
-"$python" "${sbs[@]}" --requests 16 --sessions 5 --mib 4 --parallel 3 --clients 4
+"$python" "${sbs[@]}" --requests 16 --sessions 5 --mib 4 --parallel 3 --clients 4 | tee "$logs/readme-chat.txt"
 echo "--- side by side, agent workload (tool calls, thinking stripped, timestamps)"
 "$python" "${sbs[@]}" --workload agent --requests 12 --sessions 2 --mib 8 --clients 0
 echo "--- negative control: every restored state's SSM state zeroed"
 "$python" "${sbs[@]}" --requests 8 --sessions 2 --negative zero-ssm
 echo "--- the store: restart, sharing, bad objects, another model, a dead Redis"
-"$python" "${sbs[@]}" --stores --requests 8 --sessions 2
+"$python" "${sbs[@]}" --stores --requests 8 --sessions 2 | tee "$logs/readme-stores.txt"
+# The README's figures of these two runs (its examples table; ci/test.d/readme.sh
+# compares them): the sequential phase's prompt tokens (1 slot, greedy: the
+# same on every run) and the share of the hit tokens resumed from a store.
+mkdir -p "$target/readme-figures"
+"$python" - "$logs/readme-chat.txt" "$logs/readme-stores.txt" "$target/readme-figures/llama-server.json" \
+  "${MARCONI_CI_RUN:-}" "$(git rev-parse HEAD 2>/dev/null || true)" <<'PY'
+import json, re, sys, time
+chat, stores = open(sys.argv[1]).read(), open(sys.argv[2]).read()
+seq = chat.split("\nsequential, 1 slot", 1)[1].split("\n\n", 1)[0]
+prompt_n = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(off|stock|marconi) +(\d+) +(\d+) ", seq, re.M)}
+n = re.search(r": (\d+) requests over (\d+) sessions", chat)
+pct = lambda name: re.search(r"^%s .*?hit tokens +\d+ \(([\d.]+)%% of \d+\)" % re.escape(name), stores, re.M)
+restart, redis = pct("restarted on the directory store (phase 2)"), pct("second server on the first's Redis (phase 2)")
+assert set(prompt_n) == {"off", "stock", "marconi"} and n and restart and redis, \
+    "side_by_side.py's output lost a line readme-figures reads"
+json.dump({"step": "ci/test.d/llama-server.sh", "run": sys.argv[4], "commit": sys.argv[5],
+           "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "figures": {"requests": int(n.group(1)), "prompt_n_marconi": prompt_n["marconi"],
+                       "prompt_n_stock": prompt_n["stock"],
+                       "restart_pct": round(float(restart.group(1))), "redis_pct": round(float(redis.group(1)))}},
+          open(sys.argv[3], "w"), indent=1)
+PY
 for model in granite-hybrid falcon-h1 qwen35; do
   echo "--- side by side on the $model layout (chat workload, short)"
   "$python" "${sbs[@]}" --model "$model" --requests 10 --sessions 3 --mib 4 --clients 0

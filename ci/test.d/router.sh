@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(mktemp -d "${TMPDIR:-/tmp}/marconi-route.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
-cargo run --release -q -p marconi-sim --features marconi-core/strict-checks -- \
+"$(bash ci/built.sh bin marconi-sim)" \
   route --workload chat --sessions 300 --session-rate 8 --engines 4 --capacity 500MB \
   --lambda 0,1 --threads 2 --out-dir "$out" --json > "$out/route.json"
 python3 - "$out/route.json" <<'PY'
@@ -34,6 +34,5 @@ for f in route_hit_rate.svg route_ttft_mean.svg route_ttft_p95.svg route_busy_im
 done
 
 echo "--- marconi-router serve as a process: tests/serve.rs against the binary"
-cargo build --release -q -p marconi-router --bin marconi-router
-MARCONI_ROUTER_TEST_BIN="$(pwd)/${CARGO_TARGET_DIR:-target}/release/marconi-router" \
-  cargo test --release -q -p marconi-router --test serve
+MARCONI_ROUTER_TEST_BIN="$(bash ci/built.sh bin marconi-router)" \
+  "$(bash ci/built.sh test serve marconi-router)" --quiet

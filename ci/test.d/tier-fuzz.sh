@@ -10,5 +10,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 echo "--- fuzz_abi --only-tiered (20 s)"
-cargo run --release --features marconi-core/strict-checks -p marconi-ffi --example fuzz_abi -- \
+"$(bash ci/built.sh example fuzz_abi)" \
   --only-tiered --seed 1 --calls 8 --seconds 20

@@ -12,8 +12,8 @@ use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
-    retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
+    require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 use crate::tiered::Tiers;
 
@@ -414,8 +414,9 @@ impl marconi_cache {
 /// `cache` is NULL or a live handle from marconi_cache_new.
 pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
     check_ptr!(cache);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a cache.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a cache.
     unsafe {
         check_tag(
             ptr::addr_of!((*cache).tag),
@@ -424,7 +425,7 @@ pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a ma
             "marconi_cache",
         )
     }?;
-    // SAFETY: a live cache handle (tag checked, contract); only shared
+    // SAFETY: a live cache handle (registered, contract); only shared
     // references are formed (the handle is Sync via its Mutex).
     Ok(unsafe { &*cache })
 }
@@ -504,8 +505,11 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
             log_bytes: 0,
         }),
     });
+    let raw = Box::into_raw(handle);
+    // SAFETY: just created; the tag's address is computed, nothing read.
+    register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::CACHE);
     // SAFETY: out is non-NULL, aligned and writable (contract).
-    unsafe { out.write(Box::into_raw(handle)) };
+    unsafe { out.write(raw) };
 }
 
 /// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
@@ -527,8 +531,9 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
             // SAFETY: a live cache from Box::into_raw in marconi_cache_new,
             // freed once (caller contract); its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*cache).tag));
-                drop(Box::from_raw(cache));
+                if retire_tag(ptr::addr_of_mut!((*cache).tag), HandleTag::CACHE) {
+                    drop(Box::from_raw(cache));
+                }
             }
         }
     })

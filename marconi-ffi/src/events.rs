@@ -13,7 +13,7 @@ use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, W
 use crate::cache::{handle, marconi_cache};
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, init_versioned, marconi_status, out_slice,
-    read_versioned, require, retire_tag, FfiError, FfiResult, HandleTag,
+    read_versioned, register_tag, require, retire_tag, FfiError, FfiResult, HandleTag,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -159,9 +159,9 @@ impl marconi_events {
 /// `events` is NULL or a live handle from marconi_events_new.
 unsafe fn events_handle<'a>(events: *const marconi_events) -> FfiResult<&'a marconi_events> {
     check_ptr!(events);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be an events
-    // handle.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is an events handle.
     unsafe {
         check_tag(
             ptr::addr_of!((*events).tag),
@@ -170,7 +170,7 @@ unsafe fn events_handle<'a>(events: *const marconi_events) -> FfiResult<&'a marc
             "marconi_events",
         )
     }?;
-    // SAFETY: a live events handle (tag checked, contract); only shared
+    // SAFETY: a live events handle (registered, contract); only shared
     // references are formed (Sync through its Mutex).
     Ok(unsafe { &*events })
 }
@@ -386,7 +386,10 @@ pub unsafe extern "C" fn marconi_events_new(
             }),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        unsafe { out.write(Box::into_raw(ev)) };
+        let raw = Box::into_raw(ev);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::EVENTS);
+        unsafe { out.write(raw) };
         Ok(())
     })
 }
@@ -423,8 +426,9 @@ pub unsafe extern "C" fn marconi_events_free(
             // SAFETY: from Box::into_raw in marconi_events_new, freed once;
             // its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*events).tag));
-                drop(Box::from_raw(events));
+                if retire_tag(ptr::addr_of_mut!((*events).tag), HandleTag::EVENTS) {
+                    drop(Box::from_raw(events));
+                }
             }
         }
     })

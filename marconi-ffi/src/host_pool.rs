@@ -15,8 +15,8 @@ use crate::pool::{
 };
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult,
-    HandleTag,
+    read_versioned, register_tag, require, retire_tag, write_config_init, write_versioned,
+    FfiError, FfiResult, HandleTag,
 };
 
 /// What a host pool is built from. Versioned by size: set struct_size with
@@ -131,8 +131,9 @@ impl marconi_host_pool {
 /// `pool` is NULL or a live handle from marconi_host_pool_new.
 unsafe fn host_ref<'a>(pool: *const marconi_host_pool) -> FfiResult<&'a marconi_host_pool> {
     check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a host pool.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a host pool.
     unsafe {
         check_tag(
             ptr::addr_of!((*pool).tag),
@@ -141,7 +142,7 @@ unsafe fn host_ref<'a>(pool: *const marconi_host_pool) -> FfiResult<&'a marconi_
             "marconi_host_pool",
         )
     }?;
-    // SAFETY: a live host pool (tag checked, contract); only shared
+    // SAFETY: a live host pool (registered, contract); only shared
     // references are formed (Sync through the Mutex).
     Ok(unsafe { &*pool })
 }
@@ -251,7 +252,10 @@ pub unsafe extern "C" fn marconi_host_pool_new(
             inner: Mutex::new(pool),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(handle)) };
+        let raw = Box::into_raw(handle);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::HOST_POOL);
+        unsafe { out.write(raw) };
         Ok(())
     })
 }
@@ -274,8 +278,9 @@ pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
             // SAFETY: pool came from Box::into_raw in marconi_host_pool_new
             // and is freed once (caller contract); its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*pool).tag));
-                drop(Box::from_raw(pool));
+                if retire_tag(ptr::addr_of_mut!((*pool).tag), HandleTag::HOST_POOL) {
+                    drop(Box::from_raw(pool));
+                }
             }
         }
     })

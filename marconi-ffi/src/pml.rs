@@ -9,8 +9,8 @@ use std::ptr;
 use marconi_pml::{ByteTokenizer, Encoded, Prompt, Schema, SegmentKind, Tokenizer};
 
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
-    retire_tag, write_c_string, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
+    require, retire_tag, write_c_string, FfiError, FfiResult, HandleTag,
 };
 
 /// The most tokens one text may have (a tokenizer answering more is refused).
@@ -33,8 +33,9 @@ pub(crate) unsafe fn schema_ref<'a>(
     schema: *const marconi_pml_schema,
 ) -> FfiResult<&'a marconi_pml_schema> {
     check_ptr!(schema);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a schema.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a schema.
     unsafe {
         check_tag(
             ptr::addr_of!((*schema).tag),
@@ -43,7 +44,7 @@ pub(crate) unsafe fn schema_ref<'a>(
             "marconi_pml_schema",
         )
     }?;
-    // SAFETY: a live schema handle (tag checked, contract); shared only.
+    // SAFETY: a live schema handle (registered, contract); shared only.
     Ok(unsafe { &*schema })
 }
 
@@ -283,7 +284,10 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
             ns,
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(handle)) };
+        let raw = Box::into_raw(handle);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::PML_SCHEMA);
+        unsafe { out.write(raw) };
         Ok(())
     })
 }
@@ -305,8 +309,9 @@ pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema
             // SAFETY: from Box::into_raw in marconi_pml_schema_new, freed
             // once (caller contract); its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*schema).tag));
-                drop(Box::from_raw(schema));
+                if retire_tag(ptr::addr_of_mut!((*schema).tag), HandleTag::PML_SCHEMA) {
+                    drop(Box::from_raw(schema));
+                }
             }
         }
     })

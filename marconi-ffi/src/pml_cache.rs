@@ -3,8 +3,7 @@
 //! up (per segment: how it is served and by which entry), admit what the
 //! engine computed, drain evicted entries, read counters.
 
-use std::collections::HashSet;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard};
 
 use marconi_pml::{
     EntryId, Layout, ModuleCache, ModuleId, ModuleModel, ModuleRef, ReuseMode, SchemaId, Segment,
@@ -13,8 +12,8 @@ use marconi_pml::{
 
 use crate::pml::{marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind};
 use crate::status::{
-    boundary, check_ptr, marconi_status, out_slice, read_versioned, require, write_config_init,
-    write_versioned, FfiError, FfiResult,
+    boundary, check_ptr, check_tag, marconi_status, out_slice, read_versioned, register_tag,
+    require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// The most segments one call takes (a larger count is refused).
@@ -162,9 +161,6 @@ pub struct marconi_pml_cache_stats {
 /// The first version's size of marconi_pml_cache_stats.
 const STATS_MIN_SIZE: usize = 8;
 
-/// Tells a module-store handle from anything else passed in its place.
-const MAGIC: u64 = 0x6d63_706d_6c63_6131; // "mcpmlca1"
-
 /// A module store: opaque to C. Create with marconi_pml_cache_new, free with
 /// marconi_pml_cache_free. Safe to call from several threads at once
 /// (internal lock).
@@ -174,16 +170,8 @@ pub struct marconi_pml_cache {
 
 #[repr(C)]
 struct CacheHandle {
-    magic: u64,
+    tag: HandleTag,
     cache: Mutex<ModuleCache>,
-}
-
-/// Addresses of live handles: a pointer is dereferenced only once it is
-/// found here, so a foreign or freed pointer is refused without reading it.
-static LIVE: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
-
-fn live() -> MutexGuard<'static, Option<HashSet<usize>>> {
-    LIVE.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// # Safety
@@ -192,16 +180,19 @@ fn live() -> MutexGuard<'static, Option<HashSet<usize>>> {
 unsafe fn handle<'a>(cache: *const marconi_pml_cache) -> FfiResult<&'a CacheHandle> {
     let h = cache.cast::<CacheHandle>();
     check_ptr!(h);
-    let known = live().as_ref().is_some_and(|s| s.contains(&(h as usize)));
-    // SAFETY: a live handle (in LIVE): a CacheHandle from Box::into_raw,
-    // not freed (removed from LIVE before it is freed).
-    if !known || unsafe { (*h).magic } != MAGIC {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            "cache is not a live marconi_pml_cache handle (foreign or freed)",
-        ));
-    }
-    // SAFETY: as above; only shared references are formed (Mutex inside).
+    // SAFETY: the tag's address is computed from the pointer, nothing is
+    // read; the registry says whether it is a live module store.
+    unsafe {
+        check_tag(
+            std::ptr::addr_of!((*h).tag),
+            HandleTag::PML_CACHE,
+            "cache",
+            "marconi_pml_cache",
+        )
+    }?;
+    // SAFETY: a live handle (registered): a CacheHandle from Box::into_raw,
+    // not freed (unregistered before it is freed); only shared references
+    // are formed (Mutex inside).
     Ok(unsafe { &*h })
 }
 
@@ -310,10 +301,14 @@ pub unsafe extern "C" fn marconi_pml_cache_new(
         };
         let cache = ModuleCache::new(model, c.capacity_bytes).map_err(store_error)?;
         let h = Box::into_raw(Box::new(CacheHandle {
-            magic: MAGIC,
+            tag: HandleTag::PML_CACHE,
             cache: Mutex::new(cache),
         }));
-        live().get_or_insert_with(HashSet::new).insert(h as usize);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(
+            unsafe { std::ptr::addr_of!((*h).tag) },
+            HandleTag::PML_CACHE,
+        );
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
         unsafe { out.write(h.cast::<marconi_pml_cache>()) };
         Ok(())
@@ -335,18 +330,18 @@ pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -
         if cache.is_null() {
             return Ok(());
         }
-        let removed = live().as_mut().is_some_and(|s| s.remove(&(cache as usize)));
-        if !removed {
+        let h = cache.cast::<CacheHandle>();
+        // SAFETY: the tag's address is computed; it is written only when
+        // the registry holds a live module store there.
+        if !unsafe { retire_tag(std::ptr::addr_of_mut!((*h).tag), HandleTag::PML_CACHE) } {
             return Err(FfiError::new(
                 marconi_status::InvalidArgument,
                 "cache is not a live marconi_pml_cache handle (freed already, or foreign)",
             ));
         }
         // SAFETY: it was live: from Box::into_raw in marconi_pml_cache_new,
-        // and no longer in LIVE, so freed once.
-        let mut b = unsafe { Box::from_raw(cache.cast::<CacheHandle>()) };
-        b.magic = 0;
-        drop(b);
+        // and no longer registered, so freed once.
+        drop(unsafe { Box::from_raw(h) });
         Ok(())
     })
 }

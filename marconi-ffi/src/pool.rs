@@ -23,7 +23,8 @@ use marconi_gpu::{
 use crate::cache::marconi_copy_order;
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    read_versioned, register_tag, require, retire_tag, write_versioned, FfiError, FfiResult,
+    HandleTag,
 };
 
 /// What backs a pool's units.
@@ -807,8 +808,9 @@ pub(crate) unsafe fn with_memfd<R>(
 /// `pool` is NULL or a live handle from marconi_pool_new.
 unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool> {
     check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a pool.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a pool.
     unsafe {
         check_tag(
             ptr::addr_of!((*pool).tag),
@@ -817,7 +819,7 @@ unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool>
             "marconi_pool",
         )
     }?;
-    // SAFETY: a live pool handle (tag checked, contract); only shared
+    // SAFETY: a live pool handle (registered, contract); only shared
     // references are formed (Sync through the Mutex).
     Ok(unsafe { &*pool })
 }
@@ -900,7 +902,10 @@ pub unsafe extern "C" fn marconi_pool_new(
             inner: Mutex::new(inner),
         });
         // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        unsafe { out.write(Box::into_raw(handle)) };
+        let raw = Box::into_raw(handle);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::POOL);
+        unsafe { out.write(raw) };
         Ok(())
     })
 }
@@ -923,8 +928,9 @@ pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
             // SAFETY: pool came from Box::into_raw in marconi_pool_new and is
             // freed once (caller contract); its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*pool).tag));
-                drop(Box::from_raw(pool));
+                if retire_tag(ptr::addr_of_mut!((*pool).tag), HandleTag::POOL) {
+                    drop(Box::from_raw(pool));
+                }
             }
         }
     })

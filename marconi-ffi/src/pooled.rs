@@ -22,8 +22,8 @@ use crate::pool::{
     marconi_pool_config, marconi_state_copy, marconi_unit_location, read_pool_config, Backing,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, require,
-    retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
+    require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
@@ -122,9 +122,9 @@ pub(crate) fn pooled_err(e: PooledError) -> FfiError {
 /// `pc` is NULL or a live handle from marconi_pooled_cache_new.
 unsafe fn handle<'a>(pc: *const marconi_pooled_cache) -> FfiResult<&'a marconi_pooled_cache> {
     check_ptr!(pc);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a cache over
-    // pools.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a cache over pools.
     unsafe {
         check_tag(
             ptr::addr_of!((*pc).tag),
@@ -133,7 +133,7 @@ unsafe fn handle<'a>(pc: *const marconi_pooled_cache) -> FfiResult<&'a marconi_p
             "marconi_pooled_cache",
         )
     }?;
-    // SAFETY: a live handle (tag checked, contract).
+    // SAFETY: a live handle (registered, contract).
     Ok(unsafe { &*pc })
 }
 
@@ -215,7 +215,10 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
             inner: Mutex::new(inner),
         });
         // SAFETY: out is non-NULL, aligned and writable.
-        unsafe { out.write(Box::into_raw(h)) };
+        let raw = Box::into_raw(h);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::POOLED);
+        unsafe { out.write(raw) };
         Ok(())
     })
 }
@@ -238,8 +241,9 @@ pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache
             // SAFETY: from Box::into_raw in marconi_pooled_cache_new, freed
             // once; its tag is zeroed first.
             unsafe {
-                retire_tag(ptr::addr_of_mut!((*pc).tag));
-                drop(Box::from_raw(pc));
+                if retire_tag(ptr::addr_of_mut!((*pc).tag), HandleTag::POOLED) {
+                    drop(Box::from_raw(pc));
+                }
             }
         }
     })

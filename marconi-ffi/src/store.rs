@@ -18,8 +18,8 @@ use ::marconi_store::{
 use crate::cache::tokens_len_ok;
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
-    out_slice, read_versioned, require, retire_tag, write_versioned, FfiError, FfiResult,
-    HandleTag,
+    out_slice, read_versioned, register_tag, require, retire_tag, write_versioned, FfiError,
+    FfiResult, HandleTag,
 };
 
 /// Which store a handle uses.
@@ -237,8 +237,9 @@ struct StoreHandle {
 unsafe fn store_handle<'a>(store: *const marconi_store) -> FfiResult<&'a StoreHandle> {
     let store = store.cast::<StoreHandle>();
     check_ptr!(store);
-    // SAFETY: non-NULL and aligned (checked); readable by the caller's
-    // contract; only the tag is read before it is known to be a store.
+    // SAFETY: non-NULL and aligned (checked); the tag's address is
+    // computed, nothing is read: the live-handle registry says whether
+    // it is a store.
     unsafe {
         check_tag(
             ptr::addr_of!((*store).tag),
@@ -516,7 +517,10 @@ pub unsafe extern "C" fn marconi_store_new(
             tier,
         });
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        unsafe { out.write(Box::into_raw(h).cast::<marconi_store>()) };
+        let raw = Box::into_raw(h);
+        // SAFETY: just created; the tag's address is computed, nothing read.
+        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::STORE);
+        unsafe { out.write(raw.cast::<marconi_store>()) };
         Ok(())
     })
 }
@@ -543,8 +547,9 @@ pub unsafe extern "C" fn marconi_store_free(store: *mut marconi_store) {
         // SAFETY: from Box::into_raw in marconi_store_new, freed once; its
         // tag is zeroed first.
         unsafe {
-            retire_tag(ptr::addr_of_mut!((*store).tag));
-            drop(Box::from_raw(store));
+            if retire_tag(ptr::addr_of_mut!((*store).tag), HandleTag::STORE) {
+                drop(Box::from_raw(store));
+            }
         }
     })
 }

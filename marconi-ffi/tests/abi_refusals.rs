@@ -938,3 +938,66 @@ fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
         marconi_cache_free(cache);
     }
 }
+
+/// A pointer is used only once the live-handle registry holds it with the
+/// expected kind; nothing behind it is read before. Checked on pointers
+/// into a page mapped without access (a read would kill the process) and on
+/// a forged block that holds a cache's kind tag where a cache keeps it (a
+/// check that read the tag took it for a cache), for every handle kind,
+/// and on a handle freed twice.
+#[test]
+fn freed_handles_are_refused_without_being_read() {
+    use marconi::pml_cache::*;
+    use marconi::store::*;
+    use marconi::tiered::*;
+    // SAFETY: a fresh anonymous mapping with no access; unmapped below.
+    let page = unsafe {
+        libc::mmap(
+            ptr::null_mut(),
+            4096,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(page, libc::MAP_FAILED);
+    // "mccache1", the kind tag a cache keeps in its first field, then junk.
+    let mut forged = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
+    forged[0] = 0x6d63_6361_6368_6531;
+    let forged = forged.as_mut_ptr().cast::<u8>();
+    let refused = |s: marconi_status, what: &str| {
+        assert_eq!(
+            s,
+            marconi_status::InvalidArgument,
+            "{what}: {}",
+            last_error()
+        );
+        assert!(last_error().contains("live"), "{what}: {}", last_error());
+    };
+    for (p, place) in [
+        (page.cast::<u8>(), "an inaccessible page"),
+        (forged, "a forged cache"),
+    ] {
+        let mut stats = marconi_stats {
+            struct_size: size_of::<marconi_stats>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: the calls under test take any pointer and must not read it.
+        unsafe {
+            refused(marconi_cache_stats(p.cast(), &mut stats), place);
+            refused(marconi_cache_check(p.cast()), place);
+            refused(marconi_pooled_cache_check(p.cast()), place);
+            refused(marconi_tiered_check(p.cast()), place);
+            refused(marconi_pml_cache_free(p.cast()), place);
+            marconi_cache_free(p.cast());
+            marconi_pool_free(p.cast());
+            marconi_pooled_cache_free(p.cast());
+            marconi_store_free(p.cast());
+            marconi_tiered_free(p.cast());
+            marconi_events_free(p.cast(), ptr::null());
+        }
+    }
+    // SAFETY: mapped above, no pointer into it is used after this.
+    assert_eq!(unsafe { libc::munmap(page, 4096) }, 0);
+}

@@ -451,7 +451,7 @@ def test_http_api_matches_dynamo(tmp_path):
         for m, p, b, ct in same:
             d = raw_http(dyn.port, m, p, b, ct)
             o = raw_http(ours.port, m, p, b, ct)
-            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]]})
+            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]], "documented": False})
             assert (o[0], o[1]) == (d[0], d[1]), (m, p, b, ct, "ours", o, "dynamo", d)
             assert (o[3] is None) == (d[3] is None), (m, p, "Allow", o[3], d[3])
             if d[1] is None:
@@ -466,7 +466,7 @@ def test_http_api_matches_dynamo(tmp_path):
         for (m, p, b, ct), want_ours, want_dyn in differ:
             d = raw_http(dyn.port, m, p, b, ct)
             o = raw_http(ours.port, m, p, b, ct)
-            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]]})
+            rows.append({"request": [m, p, b, ct], "dynamo": [d[0], d[1]], "ours": [o[0], o[1]], "documented": True})
             assert (o[0], d[0]) == (want_ours, want_dyn), (m, p, b, "ours", o, "dynamo", d)
         # Bodies: Dynamo refuses over 8 MiB, ours over 64 MiB (both 413 text).
         big = '{"model_name":"m","token_ids":[' + ",".join(["1"] * (5 << 20)) + "]}"

@@ -3716,6 +3716,9 @@ struct Args {
     max_findings: usize,
     verbose: bool,
     only_tiered: bool,
+    /// When `--seconds` ends: a seed's workers stop there too (a seed of
+    /// tiered lives runs a whole life per call and could take minutes).
+    deadline: Option<Instant>,
 }
 
 fn parse_args() -> Args {
@@ -3731,6 +3734,7 @@ fn parse_args() -> Args {
         max_findings: 20,
         verbose: false,
         only_tiered: false,
+        deadline: None,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -3817,7 +3821,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
                     cur_cache: None,
                     steps: 0,
                 };
-                while wk.call < per_worker {
+                while wk.call < per_worker && a.deadline.is_none_or(|d| Instant::now() < d) {
                     wk.step();
                     if run.findings.lock().unwrap().len() >= max {
                         break;
@@ -3879,7 +3883,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
 }
 
 fn main() {
-    let a = parse_args();
+    let mut a = parse_args();
     let watch = Arc::new(Watch {
         t0: Instant::now(),
         beats: (0..a.threads)
@@ -3895,6 +3899,7 @@ fn main() {
     });
     let dog = watch.spawn();
     let t0 = Instant::now();
+    a.deadline = a.seconds.map(|t| t0 + Duration::from_secs_f64(t));
     let (mut calls, mut seeds) = (0u64, 0u64);
     let mut findings = Vec::new();
     let mut seed = a.seed;

@@ -819,7 +819,7 @@ pub(crate) unsafe fn check_tag(
     } else {
         Err(FfiError::new(
             marconi_status::InvalidArgument,
-            format!("{what} is not a live {kind} handle (another kind of handle, a freed one, or not a handle)"),
+            format!("{what} is not a {kind} handle (another kind of handle, a freed one, or not a handle)"),
         ))
     }
 }

@@ -973,7 +973,7 @@ fn freed_handles_are_refused_without_being_read() {
             "{what}: {}",
             last_error()
         );
-        assert!(last_error().contains("live"), "{what}: {}", last_error());
+        assert!(last_error().contains("handle"), "{what}: {}", last_error());
     };
     for (p, place) in [
         (page.cast::<u8>(), "an inaccessible page"),

@@ -324,7 +324,7 @@ void usage() {
                  "--admit-decoded: also cache the decoded tokens (the state after decoding);\n"
                  "  those states were computed one token at a time, so the check then reports\n"
                  "  the largest logit difference instead of requiring bitwise equality\n"
-                 "--tiers: serve through marconi_tiered (device + host + store tiers): evicted\n"
+                 "--tiers: serve through marconi_cache with lower tiers (device + host + store): evicted\n"
                  "  states are copied into engine host buffers and the store; lookups probe the\n"
                  "  store for states other processes wrote; every request stays bitwise equal\n"
                  "--transcript-out: each session's last sequence, for --resume in another\n"
@@ -411,7 +411,8 @@ bool store_read(const marconi_store *store, const std::vector<uint32_t> &toks, u
     return false;
 }
 
-// The tiered engine: marconi_tiered decides, the engine moves the bytes.
+// The tiered engine: a marconi_cache with lower tiers decides, the engine
+// moves the bytes.
 // Device states are llama.cpp sequence blobs (KV + recurrent state) by
 // slot, as in the plain mode; the host tier is engine memory holding the
 // same blobs, by chain (the tokens they cover); the store holds them as
@@ -425,9 +426,8 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
     dev.model_preset = nullptr;
     dev.capacity_bytes = capacity_states * state_bytes + 1024 * kv_per_token;
     dev.tuner_adoption = MARCONI_ALPHA_ADOPTION_DETERMINISTIC;
-    marconi_tiered_config tc;
-    check_marconi(marconi_tiered_config_init(&tc, sizeof tc), "marconi_tiered_config_init");
-    tc.device = &dev;
+    marconi_tier_options tc;
+    check_marconi(marconi_tier_options_init(&tc, sizeof tc), "marconi_tier_options_init");
     tc.host.capacity_bytes = o.host_states * state_bytes + 2048 * kv_per_token;
     // Rates of this CPU engine: host copies are memcpy; the store is a
     // local directory or Redis on the loopback. Prefill runs at roughly
@@ -463,8 +463,9 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
         sc.timeout_ms = 100;
         check_marconi(marconi_store_new(&sc, &store), "marconi_store_new");
     }
-    marconi_tiered *t = nullptr;
-    check_marconi(marconi_tiered_new(&tc, &t), "marconi_tiered_new");
+    dev.tiers = &tc;
+    marconi_cache *t = nullptr;
+    check_marconi(marconi_cache_new(&dev, &t), "marconi_cache_new");
 
     std::unordered_map<uint32_t, std::vector<uint8_t>> blobs;  // device states, by slot
     std::unordered_map<uint32_t, std::vector<uint32_t>> slot_chain;  // the tokens each slot's state covers
@@ -488,12 +489,12 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
     // Carries out the tiers' ops in order, then frees the device's slots.
     auto apply_ops = [&]() {
         size_t n_ops = 0, n_tok = 0;
-        marconi_status st = marconi_tiered_drain_ops(t, nullptr, 0, &n_ops, nullptr, 0, &n_tok);
+        marconi_status st = marconi_cache_drain_ops(t, nullptr, 0, &n_ops, nullptr, 0, &n_tok);
         if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) check_marconi(st, "drain_ops (size)");
         std::vector<marconi_tier_op> ops(n_ops + 1);
         std::vector<uint32_t> toks(n_tok + 1);
-        check_marconi(marconi_tiered_drain_ops(t, ops.data(), ops.size(), &n_ops, toks.data(), toks.size(), &n_tok),
-                      "marconi_tiered_drain_ops");
+        check_marconi(marconi_cache_drain_ops(t, ops.data(), ops.size(), &n_ops, toks.data(), toks.size(), &n_tok),
+                      "marconi_cache_drain_ops");
         for (size_t k = 0; k < n_ops; k++) {
             const marconi_tier_op &op = ops[k];
             std::vector<uint32_t> chain(toks.begin() + (long)op.tokens_offset,
@@ -524,11 +525,11 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
     };
     auto drain_freed = [&]() {
         size_t np = 0, nsl = 0;
-        marconi_status st = marconi_tiered_drain_freed(t, nullptr, 0, &np, nullptr, 0, &nsl);
+        marconi_status st = marconi_cache_drain_freed(t, nullptr, 0, &np, nullptr, 0, &nsl);
         if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) check_marconi(st, "drain_freed (size)");
         std::vector<uint32_t> pages(np + 1), slots(nsl + 1);
-        check_marconi(marconi_tiered_drain_freed(t, pages.data(), pages.size(), &np, slots.data(), slots.size(), &nsl),
-                      "marconi_tiered_drain_freed");
+        check_marconi(marconi_cache_drain_freed(t, pages.data(), pages.size(), &np, slots.data(), slots.size(), &nsl),
+                      "marconi_cache_drain_freed");
         for (size_t k = 0; k < nsl; k++) {
             if (!blobs.count(slots[k])) die("the tiers freed a slot the engine does not hold");
             drop_slot(slots[k]);
@@ -560,12 +561,12 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
 
         double t0 = now_s();
         marconi_tiered_hit lk{};
-        check_marconi(marconi_tiered_lookup(t, 0, toks.data(), toks.size(), nullptr, 0, store, &lk),
-                      "marconi_tiered_lookup");
+        check_marconi(marconi_cache_lookup_tiered(t, 0, toks.data(), toks.size(), nullptr, 0, store, &lk),
+                      "marconi_cache_lookup_tiered");
         std::vector<uint32_t> plan(lk.n_plan + 1);
         size_t n_plan = 0;
-        check_marconi(marconi_tiered_lease_plan(t, lk.lease, plan.data(), plan.size(), &n_plan),
-                      "marconi_tiered_lease_plan");
+        check_marconi(marconi_cache_lease_plan(t, lk.lease, plan.data(), plan.size(), &n_plan),
+                      "marconi_cache_lease_plan");
         uint32_t h = lk.hit_tokens;
         const std::vector<uint8_t> *blob = nullptr;
         if (lk.tier == MARCONI_TIER_DEVICE) {
@@ -588,7 +589,7 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
                 shared += lk.shared;
             } else {
                 // The load missed: resume from the device's own hit.
-                check_marconi(marconi_tiered_report_load_failure(t, lk.lease), "marconi_tiered_report_load_failure");
+                check_marconi(marconi_cache_report_load_failure(t, lk.lease), "marconi_cache_report_load_failure");
                 load_fail++;
                 h = lk.device_hit_tokens;
                 if (h > 0) blob = &blobs.at(lk.device_state_slot);
@@ -637,10 +638,10 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
         e.decode(n, q.decode, logits, out);
         std::vector<uint8_t> taken(states.size());
         marconi_admit_result ar{};
-        check_marconi(marconi_tiered_admit(t, lk.lease, toks.data(), toks.size(), states.data(), states.size(), nullptr, 0,
+        check_marconi(marconi_cache_admit(t, lk.lease, toks.data(), toks.size(), states.data(), states.size(), nullptr, 0,
                                            taken.data(), &ar),
-                      "marconi_tiered_admit");
-        check_marconi(marconi_tiered_release(t, lk.lease), "marconi_tiered_release");
+                      "marconi_cache_admit");
+        check_marconi(marconi_cache_release(t, lk.lease), "marconi_cache_release");
         // The ops first: a state the device did not take may go straight
         // to the host, copied from its slot.
         apply_ops();
@@ -673,8 +674,8 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
 
     marconi_tiered_stats st{};
     st.struct_size = sizeof st;
-    check_marconi(marconi_tiered_get_stats(t, &st), "marconi_tiered_get_stats");
-    check_marconi(marconi_tiered_check(t), "marconi_tiered_check");
+    check_marconi(marconi_cache_tier_stats(t, &st), "marconi_cache_tier_stats");
+    check_marconi(marconi_cache_check(t), "marconi_cache_check");
     std::printf("tiers: device %u checkpoints + KV of 1024 tokens, host %u checkpoints + KV of 2048 tokens%s, write-%s\n",
                 capacity_states, o.host_states, store ? ", store" : "", o.write.c_str());
     std::printf("  %-26s %6" PRIu64 " prompt tokens, %6" PRIu64 " prefilled (%5.1f%% saved), %3" PRIu64
@@ -734,7 +735,7 @@ int run_tiered(Engine &e, const Workload &w, const marconi_model_spec &spec, uin
         die("unknown --expect");
     }
     std::printf("%s\n", rc == 0 ? "PASS" : "FAIL");
-    marconi_tiered_free(t);
+    marconi_cache_free(t);
     marconi_store_free(store);
     return rc;
 }

@@ -3,10 +3,11 @@
 // the recurrent state), kept in host memory under engine-owned ids that
 // libmarconi hands back when it evicts them.
 //
-// Without --marconi-store the hooks drive one marconi_cache. With it they
-// drive a marconi_tiered (the server's states are the device tier, a host
-// tier holds copies of states evicted from it, the store tier is a
-// directory or Redis shared by servers) and carry out the tiers' ops: a
+// The hooks drive one marconi_cache. With --marconi-store it has lower
+// tiers (marconi_cache_config.tiers: the server's states are the device
+// tier, a host tier holds copies of states evicted from it, the store tier
+// is a directory or Redis shared by servers) and the hooks carry out the
+// tiers' ops (marconi_cache_drain_ops): a
 // host WRITE copies a state's bytes, a store WRITE puts them into the store
 // (marconi_store_put_state), a host DROP frees the copy.
 //
@@ -63,7 +64,7 @@ struct Hooks {
     std::string store_location, model_id, negative;
     marconi_model_spec spec{};
     marconi_cache *cache = nullptr;
-    marconi_tiered *tiered = nullptr;
+    bool tiered = false;  // the cache has a host and a store tier (--marconi-store)
     std::unordered_map<uint32_t, std::vector<uint8_t>> blobs;  // device states, by slot
     std::unordered_map<uint32_t, Chain> slot_chain;             // tiered: what each slot covers
     std::map<Chain, std::vector<uint8_t>> host;                 // tiered: host tier copies
@@ -151,16 +152,16 @@ void drop(uint32_t id) {
 void apply_ops() {
     if (!H.tiered) return;
     size_t n_ops = 0, n_tok = 0;
-    marconi_status st = marconi_tiered_drain_ops(H.tiered, nullptr, 0, &n_ops, nullptr, 0, &n_tok);
+    marconi_status st = marconi_cache_drain_ops(H.cache, nullptr, 0, &n_ops, nullptr, 0, &n_tok);
     if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) {
-        log_error("marconi_tiered_drain_ops", st);
+        log_error("marconi_cache_drain_ops", st);
         return;
     }
     std::vector<marconi_tier_op> ops(n_ops + 1);
     std::vector<uint32_t> toks(n_tok + 1);
-    st = marconi_tiered_drain_ops(H.tiered, ops.data(), ops.size(), &n_ops, toks.data(), toks.size(), &n_tok);
+    st = marconi_cache_drain_ops(H.cache, ops.data(), ops.size(), &n_ops, toks.data(), toks.size(), &n_tok);
     if (st != MARCONI_STATUS_OK) {
-        log_error("marconi_tiered_drain_ops", st);
+        log_error("marconi_cache_drain_ops", st);
         return;
     }
     for (size_t k = 0; k < n_ops; k++) {
@@ -213,17 +214,14 @@ void apply_ops() {
 void drain() {
     apply_ops();
     size_t n_pages = 0, n_slots = 0;
-    marconi_status st = H.tiered ? marconi_tiered_drain_freed(H.tiered, nullptr, 0, &n_pages, nullptr, 0, &n_slots)
-                                 : marconi_cache_drain_freed(H.cache, nullptr, 0, &n_pages, nullptr, 0, &n_slots);
+    marconi_status st = marconi_cache_drain_freed(H.cache, nullptr, 0, &n_pages, nullptr, 0, &n_slots);
     if (st != MARCONI_STATUS_OK && st != MARCONI_STATUS_BUFFER_TOO_SMALL) {
         log_error("drain_freed", st);
         return;
     }
     std::vector<uint32_t> pages(n_pages + 1), slots(n_slots + 1);
-    st = H.tiered ? marconi_tiered_drain_freed(H.tiered, pages.data(), pages.size(), &n_pages, slots.data(),
-                                               slots.size(), &n_slots)
-                  : marconi_cache_drain_freed(H.cache, pages.data(), pages.size(), &n_pages, slots.data(), slots.size(),
-                                              &n_slots);
+    st = marconi_cache_drain_freed(H.cache, pages.data(), pages.size(), &n_pages, slots.data(), slots.size(),
+                                   &n_slots);
     if (st != MARCONI_STATUS_OK) {
         log_error("drain_freed", st);
         return;
@@ -364,10 +362,10 @@ void summary(const char *event, int seq) {
     if (H.tiered) {
         marconi_tiered_stats s{};
         s.struct_size = sizeof s;
-        marconi_tiered_get_stats(H.tiered, &s);
+        marconi_cache_tier_stats(H.cache, &s);
         states = H.owned;
         for (const auto &p : H.seqs) leases += p.second.lease != 0;
-        ck = marconi_tiered_check(H.tiered);
+        ck = marconi_cache_check(H.cache);
     } else {
         marconi_stats s{};
         s.struct_size = sizeof s;
@@ -545,7 +543,7 @@ void parse_args(int &argc, char **argv) {
         bad_arg("--marconi-store, --marconi-host-mib and --marconi-negative need --marconi");
 }
 
-bool enabled() { return H.on && (H.cache != nullptr || H.tiered != nullptr); }
+bool enabled() { return H.on && H.cache != nullptr; }
 
 int budget_mib() { return H.mib; }
 
@@ -585,9 +583,8 @@ bool init(const char *model_path) {
         }
     }
     if (H.host_mib < 0) H.host_mib = H.mib;
-    marconi_tiered_config tc;
-    marconi_tiered_config_init(&tc, sizeof tc);
-    tc.device = &cfg;
+    marconi_tier_options tc;
+    marconi_tier_options_init(&tc, sizeof tc);
     // Every state goes through to the store at once: another server, or
     // this one restarted, finds it there.
     tc.write_mode = MARCONI_TIER_WRITE_THROUGH;
@@ -602,16 +599,19 @@ bool init(const char *model_path) {
     // The probe asks the store about the positions just below the input's
     // end, longest first: as many as a slot's context holds.
     tc.max_store_probe = 8192;
-    st = marconi_tiered_new(&tc, &H.tiered);
+    cfg.tiers = &tc;
+    st = marconi_cache_new(&cfg, &H.cache);
     if (st != MARCONI_STATUS_OK) {
-        log_error("marconi_tiered_new", st);
+        log_error("marconi_cache_new", st);
         H.on = false;
         return false;
     }
+    H.tiered = true;
     if (!space_for("")->store) {
         std::fprintf(stderr, "marconi: the store %s cannot be used\n", H.store_location.c_str());
-        marconi_tiered_free(H.tiered);
-        H.tiered = nullptr;
+        marconi_cache_free(H.cache);
+        H.cache = nullptr;
+        H.tiered = false;
         H.on = false;
         return false;
     }
@@ -652,7 +652,7 @@ int begin(llama_context *ctx, int seq, const llama_token *tokens, size_t n_token
         marconi_status st;
         if (H.tiered) {
             marconi_tiered_hit lk{};
-            st = marconi_tiered_lookup(H.tiered, p.ns, p.tokens.data(), p.input_len, hints, n_hints, sp->store, &lk);
+            st = marconi_cache_lookup_tiered(H.cache, p.ns, p.tokens.data(), p.input_len, hints, n_hints, sp->store, &lk);
             p.lease = lk.lease;
             h = lk.hit_tokens;
             tier = lk.tier;
@@ -675,16 +675,13 @@ int begin(llama_context *ctx, int seq, const llama_token *tokens, size_t n_token
             return 0;
         }
         if (h <= p.key_len) break;
-        const marconi_status rs =
-            H.tiered ? marconi_tiered_release(H.tiered, p.lease) : marconi_cache_release(H.cache, p.lease);
+        const marconi_status rs = marconi_cache_release(H.cache, p.lease);
         if (rs != MARCONI_STATUS_OK) log_error("release", rs);
         p.lease = 0;
     }
     std::vector<uint32_t> plan(n_plan_max + 1);
     size_t n_plan = 0;
-    const marconi_status pst =
-        H.tiered ? marconi_tiered_lease_plan(H.tiered, p.lease, plan.data(), plan.size(), &n_plan)
-                 : marconi_cache_lease_plan(H.cache, p.lease, plan.data(), plan.size(), &n_plan);
+    const marconi_status pst = marconi_cache_lease_plan(H.cache, p.lease, plan.data(), plan.size(), &n_plan);
     if (pst != MARCONI_STATUS_OK) {
         log_error("lease_plan", pst);
         n_plan = 0;
@@ -705,7 +702,7 @@ int begin(llama_context *ctx, int seq, const llama_token *tokens, size_t n_token
     if (h > 0 && !have && tier != MARCONI_TIER_DEVICE) {
         // The load missed (the store lost the object, returned a corrupt
         // or foreign one, or is down): resume from the device's own hit.
-        marconi_tiered_report_load_failure(H.tiered, p.lease);
+        marconi_cache_report_load_failure(H.cache, p.lease);
         H.load_failures++;
         h = dev_h;
         tier = MARCONI_TIER_DEVICE;
@@ -793,18 +790,14 @@ void prompt_done(llama_context *ctx, int seq, size_t n_tokens) {
     }
     std::vector<uint8_t> taken(p.saved.size(), 0);
     marconi_admit_result ar{};
-    const marconi_status st =
-        H.tiered ? marconi_tiered_admit(H.tiered, p.lease, p.tokens.data(), p.input_len, p.saved.data(), p.saved.size(),
-                                        nullptr, 0, taken.data(), &ar)
-                 : marconi_cache_admit(H.cache, p.lease, p.tokens.data(), p.input_len, p.saved.data(), p.saved.size(),
-                                       nullptr, 0, taken.data(), &ar);
+    const marconi_status st = marconi_cache_admit(H.cache, p.lease, p.tokens.data(), p.input_len, p.saved.data(),
+                                                  p.saved.size(), nullptr, 0, taken.data(), &ar);
     if (st != MARCONI_STATUS_OK) {
         log_error("admit", st);
         std::fill(taken.begin(), taken.end(), 0);
     }
     for (uint8_t t : taken) H.owned += t;
-    const marconi_status rs =
-        H.tiered ? marconi_tiered_release(H.tiered, p.lease) : marconi_cache_release(H.cache, p.lease);
+    const marconi_status rs = marconi_cache_release(H.cache, p.lease);
     if (rs != MARCONI_STATUS_OK) log_error("release", rs);
     // The ops first: a state the device did not take may go straight to
     // the host tier, copied from its slot.
@@ -823,8 +816,7 @@ void abandon(int seq) {
     if (it == H.seqs.end()) return;
     for (const auto &s : it->second.saved) drop(s.slot);
     if (it->second.lease != 0) {
-        const marconi_status st = H.tiered ? marconi_tiered_release(H.tiered, it->second.lease)
-                                           : marconi_cache_release(H.cache, it->second.lease);
+        const marconi_status st = marconi_cache_release(H.cache, it->second.lease);
         if (st != MARCONI_STATUS_OK) log_error("release", st);
     }
     H.seqs.erase(it);

@@ -1,8 +1,9 @@
-"""The torch engine over libmarconi's tiered cache (marconi.TieredCache,
-docs/tiers.md): the device tier is the engine's slot and page tensors (as in
-engine.py), the host tier is engine memory holding evicted chains (a state
-and the KV of its tokens, cloned tensors keyed by the tokens), the store is
-a marconi.Store (a directory here) shared by engines.
+"""The torch engine over libmarconi's cache with lower tiers
+(marconi.PrefixCache(tiers=marconi.Tiers(...)), docs/tiers.md): the device
+tier is the engine's slot and page tensors (as in engine.py), the host tier
+is engine memory holding evicted chains (a state and the KV of its tokens,
+cloned tensors keyed by the tokens), the store is a marconi.Store (a
+directory here) shared by engines.
 
 Engine A serves a chat workload writing every state through to the store;
 engine B, a fresh engine with its own empty cache and pools, continues A's
@@ -27,7 +28,7 @@ from engine import TOLERANCE, Engine, chat_workload, tiny_nemotron_h
 
 
 class TieredEngine(Engine):
-    """Engine whose cache is a marconi.TieredCache with a host tier and,
+    """Engine whose cache is a marconi.PrefixCache with a host tier and,
     when `store` is given, a store tier shared through it."""
 
     def __init__(self, cfg, model, capacity_bytes: int, *, host_bytes: int, store: marconi.Store | None,
@@ -37,13 +38,15 @@ class TieredEngine(Engine):
         sizes = dict(state=self.conv_slots[0].nbytes + self.ssm_slots[0].nbytes,
                      kv=(self.k_pages[0].nbytes + self.v_pages[0].nbytes) // self.P)
         self.store = store
-        self.cache = marconi.TieredCache(
+        self.cache = marconi.PrefixCache(
             capacity_bytes, self.spec, page_size=self.P, tuner_adoption="deterministic",
-            host_bytes=host_bytes,
-            # Rates of this CPU engine: every load beats recomputing.
-            host_gbps=5, host_latency_us=10, compute_flops=1e9,
-            store_bytes=(4096 * sizes["state"] + 65536 * sizes["kv"]) if store is not None else 0,
-            store_gbps=1, store_latency_us=200, store_states_hold_kv=True, write=write,
+            tiers=marconi.Tiers(
+                host_bytes=host_bytes,
+                # Rates of this CPU engine: every load beats recomputing.
+                host_gbps=5, host_latency_us=10, compute_flops=1e9,
+                store_bytes=(4096 * sizes["state"] + 65536 * sizes["kv"]) if store is not None else 0,
+                store_gbps=1, store_latency_us=200, store_states_hold_kv=True, write=write,
+            ),
         )
         self.host: dict[tuple, tuple] = {}
         self.slot_chain: dict[int, tuple] = {}
@@ -130,7 +133,7 @@ class TieredEngine(Engine):
         n_in = len(tokens)
         n_total = n_in + n_decode
         final = n_total - n_total % self.P
-        hit = self.cache.lookup(tokens, store=self.store)
+        hit = self.cache.lookup_tiered(tokens, store=self.store)
         h, cache = hit.hit_tokens, None
         t0 = time.perf_counter()
         if hit.tier != "device":
@@ -242,7 +245,7 @@ def run_pair(store_dir: str, seed: int = 0, sessions: int = 8) -> dict:
                 msg = last[s] = tokens + o
         except StopIteration:
             pass
-        out["a"] = dict(a.counts, requests=n_a, max_relative_diff=worst_a, stats=a.cache.stats())
+        out["a"] = dict(a.counts, requests=n_a, max_relative_diff=worst_a, stats=a.cache.tier_stats())
         a.cache.close()
 
         def continue_sessions(tag):
@@ -255,7 +258,7 @@ def run_pair(store_dir: str, seed: int = 0, sessions: int = 8) -> dict:
                 worst, n = max(worst, rel), n + 1
                 hit_tokens, input_tokens = hit_tokens + h, input_tokens + len(tokens)
             out[tag] = dict(b.counts, requests=n, max_relative_diff=worst, hit_tokens=hit_tokens,
-                            input_tokens=input_tokens, stats=b.cache.stats())
+                            input_tokens=input_tokens, stats=b.cache.tier_stats())
             b.cache.close()
 
         continue_sessions("b")

@@ -50,9 +50,18 @@ impl Srv {
                 addr,
                 target: Target::Binary(child),
             };
+            // Ready when it answers `/health`, not when a connect succeeds:
+            // a connect to a port nothing listens on yet can succeed by
+            // connecting the socket to itself (the port is in the
+            // ephemeral range), and the binary may still be starting.
             let end = Instant::now() + Duration::from_secs(20);
-            while TcpStream::connect(addr).is_err() {
-                assert!(Instant::now() < end, "the binary did not listen");
+            loop {
+                let ok = try_raw(addr, "GET", "/health", None, b"", Duration::from_secs(2))
+                    .is_ok_and(|a| a.status == 200);
+                if ok {
+                    break;
+                }
+                assert!(Instant::now() < end, "the binary did not answer /health");
                 std::thread::sleep(Duration::from_millis(50));
             }
             return srv;

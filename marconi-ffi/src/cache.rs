@@ -12,8 +12,8 @@ use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
-    require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, copy_list, in_slice, marconi_status, out_slice,
+    register_tag, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 use crate::tiered::Tiers;
 
@@ -928,21 +928,6 @@ unsafe fn lookup_opts(
     g.collect_log();
     // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
     unsafe { out.write(res) };
-    Ok(())
-}
-
-/// Copies a lease's list into `buf`, or reports the needed size.
-fn copy_list(list: &[u32], buf: &mut [u32], out_len: *mut usize) -> FfiResult {
-    // SAFETY: out_len was checked non-NULL and aligned by the caller of this
-    // helper, and is writable by contract.
-    unsafe { out_len.write(list.len()) };
-    if buf.len() < list.len() {
-        return Err(FfiError::new(
-            marconi_status::BufferTooSmall,
-            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
-        ));
-    }
-    buf[..list.len()].copy_from_slice(list);
     Ok(())
 }
 

@@ -22,8 +22,8 @@ use crate::pool::{
     marconi_pool_config, marconi_state_copy, marconi_unit_location, read_pool_config, Backing,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
-    require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, check_tag, copy_list, in_slice, marconi_status, out_slice,
+    register_tag, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
 };
 
 /// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
@@ -398,19 +398,6 @@ unsafe fn pooled_lookup(
     );
     // SAFETY: out checked non-NULL and aligned, writable by contract.
     unsafe { out.write(res) };
-    Ok(())
-}
-
-fn copy_list<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
-    // SAFETY: out_len was checked non-NULL and aligned by the caller.
-    unsafe { out_len.write(list.len()) };
-    if buf.len() < list.len() {
-        return Err(FfiError::new(
-            marconi_status::BufferTooSmall,
-            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
-        ));
-    }
-    buf[..list.len()].copy_from_slice(list);
     Ok(())
 }
 

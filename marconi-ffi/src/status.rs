@@ -847,3 +847,21 @@ pub(crate) unsafe fn retire_tag(tag: *mut HandleTag, kind: HandleTag) -> bool {
     unsafe { tag.write(HandleTag::FREED) };
     true
 }
+
+/// Copies `list` into `buf` and writes its length to `*out_len`, or, when
+/// `buf` is too small, writes only the length and fails with
+/// `BufferTooSmall` (the drains' and lease lists' all-or-nothing rule).
+/// `out_len` was checked non-NULL and aligned by the caller.
+pub(crate) fn copy_list<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
+    // SAFETY: non-NULL and aligned (the caller's check), writable by the
+    // caller's contract.
+    unsafe { out_len.write(list.len()) };
+    if buf.len() < list.len() {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
+        ));
+    }
+    buf[..list.len()].copy_from_slice(list);
+    Ok(())
+}

@@ -23,8 +23,8 @@ use crate::cache::{
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
-    boundary, check_ptr, in_slice, init_versioned, marconi_status, out_slice, read_versioned,
-    require, write_versioned, FfiError, FfiResult,
+    boundary, check_ptr, copy_list, in_slice, init_versioned, marconi_status, out_slice,
+    read_versioned, require, write_versioned, FfiError, FfiResult,
 };
 use crate::store::{marconi_store, probe_states};
 
@@ -814,20 +814,6 @@ unsafe fn lookup_tiered(
     Ok(())
 }
 
-/// Copies `list` into `buf` or reports the needed size (all or nothing).
-fn copy_out<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
-    // SAFETY: out_len was checked non-NULL and aligned by the caller.
-    unsafe { out_len.write(list.len()) };
-    if buf.len() < list.len() {
-        return Err(FfiError::new(
-            marconi_status::BufferTooSmall,
-            format!("buffer holds {}, {} needed", buf.len(), list.len()),
-        ));
-    }
-    buf[..list.len()].copy_from_slice(list);
-    Ok(())
-}
-
 /// Writes a lease's load orders (KV ranges in token order, then the state)
 /// into `buf[0..cap]` and their number to `*out_len`: what the engine reads
 /// from the lower tiers before prefilling from the hit of
@@ -888,7 +874,7 @@ pub unsafe extern "C" fn marconi_cache_lease_loads(
                 }
             })
             .collect();
-        copy_out(&list, buf, out_len)
+        copy_list(&list, buf, out_len)
     })
 }
 

@@ -22,7 +22,9 @@ soname="$(readelf -d "$lib/libmarconi.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]$/\1
 [ -z "$soname" ] || ln -sfn libmarconi.so "$lib/$soname"
 
 echo "--- header is fresh (cbindgen, pinned)"
-cargo test --release -p marconi-ffi --test header
+# The test run's own binary (ci/built.sh): `cargo test -p marconi-ffi` alone
+# would compile cbindgen and its dependencies a second time.
+(cd marconi-ffi && "$(bash ../ci/built.sh test header marconi-ffi)" --quiet)
 
 san=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
 cflags=(-std=c11 -Wall -Wextra -Wpedantic -Werror -g -O1 -Iinclude)

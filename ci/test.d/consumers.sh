@@ -70,9 +70,11 @@ echo "--- $venv: pip install pytest msgspec pyzmq cbor2 pydantic==2.13.5"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet pytest msgspec pyzmq cbor2 "pydantic==2.13.5"
 
-echo "--- cargo build --release -p marconi-ffi -p marconi-router (default features: the publisher)"
+echo "--- cargo build --release -p marconi-ffi (default features: the publisher)"
 cargo build --release -p marconi-ffi
-cargo build --release -p marconi-router --bin marconi-router
+# The router as the test run built it (ci/built.sh): `-p marconi-router` alone
+# resolves other features of tokio and serde and compiles them again.
+router="$(bash ci/built.sh bin marconi-router)"
 lib="$(pwd)/$target/release/libmarconi.so"
 readelf -d "$lib" | grep -q 'NEEDED.*libstdc++' && { echo "libmarconi.so needs libstdc++" >&2; exit 1; }
 
@@ -81,7 +83,7 @@ repo="$(pwd)"
 mkdir -p "$cache/out"
 (cd python-shim/tests && MARCONI_LIBRARY="$lib" MARCONI_EVENTS_STRICT=1 \
   MARCONI_VLLM_DIR="$vllm_dir" MARCONI_DYNAMO_DIR="$dyn_dir" \
-  MARCONI_ROUTER_BIN="$repo/$target/release/marconi-router" MARCONI_CONSUMERS_OUT="$cache/out" \
+  MARCONI_ROUTER_BIN="$router" MARCONI_CONSUMERS_OUT="$cache/out" \
   PYTHONPATH="$repo/python-shim" "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs \
   test_consumers.py test_events.py test_events_zmq.py)
 cat "$cache/out/consumers.json"

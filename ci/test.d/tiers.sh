@@ -12,7 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="$(mktemp -d "${TMPDIR:-/tmp}/marconi-tiers.XXXXXX")"
 trap 'rm -rf "$out"' EXIT
-sim=(cargo run --release -q -p marconi-sim --features marconi-core/strict-checks --)
+# The test run's own marconi-sim (ci/built.sh): `cargo run -p marconi-sim`
+# resolves its features alone and would compile a second build.
+sim=("$(bash ci/built.sh bin marconi-sim)")
 "${sim[@]}" trace synth --kind chat --sessions 120 --seed 9 --out "$out/chat.jsonl" > /dev/null
 "${sim[@]}" replay --trace "$out/chat.jsonl" --policy marconi --capacity 300MB --json -q > "$out/one.json"
 "${sim[@]}" replay --trace "$out/chat.jsonl" --policy marconi \

@@ -3095,7 +3095,10 @@ size_t marconi_last_error(char *buf, size_t cap);
  * Creates a cache from `*cfg` and writes the handle to `*out` (caller frees
  * it with marconi_cache_free). MARCONI_STATUS_INVALID_CONFIG (with the
  * reason in marconi_last_error) for a configuration that cannot drive a
- * cache, e.g. capacity_bytes 0.
+ * cache, e.g. capacity_bytes 0 (without pools). With cfg->pools the cache
+ * lives in the library's pools (marconi_cache_lookup_pooled and the other
+ * pool calls); with cfg->tiers it has lower tiers; both at once is
+ * MARCONI_STATUS_UNSUPPORTED.
  *
  * Thread safety: may run concurrently with anything.
  *
@@ -3140,6 +3143,10 @@ void marconi_cache_free(struct marconi_cache *cache);
  * device's own hit, slot and pages, with no lower-tier hit chosen, pinned
  * or counted (the lease loads nothing). marconi_cache_lookup_tiered
  * weighs every tier.
+ *
+ * On a cache over pools (marconi_cache_config.pools) this and every other
+ * marconi_cache_lookup* call over engine ids returns
+ * MARCONI_STATUS_UNSUPPORTED: use marconi_cache_lookup_pooled.
  *
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
@@ -3246,7 +3253,8 @@ marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
  * first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
  * `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
  * MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
- * `*out_len`.
+ * `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
+ * pages are handles: marconi_cache_lease_kv_handles).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3266,7 +3274,8 @@ marconi_status marconi_cache_lease_kv_pages(const struct marconi_cache *cache,
  * recurrent state after each of these many tokens during prefill) into
  * `buf[0..cap]` and their number to `*out_len`. The final state is always
  * admissible and is not listed. A buffer too small behaves as in
- * marconi_cache_lease_kv_pages.
+ * marconi_cache_lease_kv_pages. Works on every cache (a lease of
+ * marconi_cache_lookup_pooled too).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3297,7 +3306,8 @@ marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
  * Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
  * _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot
  * given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
- * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT.
+ * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
+ * _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3348,9 +3358,10 @@ marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
                                        struct marconi_admit_result *out);
 
 /**
- * Releases `lease`: what it pinned becomes evictable again.
- * MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this cache or
- * already released.
+ * Releases `lease` (of any lookup of this cache: marconi_cache_lookup,
+ * _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
+ * again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
+ * cache or already released.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3372,7 +3383,9 @@ marconi_status marconi_cache_release(const struct marconi_cache *cache, uint64_t
  * On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
  * first: a WRITE to the host reads a slot this returns; every id this
  * returns is the engine's to reuse at once (with defer_moves, ids freed
- * since the last marconi_cache_settle wait for the next one).
+ * since the last marconi_cache_settle wait for the next one). On a cache
+ * over pools: MARCONI_STATUS_UNSUPPORTED (use
+ * marconi_cache_drain_freed_units).
  *
  * Thread safety: safe to call concurrently on the same cache; each freed id
  * is delivered to exactly one caller.
@@ -3396,7 +3409,8 @@ marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
  * marconi_cache_drain_freed. On a cache with lower tiers what it evicts
  * moves down as an admission's evictions do (ops in
  * marconi_cache_drain_ops; with defer_moves at the next
- * marconi_cache_settle).
+ * marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
+ * (its reservations evict as needed: marconi_cache_reserve).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3411,7 +3425,9 @@ marconi_status marconi_cache_evict(const struct marconi_cache *cache,
 /**
  * Writes the cache's counters and gauges to `*out`. Set out->struct_size to
  * sizeof(marconi_stats) first: only that many bytes are written (at least
- * 16), so callers compiled against an older header keep working.
+ * 16), so callers compiled against an older header keep working. On a
+ * cache over pools the capacity is the pools' budget, and
+ * marconi_cache_pool_stats has the pools' own counters.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3544,7 +3560,9 @@ marconi_status marconi_events_config_init(struct marconi_events_config *cfg, siz
  * thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
  * MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
  * connected, or when this library was built without the publisher
- * (marconi_events_has_publisher() returns 0).
+ * (marconi_events_has_publisher() returns 0). MARCONI_STATUS_UNSUPPORTED
+ * on a cache over pools (marconi_cache_config.pools): it publishes no
+ * events yet.
  *
  * Thread safety: may run concurrently with anything.
  *

@@ -382,6 +382,15 @@ pub(crate) fn no_pools(what: &str) -> FfiError {
     )
 }
 
+/// The refusal of an event stream on a cache over pools.
+fn no_events() -> FfiError {
+    FfiError::new(
+        marconi_status::Unsupported,
+        "a cache over pools (marconi_cache_config.pools) publishes no events yet: \
+         create the events handle on a cache without pools",
+    )
+}
+
 /// The refusal of a call over ids the engine owns on a cache over pools.
 pub(crate) fn pooled_instead(what: &str, instead: &str) -> FfiError {
     FfiError::new(
@@ -411,19 +420,22 @@ impl marconi_cache {
         Ok(self.lock()?.device().config().page_size)
     }
 
+    /// MARCONI_STATUS_UNSUPPORTED on a cache over pools, which has no event
+    /// stream yet.
+    pub(crate) fn events_supported(&self) -> FfiResult {
+        match self.lock()?.core {
+            Core::Pooled(_) => Err(no_events()),
+            _ => Ok(()),
+        }
+    }
+
     /// Turns the device's event stream on (the events handle's way in).
     pub(crate) fn enable_events(&self) -> FfiResult {
         let mut g = self.lock()?;
         match &mut g.core {
             Core::Plain(c) => c.enable_events(),
             Core::Tiered(t) => t.cache.enable_device_events()?,
-            Core::Pooled(_) => {
-                return Err(FfiError::new(
-                    marconi_status::Unsupported,
-                    "a cache over pools (marconi_cache_config.pools) publishes no events yet: \
-                     create the events handle on a cache without pools",
-                ))
-            }
+            Core::Pooled(_) => return Err(no_events()),
         }
         // Moves run to turn them on may have freed ids.
         g.collect_freed();
@@ -504,7 +516,10 @@ pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
 /// Creates a cache from `*cfg` and writes the handle to `*out` (caller frees
 /// it with marconi_cache_free). MARCONI_STATUS_INVALID_CONFIG (with the
 /// reason in marconi_last_error) for a configuration that cannot drive a
-/// cache, e.g. capacity_bytes 0.
+/// cache, e.g. capacity_bytes 0 (without pools). With cfg->pools the cache
+/// lives in the library's pools (marconi_cache_lookup_pooled and the other
+/// pool calls); with cfg->tiers it has lower tiers; both at once is
+/// MARCONI_STATUS_UNSUPPORTED.
 ///
 /// Thread safety: may run concurrently with anything.
 ///
@@ -651,6 +666,10 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
 /// device's own hit, slot and pages, with no lower-tier hit chosen, pinned
 /// or counted (the lease loads nothing). marconi_cache_lookup_tiered
 /// weighs every tier.
+///
+/// On a cache over pools (marconi_cache_config.pools) this and every other
+/// marconi_cache_lookup* call over engine ids returns
+/// MARCONI_STATUS_UNSUPPORTED: use marconi_cache_lookup_pooled.
 ///
 /// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
 /// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
@@ -1036,7 +1055,8 @@ unsafe fn lookup_opts(
 /// first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
 /// `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
 /// MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
-/// `*out_len`.
+/// `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
+/// pages are handles: marconi_cache_lease_kv_handles).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1084,7 +1104,8 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
 /// recurrent state after each of these many tokens during prefill) into
 /// `buf[0..cap]` and their number to `*out_len`. The final state is always
 /// admissible and is not listed. A buffer too small behaves as in
-/// marconi_cache_lease_kv_pages.
+/// marconi_cache_lease_kv_pages. Works on every cache (a lease of
+/// marconi_cache_lookup_pooled too).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1142,7 +1163,8 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
 /// Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
 /// _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot
 /// given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
-/// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT.
+/// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
+/// _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1333,9 +1355,10 @@ unsafe fn admit(
     Ok(())
 }
 
-/// Releases `lease`: what it pinned becomes evictable again.
-/// MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this cache or
-/// already released.
+/// Releases `lease` (of any lookup of this cache: marconi_cache_lookup,
+/// _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
+/// again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
+/// cache or already released.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1382,7 +1405,9 @@ pub unsafe extern "C" fn marconi_cache_release(
 /// On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
 /// first: a WRITE to the host reads a slot this returns; every id this
 /// returns is the engine's to reuse at once (with defer_moves, ids freed
-/// since the last marconi_cache_settle wait for the next one).
+/// since the last marconi_cache_settle wait for the next one). On a cache
+/// over pools: MARCONI_STATUS_UNSUPPORTED (use
+/// marconi_cache_drain_freed_units).
 ///
 /// Thread safety: safe to call concurrently on the same cache; each freed id
 /// is delivered to exactly one caller.
@@ -1475,7 +1500,8 @@ pub(crate) unsafe fn hand_out_freed(
 /// marconi_cache_drain_freed. On a cache with lower tiers what it evicts
 /// moves down as an admission's evictions do (ops in
 /// marconi_cache_drain_ops; with defer_moves at the next
-/// marconi_cache_settle).
+/// marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
+/// (its reservations evict as needed: marconi_cache_reserve).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1516,7 +1542,9 @@ pub unsafe extern "C" fn marconi_cache_evict(
 
 /// Writes the cache's counters and gauges to `*out`. Set out->struct_size to
 /// sizeof(marconi_stats) first: only that many bytes are written (at least
-/// 16), so callers compiled against an older header keep working.
+/// 16), so callers compiled against an older header keep working. On a
+/// cache over pools the capacity is the pools' budget, and
+/// marconi_cache_pool_stats has the pools' own counters.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///

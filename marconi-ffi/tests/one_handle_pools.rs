@@ -1142,3 +1142,36 @@ fn a_freed_cache_over_pools_is_refused_without_being_read() {
     // SAFETY: mapped above, no pointer into it is used after this.
     assert_eq!(unsafe { libc::munmap(page, 4096) }, 0);
 }
+
+/// Regression: a cache over pools made with decision_log = 1 kept every
+/// record with no call able to drain them (marconi_cache_drain_log refused
+/// a marconi_pooled_cache), so its memory grew with every request. It is a
+/// marconi_cache now: its log drains, naming the C lease ids.
+#[test]
+fn the_decision_log_of_a_cache_over_pools_drains() {
+    let mut cfg = cache_config();
+    cfg.decision_log = 1;
+    let p = pool_config(marconi_pool_backend::None, 8 << 30);
+    let mut pc = ptr::null_mut();
+    // SAFETY: valid configs and out pointer (the deprecated constructor,
+    // as callers of the earlier release made these caches).
+    ok(unsafe { marconi_pooled_cache_new(&cfg, &p, &mut pc) });
+    let t: Vec<u32> = (0..64).collect();
+    let mut l = marconi_pooled_lookup::default();
+    // SAFETY: live handle, valid buffers.
+    ok(unsafe { marconi_pooled_cache_lookup(pc, 0, t.as_ptr(), t.len(), &mut l) });
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_pooled_cache_release(pc, l.lease) });
+    let c = pc.cast::<marconi_cache>();
+    let (mut buf, mut n) = (vec![0u8; 1 << 16], 0usize);
+    // SAFETY: buf has its length in writable bytes.
+    ok(unsafe { marconi_cache_drain_log(c, buf.as_mut_ptr().cast(), buf.len(), &mut n) });
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(text.contains("\"kind\":\"lookup\""), "{text}");
+    assert!(text.contains(&format!("\"lease\":{}", l.lease)), "{text}");
+    // SAFETY: as above: drained once.
+    ok(unsafe { marconi_cache_drain_log(c, buf.as_mut_ptr().cast(), buf.len(), &mut n) });
+    assert_eq!(n, 0);
+    // SAFETY: freed once.
+    unsafe { marconi_pooled_cache_free(pc) };
+}

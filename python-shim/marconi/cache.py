@@ -316,6 +316,16 @@ class PrefixCache(_Closing):
     the library refuses raises MarconiError (INVALID_CONFIG) with its
     reason.
 
+    tiers: a marconi.Tiers (or a dict of its fields): lower tiers below the
+    cache (lookup_tiered and the other tier methods). pools: a marconi.Pools
+    (or a dict of its fields): the cache lives in the library's pools
+    (capacity_bytes is then ignored: the pools' budget is the capacity) and
+    runs the request cycle over unit handles with lookup_pooled, reserve,
+    copy_states, admit_pooled, free_units, release and drain_freed_units;
+    lookup, admit, drain_freed and evict, over ids the engine owns, raise
+    MarconiError (UNSUPPORTED) on it. Pools and tiers together are
+    UNSUPPORTED for now.
+
     Every integer argument is checked against its C type before the call
     (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace
     1): TypeError for a bool, float or other non-integer, an OverflowError

@@ -15,7 +15,11 @@ int64 numpy arrays and torch tensors hold them. Handle lists
 (allocate's result, free's and resolve's argument) are array('Q'), a
 sequence of ints, or a numpy/torch integer array (converted in bulk).
 
-A view of a unit (Pool.view, PooledCache.view) keeps the native object's
+A cache over pools is a PrefixCache created with pools=Pools(...) (its
+pool methods: lookup_pooled, reserve, admit_pooled, free_units, ...);
+PooledCache is the deprecated earlier form, over the same calls.
+
+A view of a unit (Pool.view, PrefixCache.view, PooledCache.view) keeps the native object's
 memory mapped until the view and every buffer made from it are gone: after
 close() the memory stays valid for them (and is freed with the last one),
 so a view can never crash the interpreter.

@@ -2755,6 +2755,34 @@ impl<'r> Worker<'r> {
                 caches.push(c);
             }
         }
+        // A pool call on one of the run's caches (none has pools): refused,
+        // nothing written.
+        if !self.run.caches.is_empty() {
+            let k = self.rng.below(self.run.caches.len() as u64) as usize;
+            let plain = self.h(k);
+            let (mut pg, mut sl, mut n) = ([0u64; 2], [0u64; 1], 0usize);
+            // SAFETY: writable buffers of their lengths.
+            let st = self.call("cache_reserve (no pools)", || unsafe {
+                marconi_cache_reserve(plain, 2, 1, pg.as_mut_ptr(), 2, sl.as_mut_ptr(), 1)
+            });
+            self.expect(
+                "cache_reserve on a cache without pools",
+                st,
+                &[St::Unsupported],
+            );
+            // SAFETY: as above.
+            let st = self.call("cache_held (no pools)", || unsafe {
+                marconi_cache_held(plain, pg.as_mut_ptr(), 2, &mut n)
+            });
+            self.expect(
+                "cache_held on a cache without pools",
+                st,
+                &[St::Unsupported],
+            );
+            if pg != [0; 2] || sl != [0] || n != 0 {
+                finding!(self, "a refused pool call wrote its outputs");
+            }
+        }
         if caches.len() < 2 {
             for c in caches {
                 // SAFETY: freed once.

@@ -153,7 +153,14 @@ impl Inner {
     pub(crate) fn tiers(&mut self, what: &str) -> FfiResult<&mut Tiers> {
         match &mut self.core {
             Core::Tiered(t) => Ok(t),
-            Core::Plain(_) | Core::Pooled(_) => Err(no_tiers(what)),
+            Core::Plain(_) => Err(no_tiers(what)),
+            Core::Pooled(_) => Err(FfiError::new(
+                marconi_status::Unsupported,
+                format!(
+                    "{what} needs lower tiers, and this cache lives in pools \
+                     (marconi_cache_config.pools): pools and tiers cannot be combined yet"
+                ),
+            )),
         }
     }
 

@@ -768,7 +768,13 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
             ),
             &["needs lower tiers"],
         );
-        unsupported(marconi_cache_settle(c), &["needs lower tiers"]);
+        unsupported(
+            marconi_cache_settle(c),
+            &[
+                "needs lower tiers",
+                "pools and tiers cannot be combined yet",
+            ],
+        );
         // Events: refused, no handle written.
         let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
         ok(marconi_events_config_init(

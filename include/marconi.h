@@ -891,8 +891,11 @@ typedef struct marconi_pml_schema marconi_pml_schema;
 typedef struct marconi_pool marconi_pool;
 
 /**
- * A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
- * free with marconi_pooled_cache_free.
+ * A cache over pools: opaque to C. Deprecated (removed in the next
+ * release): a marconi_pooled_cache is a marconi_cache created with
+ * marconi_cache_config.pools set, and every marconi_pooled_cache_* call
+ * forwards to its marconi_cache_* counterpart (so either set of calls
+ * takes it, and marconi_cache_free frees it).
  */
 typedef struct marconi_pooled_cache marconi_pooled_cache;
 
@@ -1079,6 +1082,62 @@ typedef struct marconi_tier_options {
    */
   uint32_t reserved;
 } marconi_tier_options;
+
+/**
+ * Everything a pool is built from. Versioned by size: set struct_size with
+ * marconi_pool_config_init, then change fields.
+ */
+typedef struct marconi_pool_config {
+  /**
+   * sizeof(marconi_pool_config) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_pool_backend value (default MARCONI_POOL_BACKEND_MEMFD).
+   */
+  uint32_t backend;
+  /**
+   * Bytes of both pools together. Memfd and CUDA round it down to whole
+   * chunks (chunk_bytes); at least one chunk.
+   */
+  uint64_t budget_bytes;
+  /**
+   * Bytes of one KV page (all attention layers' K and V of page_size
+   * tokens, as the engine lays them out). Not 0.
+   */
+  uint64_t kv_page_bytes;
+  /**
+   * Bytes of one recurrent-state slot (all recurrent layers). Not 0.
+   */
+  uint64_t state_slot_bytes;
+  /**
+   * Share of the budget given to the state pool at creation, strictly
+   * between 0 and 1 (default 0.5). Memfd and CUDA round the state share
+   * down to whole chunks.
+   */
+  double state_fraction;
+  /**
+   * A marconi_pool_migration value (default MARCONI_POOL_MIGRATION_AVMP).
+   */
+  uint32_t migration;
+  /**
+   * Donor units moved per AVMP migration; 0 means 128 (the paper's).
+   */
+  uint32_t migration_batch_units;
+  /**
+   * Memfd chunk size (a multiple of the OS page size); 0 means 2 MiB.
+   * CUDA uses the device's granularity and ignores it.
+   */
+  uint64_t chunk_bytes;
+  /**
+   * CUDA device ordinal (backend CUDA only).
+   */
+  uint32_t cuda_device;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+} marconi_pool_config;
 
 /**
  * Everything a cache is built from. Versioned by size: set struct_size to
@@ -1300,6 +1359,22 @@ typedef struct marconi_cache_config {
    * the struct: a caller whose struct ends before it gets NULL.
    */
   const struct marconi_tier_options *tiers;
+  /**
+   * The memory the cache lives in: NULL (the default) for ids the engine
+   * owns (KV page ids and state slot ids passed to marconi_cache_admit),
+   * or the library's pools (initialise them with
+   * marconi_pool_config_init; read only during marconi_cache_new). With
+   * pools, capacity_bytes is ignored (the pools' budget is the
+   * capacity), the model must have recurrent layers, and the request
+   * cycle runs over pool handles: marconi_cache_lookup_pooled,
+   * marconi_cache_reserve, marconi_cache_admit_pooled,
+   * marconi_cache_free_units, marconi_cache_drain_freed_units, ...; the
+   * calls that take engine ids refuse with MARCONI_STATUS_UNSUPPORTED.
+   * Pools and tiers together are MARCONI_STATUS_UNSUPPORTED. Added in
+   * version 6 of the struct: a caller whose struct ends before it gets
+   * NULL.
+   */
+  const struct marconi_pool_config *pools;
 } marconi_cache_config;
 
 /**
@@ -2159,62 +2234,6 @@ typedef struct marconi_pml_cache_stats {
 } marconi_pml_cache_stats;
 
 /**
- * Everything a pool is built from. Versioned by size: set struct_size with
- * marconi_pool_config_init, then change fields.
- */
-typedef struct marconi_pool_config {
-  /**
-   * sizeof(marconi_pool_config) as the caller compiled it.
-   */
-  uint32_t struct_size;
-  /**
-   * A marconi_pool_backend value (default MARCONI_POOL_BACKEND_MEMFD).
-   */
-  uint32_t backend;
-  /**
-   * Bytes of both pools together. Memfd and CUDA round it down to whole
-   * chunks (chunk_bytes); at least one chunk.
-   */
-  uint64_t budget_bytes;
-  /**
-   * Bytes of one KV page (all attention layers' K and V of page_size
-   * tokens, as the engine lays them out). Not 0.
-   */
-  uint64_t kv_page_bytes;
-  /**
-   * Bytes of one recurrent-state slot (all recurrent layers). Not 0.
-   */
-  uint64_t state_slot_bytes;
-  /**
-   * Share of the budget given to the state pool at creation, strictly
-   * between 0 and 1 (default 0.5). Memfd and CUDA round the state share
-   * down to whole chunks.
-   */
-  double state_fraction;
-  /**
-   * A marconi_pool_migration value (default MARCONI_POOL_MIGRATION_AVMP).
-   */
-  uint32_t migration;
-  /**
-   * Donor units moved per AVMP migration; 0 means 128 (the paper's).
-   */
-  uint32_t migration_batch_units;
-  /**
-   * Memfd chunk size (a multiple of the OS page size); 0 means 2 MiB.
-   * CUDA uses the device's granularity and ignores it.
-   */
-  uint64_t chunk_bytes;
-  /**
-   * CUDA device ordinal (backend CUDA only).
-   */
-  uint32_t cuda_device;
-  /**
-   * Must be 0.
-   */
-  uint32_t reserved;
-} marconi_pool_config;
-
-/**
  * The outcome of one capacity migration.
  */
 typedef struct marconi_migration {
@@ -2362,13 +2381,13 @@ typedef struct marconi_state_buffer {
 } marconi_state_buffer;
 
 /**
- * The result of marconi_pooled_cache_lookup.
+ * The result of marconi_cache_lookup_pooled.
  */
 typedef struct marconi_pooled_lookup {
   /**
    * The lease pinning what the request reuses (never 0, never reused,
-   * never valid in another cache): pass it to marconi_pooled_cache_admit
-   * and release it with marconi_pooled_cache_release.
+   * never valid in another cache): pass it to marconi_cache_admit_pooled
+   * and release it with marconi_cache_release.
    */
   uint64_t lease;
   /**
@@ -2381,25 +2400,25 @@ typedef struct marconi_pooled_lookup {
   uint32_t kv_matched_tokens;
   /**
    * The cache's state-slot handle to resume from (copy it into a slot
-   * the request reserved, e.g. with marconi_pooled_cache_copy_states),
+   * the request reserved, e.g. with marconi_cache_copy_states),
    * or 0 when there is no hit.
    */
   uint64_t state_handle;
   /**
    * The cache's KV page handles of the first hit_tokens tokens
-   * (marconi_pooled_cache_lease_kv_pages): read them, never free them;
+   * (marconi_cache_lease_kv_handles): read them, never free them;
    * valid while the lease is held.
    */
   uint32_t n_kv_pages;
   /**
-   * Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
+   * Checkpoint positions for this prefill (marconi_cache_lease_plan).
    */
   uint32_t n_plan;
 } marconi_pooled_lookup;
 
 /**
  * A recurrent state the engine saved into a state slot it reserved,
- * offered to marconi_pooled_cache_admit.
+ * offered to marconi_cache_admit_pooled.
  */
 typedef struct marconi_pooled_state {
   /**
@@ -2411,14 +2430,14 @@ typedef struct marconi_pooled_state {
    */
   uint32_t reserved;
   /**
-   * The state-slot handle holding it (from marconi_pooled_cache_reserve).
+   * The state-slot handle holding it (from marconi_cache_reserve).
    */
   uint64_t state_handle;
 } marconi_pooled_state;
 
 /**
  * Counters of a cache over pools. Versioned by size: set struct_size to
- * sizeof(marconi_pooled_stats) before calling marconi_pooled_cache_stats.
+ * sizeof(marconi_pooled_stats) before calling marconi_cache_pool_stats.
  */
 typedef struct marconi_pooled_stats {
   /**
@@ -3076,7 +3095,10 @@ size_t marconi_last_error(char *buf, size_t cap);
  * Creates a cache from `*cfg` and writes the handle to `*out` (caller frees
  * it with marconi_cache_free). MARCONI_STATUS_INVALID_CONFIG (with the
  * reason in marconi_last_error) for a configuration that cannot drive a
- * cache, e.g. capacity_bytes 0.
+ * cache, e.g. capacity_bytes 0 (without pools). With cfg->pools the cache
+ * lives in the library's pools (marconi_cache_lookup_pooled and the other
+ * pool calls); with cfg->tiers it has lower tiers; both at once is
+ * MARCONI_STATUS_UNSUPPORTED.
  *
  * Thread safety: may run concurrently with anything.
  *
@@ -3121,6 +3143,10 @@ void marconi_cache_free(struct marconi_cache *cache);
  * device's own hit, slot and pages, with no lower-tier hit chosen, pinned
  * or counted (the lease loads nothing). marconi_cache_lookup_tiered
  * weighs every tier.
+ *
+ * On a cache over pools (marconi_cache_config.pools) this and every other
+ * marconi_cache_lookup* call over engine ids returns
+ * MARCONI_STATUS_UNSUPPORTED: use marconi_cache_lookup_pooled.
  *
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
@@ -3227,7 +3253,8 @@ marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
  * first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
  * `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
  * MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
- * `*out_len`.
+ * `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
+ * pages are handles: marconi_cache_lease_kv_handles).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3247,7 +3274,8 @@ marconi_status marconi_cache_lease_kv_pages(const struct marconi_cache *cache,
  * recurrent state after each of these many tokens during prefill) into
  * `buf[0..cap]` and their number to `*out_len`. The final state is always
  * admissible and is not listed. A buffer too small behaves as in
- * marconi_cache_lease_kv_pages.
+ * marconi_cache_lease_kv_pages. Works on every cache (a lease of
+ * marconi_cache_lookup_pooled too).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3278,7 +3306,8 @@ marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
  * Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
  * _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot
  * given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
- * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT.
+ * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
+ * _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3329,9 +3358,10 @@ marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
                                        struct marconi_admit_result *out);
 
 /**
- * Releases `lease`: what it pinned becomes evictable again.
- * MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this cache or
- * already released.
+ * Releases `lease` (of any lookup of this cache: marconi_cache_lookup,
+ * _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
+ * again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
+ * cache or already released.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3353,7 +3383,9 @@ marconi_status marconi_cache_release(const struct marconi_cache *cache, uint64_t
  * On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
  * first: a WRITE to the host reads a slot this returns; every id this
  * returns is the engine's to reuse at once (with defer_moves, ids freed
- * since the last marconi_cache_settle wait for the next one).
+ * since the last marconi_cache_settle wait for the next one). On a cache
+ * over pools: MARCONI_STATUS_UNSUPPORTED (use
+ * marconi_cache_drain_freed_units).
  *
  * Thread safety: safe to call concurrently on the same cache; each freed id
  * is delivered to exactly one caller.
@@ -3377,7 +3409,8 @@ marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
  * marconi_cache_drain_freed. On a cache with lower tiers what it evicts
  * moves down as an admission's evictions do (ops in
  * marconi_cache_drain_ops; with defer_moves at the next
- * marconi_cache_settle).
+ * marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
+ * (its reservations evict as needed: marconi_cache_reserve).
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3392,7 +3425,9 @@ marconi_status marconi_cache_evict(const struct marconi_cache *cache,
 /**
  * Writes the cache's counters and gauges to `*out`. Set out->struct_size to
  * sizeof(marconi_stats) first: only that many bytes are written (at least
- * 16), so callers compiled against an older header keep working.
+ * 16), so callers compiled against an older header keep working. On a
+ * cache over pools the capacity is the pools' budget, and
+ * marconi_cache_pool_stats has the pools' own counters.
  *
  * Thread safety: safe to call concurrently on the same cache.
  *
@@ -3525,7 +3560,9 @@ marconi_status marconi_events_config_init(struct marconi_events_config *cfg, siz
  * thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
  * MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
  * connected, or when this library was built without the publisher
- * (marconi_events_has_publisher() returns 0).
+ * (marconi_events_has_publisher() returns 0). MARCONI_STATUS_UNSUPPORTED
+ * on a cache over pools (marconi_cache_config.pools): it publishes no
+ * events yet.
  *
  * Thread safety: may run concurrently with anything.
  *
@@ -4517,15 +4554,272 @@ marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
                                         uint32_t *out_slot);
 
 /**
- * Creates a cache over pools and writes the handle to `*out` (free it with
- * marconi_pooled_cache_free). `cache_cfg` chooses the policy, the model and
- * the page size (its capacity_bytes is ignored: the pools are the
- * capacity); `pool_cfg` the memory (backend, budget, split, migration).
- * pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the model's KV
- * bytes of one page and one state (all recurrent layers), 128-aligned;
- * larger values (an engine's padded layout) are accepted, smaller ones are
- * MARCONI_STATUS_INVALID_CONFIG. A model without recurrent layers is
- * refused (use marconi_cache_new).
+ * Looks up `tokens[0..n_tokens]` in namespace `ns` on a cache over pools
+ * and writes the hit, the cache's state handle to resume from, the counts
+ * of KV page handles and planned checkpoints, and a lease to `*out` (pass
+ * it to marconi_cache_admit_pooled, release it with marconi_cache_release).
+ * The pooled counterpart of marconi_cache_lookup, which refuses on a
+ * cache over pools.
+ *
+ * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
+ * on a cache without pools (marconi_cache_config.pools).
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
+ * (or is NULL); `out` is writable or NULL.
+ */
+marconi_status marconi_cache_lookup_pooled(const struct marconi_cache *cache,
+                                           uint64_t ns,
+                                           const uint32_t *tokens,
+                                           size_t n_tokens,
+                                           struct marconi_pooled_lookup *out);
+
+/**
+ * marconi_cache_lookup_pooled with application checkpoint hints
+ * (`checkpoints[0..n_checkpoints]`, as marconi_cache_lookup_hinted takes
+ * them): the kept hints are in the lease's plan (marconi_cache_lease_plan);
+ * reserve a state slot for each.
+ *
+ * Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
+ * for checkpoints NULL with n_checkpoints > 0, and
+ * MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_lookup_pooled; `checkpoints` has n_checkpoints readable
+ * u32 (or is NULL with 0).
+ */
+marconi_status marconi_cache_lookup_pooled_hinted(const struct marconi_cache *cache,
+                                                  uint64_t ns,
+                                                  const uint32_t *tokens,
+                                                  size_t n_tokens,
+                                                  const uint32_t *checkpoints,
+                                                  size_t n_checkpoints,
+                                                  struct marconi_pooled_lookup *out);
+
+/**
+ * Writes the KV page handles of a lease's hit (a lease of
+ * marconi_cache_lookup_pooled: the cache's pages, read them, never free
+ * them; valid while the lease is held) into `buf[0..cap]` and their number
+ * to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+ * written when cap is too small; NULL with cap 0 asks for the count). The
+ * pooled counterpart of marconi_cache_lease_kv_pages.
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or
+ * is NULL); `out_len` is writable or NULL.
+ */
+marconi_status marconi_cache_lease_kv_handles(const struct marconi_cache *cache,
+                                              uint64_t lease,
+                                              uint64_t *buf,
+                                              size_t cap,
+                                              size_t *out_len);
+
+/**
+ * Reserves working memory for a request on a cache over pools:
+ * `kv_pages` KV pages (for the tokens past the hit) written to
+ * `kv_out[0..kv_pages]` and `state_slots` state slots (one per state to
+ * save: the plan and the final state) written to `state_out`. When a pool
+ * is short, free capacity migrates from the other pool (AVMP) and then the
+ * cache evicts by utility; all or nothing. MARCONI_STATUS_OUT_OF_MEMORY
+ * when even that cannot make room: nothing is reserved (entries evicted on
+ * the way stay evicted; their handles come back through
+ * marconi_cache_drain_freed_units). MARCONI_STATUS_BUFFER_TOO_SMALL when a
+ * capacity is below its count. The units are the caller's until admitted
+ * (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
+ * state_cap writable uint64_t (or are NULL with a capacity 0).
+ */
+marconi_status marconi_cache_reserve(const struct marconi_cache *cache,
+                                     uint32_t kv_pages,
+                                     uint32_t state_slots,
+                                     uint64_t *kv_out,
+                                     size_t kv_cap,
+                                     uint64_t *state_out,
+                                     size_t state_cap);
+
+/**
+ * Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
+ * output) under `lease` (of marconi_cache_lookup_pooled) on a cache over
+ * pools, with `kv_pages[0..n_kv_pages]` (one handle per full page of
+ * tokens: the lease's hit pages, then pages the caller reserved) and the
+ * states saved (`states[i].state_handle`: a state handle the caller
+ * reserved). The pooled counterpart of marconi_cache_admit, which refuses
+ * on a cache over pools. The cache takes the units it keeps: the pages
+ * kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
+ * slots of the states with `taken[i] = 1` (`taken` may be NULL when
+ * n_states is 0). Every other unit passed in stays the caller's: free it
+ * with marconi_cache_free_units (or reuse it). Every handle is checked
+ * before anything changes: a page is a page the caller holds, or the page
+ * the cache holds at that very position for this lease (the hit pages
+ * marconi_cache_lease_kv_handles lists, and pages an earlier admit of the
+ * lease took); any other page the cache holds (another prefix's, or the
+ * hit's at another position), a handle of another pool or cache, a stale
+ * or made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
+ * MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
+ * MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
+ * MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
+ * error.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; each buffer has its length readable
+ * (or is NULL with length 0); `taken` has n_states writable bytes; `out`
+ * is writable or NULL.
+ */
+marconi_status marconi_cache_admit_pooled(const struct marconi_cache *cache,
+                                          uint64_t lease,
+                                          const uint32_t *tokens,
+                                          size_t n_tokens,
+                                          const struct marconi_pooled_state *states,
+                                          size_t n_states,
+                                          const uint64_t *kv_pages,
+                                          size_t n_kv_pages,
+                                          uint8_t *taken,
+                                          struct marconi_admit_result *out);
+
+/**
+ * Frees `handles[0..n]`, units the caller holds on a cache over pools
+ * (reserved, not taken by the cache); all or nothing:
+ * MARCONI_STATUS_UNKNOWN_HANDLE for a handle the caller does not hold (the
+ * cache's, another pool's or cache's, freed, made up),
+ * MARCONI_STATUS_DOUBLE_FREE for one listed twice.
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
+ * is NULL).
+ */
+marconi_status marconi_cache_free_units(const struct marconi_cache *cache,
+                                        const uint64_t *handles,
+                                        size_t n);
+
+/**
+ * Writes the handles a cache over pools evicted since the last call
+ * (already back in their pool: stale, the engine must stop using them)
+ * into `buf[0..cap]` and their number to `*out_len`; they are removed from
+ * the list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes
+ * the count only). The pooled counterpart of marconi_cache_drain_freed.
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache; each handle
+ * is delivered to exactly one caller.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+ * NULL); `out_len` is writable or NULL.
+ */
+marconi_status marconi_cache_drain_freed_units(const struct marconi_cache *cache,
+                                               uint64_t *buf,
+                                               size_t cap,
+                                               size_t *out_len);
+
+/**
+ * Writes the handles a cache over pools holds now (KV pages and state
+ * slots, ascending) into `buf[0..cap]` and their number to `*out_len`
+ * (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
+ * debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
+ * pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * As marconi_cache_drain_freed_units.
+ */
+marconi_status marconi_cache_held(const struct marconi_cache *cache,
+                                  uint64_t *buf,
+                                  size_t cap,
+                                  size_t *out_len);
+
+/**
+ * Resolves live handles of a cache over pools (the cache's or the
+ * caller's) to their units, as marconi_pool_resolve.
+ * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
+ * is NULL); `out` has cap writable elements (or is NULL).
+ */
+marconi_status marconi_cache_resolve(const struct marconi_cache *cache,
+                                     const uint64_t *handles,
+                                     size_t n,
+                                     struct marconi_unit_location *out,
+                                     size_t cap);
+
+/**
+ * Copies states between state-slot handles of a cache over pools, as
+ * marconi_pool_copy_states: typically the lookup's state_handle into a
+ * slot the request reserved, before the request resumes from it. Any live
+ * state handle may be read; a destination must be a slot the caller holds
+ * (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
+ * overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
+ * cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `pairs` has n readable elements (or is
+ * NULL).
+ */
+marconi_status marconi_cache_copy_states(const struct marconi_cache *cache,
+                                         const struct marconi_state_copy *pairs,
+                                         size_t n);
+
+/**
+ * Writes the pools' counters into `*out` (marconi_cache_stats has the
+ * cache's), only out->struct_size bytes (at least 16): set it to
+ * sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
+ * cache without pools.
+ *
+ * Thread safety: safe to call concurrently on the same cache.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `out` is NULL or has out->struct_size
+ * writable bytes.
+ */
+marconi_status marconi_cache_pool_stats(const struct marconi_cache *cache,
+                                        struct marconi_pooled_stats *out);
+
+/**
+ * Deprecated: marconi_cache_new with marconi_cache_config.pools. Creates a
+ * cache over pools and writes the handle to `*out` (free it with
+ * marconi_pooled_cache_free or marconi_cache_free: it is a marconi_cache).
+ * `cache_cfg` chooses the policy, the model and the page size (its
+ * capacity_bytes is ignored: the pools are the capacity; its pools field
+ * must be NULL); `pool_cfg` the memory (backend, budget, split,
+ * migration). pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the
+ * model's KV bytes of one page and one state (all recurrent layers),
+ * 128-aligned; larger values (an engine's padded layout) are accepted,
+ * smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
+ * recurrent layers is refused.
  *
  * Thread safety: may run concurrently with anything.
  *
@@ -4539,8 +4833,9 @@ marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache
                                         struct marconi_pooled_cache **out);
 
 /**
- * Frees a cache over pools and its memory (every handle and address it
- * gave out becomes invalid). NULL is a no-op.
+ * Deprecated: marconi_cache_free. Frees a cache over pools and its memory
+ * (every handle and address it gave out becomes invalid). NULL is a no-op;
+ * a pointer that is not a live cache handle is refused and left alone.
  *
  * Thread safety: must not run concurrently with any other call on this
  * cache; the handle must not be used afterwards.
@@ -4552,17 +4847,11 @@ marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache
 void marconi_pooled_cache_free(struct marconi_pooled_cache *pc);
 
 /**
- * Looks up `tokens[0..n_tokens]` in namespace `ns` and writes the hit, the
- * cache's state handle to resume from, the counts of KV page handles and
- * planned checkpoints, and a lease to `*out`. Errors as
- * marconi_cache_lookup.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_lookup_pooled (same arguments, same meaning).
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `tokens` has n_tokens readable u32 (or
- * is NULL); `out` is writable or NULL.
+ * As marconi_cache_lookup_pooled.
  */
 marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc,
                                            uint64_t ns,
@@ -4571,21 +4860,11 @@ marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc
                                            struct marconi_pooled_lookup *out);
 
 /**
- * marconi_pooled_cache_lookup with application checkpoint hints
- * (`checkpoints[0..n_checkpoints]`, as marconi_cache_lookup_hinted takes
- * them): the kept hints are in the lease's plan
- * (marconi_pooled_cache_lease_plan); reserve a state slot for each.
- *
- * Errors: those of marconi_pooled_cache_lookup, MARCONI_STATUS_NULL_ARGUMENT
- * for checkpoints NULL with n_checkpoints > 0, and
- * MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_lookup_pooled_hinted.
  *
  * # Safety
  *
- * As marconi_pooled_cache_lookup; `checkpoints` has n_checkpoints readable
- * u32 (or is NULL with 0).
+ * As marconi_cache_lookup_pooled_hinted.
  */
 marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_cache *pc,
                                                   uint64_t ns,
@@ -4596,16 +4875,11 @@ marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_ca
                                                   struct marconi_pooled_lookup *out);
 
 /**
- * Writes the KV page handles of a lease's hit into `buf[0..cap]` and their
- * number to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
- * written when cap is too small; NULL with cap 0 asks for the count).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_lease_kv_handles.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
- * NULL); `out_len` is writable or NULL.
+ * As marconi_cache_lease_kv_handles.
  */
 marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_cache *pc,
                                                    uint64_t lease,
@@ -4614,14 +4888,12 @@ marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_c
                                                    size_t *out_len);
 
 /**
- * Writes a lease's planned checkpoint positions (as
- * marconi_pooled_cache_lease_kv_pages, into uint32_t).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_lease_plan (a pooled lease's checkpoint
+ * positions, ascending).
  *
  * # Safety
  *
- * As marconi_pooled_cache_lease_kv_pages; `buf` has cap writable uint32_t.
+ * As marconi_cache_lease_plan.
  */
 marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache *pc,
                                                uint64_t lease,
@@ -4630,23 +4902,11 @@ marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache
                                                size_t *out_len);
 
 /**
- * Reserves working memory for a request: `kv_pages` KV pages (for the
- * tokens past the hit) written to `kv_out[0..kv_pages]` and `state_slots`
- * state slots (one per state to save: the plan and the final state)
- * written to `state_out`. When a pool is short, free capacity migrates
- * from the other pool (AVMP) and then the cache evicts by utility; all or
- * nothing. MARCONI_STATUS_OUT_OF_MEMORY when even that cannot make room:
- * nothing is reserved (entries evicted on the way stay evicted; their
- * handles come back through marconi_pooled_cache_drain_freed).
- * MARCONI_STATUS_BUFFER_TOO_SMALL when a capacity is below its count. The
- * units are the caller's until admitted or freed.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_reserve.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
- * state_cap writable uint64_t (or are NULL with a capacity 0).
+ * As marconi_cache_reserve.
  */
 marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *pc,
                                             uint32_t kv_pages,
@@ -4657,33 +4917,11 @@ marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *p
                                             size_t state_cap);
 
 /**
- * Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
- * output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
- * full page of tokens: the lease's hit pages, then pages the caller
- * reserved) and the states saved (`states[i].state_handle`: a state handle
- * the caller reserved). The cache takes the units it keeps: the pages
- * kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
- * slots of the states with `taken[i] = 1` (`taken` may be NULL when
- * n_states is 0). Every other unit passed in stays the caller's: free it
- * with marconi_pooled_cache_free_units (or reuse it). Every handle is
- * checked before anything changes: a page is a page the caller holds, or
- * the page the cache holds at that very position for this lease (the hit
- * pages lease_kv_pages lists, and pages an earlier admit of the lease
- * took); any other page the cache holds (another prefix's, or the hit's
- * at another position), a handle of another pool or cache, a stale or
- * made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
- * MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
- * MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
- * MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
- * nothing changes on error.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_admit_pooled.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; each buffer has its length readable (or
- * is NULL with length 0); `taken` has n_states writable bytes; `out` is
- * writable or NULL.
+ * As marconi_cache_admit_pooled.
  */
 marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
                                           uint64_t lease,
@@ -4697,46 +4935,31 @@ marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
                                           struct marconi_admit_result *out);
 
 /**
- * Frees `handles[0..n]`, units the caller holds (reserved, not taken by
- * the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
- * the caller does not hold (the cache's, another pool's or cache's, freed,
- * made up), MARCONI_STATUS_DOUBLE_FREE for one listed twice.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_free_units.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
+ * As marconi_cache_free_units.
  */
 marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache *pc,
                                                const uint64_t *handles,
                                                size_t n);
 
 /**
- * Releases a lease. MARCONI_STATUS_UNKNOWN_LEASE for a lease this cache
- * did not issue or already released.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_release.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL.
+ * As marconi_cache_release.
  */
 marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *pc, uint64_t lease);
 
 /**
- * Writes the handles the cache evicted since the last call (already back
- * in their pool: stale, the engine must stop using them) into
- * `buf[0..cap]` and their number to `*out_len`; they are removed from the
- * list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes the
- * count only).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_drain_freed_units.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
- * NULL); `out_len` is writable or NULL.
+ * As marconi_cache_drain_freed_units.
  */
 marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cache *pc,
                                                 uint64_t *buf,
@@ -4744,16 +4967,11 @@ marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cach
                                                 size_t *out_len);
 
 /**
- * Writes the handles the cache holds now (KV pages and state slots, in no
- * particular order) into `buf[0..cap]` and their number to `*out_len`
- * (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
- * debugging: O(units held).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_held.
  *
  * # Safety
  *
- * As marconi_pooled_cache_drain_freed.
+ * As marconi_cache_held.
  */
 marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
                                          uint64_t *buf,
@@ -4761,15 +4979,11 @@ marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
                                          size_t *out_len);
 
 /**
- * Resolves live handles (the cache's or the caller's) to their units, as
- * marconi_pool_resolve.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_resolve.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is
- * NULL); `out` has cap writable elements (or is NULL).
+ * As marconi_cache_resolve.
  */
 marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *pc,
                                             const uint64_t *handles,
@@ -4778,48 +4992,35 @@ marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *p
                                             size_t cap);
 
 /**
- * Copies states between state-slot handles of the cache's memory, as
- * marconi_pool_copy_states: typically the lookup's state_handle into a
- * slot the request reserved, before the request resumes from it. Any live
- * state handle may be read; a destination must be a slot the caller holds
- * (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
- * overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED.
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_copy_states.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
+ * As marconi_cache_copy_states.
  */
 marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cache *pc,
                                                 const struct marconi_state_copy *pairs,
                                                 size_t n);
 
 /**
- * Writes the counters into `*out`, only out->struct_size bytes (at least 16).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_pool_stats.
  *
  * # Safety
  *
- * `pc` is a live handle or NULL; `out` is NULL or has out->struct_size
- * writable bytes.
+ * As marconi_cache_pool_stats.
  */
 marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
                                           struct marconi_pooled_stats *out);
 
 /**
- * Checks the joined invariants (core's, every handle the cache holds live
- * in its pool, the caller's and the cache's units are the pools' live
- * units, core's unit budget is the pools' capacity less the caller's
- * units). MARCONI_STATUS_INVARIANT_VIOLATED (a libmarconi bug) poisons the
- * cache. O(units + nodes).
- *
- * Thread safety: safe to call concurrently on the same cache.
+ * Deprecated: marconi_cache_check (checks the joined invariants: core's,
+ * every handle the cache holds live in its pool, the caller's and the
+ * cache's units are the pools' live units, core's unit budget is the
+ * pools' capacity less the caller's units).
  *
  * # Safety
  *
- * `pc` is a live handle or NULL.
+ * As marconi_cache_check.
  */
 marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc);
 

@@ -326,14 +326,13 @@ fn host_unit_bytes<'a>(p: *const marconi_host_pool, h: u64) -> Option<&'a mut [u
 }
 
 /// The handles a cache over pools holds (`held`) or drains as evicted.
-fn pooled_list(c: *const marconi_pooled_cache, held: bool) -> Vec<u64> {
+fn pooled_list(c: *const marconi_cache, held: bool) -> Vec<u64> {
     let mut n = 0usize;
-    type List =
-        unsafe extern "C" fn(*const marconi_pooled_cache, *mut u64, usize, *mut usize) -> St;
+    type List = unsafe extern "C" fn(*const marconi_cache, *mut u64, usize, *mut usize) -> St;
     let f: List = if held {
-        marconi_pooled_cache_held
+        marconi_cache_held
     } else {
-        marconi_pooled_cache_drain_freed
+        marconi_cache_drain_freed_units
     };
     // SAFETY: NULL with cap 0 asks for the count.
     unsafe { f(c, ptr::null_mut(), 0, &mut n) };
@@ -2724,8 +2723,8 @@ impl<'r> Worker<'r> {
     /// with a page or slot from one source; bad sources must be refused with
     /// nothing changed, good ones accepted.
     fn op_pooled_admits(&mut self) {
-        let mut caches = Vec::new();
-        for _ in 0..2 {
+        let mut caches: Vec<*mut marconi_cache> = Vec::new();
+        for k in 0..2 {
             let mut cc = default_config();
             cc.model_preset = c"nemotron-h-8b".as_ptr();
             cc.page_size = 16;
@@ -2734,19 +2733,60 @@ impl<'r> Worker<'r> {
             pc.budget_bytes = 8 << 30;
             pc.kv_page_bytes = 0;
             pc.state_slot_bytes = 0;
-            let mut c: *mut marconi_pooled_cache = ptr::null_mut();
-            // SAFETY: whole configs; c writable.
-            let st = self.call("pooled_cache_new", || unsafe {
-                marconi_pooled_cache_new(&cc, &pc, &mut c)
-            });
-            if self.expect("pooled_cache_new", st, &[St::Ok]) {
+            let mut c: *mut marconi_cache = ptr::null_mut();
+            // The one handle with pools; the other through the deprecated
+            // constructor, which makes the same handle.
+            let st = if k == 0 {
+                cc.pools = &pc;
+                // SAFETY: whole configs (pc lives through the call); c writable.
+                self.call("cache_new (pools)", || unsafe {
+                    marconi_cache_new(&cc, &mut c)
+                })
+            } else {
+                let mut pcache: *mut marconi_pooled_cache = ptr::null_mut();
+                // SAFETY: whole configs; pcache writable.
+                let st = self.call("pooled_cache_new", || unsafe {
+                    marconi_pooled_cache_new(&cc, &pc, &mut pcache)
+                });
+                c = pcache.cast();
+                st
+            };
+            if self.expect("cache_new (pools)", st, &[St::Ok]) {
                 caches.push(c);
+            }
+        }
+        // A pool call on one of the run's caches (none has pools): refused,
+        // nothing written.
+        if !self.run.caches.is_empty() {
+            let k = self.rng.below(self.run.caches.len() as u64) as usize;
+            let plain = self.h(k);
+            let (mut pg, mut sl, mut n) = ([0u64; 2], [0u64; 1], 0usize);
+            // SAFETY: writable buffers of their lengths.
+            let st = self.call("cache_reserve (no pools)", || unsafe {
+                marconi_cache_reserve(plain, 2, 1, pg.as_mut_ptr(), 2, sl.as_mut_ptr(), 1)
+            });
+            self.expect(
+                "cache_reserve on a cache without pools",
+                st,
+                &[St::Unsupported],
+            );
+            // SAFETY: as above.
+            let st = self.call("cache_held (no pools)", || unsafe {
+                marconi_cache_held(plain, pg.as_mut_ptr(), 2, &mut n)
+            });
+            self.expect(
+                "cache_held on a cache without pools",
+                st,
+                &[St::Unsupported],
+            );
+            if pg != [0; 2] || sl != [0] || n != 0 {
+                finding!(self, "a refused pool call wrote its outputs");
             }
         }
         if caches.len() < 2 {
             for c in caches {
                 // SAFETY: freed once.
-                unsafe { marconi_pooled_cache_free(c) };
+                unsafe { marconi_cache_free(c) };
             }
             return;
         }
@@ -2755,7 +2795,7 @@ impl<'r> Worker<'r> {
         let other = caches[1];
         // SAFETY: writable buffers.
         let st = self.call("pooled_cache_reserve", || unsafe {
-            marconi_pooled_cache_reserve(other, 2, 1, fpg.as_mut_ptr(), 2, fsl.as_mut_ptr(), 1)
+            marconi_cache_reserve(other, 2, 1, fpg.as_mut_ptr(), 2, fsl.as_mut_ptr(), 1)
         });
         self.expect("pooled_cache_reserve (other)", st, &[St::Ok]);
         let c = caches[0];
@@ -2764,6 +2804,36 @@ impl<'r> Worker<'r> {
             .collect();
         let mut stale: Vec<u64> = Vec::new();
         self.pooled_request(c, &base, base.len() as u32 - 4, None, &mut stale, &[]);
+        // Calls over engine ids have nothing to serve on a cache over pools:
+        // refused, nothing changed.
+        let held = pooled_list(c, true);
+        let mut l = marconi_lookup::default();
+        // SAFETY: base readable, l writable.
+        let st = self.call("cache_lookup (pools)", || unsafe {
+            marconi_cache_lookup(c, 0, base.as_ptr(), base.len(), MARCONI_NO_SLOT, &mut l)
+        });
+        self.expect("cache_lookup on a cache over pools", st, &[St::Unsupported]);
+        let (mut pages, mut slots, mut np, mut ns) = ([0u32; 4], [0u32; 4], 0usize, 0usize);
+        // SAFETY: writable buffers of their lengths.
+        let st = self.call("cache_drain_freed (pools)", || unsafe {
+            marconi_cache_drain_freed(
+                c,
+                pages.as_mut_ptr(),
+                4,
+                &mut np,
+                slots.as_mut_ptr(),
+                4,
+                &mut ns,
+            )
+        });
+        self.expect(
+            "cache_drain_freed on a cache over pools",
+            st,
+            &[St::Unsupported],
+        );
+        if pooled_list(c, true) != held || l != marconi_lookup::default() {
+            finding!(self, "a refused engine-id call changed a cache over pools");
+        }
         for _ in 0..self.rng.range(2, 6) {
             let keep = self.rng.range(16, base.len() as u64 - 8) as usize;
             let mut t = base[..keep].to_vec();
@@ -2773,19 +2843,17 @@ impl<'r> Worker<'r> {
             self.pooled_request(c, &t, input, Some(source), &mut stale, &fpg);
         }
         // SAFETY: the other cache's units, freed once.
-        let st = unsafe { marconi_pooled_cache_free_units(other, fpg.as_ptr(), 2) };
+        let st = unsafe { marconi_cache_free_units(other, fpg.as_ptr(), 2) };
         self.expect("pooled_cache_free_units (other)", st, &[St::Ok]);
         // SAFETY: as above.
-        let st = unsafe { marconi_pooled_cache_free_units(other, fsl.as_ptr(), 1) };
+        let st = unsafe { marconi_cache_free_units(other, fsl.as_ptr(), 1) };
         self.expect("pooled_cache_free_units (other)", st, &[St::Ok]);
         for c in caches {
             // SAFETY: live handle.
-            let st = unsafe { marconi_pooled_cache_check(c) };
+            let st = unsafe { marconi_cache_check(c) };
             self.expect("pooled_cache_check", st, &[St::Ok]);
             // SAFETY: freed once.
-            self.call("pooled_cache_free", || unsafe {
-                marconi_pooled_cache_free(c)
-            });
+            self.call("cache_free (pools)", || unsafe { marconi_cache_free(c) });
         }
     }
 
@@ -2796,7 +2864,7 @@ impl<'r> Worker<'r> {
     /// 6 the lease's own hit page at another position).
     fn pooled_request(
         &mut self,
-        c: *mut marconi_pooled_cache,
+        c: *mut marconi_cache,
         tokens: &[u32],
         input: u32,
         source: Option<u8>,
@@ -2806,7 +2874,7 @@ impl<'r> Worker<'r> {
         let mut l = marconi_pooled_lookup::default();
         // SAFETY: tokens readable, l writable.
         let st = self.call("pooled_cache_lookup", || unsafe {
-            marconi_pooled_cache_lookup(c, 0, tokens.as_ptr(), input as usize, &mut l)
+            marconi_cache_lookup_pooled(c, 0, tokens.as_ptr(), input as usize, &mut l)
         });
         if !self.expect("pooled_cache_lookup", st, &[St::Ok]) {
             return;
@@ -2815,7 +2883,7 @@ impl<'r> Worker<'r> {
         let mut n = 0usize;
         // SAFETY: hit has n_kv_pages writable handles.
         let st = unsafe {
-            marconi_pooled_cache_lease_kv_pages(c, l.lease, hit.as_mut_ptr(), hit.len(), &mut n)
+            marconi_cache_lease_kv_handles(c, l.lease, hit.as_mut_ptr(), hit.len(), &mut n)
         };
         self.expect("pooled_cache_lease_kv_pages", st, &[St::Ok]);
         let full_pages = tokens.len() / 16;
@@ -2823,19 +2891,11 @@ impl<'r> Worker<'r> {
         let (mut pg, mut sl) = (vec![0u64; want], [0u64; 2]);
         // SAFETY: writable buffers of their lengths.
         let st = self.call("pooled_cache_reserve", || unsafe {
-            marconi_pooled_cache_reserve(
-                c,
-                want as u32,
-                2,
-                pg.as_mut_ptr(),
-                want,
-                sl.as_mut_ptr(),
-                2,
-            )
+            marconi_cache_reserve(c, want as u32, 2, pg.as_mut_ptr(), want, sl.as_mut_ptr(), 2)
         });
         if !self.expect("pooled_cache_reserve", st, &[St::Ok, St::OutOfMemory]) || st != St::Ok {
             // SAFETY: live lease.
-            unsafe { marconi_pooled_cache_release(c, l.lease) };
+            unsafe { marconi_cache_release(c, l.lease) };
             return;
         }
         let mut pages = hit.clone();
@@ -2894,7 +2954,7 @@ impl<'r> Worker<'r> {
                 let mut r = marconi_admit_result::default();
                 // SAFETY: every buffer readable/writable for its length.
                 let st = self.call("pooled_cache_admit (bad)", || unsafe {
-                    marconi_pooled_cache_admit(
+                    marconi_cache_admit_pooled(
                         c,
                         l.lease,
                         tokens.as_ptr(),
@@ -2924,7 +2984,7 @@ impl<'r> Worker<'r> {
         let mut r = marconi_admit_result::default();
         // SAFETY: as above.
         let st = self.call("pooled_cache_admit", || unsafe {
-            marconi_pooled_cache_admit(
+            marconi_cache_admit_pooled(
                 c,
                 l.lease,
                 tokens.as_ptr(),
@@ -2962,7 +3022,7 @@ impl<'r> Worker<'r> {
         }
         // SAFETY: mine readable.
         let st = self.call("pooled_cache_free_units", || unsafe {
-            marconi_pooled_cache_free_units(c, mine.as_ptr(), mine.len())
+            marconi_cache_free_units(c, mine.as_ptr(), mine.len())
         });
         self.expect(
             "pooled_cache_free_units of the caller's units",
@@ -2973,11 +3033,11 @@ impl<'r> Worker<'r> {
         stale.extend(pooled_list(c, false));
         // SAFETY: live lease.
         let st = self.call("pooled_cache_release", || unsafe {
-            marconi_pooled_cache_release(c, l.lease)
+            marconi_cache_release(c, l.lease)
         });
         self.expect("pooled_cache_release", st, &[St::Ok]);
         // SAFETY: live handle.
-        let st = unsafe { marconi_pooled_cache_check(c) };
+        let st = unsafe { marconi_cache_check(c) };
         self.expect("pooled_cache_check", st, &[St::Ok]);
     }
 

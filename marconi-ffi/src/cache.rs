@@ -11,6 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::pooled::Pools;
 use crate::status::{
     boundary, boundary_or, check_ptr, check_tag, copy_list, in_slice, marconi_status, out_slice,
     register_tag, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
@@ -80,13 +81,16 @@ pub struct marconi_cache {
     inner: Mutex<Inner>,
 }
 
-/// The core a cache runs on: the device cache alone, or the device cache
-/// with lower tiers below it (marconi_cache_config.tiers). The plain cache
-/// stays inline: no indirection more than before on its request path.
+/// The core a cache runs on: the device cache alone over ids the engine
+/// owns, the device cache with lower tiers below it
+/// (marconi_cache_config.tiers), or the cache over the library's pools
+/// (marconi_cache_config.pools). The plain cache stays inline: no
+/// indirection more than before on its request path.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Core {
     Plain(PrefixCache),
     Tiered(Box<Tiers>),
+    Pooled(Box<Pools>),
 }
 
 /// An outstanding lease, by its C id.
@@ -122,6 +126,25 @@ impl Inner {
         match &self.core {
             Core::Plain(c) => c,
             Core::Tiered(t) => t.cache.device(),
+            Core::Pooled(p) => p.device(),
+        }
+    }
+
+    /// The pools, or MARCONI_STATUS_UNSUPPORTED naming `what` on a cache
+    /// configured without them.
+    pub(crate) fn pools(&mut self, what: &str) -> FfiResult<&mut Pools> {
+        match &mut self.core {
+            Core::Pooled(p) => Ok(p),
+            _ => Err(no_pools(what)),
+        }
+    }
+
+    /// MARCONI_STATUS_UNSUPPORTED on a cache over pools for `what`, a call
+    /// over ids the engine owns, naming `instead`, its pooled counterpart.
+    pub(crate) fn not_pooled(&self, what: &str, instead: &str) -> FfiResult {
+        match self.core {
+            Core::Pooled(_) => Err(pooled_instead(what, instead)),
+            _ => Ok(()),
         }
     }
 
@@ -131,6 +154,13 @@ impl Inner {
         match &mut self.core {
             Core::Tiered(t) => Ok(t),
             Core::Plain(_) => Err(no_tiers(what)),
+            Core::Pooled(_) => Err(FfiError::new(
+                marconi_status::Unsupported,
+                format!(
+                    "{what} needs lower tiers, and this cache lives in pools \
+                     (marconi_cache_config.pools): pools and tiers cannot be combined yet"
+                ),
+            )),
         }
     }
 
@@ -141,6 +171,9 @@ impl Inner {
         let f = match &mut self.core {
             Core::Plain(c) => c.drain_freed(),
             Core::Tiered(t) => t.drain_freed(),
+            // The pooled core returns what it evicts to its pools itself;
+            // the handles wait in Pools for marconi_cache_drain_freed_units.
+            Core::Pooled(_) => return,
         };
         for s in &f.state_slots {
             self.owned_slots.remove(s);
@@ -159,6 +192,7 @@ impl Inner {
         let records = match &mut self.core {
             Core::Plain(c) => c.drain_log(),
             Core::Tiered(t) => t.cache.drain_device_log(),
+            Core::Pooled(p) => p.drain_log(),
         };
         for mut d in records {
             match &mut d {
@@ -343,6 +377,38 @@ pub struct marconi_stats {
 /// Smallest struct_size accepted by marconi_cache_stats (up to `requests`).
 const STATS_MIN_SIZE: usize = 16;
 
+/// The refusal of a pool operation on a cache configured without pools.
+pub(crate) fn no_pools(what: &str) -> FfiError {
+    FfiError::new(
+        marconi_status::Unsupported,
+        format!(
+            "{what} needs pools, and this cache has none (its memory is ids the engine \
+             owns): create it with marconi_cache_config.pools pointing to a \
+             marconi_pool_config (marconi_pool_config_init, then set budget_bytes)"
+        ),
+    )
+}
+
+/// The refusal of an event stream on a cache over pools.
+fn no_events() -> FfiError {
+    FfiError::new(
+        marconi_status::Unsupported,
+        "a cache over pools (marconi_cache_config.pools) publishes no events yet: \
+         create the events handle on a cache without pools",
+    )
+}
+
+/// The refusal of a call over ids the engine owns on a cache over pools.
+pub(crate) fn pooled_instead(what: &str, instead: &str) -> FfiError {
+    FfiError::new(
+        marconi_status::Unsupported,
+        format!(
+            "{what} takes or gives ids the engine owns, and this cache lives in pools \
+             (marconi_cache_config.pools): use {instead}"
+        ),
+    )
+}
+
 /// The refusal of a tier operation on a cache configured without tiers.
 pub(crate) fn no_tiers(what: &str) -> FfiError {
     FfiError::new(
@@ -361,12 +427,22 @@ impl marconi_cache {
         Ok(self.lock()?.device().config().page_size)
     }
 
+    /// MARCONI_STATUS_UNSUPPORTED on a cache over pools, which has no event
+    /// stream yet.
+    pub(crate) fn events_supported(&self) -> FfiResult {
+        match self.lock()?.core {
+            Core::Pooled(_) => Err(no_events()),
+            _ => Ok(()),
+        }
+    }
+
     /// Turns the device's event stream on (the events handle's way in).
     pub(crate) fn enable_events(&self) -> FfiResult {
         let mut g = self.lock()?;
         match &mut g.core {
             Core::Plain(c) => c.enable_events(),
             Core::Tiered(t) => t.cache.enable_device_events()?,
+            Core::Pooled(_) => return Err(no_events()),
         }
         // Moves run to turn them on may have freed ids.
         g.collect_freed();
@@ -379,6 +455,8 @@ impl marconi_cache {
         match &mut g.core {
             Core::Plain(c) => c.disable_events(),
             Core::Tiered(t) => t.cache.disable_device_events(),
+            // Never enabled (enable_events refuses).
+            Core::Pooled(_) => {}
         }
         Ok(())
     }
@@ -389,6 +467,8 @@ impl marconi_cache {
         Ok(match &mut g.core {
             Core::Plain(c) => c.drain_events(),
             Core::Tiered(t) => t.cache.drain_device_events(),
+            // Never enabled (enable_events refuses).
+            Core::Pooled(_) => Vec::new(),
         })
     }
 
@@ -443,7 +523,10 @@ pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
 /// Creates a cache from `*cfg` and writes the handle to `*out` (caller frees
 /// it with marconi_cache_free). MARCONI_STATUS_INVALID_CONFIG (with the
 /// reason in marconi_last_error) for a configuration that cannot drive a
-/// cache, e.g. capacity_bytes 0.
+/// cache, e.g. capacity_bytes 0 (without pools). With cfg->pools the cache
+/// lives in the library's pools (marconi_cache_lookup_pooled and the other
+/// pool calls); with cfg->tiers it has lower tiers; both at once is
+/// MARCONI_STATUS_UNSUPPORTED.
 ///
 /// Thread safety: may run concurrently with anything.
 ///
@@ -464,20 +547,52 @@ pub unsafe extern "C" fn marconi_cache_new(
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
         let c = unsafe { read_config(cfg) }?;
         // SAFETY: the pointers inside c follow the documented contracts.
-        let core_cfg = unsafe { to_core_config(&c) }?;
-        let tiers = c.tiers;
-        let core = if tiers.is_null() {
-            Core::Plain(PrefixCache::new(core_cfg)?)
-        } else {
-            check_ptr!(tiers);
-            // SAFETY: non-NULL and aligned (checked); initialised by
-            // marconi_tier_options_init (contract).
-            let o = unsafe { crate::tiered::read_tier_options(tiers) }?;
-            Core::Tiered(Box::new(crate::tiered::build_tiers(core_cfg, &o)?))
-        };
+        let core = unsafe { build_core(c) }?;
         // SAFETY: out is non-NULL, aligned (checked) and writable (contract).
         unsafe { new_handle(core, out) };
         Ok(())
+    })
+}
+
+/// The core a configuration asks for: over pools (`c.pools`), with lower
+/// tiers (`c.tiers`), or plain; both pools and tiers is
+/// MARCONI_STATUS_UNSUPPORTED.
+///
+/// # Safety
+///
+/// The pointers inside `c` follow the documented contracts of
+/// marconi_cache_config.
+pub(crate) unsafe fn build_core(c: marconi_cache_config) -> FfiResult<Core> {
+    let (tiers, pools) = (c.tiers, c.pools);
+    if !pools.is_null() && !tiers.is_null() {
+        return Err(FfiError::new(
+            marconi_status::Unsupported,
+            "pools and tiers cannot be combined yet: set marconi_cache_config.pools or \
+             marconi_cache_config.tiers, not both",
+        ));
+    }
+    let mut c = c;
+    if !pools.is_null() && c.capacity_bytes == 0 {
+        // Ignored with pools (their budget is the capacity), but core
+        // refuses 0 before it is replaced.
+        c.capacity_bytes = 1;
+    }
+    // SAFETY: the pointers inside c follow the documented contracts.
+    let core_cfg = unsafe { to_core_config(&c) }?;
+    Ok(if !pools.is_null() {
+        check_ptr!(pools);
+        // SAFETY: non-NULL and aligned (checked); initialised by
+        // marconi_pool_config_init (contract).
+        let p = unsafe { crate::pool::read_pool_config(pools) }?;
+        Core::Pooled(Box::new(crate::pooled::build(core_cfg, &p)?))
+    } else if tiers.is_null() {
+        Core::Plain(PrefixCache::new(core_cfg)?)
+    } else {
+        check_ptr!(tiers);
+        // SAFETY: non-NULL and aligned (checked); initialised by
+        // marconi_tier_options_init (contract).
+        let o = unsafe { crate::tiered::read_tier_options(tiers) }?;
+        Core::Tiered(Box::new(crate::tiered::build_tiers(core_cfg, &o)?))
     })
 }
 
@@ -490,6 +605,7 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
     let decision_log = match &core {
         Core::Plain(c) => c.config().decision_log,
         Core::Tiered(t) => t.cache.device().config().decision_log,
+        Core::Pooled(p) => p.device().config().decision_log,
     };
     let c_of_core = decision_log.then(HashMap::new);
     let handle = Box::new(marconi_cache {
@@ -557,6 +673,10 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
 /// device's own hit, slot and pages, with no lower-tier hit chosen, pinned
 /// or counted (the lease loads nothing). marconi_cache_lookup_tiered
 /// weighs every tier.
+///
+/// On a cache over pools (marconi_cache_config.pools) this and every other
+/// marconi_cache_lookup* call over engine ids returns
+/// MARCONI_STATUS_UNSUPPORTED: use marconi_cache_lookup_pooled.
 ///
 /// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
 /// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
@@ -865,6 +985,7 @@ unsafe fn lookup_opts(
     let tokens = &tokens[..];
     check_ptr!(out);
     let mut g = h.lock()?;
+    g.not_pooled("marconi_cache_lookup", "marconi_cache_lookup_pooled")?;
     if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
         return Err(FfiError::new(
             marconi_status::InvalidArgument,
@@ -891,6 +1012,12 @@ unsafe fn lookup_opts(
         // nor pinned (the engine would have to load it first; the tier
         // lookup, marconi_cache_lookup_tiered, offers it with its loads).
         Core::Tiered(t) => t.device_lookup(id, ns, tokens, hints, opts)?,
+        Core::Pooled(_) => {
+            return Err(pooled_instead(
+                "marconi_cache_lookup",
+                "marconi_cache_lookup_pooled",
+            ))
+        }
     };
     let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
     let core_lease = l.lease;
@@ -935,7 +1062,8 @@ unsafe fn lookup_opts(
 /// first hit_tokens tokens, in order) into `buf[0..cap]` and their number to
 /// `*out_len`. With a buffer too small (NULL with cap 0 is a size query), returns
 /// MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
-/// `*out_len`.
+/// `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
+/// pages are handles: marconi_cache_lease_kv_handles).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -961,6 +1089,10 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
         let g = h.lock()?;
+        g.not_pooled(
+            "marconi_cache_lease_kv_pages",
+            "marconi_cache_lease_kv_handles",
+        )?;
         let core_lease = g.core_lease(lease)?;
         match &g.leases[&lease].pages {
             Some(pages) => copy_list(pages, buf, out_len),
@@ -979,7 +1111,8 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
 /// recurrent state after each of these many tokens during prefill) into
 /// `buf[0..cap]` and their number to `*out_len`. The final state is always
 /// admissible and is not listed. A buffer too small behaves as in
-/// marconi_cache_lease_kv_pages.
+/// marconi_cache_lease_kv_pages. Works on every cache (a lease of
+/// marconi_cache_lookup_pooled too).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1012,6 +1145,9 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
                 .get(&lease)
                 .map(|l| &l.plan[..])
                 .ok_or(marconi_core::CacheError::UnknownLease(core_lease)),
+            Core::Pooled(p) => p
+                .plan(lease)
+                .ok_or(marconi_core::CacheError::UnknownLease(core_lease)),
         }
         .map_err(|_| FfiError::from(marconi_core::CacheError::UnknownLease(lease)))?;
         copy_list(plan, buf, out_len)
@@ -1034,7 +1170,8 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
 /// Errors (nothing changes): MARCONI_STATUS_UNKNOWN_LEASE, _PREFIX_MISMATCH,
 /// _NOT_PLANNED (a position the cache never planned), _DUPLICATE_SLOT (a slot
 /// given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
-/// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT.
+/// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
+/// _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1166,10 +1303,17 @@ unsafe fn admit(
         })
         .collect();
     let mut g = h.lock()?;
+    g.not_pooled("marconi_cache_admit", "marconi_cache_admit_pooled")?;
     let core_lease = g.core_lease(lease)?;
     let o = match &mut g.core {
         Core::Plain(c) => c.admit(core_lease, tokens, &saved, kv_pages),
         Core::Tiered(t) => t.admit(lease, core_lease, tokens, &saved, kv_pages),
+        Core::Pooled(_) => {
+            return Err(pooled_instead(
+                "marconi_cache_admit",
+                "marconi_cache_admit_pooled",
+            ))
+        }
     };
     // Moves into the lower tiers run even when the admission failed.
     let o = o.map_err(|e| match e {
@@ -1218,9 +1362,10 @@ unsafe fn admit(
     Ok(())
 }
 
-/// Releases `lease`: what it pinned becomes evictable again.
-/// MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this cache or
-/// already released.
+/// Releases `lease` (of any lookup of this cache: marconi_cache_lookup,
+/// _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
+/// again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
+/// cache or already released.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1240,6 +1385,7 @@ pub unsafe extern "C" fn marconi_cache_release(
         let r = match &mut g.core {
             Core::Plain(c) => c.release(core_lease),
             Core::Tiered(t) => t.release(lease, core_lease),
+            Core::Pooled(p) => p.release(lease, core_lease),
         };
         if matches!(g.core, Core::Tiered(_)) {
             // Releasing runs the moves into the lower tiers.
@@ -1266,7 +1412,9 @@ pub unsafe extern "C" fn marconi_cache_release(
 /// On a cache with lower tiers, drain the ops (marconi_cache_drain_ops)
 /// first: a WRITE to the host reads a slot this returns; every id this
 /// returns is the engine's to reuse at once (with defer_moves, ids freed
-/// since the last marconi_cache_settle wait for the next one).
+/// since the last marconi_cache_settle wait for the next one). On a cache
+/// over pools: MARCONI_STATUS_UNSUPPORTED (use
+/// marconi_cache_drain_freed_units).
 ///
 /// Thread safety: safe to call concurrently on the same cache; each freed id
 /// is delivered to exactly one caller.
@@ -1300,6 +1448,10 @@ pub unsafe extern "C" fn marconi_cache_drain_freed(
         check_ptr!(n_pages);
         check_ptr!(n_slots);
         let mut g = h.lock()?;
+        g.not_pooled(
+            "marconi_cache_drain_freed",
+            "marconi_cache_drain_freed_units",
+        )?;
         g.collect_freed();
         let g = &mut *g;
         // SAFETY: n_pages and n_slots are non-NULL and aligned (checked),
@@ -1355,7 +1507,8 @@ pub(crate) unsafe fn hand_out_freed(
 /// marconi_cache_drain_freed. On a cache with lower tiers what it evicts
 /// moves down as an admission's evictions do (ops in
 /// marconi_cache_drain_ops; with defer_moves at the next
-/// marconi_cache_settle).
+/// marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
+/// (its reservations evict as needed: marconi_cache_reserve).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1378,6 +1531,13 @@ pub unsafe extern "C" fn marconi_cache_evict(
         let free = match &mut g.core {
             Core::Plain(c) => Ok(c.evict(bytes)),
             Core::Tiered(t) => t.cache.evict(bytes),
+            Core::Pooled(_) => {
+                return Err(FfiError::new(
+                    marconi_status::Unsupported,
+                    "marconi_cache_evict: a cache over pools (marconi_cache_config.pools) \
+                     evicts when a reservation needs room (marconi_cache_reserve)",
+                ))
+            }
         };
         g.collect_freed();
         let free = free?;
@@ -1389,7 +1549,9 @@ pub unsafe extern "C" fn marconi_cache_evict(
 
 /// Writes the cache's counters and gauges to `*out`. Set out->struct_size to
 /// sizeof(marconi_stats) first: only that many bytes are written (at least
-/// 16), so callers compiled against an older header keep working.
+/// 16), so callers compiled against an older header keep working. On a
+/// cache over pools the capacity is the pools' budget, and
+/// marconi_cache_pool_stats has the pools' own counters.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
@@ -1537,6 +1699,7 @@ pub unsafe extern "C" fn marconi_cache_check(cache: *const marconi_cache) -> mar
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &g.core {
             Core::Plain(c) => c.check_invariants(),
             Core::Tiered(t) => t.cache.check_invariants(),
+            Core::Pooled(p) => p.check_invariants(),
         }));
         match res {
             Ok(()) => Ok(()),

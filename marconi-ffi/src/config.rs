@@ -306,6 +306,20 @@ pub struct marconi_cache_config {
     /// marconi_cache_drain_ops, ...) are available. Added in version 5 of
     /// the struct: a caller whose struct ends before it gets NULL.
     pub tiers: *const crate::tiered::marconi_tier_options,
+    /// The memory the cache lives in: NULL (the default) for ids the engine
+    /// owns (KV page ids and state slot ids passed to marconi_cache_admit),
+    /// or the library's pools (initialise them with
+    /// marconi_pool_config_init; read only during marconi_cache_new). With
+    /// pools, capacity_bytes is ignored (the pools' budget is the
+    /// capacity), the model must have recurrent layers, and the request
+    /// cycle runs over pool handles: marconi_cache_lookup_pooled,
+    /// marconi_cache_reserve, marconi_cache_admit_pooled,
+    /// marconi_cache_free_units, marconi_cache_drain_freed_units, ...; the
+    /// calls that take engine ids refuse with MARCONI_STATUS_UNSUPPORTED.
+    /// Pools and tiers together are MARCONI_STATUS_UNSUPPORTED. Added in
+    /// version 6 of the struct: a caller whose struct ends before it gets
+    /// NULL.
+    pub pools: *const crate::pool::marconi_pool_config,
 }
 
 /// The size of the first version of marconi_cache_config (up to
@@ -317,6 +331,11 @@ const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_a
 /// take their defaults when a caller's struct is this short.
 #[cfg(test)]
 const CONFIG_V2_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_max_window);
+
+/// The size of version 5 (up to tiers): pools takes its default (NULL)
+/// when a caller's struct is this short.
+#[cfg(test)]
+const CONFIG_V5_SIZE: usize = std::mem::offset_of!(marconi_cache_config, pools);
 
 /// The size of version 4 (up to superseded_age): tiers takes its default
 /// (NULL) when a caller's struct is this short.
@@ -376,6 +395,7 @@ impl marconi_cache_config {
             min_branch_depth: base.min_branch_depth,
             superseded_age: base.superseded_age,
             tiers: std::ptr::null(),
+            pools: std::ptr::null(),
         }
     }
 
@@ -874,8 +894,12 @@ mod tests {
     fn the_layout_has_no_padding() {
         let ours = std::mem::size_of::<marconi_cache_config>();
         assert_eq!(
-            std::mem::offset_of!(marconi_cache_config, tiers) + std::mem::size_of::<usize>(),
+            std::mem::offset_of!(marconi_cache_config, pools) + std::mem::size_of::<usize>(),
             ours
+        );
+        assert_eq!(
+            std::mem::offset_of!(marconi_cache_config, tiers) + std::mem::size_of::<usize>(),
+            CONFIG_V5_SIZE
         );
         assert_eq!(
             std::mem::offset_of!(marconi_cache_config, superseded_age) + 8,
@@ -1045,6 +1069,40 @@ mod tests {
             assert_eq!(
                 crate::tiered::marconi_cache_settle(cache),
                 marconi_status::Unsupported
+            );
+            crate::cache::marconi_cache_free(cache);
+        }
+    }
+
+    /// A caller of version 5 (no `pools` field) gets a cache over ids the
+    /// engine owns: the field it lacks reads as NULL, whatever follows its
+    /// struct in memory.
+    #[test]
+    fn a_version_5_caller_gets_no_pools() {
+        let c = init_as_older(CONFIG_V5_SIZE);
+        assert!(c.pools.is_null());
+        assert!(c.tiers.is_null());
+        let mut c = c;
+        c.capacity_bytes = 1 << 30;
+        assert_eq!(c.struct_size as usize, CONFIG_V5_SIZE);
+        // Past the caller's struct: never read.
+        c.pools = std::ptr::NonNull::dangling().as_ptr();
+        let mut cache = std::ptr::null_mut();
+        // SAFETY: `c` is a whole current struct with struct_size set to
+        // version 5's: only that much is read.
+        let st = unsafe { crate::cache::marconi_cache_new(&c, &mut cache) };
+        assert_eq!(st, marconi_status::Ok);
+        let mut free = 0u64;
+        // SAFETY: a live handle; a pool call refuses, a plain one works,
+        // then it is freed once.
+        unsafe {
+            assert_eq!(
+                crate::pooled::marconi_cache_free_units(cache, std::ptr::null(), 0),
+                marconi_status::Unsupported
+            );
+            assert_eq!(
+                crate::cache::marconi_cache_evict(cache, 0, &mut free),
+                marconi_status::Ok
             );
             crate::cache::marconi_cache_free(cache);
         }

@@ -266,7 +266,9 @@ unsafe fn read_events_config(
 /// thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
 /// MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
 /// connected, or when this library was built without the publisher
-/// (marconi_events_has_publisher() returns 0).
+/// (marconi_events_has_publisher() returns 0). MARCONI_STATUS_UNSUPPORTED
+/// on a cache over pools (marconi_cache_config.pools): it publishes no
+/// events yet.
 ///
 /// Thread safety: may run concurrently with anything.
 ///
@@ -286,6 +288,8 @@ pub unsafe extern "C" fn marconi_events_new(
         require!(out);
         // SAFETY: the caller passes a live handle.
         let h = unsafe { handle(cache) }?;
+        // Refused before anything is started (a publisher binds sockets).
+        h.events_supported()?;
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.

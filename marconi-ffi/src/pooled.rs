@@ -1,37 +1,35 @@
-//! The cache over pools through the C ABI: `marconi_pooled_cache_*` runs
-//! marconi-gpu's `PooledCache` (the prefix cache deciding over a pool's KV
-//! pages and state slots, whose capacity is the pools') through the request
-//! cycle lookup / reserve / admit / free / release / drain, with handles as
-//! ids. Built from a `marconi_cache_config` (the policy and the model) and a
-//! `marconi_pool_config` (the memory), over backend NONE, MEMFD or CUDA.
+//! The cache over pools through the C ABI: a `marconi_cache` created with
+//! `marconi_cache_config.pools` runs marconi-gpu's `PooledCache` (the
+//! prefix cache deciding over a pool's KV pages and state slots, whose
+//! capacity is the pools') through the request cycle lookup / reserve /
+//! admit / free / release / drain, with handles as ids. The pool
+//! configuration chooses the memory: backend NONE, MEMFD or CUDA. The
+//! `marconi_pooled_cache_*` entry points are deprecated forwarders onto the
+//! `marconi_cache_*` calls (a `marconi_pooled_cache` is a `marconi_cache`
+//! with pools).
 
 use std::collections::HashMap;
-use std::ptr;
-use std::sync::{Mutex, MutexGuard};
 
-use marconi_core::{CacheConfig, LeaseId, Stats};
+use marconi_core::{CacheConfig, CacheError, Decision, PrefixCache, Stats};
 use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory};
 use marconi_gpu::pooled::{unit_sizes, PooledCache, PooledError, PooledState, PooledStats};
 use marconi_gpu::snapshot::SlotPair;
 use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
-use crate::cache::{marconi_admit_result, next_lease_id, tokens_len_ok, NEXT_LEASE};
-use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::cache::{
+    build_core, handle, marconi_admit_result, marconi_cache, marconi_cache_check,
+    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, next_lease_id,
+    tokens_len_ok, Lease, NEXT_LEASE,
+};
+use crate::config::{marconi_cache_config, read_config};
 use crate::pool::{
     alloc_err, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
-    marconi_pool_config, marconi_state_copy, marconi_unit_location, read_pool_config, Backing,
+    marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, copy_list, in_slice, marconi_status, out_slice,
-    register_tag, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, require, write_versioned,
+    FfiError, FfiResult,
 };
-
-/// A cache over pools: opaque to C. Create with marconi_pooled_cache_new,
-/// free with marconi_pooled_cache_free.
-pub struct marconi_pooled_cache {
-    tag: HandleTag,
-    inner: Mutex<Inner>,
-}
 
 enum Joined {
     Plain(PooledCache<DualPool>),
@@ -55,40 +53,61 @@ macro_rules! with {
     };
 }
 
-struct LeaseRec {
-    core: LeaseId,
+/// What a lease of marconi_cache_lookup_pooled gives out.
+struct PoolLease {
+    /// The hit's KV page handles.
     pages: Vec<u64>,
+    /// The checkpoints planned.
     plan: Vec<u32>,
 }
 
-struct Inner {
+/// The core of a cache over pools (`Core::Pooled`): the joined cache and
+/// what its calls give out. The C lease ids and the decision log are the
+/// handle's, as for every core.
+pub(crate) struct Pools {
     joined: Joined,
-    leases: HashMap<u64, LeaseRec>,
+    /// Per outstanding C lease id (also in `Inner::leases`).
+    leases: HashMap<u64, PoolLease>,
     backend: marconi_pool_backend,
     /// Evicted handles not yet drained by the engine.
     freed: Vec<u64>,
 }
 
-impl marconi_pooled_cache {
-    fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
-        self.inner.lock().map_err(|_| {
-            FfiError::new(
-                marconi_status::Poisoned,
-                "the cache is unusable after an earlier internal panic",
-            )
-        })
+impl Pools {
+    /// The prefix cache deciding over the pools.
+    pub(crate) fn device(&self) -> &PrefixCache {
+        with!(&self.joined, c => c.cache())
+    }
+
+    /// Core's decision records since the last call.
+    pub(crate) fn drain_log(&mut self) -> Vec<Decision> {
+        with!(&mut self.joined, c => c.drain_log())
+    }
+
+    /// The plan of C lease `lease`, if outstanding.
+    pub(crate) fn plan(&self, lease: u64) -> Option<&[u32]> {
+        self.leases.get(&lease).map(|l| &l.plan[..])
+    }
+
+    /// Releases C lease `lease` (core lease `core`).
+    pub(crate) fn release(&mut self, lease: u64, core: u64) -> Result<(), CacheError> {
+        with!(&mut self.joined, c => c.release(core))
+            .map_err(|_| CacheError::UnknownLease(core))?;
+        self.leases.remove(&lease);
+        Ok(())
+    }
+
+    /// Checks the joined invariants (panics on a violation, as core's).
+    pub(crate) fn check_invariants(&self) {
+        with!(&self.joined, c => c.check_invariants());
     }
 }
 
-impl Inner {
-    fn core_lease(&self, lease: u64) -> FfiResult<&LeaseRec> {
-        self.leases.get(&lease).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::UnknownLease,
-                format!("lease {lease} was not issued by this cache or is already released"),
-            )
-        })
-    }
+fn unknown_lease(lease: u64) -> FfiError {
+    FfiError::new(
+        marconi_status::UnknownLease,
+        format!("lease {lease} was not issued by this cache or is already released"),
+    )
 }
 
 /// The marconi_status of a joined-cache error.
@@ -115,29 +134,8 @@ pub(crate) fn pooled_err(e: PooledError) -> FfiError {
     }
 }
 
-/// Checks the pointer and borrows the handle.
-///
-/// # Safety
-///
-/// `pc` is NULL or a live handle from marconi_pooled_cache_new.
-unsafe fn handle<'a>(pc: *const marconi_pooled_cache) -> FfiResult<&'a marconi_pooled_cache> {
-    check_ptr!(pc);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a cache over pools.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*pc).tag),
-            HandleTag::POOLED,
-            "pc",
-            "marconi_pooled_cache",
-        )
-    }?;
-    // SAFETY: a live handle (registered, contract).
-    Ok(unsafe { &*pc })
-}
-
-fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Inner> {
+/// The core over pools of `p` for the policy and model of `core`.
+pub(crate) fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Pools> {
     let (kv_need, state_need) = unit_sizes(&core.model, core.page_size);
     let mut p = *p;
     if p.kv_page_bytes == 0 {
@@ -149,7 +147,8 @@ fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Inner> {
     if p.state_slot_bytes == 0 {
         return Err(FfiError::new(
             marconi_status::InvalidConfig,
-            "the model has no recurrent layers: use marconi_cache_new",
+            "the model has no recurrent layers: a cache over pools needs a state pool; \
+             create the cache without marconi_cache_config.pools",
         ));
     }
     let (backend, backing) = chunked_dual_pool(&p, true)?;
@@ -161,7 +160,7 @@ fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Inner> {
             Joined::Cuda(PooledCache::new(core, b).map_err(pooled_err)?, copier)
         }
     };
-    Ok(Inner {
+    Ok(Pools {
         joined,
         leases: HashMap::new(),
         backend,
@@ -169,112 +168,32 @@ fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Inner> {
     })
 }
 
-/// Creates a cache over pools and writes the handle to `*out` (free it with
-/// marconi_pooled_cache_free). `cache_cfg` chooses the policy, the model and
-/// the page size (its capacity_bytes is ignored: the pools are the
-/// capacity); `pool_cfg` the memory (backend, budget, split, migration).
-/// pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the model's KV
-/// bytes of one page and one state (all recurrent layers), 128-aligned;
-/// larger values (an engine's padded layout) are accepted, smaller ones are
-/// MARCONI_STATUS_INVALID_CONFIG. A model without recurrent layers is
-/// refused (use marconi_cache_new).
-///
-/// Thread safety: may run concurrently with anything.
-///
-/// # Safety
-///
-/// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
-/// functions (struct_size readable bytes); `out` is NULL or writable.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_new(
-    cache_cfg: *const marconi_cache_config,
-    pool_cfg: *const marconi_pool_config,
-    out: *mut *mut marconi_pooled_cache,
-) -> marconi_status {
-    boundary("marconi_pooled_cache_new", || {
-        require!(cache_cfg);
-        require!(pool_cfg);
-        require!(out);
-        check_ptr!(cache_cfg);
-        check_ptr!(pool_cfg);
-        check_ptr!(out);
-        // SAFETY: non-NULL and aligned; size contracts are the caller's.
-        let c = unsafe { read_config(cache_cfg) }?;
-        // SAFETY: as above.
-        let p = unsafe { read_pool_config(pool_cfg) }?;
-        let mut c = c;
-        // Checked by core at construction, replaced by the pools' bytes.
-        if c.capacity_bytes == 0 {
-            c.capacity_bytes = 1;
-        }
-        // SAFETY: the pointers inside c follow the documented contracts.
-        let core = unsafe { to_core_config(&c) }?;
-        let inner = build(core, &p)?;
-        let h = Box::new(marconi_pooled_cache {
-            tag: HandleTag::POOLED,
-            inner: Mutex::new(inner),
-        });
-        // SAFETY: out is non-NULL, aligned and writable.
-        let raw = Box::into_raw(h);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::POOLED);
-        unsafe { out.write(raw) };
-        Ok(())
-    })
-}
-
-/// Frees a cache over pools and its memory (every handle and address it
-/// gave out becomes invalid). NULL is a no-op.
-///
-/// Thread safety: must not run concurrently with any other call on this
-/// cache; the handle must not be used afterwards.
-///
-/// # Safety
-///
-/// `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
-    boundary_or("marconi_pooled_cache_free", (), || {
-        // SAFETY: NULL or a handle (contract); anything but a live cache
-        // over pools is left alone.
-        if !pc.is_null() && unsafe { handle(pc) }.is_ok() {
-            // SAFETY: from Box::into_raw in marconi_pooled_cache_new, freed
-            // once; its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*pc).tag), HandleTag::POOLED) {
-                    drop(Box::from_raw(pc));
-                }
-            }
-        }
-    })
-}
-
-/// The result of marconi_pooled_cache_lookup.
+/// The result of marconi_cache_lookup_pooled.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct marconi_pooled_lookup {
     /// The lease pinning what the request reuses (never 0, never reused,
-    /// never valid in another cache): pass it to marconi_pooled_cache_admit
-    /// and release it with marconi_pooled_cache_release.
+    /// never valid in another cache): pass it to marconi_cache_admit_pooled
+    /// and release it with marconi_cache_release.
     pub lease: u64,
     /// Leading tokens the engine may skip (< the input length).
     pub hit_tokens: u32,
     /// Leading tokens whose KV is cached (page-aligned).
     pub kv_matched_tokens: u32,
     /// The cache's state-slot handle to resume from (copy it into a slot
-    /// the request reserved, e.g. with marconi_pooled_cache_copy_states),
+    /// the request reserved, e.g. with marconi_cache_copy_states),
     /// or 0 when there is no hit.
     pub state_handle: u64,
     /// The cache's KV page handles of the first hit_tokens tokens
-    /// (marconi_pooled_cache_lease_kv_pages): read them, never free them;
+    /// (marconi_cache_lease_kv_handles): read them, never free them;
     /// valid while the lease is held.
     pub n_kv_pages: u32,
-    /// Checkpoint positions for this prefill (marconi_pooled_cache_lease_plan).
+    /// Checkpoint positions for this prefill (marconi_cache_lease_plan).
     pub n_plan: u32,
 }
 
 /// A recurrent state the engine saved into a state slot it reserved,
-/// offered to marconi_pooled_cache_admit.
+/// offered to marconi_cache_admit_pooled.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct marconi_pooled_state {
@@ -282,44 +201,58 @@ pub struct marconi_pooled_state {
     pub position: u32,
     /// Must be 0.
     pub reserved: u32,
-    /// The state-slot handle holding it (from marconi_pooled_cache_reserve).
+    /// The state-slot handle holding it (from marconi_cache_reserve).
     pub state_handle: u64,
 }
 
-/// Looks up `tokens[0..n_tokens]` in namespace `ns` and writes the hit, the
-/// cache's state handle to resume from, the counts of KV page handles and
-/// planned checkpoints, and a lease to `*out`. Errors as
-/// marconi_cache_lookup.
+/// Looks up `tokens[0..n_tokens]` in namespace `ns` on a cache over pools
+/// and writes the hit, the cache's state handle to resume from, the counts
+/// of KV page handles and planned checkpoints, and a lease to `*out` (pass
+/// it to marconi_cache_admit_pooled, release it with marconi_cache_release).
+/// The pooled counterpart of marconi_cache_lookup, which refuses on a
+/// cache over pools.
+///
+/// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
+/// on a cache without pools (marconi_cache_config.pools).
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `tokens` has n_tokens readable u32 (or
-/// is NULL); `out` is writable or NULL.
+/// `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
+/// (or is NULL); `out` is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_lookup(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_lookup_pooled(
+    cache: *const marconi_cache,
     ns: u64,
     tokens: *const u32,
     n_tokens: usize,
     out: *mut marconi_pooled_lookup,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_lookup", || {
-        require!(pc);
+    boundary("marconi_cache_lookup_pooled", || {
+        require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
         // SAFETY: forwarded caller contract; no hints.
-        unsafe { pooled_lookup(pc, ns, (tokens, n_tokens), &[], out) }
+        unsafe {
+            pooled_lookup(
+                cache,
+                ns,
+                (tokens, n_tokens),
+                &[],
+                out,
+                "marconi_cache_lookup_pooled",
+            )
+        }
     })
 }
 
-/// marconi_pooled_cache_lookup with application checkpoint hints
+/// marconi_cache_lookup_pooled with application checkpoint hints
 /// (`checkpoints[0..n_checkpoints]`, as marconi_cache_lookup_hinted takes
-/// them): the kept hints are in the lease's plan
-/// (marconi_pooled_cache_lease_plan); reserve a state slot for each.
+/// them): the kept hints are in the lease's plan (marconi_cache_lease_plan);
+/// reserve a state slot for each.
 ///
-/// Errors: those of marconi_pooled_cache_lookup, MARCONI_STATUS_NULL_ARGUMENT
+/// Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
 /// for checkpoints NULL with n_checkpoints > 0, and
 /// MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
 ///
@@ -327,11 +260,11 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup(
 ///
 /// # Safety
 ///
-/// As marconi_pooled_cache_lookup; `checkpoints` has n_checkpoints readable
+/// As marconi_cache_lookup_pooled; `checkpoints` has n_checkpoints readable
 /// u32 (or is NULL with 0).
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_lookup_pooled_hinted(
+    cache: *const marconi_cache,
     ns: u64,
     tokens: *const u32,
     n_tokens: usize,
@@ -339,8 +272,8 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
     n_checkpoints: usize,
     out: *mut marconi_pooled_lookup,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_lookup_hinted", || {
-        require!(pc);
+    boundary("marconi_cache_lookup_pooled_hinted", || {
+        require!(cache);
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
@@ -348,170 +281,135 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
         // SAFETY: buffer contract.
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
         // SAFETY: forwarded caller contract.
-        unsafe { pooled_lookup(pc, ns, (tokens, n_tokens), hints, out) }
+        unsafe {
+            pooled_lookup(
+                cache,
+                ns,
+                (tokens, n_tokens),
+                hints,
+                out,
+                "marconi_cache_lookup_pooled_hinted",
+            )
+        }
     })
 }
 
-/// The body of marconi_pooled_cache_lookup(_hinted), after the NULL checks.
+/// The body of marconi_cache_lookup_pooled(_hinted), after the NULL checks.
 ///
 /// # Safety
 ///
-/// As marconi_pooled_cache_lookup.
+/// As marconi_cache_lookup_pooled.
 unsafe fn pooled_lookup(
-    pc: *const marconi_pooled_cache,
+    cache: *const marconi_cache,
     ns: u64,
     (tokens, n_tokens): (*const u32, usize),
     hints: &[u32],
     out: *mut marconi_pooled_lookup,
+    what: &str,
 ) -> FfiResult {
     // SAFETY: live handle or NULL.
-    let h = unsafe { handle(pc) }?;
+    let h = unsafe { handle(cache) }?;
     tokens_len_ok(n_tokens, "tokens")?;
     // SAFETY: buffer contract.
     let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
     check_ptr!(out);
     let mut g = h.lock()?;
+    let g = &mut *g;
+    let p = g.pools(what)?;
+    // Drawn first, so that running out changes nothing.
     let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
         FfiError::new(
             marconi_status::InvalidArgument,
             "this process has issued 2^64 - 1 lease ids",
         )
     })?;
-    let l = with!(&mut g.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
-    let plan =
-        with!(&g.joined, c => c.plan(l.lookup.lease).map(<[u32]>::to_vec)).map_err(pooled_err)?;
+    let l = with!(&mut p.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
+    let core = l.lookup.lease;
     let res = marconi_pooled_lookup {
         lease: id,
         hit_tokens: l.lookup.hit_tokens,
         kv_matched_tokens: l.lookup.kv_matched_tokens,
         state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
         n_kv_pages: l.kv_pages.len() as u32,
-        n_plan: plan.len() as u32,
+        n_plan: l.lookup.plan.len() as u32,
     };
-    g.leases.insert(
+    p.leases.insert(
         id,
-        LeaseRec {
-            core: l.lookup.lease,
+        PoolLease {
             pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
-            plan,
+            plan: l.lookup.plan,
         },
     );
+    g.leases.insert(id, Lease { core, pages: None });
+    if let Some(m) = &mut g.c_of_core {
+        m.insert(core, id);
+    }
+    g.collect_log();
     // SAFETY: out checked non-NULL and aligned, writable by contract.
     unsafe { out.write(res) };
     Ok(())
 }
 
-/// Copies a lease's list (`pick`: its KV page handles or its plan).
-///
-/// # Safety
-///
-/// As the exported functions below.
-unsafe fn lease_list<T: Copy>(
-    name: &str,
-    pc: *const marconi_pooled_cache,
-    lease: u64,
-    buf: *mut T,
-    cap: usize,
-    out_len: *mut usize,
-    pick: fn(&LeaseRec) -> &[T],
-) -> marconi_status {
-    boundary(name, || {
-        require!(pc);
-        require!(buf, cap = cap);
-        require!(out_len);
-        // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
-        // SAFETY: buffer contract.
-        let buf = unsafe { out_slice(buf, cap, "buf") }?;
-        check_ptr!(out_len);
-        let g = h.lock()?;
-        let rec = g.core_lease(lease)?;
-        copy_list(pick(rec), buf, out_len)
-    })
-}
-
-/// Writes the KV page handles of a lease's hit into `buf[0..cap]` and their
-/// number to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
-/// written when cap is too small; NULL with cap 0 asks for the count).
+/// Writes the KV page handles of a lease's hit (a lease of
+/// marconi_cache_lookup_pooled: the cache's pages, read them, never free
+/// them; valid while the lease is held) into `buf[0..cap]` and their number
+/// to `*out_len` (MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
+/// written when cap is too small; NULL with cap 0 asks for the count). The
+/// pooled counterpart of marconi_cache_lease_kv_pages.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
-/// NULL); `out_len` is writable or NULL.
+/// `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or
+/// is NULL); `out_len` is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_lease_kv_handles(
+    cache: *const marconi_cache,
     lease: u64,
     buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
-    // SAFETY: contracts forwarded.
-    unsafe {
-        lease_list(
-            "marconi_pooled_cache_lease_kv_pages",
-            pc,
-            lease,
-            buf,
-            cap,
-            out_len,
-            |r| &r.pages,
-        )
-    }
+    boundary("marconi_cache_lease_kv_handles", || {
+        require!(cache);
+        require!(buf, cap = cap);
+        require!(out_len);
+        // SAFETY: live handle or NULL.
+        let h = unsafe { handle(cache) }?;
+        // SAFETY: buffer contract.
+        let buf = unsafe { out_slice(buf, cap, "buf") }?;
+        check_ptr!(out_len);
+        let mut g = h.lock()?;
+        let p = g.pools("marconi_cache_lease_kv_handles")?;
+        let l = p.leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
+        copy_list(&l.pages, buf, out_len)
+    })
 }
 
-/// Writes a lease's planned checkpoint positions (as
-/// marconi_pooled_cache_lease_kv_pages, into uint32_t).
+/// Reserves working memory for a request on a cache over pools:
+/// `kv_pages` KV pages (for the tokens past the hit) written to
+/// `kv_out[0..kv_pages]` and `state_slots` state slots (one per state to
+/// save: the plan and the final state) written to `state_out`. When a pool
+/// is short, free capacity migrates from the other pool (AVMP) and then the
+/// cache evicts by utility; all or nothing. MARCONI_STATUS_OUT_OF_MEMORY
+/// when even that cannot make room: nothing is reserved (entries evicted on
+/// the way stay evicted; their handles come back through
+/// marconi_cache_drain_freed_units). MARCONI_STATUS_BUFFER_TOO_SMALL when a
+/// capacity is below its count. The units are the caller's until admitted
+/// (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// As marconi_pooled_cache_lease_kv_pages; `buf` has cap writable uint32_t.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
-    pc: *const marconi_pooled_cache,
-    lease: u64,
-    buf: *mut u32,
-    cap: usize,
-    out_len: *mut usize,
-) -> marconi_status {
-    // SAFETY: contracts forwarded.
-    unsafe {
-        lease_list(
-            "marconi_pooled_cache_lease_plan",
-            pc,
-            lease,
-            buf,
-            cap,
-            out_len,
-            |r| &r.plan,
-        )
-    }
-}
-
-/// Reserves working memory for a request: `kv_pages` KV pages (for the
-/// tokens past the hit) written to `kv_out[0..kv_pages]` and `state_slots`
-/// state slots (one per state to save: the plan and the final state)
-/// written to `state_out`. When a pool is short, free capacity migrates
-/// from the other pool (AVMP) and then the cache evicts by utility; all or
-/// nothing. MARCONI_STATUS_OUT_OF_MEMORY when even that cannot make room:
-/// nothing is reserved (entries evicted on the way stay evicted; their
-/// handles come back through marconi_pooled_cache_drain_freed).
-/// MARCONI_STATUS_BUFFER_TOO_SMALL when a capacity is below its count. The
-/// units are the caller's until admitted or freed.
-///
-/// Thread safety: safe to call concurrently on the same cache.
-///
-/// # Safety
-///
-/// `pc` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
+/// `cache` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
 /// state_cap writable uint64_t (or are NULL with a capacity 0).
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_reserve(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_reserve(
+    cache: *const marconi_cache,
     kv_pages: u32,
     state_slots: u32,
     kv_out: *mut u64,
@@ -519,16 +417,18 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
     state_out: *mut u64,
     state_cap: usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_reserve", || {
-        require!(pc);
+    boundary("marconi_cache_reserve", || {
+        require!(cache);
         require!(kv_out, cap = kv_cap);
         require!(state_out, cap = state_cap);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contracts.
         let kv_out = unsafe { out_slice(kv_out, kv_cap, "kv_out") }?;
         // SAFETY: as above.
         let state_out = unsafe { out_slice(state_out, state_cap, "state_out") }?;
+        let mut g = h.lock()?;
+        let p = g.pools("marconi_cache_reserve")?;
         if kv_out.len() < kv_pages as usize || state_out.len() < state_slots as usize {
             return Err(FfiError::new(
                 marconi_status::BufferTooSmall,
@@ -537,8 +437,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
                 ),
             ));
         }
-        let mut g = h.lock()?;
-        let r = with!(&mut g.joined, c => c.reserve(kv_pages, state_slots)).map_err(pooled_err)?;
+        let r = with!(&mut p.joined, c => c.reserve(kv_pages, state_slots)).map_err(pooled_err)?;
         for (o, h) in kv_out.iter_mut().zip(&r.kv_pages) {
             *o = h.raw();
         }
@@ -550,35 +449,38 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
 }
 
 /// Admits `tokens[0..n_tokens]` (the looked-up input, then the decoded
-/// output) under `lease`, with `kv_pages[0..n_kv_pages]` (one handle per
-/// full page of tokens: the lease's hit pages, then pages the caller
-/// reserved) and the states saved (`states[i].state_handle`: a state handle
-/// the caller reserved). The cache takes the units it keeps: the pages
+/// output) under `lease` (of marconi_cache_lookup_pooled) on a cache over
+/// pools, with `kv_pages[0..n_kv_pages]` (one handle per full page of
+/// tokens: the lease's hit pages, then pages the caller reserved) and the
+/// states saved (`states[i].state_handle`: a state handle the caller
+/// reserved). The pooled counterpart of marconi_cache_admit, which refuses
+/// on a cache over pools. The cache takes the units it keeps: the pages
 /// kv_pages[out->kv_pages_taken_start .. out->kv_pages_taken_end) and the
 /// slots of the states with `taken[i] = 1` (`taken` may be NULL when
 /// n_states is 0). Every other unit passed in stays the caller's: free it
-/// with marconi_pooled_cache_free_units (or reuse it). Every handle is
-/// checked before anything changes: a page is a page the caller holds, or
-/// the page the cache holds at that very position for this lease (the hit
-/// pages lease_kv_pages lists, and pages an earlier admit of the lease
-/// took); any other page the cache holds (another prefix's, or the hit's
-/// at another position), a handle of another pool or cache, a stale or
-/// made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
+/// with marconi_cache_free_units (or reuse it). Every handle is checked
+/// before anything changes: a page is a page the caller holds, or the page
+/// the cache holds at that very position for this lease (the hit pages
+/// marconi_cache_lease_kv_handles lists, and pages an earlier admit of the
+/// lease took); any other page the cache holds (another prefix's, or the
+/// hit's at another position), a handle of another pool or cache, a stale
+/// or made-up one is MARCONI_STATUS_UNKNOWN_HANDLE; a page listed twice is
 /// MARCONI_STATUS_DUPLICATE_PAGE, a state handle listed twice
 /// MARCONI_STATUS_DUPLICATE_SLOT; a state whose reserved field is not 0 is
 /// MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
-/// nothing changes on error.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
+/// error.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; each buffer has its length readable (or
-/// is NULL with length 0); `taken` has n_states writable bytes; `out` is
-/// writable or NULL.
+/// `cache` is a live handle or NULL; each buffer has its length readable
+/// (or is NULL with length 0); `taken` has n_states writable bytes; `out`
+/// is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_admit(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_admit_pooled(
+    cache: *const marconi_cache,
     lease: u64,
     tokens: *const u32,
     n_tokens: usize,
@@ -589,15 +491,15 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
     taken: *mut u8,
     out: *mut marconi_admit_result,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_admit", || {
-        require!(pc);
+    boundary("marconi_cache_admit_pooled", || {
+        require!(cache);
         require!(tokens, len = n_tokens);
         require!(states, len = n_states);
         require!(kv_pages, len = n_kv_pages);
         require!(taken, cap = n_states);
         require!(out);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contracts.
         let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
         // SAFETY: as above.
@@ -608,7 +510,9 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
         let taken = unsafe { out_slice(taken, n_states, "taken") }?;
         check_ptr!(out);
         let mut g = h.lock()?;
-        let core = g.core_lease(lease)?.core;
+        let g = &mut *g;
+        g.pools("marconi_cache_admit_pooled")?;
+        let core = g.core_lease(lease)?;
         if let Some(i) = states.iter().position(|s| s.reserved != 0) {
             return Err(FfiError::new(
                 marconi_status::InvalidArgument,
@@ -626,8 +530,16 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
             .iter()
             .map(|&r| VirtualHandle::from_raw(r))
             .collect();
-        let a = with!(&mut g.joined, c => c.admit(core, tokens, &pstates, &pages))
-            .map_err(pooled_err)?;
+        let p = g.pools("marconi_cache_admit_pooled")?;
+        let a =
+            with!(&mut p.joined, c => c.admit(core, tokens, &pstates, &pages)).map_err(
+                |e| match e {
+                    PooledError::Cache(CacheError::UnknownLease(_)) => unknown_lease(lease),
+                    e => pooled_err(e),
+                },
+            );
+        g.collect_log();
+        let a = a?;
         let o = &a.outcome;
         for (t, s) in taken.iter_mut().zip(states) {
             *t = u8::from(
@@ -651,27 +563,30 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
     })
 }
 
-/// Frees `handles[0..n]`, units the caller holds (reserved, not taken by
-/// the cache); all or nothing: MARCONI_STATUS_UNKNOWN_HANDLE for a handle
-/// the caller does not hold (the cache's, another pool's or cache's, freed,
-/// made up), MARCONI_STATUS_DOUBLE_FREE for one listed twice.
+/// Frees `handles[0..n]`, units the caller holds on a cache over pools
+/// (reserved, not taken by the cache); all or nothing:
+/// MARCONI_STATUS_UNKNOWN_HANDLE for a handle the caller does not hold (the
+/// cache's, another pool's or cache's, freed, made up),
+/// MARCONI_STATUS_DOUBLE_FREE for one listed twice.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
+/// `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
+/// is NULL).
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_free_units(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_free_units(
+    cache: *const marconi_cache,
     handles: *const u64,
     n: usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_free_units", || {
-        require!(pc);
+    boundary("marconi_cache_free_units", || {
+        require!(cache);
         require!(handles, len = n);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract.
         let handles = unsafe { in_slice(handles, n, "handles") }?;
         let hs: Vec<VirtualHandle> = handles
@@ -679,7 +594,8 @@ pub unsafe extern "C" fn marconi_pooled_cache_free_units(
             .map(|&r| VirtualHandle::from_raw(r))
             .collect();
         let mut g = h.lock()?;
-        with!(&mut g.joined, c => c.free(&hs)).map_err(|e| match e {
+        let p = g.pools("marconi_cache_free_units")?;
+        with!(&mut p.joined, c => c.free(&hs)).map_err(|e| match e {
             e @ PooledError::Duplicate { .. } => {
                 FfiError::new(marconi_status::DoubleFree, e.to_string())
             }
@@ -688,96 +604,76 @@ pub unsafe extern "C" fn marconi_pooled_cache_free_units(
     })
 }
 
-/// Releases a lease. MARCONI_STATUS_UNKNOWN_LEASE for a lease this cache
-/// did not issue or already released.
+/// Writes the handles a cache over pools evicted since the last call
+/// (already back in their pool: stale, the engine must stop using them)
+/// into `buf[0..cap]` and their number to `*out_len`; they are removed from
+/// the list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes
+/// the count only). The pooled counterpart of marconi_cache_drain_freed.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
-/// # Safety
-///
-/// `pc` is a live handle or NULL.
-#[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_release(
-    pc: *const marconi_pooled_cache,
-    lease: u64,
-) -> marconi_status {
-    boundary("marconi_pooled_cache_release", || {
-        require!(pc);
-        // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
-        let mut g = h.lock()?;
-        let core = g.core_lease(lease)?.core;
-        with!(&mut g.joined, c => c.release(core)).map_err(pooled_err)?;
-        g.leases.remove(&lease);
-        Ok(())
-    })
-}
-
-/// Writes the handles the cache evicted since the last call (already back
-/// in their pool: stale, the engine must stop using them) into
-/// `buf[0..cap]` and their number to `*out_len`; they are removed from the
-/// list only when they all fit (MARCONI_STATUS_BUFFER_TOO_SMALL writes the
-/// count only).
-///
-/// Thread safety: safe to call concurrently on the same cache.
+/// Thread safety: safe to call concurrently on the same cache; each handle
+/// is delivered to exactly one caller.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `buf` has cap writable uint64_t (or is
+/// `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or is
 /// NULL); `out_len` is writable or NULL.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_drain_freed_units(
+    cache: *const marconi_cache,
     buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_drain_freed", || {
-        require!(pc);
+    boundary("marconi_cache_drain_freed_units", || {
+        require!(cache);
         require!(buf, cap = cap);
         require!(out_len);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract.
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
         let mut g = h.lock()?;
-        let more = with!(&mut g.joined, c => c.drain_freed());
-        g.freed.extend(more.iter().map(|h| h.raw()));
-        copy_list(&g.freed, buf, out_len)?;
-        g.freed.clear();
+        let p = g.pools("marconi_cache_drain_freed_units")?;
+        let more = with!(&mut p.joined, c => c.drain_freed());
+        p.freed.extend(more.iter().map(|h| h.raw()));
+        copy_list(&p.freed, buf, out_len)?;
+        p.freed.clear();
         Ok(())
     })
 }
 
-/// Writes the handles the cache holds now (KV pages and state slots, in no
-/// particular order) into `buf[0..cap]` and their number to `*out_len`
+/// Writes the handles a cache over pools holds now (KV pages and state
+/// slots, ascending) into `buf[0..cap]` and their number to `*out_len`
 /// (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
-/// debugging: O(units held).
+/// debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
+/// pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// As marconi_pooled_cache_drain_freed.
+/// As marconi_cache_drain_freed_units.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_held(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_held(
+    cache: *const marconi_cache,
     buf: *mut u64,
     cap: usize,
     out_len: *mut usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_held", || {
-        require!(pc);
+    boundary("marconi_cache_held", || {
+        require!(cache);
         require!(buf, cap = cap);
         require!(out_len);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract.
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
-        let g = h.lock()?;
-        let mut raw: Vec<u64> = with!(&g.joined, c => c.held_handles())
+        let mut g = h.lock()?;
+        let p = g.pools("marconi_cache_held")?;
+        let mut raw: Vec<u64> = with!(&p.joined, c => c.held_handles())
             .iter()
             .map(|h| h.raw())
             .collect();
@@ -786,41 +682,43 @@ pub unsafe extern "C" fn marconi_pooled_cache_held(
     })
 }
 
-/// Resolves live handles (the cache's or the caller's) to their units, as
-/// marconi_pool_resolve.
+/// Resolves live handles of a cache over pools (the cache's or the
+/// caller's) to their units, as marconi_pool_resolve.
+/// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `handles` has n readable uint64_t (or is
-/// NULL); `out` has cap writable elements (or is NULL).
+/// `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
+/// is NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_resolve(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_resolve(
+    cache: *const marconi_cache,
     handles: *const u64,
     n: usize,
     out: *mut marconi_unit_location,
     cap: usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_resolve", || {
-        require!(pc);
+    boundary("marconi_cache_resolve", || {
+        require!(cache);
         require!(handles, len = n);
         require!(out, cap = cap);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contracts.
         let handles = unsafe { in_slice(handles, n, "handles") }?;
         // SAFETY: as above.
         let out = unsafe { out_slice(out, cap, "out") }?;
+        let mut g = h.lock()?;
+        let p = g.pools("marconi_cache_resolve")?;
         if out.len() < n {
             return Err(FfiError::new(
                 marconi_status::BufferTooSmall,
                 format!("out holds {} locations, {n} handles given", out.len()),
             ));
         }
-        let g = h.lock()?;
-        let locs = match &g.joined {
+        let locs = match &p.joined {
             Joined::Plain(c) => resolve_all(c.pool(), handles, |_, _| 0),
             Joined::Memfd(c) => resolve_all(c.pool(), handles, |k, off| {
                 c.pool()
@@ -856,33 +754,36 @@ fn resolve_all(
         .collect()
 }
 
-/// Copies states between state-slot handles of the cache's memory, as
+/// Copies states between state-slot handles of a cache over pools, as
 /// marconi_pool_copy_states: typically the lookup's state_handle into a
 /// slot the request reserved, before the request resumes from it. Any live
 /// state handle may be read; a destination must be a slot the caller holds
 /// (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
-/// overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED.
+/// overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
+/// cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
+/// `cache` is a live handle or NULL; `pairs` has n readable elements (or is
+/// NULL).
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_copy_states(
+    cache: *const marconi_cache,
     pairs: *const marconi_state_copy,
     n: usize,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_copy_states", || {
-        require!(pc);
+    boundary("marconi_cache_copy_states", || {
+        require!(cache);
         require!(pairs, len = n);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contract.
         let pairs = unsafe { in_slice(pairs, n, "pairs") }?;
         let mut g = h.lock()?;
-        let held: std::collections::HashSet<u64> = with!(&g.joined, c => c.held_handles())
+        let p = g.pools("marconi_cache_copy_states")?;
+        let held: std::collections::HashSet<u64> = with!(&p.joined, c => c.held_handles())
             .iter()
             .map(|h| h.raw())
             .collect();
@@ -923,7 +824,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
                 })
                 .collect()
         };
-        match &mut g.joined {
+        match &mut p.joined {
             Joined::Plain(_) => Err(FfiError::new(
                 marconi_status::Unsupported,
                 "this cache's pools have no memory (backend NONE)",
@@ -942,7 +843,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
 }
 
 /// Counters of a cache over pools. Versioned by size: set struct_size to
-/// sizeof(marconi_pooled_stats) before calling marconi_pooled_cache_stats.
+/// sizeof(marconi_pooled_stats) before calling marconi_cache_pool_stats.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct marconi_pooled_stats {
@@ -992,24 +893,29 @@ pub struct marconi_pooled_stats {
     pub leases: u64,
 }
 
-/// Writes the counters into `*out`, only out->struct_size bytes (at least 16).
+/// Writes the pools' counters into `*out` (marconi_cache_stats has the
+/// cache's), only out->struct_size bytes (at least 16): set it to
+/// sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
+/// cache without pools.
 ///
 /// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL; `out` is NULL or has out->struct_size
+/// `cache` is a live handle or NULL; `out` is NULL or has out->struct_size
 /// writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn marconi_pooled_cache_stats(
-    pc: *const marconi_pooled_cache,
+pub unsafe extern "C" fn marconi_cache_pool_stats(
+    cache: *const marconi_cache,
     out: *mut marconi_pooled_stats,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_stats", || {
-        require!(pc);
+    boundary("marconi_cache_pool_stats", || {
+        require!(cache);
         require!(out);
         // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
+        let h = unsafe { handle(cache) }?;
+        let mut g = h.lock()?;
+        let p = g.pools("marconi_cache_pool_stats")?;
         check_ptr!(out);
         // SAFETY: starts with its u32 size.
         let size = unsafe { out.cast::<u32>().read() } as usize;
@@ -1019,11 +925,10 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
                 format!("stats struct_size {size} is below 16"),
             ));
         }
-        let g = h.lock()?;
         let (cs, ps, held): (Stats, PooledStats, Vec<VirtualHandle>) =
-            with!(&g.joined, c => (c.cache_stats(), c.stats(), c.held_handles()));
+            with!(&p.joined, c => (c.cache_stats(), c.stats(), c.held_handles()));
         let (a, physical): (&dyn PoolAllocator, u64) =
-            match &g.joined {
+            match &p.joined {
                 Joined::Plain(c) => (c.pool(), 0),
                 Joined::Memfd(c) => (
                     c.pool(),
@@ -1042,7 +947,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
         let held_kv = held.iter().filter(|h| h.pool() == PoolKind::Kv).count() as u64;
         let s = marconi_pooled_stats {
             struct_size: size.min(u32::MAX as usize) as u32,
-            backend: g.backend as u32,
+            backend: p.backend as u32,
             requests: cs.requests,
             input_tokens: cs.input_tokens,
             hit_tokens: cs.hit_tokens,
@@ -1062,7 +967,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
             state_free: u64::from(a.free_units(PoolKind::Ssm)),
             budget_bytes: a.total_bytes(),
             physical_bytes: physical,
-            leases: g.leases.len() as u64,
+            leases: p.leases.len() as u64,
         };
         // SAFETY: out has `size` writable bytes (contract), checked above.
         unsafe { write_versioned(&s, out, size) };
@@ -1070,46 +975,352 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
     })
 }
 
-/// Checks the joined invariants (core's, every handle the cache holds live
-/// in its pool, the caller's and the cache's units are the pools' live
-/// units, core's unit budget is the pools' capacity less the caller's
-/// units). MARCONI_STATUS_INVARIANT_VIOLATED (a libmarconi bug) poisons the
-/// cache. O(units + nodes).
+// ---------------------------------------------------------------------------
+// The deprecated pooled handle: thin forwarders onto marconi_cache.
+// ---------------------------------------------------------------------------
+
+/// A cache over pools: opaque to C. Deprecated (removed in the next
+/// release): a marconi_pooled_cache is a marconi_cache created with
+/// marconi_cache_config.pools set, and every marconi_pooled_cache_* call
+/// forwards to its marconi_cache_* counterpart (so either set of calls
+/// takes it, and marconi_cache_free frees it).
+pub struct marconi_pooled_cache {
+    _private: [u8; 0],
+}
+
+fn as_cache(pc: *const marconi_pooled_cache) -> *const marconi_cache {
+    pc.cast()
+}
+
+/// Deprecated: marconi_cache_new with marconi_cache_config.pools. Creates a
+/// cache over pools and writes the handle to `*out` (free it with
+/// marconi_pooled_cache_free or marconi_cache_free: it is a marconi_cache).
+/// `cache_cfg` chooses the policy, the model and the page size (its
+/// capacity_bytes is ignored: the pools are the capacity; its pools field
+/// must be NULL); `pool_cfg` the memory (backend, budget, split,
+/// migration). pool_cfg->kv_page_bytes and state_slot_bytes may be 0: the
+/// model's KV bytes of one page and one state (all recurrent layers),
+/// 128-aligned; larger values (an engine's padded layout) are accepted,
+/// smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
+/// recurrent layers is refused.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
+/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
-/// `pc` is a live handle or NULL.
+/// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
+/// functions (struct_size readable bytes); `out` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_new(
+    cache_cfg: *const marconi_cache_config,
+    pool_cfg: *const marconi_pool_config,
+    out: *mut *mut marconi_pooled_cache,
+) -> marconi_status {
+    boundary("marconi_pooled_cache_new", || {
+        require!(cache_cfg);
+        require!(pool_cfg);
+        require!(out);
+        check_ptr!(cache_cfg);
+        check_ptr!(pool_cfg);
+        check_ptr!(out);
+        // SAFETY: non-NULL and aligned; size contracts are the caller's.
+        let mut c = unsafe { read_config(cache_cfg) }?;
+        if !c.pools.is_null() {
+            return Err(FfiError::new(
+                marconi_status::InvalidConfig,
+                "the cache configuration of marconi_pooled_cache_new sets pools: use marconi_cache_new",
+            ));
+        }
+        c.pools = pool_cfg;
+        // SAFETY: the pointers inside c follow their documented contracts
+        // (pools is pool_cfg, initialised by contract).
+        let core = unsafe { build_core(c) }?;
+        // SAFETY: out is non-NULL, aligned (checked) and writable (contract).
+        unsafe { new_handle(core, out.cast()) };
+        Ok(())
+    })
+}
+
+/// Deprecated: marconi_cache_free. Frees a cache over pools and its memory
+/// (every handle and address it gave out becomes invalid). NULL is a no-op;
+/// a pointer that is not a live cache handle is refused and left alone.
+///
+/// Thread safety: must not run concurrently with any other call on this
+/// cache; the handle must not be used afterwards.
+///
+/// # Safety
+///
+/// `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_free(pc.cast()) }
+}
+
+/// Deprecated: marconi_cache_lookup_pooled (same arguments, same meaning).
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_pooled.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lookup(
+    pc: *const marconi_pooled_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    out: *mut marconi_pooled_lookup,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lookup_pooled(as_cache(pc), ns, tokens, n_tokens, out) }
+}
+
+/// Deprecated: marconi_cache_lookup_pooled_hinted.
+///
+/// # Safety
+///
+/// As marconi_cache_lookup_pooled_hinted.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
+    pc: *const marconi_pooled_cache,
+    ns: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    checkpoints: *const u32,
+    n_checkpoints: usize,
+    out: *mut marconi_pooled_lookup,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_lookup_pooled_hinted(
+            as_cache(pc),
+            ns,
+            tokens,
+            n_tokens,
+            checkpoints,
+            n_checkpoints,
+            out,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_lease_kv_handles.
+///
+/// # Safety
+///
+/// As marconi_cache_lease_kv_handles.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    buf: *mut u64,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lease_kv_handles(as_cache(pc), lease, buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_lease_plan (a pooled lease's checkpoint
+/// positions, ascending).
+///
+/// # Safety
+///
+/// As marconi_cache_lease_plan.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    buf: *mut u32,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_lease_plan(as_cache(pc), lease, buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_reserve.
+///
+/// # Safety
+///
+/// As marconi_cache_reserve.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_reserve(
+    pc: *const marconi_pooled_cache,
+    kv_pages: u32,
+    state_slots: u32,
+    kv_out: *mut u64,
+    kv_cap: usize,
+    state_out: *mut u64,
+    state_cap: usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_reserve(
+            as_cache(pc),
+            kv_pages,
+            state_slots,
+            kv_out,
+            kv_cap,
+            state_out,
+            state_cap,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_admit_pooled.
+///
+/// # Safety
+///
+/// As marconi_cache_admit_pooled.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_admit(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+    tokens: *const u32,
+    n_tokens: usize,
+    states: *const marconi_pooled_state,
+    n_states: usize,
+    kv_pages: *const u64,
+    n_kv_pages: usize,
+    taken: *mut u8,
+    out: *mut marconi_admit_result,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe {
+        marconi_cache_admit_pooled(
+            as_cache(pc),
+            lease,
+            tokens,
+            n_tokens,
+            states,
+            n_states,
+            kv_pages,
+            n_kv_pages,
+            taken,
+            out,
+        )
+    }
+}
+
+/// Deprecated: marconi_cache_free_units.
+///
+/// # Safety
+///
+/// As marconi_cache_free_units.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_free_units(
+    pc: *const marconi_pooled_cache,
+    handles: *const u64,
+    n: usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_free_units(as_cache(pc), handles, n) }
+}
+
+/// Deprecated: marconi_cache_release.
+///
+/// # Safety
+///
+/// As marconi_cache_release.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_release(
+    pc: *const marconi_pooled_cache,
+    lease: u64,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_release(as_cache(pc), lease) }
+}
+
+/// Deprecated: marconi_cache_drain_freed_units.
+///
+/// # Safety
+///
+/// As marconi_cache_drain_freed_units.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
+    pc: *const marconi_pooled_cache,
+    buf: *mut u64,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_drain_freed_units(as_cache(pc), buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_held.
+///
+/// # Safety
+///
+/// As marconi_cache_held.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_held(
+    pc: *const marconi_pooled_cache,
+    buf: *mut u64,
+    cap: usize,
+    out_len: *mut usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_held(as_cache(pc), buf, cap, out_len) }
+}
+
+/// Deprecated: marconi_cache_resolve.
+///
+/// # Safety
+///
+/// As marconi_cache_resolve.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_resolve(
+    pc: *const marconi_pooled_cache,
+    handles: *const u64,
+    n: usize,
+    out: *mut marconi_unit_location,
+    cap: usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_resolve(as_cache(pc), handles, n, out, cap) }
+}
+
+/// Deprecated: marconi_cache_copy_states.
+///
+/// # Safety
+///
+/// As marconi_cache_copy_states.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
+    pc: *const marconi_pooled_cache,
+    pairs: *const marconi_state_copy,
+    n: usize,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_copy_states(as_cache(pc), pairs, n) }
+}
+
+/// Deprecated: marconi_cache_pool_stats.
+///
+/// # Safety
+///
+/// As marconi_cache_pool_stats.
+#[no_mangle]
+pub unsafe extern "C" fn marconi_pooled_cache_stats(
+    pc: *const marconi_pooled_cache,
+    out: *mut marconi_pooled_stats,
+) -> marconi_status {
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_pool_stats(as_cache(pc), out) }
+}
+
+/// Deprecated: marconi_cache_check (checks the joined invariants: core's,
+/// every handle the cache holds live in its pool, the caller's and the
+/// cache's units are the pools' live units, core's unit budget is the
+/// pools' capacity less the caller's units).
+///
+/// # Safety
+///
+/// As marconi_cache_check.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_check(
     pc: *const marconi_pooled_cache,
 ) -> marconi_status {
-    boundary("marconi_pooled_cache_check", || {
-        require!(pc);
-        // SAFETY: live handle or NULL.
-        let h = unsafe { handle(pc) }?;
-        let g = h.lock()?;
-        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            with!(&g.joined, c => c.check_invariants());
-        }));
-        match res {
-            Ok(()) => Ok(()),
-            Err(p) => {
-                let msg = p
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-                    .unwrap_or_default();
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                    let _g = g;
-                    panic!("invariant violated");
-                }));
-                Err(FfiError::new(
-                    marconi_status::InvariantViolated,
-                    format!("invariant violated: {msg}"),
-                ))
-            }
-        }
-    })
+    // SAFETY: forwarded caller contract.
+    unsafe { marconi_cache_check(as_cache(pc)) }
 }

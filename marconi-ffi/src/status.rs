@@ -737,8 +737,6 @@ impl HandleTag {
     pub(crate) const EVENTS: HandleTag = HandleTag(0x6d63_6576_656e_7431);
     /// `marconi_pool`: "mcpool01".
     pub(crate) const POOL: HandleTag = HandleTag(0x6d63_706f_6f6c_3031);
-    /// `marconi_pooled_cache`: "mcpooled".
-    pub(crate) const POOLED: HandleTag = HandleTag(0x6d63_706f_6f6c_6564);
     /// `marconi_host_pool`: "mchostp1".
     pub(crate) const HOST_POOL: HandleTag = HandleTag(0x6d63_686f_7374_7031);
     /// `marconi_pml_schema`: "mcpmlsc1".

@@ -566,7 +566,6 @@ fn handles_of_another_kind_are_refused() {
     };
     for (p, what) in [
         (pool.cast::<marconi_cache>(), "a pool as a cache"),
-        (pc.cast(), "a cache over pools as a cache"),
         (events.cast(), "an events handle as a cache"),
         (junk.cast(), "plain memory as a cache"),
     ] {
@@ -575,6 +574,23 @@ fn handles_of_another_kind_are_refused() {
         // SAFETY: as above; a refused free must leave the memory alone.
         unsafe { marconi_cache_free(p) };
     }
+    // A cache over pools is a cache (marconi_cache_config.pools): the
+    // common calls take it; a plain cache given to a pooled call is a cache
+    // without pools, refused as such.
+    // SAFETY: live handles.
+    ok(unsafe { marconi_cache_stats(pc.cast(), &mut stats) });
+    let mut qstats0 = marconi_pooled_stats {
+        struct_size: size_of::<marconi_pooled_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: a live plain cache.
+    let st = unsafe { marconi_pooled_cache_stats(cache.cast(), &mut qstats0) };
+    assert_eq!(st, marconi_status::Unsupported, "{}", last_error());
+    assert!(
+        last_error().contains("marconi_cache_config.pools"),
+        "{}",
+        last_error()
+    );
     let mut pstats = marconi_pool_stats {
         struct_size: size_of::<marconi_pool_stats>() as u32,
         ..Default::default()

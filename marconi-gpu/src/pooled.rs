@@ -399,6 +399,12 @@ impl<A: PoolAllocator> PooledCache<A> {
         self.cache.stats()
     }
 
+    /// Core's decision records since the last call (empty unless
+    /// `CacheConfig::decision_log` is set); draining them changes no unit.
+    pub fn drain_log(&mut self) -> Vec<marconi_core::Decision> {
+        self.cache.drain_log()
+    }
+
     /// The joined system's counters.
     pub fn stats(&self) -> PooledStats {
         self.stats

@@ -99,6 +99,24 @@ class marconi_tier_options(Structure):
     ]
 
 
+class marconi_pool_config(Structure):
+    """struct marconi_pool_config (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("backend", c_uint32),
+        ("budget_bytes", c_uint64),
+        ("kv_page_bytes", c_uint64),
+        ("state_slot_bytes", c_uint64),
+        ("state_fraction", c_double),
+        ("migration", c_uint32),
+        ("migration_batch_units", c_uint32),
+        ("chunk_bytes", c_uint64),
+        ("cuda_device", c_uint32),
+        ("reserved", c_uint32),
+    ]
+
+
 class marconi_cache_config(Structure):
     """struct marconi_cache_config (versioned by struct_size)."""
 
@@ -144,6 +162,7 @@ class marconi_cache_config(Structure):
         ("min_branch_depth", c_uint32),
         ("superseded_age", c_double),
         ("tiers", POINTER(marconi_tier_options)),
+        ("pools", POINTER(marconi_pool_config)),
     ]
 
 
@@ -218,24 +237,6 @@ class marconi_stats(Structure):
         ("state_bytes_per_entry", c_uint64),
         ("evictable_kv_tokens", c_uint64),
         ("evictable_states", c_uint64),
-    ]
-
-
-class marconi_pool_config(Structure):
-    """struct marconi_pool_config (versioned by struct_size)."""
-
-    _fields_ = [
-        ("struct_size", c_uint32),
-        ("backend", c_uint32),
-        ("budget_bytes", c_uint64),
-        ("kv_page_bytes", c_uint64),
-        ("state_slot_bytes", c_uint64),
-        ("state_fraction", c_double),
-        ("migration", c_uint32),
-        ("migration_batch_units", c_uint32),
-        ("chunk_bytes", c_uint64),
-        ("cuda_device", c_uint32),
-        ("reserved", c_uint32),
     ]
 
 
@@ -825,7 +826,45 @@ SIGNATURES = {
             POINTER(marconi_converged_split),
         ],
     ),
-    # The cache over pools (marconi-ffi/src/pooled.rs).
+    # The cache over pools (marconi-ffi/src/pooled.rs): the one handle's
+    # pool calls, then the deprecated marconi_pooled_cache_* forwarders.
+    "marconi_cache_lookup_pooled": (
+        status_t,
+        [_cache_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
+    ),
+    "marconi_cache_lookup_pooled_hinted": (
+        status_t,
+        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
+    ),
+    "marconi_cache_lease_kv_handles": (status_t, [_cache_p, c_uint64, _u64_p, c_size_t, _size_p]),
+    "marconi_cache_reserve": (
+        status_t,
+        [_cache_p, c_uint32, c_uint32, _u64_p, c_size_t, _u64_p, c_size_t],
+    ),
+    "marconi_cache_admit_pooled": (
+        status_t,
+        [
+            _cache_p,
+            c_uint64,
+            _u32_p,
+            c_size_t,
+            POINTER(marconi_pooled_state),
+            c_size_t,
+            _u64_p,
+            c_size_t,
+            POINTER(c_uint8),
+            POINTER(marconi_admit_result),
+        ],
+    ),
+    "marconi_cache_free_units": (status_t, [_cache_p, _u64_p, c_size_t]),
+    "marconi_cache_drain_freed_units": (status_t, [_cache_p, _u64_p, c_size_t, _size_p]),
+    "marconi_cache_held": (status_t, [_cache_p, _u64_p, c_size_t, _size_p]),
+    "marconi_cache_resolve": (
+        status_t,
+        [_cache_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
+    ),
+    "marconi_cache_copy_states": (status_t, [_cache_p, POINTER(marconi_state_copy), c_size_t]),
+    "marconi_cache_pool_stats": (status_t, [_cache_p, POINTER(marconi_pooled_stats)]),
     "marconi_pooled_cache_new": (
         status_t,
         [POINTER(marconi_cache_config), POINTER(marconi_pool_config), POINTER(_pooled_p)],

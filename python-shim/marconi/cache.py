@@ -316,6 +316,16 @@ class PrefixCache(_Closing):
     the library refuses raises MarconiError (INVALID_CONFIG) with its
     reason.
 
+    tiers: a marconi.Tiers (or a dict of its fields): lower tiers below the
+    cache (lookup_tiered and the other tier methods). pools: a marconi.Pools
+    (or a dict of its fields): the cache lives in the library's pools
+    (capacity_bytes is then ignored: the pools' budget is the capacity) and
+    runs the request cycle over unit handles with lookup_pooled, reserve,
+    copy_states, admit_pooled, free_units, release and drain_freed_units;
+    lookup, admit, drain_freed and evict, over ids the engine owns, raise
+    MarconiError (UNSUPPORTED) on it. Pools and tiers together are
+    UNSUPPORTED for now.
+
     Every integer argument is checked against its C type before the call
     (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace
     1): TypeError for a bool, float or other non-integer, an OverflowError
@@ -354,6 +364,7 @@ class PrefixCache(_Closing):
         tuner_tune_rules: Optional[bool] = None,
         shadows: Union[None, bool, Mapping] = None,
         tiers: Union[None, "Tiers", Mapping] = None,
+        pools: Union[None, "Pools", Mapping] = None,
     ):
         # The lifetime state first, so that close() (from __del__) works on
         # an object whose __init__ raised.
@@ -370,6 +381,9 @@ class PrefixCache(_Closing):
         self._live: set = set()
         """Ids of the leases this object handed out and has not released
         (cleared by close(); Lease.released reads it)."""
+        self._owner: Any = None
+        """With pools: the native cache's last owner, shared with the views
+        of its units (the cache is freed with the last of them)."""
         lib = _lib.load()
         cfg = _lib.marconi_cache_config()
         if policy is None:
@@ -472,14 +486,32 @@ class PrefixCache(_Closing):
 
             opts = _tiers(dict(tiers) if isinstance(tiers, Mapping) else tiers)._options(lib)
             cfg.tiers = ctypes.pointer(opts)
+        popts = None
+        self.backend: Optional[str] = None
+        """With pools: their backend ("memfd", "none", "cuda")."""
+        if pools is not None:
+            from .pool import _pools
+
+            p = _pools(dict(pools) if isinstance(pools, Mapping) else pools)
+            popts = p._config()
+            cfg.pools = ctypes.pointer(popts)
+            self.backend = p.backend
         handle = ctypes.c_void_p()
         _check(lib.marconi_cache_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_cache_new")
-        del opts  # read only during marconi_cache_new
+        del opts, popts  # read only during marconi_cache_new
         self._lib = lib
         self._handle = handle
+        if pools is not None:
+            from .pool import _Owner
+
+            self._owner = _Owner(lib.marconi_cache_free, handle)
         self.page_size = page_size
         self.has_tiers = tiers is not None
         """Whether the cache has lower tiers (the tier methods need them)."""
+        self.has_pools = pools is not None
+        """Whether the cache lives in the library's pools (the pool methods
+        need them; lookup, admit and drain_freed, over ids the engine owns,
+        refuse)."""
 
     # -- lifetime --------------------------------------------------------
     #
@@ -522,8 +554,14 @@ class PrefixCache(_Closing):
         self._free(h)
 
     def _free(self, h: Optional[ctypes.c_void_p]) -> None:
-        if h is not None:
+        if h is None:
+            return
+        owner, self._owner = self._owner, None
+        if owner is None:
             self._lib.marconi_cache_free(h)
+        # Else dropping it frees the cache now, or with the last view of a
+        # unit of its pools.
+        del owner
 
     @property
     def closed(self) -> bool:
@@ -775,7 +813,10 @@ class PrefixCache(_Closing):
         return buf[: out.value]
 
     def _lease_id(self, lease: Union[Lease, int]) -> int:
-        return lease.id if isinstance(lease, Lease) else _u64(lease, "lease")
+        if isinstance(lease, Lease):
+            return lease.id
+        # A PooledLookup or a TieredHit: its lease id.
+        return _u64(getattr(lease, "lease", lease), "lease")
 
     def plan(self, lease: Union[Lease, int]) -> list[int]:
         """The checkpoint positions planned for a lease."""
@@ -859,7 +900,7 @@ class PrefixCache(_Closing):
         """Releases a lease, given as its Lease or its id (either way the
         Lease object is marked released); MarconiError(UNKNOWN_LEASE) if
         already released."""
-        self._release(lease.id if isinstance(lease, Lease) else _u64(lease, "lease"))
+        self._release(self._lease_id(lease))
 
     def _release(self, lid: int) -> None:
         calls = self._calls
@@ -1055,6 +1096,96 @@ class PrefixCache(_Closing):
         from .tiered import _tier_stats
 
         return _tier_stats(self, "marconi_cache_tier_stats")
+
+    # -- pools (pools=...; a cache over the library's memory) ----------------
+    #
+    # On a cache without pools each raises MarconiError (UNSUPPORTED) with
+    # what to configure; on a cache with pools, lookup(), admit(),
+    # drain_freed() and evict() (over ids the engine owns) raise it, naming
+    # the call to use. release(), plan(), stats(), drain_log() and check()
+    # work on both.
+
+    def lookup_pooled(self, tokens: Tokens, namespace: int = 0, checkpoints: Optional[Tokens] = None) -> Any:
+        """Looks up `tokens` (as lookup() takes them, with the application
+        `checkpoints` as lookup() takes them: the kept ones are in the plan,
+        reserve a state slot for each) and returns a marconi.PooledLookup:
+        the hit, the cache's state handle to resume from (copy it into a
+        slot of the request's with copy_states), the hit's page handles and
+        the plan. release() takes it (or its lease id)."""
+        from .pool import _pooled_lookup
+
+        hit = _pooled_lookup(self, tokens, namespace, checkpoints)
+        self._live.add(hit.lease)
+        return hit
+
+    def reserve(self, kv_pages: int, state_slots: int) -> tuple:
+        """(page handles, slot handles) reserved for a request, as
+        array('Q'): migrating free capacity and evicting as needed; all or
+        nothing (MarconiError OUT_OF_MEMORY when even that cannot make
+        room). The caller's until admitted or freed (free_units)."""
+        from .pool import _reserve
+
+        return _reserve(self, kv_pages, state_slots)
+
+    def admit_pooled(self, lease: Any, tokens: Tokens, states: Any = (), kv_pages: Any = ()) -> Any:
+        """Admits `tokens` under `lease` (a PooledLookup or its id) with its
+        page handles (the hit's, then reserved ones: one per full page) and
+        the states saved as (position, slot handle) pairs; returns a
+        marconi.PooledAdmit (its `returned` units are still the caller's)."""
+        from .pool import _admit_pooled
+
+        return _admit_pooled(self, self._lease_id(lease), tokens, states, kv_pages)
+
+    def free_units(self, handles: Any) -> None:
+        """Frees units the caller holds (reserved, not taken); all or nothing."""
+        from .pool import _free_units
+
+        _free_units(self, handles)
+
+    def drain_freed_units(self) -> "array.array[int]":
+        """Handles evicted since the last call (already back in their pool:
+        stale), as array('Q')."""
+        from .pool import _olist
+
+        return _olist(self, "marconi_cache_drain_freed_units")
+
+    def held(self) -> "array.array[int]":
+        """Handles the cache holds now (pages and slots), sorted."""
+        from .pool import _olist
+
+        return _olist(self, "marconi_cache_held")
+
+    def resolve(self, handles: Any) -> list:
+        """Where each live handle's unit is (marconi.UnitLocation; all or nothing)."""
+        from .pool import _resolve
+
+        return _resolve(self, handles)
+
+    def view(self, handle: int) -> memoryview:
+        """A writable view of a live unit's bytes (memfd only), as
+        Pool.view: the unit's while the handle is live; the view keeps the
+        memory mapped after close() until it is gone."""
+        from .pool import _resolve, _unit_view
+
+        if not self.has_pools:
+            _resolve(self, [])  # the library's refusal: MarconiError UNSUPPORTED, saying what to configure
+            raise ValueError("view: this cache has no pools")
+        return _unit_view(self, handle)
+
+    def copy_states(self, pairs: Any) -> None:
+        """Copies states by handle, (src, dst) pairs (e.g. the lookup's
+        state into the request's own slot); a destination must be the
+        caller's."""
+        from .pool import _copy_states
+
+        _copy_states(self, pairs)
+
+    def pool_stats(self) -> dict:
+        """The pools' counters (marconi_pooled_stats) as a dict; stats()
+        has the cache's."""
+        from .pool import _pool_stats
+
+        return _pool_stats(self)
 
     def check(self) -> None:
         """Checks the internal invariants (MarconiError(INVARIANT_VIOLATED))."""

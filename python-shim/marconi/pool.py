@@ -15,7 +15,11 @@ int64 numpy arrays and torch tensors hold them. Handle lists
 (allocate's result, free's and resolve's argument) are array('Q'), a
 sequence of ints, or a numpy/torch integer array (converted in bulk).
 
-A view of a unit (Pool.view, PooledCache.view) keeps the native object's
+A cache over pools is a PrefixCache created with pools=Pools(...) (its
+pool methods: lookup_pooled, reserve, admit_pooled, free_units, ...);
+PooledCache is the deprecated earlier form, over the same calls.
+
+A view of a unit (Pool.view, PrefixCache.view, PooledCache.view) keeps the native object's
 memory mapped until the view and every buffer made from it are gone: after
 close() the memory stays valid for them (and is freed with the last one),
 so a view can never crash the interpreter.
@@ -753,11 +757,221 @@ class PooledAdmit:
     rejected: bool
 
 
+@dataclass(frozen=True)
+class Pools:
+    """The library's pools as the memory of a PrefixCache
+    (marconi_pool_config), passed as PrefixCache(..., pools=Pools(...)) (or a
+    dict of these fields). The cache's capacity is then the pools' budget
+    (PrefixCache's capacity_bytes is ignored), admission keeps KV pages and
+    state slots as handles, eviction frees them (drain_freed_units), and
+    when a pool is short a reservation migrates free capacity (AVMP) before
+    evicting by utility.
+
+    budget_bytes: both pools together (memfd and cuda round it down to whole
+    chunks). backend: "memfd" (host memory, the default), "none" (handles
+    and offsets only) or "cuda". migration: "avmp" or "static".
+    state_fraction: the state pool's initial share (0 < f < 1).
+    kv_page_bytes / state_slot_bytes: 0 for the model's (128-aligned);
+    larger for an engine's padded layout. chunk_bytes: the memfd chunk (0:
+    2 MiB). The model must have recurrent layers.
+    """
+
+    budget_bytes: int
+    backend: str = "memfd"
+    migration: str = "avmp"
+    state_fraction: float = 0.5
+    migration_batch_units: int = 0
+    chunk_bytes: int = 0
+    kv_page_bytes: int = 0
+    state_slot_bytes: int = 0
+    cuda_device: int = 0
+
+    def _config(self) -> Any:
+        """The marconi_pool_config these stand for (checked)."""
+        return _pool_config(
+            self.budget_bytes,
+            self.kv_page_bytes,
+            self.state_slot_bytes,
+            self.backend,
+            self.migration,
+            self.state_fraction,
+            self.migration_batch_units,
+            self.chunk_bytes,
+            self.cuda_device,
+        )
+
+
+def _pools(pools: Any) -> Pools:
+    """A Pools from a Pools or a dict of its fields."""
+    if isinstance(pools, Pools):
+        return pools
+    if isinstance(pools, dict):
+        known = set(Pools.__dataclass_fields__)
+        unknown = sorted(set(pools) - known)
+        if unknown:
+            raise TypeError(f"pools: unknown field(s) {unknown} (known: {sorted(known)})")
+        return Pools(**pools)
+    raise TypeError(f"pools: expected a marconi.Pools or a dict, got {type(pools).__name__}")
+
+
+# The request cycle over pools, shared by PrefixCache(pools=...) and the
+# deprecated PooledCache: `o` brackets its native calls with _begin()/_end()
+# and has _lib (and, for views, backend and _owner).
+
+
+def _ocall(o: Any, name: str, *args: Any) -> None:
+    h = o._begin()
+    try:
+        _check(getattr(o._lib, name)(h, *args), name)
+    finally:
+        o._end()
+
+
+def _olist(o: Any, name: str, *args: Any, code: str = "Q") -> "array.array[int]":
+    """A list the library writes with the (buf, cap, out_len) convention
+    (uint64 handles, or uint32 for code "I")."""
+    n = ctypes.c_size_t()
+    h = o._begin()
+    try:
+        while True:
+            out = array.array(code, bytes(out_size(code) * max(n.value, 1)))
+            ptr = _u64_pointer(out, len(out)) if code == "Q" else _u32_pointer(out, len(out))
+            st = getattr(o._lib, name)(h, *args, ptr, len(out), ctypes.byref(n))
+            if st == 3 and n.value > len(out):  # BUFFER_TOO_SMALL: grow to the count
+                continue
+            _check(st, name)
+            return out[: n.value]
+    finally:
+        o._end()
+
+
+def _pooled_lookup(o: Any, tokens: Any, namespace: int, checkpoints: Any) -> PooledLookup:
+    ns = _u64(namespace, "namespace")
+    src, n = _u32_source(tokens)
+    out = _lib.marconi_pooled_lookup()
+    if checkpoints is None:
+        _ocall(o, "marconi_cache_lookup_pooled", ns, _u32_pointer(src, n), n, ctypes.byref(out))
+    else:
+        hsrc, hn = _u32_source(checkpoints, "checkpoints")
+        _ocall(
+            o,
+            "marconi_cache_lookup_pooled_hinted",
+            ns,
+            _u32_pointer(src, n),
+            n,
+            _u32_pointer(hsrc, hn),
+            hn,
+            ctypes.byref(out),
+        )
+    pages = _olist(o, "marconi_cache_lease_kv_handles", out.lease) if out.n_kv_pages else array.array("Q")
+    plan_ = list(_olist(o, "marconi_cache_lease_plan", out.lease, code="I")) if out.n_plan else []
+    return PooledLookup(out.lease, out.hit_tokens, out.kv_matched_tokens, out.state_handle or None, pages, plan_)
+
+
+def _reserve(o: Any, kv_pages: int, state_slots: int) -> tuple:
+    kp, ss = _u32(kv_pages, "kv_pages"), _u32(state_slots, "state_slots")
+    pages, slots = array.array("Q", bytes(8 * kp)), array.array("Q", bytes(8 * ss))
+    _ocall(o, "marconi_cache_reserve", kp, ss, _u64_pointer(pages, kp), kp, _u64_pointer(slots, ss), ss)
+    return pages, slots
+
+
+def _admit_pooled(o: Any, lease: Any, tokens: Any, states: Any, kv_pages: Any) -> PooledAdmit:
+    lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
+    src, n = _u32_source(tokens)
+    pg, npg = _handles(kv_pages, "kv_pages")
+    st = list(states)
+    arr = (_lib.marconi_pooled_state * max(len(st), 1))()
+    for i, s in enumerate(st):
+        pos, slot = s
+        arr[i].position = _u32(pos, f"states[{i}].position")
+        arr[i].state_handle = _u64(slot, f"states[{i}].slot")
+    taken = (ctypes.c_uint8 * max(len(st), 1))()
+    res = _lib.marconi_admit_result()
+    _ocall(
+        o,
+        "marconi_cache_admit_pooled",
+        lid,
+        _u32_pointer(src, n),
+        n,
+        arr if st else None,
+        len(st),
+        _u64_pointer(pg, npg),
+        npg,
+        taken if st else None,
+        ctypes.byref(res),
+    )
+    page_list = array.array("Q", (int(h) for h in pg)) if npg else array.array("Q")
+    kv_range = range(res.kv_pages_taken_start, res.kv_pages_taken_end)
+    # Pages outside the taken range are the hit's (the cache's) or the
+    # caller's, which come back.
+    outside = [h for i, h in enumerate(page_list) if i not in kv_range]
+    cached = set(_olist(o, "marconi_cache_held")) if outside else set()
+    returned = array.array("Q", (h for h in outside if h not in cached))
+    flags = [bool(taken[i]) for i in range(len(st))]
+    returned.extend(int(st[i][1]) for i in range(len(st)) if not flags[i])
+    return PooledAdmit(flags, kv_range, returned, res.new_kv_tokens, res.truncated_to or None, bool(res.rejected))
+
+
+def _free_units(o: Any, handles: Any) -> None:
+    src, n = _handles(handles, "handles")
+    _ocall(o, "marconi_cache_free_units", _u64_pointer(src, n), n)
+
+
+def _resolve(o: Any, handles: Any) -> list:
+    src, n = _handles(handles, "handles")
+    out = (_lib.marconi_unit_location * max(n, 1))()
+    _ocall(o, "marconi_cache_resolve", _u64_pointer(src, n), n, out, n)
+    return [
+        UnitLocation(x.address, x.byte_offset, x.unit_bytes, KIND_NAME.get(x.kind, str(x.kind)), x.index)
+        for x in out[:n]
+    ]
+
+
+def _copy_states(o: Any, pairs: Any) -> None:
+    src, n = _pairs_source(pairs)
+    _ocall(o, "marconi_cache_copy_states", _pairs_pointer(src, n), n)
+
+
+def _pool_stats(o: Any) -> dict:
+    s = _lib.marconi_pooled_stats()
+    s.struct_size = ctypes.sizeof(s)
+    _ocall(o, "marconi_cache_pool_stats", ctypes.byref(s))
+    out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+    out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
+    return out
+
+
+def _unit_view(o: Any, handle: int) -> memoryview:
+    """A writable view of a live unit of `o`'s pools that keeps the native
+    memory mapped while it (or any buffer made from it) is alive."""
+    if o.backend != "memfd":
+        raise ValueError(f"view: backend {o.backend!r} has no host memory to view")
+    src, n = _handles([handle], "handle")
+    out = _lib.marconi_unit_location()
+    h = o._begin()
+    try:
+        _check(o._lib.marconi_cache_resolve(h, _u64_pointer(src, n), n, ctypes.byref(out), 1), "marconi_cache_resolve")
+        raw = (ctypes.c_char * out.unit_bytes).from_address(out.address)
+        # ctypes instances keep attributes: the view's base holds the owner.
+        raw._marconi_owner = o._owner
+    finally:
+        o._end()
+    return memoryview(raw).cast("B")
+
+
 class PooledCache(_Native):
-    """A prefix cache deciding over real pools (marconi_pooled_cache): its
-    capacity is what the pools hold, admission keeps KV pages and state slots
-    as handles, eviction frees them (drain_freed), and when a pool is short
-    a reservation migrates free capacity (AVMP) before evicting by utility.
+    """Deprecated (removed in the next release): use
+    PrefixCache(..., pools=Pools(...)), whose lookup_pooled, reserve,
+    admit_pooled, free_units, release, drain_freed_units, held, resolve,
+    view, copy_states, pool_stats and check are this class's lookup,
+    reserve, admit, free, release, drain_freed, held, resolve, view,
+    copy_states, stats and check (the same calls: a cache over pools is a
+    marconi_cache created with marconi_cache_config.pools).
+
+    A prefix cache deciding over real pools: its capacity is what the pools
+    hold, admission keeps KV pages and state slots as handles, eviction
+    frees them (drain_freed), and when a pool is short a reservation
+    migrates free capacity (AVMP) before evicting by utility.
 
     The request cycle: lookup(tokens) -> reserve(pages, slots) ->
     copy_states([(hit state, own slot)]) -> admit(lease, tokens, states,
@@ -766,7 +980,7 @@ class PooledCache(_Native):
     Thread-safe like PrefixCache; close() frees the pools' memory.
     """
 
-    _FREE = "marconi_pooled_cache_free"
+    _FREE = "marconi_cache_free"
     _WHAT = "cache"
 
     def __init__(
@@ -801,164 +1015,68 @@ class PooledCache(_Native):
         pc = _pool_config(
             budget_bytes, kv_page_bytes, state_slot_bytes, backend, migration, state_fraction, 0, chunk_bytes, cuda_device
         )
+        cc.pools = ctypes.pointer(pc)
         handle = ctypes.c_void_p()
-        _check(
-            lib.marconi_pooled_cache_new(ctypes.byref(cc), ctypes.byref(pc), ctypes.byref(handle)),
-            "marconi_pooled_cache_new",
-        )
-        del keep
+        _check(lib.marconi_cache_new(ctypes.byref(cc), ctypes.byref(handle)), "marconi_cache_new")
+        del keep, pc
         self._adopt(lib, handle)
         self.backend = backend
         self.page_size = page_size
-
-    def _list(self, name: str, *args: Any, code: str = "Q") -> "array.array[int]":
-        """A list the library writes with the (buf, cap, out_len) convention
-        (uint64 handles, or uint32 for code "I")."""
-        n = ctypes.c_size_t()
-        h = self._begin()
-        try:
-            while True:
-                out = array.array(code, bytes(out_size(code) * max(n.value, 1)))
-                ptr = _u64_pointer(out, len(out)) if code == "Q" else _u32_pointer(out, len(out))
-                st = getattr(self._lib, name)(h, *args, ptr, len(out), ctypes.byref(n))
-                if st == 3 and n.value > len(out):  # BUFFER_TOO_SMALL: grow to the count
-                    continue
-                _check(st, name)
-                return out[: n.value]
-        finally:
-            self._end()
 
     def lookup(self, tokens: Any, namespace: int = 0, checkpoints: Any = None) -> PooledLookup:
         """Looks up `tokens` (as PrefixCache.lookup takes them), with the
         application `checkpoints` as PrefixCache.lookup takes them (the kept
         ones are in the plan: reserve a state slot for each)."""
-        ns = _u64(namespace, "namespace")
-        src, n = _u32_source(tokens)
-        out = _lib.marconi_pooled_lookup()
-        if checkpoints is None:
-            self._call("marconi_pooled_cache_lookup", ns, _u32_pointer(src, n), n, ctypes.byref(out))
-        else:
-            hsrc, hn = _u32_source(checkpoints, "checkpoints")
-            self._call(
-                "marconi_pooled_cache_lookup_hinted",
-                ns,
-                _u32_pointer(src, n),
-                n,
-                _u32_pointer(hsrc, hn),
-                hn,
-                ctypes.byref(out),
-            )
-        pages = self._list("marconi_pooled_cache_lease_kv_pages", out.lease) if out.n_kv_pages else array.array("Q")
-        plan_ = list(self._list("marconi_pooled_cache_lease_plan", out.lease, code="I")) if out.n_plan else []
-        return PooledLookup(
-            out.lease,
-            out.hit_tokens,
-            out.kv_matched_tokens,
-            out.state_handle or None,
-            pages,
-            plan_,
-        )
+        return _pooled_lookup(self, tokens, namespace, checkpoints)
 
     def reserve(self, kv_pages: int, state_slots: int) -> tuple:
         """(page handles, slot handles) reserved for a request: migrating free
         capacity and evicting as needed; all or nothing (MarconiError
         OUT_OF_MEMORY when even that cannot make room)."""
-        kp, ss = _u32(kv_pages, "kv_pages"), _u32(state_slots, "state_slots")
-        pages, slots = array.array("Q", bytes(8 * kp)), array.array("Q", bytes(8 * ss))
-        self._call(
-            "marconi_pooled_cache_reserve", kp, ss, _u64_pointer(pages, kp), kp, _u64_pointer(slots, ss), ss
-        )
-        return pages, slots
+        return _reserve(self, kv_pages, state_slots)
 
     def admit(self, lease: Any, tokens: Any, states: Any = (), kv_pages: Any = ()) -> PooledAdmit:
         """Admits `tokens` under `lease` (a PooledLookup or its id) with its
         page handles (the hit's, then reserved ones: one per full page) and
         the states saved as (position, slot handle) pairs."""
-        lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
-        src, n = _u32_source(tokens)
-        pg, npg = _handles(kv_pages, "kv_pages")
-        st = list(states)
-        arr = (_lib.marconi_pooled_state * max(len(st), 1))()
-        for i, s in enumerate(st):
-            pos, slot = s
-            arr[i].position = _u32(pos, f"states[{i}].position")
-            arr[i].state_handle = _u64(slot, f"states[{i}].slot")
-        taken = (ctypes.c_uint8 * max(len(st), 1))()
-        res = _lib.marconi_admit_result()
-        self._call(
-            "marconi_pooled_cache_admit",
-            lid,
-            _u32_pointer(src, n),
-            n,
-            arr if st else None,
-            len(st),
-            _u64_pointer(pg, npg),
-            npg,
-            taken if st else None,
-            ctypes.byref(res),
-        )
-        page_list = array.array("Q", (int(h) for h in pg)) if npg else array.array("Q")
-        kv_range = range(res.kv_pages_taken_start, res.kv_pages_taken_end)
-        # Pages outside the taken range are the hit's (the cache's) or the
-        # caller's, which come back.
-        outside = [h for i, h in enumerate(page_list) if i not in kv_range]
-        cached = set(self.held()) if outside else set()
-        returned = array.array("Q", (h for h in outside if h not in cached))
-        flags = [bool(taken[i]) for i in range(len(st))]
-        returned.extend(int(st[i][1]) for i in range(len(st)) if not flags[i])
-        return PooledAdmit(
-            flags, kv_range, returned, res.new_kv_tokens, res.truncated_to or None, bool(res.rejected)
-        )
+        return _admit_pooled(self, lease, tokens, states, kv_pages)
 
     def free(self, handles: Any) -> None:
         """Frees units the caller holds (reserved, not taken); all or nothing."""
-        src, n = _handles(handles, "handles")
-        self._call("marconi_pooled_cache_free_units", _u64_pointer(src, n), n)
+        _free_units(self, handles)
 
     def release(self, lease: Any) -> None:
         """Releases a lease (a PooledLookup or its id)."""
         lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
-        self._call("marconi_pooled_cache_release", lid)
+        self._call("marconi_cache_release", lid)
 
     def drain_freed(self) -> "array.array[int]":
         """Handles evicted since the last call (already back in their pool)."""
-        return self._list("marconi_pooled_cache_drain_freed")
+        return _olist(self, "marconi_cache_drain_freed_units")
 
     def held(self) -> "array.array[int]":
         """Handles the cache holds now, sorted."""
-        return self._list("marconi_pooled_cache_held")
+        return _olist(self, "marconi_cache_held")
 
     def resolve(self, handles: Any) -> list:
         """Where each live handle's unit is (all or nothing)."""
-        src, n = _handles(handles, "handles")
-        out = (_lib.marconi_unit_location * max(n, 1))()
-        self._call("marconi_pooled_cache_resolve", _u64_pointer(src, n), n, out, n)
-        return [
-            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
-            for o in out[:n]
-        ]
+        return _resolve(self, handles)
 
     def view(self, handle: int) -> memoryview:
         """A writable view of a live unit's bytes (memfd only), as Pool.view:
         the unit's while the handle is live; the view keeps the memory mapped
         after close() until it is gone."""
-        return self._view("marconi_pooled_cache_resolve", handle)
+        return _unit_view(self, handle)
 
     def copy_states(self, pairs: Any) -> None:
         """Copies states by handle (e.g. the lookup's state into the request's
         own slot); a destination must be the caller's."""
-        src, n = _pairs_source(pairs)
-        self._call("marconi_pooled_cache_copy_states", _pairs_pointer(src, n), n)
+        _copy_states(self, pairs)
 
     def stats(self) -> dict:
         """Counters (marconi_pooled_stats) as a dict."""
-        s = _lib.marconi_pooled_stats()
-        s.struct_size = ctypes.sizeof(s)
-        self._call("marconi_pooled_cache_stats", ctypes.byref(s))
-        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
-        out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
-        return out
+        return _pool_stats(self)
 
     def check(self) -> None:
         """Checks the joined invariants (MarconiError INVARIANT_VIOLATED: a bug)."""
-        self._call("marconi_pooled_cache_check")
+        self._call("marconi_cache_check")

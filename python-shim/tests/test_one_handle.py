@@ -1,12 +1,20 @@
-"""Lower tiers as an option of the one cache handle
-(marconi.PrefixCache(..., tiers=marconi.Tiers(...)), docs/tiers.md): the
-engine's copies kept in step through the tier methods, the device view of
-lookup() on such a cache, every tier method refused on a cache without
-tiers, and the deprecated TieredCache still working over the same handle."""
+"""Lower tiers and pools as options of the one cache handle
+(marconi.PrefixCache(..., tiers=marconi.Tiers(...)), docs/tiers.md; and
+marconi.PrefixCache(..., pools=marconi.Pools(...))): the engine's copies
+kept in step through the tier methods, the device view of lookup() on such
+a cache, every tier method refused on a cache without tiers, and the
+deprecated TieredCache still working over the same handle; the pooled
+request cycle through the pool methods with the invariants of test_pooled,
+every pool method refused on a cache without pools, the methods over engine
+ids refused on a cache over pools, and the deprecated PooledCache calling
+the same functions."""
+
+import random
 
 import pytest
 
 import marconi
+import test_pooled
 from test_tiered import Engine, chain_bytes, workload
 
 
@@ -95,3 +103,196 @@ def test_bad_tiers_are_refused():
     with pytest.raises(marconi.MarconiError) as e:
         marconi.PrefixCache(1 << 30, tiers=marconi.Tiers(store_bytes=1 << 30))
     assert e.value.name == "INVALID_CONFIG"
+
+
+# -- pools -------------------------------------------------------------------
+
+
+class PooledOneHandle:
+    """The PooledCache calls test_pooled's serve() and check_invariants()
+    make, on a PrefixCache with pools."""
+
+    def __init__(self, pc):
+        self.pc = pc
+
+    def lookup(self, tokens):
+        return self.pc.lookup_pooled(tokens)
+
+    def admit(self, lease, tokens, states, pages):
+        return self.pc.admit_pooled(lease, tokens, states, pages)
+
+    def free(self, handles):
+        self.pc.free_units(handles)
+
+    def drain_freed(self):
+        return self.pc.drain_freed_units()
+
+    def stats(self):
+        return self.pc.pool_stats()
+
+    def __getattr__(self, name):
+        return getattr(self.pc, name)
+
+
+def pooled_budget():
+    p = marconi.plan("nemotron-h-8b", 1 << 30, page_size=test_pooled.PAGE)
+    budget = 6 * p["state_slot_bytes"] + 2600 // test_pooled.PAGE * p["kv_page_bytes"]
+    return -(-budget // (2 << 20)) * (2 << 20)
+
+
+@pytest.mark.parametrize("as_dict,seed", [(False, 1), (True, 2)])
+def test_the_pooled_cycle_through_the_one_handle(as_dict, seed):
+    budget = pooled_budget()
+    pools = {"budget_bytes": budget, "state_fraction": 0.3}
+    if not as_dict:
+        pools = marconi.Pools(**pools)
+    rng = random.Random(seed)
+    pc = marconi.PrefixCache(0, "nemotron-h-8b", page_size=test_pooled.PAGE, alpha=1.0, decision_log=True, pools=pools)
+    with pc:
+        assert pc.has_pools and not pc.has_tiers and pc.backend == "memfd"
+        cache, seen = PooledOneHandle(pc), []
+        test_pooled.check_invariants(cache, budget, seen)
+        system = [rng.randrange(1 << 20) for _ in range(160)]
+        sessions, served, refused = [], 0, 0
+        for _ in range(30):
+            if not sessions or (len(sessions) < 6 and rng.random() < 0.2):
+                sessions.append(list(rng.choice(sessions) if sessions and rng.random() < 0.5 else system))
+            s = rng.choice(sessions)
+            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 200))]
+            input_len = len(s)
+            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 64))]
+            if len(s) > 4000:
+                sessions.remove(s)
+                continue
+            if test_pooled.serve(cache, s, input_len, budget, seen):
+                served += 1
+            else:
+                refused += 1
+        ps, st = pc.pool_stats(), pc.stats()
+        assert ps["requests"] == st["requests"] == served + refused
+        assert ps["reservations_refused"] == refused
+        assert ps["hit_tokens"] == st["hit_tokens"] > 0
+        assert ps["evictions"] == st["evictions"] > 0 and seen
+        assert ps["leases"] == st["leases"] == 0
+        assert st["capacity_bytes"] == ps["budget_bytes"] <= budget
+        log = pc.drain_log()
+        assert {d["kind"] for d in log} >= {"lookup", "admit", "release"}
+        # A view outlives close(): the memory stays mapped for it.
+        _, slots = pc.reserve(0, 1)
+        view = pc.view(slots[0])
+        view[:4] = b"abcd"
+    assert pc.closed
+    assert bytes(view[:4]) == b"abcd"
+    del view
+
+
+def test_the_resumed_state_is_the_cached_one_through_the_one_handle():
+    with marconi.PrefixCache(0, "nemotron-h-8b", page_size=16, alpha=1.0, pools=marconi.Pools(pooled_budget())) as pc:
+        tokens = list(range(1000, 1000 + 256))
+        look = pc.lookup_pooled(tokens[:200], checkpoints=[160])
+        assert look.plan == [160]
+        pages, slots = pc.reserve(256 // 16, 2)
+        pc.view(slots[0])[:4] = b"abcd"
+        a = pc.admit_pooled(look, tokens, [(160, slots[1]), (256, slots[0])], pages)
+        assert a.taken == [True, True]
+        pc.free_units(a.returned)
+        pc.release(look)
+        assert look.lease not in pc._live
+        look = pc.lookup_pooled(tokens + [1, 2, 3])
+        assert look.hit_tokens == 256 and look.state_handle == slots[0]
+        assert list(look.kv_pages) == list(pages)
+        assert pc.plan(look.lease) == []
+        _, mine = pc.reserve(0, 1)
+        pc.copy_states([(look.state_handle, mine[0])])
+        assert bytes(pc.view(mine[0])[:4]) == b"abcd"
+        assert [loc.kind for loc in pc.resolve([look.state_handle, pages[0]])] == ["state", "kv"]
+        pc.free_units(mine)
+        pc.release(look.lease)
+        assert sorted(pc.held()) == sorted(list(pages) + list(slots))
+        pc.check()
+
+
+def test_every_pool_method_refuses_on_a_cache_without_pools():
+    with marconi.PrefixCache(1 << 30, "nemotron-h-8b") as pc:
+        assert not pc.has_pools and pc.backend is None
+        lease = pc.lookup(list(range(64)))
+        calls = {
+            "marconi_cache_lookup_pooled": lambda: pc.lookup_pooled([1, 2, 3]),
+            "marconi_cache_lookup_pooled_hinted": lambda: pc.lookup_pooled([1, 2, 3], checkpoints=[2]),
+            "marconi_cache_reserve": lambda: pc.reserve(1, 1),
+            "marconi_cache_admit_pooled": lambda: pc.admit_pooled(lease, list(range(64)), [(64, 1)], [1, 2, 3, 4]),
+            "marconi_cache_free_units": lambda: pc.free_units([1]),
+            "marconi_cache_drain_freed_units": pc.drain_freed_units,
+            "marconi_cache_held": pc.held,
+            "marconi_cache_resolve": lambda: pc.resolve([1]),
+            "marconi_cache_copy_states": lambda: pc.copy_states([(1, 2)]),
+            "marconi_cache_pool_stats": pc.pool_stats,
+        }
+        for name, call in calls.items():
+            with pytest.raises(marconi.MarconiError) as e:
+                call()
+            assert e.value.name == "UNSUPPORTED", name
+            assert e.value.function == name, (name, e.value.function)
+            assert "marconi_cache_config.pools" in str(e.value), str(e.value)
+        with pytest.raises(marconi.MarconiError) as e:
+            pc.view(1)
+        assert e.value.name == "UNSUPPORTED"
+        assert pc.stats()["leases"] == 1  # nothing changed
+        lease.release()
+        pc.check()
+
+
+def test_the_methods_over_engine_ids_refuse_on_a_cache_over_pools():
+    with marconi.PrefixCache(0, "nemotron-h-8b", page_size=16, pools=marconi.Pools(8 << 30, backend="none")) as pc:
+        look = pc.lookup_pooled(list(range(64)))
+        calls = {
+            "marconi_cache_lookup_pooled": lambda: pc.lookup(list(range(64))),
+            "marconi_cache_admit_pooled": lambda: pc.admit(look.lease, list(range(64)), [(64, 1)]),
+            "marconi_cache_drain_freed_units": pc.drain_freed,
+            "marconi_cache_reserve": lambda: pc.evict(1 << 20),
+        }
+        for name, call in calls.items():
+            with pytest.raises(marconi.MarconiError) as e:
+                call()
+            assert e.value.name == "UNSUPPORTED", name
+            assert name in str(e.value), str(e.value)
+        with pytest.raises(marconi.MarconiError) as e:
+            marconi.CacheEvents(pc)
+        assert e.value.name == "UNSUPPORTED"
+        with pytest.raises(marconi.MarconiError) as e:
+            pc.lookup_tiered([1, 2, 3])
+        assert e.value.name == "UNSUPPORTED"
+        assert pc.pool_stats()["leases"] == 1  # nothing changed
+        with pytest.raises(ValueError):
+            pc.view(look.lease)  # backend none: no host memory
+        pc.release(look)
+        pc.check()
+
+
+def test_bad_pools_are_refused():
+    with pytest.raises(TypeError, match="pools"):
+        marconi.PrefixCache(0, "nemotron-h-8b", pools=42)
+    with pytest.raises(TypeError, match="budget"):
+        marconi.PrefixCache(0, "nemotron-h-8b", pools={"budget": 1 << 30})
+    with pytest.raises(ValueError, match="backend"):
+        marconi.PrefixCache(0, "nemotron-h-8b", pools=marconi.Pools(1 << 30, backend="disk"))
+    with pytest.raises(marconi.MarconiError) as e:
+        marconi.PrefixCache(0, "paper-7b-attn", pools=marconi.Pools(1 << 30))
+    assert e.value.name == "INVALID_CONFIG"
+    with pytest.raises(marconi.MarconiError) as e:
+        marconi.PrefixCache(
+            0, "nemotron-h-8b", pools=marconi.Pools(1 << 30), tiers=marconi.Tiers(host_bytes=1 << 30)
+        )
+    assert e.value.name == "UNSUPPORTED" and "pools and tiers cannot be combined yet" in str(e.value)
+
+
+def test_the_deprecated_pooled_cache_calls_the_one_handle():
+    cache, _ = test_pooled.small_cache()
+    with cache:
+        look = cache.lookup(list(range(64)))
+        with pytest.raises(marconi.MarconiError) as e:
+            cache.reserve(10**6, 0)
+        assert e.value.function == "marconi_cache_reserve"
+        cache.release(look)
+        assert cache.stats()["requests"] == 1
+        cache.check()

@@ -1,9 +1,11 @@
 /*
- * C tests of the cache over pools (marconi_pooled_cache_*) and of memory
- * planning (marconi_plan): multi-turn conversations through the full
- * request cycle (lookup, reserve, copy the cached state, admit, free what
- * was not taken, release, drain) over the memfd backend, with the
- * invariants checked after every step: marconi_pooled_cache_check passes,
+ * C tests of the cache over pools (a marconi_cache created with
+ * marconi_cache_config.pools) and of memory planning (marconi_plan):
+ * multi-turn conversations through the full request cycle
+ * (marconi_cache_lookup_pooled, marconi_cache_reserve, copy the cached
+ * state, marconi_cache_admit_pooled, free what was not taken, release,
+ * drain) over the memfd backend, with the invariants checked after every
+ * step: marconi_cache_check passes,
  * every handle the cache holds resolves (is live), evicted handles come
  * back once and are no longer held, physical bytes (memfd st_blocks) never
  * exceed the budget; then misuse, each refused with its status. Also
@@ -218,13 +220,13 @@ static void test_converged_split(void) {
 }
 
 typedef struct {
-  marconi_pooled_cache *pc;
+  marconi_cache *pc;
   uint64_t budget;
   uint64_t freed_seen[MAX_UNITS * 4];
   size_t n_freed_seen;
 } fixture;
 
-static marconi_pooled_cache *new_pooled(const char *preset, uint64_t budget, uint32_t migration,
+static marconi_cache *new_pooled(const char *preset, uint64_t budget, uint32_t migration,
                                         double fraction) {
   marconi_cache_config cc;
   OK(marconi_cache_config_init(&cc, sizeof cc));
@@ -238,28 +240,29 @@ static marconi_pooled_cache *new_pooled(const char *preset, uint64_t budget, uin
   pc.budget_bytes = budget;
   pc.migration = migration;
   pc.state_fraction = fraction;
-  marconi_pooled_cache *c = NULL;
-  OK(marconi_pooled_cache_new(&cc, &pc, &c));
+  marconi_cache *c = NULL;
+  cc.pools = &pc;
+  OK(marconi_cache_new(&cc, &c));
   CHECK(c != NULL);
   return c;
 }
 
-static marconi_pooled_stats stats_of(const marconi_pooled_cache *c) {
+static marconi_pooled_stats stats_of(const marconi_cache *c) {
   marconi_pooled_stats s;
   memset(&s, 0, sizeof s);
   s.struct_size = sizeof s;
-  OK(marconi_pooled_cache_stats(c, &s));
+  OK(marconi_cache_pool_stats(c, &s));
   return s;
 }
 
 /* The invariants of the issue, after every step. */
 static void check_invariants(fixture *f) {
-  OK(marconi_pooled_cache_check(f->pc));
+  OK(marconi_cache_check(f->pc));
   static uint64_t held[MAX_UNITS * 2];
   size_t n = 0;
-  OK(marconi_pooled_cache_held(f->pc, held, MAX_UNITS * 2, &n));
+  OK(marconi_cache_held(f->pc, held, MAX_UNITS * 2, &n));
   static marconi_unit_location loc[MAX_UNITS * 2];
-  if (n > 0) OK(marconi_pooled_cache_resolve(f->pc, held, n, loc, n)); /* all live */
+  if (n > 0) OK(marconi_cache_resolve(f->pc, held, n, loc, n)); /* all live */
   marconi_pooled_stats s = stats_of(f->pc);
   CHECK_EQ(s.held_kv_pages + s.held_state_slots, n);
   CHECK(s.physical_bytes <= f->budget);
@@ -268,16 +271,16 @@ static void check_invariants(fixture *f) {
   /* Freed handles come back: drained once, and no longer held. */
   static uint64_t freed[MAX_UNITS * 2];
   size_t nf = 0;
-  OK(marconi_pooled_cache_drain_freed(f->pc, freed, MAX_UNITS * 2, &nf));
+  OK(marconi_cache_drain_freed_units(f->pc, freed, MAX_UNITS * 2, &nf));
   for (size_t i = 0; i < nf; i++) {
     for (size_t j = 0; j < n; j++) CHECK(freed[i] != held[j]);
     /* Between requests the caller holds nothing: a freed handle is stale. */
     marconi_unit_location l;
-    CHECK(marconi_pooled_cache_resolve(f->pc, &freed[i], 1, &l, 1) != MARCONI_STATUS_OK);
+    CHECK(marconi_cache_resolve(f->pc, &freed[i], 1, &l, 1) != MARCONI_STATUS_OK);
     if (f->n_freed_seen < sizeof f->freed_seen / sizeof f->freed_seen[0])
       f->freed_seen[f->n_freed_seen++] = freed[i];
   }
-  OK(marconi_pooled_cache_drain_freed(f->pc, NULL, 0, &nf));
+  OK(marconi_cache_drain_freed_units(f->pc, NULL, 0, &nf));
   CHECK_EQ(nf, 0);
 }
 
@@ -286,15 +289,15 @@ static void check_invariants(fixture *f) {
 static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint32_t full,
                         const uint32_t *hints, size_t n_hints) {
   marconi_pooled_lookup l;
-  OK(marconi_pooled_cache_lookup_hinted(f->pc, 0, tokens, input, hints, n_hints, &l));
+  OK(marconi_cache_lookup_pooled_hinted(f->pc, 0, tokens, input, hints, n_hints, &l));
   CHECK(l.hit_tokens < input);
   uint64_t hit_pages[MAX_UNITS];
   size_t n_hit = 0;
-  OK(marconi_pooled_cache_lease_kv_pages(f->pc, l.lease, hit_pages, MAX_UNITS, &n_hit));
+  OK(marconi_cache_lease_kv_handles(f->pc, l.lease, hit_pages, MAX_UNITS, &n_hit));
   CHECK_EQ(n_hit, l.n_kv_pages);
   uint32_t plan[64];
   size_t n_plan = 0;
-  OK(marconi_pooled_cache_lease_plan(f->pc, l.lease, plan, 64, &n_plan));
+  OK(marconi_cache_lease_plan(f->pc, l.lease, plan, 64, &n_plan));
   CHECK_EQ(n_plan, l.n_plan);
   /* Working memory: pages past the hit, a slot per planned state + the final one. */
   uint32_t full_pages = full / PAGE;
@@ -303,9 +306,9 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   static uint64_t pages[MAX_UNITS];
   uint64_t slots[65];
   marconi_status st =
-      marconi_pooled_cache_reserve(f->pc, want_pages, want_slots, pages + n_hit, MAX_UNITS - n_hit, slots, 65);
+      marconi_cache_reserve(f->pc, want_pages, want_slots, pages + n_hit, MAX_UNITS - n_hit, slots, 65);
   if (st == MARCONI_STATUS_OUT_OF_MEMORY) {
-    OK(marconi_pooled_cache_release(f->pc, l.lease));
+    OK(marconi_cache_release(f->pc, l.lease));
     check_invariants(f);
     return 0;
   }
@@ -314,18 +317,18 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
   /* Resume from the cached state: copy it into the request's own slot. */
   if (l.state_handle != 0) {
     marconi_state_copy o = {l.state_handle, slots[0]};
-    OK(marconi_pooled_cache_copy_states(f->pc, &o, 1));
+    OK(marconi_cache_copy_states(f->pc, &o, 1));
   }
   /* "Prefill and decode": write each saved state's slot. */
   marconi_pooled_state states[65];
   for (size_t i = 0; i < n_plan; i++) states[i] = (marconi_pooled_state){plan[i], 0, slots[i + 1]};
   states[n_plan] = (marconi_pooled_state){full / PAGE * PAGE, 0, slots[0]};
   marconi_unit_location sl;
-  OK(marconi_pooled_cache_resolve(f->pc, &slots[0], 1, &sl, 1));
+  OK(marconi_cache_resolve(f->pc, &slots[0], 1, &sl, 1));
   memset((void *)(uintptr_t)sl.address, (int)(full & 0xff), 4096);
   uint8_t taken[65];
   marconi_admit_result r;
-  OK(marconi_pooled_cache_admit(f->pc, l.lease, tokens, full, states, n_plan + 1, pages, full_pages,
+  OK(marconi_cache_admit_pooled(f->pc, l.lease, tokens, full, states, n_plan + 1, pages, full_pages,
                                 taken, &r));
   /* Free what the cache did not take. */
   uint64_t mine[MAX_UNITS + 65];
@@ -334,11 +337,11 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
     if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
   for (size_t i = 0; i <= n_plan; i++)
     if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-  OK(marconi_pooled_cache_free_units(f->pc, mine, n_mine));
+  OK(marconi_cache_free_units(f->pc, mine, n_mine));
   /* A freed working unit is the caller's no more. */
-  if (n_mine > 0) CHECK_EQ(marconi_pooled_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  OK(marconi_pooled_cache_release(f->pc, l.lease));
-  CHECK_EQ(marconi_pooled_cache_release(f->pc, l.lease), MARCONI_STATUS_UNKNOWN_LEASE);
+  if (n_mine > 0) CHECK_EQ(marconi_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_cache_release(f->pc, l.lease));
+  CHECK_EQ(marconi_cache_release(f->pc, l.lease), MARCONI_STATUS_UNKNOWN_LEASE);
   check_invariants(f);
   return 1;
 }
@@ -362,28 +365,28 @@ static void test_hinted(void) {
   }
   uint32_t hints[2] = {320, 330}; /* 330 rounds down to 320 (page 16) */
   marconi_pooled_lookup l;
-  OK(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, hints, 2, &l));
+  OK(marconi_cache_lookup_pooled_hinted(f->pc, 0, a, 400, hints, 2, &l));
   CHECK_EQ(l.n_plan, 1);
   uint32_t plan[4];
   size_t n_plan = 0;
-  OK(marconi_pooled_cache_lease_plan(f->pc, l.lease, plan, 4, &n_plan));
+  OK(marconi_cache_lease_plan(f->pc, l.lease, plan, 4, &n_plan));
   CHECK_EQ(plan[0], 320);
-  OK(marconi_pooled_cache_release(f->pc, l.lease));
+  OK(marconi_cache_release(f->pc, l.lease));
   CHECK(serve_hinted(f, a, 400, 448, hints, 2));
-  OK(marconi_pooled_cache_lookup(f->pc, 0, b, 400, &l));
+  OK(marconi_cache_lookup_pooled(f->pc, 0, b, 400, &l));
   CHECK_EQ(l.hit_tokens, 320);
   CHECK(l.state_handle != 0);
-  OK(marconi_pooled_cache_release(f->pc, l.lease));
+  OK(marconi_cache_release(f->pc, l.lease));
   /* Misuse: NULL hints with a count, a wild count; nothing leased. */
-  CHECK_EQ(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, NULL, 3, &l),
+  CHECK_EQ(marconi_cache_lookup_pooled_hinted(f->pc, 0, a, 400, NULL, 3, &l),
            MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pooled_cache_lookup_hinted(f->pc, 0, a, 400, hints, SIZE_MAX, &l),
+  CHECK_EQ(marconi_cache_lookup_pooled_hinted(f->pc, 0, a, 400, hints, SIZE_MAX, &l),
            MARCONI_STATUS_TOO_MANY_TOKENS);
-  CHECK_EQ(marconi_pooled_cache_lookup_hinted(NULL, 0, a, 400, hints, 2, &l),
+  CHECK_EQ(marconi_cache_lookup_pooled_hinted(NULL, 0, a, 400, hints, 2, &l),
            MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(stats_of(f->pc).leases, 0);
   check_invariants(f);
-  marconi_pooled_cache_free(f->pc);
+  marconi_cache_free(f->pc);
   free(f);
 }
 
@@ -428,87 +431,87 @@ static void test_cycle(uint32_t migration) {
          migration ? "avmp" : "static", served, refused, (unsigned long long)s.hit_tokens,
          (unsigned long long)s.evictions, (unsigned long long)s.migrations,
          (unsigned long long)s.physical_bytes, (unsigned long long)budget);
-  marconi_pooled_cache_free(f->pc);
+  marconi_cache_free(f->pc);
   free(f);
 }
 
 static void test_misuse(void) {
   marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
   uint64_t budget = 4 * p.state_slot_bytes + 64 * p.kv_page_bytes + (4u << 20);
-  marconi_pooled_cache *c = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  marconi_cache *c = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint32_t tokens[64];
   for (int i = 0; i < 64; i++) tokens[i] = 7 + (uint32_t)i;
   marconi_pooled_lookup l;
-  CHECK_EQ(marconi_pooled_cache_lookup(NULL, 0, tokens, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pooled_cache_lookup(c, 0, NULL, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pooled_cache_lookup(c, 0, tokens, 0, &l), MARCONI_STATUS_EMPTY_TOKENS);
-  OK(marconi_pooled_cache_lookup(c, 0, tokens, 48, &l));
+  CHECK_EQ(marconi_cache_lookup_pooled(NULL, 0, tokens, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup_pooled(c, 0, NULL, 64, &l), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_lookup_pooled(c, 0, tokens, 0, &l), MARCONI_STATUS_EMPTY_TOKENS);
+  OK(marconi_cache_lookup_pooled(c, 0, tokens, 48, &l));
   /* More than the whole budget: refused, nothing reserved. */
   uint64_t big[4];
-  CHECK_EQ(marconi_pooled_cache_reserve(c, 0, 1000000, NULL, 0, big, 4), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  CHECK_EQ(marconi_cache_reserve(c, 0, 1000000, NULL, 0, big, 4), MARCONI_STATUS_BUFFER_TOO_SMALL);
   static uint64_t many[100000];
-  CHECK_EQ(marconi_pooled_cache_reserve(c, 100000, 0, many, 100000, NULL, 0), MARCONI_STATUS_OUT_OF_MEMORY);
+  CHECK_EQ(marconi_cache_reserve(c, 100000, 0, many, 100000, NULL, 0), MARCONI_STATUS_OUT_OF_MEMORY);
   uint64_t pg[4], sl[2];
-  OK(marconi_pooled_cache_reserve(c, 4, 2, pg, 4, sl, 2));
+  OK(marconi_cache_reserve(c, 4, 2, pg, 4, sl, 2));
   /* A slot the caller does not hold: refused, nothing changes. */
   marconi_pooled_state bad = {64, 0, 0xfffffff0u}; /* never reserved */
   uint8_t taken[1];
   marconi_admit_result r;
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &bad, 1, pg, 4, taken, &r),
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease, tokens, 64, &bad, 1, pg, 4, taken, &r),
            MARCONI_STATUS_UNKNOWN_HANDLE);
   /* A page where a slot is expected. */
   marconi_pooled_state wrong = {64, 0, pg[0]};
-  CHECK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &wrong, 1, pg, 4, taken, &r) != MARCONI_STATUS_OK);
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease + 1, tokens, 64, NULL, 0, pg, 4, NULL, &r),
+  CHECK(marconi_cache_admit_pooled(c, l.lease, tokens, 64, &wrong, 1, pg, 4, taken, &r) != MARCONI_STATUS_OK);
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease + 1, tokens, 64, NULL, 0, pg, 4, NULL, &r),
            MARCONI_STATUS_UNKNOWN_LEASE);
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, NULL, 1, pg, 4, taken, &r),
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease, tokens, 64, NULL, 1, pg, 4, taken, &r),
            MARCONI_STATUS_NULL_ARGUMENT);
   /* A reserved page or slot listed twice: the documented duplicates. */
   uint64_t pg_twice[4] = {pg[0], pg[1], pg[0], pg[3]};
   marconi_pooled_state fin = {64, 0, sl[0]};
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg_twice, 4, taken, &r),
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease, tokens, 64, &fin, 1, pg_twice, 4, taken, &r),
            MARCONI_STATUS_DUPLICATE_PAGE);
   marconi_pooled_state two[2] = {{32, 0, sl[0]}, {64, 0, sl[0]}};
   uint8_t taken2[2];
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, two, 2, pg, 4, taken2, &r),
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease, tokens, 64, two, 2, pg, 4, taken2, &r),
            MARCONI_STATUS_DUPLICATE_SLOT);
   /* A handle of another cache over pools: refused, its owner untouched. */
-  marconi_pooled_cache *other = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  marconi_cache *other = new_pooled("nemotron-h-8b", budget, MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint64_t opg[4], osl[1];
-  OK(marconi_pooled_cache_reserve(other, 4, 1, opg, 4, osl, 1));
+  OK(marconi_cache_reserve(other, 4, 1, opg, 4, osl, 1));
   marconi_pooled_state foreign = {64, 0, osl[0]};
-  CHECK_EQ(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &foreign, 1, opg, 4, taken, &r),
+  CHECK_EQ(marconi_cache_admit_pooled(c, l.lease, tokens, 64, &foreign, 1, opg, 4, taken, &r),
            MARCONI_STATUS_UNKNOWN_HANDLE);
-  CHECK_EQ(marconi_pooled_cache_free_units(c, opg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_cache_free_units(c, opg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   marconi_unit_location ol;
-  CHECK_EQ(marconi_pooled_cache_resolve(c, osl, 1, &ol, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  OK(marconi_pooled_cache_free_units(other, opg, 4));
-  OK(marconi_pooled_cache_free_units(other, osl, 1));
-  marconi_pooled_cache_free(other);
-  OK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg, 4, taken, &r));
+  CHECK_EQ(marconi_cache_resolve(c, osl, 1, &ol, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_cache_free_units(other, opg, 4));
+  OK(marconi_cache_free_units(other, osl, 1));
+  marconi_cache_free(other);
+  OK(marconi_cache_admit_pooled(c, l.lease, tokens, 64, &fin, 1, pg, 4, taken, &r));
   CHECK_EQ(taken[0], 1);
   CHECK_EQ(r.kv_pages_taken_end - r.kv_pages_taken_start, 4);
   /* The cache's units are not the caller's to free or to overwrite. */
-  CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[0], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  CHECK_EQ(marconi_pooled_cache_free_units(c, pg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_cache_free_units(c, &sl[0], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_cache_free_units(c, pg, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   marconi_state_copy onto_cached = {sl[1], sl[0]};
-  CHECK_EQ(marconi_pooled_cache_copy_states(c, &onto_cached, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  CHECK_EQ(marconi_cache_copy_states(c, &onto_cached, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   marconi_state_copy self = {sl[1], sl[1]};
-  CHECK_EQ(marconi_pooled_cache_copy_states(c, &self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
-  OK(marconi_pooled_cache_free_units(c, &sl[1], 1));
-  CHECK_EQ(marconi_pooled_cache_free_units(c, &sl[1], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
-  OK(marconi_pooled_cache_release(c, l.lease));
+  CHECK_EQ(marconi_cache_copy_states(c, &self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
+  OK(marconi_cache_free_units(c, &sl[1], 1));
+  CHECK_EQ(marconi_cache_free_units(c, &sl[1], 1), MARCONI_STATUS_UNKNOWN_HANDLE);
+  OK(marconi_cache_release(c, l.lease));
   uint64_t held[16];
   size_t n = 0;
-  CHECK_EQ(marconi_pooled_cache_held(c, held, 1, &n), MARCONI_STATUS_BUFFER_TOO_SMALL);
+  CHECK_EQ(marconi_cache_held(c, held, 1, &n), MARCONI_STATUS_BUFFER_TOO_SMALL);
   CHECK_EQ(n, 5); /* 4 pages + 1 state */
-  OK(marconi_pooled_cache_held(c, held, 16, &n));
+  OK(marconi_cache_held(c, held, 16, &n));
   marconi_pooled_stats s;
   s.struct_size = 8;
-  CHECK_EQ(marconi_pooled_cache_stats(c, &s), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_pooled_cache_check(c));
-  marconi_pooled_cache_free(c);
-  marconi_pooled_cache_free(NULL);
+  CHECK_EQ(marconi_cache_pool_stats(c, &s), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
+  OK(marconi_cache_check(c));
+  marconi_cache_free(c);
+  marconi_cache_free(NULL);
 
   /* Configurations that cannot make a cache over pools. */
   marconi_cache_config cc;
@@ -518,14 +521,111 @@ static void test_misuse(void) {
   marconi_pool_config pc;
   OK(marconi_pool_config_init(&pc, sizeof pc));
   pc.budget_bytes = 64u << 20;
-  marconi_pooled_cache *x = (marconi_pooled_cache *)0x1;
-  CHECK_EQ(marconi_pooled_cache_new(&cc, &pc, &x), MARCONI_STATUS_INVALID_CONFIG);
+  cc.pools = &pc;
+  marconi_cache *x = (marconi_cache *)0x1;
+  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_INVALID_CONFIG);
   cc.model_preset = "nemotron-h-8b";
   pc.state_slot_bytes = 128; /* smaller than one state of the model */
-  CHECK_EQ(marconi_pooled_cache_new(&cc, &pc, &x), MARCONI_STATUS_INVALID_CONFIG);
-  CHECK(x == (marconi_pooled_cache *)0x1);
-  CHECK_EQ(marconi_pooled_cache_new(NULL, &pc, &x), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pooled_cache_new(&cc, NULL, &x), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(x == (marconi_cache *)0x1);
+  CHECK_EQ(marconi_cache_new(NULL, &x), MARCONI_STATUS_NULL_ARGUMENT);
+  /* Pools and tiers together: not yet. */
+  pc.state_slot_bytes = 0;
+  marconi_tier_options to;
+  OK(marconi_tier_options_init(&to, sizeof to));
+  to.host.capacity_bytes = 64u << 20;
+  cc.tiers = &to;
+  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_UNSUPPORTED);
+  CHECK(x == (marconi_cache *)0x1);
+}
+
+/* Calls on the wrong configuration: a pool call on a cache without pools,
+ * a call over engine ids on a cache over pools; each refused, clearly. */
+static void test_wrong_configuration(void) {
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = "nemotron-h-8b";
+  cc.page_size = PAGE;
+  cc.capacity_bytes = 1ull << 30;
+  marconi_cache *plain = NULL;
+  OK(marconi_cache_new(&cc, &plain));
+  uint64_t h[2];
+  CHECK_EQ(marconi_cache_reserve(plain, 1, 1, h, 1, h + 1, 1), MARCONI_STATUS_UNSUPPORTED);
+  char err[512];
+  marconi_last_error(err, sizeof err);
+  CHECK(strstr(err, "marconi_cache_config.pools") != NULL);
+  marconi_pooled_stats ps;
+  memset(&ps, 0, sizeof ps);
+  ps.struct_size = sizeof ps;
+  CHECK_EQ(marconi_cache_pool_stats(plain, &ps), MARCONI_STATUS_UNSUPPORTED);
+  marconi_cache_free(plain);
+  marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
+  marconi_cache *c = new_pooled("nemotron-h-8b", 4 * p.state_slot_bytes + 64 * p.kv_page_bytes + (4u << 20),
+                                MARCONI_POOL_MIGRATION_AVMP, 0.5);
+  uint32_t tokens[32];
+  for (int i = 0; i < 32; i++) tokens[i] = (uint32_t)i;
+  marconi_lookup l;
+  CHECK_EQ(marconi_cache_lookup(c, 0, tokens, 32, MARCONI_NO_SLOT, &l), MARCONI_STATUS_UNSUPPORTED);
+  marconi_last_error(err, sizeof err);
+  CHECK(strstr(err, "marconi_cache_lookup_pooled") != NULL);
+  uint32_t pages[4], slots[4];
+  size_t np = 0, ns = 0;
+  CHECK_EQ(marconi_cache_drain_freed(c, pages, 4, &np, slots, 4, &ns), MARCONI_STATUS_UNSUPPORTED);
+  marconi_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(marconi_cache_stats(c, &s)); /* the common stats work on both */
+  CHECK_EQ(s.requests, 0);
+  OK(marconi_cache_check(c));
+  marconi_cache_free(c);
+}
+
+/* The deprecated marconi_pooled_cache_* forwarders (one release more): the
+ * same cycle, and the handle is a marconi_cache. */
+static void test_deprecated_forwarders(void) {
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = "nemotron-h-8b";
+  cc.page_size = PAGE;
+  marconi_pool_config pc;
+  OK(marconi_pool_config_init(&pc, sizeof pc));
+  pc.backend = MARCONI_POOL_BACKEND_NONE;
+  pc.budget_bytes = 8ull << 30;
+  marconi_pooled_cache *c = NULL;
+  OK(marconi_pooled_cache_new(&cc, &pc, &c));
+  CHECK_EQ(marconi_pooled_cache_new(NULL, &pc, &c), MARCONI_STATUS_NULL_ARGUMENT);
+  CHECK_EQ(marconi_pooled_cache_new(&cc, NULL, &c), MARCONI_STATUS_NULL_ARGUMENT);
+  uint32_t tokens[64];
+  for (int i = 0; i < 64; i++) tokens[i] = 7 + (uint32_t)i;
+  marconi_pooled_lookup l;
+  OK(marconi_pooled_cache_lookup(c, 0, tokens, 48, &l));
+  uint64_t pg[4], sl[1];
+  OK(marconi_pooled_cache_reserve(c, 4, 1, pg, 4, sl, 1));
+  marconi_pooled_state fin = {64, 0, sl[0]};
+  uint8_t taken[1];
+  marconi_admit_result r;
+  OK(marconi_pooled_cache_admit(c, l.lease, tokens, 64, &fin, 1, pg, 4, taken, &r));
+  CHECK_EQ(taken[0], 1);
+  OK(marconi_pooled_cache_release(c, l.lease));
+  OK(marconi_pooled_cache_lookup(c, 0, tokens, 64, &l));
+  CHECK_EQ(l.hit_tokens, 0); /* the state covers all 64: the last token is recomputed */
+  OK(marconi_pooled_cache_release(c, l.lease));
+  marconi_pooled_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  OK(marconi_pooled_cache_stats(c, &s));
+  CHECK_EQ(s.held_kv_pages, 4);
+  CHECK_EQ(s.held_state_slots, 1);
+  OK(marconi_pooled_cache_check(c));
+  /* It is a marconi_cache: the one handle's calls take it. */
+  marconi_cache *one = (marconi_cache *)c;
+  marconi_pooled_stats s1;
+  memset(&s1, 0, sizeof s1);
+  s1.struct_size = sizeof s1;
+  OK(marconi_cache_pool_stats(one, &s1));
+  CHECK_EQ(s1.requests, 2);
+  OK(marconi_cache_check(one));
+  marconi_cache_free(one);
 }
 
 int main(void) {
@@ -535,6 +635,8 @@ int main(void) {
   test_cycle(MARCONI_POOL_MIGRATION_STATIC);
   test_misuse();
   test_hinted();
+  test_wrong_configuration();
+  test_deprecated_forwarders();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

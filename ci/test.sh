@@ -8,8 +8,9 @@
 # `--release --features marconi-core/strict-checks` with overflow checks on;
 # the C and Python steps build libmarconi as users get it (default features).
 # Downloads (nightly toolchain, Python wheels, llama.cpp) are cached under the
-# target dir or rustup's home; the nightly toolchain and the PyTorch step
-# (mostly downloads) run in the background while the first steps compile.
+# target dir or rustup's home; the PyTorch step (mostly downloads) and the
+# sanitizer builds (at the lowest priority) run in the background while the
+# other steps run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
@@ -57,29 +58,31 @@ step() {
   return "$rc"
 }
 
-# The nightly toolchain (sanitizers, Miri) downloads while the first steps
-# compile; sanitizers.sh installs it itself if this did not.
-nightly="${MARCONI_NIGHTLY:-nightly}"
-prefetch_log="$(mktemp "${TMPDIR:-/tmp}/marconi-nightly.XXXXXX")"
-if ! rustup component list --toolchain "$nightly" --installed 2>/dev/null | grep -q '^miri'; then
-  rustup toolchain install "$nightly" --profile minimal --component rust-src --component miri \
-    >"$prefetch_log" 2>&1 &
-  prefetch_pid=$!
-else
-  prefetch_pid=
-fi
-
-# Steps that mostly download (torch and transformers, ~5 GB) run in the
-# background from the start, in their own process group (stopped if the run
-# ends first), their output kept and printed when they are waited for.
+# Background work from the start, each in its own process group (stopped if
+# the run ends first), its output kept and printed when it is waited for:
+#  - steps that mostly download (torch and transformers, ~5 GB): the whole
+#    step runs there and is waited for in its turn;
+#  - the sanitizer and Miri builds (the nightly toolchain installed first),
+#    at the lowest priority: they take the cores the other steps leave idle
+#    (downloads, servers, single-threaded tests) and never slow those steps;
+#    their step in its turn waits for them, then runs the tests.
 background=(ci/test.d/torch-engine.sh)
-declare -A bg_pid=() bg_log=()
-for extra in "${background[@]}"; do
-  [ -e "$extra" ] || continue
+prebuild=(ci/test.d/sanitizers.sh)
+declare -A bg_pid=() bg_log=() pre_pid=()
+start_background() { # start_background SCRIPT NICENESS ARGS...
+  local extra="$1" niceness="$2"
+  shift 2
   bg_log[$extra]="$(mktemp "${TMPDIR:-/tmp}/marconi-bg.XXXXXX")"
-  setsid bash -c 't0=$SECONDS; rc=0; bash "$1" >"$2" 2>&1 || rc=$?; echo "$((SECONDS - t0)) $rc" >"$2.done"' \
-    _ "$extra" "${bg_log[$extra]}" &
+  setsid nice -n "$niceness" bash -c \
+    't0=$SECONDS; rc=0; bash "$1" "${@:3}" >"$2" 2>&1 || rc=$?; echo "$((SECONDS - t0)) $rc" >"$2.done"' \
+    _ "$extra" "${bg_log[$extra]}" "$@" &
   bg_pid[$extra]=$!
+}
+for extra in "${background[@]}"; do
+  [ -e "$extra" ] && start_background "$extra" 0
+done
+for extra in "${prebuild[@]}"; do
+  [ -e "$extra" ] && start_background "$extra" 19 build && pre_pid[$extra]=1
 done
 stop_background() {
   local extra
@@ -98,6 +101,12 @@ wait_background() { # wait_background SCRIPT: its output, then its status
   rm -f "${bg_log[$extra]}" "${bg_log[$extra]}.done"
   echo "(ran in the background: ${secs} s)"
   return "$rc"
+}
+prebuilt_step() { # prebuilt_step SCRIPT: waits for its background build, then runs it
+  local extra="$1" t0=$SECONDS
+  wait_background "$extra" || return
+  echo "(waited $((SECONDS - t0)) s for the background build)"
+  bash "$extra"
 }
 
 # (Each of these functions chains with &&: errexit does not apply inside a function that
@@ -131,19 +140,21 @@ step "marconi-gpu allocator tests with its strict checks" \
   cargo test -p marconi-gpu --release --features strict-checks --lib --test allocator --test physical
 step "marconi-gpu with the cuda feature (no CUDA toolkit needed; GPU tests skip)" cuda_feature
 
-if [ -n "$prefetch_pid" ]; then
-  wait "$prefetch_pid" || { echo "background nightly install failed (sanitizers.sh retries):"; cat "$prefetch_log"; }
-fi
-rm -f "$prefetch_log"
-
 # Crate-specific steps (C ABI, Python, engines, simulator smokes).
+# The steps built in the background run last: their builds get every idle
+# core until then.
 for extra in ci/test.d/*.sh; do
   [ -e "$extra" ] || continue
-  if [ -n "${bg_pid[$extra]:-}" ]; then
+  if [ -n "${pre_pid[$extra]:-}" ]; then
+    continue
+  elif [ -n "${bg_pid[$extra]:-}" ]; then
     step "$extra (started in the background at the beginning)" wait_background "$extra"
   else
     step "$extra" bash "$extra"
   fi
+done
+for extra in "${!pre_pid[@]}"; do
+  step "$extra (built in the background from the beginning)" prebuilt_step "$extra"
 done
 echo
 echo "ci/test.sh: all green"

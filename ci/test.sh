@@ -69,13 +69,18 @@ step() {
 background=(ci/test.d/torch-engine.sh)
 prebuild=(ci/test.d/sanitizers.sh)
 declare -A bg_pid=() bg_log=() pre_pid=()
+# A new session is also a new scheduling group where the kernel groups
+# sessions (autogroup): the group's own niceness is set too, or the
+# background would share the cores equally with the foreground, whatever
+# its processes' niceness.
 start_background() { # start_background SCRIPT NICENESS ARGS...
   local extra="$1" niceness="$2"
   shift 2
   bg_log[$extra]="$(mktemp "${TMPDIR:-/tmp}/marconi-bg.XXXXXX")"
   setsid nice -n "$niceness" bash -c \
-    't0=$SECONDS; rc=0; bash "$1" "${@:3}" >"$2" 2>&1 || rc=$?; echo "$((SECONDS - t0)) $rc" >"$2.done"' \
-    _ "$extra" "${bg_log[$extra]}" "$@" &
+    'echo "$3" 2>/dev/null >/proc/self/autogroup || true
+     t0=$SECONDS; rc=0; bash "$1" "${@:4}" >"$2" 2>&1 || rc=$?; echo "$((SECONDS - t0)) $rc" >"$2.done"' \
+    _ "$extra" "${bg_log[$extra]}" "$niceness" "$@" &
   bg_pid[$extra]=$!
 }
 for extra in "${background[@]}"; do

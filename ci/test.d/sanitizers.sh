@@ -93,6 +93,10 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="halt_on_error=1" "
 
 echo "--- ASan: marconi-ffi's multithreaded test"
 ASAN_OPTIONS="detect_leaks=1" san_cargo address test -p marconi-ffi --test threads
+if [ "${MARCONI_SAN_UNIT:-0}" = 1 ]; then
+  echo "--- ASan: marconi-ffi's unit tests (MARCONI_SAN_UNIT=1)"
+  ASAN_OPTIONS="detect_leaks=1" san_cargo address test -p marconi-ffi --lib
+fi
 
 echo "--- ASan: C-ABI fuzz smoke ($fuzz_calls calls)"
 ASAN_OPTIONS="detect_leaks=1" "$asan_lib/examples/fuzz_abi" --seed 1 --calls "$fuzz_calls"

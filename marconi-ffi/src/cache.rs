@@ -216,13 +216,40 @@ impl Inner {
     /// The core lease number of C lease id `lease`, if this cache issued it
     /// and it is outstanding.
     pub(crate) fn core_lease(&self, lease: u64) -> FfiResult<u64> {
-        self.leases.get(&lease).map(|l| l.core).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::UnknownLease,
-                format!("lease {lease} was not issued by this cache or is already released"),
-            )
-        })
+        self.leases
+            .get(&lease)
+            .map(|l| l.core)
+            .ok_or_else(|| unknown_lease(lease))
     }
+
+    /// Records C lease `id` (from new_lease_id) over `lease`, whatever the
+    /// core that issued it.
+    pub(crate) fn issue_lease(&mut self, id: u64, lease: Lease) {
+        if let Some(m) = &mut self.c_of_core {
+            m.insert(lease.core, id);
+        }
+        self.leases.insert(id, lease);
+    }
+}
+
+/// MARCONI_STATUS_UNKNOWN_LEASE for a lease id this cache did not issue or
+/// already released.
+pub(crate) fn unknown_lease(lease: u64) -> FfiError {
+    FfiError::new(
+        marconi_status::UnknownLease,
+        format!("lease {lease} was not issued by this cache or is already released"),
+    )
+}
+
+/// A new C lease id, drawn before a lookup changes anything (so that
+/// running out changes nothing).
+pub(crate) fn new_lease_id() -> FfiResult<u64> {
+    next_lease_id(&NEXT_LEASE).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            "this process has issued 2^64 - 1 lease ids",
+        )
+    })
 }
 
 /// The result of marconi_cache_lookup.
@@ -993,12 +1020,7 @@ unsafe fn lookup_opts(
         ));
     }
     // Drawn first, so that running out changes nothing.
-    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-        FfiError::new(
-            marconi_status::InvalidArgument,
-            "this process has issued 2^64 - 1 lease ids",
-        )
-    })?;
+    let id = new_lease_id()?;
     let g = &mut *g;
     let l = match &mut g.core {
         Core::Plain(c) => {
@@ -1042,16 +1064,13 @@ unsafe fn lookup_opts(
         n_copy_orders: n_copy,
         copy_order: copy,
     };
-    g.leases.insert(
+    g.issue_lease(
         id,
         Lease {
             core: core_lease,
             pages: (!opts.skip_kv_pages).then_some(l.kv_pages),
         },
     );
-    if let Some(m) = &mut g.c_of_core {
-        m.insert(core_lease, id);
-    }
     g.collect_log();
     // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
     unsafe { out.write(res) };

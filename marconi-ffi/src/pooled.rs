@@ -18,8 +18,8 @@ use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
 use crate::cache::{
     build_core, handle, marconi_admit_result, marconi_cache, marconi_cache_check,
-    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, next_lease_id,
-    tokens_len_ok, Lease, NEXT_LEASE,
+    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, new_lease_id,
+    tokens_len_ok, unknown_lease, Lease,
 };
 use crate::config::{marconi_cache_config, read_config};
 use crate::pool::{
@@ -101,13 +101,6 @@ impl Pools {
     pub(crate) fn check_invariants(&self) {
         with!(&self.joined, c => c.check_invariants());
     }
-}
-
-fn unknown_lease(lease: u64) -> FfiError {
-    FfiError::new(
-        marconi_status::UnknownLease,
-        format!("lease {lease} was not issued by this cache or is already released"),
-    )
 }
 
 /// The marconi_status of a joined-cache error.
@@ -317,12 +310,7 @@ unsafe fn pooled_lookup(
     let g = &mut *g;
     let p = g.pools(what)?;
     // Drawn first, so that running out changes nothing.
-    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-        FfiError::new(
-            marconi_status::InvalidArgument,
-            "this process has issued 2^64 - 1 lease ids",
-        )
-    })?;
+    let id = new_lease_id()?;
     let l = with!(&mut p.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
     let core = l.lookup.lease;
     let res = marconi_pooled_lookup {
@@ -340,10 +328,7 @@ unsafe fn pooled_lookup(
             plan: l.lookup.plan,
         },
     );
-    g.leases.insert(id, Lease { core, pages: None });
-    if let Some(m) = &mut g.c_of_core {
-        m.insert(core, id);
-    }
+    g.issue_lease(id, Lease { core, pages: None });
     g.collect_log();
     // SAFETY: out checked non-NULL and aligned, writable by contract.
     unsafe { out.write(res) };

@@ -18,8 +18,8 @@ use crate::cache::{
     handle, lookup_flags, marconi_admit_result, marconi_cache, marconi_cache_admit,
     marconi_cache_check, marconi_cache_drain_freed, marconi_cache_free,
     marconi_cache_lease_kv_pages, marconi_cache_lease_plan, marconi_cache_release,
-    marconi_saved_state, new_handle, next_lease_id, tokens_len_ok, Core, Lease, TokenSource,
-    MARCONI_NO_SLOT, NEXT_LEASE,
+    marconi_saved_state, new_handle, new_lease_id, tokens_len_ok, unknown_lease, Core, Lease,
+    TokenSource, MARCONI_NO_SLOT,
 };
 use crate::config::{marconi_cache_config, read_config, to_core_config};
 use crate::status::{
@@ -575,13 +575,6 @@ pub(crate) fn build_tiers(dev: CacheConfig, c: &marconi_tier_options) -> FfiResu
     })
 }
 
-fn unknown_lease(lease: u64) -> FfiError {
-    FfiError::new(
-        marconi_status::UnknownLease,
-        format!("lease {lease} was not issued by this cache or is already released"),
-    )
-}
-
 fn bad_config(s: impl Into<String>) -> FfiError {
     FfiError::new(marconi_status::InvalidConfig, s)
 }
@@ -762,12 +755,7 @@ unsafe fn lookup_tiered(
         // Nothing to ask without a store tier to weigh the answer by.
         (!positions.is_empty()).then_some(r)
     };
-    let id = next_lease_id(&NEXT_LEASE).ok_or_else(|| {
-        FfiError::new(
-            marconi_status::InvalidArgument,
-            "this process has issued 2^64 - 1 lease ids",
-        )
-    })?;
+    let id = new_lease_id()?;
     let mut g = h.lock()?;
     let g = &mut *g;
     let t = g.tiers(what)?;
@@ -798,16 +786,13 @@ unsafe fn lookup_tiered(
     };
     let core = l.device.lease;
     t.leases.insert(id, l);
-    g.leases.insert(
+    g.issue_lease(
         id,
         Lease {
             core,
             pages: (!opts.skip_kv_pages).then_some(pages),
         },
     );
-    if let Some(m) = &mut g.c_of_core {
-        m.insert(core, id);
-    }
     g.collect_log();
     // SAFETY: out is non-NULL and aligned (checked) and writable.
     unsafe { out.write(res) };

@@ -4,17 +4,17 @@
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_char;
-use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pooled::Pools;
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, copy_list, in_slice, marconi_status, out_slice,
-    register_tag, require, retire_tag, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, require,
+    write_versioned, FfiError, FfiResult,
 };
 use crate::tiered::Tiers;
 
@@ -77,9 +77,9 @@ fn scramble(n: u64) -> u64 {
 /// A prefix cache handle: opaque to C. Create with marconi_cache_new, free
 /// with marconi_cache_free.
 pub struct marconi_cache {
-    tag: HandleTag,
     inner: Mutex<Inner>,
 }
+handle_kind!(marconi_cache, Cache, "marconi_cache");
 
 /// The core a cache runs on: the device cache alone over ids the engine
 /// owns, the device cache with lower tiers below it
@@ -518,23 +518,10 @@ impl marconi_cache {
 ///
 /// # Safety
 ///
-/// `cache` is NULL or a live handle from marconi_cache_new.
+/// `cache` is NULL or any pointer (only a live cache is dereferenced).
 pub(crate) unsafe fn handle<'a>(cache: *const marconi_cache) -> FfiResult<&'a marconi_cache> {
-    check_ptr!(cache);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a cache.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*cache).tag),
-            HandleTag::CACHE,
-            "cache",
-            "marconi_cache",
-        )
-    }?;
-    // SAFETY: a live cache handle (registered, contract); only shared
-    // references are formed (the handle is Sync via its Mutex).
-    Ok(unsafe { &*cache })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(cache, "cache") }
 }
 
 pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
@@ -635,8 +622,7 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
         Core::Pooled(p) => p.device().config().decision_log,
     };
     let c_of_core = decision_log.then(HashMap::new);
-    let handle = Box::new(marconi_cache {
-        tag: HandleTag::CACHE,
+    let handle = marconi_cache {
         inner: Mutex::new(Inner {
             core,
             leases: HashMap::new(),
@@ -647,12 +633,9 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
             log: VecDeque::new(),
             log_bytes: 0,
         }),
-    });
-    let raw = Box::into_raw(handle);
-    // SAFETY: just created; the tag's address is computed, nothing read.
-    register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::CACHE);
+    };
     // SAFETY: out is non-NULL, aligned and writable (contract).
-    unsafe { out.write(raw) };
+    unsafe { publish(handle, out) };
 }
 
 /// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
@@ -668,17 +651,9 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
     boundary_or("marconi_cache_free", (), || {
-        // SAFETY: NULL or a handle (contract); anything but a live cache
-        // handle (another kind, freed, misaligned) is left alone.
-        if !cache.is_null() && unsafe { handle(cache) }.is_ok() {
-            // SAFETY: a live cache from Box::into_raw in marconi_cache_new,
-            // freed once (caller contract); its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*cache).tag), HandleTag::CACHE) {
-                    drop(Box::from_raw(cache));
-                }
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // cache is left alone.
+        unsafe { release(cache) };
     })
 }
 

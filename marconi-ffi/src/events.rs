@@ -5,15 +5,15 @@
 //! the `publisher` feature; other builds refuse with a clear status).
 
 use std::ffi::{c_char, CStr};
-use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, WireOptions};
 
 use crate::cache::{handle, marconi_cache};
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, init_versioned, marconi_status, out_slice,
-    read_versioned, register_tag, require, retire_tag, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, init_versioned, marconi_status, out_slice, read_versioned,
+    require, FfiError, FfiResult,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -130,9 +130,9 @@ impl marconi_events_config {
 /// An events handle: opaque to C. Create with marconi_events_new, free with
 /// marconi_events_free.
 pub struct marconi_events {
-    tag: HandleTag,
     inner: Mutex<Inner>,
 }
+handle_kind!(marconi_events, Events, "marconi_events");
 
 struct Inner {
     enc: Encoder,
@@ -158,21 +158,8 @@ impl marconi_events {
 ///
 /// `events` is NULL or a live handle from marconi_events_new.
 unsafe fn events_handle<'a>(events: *const marconi_events) -> FfiResult<&'a marconi_events> {
-    check_ptr!(events);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is an events handle.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*events).tag),
-            HandleTag::EVENTS,
-            "events",
-            "marconi_events",
-        )
-    }?;
-    // SAFETY: a live events handle (registered, contract); only shared
-    // references are formed (Sync through its Mutex).
-    Ok(unsafe { &*events })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(events, "events") }
 }
 
 /// # Safety
@@ -379,8 +366,7 @@ pub unsafe extern "C" fn marconi_events_new(
             ));
         }
         h.enable_events()?;
-        let ev = Box::new(marconi_events {
-            tag: HandleTag::EVENTS,
+        let ev = marconi_events {
             inner: Mutex::new(Inner {
                 enc,
                 block_size,
@@ -388,12 +374,9 @@ pub unsafe extern "C" fn marconi_events_new(
                 #[cfg(feature = "publisher")]
                 publisher,
             }),
-        });
+        };
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        let raw = Box::into_raw(ev);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::EVENTS);
-        unsafe { out.write(raw) };
+        unsafe { publish(ev, out) };
         Ok(())
     })
 }
@@ -424,17 +407,9 @@ pub unsafe extern "C" fn marconi_events_free(
                 let _ = h.disable_events();
             }
         }
-        // SAFETY: NULL or a handle (contract); anything but a live events
-        // handle is left alone.
-        if !events.is_null() && unsafe { events_handle(events) }.is_ok() {
-            // SAFETY: from Box::into_raw in marconi_events_new, freed once;
-            // its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*events).tag), HandleTag::EVENTS) {
-                    drop(Box::from_raw(events));
-                }
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // handle of its kind is left alone.
+        unsafe { release(events) };
     })
 }
 

@@ -4,19 +4,18 @@
 //! pool's handles and the host pool's (demote: device → host, promote:
 //! host → device), all or nothing.
 
-use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_gpu::host::{HostPool, HostPoolConfig, MoveError, Side};
 use marconi_gpu::VirtualHandle;
 
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pool::{
     alloc_err, kind_of, kind_value, marconi_pool, marconi_unit_location, with_memfd,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, register_tag, require, retire_tag, write_config_init, write_versioned,
-    FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
+    write_config_init, write_versioned, FfiError, FfiResult,
 };
 
 /// What a host pool is built from. Versioned by size: set struct_size with
@@ -111,9 +110,9 @@ pub struct marconi_unit_move {
 /// handle and the host pool a device handle, MARCONI_STATUS_UNKNOWN_HANDLE),
 /// refused once freed.
 pub struct marconi_host_pool {
-    tag: HandleTag,
     inner: Mutex<HostPool>,
 }
+handle_kind!(marconi_host_pool, HostPool, "marconi_host_pool");
 
 impl marconi_host_pool {
     fn lock(&self) -> FfiResult<MutexGuard<'_, HostPool>> {
@@ -130,21 +129,8 @@ impl marconi_host_pool {
 ///
 /// `pool` is NULL or a live handle from marconi_host_pool_new.
 unsafe fn host_ref<'a>(pool: *const marconi_host_pool) -> FfiResult<&'a marconi_host_pool> {
-    check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a host pool.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*pool).tag),
-            HandleTag::HOST_POOL,
-            "pool",
-            "marconi_host_pool",
-        )
-    }?;
-    // SAFETY: a live host pool (registered, contract); only shared
-    // references are formed (Sync through the Mutex).
-    Ok(unsafe { &*pool })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(pool, "pool") }
 }
 
 fn move_err(e: MoveError) -> FfiError {
@@ -247,15 +233,11 @@ pub unsafe extern "C" fn marconi_host_pool_new(
             chunk_bytes: c.chunk_bytes,
         })
         .map_err(alloc_err)?;
-        let handle = Box::new(marconi_host_pool {
-            tag: HandleTag::HOST_POOL,
+        let handle = marconi_host_pool {
             inner: Mutex::new(pool),
-        });
-        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        let raw = Box::into_raw(handle);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::HOST_POOL);
-        unsafe { out.write(raw) };
+        };
+        // SAFETY: out is non-NULL, aligned and writable (checked, contract).
+        unsafe { publish(handle, out) };
         Ok(())
     })
 }
@@ -272,17 +254,9 @@ pub unsafe extern "C" fn marconi_host_pool_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
     boundary_or("marconi_host_pool_free", (), || {
-        // SAFETY: NULL or a handle (contract); anything but a live host
-        // pool is left alone.
-        if !pool.is_null() && unsafe { host_ref(pool) }.is_ok() {
-            // SAFETY: pool came from Box::into_raw in marconi_host_pool_new
-            // and is freed once (caller contract); its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*pool).tag), HandleTag::HOST_POOL) {
-                    drop(Box::from_raw(pool));
-                }
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // handle of its kind is left alone.
+        unsafe { release(pool) };
     })
 }
 

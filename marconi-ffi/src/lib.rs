@@ -26,6 +26,7 @@ pub mod cache;
 pub mod config;
 pub mod events;
 pub mod gguf;
+mod handle;
 pub mod hf_config;
 pub mod host_pool;
 pub mod plan;

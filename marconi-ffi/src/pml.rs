@@ -4,13 +4,13 @@
 //! with its line, column and text in the caller's `marconi_pml_error`.
 
 use std::ffi::{c_char, c_void};
-use std::ptr;
 
 use marconi_pml::{ByteTokenizer, Encoded, Prompt, Schema, SegmentKind, Tokenizer};
 
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice, register_tag,
-    require, retire_tag, write_c_string, FfiError, FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, require, write_c_string,
+    FfiError, FfiResult,
 };
 
 /// The most tokens one text may have (a tokenizer answering more is refused).
@@ -19,10 +19,10 @@ const MAX_TEXT_TOKENS: i64 = 1 << 30;
 /// A registered schema: parsed, tokenized and laid out once. Immutable: any
 /// number of threads may lay prompts out over it at once.
 pub struct marconi_pml_schema {
-    tag: HandleTag,
     enc: Encoded,
     ns: u64,
 }
+handle_kind!(marconi_pml_schema, PmlSchema, "marconi_pml_schema");
 
 /// Checks the schema pointer and borrows the handle.
 ///
@@ -32,20 +32,8 @@ pub struct marconi_pml_schema {
 pub(crate) unsafe fn schema_ref<'a>(
     schema: *const marconi_pml_schema,
 ) -> FfiResult<&'a marconi_pml_schema> {
-    check_ptr!(schema);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a schema.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*schema).tag),
-            HandleTag::PML_SCHEMA,
-            "schema",
-            "marconi_pml_schema",
-        )
-    }?;
-    // SAFETY: a live schema handle (registered, contract); shared only.
-    Ok(unsafe { &*schema })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(schema, "schema") }
 }
 
 impl marconi_pml_schema {
@@ -278,16 +266,9 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
         let enc = with_tokenizer(tokenize, user, |t| Encoded::new(schema, t))?
             .map_err(|e| pml_error(&e, err, "schema"))?;
         let ns = marconi_pml::namespace(&enc);
-        let handle = Box::new(marconi_pml_schema {
-            tag: HandleTag::PML_SCHEMA,
-            enc,
-            ns,
-        });
-        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        let raw = Box::into_raw(handle);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::PML_SCHEMA);
-        unsafe { out.write(raw) };
+        let handle = marconi_pml_schema { enc, ns };
+        // SAFETY: out is non-NULL, aligned and writable (checked, contract).
+        unsafe { publish(handle, out) };
         Ok(())
     })
 }
@@ -303,17 +284,9 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema) {
     boundary_or("marconi_pml_schema_free", (), || {
-        // SAFETY: NULL or a handle (contract); anything but a live schema
-        // is left alone.
-        if !schema.is_null() && unsafe { schema_ref(schema) }.is_ok() {
-            // SAFETY: from Box::into_raw in marconi_pml_schema_new, freed
-            // once (caller contract); its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*schema).tag), HandleTag::PML_SCHEMA) {
-                    drop(Box::from_raw(schema));
-                }
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // handle of its kind is left alone.
+        unsafe { release(schema) };
     })
 }
 

@@ -10,10 +10,11 @@ use marconi_pml::{
     SegmentKind, Served, StoreError,
 };
 
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pml::{marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind};
 use crate::status::{
-    boundary, check_ptr, check_tag, marconi_status, out_slice, read_versioned, register_tag,
-    require, retire_tag, write_config_init, write_versioned, FfiError, FfiResult, HandleTag,
+    boundary, check_ptr, marconi_status, out_slice, read_versioned, require, write_config_init,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// The most segments one call takes (a larger count is refused).
@@ -168,32 +169,18 @@ pub struct marconi_pml_cache {
     _private: [u8; 0],
 }
 
-#[repr(C)]
 struct CacheHandle {
-    tag: HandleTag,
     cache: Mutex<ModuleCache>,
 }
+handle_kind!(CacheHandle, PmlCache, "marconi_pml_cache");
 
 /// # Safety
 ///
 /// `cache` is NULL or any pointer: only a live handle is dereferenced.
 unsafe fn handle<'a>(cache: *const marconi_pml_cache) -> FfiResult<&'a CacheHandle> {
     let h = cache.cast::<CacheHandle>();
-    check_ptr!(h);
-    // SAFETY: the tag's address is computed from the pointer, nothing is
-    // read; the registry says whether it is a live module store.
-    unsafe {
-        check_tag(
-            std::ptr::addr_of!((*h).tag),
-            HandleTag::PML_CACHE,
-            "cache",
-            "marconi_pml_cache",
-        )
-    }?;
-    // SAFETY: a live handle (registered): a CacheHandle from Box::into_raw,
-    // not freed (unregistered before it is freed); only shared references
-    // are formed (Mutex inside).
-    Ok(unsafe { &*h })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(h, "cache") }
 }
 
 fn lock(h: &CacheHandle) -> FfiResult<MutexGuard<'_, ModuleCache>> {
@@ -300,17 +287,11 @@ pub unsafe extern "C" fn marconi_pml_cache_new(
             flops_per_token_squared: c.flops_per_token_squared,
         };
         let cache = ModuleCache::new(model, c.capacity_bytes).map_err(store_error)?;
-        let h = Box::into_raw(Box::new(CacheHandle {
-            tag: HandleTag::PML_CACHE,
+        let h = CacheHandle {
             cache: Mutex::new(cache),
-        }));
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(
-            unsafe { std::ptr::addr_of!((*h).tag) },
-            HandleTag::PML_CACHE,
-        );
+        };
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        unsafe { out.write(h.cast::<marconi_pml_cache>()) };
+        unsafe { publish(h, out.cast::<*mut CacheHandle>()) };
         Ok(())
     })
 }
@@ -330,18 +311,14 @@ pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -
         if cache.is_null() {
             return Ok(());
         }
-        let h = cache.cast::<CacheHandle>();
-        // SAFETY: the tag's address is computed; it is written only when
-        // the registry holds a live module store there.
-        if !unsafe { retire_tag(std::ptr::addr_of_mut!((*h).tag), HandleTag::PML_CACHE) } {
+        // SAFETY: no other call runs on it (contract); only a live module
+        // store is freed, and nothing else is read.
+        if !unsafe { release(cache.cast::<CacheHandle>()) } {
             return Err(FfiError::new(
                 marconi_status::InvalidArgument,
                 "cache is not a live marconi_pml_cache handle (freed already, or foreign)",
             ));
         }
-        // SAFETY: it was live: from Box::into_raw in marconi_pml_cache_new,
-        // and no longer registered, so freed once.
-        drop(unsafe { Box::from_raw(h) });
         Ok(())
     })
 }

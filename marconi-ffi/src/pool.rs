@@ -9,7 +9,6 @@
 //! written on `marconi_pool`, in the header).
 
 use std::collections::HashSet;
-use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
 use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory, DEFAULT_GRANULARITY};
@@ -21,10 +20,10 @@ use marconi_gpu::{
 };
 
 use crate::cache::marconi_copy_order;
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, marconi_status, out_slice,
-    read_versioned, register_tag, require, retire_tag, write_versioned, FfiError, FfiResult,
-    HandleTag,
+    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// What backs a pool's units.
@@ -330,9 +329,9 @@ impl Backing {
 ///    state_retired). A handle value is therefore never issued twice by one
 ///    pool.
 pub struct marconi_pool {
-    tag: HandleTag,
     inner: Mutex<PoolInner>,
 }
+handle_kind!(marconi_pool, Pool, "marconi_pool");
 
 struct PoolInner {
     backing: Backing,
@@ -807,21 +806,8 @@ pub(crate) unsafe fn with_memfd<R>(
 ///
 /// `pool` is NULL or a live handle from marconi_pool_new.
 unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool> {
-    check_ptr!(pool);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a pool.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*pool).tag),
-            HandleTag::POOL,
-            "pool",
-            "marconi_pool",
-        )
-    }?;
-    // SAFETY: a live pool handle (registered, contract); only shared
-    // references are formed (Sync through the Mutex).
-    Ok(unsafe { &*pool })
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(pool, "pool") }
 }
 
 /// Writes the default configuration into `*cfg` (backend MEMFD, AVMP
@@ -897,15 +883,11 @@ pub unsafe extern "C" fn marconi_pool_new(
             )
         }?;
         let inner = build(&c)?;
-        let handle = Box::new(marconi_pool {
-            tag: HandleTag::POOL,
+        let handle = marconi_pool {
             inner: Mutex::new(inner),
-        });
-        // SAFETY: out is non-NULL, aligned and writable (checked / contract).
-        let raw = Box::into_raw(handle);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::POOL);
-        unsafe { out.write(raw) };
+        };
+        // SAFETY: out is non-NULL, aligned and writable (checked, contract).
+        unsafe { publish(handle, out) };
         Ok(())
     })
 }
@@ -922,17 +904,9 @@ pub unsafe extern "C" fn marconi_pool_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
     boundary_or("marconi_pool_free", (), || {
-        // SAFETY: NULL or a handle (contract); anything but a live pool
-        // handle is left alone.
-        if !pool.is_null() && unsafe { pool_ref(pool) }.is_ok() {
-            // SAFETY: pool came from Box::into_raw in marconi_pool_new and is
-            // freed once (caller contract); its tag is zeroed first.
-            unsafe {
-                if retire_tag(ptr::addr_of_mut!((*pool).tag), HandleTag::POOL) {
-                    drop(Box::from_raw(pool));
-                }
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // handle of its kind is left alone.
+        unsafe { release(pool) };
     })
 }
 

@@ -3,11 +3,9 @@
 //! length checks, output writes).
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::ffi::c_char;
-use std::hash::BuildHasherDefault;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Once, PoisonError, RwLock};
+use std::sync::Once;
 
 use marconi_core::CacheError;
 
@@ -621,6 +619,24 @@ pub(crate) unsafe fn read_versioned<T: Copy>(
     Ok(out)
 }
 
+/// Copies `list` into `buf` and writes its length to `*out_len`, or, when
+/// `buf` is too small, writes only the length and fails with
+/// `BufferTooSmall` (the drains' and lease lists' all-or-nothing rule).
+/// `out_len` was checked non-NULL and aligned by the caller.
+pub(crate) fn copy_list<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
+    // SAFETY: non-NULL and aligned (the caller's check), writable by the
+    // caller's contract.
+    unsafe { out_len.write(list.len()) };
+    if buf.len() < list.len() {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
+        ));
+    }
+    buf[..list.len()].copy_from_slice(list);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -713,153 +729,4 @@ mod tests {
             (5, [b'h' as c_char, b'e' as c_char, b'l' as c_char, 0])
         );
     }
-}
-
-/// The kind of a handle. Every handle is registered with its kind when it
-/// is created ([`register_tag`]) and unregistered when it is freed
-/// ([`retire_tag`]); a pointer is used only once the registry holds it
-/// with the expected kind ([`check_tag`]), so a handle of another kind (a
-/// pool passed as a cache), a freed one or a pointer to anything else is
-/// refused with `InvalidArgument` without a byte of it being read. The
-/// one check every handle kind goes through.
-///
-/// The registry is keyed by the address of the handle's `tag` field (the
-/// value stays in the handle too, zeroed when it is freed, which helps a
-/// debugger; no check reads it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(transparent)]
-pub(crate) struct HandleTag(u64);
-
-impl HandleTag {
-    /// `marconi_cache`: "mccache1".
-    pub(crate) const CACHE: HandleTag = HandleTag(0x6d63_6361_6368_6531);
-    /// `marconi_events`: "mcevent1".
-    pub(crate) const EVENTS: HandleTag = HandleTag(0x6d63_6576_656e_7431);
-    /// `marconi_pool`: "mcpool01".
-    pub(crate) const POOL: HandleTag = HandleTag(0x6d63_706f_6f6c_3031);
-    /// `marconi_host_pool`: "mchostp1".
-    pub(crate) const HOST_POOL: HandleTag = HandleTag(0x6d63_686f_7374_7031);
-    /// `marconi_pml_schema`: "mcpmlsc1".
-    pub(crate) const PML_SCHEMA: HandleTag = HandleTag(0x6d63_706d_6c73_6331);
-    /// `marconi_pml_cache`: "mcpmlca1".
-    pub(crate) const PML_CACHE: HandleTag = HandleTag(0x6d63_706d_6c63_6131);
-    /// `marconi_store`: "mcstore1".
-    pub(crate) const STORE: HandleTag = HandleTag(0x6d63_7374_6f72_6531);
-    /// What a freed handle's tag becomes.
-    const FREED: HandleTag = HandleTag(0);
-}
-
-/// Hashes a handle address: addresses are distinct, so a multiply spreads
-/// them (the low bits are alignment).
-#[derive(Default)]
-struct AddrHasher(u64);
-
-impl std::hash::Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.0 = (n as u64 >> 3).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-type LiveShard = RwLock<HashMap<usize, HandleTag, BuildHasherDefault<AddrHasher>>>;
-
-/// Shards of the live-handle registry (a call reads one shard's lock:
-/// threads working on different handles rarely meet).
-const SHARDS: usize = 16;
-
-static LIVE: [LiveShard; SHARDS] =
-    [const { RwLock::new(HashMap::with_hasher(BuildHasherDefault::new())) }; SHARDS];
-
-fn shard(addr: usize) -> &'static LiveShard {
-    &LIVE[(addr >> 4) % SHARDS]
-}
-
-/// Registers a new handle of kind `kind` whose tag field is at `tag` (the
-/// handle was just created and is not yet handed out).
-pub(crate) fn register_tag(tag: *const HandleTag, kind: HandleTag) {
-    let addr = tag as usize;
-    shard(addr)
-        .write()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(addr, kind);
-}
-
-/// Fails with `InvalidArgument` ("`what` is not a `kind` handle") unless
-/// the handle whose tag field is at `tag` is live and of kind `want`.
-/// Reads nothing behind the pointer.
-///
-/// # Safety
-///
-/// None beyond `tag` being computed from the caller's pointer with
-/// `ptr::addr_of!` (no reference formed); kept `unsafe` because the
-/// caller goes on to dereference the handle on success.
-pub(crate) unsafe fn check_tag(
-    tag: *const HandleTag,
-    want: HandleTag,
-    what: &str,
-    kind: &str,
-) -> FfiResult {
-    let addr = tag as usize;
-    let found = shard(addr)
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&addr)
-        .copied();
-    if found == Some(want) {
-        Ok(())
-    } else {
-        Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!("{what} is not a {kind} handle (another kind of handle, a freed one, or not a handle)"),
-        ))
-    }
-}
-
-/// Unregisters a handle about to be freed and zeroes its tag, so that a
-/// later use of the same pointer is refused. False (and nothing done) when
-/// the registry does not hold it: a handle freed twice, of another kind or
-/// foreign, which the caller must then leave alone.
-///
-/// # Safety
-///
-/// `tag` points at the tag field of a handle registered with `kind`, with
-/// no other call on it running (checked against the registry first: a
-/// pointer it does not hold is not written).
-pub(crate) unsafe fn retire_tag(tag: *mut HandleTag, kind: HandleTag) -> bool {
-    let addr = tag as usize;
-    let mut live = shard(addr).write().unwrap_or_else(PoisonError::into_inner);
-    if live.get(&addr) != Some(&kind) {
-        return false;
-    }
-    live.remove(&addr);
-    drop(live);
-    // SAFETY: a registered handle of this kind (just checked), live until
-    // the caller frees it.
-    unsafe { tag.write(HandleTag::FREED) };
-    true
-}
-
-/// Copies `list` into `buf` and writes its length to `*out_len`, or, when
-/// `buf` is too small, writes only the length and fails with
-/// `BufferTooSmall` (the drains' and lease lists' all-or-nothing rule).
-/// `out_len` was checked non-NULL and aligned by the caller.
-pub(crate) fn copy_list<T: Copy>(list: &[T], buf: &mut [T], out_len: *mut usize) -> FfiResult {
-    // SAFETY: non-NULL and aligned (the caller's check), writable by the
-    // caller's contract.
-    unsafe { out_len.write(list.len()) };
-    if buf.len() < list.len() {
-        return Err(FfiError::new(
-            marconi_status::BufferTooSmall,
-            format!("buffer holds {} ids, {} needed", buf.len(), list.len()),
-        ));
-    }
-    buf[..list.len()].copy_from_slice(list);
-    Ok(())
 }

@@ -6,7 +6,6 @@
 //! the configured timeout by more than one operation.
 
 use std::ffi::{c_char, c_void, CStr};
-use std::ptr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -16,10 +15,10 @@ use ::marconi_store::{
 };
 
 use crate::cache::tokens_len_ok;
+use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, check_tag, in_slice, init_versioned, marconi_status,
-    out_slice, read_versioned, register_tag, require, retire_tag, write_versioned, FfiError,
-    FfiResult, HandleTag,
+    boundary, boundary_or, check_ptr, in_slice, init_versioned, marconi_status, out_slice,
+    read_versioned, require, write_versioned, FfiError, FfiResult,
 };
 
 /// Which store a handle uses.
@@ -227,30 +226,17 @@ pub struct marconi_store {
 /// What a `*marconi_store` points to; its tag is all that is read of a
 /// pointer before it is known to be a store handle.
 struct StoreHandle {
-    tag: HandleTag,
     tier: StoreTier,
 }
+handle_kind!(StoreHandle, Store, "marconi_store");
 
 /// # Safety
 ///
 /// `store` is NULL or a live handle from marconi_store_new.
 unsafe fn store_handle<'a>(store: *const marconi_store) -> FfiResult<&'a StoreHandle> {
     let store = store.cast::<StoreHandle>();
-    check_ptr!(store);
-    // SAFETY: non-NULL and aligned (checked); the tag's address is
-    // computed, nothing is read: the live-handle registry says whether
-    // it is a store.
-    unsafe {
-        check_tag(
-            ptr::addr_of!((*store).tag),
-            HandleTag::STORE,
-            "store",
-            "marconi_store",
-        )
-    }?;
-    // SAFETY: as above; only shared references are formed (Sync).
-    let s = unsafe { &*store };
-    Ok(s)
+    // SAFETY: the registry check reads nothing behind the pointer.
+    unsafe { borrow(store, "store") }
 }
 
 /// # Safety
@@ -512,15 +498,9 @@ pub unsafe extern "C" fn marconi_store_new(
             }
         };
         let tier = StoreTier::new(store, tc).map_err(config_error)?;
-        let h = Box::new(StoreHandle {
-            tag: HandleTag::STORE,
-            tier,
-        });
+        let h = StoreHandle { tier };
         // SAFETY: out is non-NULL, aligned and writable (checked, contract).
-        let raw = Box::into_raw(h);
-        // SAFETY: just created; the tag's address is computed, nothing read.
-        register_tag(unsafe { ptr::addr_of!((*raw).tag) }, HandleTag::STORE);
-        unsafe { out.write(raw.cast::<marconi_store>()) };
+        unsafe { publish(h, out.cast::<*mut StoreHandle>()) };
         Ok(())
     })
 }
@@ -535,22 +515,9 @@ pub unsafe extern "C" fn marconi_store_new(
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_free(store: *mut marconi_store) {
     boundary_or("marconi_store_free", (), || {
-        if store.is_null() {
-            return;
-        }
-        // SAFETY: NULL was handled; otherwise live (contract). A foreign
-        // pointer is refused rather than freed.
-        if unsafe { store_handle(store) }.is_err() {
-            return;
-        }
-        let store = store.cast::<StoreHandle>();
-        // SAFETY: from Box::into_raw in marconi_store_new, freed once; its
-        // tag is zeroed first.
-        unsafe {
-            if retire_tag(ptr::addr_of_mut!((*store).tag), HandleTag::STORE) {
-                drop(Box::from_raw(store));
-            }
-        }
+        // SAFETY: no other call runs on it (contract); anything but a live
+        // store is left alone.
+        unsafe { release(store.cast::<StoreHandle>()) };
     })
 }
 

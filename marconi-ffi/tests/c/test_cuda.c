@@ -293,7 +293,8 @@ static void test_threads(void) {
   marconi_pool_free(pool);
 }
 
-/* The cache over a CUDA pool: conversations through the request cycle; the
+/* The cache over a CUDA pool (a marconi_cache made with
+ * marconi_cache_config.pools): conversations through the request cycle; the
  * final state of each request is written with a byte that names it, and a
  * request that resumes checks, after the library's device copy, that its
  * own slot holds that byte. */
@@ -325,8 +326,9 @@ static void test_cache_over_cuda_pools(void) {
   pc.budget_bytes = budget;
   pc.migration = MARCONI_POOL_MIGRATION_AVMP;
   pc.state_fraction = 0.3;
-  marconi_pooled_cache *c = NULL;
-  OK(marconi_pooled_cache_new(&cc, &pc, &c));
+  cc.pools = &pc;
+  marconi_cache *c = NULL;
+  OK(marconi_cache_new(&cc, &c));
   if (!c) return;
 
   static uint32_t conv[4][4096];
@@ -343,20 +345,20 @@ static void test_cache_over_cuda_pools(void) {
       if (full > 4096) continue;
       len[k] = full;
       marconi_pooled_lookup l;
-      OK(marconi_pooled_cache_lookup(c, 0, conv[k], input, &l));
+      OK(marconi_cache_lookup_pooled(c, 0, conv[k], input, &l));
       size_t n_hit = 0;
-      OK(marconi_pooled_cache_lease_kv_pages(c, l.lease, hit_pages, MAX_UNITS, &n_hit));
+      OK(marconi_cache_lease_kv_handles(c, l.lease, hit_pages, MAX_UNITS, &n_hit));
       uint32_t plan[64];
       size_t n_plan = 0;
-      OK(marconi_pooled_cache_lease_plan(c, l.lease, plan, 64, &n_plan));
+      OK(marconi_cache_lease_plan(c, l.lease, plan, 64, &n_plan));
       uint32_t full_pages = full / PAGE;
       uint64_t slots[65];
-      marconi_status st = marconi_pooled_cache_reserve(c, full_pages - (uint32_t)n_hit,
-                                                       (uint32_t)n_plan + 1, pages + n_hit,
-                                                       MAX_UNITS - n_hit, slots, 65);
+      marconi_status st = marconi_cache_reserve(c, full_pages - (uint32_t)n_hit,
+                                                (uint32_t)n_plan + 1, pages + n_hit,
+                                                MAX_UNITS - n_hit, slots, 65);
       if (st != MARCONI_STATUS_OK) {
         CHECK_EQ(st, MARCONI_STATUS_OUT_OF_MEMORY);
-        OK(marconi_pooled_cache_release(c, l.lease));
+        OK(marconi_cache_release(c, l.lease));
         continue;
       }
       memcpy(pages, hit_pages, n_hit * sizeof pages[0]);
@@ -364,12 +366,12 @@ static void test_cache_over_cuda_pools(void) {
       if (l.state_handle != 0) {
         /* The cached state was written as (its end position & 0xff). */
         marconi_unit_location cl;
-        OK(marconi_pooled_cache_resolve(c, &l.state_handle, 1, &cl, 1));
+        OK(marconi_cache_resolve(c, &l.state_handle, 1, &cl, 1));
         CU(cu.dtoh(probe, cl.address, sizeof probe));
         unsigned char want = probe[0];
         marconi_state_copy o = {l.state_handle, slots[0]};
-        OK(marconi_pooled_cache_copy_states(c, &o, 1));
-        OK(marconi_pooled_cache_resolve(c, &slots[0], 1, &sl, 1));
+        OK(marconi_cache_copy_states(c, &o, 1));
+        OK(marconi_cache_resolve(c, &slots[0], 1, &sl, 1));
         CU(cu.dtoh(probe, sl.address, sizeof probe));
         int same = 1;
         for (size_t i = 0; i < sizeof probe; i++) same &= probe[i] == want;
@@ -379,16 +381,16 @@ static void test_cache_over_cuda_pools(void) {
       marconi_pooled_state states[65];
       for (size_t i = 0; i < n_plan; i++) {
         states[i] = (marconi_pooled_state){plan[i], 0, slots[i + 1]};
-        OK(marconi_pooled_cache_resolve(c, &slots[i + 1], 1, &sl, 1));
+        OK(marconi_cache_resolve(c, &slots[i + 1], 1, &sl, 1));
         CU(cu.memset8(sl.address, (unsigned char)(plan[i] & 0xff), (size_t)sl.unit_bytes));
       }
       uint32_t end = full / PAGE * PAGE;
       states[n_plan] = (marconi_pooled_state){end, 0, slots[0]};
-      OK(marconi_pooled_cache_resolve(c, &slots[0], 1, &sl, 1));
+      OK(marconi_cache_resolve(c, &slots[0], 1, &sl, 1));
       CU(cu.memset8(sl.address, (unsigned char)(end & 0xff), (size_t)sl.unit_bytes));
       uint8_t taken[65];
       marconi_admit_result r;
-      OK(marconi_pooled_cache_admit(c, l.lease, conv[k], full, states, n_plan + 1, pages,
+      OK(marconi_cache_admit_pooled(c, l.lease, conv[k], full, states, n_plan + 1, pages,
                                     full_pages, taken, &r));
       uint64_t mine[MAX_UNITS + 65];
       size_t n_mine = 0;
@@ -396,19 +398,19 @@ static void test_cache_over_cuda_pools(void) {
         if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
       for (size_t i = 0; i <= n_plan; i++)
         if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-      OK(marconi_pooled_cache_free_units(c, mine, n_mine));
-      OK(marconi_pooled_cache_release(c, l.lease));
-      OK(marconi_pooled_cache_check(c));
+      OK(marconi_cache_free_units(c, mine, n_mine));
+      OK(marconi_cache_release(c, l.lease));
+      OK(marconi_cache_check(c));
       size_t nf = 0;
       static uint64_t freed[MAX_UNITS * 2];
-      OK(marconi_pooled_cache_drain_freed(c, freed, MAX_UNITS * 2, &nf));
+      OK(marconi_cache_drain_freed_units(c, freed, MAX_UNITS * 2, &nf));
       served++;
     }
   }
   marconi_pooled_stats s;
   memset(&s, 0, sizeof s);
   s.struct_size = sizeof s;
-  OK(marconi_pooled_cache_stats(c, &s));
+  OK(marconi_cache_pool_stats(c, &s));
   CHECK(served > 0);
   CHECK(resumed > 0);
   CHECK_EQ(resumed_exact, resumed);
@@ -420,7 +422,7 @@ static void test_cache_over_cuda_pools(void) {
          served, resumed, resumed_exact, (unsigned long long)s.hit_tokens,
          (unsigned long long)s.evictions, (unsigned long long)s.migrations,
          (unsigned long long)s.physical_bytes, (unsigned long long)budget);
-  marconi_pooled_cache_free(c);
+  marconi_cache_free(c);
 }
 
 int main(void) {

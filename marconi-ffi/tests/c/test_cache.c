@@ -36,13 +36,7 @@ static marconi_cache *new_cache(uint64_t capacity, uint32_t page_size, int log) 
   return cache;
 }
 
-static marconi_stats stats_of(const marconi_cache *cache) {
-  marconi_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_cache_stats(cache, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_stats, marconi_cache, marconi_cache_stats)
 
 /* Fills tokens[0..n) with first, first + 1, ... */
 static void iota(uint32_t *tokens, size_t n, uint32_t first) {
@@ -639,28 +633,21 @@ static void test_tuning_config(void) {
   cache = NULL;
   OK(marconi_cache_config_preset(&bad, sizeof bad, "marconi-shadow"));
   bad.capacity_bytes = UINT64_C(1000000000);
-  bad.shadow_alphas_len = 3; /* NULL with a length */
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_NULL_ARGUMENT);
-  bad.shadow_alphas_len = 0;
-  bad.shadow_hysteresis = -1.0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.shadow_hysteresis = 0.0;
-  bad.shadow_sample_tokens = 0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.shadow_sample_tokens = 64;
+#define REFUSED(field, bad_value, good, status)                                \
+  CHECK_WITH(field, bad_value, good, marconi_cache_new(&bad, &cache), status)
+  REFUSED(bad.shadow_alphas_len, 3, 0, MARCONI_STATUS_NULL_ARGUMENT); /* NULL with a length */
+  REFUSED(bad.shadow_hysteresis, -1.0, 0.0, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(bad.shadow_sample_tokens, 0, 64, MARCONI_STATUS_INVALID_CONFIG);
   bad.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(strstr(last_error(), "shadows") != NULL);
   bad.alpha_mode = MARCONI_ALPHA_MODE_AUTO;
-  bad.tuner_retune_every = 0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.tuner_retune_every = 4;
-  bad.reserved2 = 1;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.reserved2 = 0;
+  REFUSED(bad.tuner_retune_every, 0, 4, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(bad.reserved2, 1, 0, MARCONI_STATUS_INVALID_CONFIG);
   bad.superseded_age = -0.5;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(strstr(last_error(), "superseded_age") != NULL);
+#undef REFUSED
   CHECK(cache == NULL);
 }
 
@@ -675,10 +662,5 @@ int main(void) {
   test_bad_inputs();
   test_app_checkpoints();
   test_tuning_config();
-  if (failures) {
-    fprintf(stderr, "test_cache: %d failure(s)\n", failures);
-    return 1;
-  }
-  printf("test_cache: all C checks passed (libmarconi %s)\n", marconi_version());
-  return 0;
+  return check_summary("test_cache");
 }

@@ -82,13 +82,7 @@ static int open_driver(void) {
   return cu.set_current(cu.ctx) == 0;
 }
 
-static marconi_pool_stats stats_of(const marconi_pool *pool) {
-  marconi_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_pool_get_stats(pool, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_cuda_pool(uint32_t migration, double fraction) {
   marconi_pool_config cfg;
@@ -212,28 +206,9 @@ static void test_snapshots_on_the_device(void) {
   marconi_pool *pool = new_cuda_pool(MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint64_t st[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
-  for (int i = 0; i < 8; i++) fill(pool, st[i], (unsigned char)(i + 1));
-  marconi_state_copy pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
-  OK(marconi_pool_copy_states(pool, pairs, 2));
-  CHECK(holds(pool, st[1], 1));
-  CHECK(holds(pool, st[3], 3));
-  CHECK(holds(pool, st[0], 1));
-  CHECK(holds(pool, st[2], 3));
-  uint64_t dsts[3] = {st[4], st[5], st[6]};
-  OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
-  for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
-  fill(pool, st[5], 0x55);
-  uint64_t now = 0;
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
-  CHECK_EQ(now, st[0]);
-  CHECK(holds(pool, st[0], 0x55));
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 2, MARCONI_PROMOTE_MODE_SWAP, &now));
-  CHECK_EQ(now, st[6]);
-  /* A batch refused whole moves nothing on the device either. */
-  fill(pool, st[1], 0x11);
-  marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
-  CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  CHECK(holds(pool, st[1], 0x11));
+  /* The memfd pool's copy / fork / promote checks (test_pool.c), on the
+   * device: the kernel moves the bytes, a refused batch moves none. */
+  check_pool_snapshots(pool, st, fill, holds);
   /* A patterned slot (every byte different) is copied exactly. */
   marconi_unit_location a = where(pool, st[3]), b = where(pool, st[4]);
   unsigned char *src = malloc((size_t)a.unit_bytes), *dst = malloc((size_t)a.unit_bytes);
@@ -308,8 +283,7 @@ static void test_cache_over_cuda_pools(void) {
   req.page_size = PAGE;
   req.budget_bytes = 1ull << 30;
   marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
+  VERSIONED(p);
   OK(marconi_plan(&req, &p));
   uint64_t budget = 6 * p.state_slot_bytes + 2600 / PAGE * p.kv_page_bytes;
   budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
@@ -408,8 +382,7 @@ static void test_cache_over_cuda_pools(void) {
     }
   }
   marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
+  VERSIONED(s);
   OK(marconi_cache_pool_stats(c, &s));
   CHECK(served > 0);
   CHECK(resumed > 0);
@@ -456,10 +429,5 @@ int main(void) {
   test_cache_over_cuda_pools();
   CU(cu.sync());
   cu.primary_release(cu.dev);
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_cuda: all checks passed on the GPU\n");
-  return 0;
+  return check_summary("test_cuda on the GPU");
 }

@@ -44,13 +44,7 @@ static marconi_host_pool *host_pool(uint64_t page) {
   return pool;
 }
 
-static marconi_host_pool_stats host_stats(const marconi_host_pool *p) {
-  marconi_host_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_host_pool_get_stats(p, &s));
-  return s;
-}
+STATS_OF(host_stats, marconi_host_pool_stats, marconi_host_pool, marconi_host_pool_get_stats)
 
 static unsigned char *address_of(const marconi_unit_location *loc) {
   return (unsigned char *)(uintptr_t)loc->address;
@@ -73,15 +67,12 @@ static void test_config(void) {
   cfg.state_bytes = STATE;
   CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
   cfg.capacity_bytes = 8 * MIB;
-  cfg.reserved = 1;
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.reserved = 0;
-  cfg.state_fraction = 1.0;
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_fraction = 0.5;
-  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.chunk_bytes = 0;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.reserved, 1, 0);
+  REFUSED(cfg.state_fraction, 1.0, 0.5);
+  REFUSED(cfg.chunk_bytes, 1000, 0); /* not a multiple of the OS page size */
+#undef REFUSED
   cfg.state_fraction = 0.25;
   OK(marconi_host_pool_new(&cfg, &p));
   marconi_host_pool_stats s = host_stats(p);
@@ -226,10 +217,5 @@ int main(void) {
   test_config();
   test_round_trip();
   test_misuse();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_host_pool: all checks passed\n");
-  return 0;
+  return check_summary("test_host_pool");
 }

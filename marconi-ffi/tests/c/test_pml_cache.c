@@ -39,15 +39,13 @@ int main(void) {
   marconi_pml_cache *c = NULL;
   /* Zero budget, zero KV bytes, bad FLOPs. */
   cfg.kv_bytes_per_token = 10;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.capacity_bytes = 1100;
-  cfg.kv_bytes_per_token = 0;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.kv_bytes_per_token = 10;
-  cfg.flops_per_token = -1;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.capacity_bytes, 0, 1100);
+  REFUSED(cfg.kv_bytes_per_token, 0, 10);
+  REFUSED(cfg.flops_per_token, -1, 1);
+#undef REFUSED
   CHECK(c == NULL);
-  cfg.flops_per_token = 1;
   cfg.state_bytes = 100;
   cfg.operator_bytes = 50;
   CHECK_EQ(marconi_pml_cache_new(NULL, &c), MARCONI_STATUS_NULL_ARGUMENT);
@@ -194,6 +192,5 @@ int main(void) {
   OK(marconi_pml_cache_free(NULL));
   marconi_pml_schema_free(s);
   marconi_pml_schema_free(u);
-  if (failures == 0) printf("test_pml_cache: ok\n");
-  return failures != 0;
+  return check_summary("test_pml_cache");
 }

@@ -18,13 +18,7 @@
 
 #define MIB (1024ull * 1024ull)
 
-static marconi_pool_stats stats_of(const marconi_pool *pool) {
-  marconi_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_pool_get_stats(pool, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_pool(uint32_t backend, uint32_t migration, double fraction) {
   marconi_pool_config cfg;
@@ -59,24 +53,15 @@ static void test_config_misuse(void) {
   CHECK_EQ(marconi_pool_new(&cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
   cfg.budget_bytes = 16 * MIB;
   cfg.kv_page_bytes = 4096;
-  cfg.state_slot_bytes = 0;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_slot_bytes = 8192;
-  cfg.state_fraction = 0.0;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_fraction = 0.5;
-  cfg.backend = 7;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.backend = MARCONI_POOL_BACKEND_MEMFD;
-  cfg.budget_bytes = 3 * MIB; /* one chunk of 2 MiB: no room for two pools */
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.budget_bytes = 16 * MIB;
-  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.chunk_bytes = 0;
-  cfg.reserved = 1;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.reserved = 0;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.state_slot_bytes, 0, 8192);
+  REFUSED(cfg.state_fraction, 0.0, 0.5);
+  REFUSED(cfg.backend, 7, MARCONI_POOL_BACKEND_MEMFD);
+  REFUSED(cfg.budget_bytes, 3 * MIB, 16 * MIB); /* one chunk of 2 MiB: no room for two pools */
+  REFUSED(cfg.chunk_bytes, 1000, 0);            /* not a multiple of the OS page size */
+  REFUSED(cfg.reserved, 1, 0);
+#undef REFUSED
   /* No GPU here (CI) or no `cuda` feature: a status, never a crash. */
   cfg.backend = MARCONI_POOL_BACKEND_CUDA;
   marconi_status st = marconi_pool_new(&cfg, &pool);
@@ -259,37 +244,17 @@ static void test_pool_snapshots(void) {
   marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint64_t st[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
-  for (int i = 0; i < 8; i++) {
-    fill(pool, st[i], (unsigned char)(i + 1));
-  }
-  marconi_state_copy pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
-  OK(marconi_pool_copy_states(pool, pairs, 2));
-  CHECK(holds(pool, st[1], 1));
-  CHECK(holds(pool, st[3], 3));
-  CHECK(holds(pool, st[0], 1));
-  uint64_t dsts[3] = {st[4], st[5], st[6]};
-  OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
-  for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
-  /* Promote COPY_INTO: candidate 1 (st[5], after a change) into st[0]. */
-  fill(pool, st[5], 0x55);
-  uint64_t now = 0;
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
-  CHECK_EQ(now, st[0]);
-  CHECK(holds(pool, st[0], 0x55));
-  /* SWAP: no bytes move, the candidate's handle is the state now. */
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 2, MARCONI_PROMOTE_MODE_SWAP, &now));
-  CHECK_EQ(now, st[6]);
-  CHECK(holds(pool, st[0], 0x55));
+  check_pool_snapshots(pool, st, fill, holds);
 
-  /* Bad batches are refused whole: nothing copied. */
-  fill(pool, st[1], 0x11);
+  /* More bad batches, each refused whole: nothing copied (st[1] keeps the
+   * 0x11 check_pool_snapshots left there). */
   marconi_state_copy dup[2] = {{st[0], st[1]}, {st[2], st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, dup, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
-  CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
   marconi_state_copy self[1] = {{st[3], st[3]}};
   CHECK_EQ(marconi_pool_copy_states(pool, self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
   CHECK(holds(pool, st[1], 0x11));
+  uint64_t dsts[3] = {st[4], st[5], st[6]};
+  uint64_t now = 0;
   uint64_t kv;
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 1, &kv, 1));
   marconi_state_copy wrong_kind[1] = {{kv, st[1]}};
@@ -449,10 +414,5 @@ int main(void) {
   test_caller_buffer_snapshots();
   test_two_pools();
   test_threads();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_pool: all checks passed\n");
-  return 0;
+  return check_summary("test_pool");
 }

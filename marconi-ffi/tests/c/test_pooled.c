@@ -30,8 +30,7 @@ static marconi_memory_plan plan_for(const char *preset, uint64_t budget) {
   req.page_size = PAGE;
   req.budget_bytes = budget;
   marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
+  VERSIONED(p);
   OK(marconi_plan(&req, &p));
   return p;
 }
@@ -46,8 +45,7 @@ static void test_plan(void) {
   req.context_tokens = 4096;
   req.batch = 8;
   marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
+  VERSIONED(p);
   OK(marconi_plan(&req, &p));
   CHECK_EQ(p.page_size, PAGE);
   CHECK_EQ(p.budget_bytes, 8ull << 30);
@@ -69,21 +67,16 @@ static void test_plan(void) {
   /* Misuse. */
   CHECK_EQ(marconi_plan(NULL, &p), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_plan(&req, NULL), MARCONI_STATUS_NULL_ARGUMENT);
-  req.model_preset = "no-such-model";
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNKNOWN_PRESET);
-  req.model_preset = "paper-7b-attn"; /* no recurrent layers: no state pool */
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = 0;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.page_size = PAGE;
-  req.state_fraction = 1.5;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.state_fraction = 0.5;
-  req.budget_bytes = 1000;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+#define REFUSED(field, bad, good, status)                                      \
+  CHECK_WITH(field, bad, good, marconi_plan(&req, &p), status)
+  REFUSED(req.model_preset, "no-such-model", "nemotron-h-8b", MARCONI_STATUS_UNKNOWN_PRESET);
+  /* No recurrent layers: no state pool. */
+  REFUSED(req.model_preset, "paper-7b-attn", "nemotron-h-8b", MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.page_size, 0, PAGE, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.state_fraction, 1.5, 0.5, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.budget_bytes, 1000, 1ull << 30, MARCONI_STATUS_INVALID_CONFIG);
+#undef REFUSED
   p.struct_size = 4;
-  req.budget_bytes = 1ull << 30;
   CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
   CHECK_EQ(marconi_plan_request_init(&req, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
 }
@@ -148,8 +141,7 @@ static void test_converged_split(void) {
   req.page_size = PAGE;
   req.budget_bytes = 1ull << 30;
   marconi_converged_split a, b;
-  memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
+  VERSIONED(a);
   b = a;
 
   req.state_fraction = 0.1;
@@ -201,14 +193,12 @@ static void test_converged_split(void) {
   size_t off_empty[3] = {0, 0, 4};
   CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_empty, 3, NULL, 2, &c),
            MARCONI_STATUS_INVALID_ARGUMENT); /* an empty request */
-  req.state_fraction = 1.0;
-  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
-           MARCONI_STATUS_INVALID_CONFIG);
-  req.state_fraction = 0.5;
-  req.budget_bytes = 1000;
-  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
-           MARCONI_STATUS_INVALID_CONFIG);
-  req.budget_bytes = 1ull << 30;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c), \
+             MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(req.state_fraction, 1.0, 0.5);
+  REFUSED(req.budget_bytes, 1000, 1ull << 30);
+#undef REFUSED
   c.struct_size = 8;
   CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
            MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
@@ -247,13 +237,7 @@ static marconi_cache *new_pooled(const char *preset, uint64_t budget, uint32_t m
   return c;
 }
 
-static marconi_pooled_stats stats_of(const marconi_cache *c) {
-  marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_cache_pool_stats(c, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pooled_stats, marconi_cache, marconi_cache_pool_stats)
 
 /* The invariants of the issue, after every step. */
 static void check_invariants(fixture *f) {
@@ -555,8 +539,7 @@ static void test_wrong_configuration(void) {
   marconi_last_error(err, sizeof err);
   CHECK(strstr(err, "marconi_cache_config.pools") != NULL);
   marconi_pooled_stats ps;
-  memset(&ps, 0, sizeof ps);
-  ps.struct_size = sizeof ps;
+  VERSIONED(ps);
   CHECK_EQ(marconi_cache_pool_stats(plain, &ps), MARCONI_STATUS_UNSUPPORTED);
   marconi_cache_free(plain);
   marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
@@ -572,8 +555,7 @@ static void test_wrong_configuration(void) {
   size_t np = 0, ns = 0;
   CHECK_EQ(marconi_cache_drain_freed(c, pages, 4, &np, slots, 4, &ns), MARCONI_STATUS_UNSUPPORTED);
   marconi_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
+  VERSIONED(s);
   OK(marconi_cache_stats(c, &s)); /* the common stats work on both */
   CHECK_EQ(s.requests, 0);
   OK(marconi_cache_check(c));
@@ -611,8 +593,7 @@ static void test_deprecated_forwarders(void) {
   CHECK_EQ(l.hit_tokens, 0); /* the state covers all 64: the last token is recomputed */
   OK(marconi_pooled_cache_release(c, l.lease));
   marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
+  VERSIONED(s);
   OK(marconi_pooled_cache_stats(c, &s));
   CHECK_EQ(s.held_kv_pages, 4);
   CHECK_EQ(s.held_state_slots, 1);
@@ -620,8 +601,7 @@ static void test_deprecated_forwarders(void) {
   /* It is a marconi_cache: the one handle's calls take it. */
   marconi_cache *one = (marconi_cache *)c;
   marconi_pooled_stats s1;
-  memset(&s1, 0, sizeof s1);
-  s1.struct_size = sizeof s1;
+  VERSIONED(s1);
   OK(marconi_cache_pool_stats(one, &s1));
   CHECK_EQ(s1.requests, 2);
   OK(marconi_cache_check(one));
@@ -637,10 +617,5 @@ int main(void) {
   test_hinted();
   test_wrong_configuration();
   test_deprecated_forwarders();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_pooled: all checks passed\n");
-  return 0;
+  return check_summary("test_pooled");
 }

@@ -71,6 +71,88 @@ static inline void check_eq_at(const char *file, int line, const char *a_text,
     return s_;                                                                 \
   }
 
+/* The _init contract of a versioned configuration: NULL and a struct_size
+ * below the first version's refused, then `cfg` initialised with its
+ * struct_size set. */
+#define CHECK_CONFIG_INIT(INIT, cfg)                                           \
+  do {                                                                         \
+    CHECK_EQ(INIT(NULL, sizeof(cfg)), MARCONI_STATUS_NULL_ARGUMENT);           \
+    CHECK_EQ(INIT(&(cfg), 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);         \
+    OK(INIT(&(cfg), sizeof(cfg)));                                             \
+    CHECK_EQ((cfg).struct_size, sizeof(cfg));                                  \
+  } while (0)
+
+/* A pool configuration: the defaults, then backend, migration, budget,
+ * unit sizes and split. */
+static inline marconi_pool_config pool_config(uint32_t backend, uint32_t migration,
+                                              uint64_t budget_bytes, uint64_t kv_page_bytes,
+                                              uint64_t state_slot_bytes, double state_fraction) {
+  marconi_pool_config cfg;
+  OK(marconi_pool_config_init(&cfg, sizeof cfg));
+  cfg.backend = backend;
+  cfg.migration = migration;
+  cfg.budget_bytes = budget_bytes;
+  cfg.kv_page_bytes = kv_page_bytes;
+  cfg.state_slot_bytes = state_slot_bytes;
+  cfg.state_fraction = state_fraction;
+  return cfg;
+}
+
+/* marconi_pool_new, checked: the pool (NULL after a failed check). */
+static inline marconi_pool *pool_from(const marconi_pool_config *cfg) {
+  marconi_pool *pool = NULL;
+  OK(marconi_pool_new(cfg, &pool));
+  CHECK(pool != NULL);
+  return pool;
+}
+
+/* A plan request for `preset` at `page_size` tokens a page and a budget;
+ * the other fields at their defaults. */
+static inline marconi_plan_request plan_request(const char *preset, uint32_t page_size,
+                                                uint64_t budget_bytes) {
+  marconi_plan_request req;
+  OK(marconi_plan_request_init(&req, sizeof req));
+  req.model_preset = preset;
+  req.page_size = page_size;
+  req.budget_bytes = budget_bytes;
+  return req;
+}
+
+/* marconi_plan of a request, checked. */
+static inline marconi_memory_plan plan_of(const marconi_plan_request *req) {
+  marconi_memory_plan p;
+  VERSIONED(p);
+  OK(marconi_plan(req, &p));
+  return p;
+}
+
+/* A cache over pools (marconi_cache_config.pools) of `backend`: the
+ * policy with a fixed alpha of 1, the model's unit sizes, and the pools'
+ * budget, migration and split; NULL after a failed check. */
+static inline marconi_cache *new_pooled_cache(const char *preset, uint32_t page_size,
+                                              uint32_t backend, uint64_t budget_bytes,
+                                              uint32_t migration, double state_fraction) {
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = preset;
+  cc.page_size = page_size;
+  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
+  cc.alpha = 1.0;
+  marconi_pool_config pc = pool_config(backend, migration, budget_bytes, 0, 0, state_fraction);
+  cc.pools = &pc;
+  marconi_cache *c = NULL;
+  OK(marconi_cache_new(&cc, &c));
+  CHECK(c != NULL);
+  return c;
+}
+
+/* The end of a cache's life in a test: its invariants hold, then it is
+ * freed. */
+static inline void check_and_free(marconi_cache *cache) {
+  OK(marconi_cache_check(cache));
+  marconi_cache_free(cache);
+}
+
 /* The end of a test's main: the pass line, or the number of failed checks;
  * the exit status. */
 static inline int check_summary(const char *test) {

@@ -165,8 +165,7 @@ static void test_multi_turn(void) {
   OK(marconi_cache_drain_log(cache, NULL, 0, &got));
   CHECK_EQ(got, 0);
 
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Evictions report freed ids; the needed-size query drains nothing. */
@@ -201,8 +200,7 @@ static void test_eviction_reports(void) {
   OK(marconi_cache_evict(cache, s.capacity_bytes, &free_bytes));
   CHECK_EQ(free_bytes, s.capacity_bytes);
   CHECK_EQ(stats_of(cache).used_bytes, 0);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Several threads share one cache. */
@@ -248,8 +246,7 @@ static void test_threads(void) {
   CHECK(s.hit_requests > 0);
   CHECK(s.evictions > 0);
   CHECK(s.used_bytes <= s.capacity_bytes);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Every bad input returns its status and leaves the cache unchanged. */
@@ -269,10 +266,7 @@ static void test_bad_inputs(void) {
   /* Config. */
   marconi_cache_config cfg;
   marconi_cache *c2 = (marconi_cache *)0x1;
-  CHECK_EQ(marconi_cache_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_cache_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_cache_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_cache_config_init, cfg);
   CHECK_EQ(marconi_cache_new(NULL, &c2), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_cache_new(&cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_cache_new(&cfg, &c2), MARCONI_STATUS_INVALID_CONFIG); /* capacity 0 */
@@ -425,8 +419,7 @@ static void test_bad_inputs(void) {
   CHECK_EQ(old[32], 0xAB);
   CHECK_EQ(olds->requests, before.requests);
   UNCHANGED();
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
   marconi_cache_free(NULL); /* a no-op */
 #undef UNCHANGED
 }
@@ -579,8 +572,7 @@ static void test_app_checkpoints(void) {
   size_t n_log = 0;
   OK(marconi_cache_drain_log(cache, log, sizeof log - 1, &n_log)); /* NUL-terminated */
   CHECK(strstr(log, "\"reason\":\"AppCheckpoint\"") != NULL);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Policy presets and the tuning fields of version 3 of the config. */
@@ -625,8 +617,7 @@ static void test_tuning_config(void) {
     iota(t + 200, 200, 1000 * (k + 1));
     run_request(cache, t, 400, NULL, 0, &next_slot, NULL);
   }
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 
   /* Bad values: INVALID_CONFIG (or NULL_ARGUMENT), never a cache. */
   marconi_cache_config bad;

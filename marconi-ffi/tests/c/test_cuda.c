@@ -85,19 +85,10 @@ static int open_driver(void) {
 STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_cuda_pool(uint32_t migration, double fraction) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = MARCONI_POOL_BACKEND_CUDA;
-  cfg.migration = migration;
-  cfg.budget_bytes = 32 * MIB;
-  cfg.kv_page_bytes = 64 * 1024;
-  cfg.state_slot_bytes = 128 * 1024;
-  cfg.state_fraction = fraction;
+  marconi_pool_config cfg =
+      pool_config(MARCONI_POOL_BACKEND_CUDA, migration, 32 * MIB, 64 * 1024, 128 * 1024, fraction);
   cfg.migration_batch_units = 16;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  CHECK(pool != NULL);
-  return pool;
+  return pool_from(&cfg);
 }
 
 static marconi_unit_location where(const marconi_pool *pool, uint64_t h) {
@@ -277,32 +268,13 @@ static void test_threads(void) {
 #define MAX_UNITS 4096
 
 static void test_cache_over_cuda_pools(void) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = PAGE;
-  req.budget_bytes = 1ull << 30;
-  marconi_memory_plan p;
-  VERSIONED(p);
-  OK(marconi_plan(&req, &p));
+  marconi_plan_request req = plan_request("nemotron-h-8b", PAGE, 1ull << 30);
+  marconi_memory_plan p = plan_of(&req);
   uint64_t budget = 6 * p.state_slot_bytes + 2600 / PAGE * p.kv_page_bytes;
   budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
 
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "nemotron-h-8b";
-  cc.page_size = PAGE;
-  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
-  cc.alpha = 1.0;
-  marconi_pool_config pc;
-  OK(marconi_pool_config_init(&pc, sizeof pc));
-  pc.backend = MARCONI_POOL_BACKEND_CUDA;
-  pc.budget_bytes = budget;
-  pc.migration = MARCONI_POOL_MIGRATION_AVMP;
-  pc.state_fraction = 0.3;
-  cc.pools = &pc;
-  marconi_cache *c = NULL;
-  OK(marconi_cache_new(&cc, &c));
+  marconi_cache *c = new_pooled_cache("nemotron-h-8b", PAGE, MARCONI_POOL_BACKEND_CUDA, budget,
+                                      MARCONI_POOL_MIGRATION_AVMP, 0.3);
   if (!c) return;
 
   static uint32_t conv[4][4096];

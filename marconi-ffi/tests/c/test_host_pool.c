@@ -21,16 +21,9 @@
 #define STATE (64u * 1024u)
 
 static marconi_pool *device_pool(uint32_t backend, uint64_t page) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = backend;
-  cfg.migration = MARCONI_POOL_MIGRATION_STATIC;
-  cfg.budget_bytes = 8 * MIB;
-  cfg.kv_page_bytes = page;
-  cfg.state_slot_bytes = STATE;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  return pool;
+  marconi_pool_config cfg =
+      pool_config(backend, MARCONI_POOL_MIGRATION_STATIC, 8 * MIB, page, STATE, 0.5);
+  return pool_from(&cfg);
 }
 
 static marconi_host_pool *host_pool(uint64_t page) {
@@ -52,10 +45,7 @@ static unsigned char *address_of(const marconi_unit_location *loc) {
 
 static void test_config(void) {
   marconi_host_pool_config cfg;
-  CHECK_EQ(marconi_host_pool_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_host_pool_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_host_pool_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_host_pool_config_init, cfg);
   CHECK(cfg.state_fraction == 0.5);
   marconi_host_pool *p = (marconi_host_pool *)0x1;
   CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);

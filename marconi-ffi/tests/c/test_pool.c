@@ -21,28 +21,15 @@
 STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_pool(uint32_t backend, uint32_t migration, double fraction) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = backend;
-  cfg.migration = migration;
-  cfg.budget_bytes = 16 * MIB;
+  marconi_pool_config cfg = pool_config(backend, migration, 16 * MIB, 64 * 1024, 128 * 1024, fraction);
   cfg.chunk_bytes = 1 * MIB;
-  cfg.kv_page_bytes = 64 * 1024;
-  cfg.state_slot_bytes = 128 * 1024;
-  cfg.state_fraction = fraction;
   cfg.migration_batch_units = 8;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  CHECK(pool != NULL);
-  return pool;
+  return pool_from(&cfg);
 }
 
 static void test_config_misuse(void) {
   marconi_pool_config cfg;
-  CHECK_EQ(marconi_pool_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pool_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_pool_config_init, cfg);
   CHECK_EQ(cfg.backend, MARCONI_POOL_BACKEND_MEMFD);
   CHECK_EQ(cfg.migration, MARCONI_POOL_MIGRATION_AVMP);
   marconi_pool *pool = (marconi_pool *)0x1;

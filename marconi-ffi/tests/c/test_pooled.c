@@ -24,29 +24,16 @@
 #define MAX_UNITS 4096
 
 static marconi_memory_plan plan_for(const char *preset, uint64_t budget) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = preset;
-  req.page_size = PAGE;
-  req.budget_bytes = budget;
-  marconi_memory_plan p;
-  VERSIONED(p);
-  OK(marconi_plan(&req, &p));
-  return p;
+  marconi_plan_request req = plan_request(preset, PAGE, budget);
+  return plan_of(&req);
 }
 
 static void test_plan(void) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = PAGE;
-  req.budget_bytes = 8ull << 30;
+  marconi_plan_request req = plan_request("nemotron-h-8b", PAGE, 8ull << 30);
   req.state_fraction = 0.25;
   req.context_tokens = 4096;
   req.batch = 8;
-  marconi_memory_plan p;
-  VERSIONED(p);
-  OK(marconi_plan(&req, &p));
+  marconi_memory_plan p = plan_of(&req);
   CHECK_EQ(p.page_size, PAGE);
   CHECK_EQ(p.budget_bytes, 8ull << 30);
   CHECK_EQ(p.kv_page_bytes % 128, 0);
@@ -135,11 +122,7 @@ static void test_converged_split(void) {
   }
   chat.offsets[0] = docs.offsets[0] = 0;
 
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "paper-7b";
-  req.page_size = PAGE;
-  req.budget_bytes = 1ull << 30;
+  marconi_plan_request req = plan_request("paper-7b", PAGE, 1ull << 30);
   marconi_converged_split a, b;
   VERSIONED(a);
   b = a;
@@ -217,24 +200,8 @@ typedef struct {
 } fixture;
 
 static marconi_cache *new_pooled(const char *preset, uint64_t budget, uint32_t migration,
-                                        double fraction) {
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = preset;
-  cc.page_size = PAGE;
-  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
-  cc.alpha = 1.0;
-  marconi_pool_config pc;
-  OK(marconi_pool_config_init(&pc, sizeof pc));
-  pc.backend = MARCONI_POOL_BACKEND_MEMFD;
-  pc.budget_bytes = budget;
-  pc.migration = migration;
-  pc.state_fraction = fraction;
-  marconi_cache *c = NULL;
-  cc.pools = &pc;
-  OK(marconi_cache_new(&cc, &c));
-  CHECK(c != NULL);
-  return c;
+                                 double fraction) {
+  return new_pooled_cache(preset, PAGE, MARCONI_POOL_BACKEND_MEMFD, budget, migration, fraction);
 }
 
 STATS_OF(stats_of, marconi_pooled_stats, marconi_cache, marconi_cache_pool_stats)
@@ -493,8 +460,7 @@ static void test_misuse(void) {
   marconi_pooled_stats s;
   s.struct_size = 8;
   CHECK_EQ(marconi_cache_pool_stats(c, &s), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_cache_check(c));
-  marconi_cache_free(c);
+  check_and_free(c);
   marconi_cache_free(NULL);
 
   /* Configurations that cannot make a cache over pools. */
@@ -558,8 +524,7 @@ static void test_wrong_configuration(void) {
   VERSIONED(s);
   OK(marconi_cache_stats(c, &s)); /* the common stats work on both */
   CHECK_EQ(s.requests, 0);
-  OK(marconi_cache_check(c));
-  marconi_cache_free(c);
+  check_and_free(c);
 }
 
 /* The deprecated marconi_pooled_cache_* forwarders (one release more): the

@@ -216,9 +216,7 @@ static void test_shared_store(void) {
 
 static void test_misuse(void) {
   marconi_tiered_config cfg;
-  CHECK_EQ(marconi_tiered_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_tiered_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_tiered_config_init(&cfg, sizeof cfg));
+  CHECK_CONFIG_INIT(marconi_tiered_config_init, cfg);
   marconi_tiered *t = (marconi_tiered *)0x1;
   /* No device configuration: NULL, and *out untouched. */
   CHECK_EQ(marconi_tiered_new(&cfg, &t), MARCONI_STATUS_NULL_ARGUMENT);

@@ -146,6 +146,23 @@ static inline marconi_cache *new_pooled_cache(const char *preset, uint32_t page_
   return c;
 }
 
+/* After marconi_cache_admit_pooled: frees, checked, the caller's units the
+ * cache did not take (the reserved pages kv_pages[n_hit..n_kv_pages)
+ * outside r's taken range, the slots of states[i] with taken[i] 0); writes
+ * their handles to mine[0..n_kv_pages + n_states] and returns their number. */
+static inline size_t free_untaken(const marconi_cache *c, const uint64_t *kv_pages, size_t n_hit,
+                                  size_t n_kv_pages, const marconi_admit_result *r,
+                                  const marconi_pooled_state *states, size_t n_states,
+                                  const uint8_t *taken, uint64_t *mine) {
+  size_t n_mine = 0;
+  for (size_t i = n_hit; i < n_kv_pages; i++)
+    if (i < r->kv_pages_taken_start || i >= r->kv_pages_taken_end) mine[n_mine++] = kv_pages[i];
+  for (size_t i = 0; i < n_states; i++)
+    if (!taken[i]) mine[n_mine++] = states[i].state_handle;
+  OK(marconi_cache_free_units(c, mine, n_mine));
+  return n_mine;
+}
+
 /* The end of a cache's life in a test: its invariants hold, then it is
  * freed. */
 static inline void check_and_free(marconi_cache *cache) {

@@ -339,12 +339,7 @@ static void test_cache_over_cuda_pools(void) {
       OK(marconi_cache_admit_pooled(c, l.lease, conv[k], full, states, n_plan + 1, pages,
                                     full_pages, taken, &r));
       uint64_t mine[MAX_UNITS + 65];
-      size_t n_mine = 0;
-      for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
-        if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
-      for (size_t i = 0; i <= n_plan; i++)
-        if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-      OK(marconi_cache_free_units(c, mine, n_mine));
+      free_untaken(c, pages, n_hit, full_pages, &r, states, n_plan + 1, taken, mine);
       OK(marconi_cache_release(c, l.lease));
       OK(marconi_cache_check(c));
       size_t nf = 0;

@@ -283,12 +283,7 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
                                 taken, &r));
   /* Free what the cache did not take. */
   uint64_t mine[MAX_UNITS + 65];
-  size_t n_mine = 0;
-  for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
-    if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
-  for (size_t i = 0; i <= n_plan; i++)
-    if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-  OK(marconi_cache_free_units(f->pc, mine, n_mine));
+  size_t n_mine = free_untaken(f->pc, pages, n_hit, full_pages, &r, states, n_plan + 1, taken, mine);
   /* A freed working unit is the caller's no more. */
   if (n_mine > 0) CHECK_EQ(marconi_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   OK(marconi_cache_release(f->pc, l.lease));

@@ -12,6 +12,7 @@
 
 #include "marconi.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -218,6 +219,70 @@ static inline void check_pool_snapshots(const marconi_pool *pool, const uint64_t
   marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
   CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
   CHECK(holds(pool, st[1], 0x11));
+}
+
+/* Writes byte `v` over the first `n` bytes of the unit at `loc` (host or
+ * device memory, per backend); 0 when it did. */
+typedef int (*unit_write_fn)(const marconi_unit_location *loc, unsigned char v, size_t n);
+/* Prepares a new thread for the backend (a CUDA context current); 0 when
+ * it did. */
+typedef int (*thread_setup_fn)(void);
+
+typedef struct {
+  const marconi_pool *pool;
+  int rounds;
+  unit_write_fn write;
+  thread_setup_fn setup;
+  int refused; /* allocations refused: the pool was full, allowed */
+  int failed;  /* a live handle that did not resolve, write or free */
+} pool_worker;
+
+static inline void *pool_worker_main(void *p) {
+  pool_worker *w = p;
+  if (w->setup && w->setup() != 0) {
+    w->failed++;
+    return NULL;
+  }
+  uint64_t h[6];
+  for (int r = 0; r < w->rounds; r++) {
+    uint32_t kind = (uint32_t)(r % 2);
+    if (marconi_pool_allocate(w->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) {
+      w->refused++;
+      continue;
+    }
+    marconi_unit_location l[6];
+    if (marconi_pool_resolve(w->pool, h, 6, l, 6) != MARCONI_STATUS_OK) {
+      w->failed++;
+    } else {
+      for (int i = 0; i < 6; i++)
+        if (w->write(&l[i], (unsigned char)(r & 0xff), 256) != 0) w->failed++;
+    }
+    if (marconi_pool_free_units(w->pool, h, 6) != MARCONI_STATUS_OK) w->failed++;
+  }
+  return NULL;
+}
+
+/* Four threads share `pool`, each allocating, resolving, writing and
+ * freeing six units `rounds` times: no live handle fails, and afterwards
+ * every unit is free and physical bytes are within the budget. */
+static inline void check_pool_threads(const marconi_pool *pool, int rounds, unit_write_fn write,
+                                      thread_setup_fn setup) {
+  pthread_t t[4];
+  pool_worker w[4];
+  for (int i = 0; i < 4; i++) {
+    w[i] = (pool_worker){pool, rounds, write, setup, 0, 0};
+    CHECK_EQ(pthread_create(&t[i], NULL, pool_worker_main, &w[i]), 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    pthread_join(t[i], NULL);
+    CHECK_EQ(w[i].failed, 0);
+  }
+  marconi_pool_stats s;
+  VERSIONED(s);
+  OK(marconi_pool_get_stats(pool, &s));
+  CHECK_EQ(s.kv_free, s.kv_capacity);
+  CHECK_EQ(s.state_free, s.state_capacity);
+  CHECK(s.physical_bytes <= s.budget_bytes);
 }
 
 #endif

@@ -20,7 +20,6 @@
 #include "marconi.h"
 
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,47 +214,17 @@ static void test_snapshots_on_the_device(void) {
   marconi_pool_free(pool);
 }
 
-typedef struct {
-  marconi_pool *pool;
-  int rounds;
-  int failed;
-} worker_arg;
-
-static void *worker(void *p) {
-  worker_arg *a = p;
-  if (cu.set_current(cu.ctx) != 0) {
-    a->failed++;
-    return NULL;
-  }
-  uint64_t h[6];
-  for (int r = 0; r < a->rounds; r++) {
-    uint32_t kind = (uint32_t)(r % 2);
-    if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) continue;
-    marconi_unit_location l[6];
-    if (marconi_pool_resolve(a->pool, h, 6, l, 6) != MARCONI_STATUS_OK) a->failed++;
-    for (int i = 0; i < 6; i++)
-      if (cu.memset8(l[i].address, (unsigned char)r, 256) != 0) a->failed++;
-    if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->failed++;
-  }
-  return NULL;
+/* Device memory: cuMemsetD8. */
+static int write_device(const marconi_unit_location *loc, unsigned char v, size_t n) {
+  return cu.memset8(loc->address, v, n) != 0;
 }
+
+/* A new thread makes device 0's primary context current. */
+static int set_context(void) { return cu.set_current(cu.ctx) != 0; }
 
 static void test_threads(void) {
   marconi_pool *pool = new_cuda_pool(MARCONI_POOL_MIGRATION_AVMP, 0.5);
-  pthread_t t[4];
-  worker_arg args[4];
-  for (int i = 0; i < 4; i++) {
-    args[i] = (worker_arg){pool, 200, 0};
-    CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
-  }
-  for (int i = 0; i < 4; i++) {
-    pthread_join(t[i], NULL);
-    CHECK_EQ(args[i].failed, 0);
-  }
-  marconi_pool_stats s = stats_of(pool);
-  CHECK_EQ(s.kv_free, s.kv_capacity);
-  CHECK_EQ(s.state_free, s.state_capacity);
-  CHECK(s.physical_bytes <= s.budget_bytes);
+  check_pool_threads(pool, 200, write_device, set_context);
   marconi_pool_free(pool);
 }
 

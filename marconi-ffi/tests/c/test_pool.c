@@ -9,7 +9,6 @@
  */
 #include "marconi.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,27 +317,10 @@ static void test_caller_buffer_snapshots(void) {
   free(mem);
 }
 
-typedef struct {
-  marconi_pool *pool;
-  int rounds;
-  int refused;
-} worker_arg;
-
-static void *worker(void *p) {
-  worker_arg *a = p;
-  uint64_t h[6];
-  for (int r = 0; r < a->rounds; r++) {
-    uint32_t kind = (uint32_t)(r % 2);
-    if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) {
-      a->refused++;
-      continue;
-    }
-    marconi_unit_location l[6];
-    if (marconi_pool_resolve(a->pool, h, 6, l, 6) != MARCONI_STATUS_OK) a->refused += 1000;
-    for (int i = 0; i < 6; i++) memset((void *)(uintptr_t)l[i].address, r & 0xff, 256);
-    if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->refused += 1000;
-  }
-  return NULL;
+/* Host memory: a memset. */
+static int write_host(const marconi_unit_location *loc, unsigned char v, size_t n) {
+  memset((void *)(uintptr_t)loc->address, v, n);
+  return 0;
 }
 
 /* Two live pools never accept each other's handles, whatever their values,
@@ -376,20 +358,7 @@ static void test_two_pools(void) {
 
 static void test_threads(void) {
   marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
-  pthread_t t[4];
-  worker_arg args[4];
-  for (int i = 0; i < 4; i++) {
-    args[i] = (worker_arg){pool, 300, 0};
-    CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
-  }
-  for (int i = 0; i < 4; i++) {
-    pthread_join(t[i], NULL);
-    CHECK(args[i].refused < 1000); /* resolve and free never fail on live handles */
-  }
-  marconi_pool_stats s = stats_of(pool);
-  CHECK_EQ(s.kv_free, s.kv_capacity);
-  CHECK_EQ(s.state_free, s.state_capacity);
-  CHECK(s.physical_bytes <= s.budget_bytes);
+  check_pool_threads(pool, 300, write_host, NULL);
   marconi_pool_free(pool);
 }
 

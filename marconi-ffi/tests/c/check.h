@@ -2,10 +2,13 @@
  * The checks every C test of include/marconi.h uses: a failed check prints
  * where it failed, the values and libmarconi's last error, and counts; the
  * test's main ends with check_summary, which returns non-zero when
- * `failures` is not 0. Also the helpers the tests share: versioned output
- * structs (VERSIONED, STATS_OF), configuration refusals (CHECK_WITH), and
- * the snapshot checks every pool backend passes (check_pool_snapshots).
- * Included once per test program (each test is its own executable).
+ * `failures` is not 0. Also what the tests share: versioned output structs
+ * (VERSIONED, STATS_OF), configurations (CHECK_CONFIG_INIT, CHECK_WITH for
+ * refusals, pool_config, plan_request, new_pooled_cache), the end of a
+ * pooled admit (free_untaken), and the checks every pool backend passes
+ * (check_pool_snapshots, check_pool_threads: test_pool.c on memfd,
+ * test_cuda.c on CUDA). Included once per test program (each test is its
+ * own executable).
  */
 #ifndef MARCONI_TEST_CHECK_H
 #define MARCONI_TEST_CHECK_H

@@ -3,7 +3,8 @@
 # compiles the C tests (two translation units, the header included twice) and
 # a C++ program against include/marconi.h, with AddressSanitizer and
 # UndefinedBehaviorSanitizer, linked once against libmarconi.so and once
-# against libmarconi.a, and runs them. Runs from the repository root.
+# against libmarconi.a, and runs them; test_cuda.c (run on a GPU by
+# scripts/gpu-check.sh) is compiled and linked. Runs from the repository root.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -56,6 +57,12 @@ echo "--- C++ compile of the header"
 g++ -std=c++17 -pthread -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}" \
   marconi-ffi/tests/c/test_cxx.cpp -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/test_cxx"
 "$out/test_cxx"
+
+echo "--- test_cuda.c compiles and links (it runs on a GPU: scripts/gpu-check.sh)"
+# It shares check.h with the tests above; built here so that a change there
+# cannot break it unseen. Not run: without a GPU it only prints SKIPPED.
+gcc "${cflags[@]}" "${san[@]}" marconi-ffi/tests/c/test_cuda.c -L"$lib" -Wl,-rpath,"$lib" -lmarconi \
+  -lpthread -ldl -o "$out/test_cuda"
 
 echo "--- the README's C snippet"
 # The first ```c block after "## C ABI", and the ```text block after it (its output).

@@ -36,13 +36,7 @@ static marconi_cache *new_cache(uint64_t capacity, uint32_t page_size, int log) 
   return cache;
 }
 
-static marconi_stats stats_of(const marconi_cache *cache) {
-  marconi_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_cache_stats(cache, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_stats, marconi_cache, marconi_cache_stats)
 
 /* Fills tokens[0..n) with first, first + 1, ... */
 static void iota(uint32_t *tokens, size_t n, uint32_t first) {
@@ -171,8 +165,7 @@ static void test_multi_turn(void) {
   OK(marconi_cache_drain_log(cache, NULL, 0, &got));
   CHECK_EQ(got, 0);
 
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Evictions report freed ids; the needed-size query drains nothing. */
@@ -207,8 +200,7 @@ static void test_eviction_reports(void) {
   OK(marconi_cache_evict(cache, s.capacity_bytes, &free_bytes));
   CHECK_EQ(free_bytes, s.capacity_bytes);
   CHECK_EQ(stats_of(cache).used_bytes, 0);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Several threads share one cache. */
@@ -254,8 +246,7 @@ static void test_threads(void) {
   CHECK(s.hit_requests > 0);
   CHECK(s.evictions > 0);
   CHECK(s.used_bytes <= s.capacity_bytes);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Every bad input returns its status and leaves the cache unchanged. */
@@ -275,10 +266,7 @@ static void test_bad_inputs(void) {
   /* Config. */
   marconi_cache_config cfg;
   marconi_cache *c2 = (marconi_cache *)0x1;
-  CHECK_EQ(marconi_cache_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_cache_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_cache_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_cache_config_init, cfg);
   CHECK_EQ(marconi_cache_new(NULL, &c2), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_cache_new(&cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_cache_new(&cfg, &c2), MARCONI_STATUS_INVALID_CONFIG); /* capacity 0 */
@@ -431,8 +419,7 @@ static void test_bad_inputs(void) {
   CHECK_EQ(old[32], 0xAB);
   CHECK_EQ(olds->requests, before.requests);
   UNCHANGED();
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
   marconi_cache_free(NULL); /* a no-op */
 #undef UNCHANGED
 }
@@ -585,8 +572,7 @@ static void test_app_checkpoints(void) {
   size_t n_log = 0;
   OK(marconi_cache_drain_log(cache, log, sizeof log - 1, &n_log)); /* NUL-terminated */
   CHECK(strstr(log, "\"reason\":\"AppCheckpoint\"") != NULL);
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 }
 
 /* Policy presets and the tuning fields of version 3 of the config. */
@@ -631,36 +617,28 @@ static void test_tuning_config(void) {
     iota(t + 200, 200, 1000 * (k + 1));
     run_request(cache, t, 400, NULL, 0, &next_slot, NULL);
   }
-  OK(marconi_cache_check(cache));
-  marconi_cache_free(cache);
+  check_and_free(cache);
 
   /* Bad values: INVALID_CONFIG (or NULL_ARGUMENT), never a cache. */
   marconi_cache_config bad;
   cache = NULL;
   OK(marconi_cache_config_preset(&bad, sizeof bad, "marconi-shadow"));
   bad.capacity_bytes = UINT64_C(1000000000);
-  bad.shadow_alphas_len = 3; /* NULL with a length */
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_NULL_ARGUMENT);
-  bad.shadow_alphas_len = 0;
-  bad.shadow_hysteresis = -1.0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.shadow_hysteresis = 0.0;
-  bad.shadow_sample_tokens = 0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.shadow_sample_tokens = 64;
+#define REFUSED(field, bad_value, good, status)                                \
+  CHECK_WITH(field, bad_value, good, marconi_cache_new(&bad, &cache), status)
+  REFUSED(bad.shadow_alphas_len, 3, 0, MARCONI_STATUS_NULL_ARGUMENT); /* NULL with a length */
+  REFUSED(bad.shadow_hysteresis, -1.0, 0.0, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(bad.shadow_sample_tokens, 0, 64, MARCONI_STATUS_INVALID_CONFIG);
   bad.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(strstr(last_error(), "shadows") != NULL);
   bad.alpha_mode = MARCONI_ALPHA_MODE_AUTO;
-  bad.tuner_retune_every = 0;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.tuner_retune_every = 4;
-  bad.reserved2 = 1;
-  CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
-  bad.reserved2 = 0;
+  REFUSED(bad.tuner_retune_every, 0, 4, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(bad.reserved2, 1, 0, MARCONI_STATUS_INVALID_CONFIG);
   bad.superseded_age = -0.5;
   CHECK_EQ(marconi_cache_new(&bad, &cache), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(strstr(last_error(), "superseded_age") != NULL);
+#undef REFUSED
   CHECK(cache == NULL);
 }
 
@@ -675,10 +653,5 @@ int main(void) {
   test_bad_inputs();
   test_app_checkpoints();
   test_tuning_config();
-  if (failures) {
-    fprintf(stderr, "test_cache: %d failure(s)\n", failures);
-    return 1;
-  }
-  printf("test_cache: all C checks passed (libmarconi %s)\n", marconi_version());
-  return 0;
+  return check_summary("test_cache");
 }

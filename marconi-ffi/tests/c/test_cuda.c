@@ -20,7 +20,6 @@
 #include "marconi.h"
 
 #include <dlfcn.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,28 +81,13 @@ static int open_driver(void) {
   return cu.set_current(cu.ctx) == 0;
 }
 
-static marconi_pool_stats stats_of(const marconi_pool *pool) {
-  marconi_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_pool_get_stats(pool, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_cuda_pool(uint32_t migration, double fraction) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = MARCONI_POOL_BACKEND_CUDA;
-  cfg.migration = migration;
-  cfg.budget_bytes = 32 * MIB;
-  cfg.kv_page_bytes = 64 * 1024;
-  cfg.state_slot_bytes = 128 * 1024;
-  cfg.state_fraction = fraction;
+  marconi_pool_config cfg =
+      pool_config(MARCONI_POOL_BACKEND_CUDA, migration, 32 * MIB, 64 * 1024, 128 * 1024, fraction);
   cfg.migration_batch_units = 16;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  CHECK(pool != NULL);
-  return pool;
+  return pool_from(&cfg);
 }
 
 static marconi_unit_location where(const marconi_pool *pool, uint64_t h) {
@@ -212,28 +196,9 @@ static void test_snapshots_on_the_device(void) {
   marconi_pool *pool = new_cuda_pool(MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint64_t st[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
-  for (int i = 0; i < 8; i++) fill(pool, st[i], (unsigned char)(i + 1));
-  marconi_state_copy pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
-  OK(marconi_pool_copy_states(pool, pairs, 2));
-  CHECK(holds(pool, st[1], 1));
-  CHECK(holds(pool, st[3], 3));
-  CHECK(holds(pool, st[0], 1));
-  CHECK(holds(pool, st[2], 3));
-  uint64_t dsts[3] = {st[4], st[5], st[6]};
-  OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
-  for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
-  fill(pool, st[5], 0x55);
-  uint64_t now = 0;
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
-  CHECK_EQ(now, st[0]);
-  CHECK(holds(pool, st[0], 0x55));
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 2, MARCONI_PROMOTE_MODE_SWAP, &now));
-  CHECK_EQ(now, st[6]);
-  /* A batch refused whole moves nothing on the device either. */
-  fill(pool, st[1], 0x11);
-  marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
-  CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  CHECK(holds(pool, st[1], 0x11));
+  /* The memfd pool's copy / fork / promote checks (test_pool.c), on the
+   * device: the kernel moves the bytes, a refused batch moves none. */
+  check_pool_snapshots(pool, st, fill, holds);
   /* A patterned slot (every byte different) is copied exactly. */
   marconi_unit_location a = where(pool, st[3]), b = where(pool, st[4]);
   unsigned char *src = malloc((size_t)a.unit_bytes), *dst = malloc((size_t)a.unit_bytes);
@@ -249,51 +214,22 @@ static void test_snapshots_on_the_device(void) {
   marconi_pool_free(pool);
 }
 
-typedef struct {
-  marconi_pool *pool;
-  int rounds;
-  int failed;
-} worker_arg;
-
-static void *worker(void *p) {
-  worker_arg *a = p;
-  if (cu.set_current(cu.ctx) != 0) {
-    a->failed++;
-    return NULL;
-  }
-  uint64_t h[6];
-  for (int r = 0; r < a->rounds; r++) {
-    uint32_t kind = (uint32_t)(r % 2);
-    if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) continue;
-    marconi_unit_location l[6];
-    if (marconi_pool_resolve(a->pool, h, 6, l, 6) != MARCONI_STATUS_OK) a->failed++;
-    for (int i = 0; i < 6; i++)
-      if (cu.memset8(l[i].address, (unsigned char)r, 256) != 0) a->failed++;
-    if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->failed++;
-  }
-  return NULL;
+/* Device memory: cuMemsetD8. */
+static int write_device(const marconi_unit_location *loc, unsigned char v, size_t n) {
+  return cu.memset8(loc->address, v, n) != 0;
 }
+
+/* A new thread makes device 0's primary context current. */
+static int set_context(void) { return cu.set_current(cu.ctx) != 0; }
 
 static void test_threads(void) {
   marconi_pool *pool = new_cuda_pool(MARCONI_POOL_MIGRATION_AVMP, 0.5);
-  pthread_t t[4];
-  worker_arg args[4];
-  for (int i = 0; i < 4; i++) {
-    args[i] = (worker_arg){pool, 200, 0};
-    CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
-  }
-  for (int i = 0; i < 4; i++) {
-    pthread_join(t[i], NULL);
-    CHECK_EQ(args[i].failed, 0);
-  }
-  marconi_pool_stats s = stats_of(pool);
-  CHECK_EQ(s.kv_free, s.kv_capacity);
-  CHECK_EQ(s.state_free, s.state_capacity);
-  CHECK(s.physical_bytes <= s.budget_bytes);
+  check_pool_threads(pool, 200, write_device, set_context);
   marconi_pool_free(pool);
 }
 
-/* The cache over a CUDA pool: conversations through the request cycle; the
+/* The cache over a CUDA pool (a marconi_cache made with
+ * marconi_cache_config.pools): conversations through the request cycle; the
  * final state of each request is written with a byte that names it, and a
  * request that resumes checks, after the library's device copy, that its
  * own slot holds that byte. */
@@ -301,32 +237,13 @@ static void test_threads(void) {
 #define MAX_UNITS 4096
 
 static void test_cache_over_cuda_pools(void) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = PAGE;
-  req.budget_bytes = 1ull << 30;
-  marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
-  OK(marconi_plan(&req, &p));
+  marconi_plan_request req = plan_request("nemotron-h-8b", PAGE, 1ull << 30);
+  marconi_memory_plan p = plan_of(&req);
   uint64_t budget = 6 * p.state_slot_bytes + 2600 / PAGE * p.kv_page_bytes;
   budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
 
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "nemotron-h-8b";
-  cc.page_size = PAGE;
-  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
-  cc.alpha = 1.0;
-  marconi_pool_config pc;
-  OK(marconi_pool_config_init(&pc, sizeof pc));
-  pc.backend = MARCONI_POOL_BACKEND_CUDA;
-  pc.budget_bytes = budget;
-  pc.migration = MARCONI_POOL_MIGRATION_AVMP;
-  pc.state_fraction = 0.3;
-  marconi_pooled_cache *c = NULL;
-  OK(marconi_pooled_cache_new(&cc, &pc, &c));
+  marconi_cache *c = new_pooled_cache("nemotron-h-8b", PAGE, MARCONI_POOL_BACKEND_CUDA, budget,
+                                      MARCONI_POOL_MIGRATION_AVMP, 0.3);
   if (!c) return;
 
   static uint32_t conv[4][4096];
@@ -343,20 +260,20 @@ static void test_cache_over_cuda_pools(void) {
       if (full > 4096) continue;
       len[k] = full;
       marconi_pooled_lookup l;
-      OK(marconi_pooled_cache_lookup(c, 0, conv[k], input, &l));
+      OK(marconi_cache_lookup_pooled(c, 0, conv[k], input, &l));
       size_t n_hit = 0;
-      OK(marconi_pooled_cache_lease_kv_pages(c, l.lease, hit_pages, MAX_UNITS, &n_hit));
+      OK(marconi_cache_lease_kv_handles(c, l.lease, hit_pages, MAX_UNITS, &n_hit));
       uint32_t plan[64];
       size_t n_plan = 0;
-      OK(marconi_pooled_cache_lease_plan(c, l.lease, plan, 64, &n_plan));
+      OK(marconi_cache_lease_plan(c, l.lease, plan, 64, &n_plan));
       uint32_t full_pages = full / PAGE;
       uint64_t slots[65];
-      marconi_status st = marconi_pooled_cache_reserve(c, full_pages - (uint32_t)n_hit,
-                                                       (uint32_t)n_plan + 1, pages + n_hit,
-                                                       MAX_UNITS - n_hit, slots, 65);
+      marconi_status st = marconi_cache_reserve(c, full_pages - (uint32_t)n_hit,
+                                                (uint32_t)n_plan + 1, pages + n_hit,
+                                                MAX_UNITS - n_hit, slots, 65);
       if (st != MARCONI_STATUS_OK) {
         CHECK_EQ(st, MARCONI_STATUS_OUT_OF_MEMORY);
-        OK(marconi_pooled_cache_release(c, l.lease));
+        OK(marconi_cache_release(c, l.lease));
         continue;
       }
       memcpy(pages, hit_pages, n_hit * sizeof pages[0]);
@@ -364,12 +281,12 @@ static void test_cache_over_cuda_pools(void) {
       if (l.state_handle != 0) {
         /* The cached state was written as (its end position & 0xff). */
         marconi_unit_location cl;
-        OK(marconi_pooled_cache_resolve(c, &l.state_handle, 1, &cl, 1));
+        OK(marconi_cache_resolve(c, &l.state_handle, 1, &cl, 1));
         CU(cu.dtoh(probe, cl.address, sizeof probe));
         unsigned char want = probe[0];
         marconi_state_copy o = {l.state_handle, slots[0]};
-        OK(marconi_pooled_cache_copy_states(c, &o, 1));
-        OK(marconi_pooled_cache_resolve(c, &slots[0], 1, &sl, 1));
+        OK(marconi_cache_copy_states(c, &o, 1));
+        OK(marconi_cache_resolve(c, &slots[0], 1, &sl, 1));
         CU(cu.dtoh(probe, sl.address, sizeof probe));
         int same = 1;
         for (size_t i = 0; i < sizeof probe; i++) same &= probe[i] == want;
@@ -379,36 +296,30 @@ static void test_cache_over_cuda_pools(void) {
       marconi_pooled_state states[65];
       for (size_t i = 0; i < n_plan; i++) {
         states[i] = (marconi_pooled_state){plan[i], 0, slots[i + 1]};
-        OK(marconi_pooled_cache_resolve(c, &slots[i + 1], 1, &sl, 1));
+        OK(marconi_cache_resolve(c, &slots[i + 1], 1, &sl, 1));
         CU(cu.memset8(sl.address, (unsigned char)(plan[i] & 0xff), (size_t)sl.unit_bytes));
       }
       uint32_t end = full / PAGE * PAGE;
       states[n_plan] = (marconi_pooled_state){end, 0, slots[0]};
-      OK(marconi_pooled_cache_resolve(c, &slots[0], 1, &sl, 1));
+      OK(marconi_cache_resolve(c, &slots[0], 1, &sl, 1));
       CU(cu.memset8(sl.address, (unsigned char)(end & 0xff), (size_t)sl.unit_bytes));
       uint8_t taken[65];
       marconi_admit_result r;
-      OK(marconi_pooled_cache_admit(c, l.lease, conv[k], full, states, n_plan + 1, pages,
+      OK(marconi_cache_admit_pooled(c, l.lease, conv[k], full, states, n_plan + 1, pages,
                                     full_pages, taken, &r));
       uint64_t mine[MAX_UNITS + 65];
-      size_t n_mine = 0;
-      for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
-        if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
-      for (size_t i = 0; i <= n_plan; i++)
-        if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-      OK(marconi_pooled_cache_free_units(c, mine, n_mine));
-      OK(marconi_pooled_cache_release(c, l.lease));
-      OK(marconi_pooled_cache_check(c));
+      free_untaken(c, pages, n_hit, full_pages, &r, states, n_plan + 1, taken, mine);
+      OK(marconi_cache_release(c, l.lease));
+      OK(marconi_cache_check(c));
       size_t nf = 0;
       static uint64_t freed[MAX_UNITS * 2];
-      OK(marconi_pooled_cache_drain_freed(c, freed, MAX_UNITS * 2, &nf));
+      OK(marconi_cache_drain_freed_units(c, freed, MAX_UNITS * 2, &nf));
       served++;
     }
   }
   marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_pooled_cache_stats(c, &s));
+  VERSIONED(s);
+  OK(marconi_cache_pool_stats(c, &s));
   CHECK(served > 0);
   CHECK(resumed > 0);
   CHECK_EQ(resumed_exact, resumed);
@@ -420,7 +331,7 @@ static void test_cache_over_cuda_pools(void) {
          served, resumed, resumed_exact, (unsigned long long)s.hit_tokens,
          (unsigned long long)s.evictions, (unsigned long long)s.migrations,
          (unsigned long long)s.physical_bytes, (unsigned long long)budget);
-  marconi_pooled_cache_free(c);
+  marconi_cache_free(c);
 }
 
 int main(void) {
@@ -454,10 +365,5 @@ int main(void) {
   test_cache_over_cuda_pools();
   CU(cu.sync());
   cu.primary_release(cu.dev);
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_cuda: all checks passed on the GPU\n");
-  return 0;
+  return check_summary("test_cuda on the GPU");
 }

@@ -78,18 +78,22 @@ int main() {
   if (marconi_cache_lookup(cache, 0, tokens, 5, MARCONI_NO_SLOT, &l) != MARCONI_STATUS_OK) return 3;
   if (marconi_cache_release(cache, l.lease) != MARCONI_STATUS_OK) return 4;
   if (teardown_test(cache) != 0) return 6;
-  // The tiered cache: a device with a host tier below it.
-  marconi_tiered_config tcfg;
-  if (marconi_tiered_config_init(&tcfg, sizeof tcfg) != MARCONI_STATUS_OK) return 7;
-  tcfg.device = &cfg;
-  tcfg.host.capacity_bytes = 1ull << 34;
-  tcfg.write_mode = MARCONI_TIER_WRITE_BACK;
-  marconi_tiered *tiered = nullptr;
-  if (marconi_tiered_new(&tcfg, &tiered) != MARCONI_STATUS_OK) return 8;
+  // A cache with lower tiers (marconi_cache_config.tiers): a host tier below
+  // the device, served through the one handle.
+  marconi_tier_options tiers;
+  if (marconi_tier_options_init(&tiers, sizeof tiers) != MARCONI_STATUS_OK) return 7;
+  tiers.host.capacity_bytes = 1ull << 34;
+  tiers.write_mode = MARCONI_TIER_WRITE_BACK;
+  marconi_cache_config tcfg = cfg;
+  tcfg.tiers = &tiers;
+  marconi_cache *tiered = nullptr;
+  if (marconi_cache_new(&tcfg, &tiered) != MARCONI_STATUS_OK) return 8;
   marconi_tiered_hit th{};
-  if (marconi_tiered_lookup(tiered, 0, tokens, 5, nullptr, 0, nullptr, &th) != MARCONI_STATUS_OK) return 9;
-  if (th.tier != MARCONI_TIER_DEVICE || marconi_tiered_release(tiered, th.lease) != MARCONI_STATUS_OK) return 10;
-  marconi_tiered_free(tiered);
+  if (marconi_cache_lookup_tiered(tiered, 0, tokens, 5, nullptr, 0, nullptr, &th) != MARCONI_STATUS_OK)
+    return 9;
+  if (th.tier != MARCONI_TIER_DEVICE || marconi_cache_release(tiered, th.lease) != MARCONI_STATUS_OK)
+    return 10;
+  marconi_cache_free(tiered);
   marconi_cache_free(cache);
   if (std::strcmp(marconi_version(), MARCONI_VERSION_STRING) != 0) return 5;
   std::printf("test_cxx: header compiles and links as C++; calls from thread_local destructors "

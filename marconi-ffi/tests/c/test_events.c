@@ -149,10 +149,5 @@ static void test_publisher(void) {
 int main(void) {
   test_drain();
   test_publisher();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_events: all checks passed\n");
-  return 0;
+  return check_summary("test_events");
 }

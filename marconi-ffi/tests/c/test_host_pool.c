@@ -21,16 +21,9 @@
 #define STATE (64u * 1024u)
 
 static marconi_pool *device_pool(uint32_t backend, uint64_t page) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = backend;
-  cfg.migration = MARCONI_POOL_MIGRATION_STATIC;
-  cfg.budget_bytes = 8 * MIB;
-  cfg.kv_page_bytes = page;
-  cfg.state_slot_bytes = STATE;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  return pool;
+  marconi_pool_config cfg =
+      pool_config(backend, MARCONI_POOL_MIGRATION_STATIC, 8 * MIB, page, STATE, 0.5);
+  return pool_from(&cfg);
 }
 
 static marconi_host_pool *host_pool(uint64_t page) {
@@ -44,13 +37,7 @@ static marconi_host_pool *host_pool(uint64_t page) {
   return pool;
 }
 
-static marconi_host_pool_stats host_stats(const marconi_host_pool *p) {
-  marconi_host_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_host_pool_get_stats(p, &s));
-  return s;
-}
+STATS_OF(host_stats, marconi_host_pool_stats, marconi_host_pool, marconi_host_pool_get_stats)
 
 static unsigned char *address_of(const marconi_unit_location *loc) {
   return (unsigned char *)(uintptr_t)loc->address;
@@ -58,10 +45,7 @@ static unsigned char *address_of(const marconi_unit_location *loc) {
 
 static void test_config(void) {
   marconi_host_pool_config cfg;
-  CHECK_EQ(marconi_host_pool_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_host_pool_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_host_pool_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_host_pool_config_init, cfg);
   CHECK(cfg.state_fraction == 0.5);
   marconi_host_pool *p = (marconi_host_pool *)0x1;
   CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
@@ -73,15 +57,12 @@ static void test_config(void) {
   cfg.state_bytes = STATE;
   CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
   cfg.capacity_bytes = 8 * MIB;
-  cfg.reserved = 1;
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.reserved = 0;
-  cfg.state_fraction = 1.0;
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_fraction = 0.5;
-  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
-  CHECK_EQ(marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.chunk_bytes = 0;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_host_pool_new(&cfg, &p), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.reserved, 1, 0);
+  REFUSED(cfg.state_fraction, 1.0, 0.5);
+  REFUSED(cfg.chunk_bytes, 1000, 0); /* not a multiple of the OS page size */
+#undef REFUSED
   cfg.state_fraction = 0.25;
   OK(marconi_host_pool_new(&cfg, &p));
   marconi_host_pool_stats s = host_stats(p);
@@ -226,10 +207,5 @@ int main(void) {
   test_config();
   test_round_trip();
   test_misuse();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_host_pool: all checks passed\n");
-  return 0;
+  return check_summary("test_host_pool");
 }

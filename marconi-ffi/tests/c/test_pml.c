@@ -121,6 +121,5 @@ int main(void) {
            MARCONI_STATUS_NULL_ARGUMENT);
   marconi_pml_schema_free(s);
   marconi_pml_schema_free(NULL);
-  if (failures == 0) printf("test_pml: ok\n");
-  return failures != 0;
+  return check_summary("test_pml");
 }

@@ -25,6 +25,16 @@ static const char U[] =
     "</union><module name=\"c\">CCCC</module></schema>";
 static const char P[] = "<prompt schema=\"r\"><sys/><doc/><tail/>ask</prompt>";
 
+/* How the prompt's four segments (sys, doc, tail, text) were served. */
+static void check_served(const marconi_pml_served *out, size_t n_out, uint32_t sys, uint32_t doc,
+                         uint32_t tail, uint32_t text) {
+  CHECK_EQ(n_out, 4);
+  CHECK_EQ(out[0].how, sys);
+  CHECK_EQ(out[1].how, doc);
+  CHECK_EQ(out[2].how, tail);
+  CHECK_EQ(out[3].how, text);
+}
+
 static marconi_pml_schema *schema(const char *xml) {
   marconi_pml_schema *s = NULL;
   OK(marconi_pml_schema_new((const uint8_t *)xml, strlen(xml), NULL, NULL, &s, NULL));
@@ -39,15 +49,13 @@ int main(void) {
   marconi_pml_cache *c = NULL;
   /* Zero budget, zero KV bytes, bad FLOPs. */
   cfg.kv_bytes_per_token = 10;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.capacity_bytes = 1100;
-  cfg.kv_bytes_per_token = 0;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.kv_bytes_per_token = 10;
-  cfg.flops_per_token = -1;
-  CHECK_EQ(marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG);
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_pml_cache_new(&cfg, &c), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.capacity_bytes, 0, 1100);
+  REFUSED(cfg.kv_bytes_per_token, 0, 10);
+  REFUSED(cfg.flops_per_token, -1, 1);
+#undef REFUSED
   CHECK(c == NULL);
-  cfg.flops_per_token = 1;
   cfg.state_bytes = 100;
   cfg.operator_bytes = 50;
   CHECK_EQ(marconi_pml_cache_new(NULL, &c), MARCONI_STATUS_NULL_ARGUMENT);
@@ -86,10 +94,8 @@ int main(void) {
   CHECK_EQ(n_out, 4);
   OK(marconi_pml_cache_lookup(c, sid, seg, n_seg, MARCONI_PML_REUSE_MODE_COMPOSED, 1, out, 8,
                               &n_out));
-  CHECK_EQ(out[0].how, MARCONI_PML_SERVED_HOW_MISS);
-  CHECK_EQ(out[1].how, MARCONI_PML_SERVED_HOW_MISS);
-  CHECK_EQ(out[2].how, MARCONI_PML_SERVED_HOW_MISS);
-  CHECK_EQ(out[3].how, MARCONI_PML_SERVED_HOW_COMPUTED);
+  check_served(out, n_out, MARCONI_PML_SERVED_HOW_MISS, MARCONI_PML_SERVED_HOW_MISS,
+               MARCONI_PML_SERVED_HOW_MISS, MARCONI_PML_SERVED_HOW_COMPUTED);
   CHECK_EQ(out[2].module, 3);
   CHECK_EQ(out[0].entry, 0);
   CHECK(out[0].in_run && out[1].in_run && !out[2].in_run && !out[3].in_run);
@@ -106,18 +112,18 @@ int main(void) {
   CHECK(e0 && e1 && et && e0 != e1 && e1 != et);
   OK(marconi_pml_cache_lookup(c, sid, seg, n_seg, MARCONI_PML_REUSE_MODE_COMPOSED, 1, out, 8,
                               &n_out));
-  CHECK_EQ(out[0].how, MARCONI_PML_SERVED_HOW_EXACT);
+  check_served(out, n_out, MARCONI_PML_SERVED_HOW_EXACT, MARCONI_PML_SERVED_HOW_EXACT,
+               MARCONI_PML_SERVED_HOW_COMPOSED, MARCONI_PML_SERVED_HOW_COMPUTED);
   CHECK_EQ(out[0].entry, e0);
   CHECK_EQ(out[1].entry, e1);
-  CHECK_EQ(out[2].how, MARCONI_PML_SERVED_HOW_COMPOSED);
   CHECK_EQ(out[2].recomputed, 1);
   CHECK_EQ(out[2].entry, et);
   CHECK_EQ(out[2].start, 13);
   CHECK_EQ(out[2].len, 2);
   OK(marconi_pml_cache_lookup(c, sid, seg, n_seg, MARCONI_PML_REUSE_MODE_EXACT, 0, out, 8,
                               &n_out));
-  CHECK_EQ(out[1].how, MARCONI_PML_SERVED_HOW_EXACT);
-  CHECK_EQ(out[2].how, MARCONI_PML_SERVED_HOW_RECOMPUTED);
+  check_served(out, n_out, MARCONI_PML_SERVED_HOW_EXACT, MARCONI_PML_SERVED_HOW_EXACT,
+               MARCONI_PML_SERVED_HOW_RECOMPUTED, MARCONI_PML_SERVED_HOW_COMPUTED);
   CHECK_EQ(out[2].entry, 0);
 
   /* 750 pinned + 290 exact = 1040; U needs 130 + 4 * 150 = 730: refused,
@@ -194,6 +200,5 @@ int main(void) {
   OK(marconi_pml_cache_free(NULL));
   marconi_pml_schema_free(s);
   marconi_pml_schema_free(u);
-  if (failures == 0) printf("test_pml_cache: ok\n");
-  return failures != 0;
+  return check_summary("test_pml_cache");
 }

@@ -9,7 +9,6 @@
  */
 #include "marconi.h"
 
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,37 +17,18 @@
 
 #define MIB (1024ull * 1024ull)
 
-static marconi_pool_stats stats_of(const marconi_pool *pool) {
-  marconi_pool_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_pool_get_stats(pool, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pool_stats, marconi_pool, marconi_pool_get_stats)
 
 static marconi_pool *new_pool(uint32_t backend, uint32_t migration, double fraction) {
-  marconi_pool_config cfg;
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  cfg.backend = backend;
-  cfg.migration = migration;
-  cfg.budget_bytes = 16 * MIB;
+  marconi_pool_config cfg = pool_config(backend, migration, 16 * MIB, 64 * 1024, 128 * 1024, fraction);
   cfg.chunk_bytes = 1 * MIB;
-  cfg.kv_page_bytes = 64 * 1024;
-  cfg.state_slot_bytes = 128 * 1024;
-  cfg.state_fraction = fraction;
   cfg.migration_batch_units = 8;
-  marconi_pool *pool = NULL;
-  OK(marconi_pool_new(&cfg, &pool));
-  CHECK(pool != NULL);
-  return pool;
+  return pool_from(&cfg);
 }
 
 static void test_config_misuse(void) {
   marconi_pool_config cfg;
-  CHECK_EQ(marconi_pool_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_pool_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_pool_config_init(&cfg, sizeof cfg));
-  CHECK_EQ(cfg.struct_size, sizeof cfg);
+  CHECK_CONFIG_INIT(marconi_pool_config_init, cfg);
   CHECK_EQ(cfg.backend, MARCONI_POOL_BACKEND_MEMFD);
   CHECK_EQ(cfg.migration, MARCONI_POOL_MIGRATION_AVMP);
   marconi_pool *pool = (marconi_pool *)0x1;
@@ -59,24 +39,15 @@ static void test_config_misuse(void) {
   CHECK_EQ(marconi_pool_new(&cfg, NULL), MARCONI_STATUS_NULL_ARGUMENT);
   cfg.budget_bytes = 16 * MIB;
   cfg.kv_page_bytes = 4096;
-  cfg.state_slot_bytes = 0;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_slot_bytes = 8192;
-  cfg.state_fraction = 0.0;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.state_fraction = 0.5;
-  cfg.backend = 7;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.backend = MARCONI_POOL_BACKEND_MEMFD;
-  cfg.budget_bytes = 3 * MIB; /* one chunk of 2 MiB: no room for two pools */
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.budget_bytes = 16 * MIB;
-  cfg.chunk_bytes = 1000; /* not a multiple of the OS page size */
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.chunk_bytes = 0;
-  cfg.reserved = 1;
-  CHECK_EQ(marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG);
-  cfg.reserved = 0;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_pool_new(&cfg, &pool), MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(cfg.state_slot_bytes, 0, 8192);
+  REFUSED(cfg.state_fraction, 0.0, 0.5);
+  REFUSED(cfg.backend, 7, MARCONI_POOL_BACKEND_MEMFD);
+  REFUSED(cfg.budget_bytes, 3 * MIB, 16 * MIB); /* one chunk of 2 MiB: no room for two pools */
+  REFUSED(cfg.chunk_bytes, 1000, 0);            /* not a multiple of the OS page size */
+  REFUSED(cfg.reserved, 1, 0);
+#undef REFUSED
   /* No GPU here (CI) or no `cuda` feature: a status, never a crash. */
   cfg.backend = MARCONI_POOL_BACKEND_CUDA;
   marconi_status st = marconi_pool_new(&cfg, &pool);
@@ -259,37 +230,17 @@ static void test_pool_snapshots(void) {
   marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
   uint64_t st[8];
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_STATE, 8, st, 8));
-  for (int i = 0; i < 8; i++) {
-    fill(pool, st[i], (unsigned char)(i + 1));
-  }
-  marconi_state_copy pairs[2] = {{st[0], st[1]}, {st[2], st[3]}};
-  OK(marconi_pool_copy_states(pool, pairs, 2));
-  CHECK(holds(pool, st[1], 1));
-  CHECK(holds(pool, st[3], 3));
-  CHECK(holds(pool, st[0], 1));
-  uint64_t dsts[3] = {st[4], st[5], st[6]};
-  OK(marconi_pool_fork_state(pool, st[7], dsts, 3));
-  for (int i = 4; i < 7; i++) CHECK(holds(pool, st[i], 8));
-  /* Promote COPY_INTO: candidate 1 (st[5], after a change) into st[0]. */
-  fill(pool, st[5], 0x55);
-  uint64_t now = 0;
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 1, MARCONI_PROMOTE_MODE_COPY_INTO, &now));
-  CHECK_EQ(now, st[0]);
-  CHECK(holds(pool, st[0], 0x55));
-  /* SWAP: no bytes move, the candidate's handle is the state now. */
-  OK(marconi_pool_promote_state(pool, st[0], dsts, 3, 2, MARCONI_PROMOTE_MODE_SWAP, &now));
-  CHECK_EQ(now, st[6]);
-  CHECK(holds(pool, st[0], 0x55));
+  check_pool_snapshots(pool, st, fill, holds);
 
-  /* Bad batches are refused whole: nothing copied. */
-  fill(pool, st[1], 0x11);
+  /* More bad batches, each refused whole: nothing copied (st[1] keeps the
+   * 0x11 check_pool_snapshots left there). */
   marconi_state_copy dup[2] = {{st[0], st[1]}, {st[2], st[1]}};
   CHECK_EQ(marconi_pool_copy_states(pool, dup, 2), MARCONI_STATUS_INVALID_ARGUMENT);
-  marconi_state_copy chain[2] = {{st[0], st[1]}, {st[1], st[2]}};
-  CHECK_EQ(marconi_pool_copy_states(pool, chain, 2), MARCONI_STATUS_INVALID_ARGUMENT);
   marconi_state_copy self[1] = {{st[3], st[3]}};
   CHECK_EQ(marconi_pool_copy_states(pool, self, 1), MARCONI_STATUS_INVALID_ARGUMENT);
   CHECK(holds(pool, st[1], 0x11));
+  uint64_t dsts[3] = {st[4], st[5], st[6]};
+  uint64_t now = 0;
   uint64_t kv;
   OK(marconi_pool_allocate(pool, MARCONI_POOL_KIND_KV, 1, &kv, 1));
   marconi_state_copy wrong_kind[1] = {{kv, st[1]}};
@@ -366,27 +317,10 @@ static void test_caller_buffer_snapshots(void) {
   free(mem);
 }
 
-typedef struct {
-  marconi_pool *pool;
-  int rounds;
-  int refused;
-} worker_arg;
-
-static void *worker(void *p) {
-  worker_arg *a = p;
-  uint64_t h[6];
-  for (int r = 0; r < a->rounds; r++) {
-    uint32_t kind = (uint32_t)(r % 2);
-    if (marconi_pool_allocate(a->pool, kind, 6, h, 6) != MARCONI_STATUS_OK) {
-      a->refused++;
-      continue;
-    }
-    marconi_unit_location l[6];
-    if (marconi_pool_resolve(a->pool, h, 6, l, 6) != MARCONI_STATUS_OK) a->refused += 1000;
-    for (int i = 0; i < 6; i++) memset((void *)(uintptr_t)l[i].address, r & 0xff, 256);
-    if (marconi_pool_free_units(a->pool, h, 6) != MARCONI_STATUS_OK) a->refused += 1000;
-  }
-  return NULL;
+/* Host memory: a memset. */
+static int write_host(const marconi_unit_location *loc, unsigned char v, size_t n) {
+  memset((void *)(uintptr_t)loc->address, v, n);
+  return 0;
 }
 
 /* Two live pools never accept each other's handles, whatever their values,
@@ -424,20 +358,7 @@ static void test_two_pools(void) {
 
 static void test_threads(void) {
   marconi_pool *pool = new_pool(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, 0.5);
-  pthread_t t[4];
-  worker_arg args[4];
-  for (int i = 0; i < 4; i++) {
-    args[i] = (worker_arg){pool, 300, 0};
-    CHECK_EQ(pthread_create(&t[i], NULL, worker, &args[i]), 0);
-  }
-  for (int i = 0; i < 4; i++) {
-    pthread_join(t[i], NULL);
-    CHECK(args[i].refused < 1000); /* resolve and free never fail on live handles */
-  }
-  marconi_pool_stats s = stats_of(pool);
-  CHECK_EQ(s.kv_free, s.kv_capacity);
-  CHECK_EQ(s.state_free, s.state_capacity);
-  CHECK(s.physical_bytes <= s.budget_bytes);
+  check_pool_threads(pool, 300, write_host, NULL);
   marconi_pool_free(pool);
 }
 
@@ -449,10 +370,5 @@ int main(void) {
   test_caller_buffer_snapshots();
   test_two_pools();
   test_threads();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_pool: all checks passed\n");
-  return 0;
+  return check_summary("test_pool");
 }

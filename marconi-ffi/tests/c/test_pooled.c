@@ -24,31 +24,16 @@
 #define MAX_UNITS 4096
 
 static marconi_memory_plan plan_for(const char *preset, uint64_t budget) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = preset;
-  req.page_size = PAGE;
-  req.budget_bytes = budget;
-  marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
-  OK(marconi_plan(&req, &p));
-  return p;
+  marconi_plan_request req = plan_request(preset, PAGE, budget);
+  return plan_of(&req);
 }
 
 static void test_plan(void) {
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = PAGE;
-  req.budget_bytes = 8ull << 30;
+  marconi_plan_request req = plan_request("nemotron-h-8b", PAGE, 8ull << 30);
   req.state_fraction = 0.25;
   req.context_tokens = 4096;
   req.batch = 8;
-  marconi_memory_plan p;
-  memset(&p, 0, sizeof p);
-  p.struct_size = sizeof p;
-  OK(marconi_plan(&req, &p));
+  marconi_memory_plan p = plan_of(&req);
   CHECK_EQ(p.page_size, PAGE);
   CHECK_EQ(p.budget_bytes, 8ull << 30);
   CHECK_EQ(p.kv_page_bytes % 128, 0);
@@ -69,21 +54,16 @@ static void test_plan(void) {
   /* Misuse. */
   CHECK_EQ(marconi_plan(NULL, &p), MARCONI_STATUS_NULL_ARGUMENT);
   CHECK_EQ(marconi_plan(&req, NULL), MARCONI_STATUS_NULL_ARGUMENT);
-  req.model_preset = "no-such-model";
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNKNOWN_PRESET);
-  req.model_preset = "paper-7b-attn"; /* no recurrent layers: no state pool */
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.model_preset = "nemotron-h-8b";
-  req.page_size = 0;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.page_size = PAGE;
-  req.state_fraction = 1.5;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
-  req.state_fraction = 0.5;
-  req.budget_bytes = 1000;
-  CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_INVALID_CONFIG);
+#define REFUSED(field, bad, good, status)                                      \
+  CHECK_WITH(field, bad, good, marconi_plan(&req, &p), status)
+  REFUSED(req.model_preset, "no-such-model", "nemotron-h-8b", MARCONI_STATUS_UNKNOWN_PRESET);
+  /* No recurrent layers: no state pool. */
+  REFUSED(req.model_preset, "paper-7b-attn", "nemotron-h-8b", MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.page_size, 0, PAGE, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.state_fraction, 1.5, 0.5, MARCONI_STATUS_INVALID_CONFIG);
+  REFUSED(req.budget_bytes, 1000, 1ull << 30, MARCONI_STATUS_INVALID_CONFIG);
+#undef REFUSED
   p.struct_size = 4;
-  req.budget_bytes = 1ull << 30;
   CHECK_EQ(marconi_plan(&req, &p), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
   CHECK_EQ(marconi_plan_request_init(&req, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
 }
@@ -142,14 +122,9 @@ static void test_converged_split(void) {
   }
   chat.offsets[0] = docs.offsets[0] = 0;
 
-  marconi_plan_request req;
-  OK(marconi_plan_request_init(&req, sizeof req));
-  req.model_preset = "paper-7b";
-  req.page_size = PAGE;
-  req.budget_bytes = 1ull << 30;
+  marconi_plan_request req = plan_request("paper-7b", PAGE, 1ull << 30);
   marconi_converged_split a, b;
-  memset(&a, 0, sizeof a);
-  a.struct_size = sizeof a;
+  VERSIONED(a);
   b = a;
 
   req.state_fraction = 0.1;
@@ -201,14 +176,12 @@ static void test_converged_split(void) {
   size_t off_empty[3] = {0, 0, 4};
   CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_empty, 3, NULL, 2, &c),
            MARCONI_STATUS_INVALID_ARGUMENT); /* an empty request */
-  req.state_fraction = 1.0;
-  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
-           MARCONI_STATUS_INVALID_CONFIG);
-  req.state_fraction = 0.5;
-  req.budget_bytes = 1000;
-  CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
-           MARCONI_STATUS_INVALID_CONFIG);
-  req.budget_bytes = 1ull << 30;
+#define REFUSED(field, bad, good)                                              \
+  CHECK_WITH(field, bad, good, marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c), \
+             MARCONI_STATUS_INVALID_CONFIG)
+  REFUSED(req.state_fraction, 1.0, 0.5);
+  REFUSED(req.budget_bytes, 1000, 1ull << 30);
+#undef REFUSED
   c.struct_size = 8;
   CHECK_EQ(marconi_plan_converged_split(&req, toks, 4, off_ok, 3, NULL, 2, &c),
            MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
@@ -227,33 +200,11 @@ typedef struct {
 } fixture;
 
 static marconi_cache *new_pooled(const char *preset, uint64_t budget, uint32_t migration,
-                                        double fraction) {
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = preset;
-  cc.page_size = PAGE;
-  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
-  cc.alpha = 1.0;
-  marconi_pool_config pc;
-  OK(marconi_pool_config_init(&pc, sizeof pc));
-  pc.backend = MARCONI_POOL_BACKEND_MEMFD;
-  pc.budget_bytes = budget;
-  pc.migration = migration;
-  pc.state_fraction = fraction;
-  marconi_cache *c = NULL;
-  cc.pools = &pc;
-  OK(marconi_cache_new(&cc, &c));
-  CHECK(c != NULL);
-  return c;
+                                 double fraction) {
+  return new_pooled_cache(preset, PAGE, MARCONI_POOL_BACKEND_MEMFD, budget, migration, fraction);
 }
 
-static marconi_pooled_stats stats_of(const marconi_cache *c) {
-  marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_cache_pool_stats(c, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_pooled_stats, marconi_cache, marconi_cache_pool_stats)
 
 /* The invariants of the issue, after every step. */
 static void check_invariants(fixture *f) {
@@ -332,12 +283,7 @@ static int serve_hinted(fixture *f, const uint32_t *tokens, uint32_t input, uint
                                 taken, &r));
   /* Free what the cache did not take. */
   uint64_t mine[MAX_UNITS + 65];
-  size_t n_mine = 0;
-  for (uint32_t i = (uint32_t)n_hit; i < full_pages; i++)
-    if (i < r.kv_pages_taken_start || i >= r.kv_pages_taken_end) mine[n_mine++] = pages[i];
-  for (size_t i = 0; i <= n_plan; i++)
-    if (!taken[i]) mine[n_mine++] = states[i].state_handle;
-  OK(marconi_cache_free_units(f->pc, mine, n_mine));
+  size_t n_mine = free_untaken(f->pc, pages, n_hit, full_pages, &r, states, n_plan + 1, taken, mine);
   /* A freed working unit is the caller's no more. */
   if (n_mine > 0) CHECK_EQ(marconi_cache_free_units(f->pc, mine, 1), MARCONI_STATUS_UNKNOWN_HANDLE);
   OK(marconi_cache_release(f->pc, l.lease));
@@ -509,8 +455,7 @@ static void test_misuse(void) {
   marconi_pooled_stats s;
   s.struct_size = 8;
   CHECK_EQ(marconi_cache_pool_stats(c, &s), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_cache_check(c));
-  marconi_cache_free(c);
+  check_and_free(c);
   marconi_cache_free(NULL);
 
   /* Configurations that cannot make a cache over pools. */
@@ -555,8 +500,7 @@ static void test_wrong_configuration(void) {
   marconi_last_error(err, sizeof err);
   CHECK(strstr(err, "marconi_cache_config.pools") != NULL);
   marconi_pooled_stats ps;
-  memset(&ps, 0, sizeof ps);
-  ps.struct_size = sizeof ps;
+  VERSIONED(ps);
   CHECK_EQ(marconi_cache_pool_stats(plain, &ps), MARCONI_STATUS_UNSUPPORTED);
   marconi_cache_free(plain);
   marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
@@ -572,12 +516,10 @@ static void test_wrong_configuration(void) {
   size_t np = 0, ns = 0;
   CHECK_EQ(marconi_cache_drain_freed(c, pages, 4, &np, slots, 4, &ns), MARCONI_STATUS_UNSUPPORTED);
   marconi_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
+  VERSIONED(s);
   OK(marconi_cache_stats(c, &s)); /* the common stats work on both */
   CHECK_EQ(s.requests, 0);
-  OK(marconi_cache_check(c));
-  marconi_cache_free(c);
+  check_and_free(c);
 }
 
 /* The deprecated marconi_pooled_cache_* forwarders (one release more): the
@@ -611,8 +553,7 @@ static void test_deprecated_forwarders(void) {
   CHECK_EQ(l.hit_tokens, 0); /* the state covers all 64: the last token is recomputed */
   OK(marconi_pooled_cache_release(c, l.lease));
   marconi_pooled_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
+  VERSIONED(s);
   OK(marconi_pooled_cache_stats(c, &s));
   CHECK_EQ(s.held_kv_pages, 4);
   CHECK_EQ(s.held_state_slots, 1);
@@ -620,8 +561,7 @@ static void test_deprecated_forwarders(void) {
   /* It is a marconi_cache: the one handle's calls take it. */
   marconi_cache *one = (marconi_cache *)c;
   marconi_pooled_stats s1;
-  memset(&s1, 0, sizeof s1);
-  s1.struct_size = sizeof s1;
+  VERSIONED(s1);
   OK(marconi_cache_pool_stats(one, &s1));
   CHECK_EQ(s1.requests, 2);
   OK(marconi_cache_check(one));
@@ -637,10 +577,5 @@ int main(void) {
   test_hinted();
   test_wrong_configuration();
   test_deprecated_forwarders();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_pooled: all checks passed\n");
-  return 0;
+  return check_summary("test_pooled");
 }

@@ -41,13 +41,7 @@ static void blob_of(const uint32_t *tokens, size_t n, uint8_t out[64]) {
   }
 }
 
-static marconi_tiered_stats stats_of(const marconi_tiered *t) {
-  marconi_tiered_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  OK(marconi_tiered_get_stats(t, &s));
-  return s;
-}
+STATS_OF(stats_of, marconi_tiered_stats, marconi_tiered, marconi_tiered_get_stats)
 
 static marconi_cache_config device_config(void) {
   marconi_cache_config d;
@@ -193,8 +187,7 @@ static void test_shared_store(void) {
     marconi_cache *c = NULL;
     OK(marconi_cache_new(&tmp, &c));
     marconi_stats cs;
-    memset(&cs, 0, sizeof cs);
-    cs.struct_size = sizeof cs;
+    VERSIONED(cs);
     OK(marconi_cache_stats(c, &cs));
     d300.capacity_bytes = 300 * cs.kv_bytes_per_token + cs.state_bytes_per_entry;
     marconi_cache_free(c);
@@ -223,9 +216,7 @@ static void test_shared_store(void) {
 
 static void test_misuse(void) {
   marconi_tiered_config cfg;
-  CHECK_EQ(marconi_tiered_config_init(NULL, sizeof cfg), MARCONI_STATUS_NULL_ARGUMENT);
-  CHECK_EQ(marconi_tiered_config_init(&cfg, 8), MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE);
-  OK(marconi_tiered_config_init(&cfg, sizeof cfg));
+  CHECK_CONFIG_INIT(marconi_tiered_config_init, cfg);
   marconi_tiered *t = (marconi_tiered *)0x1;
   /* No device configuration: NULL, and *out untouched. */
   CHECK_EQ(marconi_tiered_new(&cfg, &t), MARCONI_STATUS_NULL_ARGUMENT);
@@ -272,10 +263,5 @@ static void test_misuse(void) {
 int main(void) {
   test_misuse();
   test_shared_store();
-  if (failures) {
-    fprintf(stderr, "test_tiered: %d checks failed\n", failures);
-    return 1;
-  }
-  printf("test_tiered: ok\n");
-  return 0;
+  return check_summary("test_tiered");
 }

@@ -9,12 +9,12 @@ use std::sync::{Mutex, MutexGuard};
 
 use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
-use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::config::{marconi_cache_config, to_core_config};
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pooled::Pools;
 use crate::status::{
-    boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, require,
-    write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct,
+    require, write_versioned, FfiError, FfiResult,
 };
 use crate::tiered::Tiers;
 
@@ -559,7 +559,7 @@ pub unsafe extern "C" fn marconi_cache_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
-        let c = unsafe { read_config(cfg) }?;
+        let c = unsafe { read_struct(cfg) }?;
         // SAFETY: the pointers inside c follow the documented contracts.
         let core = unsafe { build_core(c) }?;
         // SAFETY: out is non-NULL, aligned (checked) and writable (contract).
@@ -597,7 +597,7 @@ pub(crate) unsafe fn build_core(c: marconi_cache_config) -> FfiResult<Core> {
         check_ptr!(pools);
         // SAFETY: non-NULL and aligned (checked); initialised by
         // marconi_pool_config_init (contract).
-        let p = unsafe { crate::pool::read_pool_config(pools) }?;
+        let p = unsafe { read_struct(pools) }?;
         Core::Pooled(Box::new(crate::pooled::build(core_cfg, &p)?))
     } else if tiers.is_null() {
         Core::Plain(PrefixCache::new(core_cfg)?)
@@ -605,7 +605,7 @@ pub(crate) unsafe fn build_core(c: marconi_cache_config) -> FfiResult<Core> {
         check_ptr!(tiers);
         // SAFETY: non-NULL and aligned (checked); initialised by
         // marconi_tier_options_init (contract).
-        let o = unsafe { crate::tiered::read_tier_options(tiers) }?;
+        let o = unsafe { read_struct(tiers) }?;
         Core::Tiered(Box::new(crate::tiered::build_tiers(core_cfg, &o)?))
     })
 }

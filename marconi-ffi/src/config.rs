@@ -9,7 +9,8 @@ use marconi_core::{
 };
 
 use crate::status::{
-    boundary, check_ptr, in_slice, marconi_status, read_versioned, require, FfiError, FfiResult,
+    boundary, check_ptr, in_slice, init_struct, marconi_status, require, versioned, FfiError,
+    FfiResult,
 };
 
 /// Which recurrent states the cache asks for and accepts
@@ -326,6 +327,7 @@ pub struct marconi_cache_config {
 /// tuner_min_gain): the smallest struct_size accepted. Fields after it take
 /// their defaults when a caller's struct is shorter.
 const CONFIG_V1_SIZE: usize = std::mem::offset_of!(marconi_cache_config, tuner_adoption);
+versioned!(marconi_cache_config, CONFIG_V1_SIZE);
 
 /// The size of version 2 (up to reserved2): fields from tuner_max_window on
 /// take their defaults when a caller's struct is this short.
@@ -479,27 +481,6 @@ const POLICY_PRESETS: [(&str, PresetFn); 6] = [
 
 fn bad_config(detail: String) -> FfiError {
     FfiError::new(marconi_status::InvalidConfig, detail)
-}
-
-/// Reads a caller's config (any struct_size this library accepts) into the
-/// current layout, filling fields the caller's version lacks with defaults.
-///
-/// # Safety
-///
-/// `cfg` is non-NULL, aligned, and points to at least `struct_size` readable
-/// bytes, where struct_size is its first field.
-pub(crate) unsafe fn read_config(
-    cfg: *const marconi_cache_config,
-) -> FfiResult<marconi_cache_config> {
-    // SAFETY: contract of this function; the config is plain data.
-    unsafe {
-        read_versioned(
-            cfg,
-            CONFIG_V1_SIZE,
-            marconi_cache_config::defaults(),
-            "config",
-        )
-    }
 }
 
 /// Turns a C config into the core's, checking enum values and pointers. The
@@ -666,7 +647,7 @@ pub unsafe extern "C" fn marconi_cache_config_init(
     boundary("marconi_cache_config_init", || {
         check_ptr!(cfg);
         // SAFETY: forwarded contract (cfg has struct_size writable bytes).
-        unsafe { write_config(cfg, struct_size, &marconi_cache_config::defaults()) }
+        unsafe { init_struct(cfg, struct_size, marconi_cache_config::defaults(), "cfg") }
     })
 }
 
@@ -741,7 +722,7 @@ pub unsafe extern "C" fn marconi_cache_config_preset(
             ));
         }
         // SAFETY: forwarded contract (cfg has struct_size writable bytes).
-        unsafe { write_config(cfg, struct_size, &d) }
+        unsafe { init_struct(cfg, struct_size, d, "cfg") }
     })
 }
 
@@ -755,44 +736,6 @@ fn config_bytes(c: &marconi_cache_config) -> &[u8] {
             std::mem::size_of::<marconi_cache_config>(),
         )
     }
-}
-
-/// Writes the first `struct_size` bytes of `d` to `cfg` (zeroing a newer
-/// caller's tail) with struct_size set: marconi_cache_config_init's copy.
-///
-/// # Safety
-///
-/// `cfg` is non-NULL, aligned and points to `struct_size` writable bytes.
-unsafe fn write_config(
-    cfg: *mut marconi_cache_config,
-    struct_size: usize,
-    d: &marconi_cache_config,
-) -> FfiResult {
-    let ours = std::mem::size_of::<marconi_cache_config>();
-    if struct_size < CONFIG_V1_SIZE || struct_size > u32::MAX as usize {
-        return Err(FfiError::new(
-            marconi_status::UnsupportedStructSize,
-            format!(
-                "struct_size {struct_size} is smaller than the first version ({CONFIG_V1_SIZE})"
-            ),
-        ));
-    }
-    let mut d = *d;
-    d.struct_size = struct_size as u32;
-    let written = struct_size.min(ours);
-    // SAFETY: cfg has struct_size writable bytes (caller contract): an
-    // older caller gets the first struct_size bytes; a newer one gets all
-    // of them and its tail past our fields is zeroed so that its unknown
-    // fields read as "not set".
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            std::ptr::addr_of!(d).cast::<u8>(),
-            cfg.cast::<u8>(),
-            written,
-        );
-        std::ptr::write_bytes(cfg.cast::<u8>().add(written), 0, struct_size - written);
-    }
-    Ok(())
 }
 
 /// Writes the dimensions of the model preset `name` (NUL-terminated:
@@ -835,6 +778,7 @@ pub unsafe extern "C" fn marconi_model_spec_preset(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::status::read_struct;
 
     /// A caller built against version 1 of the struct (no tuner_adoption)
     /// gets only its bytes written by init, and engine-mode adoption.
@@ -855,7 +799,7 @@ mod tests {
             "init wrote past struct_size"
         );
         // SAFETY: the first v1 bytes were written by init; struct_size says v1.
-        let mut c = unsafe { read_config(cfg) }.unwrap();
+        let mut c = unsafe { read_struct(cfg) }.unwrap();
         c.capacity_bytes = 1 << 30;
         assert_eq!(c.tuner_adoption, marconi_alpha_adoption::WhenReady as u32);
         // SAFETY: the config holds no pointers (NULL preset and grid).
@@ -930,7 +874,7 @@ mod tests {
         let bytes: Vec<u8> = buf.iter().flat_map(|w| w.to_ne_bytes()).collect();
         assert!(bytes[size..].iter().all(|&b| b == 0xA5));
         // SAFETY: init wrote the first `size` bytes.
-        unsafe { read_config(cfg) }.unwrap()
+        unsafe { read_struct(cfg) }.unwrap()
     }
 
     /// A caller built against version 2 gets only its bytes written and

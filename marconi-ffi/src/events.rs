@@ -12,8 +12,8 @@ use ::marconi_events::{Encoder, EncoderConfig, HashFormat, Layout, Namespaces, W
 use crate::cache::{handle, marconi_cache};
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, init_versioned, marconi_status, out_slice, read_versioned,
-    require, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, init_struct, marconi_status, out_slice, read_struct, require,
+    versioned, FfiError, FfiResult,
 };
 
 /// The sequence number marconi_events_publish writes when it published
@@ -104,6 +104,7 @@ pub struct marconi_events_config {
     /// MARCONI_EVENT_NAMESPACES_CACHE_SALT, vLLM's cache_salt "n".
     pub namespaces: u32,
 }
+versioned!(marconi_events_config, CONFIG_MIN_SIZE);
 
 impl marconi_events_config {
     fn defaults() -> Self {
@@ -209,37 +210,10 @@ pub unsafe extern "C" fn marconi_events_config_init(
     cfg: *mut marconi_events_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_events_config_init", || {
-        check_ptr!(cfg);
-        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
-        // writable bytes (contract); the struct starts with struct_size.
-        unsafe {
-            init_versioned(
-                cfg,
-                struct_size,
-                CONFIG_MIN_SIZE,
-                marconi_events_config::defaults(),
-                "marconi_events_config",
-            )
-        }
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_events_config_init", || unsafe {
+        init_struct(cfg, struct_size, marconi_events_config::defaults(), "cfg")
     })
-}
-
-/// # Safety
-///
-/// `cfg` is non-NULL, aligned, with struct_size readable bytes.
-unsafe fn read_events_config(
-    cfg: *const marconi_events_config,
-) -> FfiResult<marconi_events_config> {
-    // SAFETY: contract of this function; the config is plain data.
-    unsafe {
-        read_versioned(
-            cfg,
-            CONFIG_MIN_SIZE,
-            marconi_events_config::defaults(),
-            "events config",
-        )
-    }
 }
 
 /// Creates an events handle for `cache` and writes it to `*out` (free it
@@ -280,7 +254,7 @@ pub unsafe extern "C" fn marconi_events_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.
-        let c = unsafe { read_events_config(cfg) }?;
+        let c = unsafe { read_struct(cfg) }?;
         let namespaces = match c.namespaces {
             0 => Namespaces::CacheSalt,
             1 => Namespaces::Lora,

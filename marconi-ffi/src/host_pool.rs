@@ -14,8 +14,8 @@ use crate::pool::{
     alloc_err, kind_of, kind_value, marconi_pool, marconi_unit_location, with_memfd,
 };
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_config_init, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, init_struct, marconi_status, out_slice,
+    read_struct, require, versioned, write_versioned, FfiError, FfiResult,
 };
 
 /// What a host pool is built from. Versioned by size: set struct_size with
@@ -41,6 +41,7 @@ pub struct marconi_host_pool_config {
     /// Memfd chunk size (a multiple of the OS page size); 0 means 2 MiB.
     pub chunk_bytes: u64,
 }
+versioned!(marconi_host_pool_config, HOST_CONFIG_V1_SIZE);
 
 impl marconi_host_pool_config {
     fn defaults() -> Self {
@@ -167,21 +168,14 @@ pub unsafe extern "C" fn marconi_host_pool_config_init(
     cfg: *mut marconi_host_pool_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_host_pool_config_init", || {
-        require!(cfg);
-        check_ptr!(cfg);
-        if struct_size < HOST_CONFIG_V1_SIZE || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size} is smaller than the first version ({HOST_CONFIG_V1_SIZE})"),
-            ));
-        }
-        let mut d = marconi_host_pool_config::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: cfg is non-NULL with struct_size >= ours writable bytes
-        // (checked above; the header's contract).
-        unsafe { write_config_init(&d, cfg, struct_size) };
-        Ok(())
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_host_pool_config_init", || unsafe {
+        init_struct(
+            cfg,
+            struct_size,
+            marconi_host_pool_config::defaults(),
+            "cfg",
+        )
     })
 }
 
@@ -211,14 +205,7 @@ pub unsafe extern "C" fn marconi_host_pool_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                HOST_CONFIG_V1_SIZE,
-                marconi_host_pool_config::defaults(),
-                "host pool config",
-            )
-        }?;
+        let c = unsafe { read_struct(cfg) }?;
         if c.reserved != 0 {
             return Err(FfiError::new(
                 marconi_status::InvalidConfig,

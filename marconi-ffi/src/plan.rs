@@ -13,8 +13,8 @@ use marconi_gpu::AllocError;
 
 use crate::config::marconi_model_spec;
 use crate::status::{
-    boundary, check_ptr, marconi_status, read_versioned, require, write_versioned, FfiError,
-    FfiResult,
+    boundary, check_ptr, init_struct, marconi_status, read_struct, require, versioned,
+    write_versioned, FfiError, FfiResult,
 };
 
 /// What to plan for. Versioned by size: set struct_size with
@@ -39,6 +39,10 @@ pub struct marconi_plan_request {
     /// Running sequences for the max_context_* figures (0: not asked).
     pub batch: u64,
 }
+versioned!(
+    marconi_plan_request,
+    std::mem::size_of::<marconi_plan_request>()
+);
 
 /// The start-up numbers (out->struct_size set by the caller; the library
 /// writes only that many bytes).
@@ -131,24 +135,9 @@ pub unsafe extern "C" fn marconi_plan_request_init(
     req: *mut marconi_plan_request,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_plan_request_init", || {
-        require!(req);
-        check_ptr!(req);
-        let ours = std::mem::size_of::<marconi_plan_request>();
-        if struct_size < ours || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size} is smaller than the first version ({ours})"),
-            ));
-        }
-        let mut d = marconi_plan_request::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: req has struct_size >= ours writable bytes.
-        unsafe {
-            req.write(d);
-            std::ptr::write_bytes(req.cast::<u8>().add(ours), 0, struct_size - ours);
-        }
-        Ok(())
+    // SAFETY: req is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_plan_request_init", || unsafe {
+        init_struct(req, struct_size, marconi_plan_request::defaults(), "req")
     })
 }
 
@@ -184,18 +173,6 @@ unsafe fn model_of(r: &marconi_plan_request) -> FfiResult<ModelSpec> {
             ),
         )
     })
-}
-
-/// Reads a request, refusing a struct_size below this library's or one
-/// that sets fields this library does not know.
-///
-/// # Safety
-///
-/// `req` is non-NULL, aligned, with its struct_size readable bytes.
-unsafe fn read_request(req: *const marconi_plan_request) -> FfiResult<marconi_plan_request> {
-    let ours = std::mem::size_of::<marconi_plan_request>();
-    // SAFETY: contract of this function; the request is plain data.
-    unsafe { read_versioned(req, ours, marconi_plan_request::defaults(), "request") }
 }
 
 /// The struct_size an output struct declares, refused below `min`.
@@ -238,7 +215,7 @@ pub unsafe extern "C" fn marconi_plan(
         check_ptr!(req);
         check_ptr!(out);
         // SAFETY: req non-NULL and aligned (checked), initialised (contract).
-        let r = unsafe { read_request(req) }?;
+        let r = unsafe { read_struct(req) }?;
         // SAFETY: out non-NULL and aligned (checked).
         let out_size = unsafe { out_struct_size(out.cast(), PLAN_MIN_SIZE, "plan") }?;
         // SAFETY: model_preset contract.
@@ -436,7 +413,7 @@ pub unsafe extern "C" fn marconi_plan_converged_split(
         check_ptr!(req);
         check_ptr!(out);
         // SAFETY: req non-NULL, aligned; the same checks as marconi_plan.
-        let r = unsafe { read_request(req) }?;
+        let r = unsafe { read_struct(req) }?;
         // SAFETY: out non-NULL and aligned (checked).
         let out_size =
             unsafe { out_struct_size(out.cast(), CONVERGED_MIN_SIZE, "converged split") }?;

@@ -13,7 +13,7 @@ use marconi_pml::{
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pml::{marconi_pml_schema, marconi_pml_segment, marconi_pml_segment_kind};
 use crate::status::{
-    boundary, check_ptr, marconi_status, out_slice, read_versioned, require, write_config_init,
+    boundary, check_ptr, init_struct, marconi_status, out_slice, read_struct, require, versioned,
     write_versioned, FfiError, FfiResult,
 };
 
@@ -45,6 +45,10 @@ pub struct marconi_pml_cache_config {
     /// See flops_per_token (default 0).
     pub flops_per_token_squared: f64,
 }
+versioned!(
+    marconi_pml_cache_config,
+    std::mem::size_of::<marconi_pml_cache_config>()
+);
 
 impl marconi_pml_cache_config {
     fn defaults() -> Self {
@@ -223,22 +227,14 @@ pub unsafe extern "C" fn marconi_pml_cache_config_init(
     cfg: *mut marconi_pml_cache_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_pml_cache_config_init", || {
-        require!(cfg);
-        check_ptr!(cfg);
-        let ours = std::mem::size_of::<marconi_pml_cache_config>();
-        if struct_size < ours || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size}: this library's marconi_pml_cache_config has {ours} bytes"),
-            ));
-        }
-        let mut d = marconi_pml_cache_config::defaults();
-        d.struct_size = struct_size as u32;
-        // SAFETY: cfg is non-NULL, aligned, with struct_size >= ours
-        // writable bytes (checked, contract).
-        unsafe { write_config_init(&d, cfg, struct_size) };
-        Ok(())
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_pml_cache_config_init", || unsafe {
+        init_struct(
+            cfg,
+            struct_size,
+            marconi_pml_cache_config::defaults(),
+            "cfg",
+        )
     })
 }
 
@@ -264,14 +260,7 @@ pub unsafe extern "C" fn marconi_pml_cache_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: non-NULL, aligned; struct_size readable bytes (contract).
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                std::mem::size_of::<marconi_pml_cache_config>(),
-                marconi_pml_cache_config::defaults(),
-                "marconi_pml_cache_config",
-            )
-        }?;
+        let c = unsafe { read_struct(cfg) }?;
         let flops_ok = |x: f64| x.is_finite() && x >= 0.0;
         if !flops_ok(c.flops_per_token) || !flops_ok(c.flops_per_token_squared) {
             return Err(FfiError::new(

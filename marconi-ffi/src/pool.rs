@@ -22,8 +22,8 @@ use marconi_gpu::{
 use crate::cache::marconi_copy_order;
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, marconi_status, out_slice, read_versioned, require,
-    write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, init_struct, marconi_status, out_slice,
+    read_struct, require, versioned, write_versioned, FfiError, FfiResult,
 };
 
 /// What backs a pool's units.
@@ -112,6 +112,7 @@ pub struct marconi_pool_config {
     /// Must be 0.
     pub reserved: u32,
 }
+versioned!(marconi_pool_config, POOL_CONFIG_V1_SIZE);
 
 impl marconi_pool_config {
     fn defaults() -> Self {
@@ -128,25 +129,6 @@ impl marconi_pool_config {
             cuda_device: 0,
             reserved: 0,
         }
-    }
-}
-
-/// Reads a caller's marconi_pool_config (any struct_size this library accepts).
-///
-/// # Safety
-///
-/// `p` is non-NULL, aligned, with struct_size readable bytes.
-pub(crate) unsafe fn read_pool_config(
-    p: *const marconi_pool_config,
-) -> FfiResult<marconi_pool_config> {
-    // SAFETY: forwarded.
-    unsafe {
-        read_versioned(
-            p,
-            POOL_CONFIG_V1_SIZE,
-            marconi_pool_config::defaults(),
-            "pool config",
-        )
     }
 }
 
@@ -826,24 +808,9 @@ pub unsafe extern "C" fn marconi_pool_config_init(
     cfg: *mut marconi_pool_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_pool_config_init", || {
-        require!(cfg);
-        check_ptr!(cfg);
-        if struct_size < POOL_CONFIG_V1_SIZE || struct_size > u32::MAX as usize {
-            return Err(FfiError::new(
-                marconi_status::UnsupportedStructSize,
-                format!("struct_size {struct_size} is smaller than the first version ({POOL_CONFIG_V1_SIZE})"),
-            ));
-        }
-        let mut d = marconi_pool_config::defaults();
-        d.struct_size = struct_size as u32;
-        let ours = std::mem::size_of::<marconi_pool_config>();
-        // SAFETY: cfg has struct_size >= ours writable bytes (caller contract).
-        unsafe {
-            cfg.write(d);
-            std::ptr::write_bytes(cfg.cast::<u8>().add(ours), 0, struct_size - ours);
-        }
-        Ok(())
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_pool_config_init", || unsafe {
+        init_struct(cfg, struct_size, marconi_pool_config::defaults(), "cfg")
     })
 }
 
@@ -874,14 +841,7 @@ pub unsafe extern "C" fn marconi_pool_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                POOL_CONFIG_V1_SIZE,
-                marconi_pool_config::defaults(),
-                "pool config",
-            )
-        }?;
+        let c = unsafe { read_struct(cfg) }?;
         let inner = build(&c)?;
         let handle = marconi_pool {
             inner: Mutex::new(inner),

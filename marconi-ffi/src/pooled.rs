@@ -21,14 +21,14 @@ use crate::cache::{
     marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, new_lease_id,
     tokens_len_ok, unknown_lease, Lease,
 };
-use crate::config::{marconi_cache_config, read_config};
+use crate::config::marconi_cache_config;
 use crate::pool::{
     alloc_err, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
 use crate::status::{
-    boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, require, write_versioned,
-    FfiError, FfiResult,
+    boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct, require,
+    write_versioned, FfiError, FfiResult,
 };
 
 enum Joined {
@@ -1009,7 +1009,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
         check_ptr!(pool_cfg);
         check_ptr!(out);
         // SAFETY: non-NULL and aligned; size contracts are the caller's.
-        let mut c = unsafe { read_config(cache_cfg) }?;
+        let mut c = unsafe { read_struct(cache_cfg) }?;
         if !c.pools.is_null() {
             return Err(FfiError::new(
                 marconi_status::InvalidConfig,

@@ -499,7 +499,7 @@ pub(crate) unsafe fn write_versioned<T: Copy>(value: &T, out: *mut T, size: usiz
 /// # Safety
 ///
 /// `out` is non-NULL and has `size` writable bytes.
-pub(crate) unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: usize) {
+unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: usize) {
     let ours = std::mem::size_of::<T>();
     let n = size.min(ours);
     // SAFETY: `out` has `size` writable bytes (caller contract), n <= size
@@ -512,42 +512,104 @@ pub(crate) unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: us
     }
 }
 
-/// A `marconi_<x>_config_init`: fills `*cfg` (`struct_size` bytes, at
-/// least `first`: the first version's size, the smallest that
-/// `marconi_<x>_new` reads) with `defaults` and sets its struct_size, so
-/// that a caller compiled against any released header can initialise the
-/// struct it has. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE below `first`.
+/// A versioned input struct of the ABI (configs, options, requests):
+/// plain data that starts with its u32 struct_size and whose versions only
+/// append fields. [`init_struct`] is the body of its `marconi_<x>_init`,
+/// [`read_struct`] reads a caller's into this library's layout.
 ///
 /// # Safety
 ///
-/// `cfg` is non-NULL, aligned, and points to `struct_size` writable bytes;
-/// `T` starts with its u32 struct_size.
-pub(crate) unsafe fn init_versioned<T: Copy>(
-    cfg: *mut T,
+/// `Self` is `repr(C)` plain data (any bit pattern of its fields is valid)
+/// whose first field is its u32 struct_size.
+pub(crate) unsafe trait Versioned: Copy {
+    /// The first version's size: the smallest struct_size accepted.
+    const FIRST: usize;
+    /// The C type name, for refusals.
+    const NAME: &'static str;
+    /// What `marconi_<x>_init` writes.
+    fn initial() -> Self;
+}
+
+/// Implements [`Versioned`] for `$ty` (whose `defaults()` is what init
+/// writes), with first version size `$first`.
+macro_rules! versioned {
+    ($ty:ident, $first:expr) => {
+        // SAFETY: a repr(C) plain-data ABI struct starting with its u32
+        // struct_size (checked by the struct's definition and the header test).
+        unsafe impl $crate::status::Versioned for $ty {
+            const FIRST: usize = $first;
+            const NAME: &'static str = stringify!($ty);
+            fn initial() -> Self {
+                <$ty>::defaults()
+            }
+        }
+    };
+}
+pub(crate) use versioned;
+
+/// Fills the caller's `*p` of `struct_size` bytes with `value` and sets
+/// its struct_size, so that a caller compiled against any released header
+/// can initialise the struct it has: an older (shorter) struct gets its
+/// first `struct_size` bytes, a newer (longer) one our fields and zeros
+/// past them ("not set"). `what` names the argument. NULL is
+/// MARCONI_STATUS_NULL_ARGUMENT, a struct_size below the first version's
+/// MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, and nothing is written.
+///
+/// # Safety
+///
+/// `p` is NULL or points to `struct_size` writable bytes.
+pub(crate) unsafe fn init_struct<T: Versioned>(
+    p: *mut T,
     struct_size: usize,
-    first: usize,
-    defaults: T,
+    value: T,
     what: &str,
 ) -> FfiResult<()> {
-    if struct_size < first || struct_size > u32::MAX as usize {
+    if p.is_null() {
+        return Err(FfiError::new(
+            marconi_status::NullArgument,
+            format!("{what} is NULL"),
+        ));
+    }
+    if !p.is_aligned() {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} is not aligned for its type"),
+        ));
+    }
+    if struct_size < T::FIRST || struct_size > u32::MAX as usize {
         return Err(FfiError::new(
             marconi_status::UnsupportedStructSize,
             format!(
-                "struct_size {struct_size}: {what} is {first} bytes in its first version and {} in this library",
+                "struct_size {struct_size}: {} is {} bytes in its first version and {} in this library",
+                T::NAME,
+                T::FIRST,
                 std::mem::size_of::<T>()
             ),
         ));
     }
-    let mut d = defaults;
-    // SAFETY: T starts with its u32 struct_size (contract).
+    let mut d = value;
+    // SAFETY: T starts with its u32 struct_size (trait contract).
     unsafe {
         std::ptr::addr_of_mut!(d)
             .cast::<u32>()
             .write(struct_size as u32)
     };
-    // SAFETY: forwarded contract.
-    unsafe { write_config_init(&d, cfg, struct_size) };
+    // SAFETY: p is non-NULL and aligned (checked) with struct_size writable
+    // bytes (contract).
+    unsafe { write_config_init(&d, p, struct_size) };
     Ok(())
+}
+
+/// Reads the caller's `*p` into this library's layout: a struct_size below
+/// the first version's is refused, a larger one only when the bytes past
+/// ours are zero, an older (smaller) one is read over [`Versioned::initial`].
+///
+/// # Safety
+///
+/// `p` is non-NULL, aligned, and points to its struct_size readable bytes.
+pub(crate) unsafe fn read_struct<T: Versioned>(p: *const T) -> FfiResult<T> {
+    // SAFETY: forwarded; T is plain data starting with its size (trait).
+    unsafe { read_versioned(p, T::FIRST, T::initial(), T::NAME) }
 }
 
 /// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
@@ -579,7 +641,7 @@ pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) ->
 ///
 /// `p` is non-NULL, aligned, and points to struct_size readable bytes; `T`
 /// is plain data (any bit pattern of its fields is valid).
-pub(crate) unsafe fn read_versioned<T: Copy>(
+unsafe fn read_versioned<T: Copy>(
     p: *const T,
     min: usize,
     defaults: T,

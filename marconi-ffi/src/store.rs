@@ -17,8 +17,8 @@ use ::marconi_store::{
 use crate::cache::tokens_len_ok;
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::status::{
-    boundary, boundary_or, check_ptr, in_slice, init_versioned, marconi_status, out_slice,
-    read_versioned, require, write_versioned, FfiError, FfiResult,
+    boundary, boundary_or, check_ptr, in_slice, init_struct, marconi_status, out_slice,
+    read_struct, require, versioned, write_versioned, FfiError, FfiResult,
 };
 
 /// Which store a handle uses.
@@ -140,6 +140,7 @@ pub struct marconi_store_config {
     /// `user` must be thread-safe, and live until marconi_store_free.
     pub user: *mut c_void,
 }
+versioned!(marconi_store_config, CONFIG_MIN_SIZE);
 
 impl marconi_store_config {
     fn defaults() -> Self {
@@ -382,19 +383,9 @@ pub unsafe extern "C" fn marconi_store_config_init(
     cfg: *mut marconi_store_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_store_config_init", || {
-        check_ptr!(cfg);
-        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
-        // writable bytes (contract); the struct starts with struct_size.
-        unsafe {
-            init_versioned(
-                cfg,
-                struct_size,
-                CONFIG_MIN_SIZE,
-                marconi_store_config::defaults(),
-                "marconi_store_config",
-            )
-        }
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_store_config_init", || unsafe {
+        init_struct(cfg, struct_size, marconi_store_config::defaults(), "cfg")
     })
 }
 
@@ -422,14 +413,7 @@ pub unsafe extern "C" fn marconi_store_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                CONFIG_MIN_SIZE,
-                marconi_store_config::defaults(),
-                "store config",
-            )
-        }?;
+        let c = unsafe { read_struct(cfg) }?;
         // SAFETY: the string fields are NULL or NUL-terminated (contract).
         let (location, model, prefix, namespace, seed) = unsafe {
             (

@@ -21,10 +21,10 @@ use crate::cache::{
     marconi_saved_state, new_handle, new_lease_id, tokens_len_ok, unknown_lease, Core, Lease,
     TokenSource, MARCONI_NO_SLOT,
 };
-use crate::config::{marconi_cache_config, read_config, to_core_config};
+use crate::config::{marconi_cache_config, to_core_config};
 use crate::status::{
-    boundary, check_ptr, copy_list, in_slice, init_versioned, marconi_status, out_slice,
-    read_versioned, require, write_versioned, FfiError, FfiResult,
+    boundary, check_ptr, copy_list, in_slice, init_struct, marconi_status, out_slice, read_struct,
+    require, versioned, write_versioned, FfiError, FfiResult,
 };
 use crate::store::{marconi_store, probe_states};
 
@@ -118,6 +118,7 @@ pub struct marconi_tiered_config {
     /// first version: a caller whose struct ends before it gets 1.
     pub exclusive: u32,
 }
+versioned!(marconi_tiered_config, CONFIG_MIN_SIZE);
 
 impl marconi_tiered_config {
     fn defaults() -> Self {
@@ -349,6 +350,7 @@ pub struct marconi_tier_options {
     /// Reserved, 0.
     pub reserved: u32,
 }
+versioned!(marconi_tier_options, OPTIONS_MIN_SIZE);
 
 impl marconi_tier_options {
     fn defaults() -> Self {
@@ -397,39 +399,10 @@ pub unsafe extern "C" fn marconi_tier_options_init(
     opts: *mut marconi_tier_options,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_tier_options_init", || {
-        check_ptr!(opts);
-        // SAFETY: opts is non-NULL and aligned (checked) with struct_size
-        // writable bytes (contract); the struct starts with struct_size.
-        unsafe {
-            init_versioned(
-                opts,
-                struct_size,
-                OPTIONS_MIN_SIZE,
-                marconi_tier_options::defaults(),
-                "marconi_tier_options",
-            )
-        }
+    // SAFETY: opts is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_tier_options_init", || unsafe {
+        init_struct(opts, struct_size, marconi_tier_options::defaults(), "opts")
     })
-}
-
-/// Reads a caller's tier options (any struct_size this library accepts).
-///
-/// # Safety
-///
-/// `p` is non-NULL, aligned and points to its struct_size readable bytes.
-pub(crate) unsafe fn read_tier_options(
-    p: *const marconi_tier_options,
-) -> FfiResult<marconi_tier_options> {
-    // SAFETY: this function's contract.
-    unsafe {
-        read_versioned(
-            p,
-            OPTIONS_MIN_SIZE,
-            marconi_tier_options::defaults(),
-            "tier options",
-        )
-    }
 }
 
 /// The tiered part of a cache with lower tiers.
@@ -1132,19 +1105,9 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
     cfg: *mut marconi_tiered_config,
     struct_size: usize,
 ) -> marconi_status {
-    boundary("marconi_tiered_config_init", || {
-        check_ptr!(cfg);
-        // SAFETY: cfg is non-NULL and aligned (checked) with struct_size
-        // writable bytes (contract); the struct starts with struct_size.
-        unsafe {
-            init_versioned(
-                cfg,
-                struct_size,
-                CONFIG_MIN_SIZE,
-                marconi_tiered_config::defaults(),
-                "marconi_tiered_config",
-            )
-        }
+    // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
+    boundary("marconi_tiered_config_init", || unsafe {
+        init_struct(cfg, struct_size, marconi_tiered_config::defaults(), "cfg")
     })
 }
 
@@ -1172,19 +1135,12 @@ pub unsafe extern "C" fn marconi_tiered_new(
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL and aligned; its size contract is the caller's.
-        let c = unsafe {
-            read_versioned(
-                cfg,
-                CONFIG_MIN_SIZE,
-                marconi_tiered_config::defaults(),
-                "tiered config",
-            )
-        }?;
+        let c = unsafe { read_struct(cfg) }?;
         let device = c.device;
         require!(device);
         check_ptr!(device);
         // SAFETY: device is non-NULL and aligned; initialised by contract.
-        let d = unsafe { read_config(device) }?;
+        let d = unsafe { read_struct(device) }?;
         if !d.tiers.is_null() {
             return Err(bad_config(
                 "the device configuration of marconi_tiered_new sets tiers: use marconi_cache_new",

@@ -416,15 +416,6 @@ pub(crate) fn no_pools(what: &str) -> FfiError {
     )
 }
 
-/// The refusal of an event stream on a cache over pools.
-fn no_events() -> FfiError {
-    FfiError::new(
-        marconi_status::Unsupported,
-        "a cache over pools (marconi_cache_config.pools) publishes no events yet: \
-         create the events handle on a cache without pools",
-    )
-}
-
 /// The refusal of a call over ids the engine owns on a cache over pools.
 pub(crate) fn pooled_instead(what: &str, instead: &str) -> FfiError {
     FfiError::new(
@@ -454,14 +445,6 @@ impl marconi_cache {
         Ok(self.lock()?.device().config().page_size)
     }
 
-    /// MARCONI_STATUS_UNSUPPORTED on a cache over pools, which has no event
-    /// stream yet.
-    pub(crate) fn events_supported(&self) -> FfiResult {
-        match self.lock()?.core {
-            Core::Pooled(_) => Err(no_events()),
-            _ => Ok(()),
-        }
-    }
 
     /// Turns the device's event stream on (the events handle's way in).
     pub(crate) fn enable_events(&self) -> FfiResult {
@@ -469,7 +452,7 @@ impl marconi_cache {
         match &mut g.core {
             Core::Plain(c) => c.enable_events(),
             Core::Tiered(t) => t.cache.enable_device_events()?,
-            Core::Pooled(_) => return Err(no_events()),
+            Core::Pooled(p) => p.set_events(true),
         }
         // Moves run to turn them on may have freed ids.
         g.collect_freed();
@@ -482,8 +465,7 @@ impl marconi_cache {
         match &mut g.core {
             Core::Plain(c) => c.disable_events(),
             Core::Tiered(t) => t.cache.disable_device_events(),
-            // Never enabled (enable_events refuses).
-            Core::Pooled(_) => {}
+            Core::Pooled(p) => p.set_events(false),
         }
         Ok(())
     }
@@ -494,8 +476,7 @@ impl marconi_cache {
         Ok(match &mut g.core {
             Core::Plain(c) => c.drain_events(),
             Core::Tiered(t) => t.cache.drain_device_events(),
-            // Never enabled (enable_events refuses).
-            Core::Pooled(_) => Vec::new(),
+            Core::Pooled(p) => p.drain_events(),
         })
     }
 

@@ -227,9 +227,10 @@ pub unsafe extern "C" fn marconi_events_config_init(
 /// thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
 /// MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
 /// connected, or when this library was built without the publisher
-/// (marconi_events_has_publisher() returns 0). MARCONI_STATUS_UNSUPPORTED
-/// on a cache over pools (marconi_cache_config.pools): it publishes no
-/// events yet.
+/// (marconi_events_has_publisher() returns 0). Every kind of cache
+/// publishes: over ids the engine owns, over the library's pools
+/// (marconi_cache_config.pools; events name tokens, never units), and with
+/// lower tiers (the device tier's changes).
 ///
 /// Thread safety: may run concurrently with anything.
 ///
@@ -249,8 +250,6 @@ pub unsafe extern "C" fn marconi_events_new(
         require!(out);
         // SAFETY: the caller passes a live handle.
         let h = unsafe { handle(cache) }?;
-        // Refused before anything is started (a publisher binds sockets).
-        h.events_supported()?;
         check_ptr!(cfg);
         check_ptr!(out);
         // SAFETY: cfg is non-NULL, aligned, initialised by config_init.

@@ -84,6 +84,20 @@ impl Pools {
         with!(&mut self.joined, c => c.drain_log())
     }
 
+    /// Turns the event stream on, or off (`on` false).
+    pub(crate) fn set_events(&mut self, on: bool) {
+        if on {
+            with!(&mut self.joined, c => c.enable_events());
+        } else {
+            with!(&mut self.joined, c => c.disable_events());
+        }
+    }
+
+    /// The events since the last drain.
+    pub(crate) fn drain_events(&mut self) -> Vec<marconi_core::CacheEvent> {
+        with!(&mut self.joined, c => c.drain_events())
+    }
+
     /// The plan of C lease `lease`, if outstanding.
     pub(crate) fn plan(&self, lease: u64) -> Option<&[u32]> {
         self.leases.get(&lease).map(|l| &l.plan[..])

@@ -405,6 +405,25 @@ impl<A: PoolAllocator> PooledCache<A> {
         self.cache.drain_log()
     }
 
+    /// Turns the cache's event stream on (see
+    /// [`PrefixCache::enable_events`]): the next drain starts with the
+    /// current content. Events speak of tokens only, never of units, so a
+    /// subscriber sees the same stream as over ids an engine owns.
+    pub fn enable_events(&mut self) {
+        self.cache.enable_events();
+    }
+
+    /// Turns the event stream off and drops the pending events.
+    pub fn disable_events(&mut self) {
+        self.cache.disable_events();
+    }
+
+    /// The events since the last drain (empty while the stream is off);
+    /// draining them changes no unit.
+    pub fn drain_events(&mut self) -> Vec<marconi_core::CacheEvent> {
+        self.cache.drain_events()
+    }
+
     /// The joined system's counters.
     pub fn stats(&self) -> PooledStats {
         self.stats

@@ -30,8 +30,10 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _lib
 from ._convert import _u32, _u64
-from ._handle import _Guarded
-from .cache import ADOPTION, AdmitResult, _check, _Closing, _real, _saved_states
+from ._convert import _real
+from ._errors import _check
+from ._handle import _Handle
+from .cache import ADOPTION, AdmitResult, _model_into, _saved_states
 from .store import Store, _tokens
 
 TIERS = ("device", "host", "store")
@@ -157,22 +159,14 @@ def _tiers(tiers: Union["Tiers", dict]) -> "Tiers":
 
 
 # The tier calls, shared by PrefixCache (marconi_cache_* names) and the
-# deprecated TieredCache (its marconi_tiered_* names): `o` has _lib,
-# _begin() and _end().
-
-
-def _call(o: Any, fn: str, *args) -> None:
-    h = o._begin()
-    try:
-        _check(getattr(o._lib, fn)(h, *args), fn)
-    finally:
-        o._end()
+# deprecated TieredCache (its marconi_tiered_* names): `o` is a
+# marconi._handle._Handle.
 
 
 def _list(o: Any, fn: str, lease: int, ctype: Any, n: int) -> list:
     buf = (ctype * max(n, 1))()
     got = ctypes.c_size_t(0)
-    _call(o, fn, _u64(lease, "lease"), buf, n, ctypes.byref(got))
+    o._call(fn, _u64(lease, "lease"), buf, n, ctypes.byref(got))
     return list(buf[: got.value])
 
 
@@ -187,7 +181,7 @@ def _lookup(o: Any, names: dict, tokens: Sequence[int], ns: int, checkpoints: Se
             raise TypeError(f"store: expected a marconi.Store, got {type(store).__name__}")
         store_h = store._begin()
     try:
-        _call(o, names["lookup"], _u64(ns, "ns"), t, n, c if k else None, k, store_h, ctypes.byref(raw))
+        o._call(names["lookup"], _u64(ns, "ns"), t, n, c if k else None, k, store_h, ctypes.byref(raw))
     finally:
         if store is not None:
             store._end()
@@ -249,7 +243,7 @@ def _drain_ops(o: Any, fn: str) -> list[TierOp]:
 def _tier_stats(o: Any, fn: str) -> dict:
     s = _lib.marconi_tiered_stats()
     s.struct_size = ctypes.sizeof(s)
-    _call(o, fn, ctypes.byref(s))
+    o._call(fn, ctypes.byref(s))
     out: dict = {}
     for f in _lib.TIERED_STATS_SCALARS_1 + _lib.TIERED_STATS_SCALARS_2:
         out[f] = getattr(s, f)
@@ -273,7 +267,7 @@ TIERED_NAMES = {
 }
 
 
-class TieredCache(_Guarded, _Closing):
+class TieredCache(_Handle):
     """Deprecated (removed in the next release): use
     PrefixCache(..., tiers=Tiers(...)), whose lookup_tiered, lease_loads,
     report_load_failure, settle, drain_ops and tier_stats are this class's
@@ -293,6 +287,9 @@ class TieredCache(_Guarded, _Closing):
     exclusive (default True): a host or store hit the device took in is
     dropped from that tier (a "drop" op); False keeps a copy there.
     """
+
+    _WHAT = "tiered cache"
+    _FREE = "marconi_tiered_free"
 
     def __init__(
         self,
@@ -318,27 +315,13 @@ class TieredCache(_Guarded, _Closing):
         store_states_hold_kv: bool = False,
         exclusive: bool = True,
     ):
-        self._guard_init("tiered cache")
+        self._guard_init()
         if tuner_adoption not in ADOPTION:
             raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
         lib = _lib.load()
         dev = _lib.marconi_cache_config()
         _check(lib.marconi_cache_config_init(ctypes.byref(dev), ctypes.sizeof(dev)), "marconi_cache_config_init")
-        preset = None
-        if isinstance(model, str):
-            if "\0" in model:
-                raise ValueError("model: a preset name cannot contain NUL")
-            preset = model.encode()
-            dev.model_preset = preset
-        elif isinstance(model, dict):
-            fields = dict(_lib.marconi_model_spec._fields_)
-            for k, v in model.items():
-                if k not in fields:
-                    raise ValueError(f"model: unknown model field {k!r}")
-                conv = _u32 if fields[k] is ctypes.c_uint32 else _u64
-                setattr(dev.model, k, conv(v, f"model.{k}"))
-        else:
-            raise TypeError(f"model: expected a preset name or a dict, got {type(model).__name__}")
+        keep = _model_into(dev, model)
         dev.capacity_bytes = _u64(device_bytes, "device_bytes")
         dev.page_size = _u32(page_size, "page_size")
         dev.tuner_adoption = ADOPTION[tuner_adoption]
@@ -354,12 +337,8 @@ class TieredCache(_Guarded, _Closing):
         dev.tiers = ctypes.pointer(opts)
         h = ctypes.c_void_p()
         _check(lib.marconi_cache_new(ctypes.byref(dev), ctypes.byref(h)), "marconi_cache_new")
-        del preset, opts  # read only during marconi_cache_new
-        self._lib = lib
-        self._h = h
-
-    def _call(self, fn: str, *args) -> None:
-        _call(self, fn, *args)
+        del keep, opts  # read only during marconi_cache_new
+        self._adopt(lib, h)
 
     def lookup(
         self,
@@ -443,17 +422,3 @@ class TieredCache(_Guarded, _Closing):
     def check(self) -> None:
         """Raises MarconiError (INVARIANT_VIOLATED) when a tier's invariant fails."""
         self._call("marconi_tiered_check")
-
-    def close(self) -> None:
-        """Frees the handle. Idempotent; raises RuntimeError while a call
-        is running (on another thread, or from a callback of that call)."""
-        self._close_with(lambda h: self._lib.marconi_tiered_free(h))
-
-    def __reduce__(self):
-        raise TypeError("a TieredCache cannot be pickled")
-
-    def __copy__(self):
-        raise TypeError("a TieredCache cannot be copied")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a TieredCache cannot be copied")

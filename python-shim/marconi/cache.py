@@ -499,40 +499,11 @@ class PrefixCache(_Handle):
     # tensor. Leases are ids registered in self._live, released with
     # _release_if_live(); no Lease object is built.
 
-    def _lookup_ids(self, ids: "array.array[int]", ns: int) -> tuple[int, int, int, Optional[int], int]:
-        """One lookup of `ids` (array('q') or array('I'), not empty) in
-        namespace `ns`: (lease id, hit tokens, KV-matched tokens, state slot
-        or None, number of KV pages)."""
-        raw = _Lookup()
-        lib = self._lib
-        calls = self._calls
-        ident = _get_ident()
-        calls.append(ident)  # _begin(), inlined
-        try:
-            if self._closing:
-                raise ValueError("the cache is closed")
-            if ids.typecode == "q":
-                fn, ptr = "marconi_cache_lookup_i64", ctypes.c_int64.from_buffer(ids)
-                st = lib.marconi_cache_lookup_i64(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
-            else:
-                fn, ptr = "marconi_cache_lookup", _U32.from_buffer(ids)
-                st = lib.marconi_cache_lookup(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
-            del ptr
-            if st:
-                _check(st, fn)
-            lid = raw.lease
-            self._live.add(lid)
-        finally:
-            calls.remove(ident)  # _end(), inlined
-            if self._closing:
-                self._ended()
-        slot = raw.state_slot
-        return lid, raw.hit_tokens, raw.kv_matched_tokens, None if slot == NO_SLOT else slot, raw.n_kv_pages
-
     def _lookup_prefix(self, ids: "array.array[int]", n: int, ns: int, flags: int) -> tuple[int, int, int, Optional[int], int]:
         """marconi_cache_lookup_i64_flags of `ids[:n]` (array('q'), 0 < n <=
         len(ids), read in place: no copy) with `flags`
-        (LOOKUP_WHOLE_INPUT, LOOKUP_NO_KV_PAGES): _lookup_ids's tuple."""
+        (LOOKUP_WHOLE_INPUT, LOOKUP_NO_KV_PAGES): (lease id, hit tokens,
+        KV-matched tokens, state slot or None, number of KV pages)."""
         if not 0 < n <= len(ids):
             raise ValueError(f"n: {n} tokens of a key of {len(ids)}")
         raw = _Lookup()

@@ -27,6 +27,7 @@ from ctypes import (
 from pathlib import Path
 
 from . import _pml_abi
+from ._pml_abi import _u64_fields
 
 LIB_ENV = "MARCONI_LIBRARY"
 """Environment variable naming the shared library to load (a file path)."""
@@ -267,27 +268,13 @@ class marconi_migration(Structure):
 class marconi_pool_stats(Structure):
     """struct marconi_pool_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "budget_bytes",
-            "kv_unit_bytes",
-            "state_unit_bytes",
-            "kv_capacity",
-            "kv_free",
-            "state_capacity",
-            "state_free",
-            "migrations",
-            "bytes_migrated",
-            "chunks_moved",
-            "mapped_chunks",
-            "budget_chunks",
-            "physical_bytes",
-            "ops",
-            "kv_retired",
-            "state_retired",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + _u64_fields(
+        """
+        budget_bytes kv_unit_bytes state_unit_bytes kv_capacity kv_free state_capacity state_free
+        migrations bytes_migrated chunks_moved mapped_chunks budget_chunks physical_bytes ops kv_retired
+        state_retired
+        """
+    )
 
 
 class marconi_state_copy(Structure):
@@ -313,20 +300,12 @@ class marconi_host_pool_config(Structure):
 class marconi_host_pool_stats(Structure):
     """struct marconi_host_pool_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("pinned", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "capacity_bytes",
-            "page_capacity",
-            "pages_live",
-            "state_capacity",
-            "states_live",
-            "bytes_demoted",
-            "bytes_promoted",
-            "units_moved",
-            "resident_bytes",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("pinned", c_uint32)] + _u64_fields(
+        """
+        capacity_bytes page_capacity pages_live state_capacity states_live bytes_demoted bytes_promoted
+        units_moved resident_bytes
+        """
+    )
 
 
 class marconi_unit_move(Structure):
@@ -420,31 +399,14 @@ class marconi_pooled_lookup(Structure):
 class marconi_pooled_stats(Structure):
     """struct marconi_pooled_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "requests",
-            "input_tokens",
-            "hit_tokens",
-            "evictions",
-            "admissions_rejected",
-            "reservations",
-            "reservations_refused",
-            "migrations",
-            "bytes_migrated",
-            "evictions_for_memory",
-            "evictions_other_kind",
-            "held_kv_pages",
-            "held_state_slots",
-            "kv_capacity",
-            "kv_free",
-            "state_capacity",
-            "state_free",
-            "budget_bytes",
-            "physical_bytes",
-            "leases",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + _u64_fields(
+        """
+        requests input_tokens hit_tokens evictions admissions_rejected reservations reservations_refused
+        migrations bytes_migrated evictions_for_memory evictions_other_kind held_kv_pages
+        held_state_slots kv_capacity kv_free state_capacity state_free budget_bytes physical_bytes
+        leases
+        """
+    )
 
 
 class marconi_events_config(Structure):

@@ -835,9 +835,9 @@ class PrefixCache(_Handle):
         marconi.TieredHit whose lease (an id) admit(), release() and the
         other lease calls take. Its loads say what to read from the lower
         tiers before prefilling from hit_tokens."""
-        from .tiered import CACHE_NAMES, _lookup
+        from .tiered import _lookup
 
-        hit = _lookup(self, CACHE_NAMES, tokens, ns, checkpoints, store)
+        hit = _lookup(self, tokens, ns, checkpoints, store)
         self._live.add(hit.lease)
         return hit
 

@@ -37,7 +37,7 @@ from . import _lib
 from ._convert import OutOfRangeError, _real, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64
 from ._errors import _check
 from ._handle import _Handle
-from .cache import _model_into
+from .cache import PrefixCache, _model_into
 
 BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
 MIGRATION = {"static": 0, "avmp": 1}
@@ -816,7 +816,7 @@ def _pool_stats(o: Any) -> dict:
     return out
 
 
-class PooledCache(_Handle):
+class PooledCache(PrefixCache):
     """Deprecated (removed in the next release): use
     PrefixCache(..., pools=Pools(...)), whose lookup_pooled, reserve,
     admit_pooled, free_units, release, drain_freed_units, held, resolve,
@@ -834,11 +834,10 @@ class PooledCache(_Handle):
     copy_states([(hit state, own slot)]) -> admit(lease, tokens, states,
     pages) -> free(returned) -> release(lease). model: a preset name or a
     dict of model fields; kv_page_bytes / state_slot_bytes 0: the model's.
-    Thread-safe like PrefixCache; close() frees the pools' memory.
+    Thread-safe like PrefixCache; close() frees the pools' memory. It is
+    a PrefixCache over pools whose pool methods go by these names.
     """
 
-    _FREE = "marconi_cache_free"
-    _WHAT = "cache"
     _NOT_COPIED = "it owns native memory (share the object instead)"
     _NOT_PICKLED = "it owns native memory of this process"
 
@@ -858,84 +857,34 @@ class PooledCache(_Handle):
         alpha: Optional[float] = None,
         cuda_device: int = 0,
     ):
-        from .cache import EVICTION
-
-        self._guard_init()
-        lib = _lib.load()
-        cc = _lib.marconi_cache_config()
-        _check(lib.marconi_cache_config_init(ctypes.byref(cc), ctypes.sizeof(cc)), "marconi_cache_config_init")
-        keep = _model_into(cc, model)
-        cc.page_size = _u32(page_size, "page_size")
-        cc.capacity_bytes = _u64(budget_bytes, "budget_bytes")
-        cc.eviction = _choice(eviction, EVICTION, "eviction")
-        if alpha is not None:
-            cc.alpha_mode = 0
-            cc.alpha = _real(alpha, "alpha")
-        pc = _pool_config(
-            budget_bytes, kv_page_bytes, state_slot_bytes, backend, migration, state_fraction, 0, chunk_bytes, cuda_device
+        pools = Pools(
+            budget_bytes=budget_bytes,
+            backend=backend,
+            migration=migration,
+            state_fraction=state_fraction,
+            chunk_bytes=chunk_bytes,
+            kv_page_bytes=kv_page_bytes,
+            state_slot_bytes=state_slot_bytes,
+            cuda_device=cuda_device,
         )
-        cc.pools = ctypes.pointer(pc)
-        handle = ctypes.c_void_p()
-        _check(lib.marconi_cache_new(ctypes.byref(cc), ctypes.byref(handle)), "marconi_cache_new")
-        del keep, pc
-        self._adopt(lib, handle, views=True)
-        self.backend = backend
-        self.page_size = page_size
+        super().__init__(budget_bytes, model, page_size=page_size, eviction=eviction, alpha=alpha, pools=pools)
 
     def lookup(self, tokens: Any, namespace: int = 0, checkpoints: Any = None) -> PooledLookup:
-        """Looks up `tokens` (as PrefixCache.lookup takes them), with the
-        application `checkpoints` as PrefixCache.lookup takes them (the kept
-        ones are in the plan: reserve a state slot for each)."""
-        return _pooled_lookup(self, tokens, namespace, checkpoints)
-
-    def reserve(self, kv_pages: int, state_slots: int) -> tuple:
-        """(page handles, slot handles) reserved for a request: migrating free
-        capacity and evicting as needed; all or nothing (MarconiError
-        OUT_OF_MEMORY when even that cannot make room)."""
-        return _reserve(self, kv_pages, state_slots)
+        """PrefixCache.lookup_pooled."""
+        return self.lookup_pooled(tokens, namespace, checkpoints)
 
     def admit(self, lease: Any, tokens: Any, states: Any = (), kv_pages: Any = ()) -> PooledAdmit:
-        """Admits `tokens` under `lease` (a PooledLookup or its id) with its
-        page handles (the hit's, then reserved ones: one per full page) and
-        the states saved as (position, slot handle) pairs."""
-        return _admit_pooled(self, lease, tokens, states, kv_pages)
+        """PrefixCache.admit_pooled."""
+        return self.admit_pooled(lease, tokens, states, kv_pages)
 
     def free(self, handles: Any) -> None:
-        """Frees units the caller holds (reserved, not taken); all or nothing."""
-        _free_handles(self, "marconi_cache_free_units", handles)
-
-    def release(self, lease: Any) -> None:
-        """Releases a lease (a PooledLookup or its id)."""
-        lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
-        self._call("marconi_cache_release", lid)
+        """PrefixCache.free_units."""
+        self.free_units(handles)
 
     def drain_freed(self) -> "array.array[int]":
-        """Handles evicted since the last call (already back in their pool)."""
-        return _olist(self, "marconi_cache_drain_freed_units")
-
-    def held(self) -> "array.array[int]":
-        """Handles the cache holds now, sorted."""
-        return _olist(self, "marconi_cache_held")
-
-    def resolve(self, handles: Any) -> list:
-        """Where each live handle's unit is (all or nothing)."""
-        return _locations(self, "marconi_cache_resolve", handles)
-
-    def view(self, handle: int) -> memoryview:
-        """A writable view of a live unit's bytes (memfd only), as Pool.view:
-        the unit's while the handle is live; the view keeps the memory mapped
-        after close() until it is gone."""
-        return _unit_view(self, "marconi_cache_resolve", handle)
-
-    def copy_states(self, pairs: Any) -> None:
-        """Copies states by handle (e.g. the lookup's state into the request's
-        own slot); a destination must be the caller's."""
-        _copy_states(self, pairs)
+        """PrefixCache.drain_freed_units."""
+        return self.drain_freed_units()
 
     def stats(self) -> dict:
-        """Counters (marconi_pooled_stats) as a dict."""
-        return _pool_stats(self)
-
-    def check(self) -> None:
-        """Checks the joined invariants (MarconiError INVARIANT_VIOLATED: a bug)."""
-        self._call("marconi_cache_check")
+        """PrefixCache.pool_stats."""
+        return self.pool_stats()

@@ -88,7 +88,7 @@ def _patch_pml_lib(monkeypatch, fn):
 #          how the library is patched: "self" (obj._lib) or "pml")
 HANDLES = {
     "PrefixCache": (lambda p: prefix_cache(), "marconi_cache_stats", lambda o: o.stats(), "self"),
-    "TieredCache": (lambda p: tiered(), "marconi_tiered_get_stats", lambda o: o.stats(), "self"),
+    "TieredCache": (lambda p: tiered(), "marconi_cache_tier_stats", lambda o: o.stats(), "self"),
     "Store": (store, "marconi_store_get_stats", lambda o: o.stats(), "self"),
     "Schema": (lambda p: schema(), "marconi_pml_name", lambda o: o.name_of(0), "pml"),
     "ModuleCache": (lambda p: module_cache(), "marconi_pml_cache_get_stats", lambda o: o.stats(), "pml"),

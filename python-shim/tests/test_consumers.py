@@ -251,6 +251,18 @@ class Service:
         self.log.close()
 
 
+def _start_indexer_and_router(services: list, suffix: str, dyn_dir: str, router: str, out_dir: str) -> None:
+    """Starts Dynamo's indexer and the marconi router on free 127.0.0.1
+    ports, appending each to `services` as it starts (the caller stops
+    them)."""
+    pd, pr = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=dyn_dir)
+    services.append(Service(f"dynamo-indexer{suffix}", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
+                                                         "--threads", "1"], pd, env, out_dir))
+    services.append(Service(f"marconi-router{suffix}", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr, None,
+                            out_dir))
+
+
 def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
     dyn_dir = _dir("MARCONI_DYNAMO_DIR")
     router = os.environ.get("MARCONI_ROUTER_BIN")
@@ -269,12 +281,7 @@ def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
               for c in caches]
     services = []
     try:
-        pd, pr = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=dyn_dir)
-        services.append(Service("dynamo-indexer", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
-                                                   "--threads", "1"], pd, env, out_dir))
-        services.append(Service("marconi-router", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr,
-                                None, out_dir))
+        _start_indexer_and_router(services, "", dyn_dir, router, out_dir)
         for s in services:
             for w, ev in enumerate(events):
                 st, body = http(s.port, "/register", {
@@ -441,12 +448,7 @@ def test_http_api_matches_dynamo(tmp_path):
     services = []
     rows = []
     try:
-        pd, pr = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=dyn_dir)
-        services.append(Service("dynamo-indexer-api", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
-                                                       "--threads", "1"], pd, env, out_dir))
-        services.append(Service("marconi-router-api", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr, None,
-                                out_dir))
+        _start_indexer_and_router(services, "-api", dyn_dir, router, out_dir)
         dyn, ours = services
         for m, p, b, ct in same:
             d = raw_http(dyn.port, m, p, b, ct)

@@ -178,33 +178,38 @@ def test_schema_close_from_its_tokenizer_is_refused():
     s.close()
 
 
+class ClosingCallbacks:
+    """Store callbacks over a dict whose reads (get, exists) first try
+    `close()`, recording "closed" or "refused" in `seen`."""
+
+    def __init__(self, close):
+        self.close, self.d, self.seen = close, {}, []
+
+    def _try_close(self):
+        try:
+            self.close()
+            self.seen.append("closed")
+        except RuntimeError:
+            self.seen.append("refused")
+
+    def get(self, name):
+        self._try_close()
+        return self.d.get(name)
+
+    def put(self, name, data):
+        self.d[name] = bytes(data)
+
+    def exists(self, name):
+        self._try_close()
+        return name in self.d
+
+    def delete(self, name):
+        self.d.pop(name, None)
+
+
 def test_store_close_from_its_callback_is_refused():
-    objs = {}
-
-    class Cb:
-        def __init__(self):
-            self.d, self.seen = {}, []
-
-        def get(self, name):
-            try:
-                st.close()
-                self.seen.append("closed")
-            except RuntimeError:
-                self.seen.append("refused")
-            return self.d.get(name)
-
-        def put(self, name, data):
-            self.d[name] = bytes(data)
-
-        def exists(self, name):
-            return name in self.d
-
-        def delete(self, name):
-            self.d.pop(name, None)
-
-    cb = Cb()
+    cb = ClosingCallbacks(lambda: st.close())
     st = Store("callback", model="table", block_size=4, callbacks=cb)
-    objs["st"] = st
     st.put_state([1, 2, 3, 4], 4, b"abc")
     assert st.get_state([1, 2, 3, 4], 4) == b"abc"
     assert cb.seen == ["refused"]
@@ -327,36 +332,14 @@ def test_cache_close_from_a_store_callback_is_refused():
     close() cannot wait for it. It is refused (RuntimeError) and the cache
     stays usable; it used to wait for the call forever."""
     cache = PrefixCache(BIG, tiers=marconi.Tiers(host_bytes=BIG, store_bytes=BIG))
-    seen = []
-
-    class Cb:
-        def _close(self):
-            try:
-                cache.close()
-                seen.append("closed")
-            except RuntimeError:
-                seen.append("refused")
-
-        def get(self, name):
-            self._close()
-
-        def put(self, name, data):
-            pass
-
-        def exists(self, name):
-            self._close()
-            return False
-
-        def delete(self, name):
-            pass
-
-    st = Store("callback", model="table", block_size=4, callbacks=Cb())
+    cb = ClosingCallbacks(lambda: cache.close())
+    st = Store("callback", model="table", block_size=4, callbacks=cb)
     hits = []
     t = threading.Thread(target=lambda: hits.append(cache.lookup_tiered(list(range(64)), store=st)), daemon=True)
     t.start()
     t.join(10)
     assert not t.is_alive(), "close() from the store callback hung"
-    assert seen and set(seen) == {"refused"}, seen
+    assert cb.seen and set(cb.seen) == {"refused"}, cb.seen
     assert len(hits) == 1
     cache.release(hits[0].lease)  # still usable
     cache.close()

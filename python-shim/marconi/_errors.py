@@ -91,3 +91,12 @@ def _check(status: int, function: str) -> None:
         if not detail.startswith(function + ":"):
             detail = f"{function}: no detail from the library (status {status})"
         raise MarconiError(status, detail, function)
+
+
+def _config(lib: ctypes.CDLL, struct: type) -> ctypes.Structure:
+    """A versioned config struct (marconi_cache_config, ...) holding the
+    library's defaults, as its `<struct>_init` function writes them."""
+    cfg = struct()
+    fn = struct.__name__ + "_init"
+    _check(getattr(lib, fn)(ctypes.byref(cfg), ctypes.sizeof(cfg)), fn)
+    return cfg

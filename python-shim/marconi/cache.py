@@ -28,7 +28,7 @@ from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the
     _u64,
     _uint,
 )
-from ._errors import STATUS_NAMES, MarconiError, _check, last_error, status_message, version  # noqa: F401 (re-exported)
+from ._errors import STATUS_NAMES, MarconiError, _check, _config, last_error, status_message, version  # noqa: F401 (re-exported)
 from ._handle import _Handle, _Unique
 from ._lib import NO_SLOT
 
@@ -282,10 +282,10 @@ class PrefixCache(_Handle):
         """Ids of the leases this object handed out and has not released
         (cleared by close(); Lease.released reads it)."""
         lib = _lib.load()
-        cfg = _lib.marconi_cache_config()
         if policy is None:
-            _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
+            cfg = _config(lib, _lib.marconi_cache_config)
         elif isinstance(policy, str) and "\0" not in policy:
+            cfg = _lib.marconi_cache_config()
             st = lib.marconi_cache_config_preset(ctypes.byref(cfg), ctypes.sizeof(cfg), policy.encode())
             _check(st, "marconi_cache_config_preset")
         else:
@@ -942,7 +942,8 @@ class PrefixCache(_Handle):
         from .pool import _locations, _unit_view
 
         if not self.has_pools:
-            _locations(self, "marconi_cache_resolve", [])  # the library's refusal: MarconiError UNSUPPORTED, saying what to configure
+            # The library's refusal: MarconiError UNSUPPORTED, saying what to configure.
+            _locations(self, "marconi_cache_resolve", [])
             raise ValueError("view: this cache has no pools")
         return _unit_view(self, "marconi_cache_resolve", handle)
 

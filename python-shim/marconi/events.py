@@ -22,7 +22,7 @@ from typing import Optional
 
 from . import _lib
 from ._convert import _cstr, _real
-from ._errors import _check
+from ._errors import _check, _config
 from ._handle import _Handle
 from .cache import PrefixCache
 
@@ -90,8 +90,7 @@ class CacheEvents(_Handle):
                 and 0 <= hwm < 2**31 and 0 < max_queue < 2**31):
             raise ValueError("data_parallel_rank, buffer_steps, hwm or max_queue out of range")
         lib = _lib.load()
-        cfg = _lib.marconi_events_config()
-        _check(lib.marconi_events_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_events_config_init")
+        cfg = _config(lib, _lib.marconi_events_config)
         # Keep the encoded strings alive until marconi_events_new returns.
         keep = [_cstr(seed, "seed"), _cstr(medium, "medium"), _cstr(endpoint, "endpoint"),
                 _cstr(replay_endpoint, "replay_endpoint"), _cstr(topic, "topic")]

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import _lib, _pml_abi
 from ._convert import OutOfRangeError, _u32, _u64, _uint
-from ._errors import MarconiError, _check, last_error
+from ._errors import MarconiError, _check, _config, last_error
 from ._handle import _Handle
 
 Tokenizer = Callable[[str], Sequence[int]]
@@ -280,8 +280,7 @@ class ModuleCache(_Handle):
     ):
         self._guard_init()
         lib = _lib.load()
-        cfg = _pml_abi.marconi_pml_cache_config()
-        _check(lib.marconi_pml_cache_config_init(byref(cfg), ctypes.sizeof(cfg)), "marconi_pml_cache_config_init")
+        cfg = _config(lib, _pml_abi.marconi_pml_cache_config)
         for name, v in (
             ("capacity_bytes", capacity_bytes),
             ("kv_bytes_per_token", kv_bytes_per_token),

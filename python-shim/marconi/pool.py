@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 from . import _lib
 from ._convert import OutOfRangeError, _real, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64
-from ._errors import _check
+from ._errors import _check, _config
 from ._handle import _Handle
 from .cache import PrefixCache, _model_into
 
@@ -148,7 +148,7 @@ def _pairs_pointer(src: Any, n_pairs: int, wide: bool = True) -> Any:
 def _fields(s: Any) -> dict:
     """A versioned output struct's fields as a dict (without struct_size and
     reserved padding)."""
-    return {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size" and not name.startswith("reserved")}
+    return {name: getattr(s, name) for name, _ in s._fields_ if not name.startswith(("struct_size", "reserved"))}
 
 
 def _stats(o: Any, fn: str, struct: Any) -> Any:
@@ -251,8 +251,7 @@ def _pool_config(
     cuda_device: int,
 ) -> Any:
     lib = _lib.load()
-    cfg = _lib.marconi_pool_config()
-    _check(lib.marconi_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_pool_config_init")
+    cfg = _config(lib, _lib.marconi_pool_config)
     cfg.backend = _choice(backend, BACKEND, "backend")
     cfg.migration = _choice(migration, MIGRATION, "migration")
     cfg.budget_bytes = _u64(budget_bytes, "budget_bytes")
@@ -409,11 +408,7 @@ class HostPool(_Units):
     ):
         self._guard_init()
         lib = _lib.load()
-        cfg = _lib.marconi_host_pool_config()
-        _check(
-            lib.marconi_host_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)),
-            "marconi_host_pool_config_init",
-        )
+        cfg = _config(lib, _lib.marconi_host_pool_config)
         cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
         cfg.page_bytes = _u64(page_bytes, "page_bytes")
         cfg.state_bytes = _u64(state_bytes, "state_bytes")
@@ -534,8 +529,7 @@ def snapshot_promote(
 def _plan_request(lib: Any, model: Any, budget_bytes: int, page_size: int, state_fraction: float) -> tuple:
     """A marconi_plan_request for these arguments, and what must stay alive
     while it is used."""
-    req = _lib.marconi_plan_request()
-    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
+    req = _config(lib, _lib.marconi_plan_request)
     keep = _model_into(req, model)
     req.page_size = _u32(page_size, "page_size")
     req.budget_bytes = _u64(budget_bytes, "budget_bytes")

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from . import _convert, _lib
 from ._convert import _cstr
-from ._errors import _check
+from ._errors import _check, _config
 from ._handle import _Handle
 
 BACKENDS = {"dir": 0, "redis": 1, "callback": 2}
@@ -136,8 +136,7 @@ class Store(_Handle):
         if (backend == "callback") != (callbacks is not None):
             raise ValueError("callbacks are given exactly with the 'callback' backend")
         lib = _lib.load()
-        cfg = _lib.marconi_store_config()
-        _check(lib.marconi_store_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_store_config_init")
+        cfg = _config(lib, _lib.marconi_store_config)
         keep = [_cstr(location, "location"), _cstr(model, "model"), _cstr(prefix, "prefix"),
                 _cstr(namespace, "namespace"), _cstr(seed, "seed")]
         cfg.backend = BACKENDS[backend]

@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence, Union
 
 from . import _lib
 from ._convert import _real, _u32, _u64
-from ._errors import _check
+from ._errors import _check, _config
 from .cache import PrefixCache
 from .store import Store, _tokens
 
@@ -134,8 +134,7 @@ class Tiers:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-        o = _lib.marconi_tier_options()
-        _check(lib.marconi_tier_options_init(ctypes.byref(o), ctypes.sizeof(o)), "marconi_tier_options_init")
+        o = _config(lib, _lib.marconi_tier_options)
         _spec(o.host, self.host_bytes, self.host_gbps, self.host_latency_us, "host")
         _spec(o.store, self.store_bytes, self.store_gbps, self.store_latency_us, "store")
         o.write_mode = WRITE_MODES[self.write]

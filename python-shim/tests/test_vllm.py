@@ -323,10 +323,8 @@ def test_doc_config_lines(model_dir):
 
 import json  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import vllm_store_worker as sw  # noqa: E402

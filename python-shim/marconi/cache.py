@@ -187,8 +187,10 @@ class PrefixCache(_Handle):
     """A libmarconi prefix cache (marconi_cache). Safe to share between
     threads (the library locks internally; ctypes releases the GIL during
     calls). Close it with close() or a `with` block; close() waits for the
-    calls other threads have in flight, and later calls raise ValueError.
-    Not copyable or picklable (it owns the native cache).
+    calls other threads have in flight (close(timeout=...) gives up with
+    TimeoutError and leaves the freeing to the last of them), marks every
+    Lease released, and later calls raise ValueError. Not copyable or
+    picklable (it owns the native cache).
 
     model: a preset name ("paper-7b", "jamba-1.5-mini", "nemotron-h-8b", ...)
     or a dict of marconi_model_spec fields. alpha: None for online tuning,

@@ -306,7 +306,7 @@ def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
                            for h in e["block_hashes"]}
         for s in services:
             deadline = time.monotonic() + 30
-            while (got := s.dump_blocks()) != {k: v for k, v in want.items() if v}:
+            while s.dump_blocks() != {k: v for k, v in want.items() if v}:
                 assert time.monotonic() < deadline, f"{s.name} did not converge"
                 time.sleep(0.2)
         # Queries: every distinct served sequence of namespace 0 plus a
@@ -380,7 +380,6 @@ def test_http_api_matches_dynamo(tmp_path):
     os.makedirs(out_dir, exist_ok=True)
     ep = f"tcp://127.0.0.1:{free_port()}"
     j = "application/json"
-    text = "text/plain; charset=utf-8"
 
     def reg(i, **kw):
         return json.dumps(dict({"instance_id": i, "endpoint": ep, "model_name": "m", "block_size": 4}, **kw))

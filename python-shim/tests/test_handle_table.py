@@ -178,6 +178,66 @@ def test_schema_close_from_its_tokenizer_is_refused():
     s.close()
 
 
+class Counted:
+    """The real library with native function `name` counted into `calls`."""
+
+    def __init__(self, real, name, calls):
+        fn = getattr(real, name)
+        self._real = real
+        setattr(self, name, lambda *a: (calls.append(a), fn(*a))[1])
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("name", sorted(HANDLES))
+def test_close_under_load_frees_exactly_once(name, tmp_path):
+    """close(timeout=0) while three threads call in a loop: every thread
+    then stops on "closed", and the native handle is freed exactly once
+    (by close() or by the call that returned last), never under a call."""
+    make, _, call, _ = HANDLES[name]
+    obj = make(tmp_path)
+    frees = []
+    if obj._owner is not None:  # views may share it: the owner frees
+        free = obj._owner._free
+        obj._owner._free = lambda h: (frees.append(h), free(h))[1]
+    else:
+        obj._lib = Counted(obj._lib, "marconi_events_free" if name == "CacheEvents" else obj._FREE, frees)
+    started = threading.Barrier(4, timeout=10)
+    outcomes = []
+
+    def worker():
+        i = 0
+        try:
+            while True:
+                call(obj)
+                if i == 0:
+                    started.wait()
+                i += 1
+        except ValueError as e:
+            outcomes.append(str(e))
+        except Exception as e:  # noqa: BLE001 - anything else fails below
+            outcomes.append(repr(e))
+        if i == 0:
+            started.abort()
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        obj.close(timeout=0)
+    except TimeoutError:
+        pass
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 3 and all(o == f"the {obj._WHAT} is closed" for o in outcomes), outcomes
+    assert len(frees) == 1 and obj._handle is None and not obj._calls
+    obj.close()  # freed already: a no-op
+    assert len(frees) == 1
+
+
 class ClosingCallbacks:
     """Store callbacks over a dict whose reads (get, exists) first try
     `close()`, recording "closed" or "refused" in `seen`."""

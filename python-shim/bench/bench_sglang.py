@@ -52,12 +52,19 @@ from sglang_stubs import (  # noqa: E402
 from marconi import MarconiPrefixCache  # noqa: E402
 
 
-def run_marconi(requests, model: str) -> float:
+def _marconi_tree(requests, model: str) -> tuple:
+    """(request-to-token pool, KV allocator, MarconiPrefixCache) sized for
+    `requests` (nothing is evicted)."""
     longest = max(len(i) + len(o) for i, o in requests)
     total = sum(len(i) + len(o) for i, o in requests) + 16
     rtp = HybridReqToTokenPool(2, len(requests) + 4, longest + 1)
     alloc = FreeList(total, "KV indices")
     tree = MarconiPrefixCache(CacheInitParams(rtp, alloc), model)
+    return rtp, alloc, tree
+
+
+def run_marconi(requests, model: str) -> float:
+    rtp, alloc, tree = _marconi_tree(requests, model)
     t0 = time.process_time()
     for inp, out in requests:
         req = Req(inp)
@@ -84,11 +91,7 @@ def run_marconi(requests, model: str) -> float:
 
 def run_marconi_tree(requests, model: str) -> float:
     """match_prefix + insert per request (the calls run_sglang makes)."""
-    longest = max(len(i) + len(o) for i, o in requests)
-    total = sum(len(i) + len(o) for i, o in requests) + 16
-    rtp = HybridReqToTokenPool(2, len(requests) + 4, longest + 1)
-    alloc = FreeList(total, "KV indices")
-    tree = MarconiPrefixCache(CacheInitParams(rtp, alloc), model)
+    rtp, alloc, tree = _marconi_tree(requests, model)
     t0 = time.process_time()
     for inp, out in requests:
         m = tree.match_prefix(MatchPrefixParams(key=RadixKey(inp)))

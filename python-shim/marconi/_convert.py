@@ -334,3 +334,32 @@ def _u32_concat(a: Tokens, b: Optional[Tokens], what_a: str, what_b: str) -> tup
     out = bytearray(_u32_bytes(sa, na)) if na else bytearray()
     out += _u32_bytes(sb, nb)
     return out, na + nb, na
+
+
+def _flag(value: Any, name: str) -> int:
+    """A bool argument (True/False, or the ints 0 and 1) as 0 or 1."""
+    if value is True or value is False:
+        return int(value)
+    if type(value) is int:
+        if value in (0, 1):
+            return value
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def _real(value: Any, name: str) -> float:
+    """A float argument: an int or a float, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
+    """A str argument (None: NULL) as NUL-terminated bytes for a char* field."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    if "\0" in value:
+        raise ValueError(f"{name}: cannot contain NUL")
+    return value.encode()

@@ -27,6 +27,7 @@ from ctypes import (
 from pathlib import Path
 
 from . import _pml_abi
+from ._pml_abi import _u64_fields
 
 LIB_ENV = "MARCONI_LIBRARY"
 """Environment variable naming the shared library to load (a file path)."""
@@ -267,27 +268,13 @@ class marconi_migration(Structure):
 class marconi_pool_stats(Structure):
     """struct marconi_pool_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "budget_bytes",
-            "kv_unit_bytes",
-            "state_unit_bytes",
-            "kv_capacity",
-            "kv_free",
-            "state_capacity",
-            "state_free",
-            "migrations",
-            "bytes_migrated",
-            "chunks_moved",
-            "mapped_chunks",
-            "budget_chunks",
-            "physical_bytes",
-            "ops",
-            "kv_retired",
-            "state_retired",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + _u64_fields(
+        """
+        budget_bytes kv_unit_bytes state_unit_bytes kv_capacity kv_free state_capacity state_free
+        migrations bytes_migrated chunks_moved mapped_chunks budget_chunks physical_bytes ops kv_retired
+        state_retired
+        """
+    )
 
 
 class marconi_state_copy(Structure):
@@ -313,20 +300,12 @@ class marconi_host_pool_config(Structure):
 class marconi_host_pool_stats(Structure):
     """struct marconi_host_pool_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("pinned", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "capacity_bytes",
-            "page_capacity",
-            "pages_live",
-            "state_capacity",
-            "states_live",
-            "bytes_demoted",
-            "bytes_promoted",
-            "units_moved",
-            "resident_bytes",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("pinned", c_uint32)] + _u64_fields(
+        """
+        capacity_bytes page_capacity pages_live state_capacity states_live bytes_demoted bytes_promoted
+        units_moved resident_bytes
+        """
+    )
 
 
 class marconi_unit_move(Structure):
@@ -420,31 +399,14 @@ class marconi_pooled_lookup(Structure):
 class marconi_pooled_stats(Structure):
     """struct marconi_pooled_stats (versioned by struct_size)."""
 
-    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "requests",
-            "input_tokens",
-            "hit_tokens",
-            "evictions",
-            "admissions_rejected",
-            "reservations",
-            "reservations_refused",
-            "migrations",
-            "bytes_migrated",
-            "evictions_for_memory",
-            "evictions_other_kind",
-            "held_kv_pages",
-            "held_state_slots",
-            "kv_capacity",
-            "kv_free",
-            "state_capacity",
-            "state_free",
-            "budget_bytes",
-            "physical_bytes",
-            "leases",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("backend", c_uint32)] + _u64_fields(
+        """
+        requests input_tokens hit_tokens evictions admissions_rejected reservations reservations_refused
+        migrations bytes_migrated evictions_for_memory evictions_other_kind held_kv_pages
+        held_state_slots kv_capacity kv_free state_capacity state_free budget_bytes physical_bytes
+        leases
+        """
+    )
 
 
 class marconi_events_config(Structure):
@@ -711,59 +673,32 @@ SIGNATURES = {
     "marconi_model_spec_from_gguf_bytes": (status_t, [POINTER(c_uint8), c_size_t, POINTER(marconi_model_spec)]),
     "marconi_cache_new": (status_t, [POINTER(marconi_cache_config), POINTER(_cache_p)]),
     "marconi_cache_free": (None, [_cache_p]),
-    "marconi_cache_lookup": (
-        status_t,
-        [_cache_p, c_uint64, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
-    ),
+    "marconi_cache_lookup": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)]),
     "marconi_cache_lookup_hinted": (
-        status_t,
-        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
+        status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
     ),
-    "marconi_cache_lookup_i64": (
-        status_t,
-        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, POINTER(marconi_lookup)],
-    ),
+    "marconi_cache_lookup_i64": (status_t, [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, POINTER(marconi_lookup)]),
     "marconi_cache_lookup_i64_flags": (
-        status_t,
-        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, c_uint32, POINTER(marconi_lookup)],
+        status_t, [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, c_uint32, POINTER(marconi_lookup)],
     ),
     "marconi_cache_lease_kv_pages": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_lease_plan": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_cache_admit": (
         status_t,
         [
-            _cache_p,
-            c_uint64,
-            _u32_p,
-            c_size_t,
-            POINTER(marconi_saved_state),
-            c_size_t,
-            _u32_p,
-            c_size_t,
-            POINTER(c_uint8),
-            POINTER(marconi_admit_result),
+            _cache_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_saved_state), c_size_t, _u32_p, c_size_t,
+            POINTER(c_uint8), POINTER(marconi_admit_result),
         ],
     ),
     "marconi_cache_admit_i64": (
         status_t,
         [
-            _cache_p,
-            c_uint64,
-            _i64_p,
-            c_size_t,
-            POINTER(marconi_saved_state),
-            c_size_t,
-            _i64_p,
-            c_size_t,
-            POINTER(c_uint8),
-            POINTER(marconi_admit_result),
+            _cache_p, c_uint64, _i64_p, c_size_t, POINTER(marconi_saved_state), c_size_t, _i64_p, c_size_t,
+            POINTER(c_uint8), POINTER(marconi_admit_result),
         ],
     ),
     "marconi_cache_release": (status_t, [_cache_p, c_uint64]),
-    "marconi_cache_drain_freed": (
-        status_t,
-        [_cache_p, _u32_p, c_size_t, _size_p, _u32_p, c_size_t, _size_p],
-    ),
+    "marconi_cache_drain_freed": (status_t, [_cache_p, _u32_p, c_size_t, _size_p, _u32_p, c_size_t, _size_p]),
     "marconi_cache_evict": (status_t, [_cache_p, c_uint64, POINTER(c_uint64)]),
     "marconi_cache_stats": (status_t, [_cache_p, POINTER(marconi_stats)]),
     "marconi_cache_drain_log": (status_t, [_cache_p, c_char_p, c_size_t, _size_p]),
@@ -774,41 +709,27 @@ SIGNATURES = {
     "marconi_pool_free": (None, [_pool_p]),
     "marconi_pool_allocate": (status_t, [_pool_p, c_uint32, c_size_t, _u64_p, c_size_t]),
     "marconi_pool_free_units": (status_t, [_pool_p, _u64_p, c_size_t]),
-    "marconi_pool_resolve": (
-        status_t,
-        [_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
-    ),
+    "marconi_pool_resolve": (status_t, [_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t]),
     "marconi_pool_migrate": (status_t, [_pool_p, c_uint32, c_uint32, POINTER(marconi_migration)]),
     "marconi_pool_get_stats": (status_t, [_pool_p, POINTER(marconi_pool_stats)]),
     "marconi_pool_copy_states": (status_t, [_pool_p, POINTER(marconi_state_copy), c_size_t]),
     "marconi_pool_fork_state": (status_t, [_pool_p, c_uint64, _u64_p, c_size_t]),
-    "marconi_pool_promote_state": (
-        status_t,
-        [_pool_p, c_uint64, _u64_p, c_size_t, c_size_t, c_uint32, _u64_p],
-    ),
+    "marconi_pool_promote_state": (status_t, [_pool_p, c_uint64, _u64_p, c_size_t, c_size_t, c_uint32, _u64_p]),
     # Host tier memory (marconi-ffi/src/host_pool.rs).
     "marconi_host_pool_config_init": (status_t, [POINTER(marconi_host_pool_config), c_size_t]),
     "marconi_host_pool_new": (status_t, [POINTER(marconi_host_pool_config), POINTER(_host_pool_p)]),
     "marconi_host_pool_free": (None, [_host_pool_p]),
     "marconi_host_pool_allocate": (status_t, [_host_pool_p, c_uint32, c_size_t, _u64_p, c_size_t]),
     "marconi_host_pool_free_units": (status_t, [_host_pool_p, _u64_p, c_size_t]),
-    "marconi_host_pool_resolve": (
-        status_t,
-        [_host_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
-    ),
+    "marconi_host_pool_resolve": (status_t, [_host_pool_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t]),
     "marconi_host_pool_get_stats": (status_t, [_host_pool_p, POINTER(marconi_host_pool_stats)]),
     "marconi_host_pool_demote": (
-        status_t,
-        [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
+        status_t, [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
     ),
     "marconi_host_pool_promote": (
-        status_t,
-        [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
+        status_t, [_host_pool_p, _pool_p, POINTER(marconi_unit_move), c_size_t, POINTER(c_uint64)],
     ),
-    "marconi_snapshot_copy": (
-        status_t,
-        [POINTER(marconi_state_buffer), POINTER(marconi_copy_order), c_size_t],
-    ),
+    "marconi_snapshot_copy": (status_t, [POINTER(marconi_state_buffer), POINTER(marconi_copy_order), c_size_t]),
     "marconi_snapshot_fork": (status_t, [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t]),
     # Memory planning (marconi-ffi/src/plan.rs).
     "marconi_plan_request_init": (status_t, [POINTER(marconi_plan_request), c_size_t]),
@@ -816,120 +737,41 @@ SIGNATURES = {
     "marconi_plan_converged_split": (
         status_t,
         [
-            POINTER(marconi_plan_request),
-            POINTER(c_uint32),
-            c_size_t,
-            POINTER(c_size_t),
-            c_size_t,
-            POINTER(c_uint32),
-            c_size_t,
-            POINTER(marconi_converged_split),
+            POINTER(marconi_plan_request), POINTER(c_uint32), c_size_t, POINTER(c_size_t), c_size_t, POINTER(c_uint32),
+            c_size_t, POINTER(marconi_converged_split),
         ],
     ),
     # The cache over pools (marconi-ffi/src/pooled.rs): the one handle's
-    # pool calls, then the deprecated marconi_pooled_cache_* forwarders.
-    "marconi_cache_lookup_pooled": (
-        status_t,
-        [_cache_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
-    ),
+    # pool calls (the deprecated marconi_pooled_cache_* forwarders: below).
+    "marconi_cache_lookup_pooled": (status_t, [_cache_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)]),
     "marconi_cache_lookup_pooled_hinted": (
-        status_t,
-        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
+        status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
     ),
     "marconi_cache_lease_kv_handles": (status_t, [_cache_p, c_uint64, _u64_p, c_size_t, _size_p]),
-    "marconi_cache_reserve": (
-        status_t,
-        [_cache_p, c_uint32, c_uint32, _u64_p, c_size_t, _u64_p, c_size_t],
-    ),
+    "marconi_cache_reserve": (status_t, [_cache_p, c_uint32, c_uint32, _u64_p, c_size_t, _u64_p, c_size_t]),
     "marconi_cache_admit_pooled": (
         status_t,
         [
-            _cache_p,
-            c_uint64,
-            _u32_p,
-            c_size_t,
-            POINTER(marconi_pooled_state),
-            c_size_t,
-            _u64_p,
-            c_size_t,
-            POINTER(c_uint8),
-            POINTER(marconi_admit_result),
+            _cache_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_state), c_size_t, _u64_p, c_size_t,
+            POINTER(c_uint8), POINTER(marconi_admit_result),
         ],
     ),
     "marconi_cache_free_units": (status_t, [_cache_p, _u64_p, c_size_t]),
     "marconi_cache_drain_freed_units": (status_t, [_cache_p, _u64_p, c_size_t, _size_p]),
     "marconi_cache_held": (status_t, [_cache_p, _u64_p, c_size_t, _size_p]),
-    "marconi_cache_resolve": (
-        status_t,
-        [_cache_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
-    ),
+    "marconi_cache_resolve": (status_t, [_cache_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t]),
     "marconi_cache_copy_states": (status_t, [_cache_p, POINTER(marconi_state_copy), c_size_t]),
     "marconi_cache_pool_stats": (status_t, [_cache_p, POINTER(marconi_pooled_stats)]),
-    "marconi_pooled_cache_new": (
-        status_t,
-        [POINTER(marconi_cache_config), POINTER(marconi_pool_config), POINTER(_pooled_p)],
-    ),
-    "marconi_pooled_cache_free": (None, [_pooled_p]),
-    "marconi_pooled_cache_lookup": (
-        status_t,
-        [_pooled_p, c_uint64, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
-    ),
-    "marconi_pooled_cache_lookup_hinted": (
-        status_t,
-        [_pooled_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, POINTER(marconi_pooled_lookup)],
-    ),
-    "marconi_pooled_cache_lease_kv_pages": (status_t, [_pooled_p, c_uint64, _u64_p, c_size_t, _size_p]),
-    "marconi_pooled_cache_lease_plan": (status_t, [_pooled_p, c_uint64, _u32_p, c_size_t, _size_p]),
-    "marconi_pooled_cache_reserve": (
-        status_t,
-        [_pooled_p, c_uint32, c_uint32, _u64_p, c_size_t, _u64_p, c_size_t],
-    ),
-    "marconi_pooled_cache_admit": (
-        status_t,
-        [
-            _pooled_p,
-            c_uint64,
-            _u32_p,
-            c_size_t,
-            POINTER(marconi_pooled_state),
-            c_size_t,
-            _u64_p,
-            c_size_t,
-            POINTER(c_uint8),
-            POINTER(marconi_admit_result),
-        ],
-    ),
-    "marconi_pooled_cache_free_units": (status_t, [_pooled_p, _u64_p, c_size_t]),
-    "marconi_pooled_cache_release": (status_t, [_pooled_p, c_uint64]),
-    "marconi_pooled_cache_drain_freed": (status_t, [_pooled_p, _u64_p, c_size_t, _size_p]),
-    "marconi_pooled_cache_held": (status_t, [_pooled_p, _u64_p, c_size_t, _size_p]),
-    "marconi_pooled_cache_resolve": (
-        status_t,
-        [_pooled_p, _u64_p, c_size_t, POINTER(marconi_unit_location), c_size_t],
-    ),
-    "marconi_pooled_cache_copy_states": (status_t, [_pooled_p, POINTER(marconi_state_copy), c_size_t]),
-    "marconi_pooled_cache_stats": (status_t, [_pooled_p, POINTER(marconi_pooled_stats)]),
-    "marconi_pooled_cache_check": (status_t, [_pooled_p]),
     "marconi_snapshot_promote": (
-        status_t,
-        [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
+        status_t, [POINTER(marconi_state_buffer), c_uint32, _u32_p, c_size_t, c_size_t, c_uint32, _u32_p],
     ),
     # Cache events (marconi-ffi/src/events.rs, docs/events.md).
     "marconi_events_config_init": (status_t, [POINTER(marconi_events_config), c_size_t]),
-    "marconi_events_new": (
-        status_t,
-        [_cache_p, POINTER(marconi_events_config), POINTER(_events_p)],
-    ),
+    "marconi_events_new": (status_t, [_cache_p, POINTER(marconi_events_config), POINTER(_events_p)]),
     "marconi_events_free": (None, [_events_p, _cache_p]),
     "marconi_events_has_publisher": (c_uint32, []),
-    "marconi_events_drain": (
-        status_t,
-        [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p],
-    ),
-    "marconi_events_snapshot": (
-        status_t,
-        [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p],
-    ),
+    "marconi_events_drain": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p]),
+    "marconi_events_snapshot": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint8), c_size_t, _size_p]),
     "marconi_events_publish": (status_t, [_events_p, _cache_p, c_double, POINTER(c_uint64)]),
     "marconi_events_endpoint": (status_t, [_events_p, c_uint32, c_char_p, c_size_t, _size_p]),
     # The store tier (marconi-ffi/src/store.rs, docs/store.md).
@@ -937,97 +779,73 @@ SIGNATURES = {
     "marconi_store_new": (status_t, [POINTER(marconi_store_config), POINTER(_store_p)]),
     "marconi_store_free": (None, [_store_p]),
     "marconi_store_put_state": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t]),
-    "marconi_store_get_state": (
-        status_t,
-        [_store_p, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t, _size_p, _u32_p],
-    ),
+    "marconi_store_get_state": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t, _size_p, _u32_p]),
     "marconi_store_delete_state": (status_t, [_store_p, _u32_p, c_size_t, c_size_t]),
     "marconi_store_put_kv": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t]),
-    "marconi_store_get_kv": (
-        status_t,
-        [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
-    ),
+    "marconi_store_get_kv": (status_t, [_store_p, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p]),
     "marconi_store_kv_prefix": (status_t, [_store_p, _u32_p, c_size_t, _size_p]),
-    "marconi_store_put_state_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t]),
-    "marconi_store_get_state_ns": (
-        status_t,
-        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, _u8_p, c_size_t, _size_p, _u32_p],
-    ),
-    "marconi_store_delete_state_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, c_size_t]),
-    "marconi_store_put_kv_ns": (
-        status_t,
-        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t],
-    ),
-    "marconi_store_get_kv_ns": (
-        status_t,
-        [_store_p, c_uint64, _u32_p, c_size_t, c_size_t, c_size_t, _u8_p, c_size_t, _size_p],
-    ),
-    "marconi_store_kv_prefix_ns": (status_t, [_store_p, c_uint64, _u32_p, c_size_t, _size_p]),
     "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
     # The tiers of a cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
     "marconi_tier_options_init": (status_t, [POINTER(marconi_tier_options), c_size_t]),
     "marconi_cache_lookup_tiered": (
-        status_t,
-        [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
+        status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
     ),
     "marconi_cache_lookup_tiered_i64_flags": (
-        status_t,
-        [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, _store_p, POINTER(marconi_tiered_hit)],
+        status_t, [_cache_p, c_uint64, _i64_p, c_size_t, c_uint32, _store_p, POINTER(marconi_tiered_hit)],
     ),
-    "marconi_cache_lease_loads": (
-        status_t,
-        [_cache_p, c_uint64, POINTER(marconi_load_order), c_size_t, _size_p],
-    ),
+    "marconi_cache_lease_loads": (status_t, [_cache_p, c_uint64, POINTER(marconi_load_order), c_size_t, _size_p]),
     "marconi_cache_report_load_failure": (status_t, [_cache_p, c_uint64]),
     "marconi_cache_settle": (status_t, [_cache_p]),
     "marconi_cache_drain_ops": (
-        status_t,
-        [_cache_p, POINTER(marconi_tier_op), c_size_t, _size_p, _u32_p, c_size_t, _size_p],
+        status_t, [_cache_p, POINTER(marconi_tier_op), c_size_t, _size_p, _u32_p, c_size_t, _size_p],
     ),
     "marconi_cache_tier_stats": (status_t, [_cache_p, POINTER(marconi_tiered_stats)]),
-    # The deprecated tiered handle: forwarders onto the calls above.
+    # The deprecated handles' constructors (their other calls: below).
+    "marconi_pooled_cache_new": (
+        status_t, [POINTER(marconi_cache_config), POINTER(marconi_pool_config), POINTER(_pooled_p)],
+    ),
     "marconi_tiered_config_init": (status_t, [POINTER(marconi_tiered_config), c_size_t]),
     "marconi_tiered_new": (status_t, [POINTER(marconi_tiered_config), POINTER(_tiered_p)]),
-    "marconi_tiered_free": (None, [_tiered_p]),
-    "marconi_tiered_lookup": (
-        status_t,
-        [_tiered_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
-    ),
-    "marconi_tiered_lease_loads": (
-        status_t,
-        [_tiered_p, c_uint64, POINTER(marconi_load_order), c_size_t, _size_p],
-    ),
-    "marconi_tiered_lease_plan": (status_t, [_tiered_p, c_uint64, _u32_p, c_size_t, _size_p]),
-    "marconi_tiered_lease_kv_pages": (status_t, [_tiered_p, c_uint64, _u32_p, c_size_t, _size_p]),
-    "marconi_tiered_admit": (
-        status_t,
-        [
-            _tiered_p,
-            c_uint64,
-            _u32_p,
-            c_size_t,
-            POINTER(marconi_saved_state),
-            c_size_t,
-            _u32_p,
-            c_size_t,
-            _u8_p,
-            POINTER(marconi_admit_result),
-        ],
-    ),
-    "marconi_tiered_release": (status_t, [_tiered_p, c_uint64]),
-    "marconi_tiered_report_load_failure": (status_t, [_tiered_p, c_uint64]),
-    "marconi_tiered_settle": (status_t, [_tiered_p]),
-    "marconi_tiered_drain_ops": (
-        status_t,
-        [_tiered_p, POINTER(marconi_tier_op), c_size_t, _size_p, _u32_p, c_size_t, _size_p],
-    ),
-    "marconi_tiered_drain_freed": (
-        status_t,
-        [_tiered_p, _u32_p, c_size_t, _size_p, _u32_p, c_size_t, _size_p],
-    ),
-    "marconi_tiered_get_stats": (status_t, [_tiered_p, POINTER(marconi_tiered_stats)]),
-    "marconi_tiered_check": (status_t, [_tiered_p]),
 }
+
+FORWARDERS = {
+    "marconi_pooled_cache_free": "marconi_cache_free",
+    "marconi_pooled_cache_lookup": "marconi_cache_lookup_pooled",
+    "marconi_pooled_cache_lookup_hinted": "marconi_cache_lookup_pooled_hinted",
+    "marconi_pooled_cache_lease_kv_pages": "marconi_cache_lease_kv_handles",
+    "marconi_pooled_cache_lease_plan": "marconi_cache_lease_plan",
+    "marconi_pooled_cache_reserve": "marconi_cache_reserve",
+    "marconi_pooled_cache_admit": "marconi_cache_admit_pooled",
+    "marconi_pooled_cache_free_units": "marconi_cache_free_units",
+    "marconi_pooled_cache_release": "marconi_cache_release",
+    "marconi_pooled_cache_drain_freed": "marconi_cache_drain_freed_units",
+    "marconi_pooled_cache_held": "marconi_cache_held",
+    "marconi_pooled_cache_resolve": "marconi_cache_resolve",
+    "marconi_pooled_cache_copy_states": "marconi_cache_copy_states",
+    "marconi_pooled_cache_stats": "marconi_cache_pool_stats",
+    "marconi_pooled_cache_check": "marconi_cache_check",
+    "marconi_tiered_free": "marconi_cache_free",
+    "marconi_tiered_lookup": "marconi_cache_lookup_tiered",
+    "marconi_tiered_lease_loads": "marconi_cache_lease_loads",
+    "marconi_tiered_lease_plan": "marconi_cache_lease_plan",
+    "marconi_tiered_lease_kv_pages": "marconi_cache_lease_kv_pages",
+    "marconi_tiered_admit": "marconi_cache_admit",
+    "marconi_tiered_release": "marconi_cache_release",
+    "marconi_tiered_report_load_failure": "marconi_cache_report_load_failure",
+    "marconi_tiered_settle": "marconi_cache_settle",
+    "marconi_tiered_drain_ops": "marconi_cache_drain_ops",
+    "marconi_tiered_drain_freed": "marconi_cache_drain_freed",
+    "marconi_tiered_get_stats": "marconi_cache_tier_stats",
+    "marconi_tiered_check": "marconi_cache_check",
+}
+"""The deprecated handles' calls, each a forwarder onto the one handle's
+call named here: it takes the same arguments (a marconi_pooled_cache or
+marconi_tiered handle for the marconi_cache one; all three are void* here)."""
+SIGNATURES.update({name: SIGNATURES[target] for name, target in FORWARDERS.items()})
+# marconi_store_*_ns: the plain store call with a namespace after the handle.
+for _name in ("put_state", "get_state", "delete_state", "put_kv", "get_kv", "kv_prefix"):
+    _restype, (_store, *_rest) = SIGNATURES[f"marconi_store_{_name}"]
+    SIGNATURES[f"marconi_store_{_name}_ns"] = (_restype, [_store, c_uint64, *_rest])
 SIGNATURES.update(_pml_abi.PML_SIGNATURES)
 """Every function of the header: name -> (restype, argtypes)."""
 

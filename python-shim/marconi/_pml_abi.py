@@ -12,6 +12,12 @@ TOKENIZE_FN = CFUNCTYPE(c_int64, c_void_p, POINTER(c_uint8), c_size_t, POINTER(c
 """marconi_pml_tokenize_fn."""
 
 
+def _u64_fields(names: str) -> list:
+    """The ctypes fields of a run of uint64_t struct members, named in
+    order in `names` (separated by whitespace)."""
+    return [(name, c_uint64) for name in names.split()]
+
+
 class marconi_pml_error(Structure):
     """struct marconi_pml_error."""
 
@@ -69,24 +75,12 @@ class marconi_pml_served(Structure):
 class marconi_pml_cache_stats(Structure):
     """struct marconi_pml_cache_stats."""
 
-    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [
-        (name, c_uint64)
-        for name in (
-            "lookups",
-            "hits",
-            "misses",
-            "recomputed",
-            "admissions",
-            "refused",
-            "evictions",
-            "entries",
-            "resident_bytes",
-            "pinned_bytes",
-            "used_bytes",
-            "capacity_bytes",
-            "schemas",
-        )
-    ]
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + _u64_fields(
+        """
+        lookups hits misses recomputed admissions refused evictions entries resident_bytes pinned_bytes
+        used_bytes capacity_bytes schemas
+        """
+    )
 
 
 PML_STRUCTS = {

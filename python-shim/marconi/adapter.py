@@ -615,7 +615,7 @@ class SGLangTreeCache(MarconiPrefixCache):
 
     def _lookup(self, ids: _array, n: int, ns: int, flags: int = _WHOLE_NO_PAGES) -> tuple:
         """One lookup of ids[:n] (read in place; all n may be a hit):
-        _lookup_ids's tuple, with no page count unless `flags` asks for
+        PrefixCache._lookup_prefix's tuple, with no page count unless `flags` asks for
         the pages."""
         return self.cache._lookup_prefix(ids, n, ns, flags)
 

@@ -6,10 +6,10 @@ import array
 import ctypes
 import json
 import struct
-import threading
+from _thread import get_ident as _get_ident
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from . import _lib
 from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the adapter)
@@ -23,10 +23,18 @@ from ._convert import (  # noqa: F401 (U64_MAX, _uint: imported from here by the
     _u32_arg,
     _u32_pointer,
     _u32_source,
+    _flag,
+    _real,
     _u64,
     _uint,
 )
+from ._errors import STATUS_NAMES, MarconiError, _check, _config, last_error, status_message, version  # noqa: F401 (re-exported)
+from ._handle import _Handle, _Unique
 from ._lib import NO_SLOT
+
+if TYPE_CHECKING:
+    from .pool import Pools
+    from .tiered import Tiers
 
 _array = array.array
 _U32 = ctypes.c_uint32
@@ -63,129 +71,31 @@ def _saved_states(states: Iterable) -> tuple[Any, int]:
     return ((_SavedState * k).from_buffer_copy(flat) if k else None), k
 
 
-STATUS_NAMES = [
-    "OK",
-    "NULL_ARGUMENT",
-    "INVALID_ARGUMENT",
-    "BUFFER_TOO_SMALL",
-    "PANIC",
-    "POISONED",
-    "INVALID_CONFIG",
-    "UNKNOWN_PRESET",
-    "EMPTY_TOKENS",
-    "TOO_MANY_TOKENS",
-    "UNKNOWN_LEASE",
-    "PREFIX_MISMATCH",
-    "BAD_PAGE_LIST",
-    "NOT_PLANNED",
-    "POSITION_OUT_OF_RANGE",
-    "DUPLICATE_POSITION",
-    "DUPLICATE_SLOT",
-    "DUPLICATE_PAGE",
-    "INVARIANT_VIOLATED",
-    "UNSUPPORTED_STRUCT_SIZE",
-    "UNKNOWN_HANDLE",
-    "DOUBLE_FREE",
-    "OUT_OF_MEMORY",
-    "UNSUPPORTED",
-    "BACKEND_FAILURE",
-    "QUEUE_FULL",
-]
-"""marconi_status names (without the MARCONI_STATUS_ prefix), by value."""
+def _model_into(target: Any, model: Any) -> Any:
+    """Sets a struct's model_preset / model fields from a preset name or a
+    dict of marconi_model_spec fields; returns what must stay alive."""
+    if isinstance(model, str):
+        if "\0" in model:
+            raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
+        keep = model.encode()
+        target.model_preset = keep
+        return keep
+    if isinstance(model, Mapping):
+        fields = dict(_lib.marconi_model_spec._fields_)
+        for k, v in model.items():
+            if k not in fields:
+                raise ValueError(f"model: unknown model field {k!r}")
+            hi = U32_MAX if fields[k] is ctypes.c_uint32 else U64_MAX
+            setattr(target.model, k, _uint(v, f"model.{k}", hi))
+        target.model_preset = None
+        return None
+    raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
+
 
 ADMISSION = {"marconi": 0, "all_blocks": 1, "oracle": 2}
 EVICTION = {"lru": 0, "flop_aware": 1}
 OBJECTIVE = {"flops_saved": 0, "token_hits": 1}
 ADOPTION = {"when_ready": 0, "deterministic": 1}
-
-
-def _flag(value: Any, name: str) -> int:
-    """A bool argument (True/False, or the ints 0 and 1) as 0 or 1."""
-    if value is True or value is False:
-        return int(value)
-    if type(value) is int:
-        if value in (0, 1):
-            return value
-        raise ValueError(f"{name}: expected a bool, got {value!r}")
-    raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
-
-
-def _real(value: Any, name: str) -> float:
-    """A float argument: an int or a float, not a bool."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def status_message(status: int) -> str:
-    """The fixed text of a status code (marconi_status_message)."""
-    status = _u32(status, "status")
-    lib = _lib.load()
-    n = lib.marconi_status_message(status, None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    lib.marconi_status_message(status, buf, n + 1)
-    return buf.value.decode()
-
-
-def last_error() -> str:
-    """This thread's last error detail (marconi_last_error)."""
-    lib = _lib.load()
-    n = lib.marconi_last_error(None, 0)
-    buf = ctypes.create_string_buffer(n + 1)
-    lib.marconi_last_error(buf, n + 1)
-    return buf.value.decode(errors="replace")
-
-
-def version() -> str:
-    """The library version (marconi_version)."""
-    return _lib.load().marconi_version().decode()
-
-
-class _Closing:
-    """Context manager and finaliser for an object that owns a native
-    handle: `with` closes it, and so does garbage collection (errors at
-    interpreter teardown are swallowed). Subclasses define `close()`."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-
-class MarconiError(Exception):
-    """A call refused by libmarconi. `status` is the marconi_status value,
-    `name` its name (e.g. "UNKNOWN_LEASE"), `function` the C function that
-    refused (e.g. "marconi_cache_lookup", or None), `detail` the library's
-    last-error text for that call (e.g. "marconi_cache_lookup: tokens is NULL
-    but length is 12"; for MARCONI_STATUS_PANIC it carries the panic
-    message). A refused call changed nothing in the cache."""
-
-    def __init__(self, status: int, detail: str, function: Optional[str] = None):
-        self.status = status
-        self.name = STATUS_NAMES[status] if status < len(STATUS_NAMES) else f"STATUS_{status}"
-        self.detail = detail
-        self.function = function
-        super().__init__(f"{self.name}: {status_message(status)} ({detail})")
-
-
-def _check(status: int, function: str) -> None:
-    """Raises MarconiError when `function` (just called by this thread)
-    returned a failure. The library records "<function>: <detail>" as the
-    thread's last error on every failure and leaves it alone on success, so
-    a text naming another function is an older failure's: it is not passed
-    off as this one's detail."""
-    if status != 0:
-        detail = last_error()
-        if not detail.startswith(function + ":"):
-            detail = f"{function}: no detail from the library (status {status})"
-        raise MarconiError(status, detail, function)
 
 
 @dataclass(frozen=True)
@@ -208,10 +118,13 @@ class AdmitResult:
     """taken[i]: the i-th offered state was taken."""
 
 
-class Lease:
+class Lease(_Unique):
     """The result of a lookup, pinning what the request reuses until
     released. A context manager: leaving the `with` block releases it (if not
     released already). Not copyable: it is one pin, released once."""
+
+    _NOT_COPIED = "it is one pin of a cache, released once"
+    _NOT_PICKLED = "it is only valid in the process and cache that made it"
 
     def __init__(self, cache: "PrefixCache", raw: Any, kv_pages: list[int], plan: list[int], input_len: int = 0):
         lid, hit, kv, slot, _, _, n_copy, src, dst = _LOOKUP_FIELDS.unpack_from(raw)
@@ -262,15 +175,6 @@ class Lease:
         if not cache._closing and self.id in cache._live:
             cache._release(self.id)
 
-    def __copy__(self):
-        raise TypeError("a Lease cannot be copied: it is one pin of a cache, released once")
-
-    def __deepcopy__(self, memo):
-        self.__copy__()
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a Lease cannot be pickled: it is only valid in the process and cache that made it")
-
     def __repr__(self) -> str:
         return (
             f"Lease(id={self.id}, hit_tokens={self.hit_tokens}, "
@@ -279,12 +183,14 @@ class Lease:
         )
 
 
-class PrefixCache(_Closing):
+class PrefixCache(_Handle):
     """A libmarconi prefix cache (marconi_cache). Safe to share between
     threads (the library locks internally; ctypes releases the GIL during
     calls). Close it with close() or a `with` block; close() waits for the
-    calls other threads have in flight, and later calls raise ValueError.
-    Not copyable or picklable (it owns the native cache).
+    calls other threads have in flight (close(timeout=...) gives up with
+    TimeoutError and leaves the freeing to the last of them), marks every
+    Lease released, and later calls raise ValueError. Not copyable or
+    picklable (it owns the native cache).
 
     model: a preset name ("paper-7b", "jamba-1.5-mini", "nemotron-h-8b", ...)
     or a dict of marconi_model_spec fields. alpha: None for online tuning,
@@ -333,6 +239,11 @@ class PrefixCache(_Closing):
     UINT32_MAX / UINT64_MAX), both naming the argument.
     """
 
+    _WHAT = "cache"
+    _FREE = "marconi_cache_free"
+    _NOT_COPIED = "it owns its native cache (share the object instead)"
+    _NOT_PICKLED = "it owns a native cache of this process"
+
     def __init__(
         self,
         capacity_bytes: int,
@@ -366,47 +277,22 @@ class PrefixCache(_Closing):
         tiers: Union[None, "Tiers", Mapping] = None,
         pools: Union[None, "Pools", Mapping] = None,
     ):
-        # The lifetime state first, so that close() (from __del__) works on
-        # an object whose __init__ raised.
-        self._handle: Optional[ctypes.c_void_p] = None
-        self._state = threading.Condition(threading.Lock())
-        """Guards close() and the end of the calls it waits for."""
-        self._calls: list = []
-        """One entry per call between _begin() and _end() (inside the
-        library, or about to be): list.append and list.pop are atomic, so
-        the hot paths count themselves without taking a lock."""
-        self._closing = False
-        self._orphaned = False
-        """close() gave up waiting: the last call to end frees the handle."""
+        # The guard first, so that close() (from __del__) works on an object
+        # whose __init__ raised.
+        self._guard_init()
         self._live: set = set()
         """Ids of the leases this object handed out and has not released
         (cleared by close(); Lease.released reads it)."""
-        self._owner: Any = None
-        """With pools: the native cache's last owner, shared with the views
-        of its units (the cache is freed with the last of them)."""
         lib = _lib.load()
-        cfg = _lib.marconi_cache_config()
         if policy is None:
-            _check(lib.marconi_cache_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_cache_config_init")
+            cfg = _config(lib, _lib.marconi_cache_config)
         elif isinstance(policy, str) and "\0" not in policy:
+            cfg = _lib.marconi_cache_config()
             st = lib.marconi_cache_config_preset(ctypes.byref(cfg), ctypes.sizeof(cfg), policy.encode())
             _check(st, "marconi_cache_config_preset")
         else:
             raise TypeError(f"policy: expected a preset name, got {policy!r}")
-        if isinstance(model, str):
-            if "\0" in model:
-                raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
-            preset = model.encode()
-            cfg.model_preset = preset
-        elif isinstance(model, Mapping):
-            fields = dict(_lib.marconi_model_spec._fields_)
-            for k, v in model.items():
-                if k not in fields:
-                    raise ValueError(f"model: unknown model field {k!r}")
-                hi = U32_MAX if fields[k] is ctypes.c_uint32 else U64_MAX
-                setattr(cfg.model, k, _uint(v, f"model.{k}", hi))
-        else:
-            raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
+        keep = _model_into(cfg, model)
         for name, value, known in (
             ("admission", admission, ADMISSION),
             ("eviction", eviction, EVICTION),
@@ -498,13 +384,10 @@ class PrefixCache(_Closing):
             self.backend = p.backend
         handle = ctypes.c_void_p()
         _check(lib.marconi_cache_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_cache_new")
-        del opts, popts  # read only during marconi_cache_new
-        self._lib = lib
-        self._handle = handle
-        if pools is not None:
-            from .pool import _Owner
-
-            self._owner = _Owner(lib.marconi_cache_free, handle)
+        del opts, popts, keep  # read only during marconi_cache_new
+        # With pools, views of their units share the native cache (it is
+        # freed with the last of them).
+        self._adopt(lib, handle, views=pools is not None)
         self.page_size = page_size
         self.has_tiers = tiers is not None
         """Whether the cache has lower tiers (the tier methods need them)."""
@@ -513,94 +396,14 @@ class PrefixCache(_Closing):
         need them; lookup, admit and drain_freed, over ids the engine owns,
         refuse)."""
 
-    # -- lifetime --------------------------------------------------------
+    # -- lifetime (_Handle) ----------------------------------------------
     #
-    # Every method brackets its native calls with _begin() / _end() (the hot
-    # paths inline the same steps): append to self._calls, then read
-    # self._closing; after the call, pop from self._calls, then read
-    # self._closing again. close() sets self._closing under self._state and
-    # waits (on the condition, holding no lock the library or a returning
-    # call needs) until self._calls is empty, and only then frees the
-    # handle. A call that appended before close() set the flag is waited
-    # for; one that appends after it sees the flag and never touches the
-    # handle; one that pops after close() began takes the condition to wake
-    # it. So marconi_cache_free never runs beside another call on the
-    # cache, and no call ever gets a freed handle. The library's own mutex
-    # is only taken inside native calls, never while self._state is held.
+    # The hot paths below inline _begin() and _end(): append this thread's
+    # ident to self._calls, then read self._closing; after the call, remove
+    # the ident, then read self._closing again (see marconi._handle).
 
-    def _begin(self) -> ctypes.c_void_p:
-        """The handle, for one method's native calls; pair with _end()."""
-        self._calls.append(None)
-        if self._closing:
-            self._end()
-            raise ValueError("the cache is closed")
-        return self._handle
-
-    def _end(self) -> None:
-        self._calls.pop()
-        if self._closing:
-            self._ended()
-
-    def _ended(self) -> None:
-        """A call ended after close() began: wake close(), or free the
-        handle if close() gave up waiting and this was the last call."""
-        with self._state:
-            if self._calls:
-                return
-            self._state.notify_all()
-            if not self._orphaned:
-                return  # close() is waiting and frees
-            h, self._handle = self._handle, None
-        self._free(h)
-
-    def _free(self, h: Optional[ctypes.c_void_p]) -> None:
-        if h is None:
-            return
-        owner, self._owner = self._owner, None
-        if owner is None:
-            self._lib.marconi_cache_free(h)
-        # Else dropping it frees the cache now, or with the last view of a
-        # unit of its pools.
-        del owner
-
-    @property
-    def closed(self) -> bool:
-        """True once close() has begun: every later call raises ValueError."""
-        return self._closing
-
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Frees the cache (marconi_cache_free). Idempotent and thread-safe.
-        New calls are refused at once (ValueError) and every live Lease is
-        marked released; calls already running on other threads are waited
-        for, for at most `timeout` seconds (None: as long as they take). If
-        some are still running then, raises TimeoutError and leaves the cache
-        closed to new calls: the last of those calls frees it as it returns."""
-        if timeout is not None:
-            timeout = _real(timeout, "timeout")
-            if not timeout >= 0:
-                raise ValueError(f"timeout: {timeout} is not a number of seconds >= 0")
-        with self._state:
-            if not self._closing:
-                self._closing = True  # every Lease of this cache now reads as released
-                self._live.clear()  # the library drops them with the cache
-            if not self._state.wait_for(lambda: not self._calls, timeout):
-                self._orphaned = True
-                n = len(self._calls)
-                raise TimeoutError(
-                    f"{n} call{' is' if n == 1 else 's are'} still running on the cache; it is closed "
-                    "to new calls and is freed when the last one returns"
-                )
-            h, self._handle = self._handle, None
-        self._free(h)
-
-    def __copy__(self):
-        raise TypeError("a PrefixCache cannot be copied: it owns its native cache (share the object instead)")
-
-    def __deepcopy__(self, memo):
-        self.__copy__()
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a PrefixCache cannot be pickled: it owns a native cache of this process")
+    def _on_close(self) -> None:
+        self._live.clear()  # every Lease now reads as released: the library drops them with the cache
 
     @property
     def handle(self) -> ctypes.c_void_p:
@@ -648,7 +451,8 @@ class PrefixCache(_Closing):
         raw = _Lookup()
         lib = self._lib
         calls = self._calls
-        calls.append(None)  # _begin(), inlined
+        ident = _get_ident()
+        calls.append(ident)  # _begin(), inlined
         try:
             if self._closing:
                 raise ValueError("the cache is closed")
@@ -684,7 +488,7 @@ class PrefixCache(_Closing):
                 lib.marconi_cache_release(h, lid)
                 raise
         finally:
-            calls.pop()  # _end(), inlined
+            calls.remove(ident)  # _end(), inlined
             if self._closing:
                 self._ended()
         return lease
@@ -697,44 +501,17 @@ class PrefixCache(_Closing):
     # tensor. Leases are ids registered in self._live, released with
     # _release_if_live(); no Lease object is built.
 
-    def _lookup_ids(self, ids: "array.array[int]", ns: int) -> tuple[int, int, int, Optional[int], int]:
-        """One lookup of `ids` (array('q') or array('I'), not empty) in
-        namespace `ns`: (lease id, hit tokens, KV-matched tokens, state slot
-        or None, number of KV pages)."""
-        raw = _Lookup()
-        lib = self._lib
-        calls = self._calls
-        calls.append(None)  # _begin(), inlined
-        try:
-            if self._closing:
-                raise ValueError("the cache is closed")
-            if ids.typecode == "q":
-                fn, ptr = "marconi_cache_lookup_i64", ctypes.c_int64.from_buffer(ids)
-                st = lib.marconi_cache_lookup_i64(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
-            else:
-                fn, ptr = "marconi_cache_lookup", _U32.from_buffer(ids)
-                st = lib.marconi_cache_lookup(self._handle, ns, ptr, len(ids), NO_SLOT, raw)
-            del ptr
-            if st:
-                _check(st, fn)
-            lid = raw.lease
-            self._live.add(lid)
-        finally:
-            calls.pop()  # _end(), inlined
-            if self._closing:
-                self._ended()
-        slot = raw.state_slot
-        return lid, raw.hit_tokens, raw.kv_matched_tokens, None if slot == NO_SLOT else slot, raw.n_kv_pages
-
     def _lookup_prefix(self, ids: "array.array[int]", n: int, ns: int, flags: int) -> tuple[int, int, int, Optional[int], int]:
         """marconi_cache_lookup_i64_flags of `ids[:n]` (array('q'), 0 < n <=
         len(ids), read in place: no copy) with `flags`
-        (LOOKUP_WHOLE_INPUT, LOOKUP_NO_KV_PAGES): _lookup_ids's tuple."""
+        (LOOKUP_WHOLE_INPUT, LOOKUP_NO_KV_PAGES): (lease id, hit tokens,
+        KV-matched tokens, state slot or None, number of KV pages)."""
         if not 0 < n <= len(ids):
             raise ValueError(f"n: {n} tokens of a key of {len(ids)}")
         raw = _Lookup()
         calls = self._calls
-        calls.append(None)  # _begin(), inlined
+        ident = _get_ident()
+        calls.append(ident)  # _begin(), inlined
         try:
             if self._closing:
                 raise ValueError("the cache is closed")
@@ -746,7 +523,7 @@ class PrefixCache(_Closing):
             lid = raw.lease
             self._live.add(lid)
         finally:
-            calls.pop()  # _end(), inlined
+            calls.remove(ident)  # _end(), inlined
             if self._closing:
                 self._ended()
         slot = raw.state_slot
@@ -784,7 +561,8 @@ class PrefixCache(_Closing):
         else:
             pptr = ctypes.c_int64.from_buffer(pages)
         calls = self._calls
-        calls.append(None)  # _begin(), inlined
+        ident = _get_ident()
+        calls.append(ident)  # _begin(), inlined
         try:
             if self._closing:
                 raise ValueError("the cache is closed")
@@ -796,7 +574,7 @@ class PrefixCache(_Closing):
             if st:
                 _check(st, "marconi_cache_admit_i64")
         finally:
-            calls.pop()  # _end(), inlined
+            calls.remove(ident)  # _end(), inlined
             if self._closing:
                 self._ended()
         states_taken, _, start, end, _, truncated, rejected = _ADMIT_FIELDS.unpack_from(raw)
@@ -857,7 +635,8 @@ class PrefixCache(_Closing):
         raw = _AdmitRaw()
         lib = self._lib
         calls = self._calls
-        calls.append(None)  # _begin(), inlined
+        ident = _get_ident()
+        calls.append(ident)  # _begin(), inlined
         try:
             if self._closing:
                 raise ValueError("the cache is closed")
@@ -876,7 +655,7 @@ class PrefixCache(_Closing):
             if st:
                 _check(st, "marconi_cache_admit")
         finally:
-            calls.pop()  # _end(), inlined
+            calls.remove(ident)  # _end(), inlined
             if self._closing:
                 self._ended()
         states_taken, returned, start, end, new_kv, truncated, rejected = _ADMIT_FIELDS.unpack_from(raw)
@@ -904,7 +683,8 @@ class PrefixCache(_Closing):
 
     def _release(self, lid: int) -> None:
         calls = self._calls
-        calls.append(None)  # _begin(), inlined
+        ident = _get_ident()
+        calls.append(ident)  # _begin(), inlined
         try:
             if self._closing:
                 raise ValueError("the cache is closed")
@@ -912,7 +692,7 @@ class PrefixCache(_Closing):
             if st:
                 _check(st, "marconi_cache_release")
         finally:
-            calls.pop()  # _end(), inlined
+            calls.remove(ident)  # _end(), inlined
             if self._closing:
                 self._ended()
         self._live.discard(lid)  # the Lease (if any) now reads as released
@@ -1057,9 +837,9 @@ class PrefixCache(_Closing):
         marconi.TieredHit whose lease (an id) admit(), release() and the
         other lease calls take. Its loads say what to read from the lower
         tiers before prefilling from hit_tokens."""
-        from .tiered import CACHE_NAMES, _lookup
+        from .tiered import _lookup
 
-        hit = _lookup(self, CACHE_NAMES, tokens, ns, checkpoints, store)
+        hit = _lookup(self, tokens, ns, checkpoints, store)
         self._live.add(hit.lease)
         return hit
 
@@ -1072,15 +852,11 @@ class PrefixCache(_Closing):
     def report_load_failure(self, lease: Union[Lease, int]) -> None:
         """Counts a load the engine could not make (it recomputed from the
         device's hit instead)."""
-        from .tiered import _call
-
-        _call(self, "marconi_cache_report_load_failure", self._lease_id(lease))
+        self._call("marconi_cache_report_load_failure", self._lease_id(lease))
 
     def settle(self) -> None:
         """Runs the moves into the lower tiers that defer_moves left waiting."""
-        from .tiered import _call
-
-        _call(self, "marconi_cache_settle")
+        self._call("marconi_cache_settle")
 
     def drain_ops(self) -> list:
         """The writes into and drops from the lower tiers since the last
@@ -1138,9 +914,9 @@ class PrefixCache(_Closing):
 
     def free_units(self, handles: Any) -> None:
         """Frees units the caller holds (reserved, not taken); all or nothing."""
-        from .pool import _free_units
+        from .pool import _free_handles
 
-        _free_units(self, handles)
+        _free_handles(self, "marconi_cache_free_units", handles)
 
     def drain_freed_units(self) -> "array.array[int]":
         """Handles evicted since the last call (already back in their pool:
@@ -1157,20 +933,21 @@ class PrefixCache(_Closing):
 
     def resolve(self, handles: Any) -> list:
         """Where each live handle's unit is (marconi.UnitLocation; all or nothing)."""
-        from .pool import _resolve
+        from .pool import _locations
 
-        return _resolve(self, handles)
+        return _locations(self, "marconi_cache_resolve", handles)
 
     def view(self, handle: int) -> memoryview:
         """A writable view of a live unit's bytes (memfd only), as
         Pool.view: the unit's while the handle is live; the view keeps the
         memory mapped after close() until it is gone."""
-        from .pool import _resolve, _unit_view
+        from .pool import _locations, _unit_view
 
         if not self.has_pools:
-            _resolve(self, [])  # the library's refusal: MarconiError UNSUPPORTED, saying what to configure
+            # The library's refusal: MarconiError UNSUPPORTED, saying what to configure.
+            _locations(self, "marconi_cache_resolve", [])
             raise ValueError("view: this cache has no pools")
-        return _unit_view(self, handle)
+        return _unit_view(self, "marconi_cache_resolve", handle)
 
     def copy_states(self, pairs: Any) -> None:
         """Copies states by handle, (src, dst) pairs (e.g. the lookup's

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 import time
 from typing import Optional
 
 from . import _lib
-from .cache import PrefixCache, _check, _Closing, _real
+from ._convert import _cstr, _real
+from ._errors import _check, _config
+from ._handle import _Handle
+from .cache import PrefixCache
 
 HASH_FORMAT = {"int": 0, "bytes": 1}
 LAYOUT = {"map": 0, "array": 1}
@@ -47,20 +49,12 @@ def _ts(ts: Optional[float]) -> float:
     return t
 
 
-def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
-    if "\0" in value:
-        raise ValueError(f"{name}: cannot contain NUL")
-    return value.encode()
-
-
-class CacheEvents(_Closing):
+class CacheEvents(_Handle):
     """The event stream of one PrefixCache (marconi_events). One per cache.
     Close it (or use `with`) before or after the cache; closing it turns the
-    cache's stream off."""
+    cache's stream off. Thread-safe."""
+
+    _WHAT = "events handle"
 
     def __init__(
         self,
@@ -81,8 +75,7 @@ class CacheEvents(_Closing):
         replay_topic: bool = True,
         namespaces: str = "cache_salt",
     ):
-        self._h: Optional[ctypes.c_void_p] = None
-        self._lock = threading.Lock()
+        self._guard_init()
         if not isinstance(cache, PrefixCache):
             raise TypeError("cache: expected a marconi.PrefixCache")
         if hash_format not in HASH_FORMAT or layout not in LAYOUT:
@@ -97,8 +90,7 @@ class CacheEvents(_Closing):
                 and 0 <= hwm < 2**31 and 0 < max_queue < 2**31):
             raise ValueError("data_parallel_rank, buffer_steps, hwm or max_queue out of range")
         lib = _lib.load()
-        cfg = _lib.marconi_events_config()
-        _check(lib.marconi_events_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_events_config_init")
+        cfg = _config(lib, _lib.marconi_events_config)
         # Keep the encoded strings alive until marconi_events_new returns.
         keep = [_cstr(seed, "seed"), _cstr(medium, "medium"), _cstr(endpoint, "endpoint"),
                 _cstr(replay_endpoint, "replay_endpoint"), _cstr(topic, "topic")]
@@ -113,35 +105,25 @@ class CacheEvents(_Closing):
         cfg.replay_topic = int(bool(replay_topic))
         cfg.namespaces = NAMESPACES[namespaces]
         h = ctypes.c_void_p()
-        ch = cache._begin()
-        try:
+        with cache._using() as ch:
             _check(lib.marconi_events_new(ch, ctypes.byref(cfg), ctypes.byref(h)), "marconi_events_new")
-        finally:
-            cache._end()
-        self._lib = lib
         self._cache = cache
-        self._h = h
+        self._adopt(lib, h)
 
     def _call_bytes(self, fn_name: str, ts: Optional[float]) -> bytes:
         ts = _ts(ts)
         fn = getattr(self._lib, fn_name)
         n = ctypes.c_size_t(0)
         cap = 1 << 16
-        with self._lock:
-            if self._h is None:
-                raise ValueError("the events handle is closed")
-            ch = self._cache._begin()
-            try:
-                while True:
-                    buf = (ctypes.c_uint8 * cap)()
-                    st = fn(self._h, ch, ts, buf, cap, ctypes.byref(n))
-                    if st == 3:  # BUFFER_TOO_SMALL: n holds the size
-                        cap = n.value
-                        continue
-                    _check(st, fn_name)
-                    return bytes(buf[: n.value])
-            finally:
-                self._cache._end()
+        with self._using() as h, self._cache._using() as ch:
+            while True:
+                buf = (ctypes.c_uint8 * cap)()
+                st = fn(h, ch, ts, buf, cap, ctypes.byref(n))
+                if st == 3:  # BUFFER_TOO_SMALL: n holds the size
+                    cap = n.value
+                    continue
+                _check(st, fn_name)
+                return bytes(buf[: n.value])
 
     def drain(self, ts: Optional[float] = None) -> bytes:
         """The changes since the last drain as one msgpack KVEventBatch
@@ -158,23 +140,14 @@ class CacheEvents(_Closing):
         number, or None when nothing changed."""
         ts = _ts(ts)
         seq = ctypes.c_uint64()
-        with self._lock:
-            if self._h is None:
-                raise ValueError("the events handle is closed")
-            ch = self._cache._begin()
-            try:
-                _check(self._lib.marconi_events_publish(self._h, ch, ts, ctypes.byref(seq)), "marconi_events_publish")
-            finally:
-                self._cache._end()
+        with self._using() as h, self._cache._using() as ch:
+            _check(self._lib.marconi_events_publish(h, ch, ts, ctypes.byref(seq)), "marconi_events_publish")
         return None if seq.value == NO_SEQ else seq.value
 
     def _endpoint(self, which: int) -> str:
         n = ctypes.c_size_t(0)
         buf = ctypes.create_string_buffer(1024)
-        with self._lock:
-            if self._h is None:
-                raise ValueError("the events handle is closed")
-            _check(self._lib.marconi_events_endpoint(self._h, which, buf, 1024, ctypes.byref(n)), "marconi_events_endpoint")
+        self._call("marconi_events_endpoint", which, buf, 1024, ctypes.byref(n))
         return buf.raw[: n.value].decode()
 
     @property
@@ -187,20 +160,15 @@ class CacheEvents(_Closing):
         """The replay ROUTER endpoint as bound."""
         return self._endpoint(1)
 
-    def close(self) -> None:
+    def _free_native(self, h) -> None:
         """Frees the handle (stopping its publisher) and turns the cache's
-        stream off. Idempotent."""
-        with self._lock:
-            h, self._h = self._h, None
-            if h is None:
-                return
-            try:
-                ch = self._cache._begin()
-            except ValueError:  # the cache is closed already
-                self._lib.marconi_events_free(h, None)
-                return
-            try:
-                self._lib.marconi_events_free(h, ch)
-            finally:
-                self._cache._end()
-
+        stream off (the cache is left alone once it is closed)."""
+        try:
+            ch = self._cache._begin()
+        except ValueError:  # the cache is closed already
+            self._lib.marconi_events_free(h, None)
+            return
+        try:
+            self._lib.marconi_events_free(h, ch)
+        finally:
+            self._cache._end()

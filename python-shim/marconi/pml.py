@@ -27,8 +27,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import _lib, _pml_abi
 from ._convert import OutOfRangeError, _u32, _u64, _uint
-from ._handle import _Guarded
-from .cache import MarconiError, _check, _Closing, last_error
+from ._errors import MarconiError, _check, _config, last_error
+from ._handle import _Handle
 
 Tokenizer = Callable[[str], Sequence[int]]
 """Text to token ids (each in 0 .. 2**32 - 1)."""
@@ -142,13 +142,16 @@ def _index(value, name: str, lo: int = 0) -> int:
     return v
 
 
-class Schema(_Guarded, _Closing):
+class Schema(_Handle):
     """A registered schema (marconi_pml_schema_new). Thread-safe for
-    layouts; close() raises RuntimeError while a call runs (on another
-    thread, or from the tokenizer a layout calls)."""
+    layouts; close() waits for the calls running on other threads, and is
+    refused (RuntimeError) from the tokenizer a layout calls."""
+
+    _WHAT = "schema"
+    _FREE = "marconi_pml_schema_free"
 
     def __init__(self, xml, tokenizer: Optional[Tokenizer] = None):
-        self._guard_init("schema")
+        self._guard_init()
         lib = _lib.load()
         data = _bytes(xml)
         cb = _Callback(tokenizer)
@@ -157,7 +160,7 @@ class Schema(_Guarded, _Closing):
         status = lib.marconi_pml_schema_new(_u8(data), len(data), cb.fn, None, byref(handle), byref(err))
         cb.reraise()
         _raise_pml(status, err, "marconi_pml_schema_new")
-        self._h = handle
+        self._adopt(lib, handle)
         n, total, ns = c_size_t(), c_uint32(), c_uint64()
         _check(lib.marconi_pml_schema_info(handle, byref(n), byref(total), byref(ns)), "marconi_pml_schema_info")
         self.n_modules = n.value
@@ -221,14 +224,6 @@ class Schema(_Guarded, _Closing):
             )
         return Layout(out, self, raw)
 
-    def close(self) -> None:
-        """Frees the schema (marconi_pml_schema_free); later calls raise
-        ValueError. Idempotent; RuntimeError while a call runs."""
-        self._close_with(lambda h: _lib.load().marconi_pml_schema_free(h))
-
-    def __reduce__(self):
-        raise TypeError("a marconi.pml.Schema cannot be pickled or copied")
-
 
 MODES = {"attention": 0, "exact": 1, "composed": 2}
 """marconi_pml_reuse_mode values by name."""
@@ -260,7 +255,7 @@ class Served(_ServedFields):
     in_run: bool = False
 
 
-class ModuleCache(_Guarded, _Closing):
+class ModuleCache(_Handle):
     """The module store (marconi_pml_cache_*): a registered schema's module
     entries pinned in a byte budget, evicted by utility once unregistered.
 
@@ -271,6 +266,9 @@ class ModuleCache(_Guarded, _Closing):
     `flops_per_token` and `flops_per_token_squared` give the prefill FLOPs
     eviction weighs per byte (default: tokens). Thread-safe."""
 
+    _WHAT = "module cache"
+    _FREE = "marconi_pml_cache_free"
+
     def __init__(
         self,
         capacity_bytes: int,
@@ -280,10 +278,9 @@ class ModuleCache(_Guarded, _Closing):
         flops_per_token: float = 1.0,
         flops_per_token_squared: float = 0.0,
     ):
-        self._guard_init("module cache")
+        self._guard_init()
         lib = _lib.load()
-        cfg = _pml_abi.marconi_pml_cache_config()
-        _check(lib.marconi_pml_cache_config_init(byref(cfg), ctypes.sizeof(cfg)), "marconi_pml_cache_config_init")
+        cfg = _config(lib, _pml_abi.marconi_pml_cache_config)
         for name, v in (
             ("capacity_bytes", capacity_bytes),
             ("kv_bytes_per_token", kv_bytes_per_token),
@@ -299,7 +296,7 @@ class ModuleCache(_Guarded, _Closing):
         cfg.flops_per_token_squared = float(flops_per_token_squared)
         handle = c_void_p()
         _check(lib.marconi_pml_cache_new(byref(cfg), byref(handle)), "marconi_pml_cache_new")
-        self._h = handle
+        self._adopt(lib, handle)
         self.hybrid = state_bytes > 0
         """Whether the model has recurrent state (modes exact and composed)."""
         self._ids: dict = {}
@@ -424,14 +421,6 @@ class ModuleCache(_Guarded, _Closing):
             status = _lib.load().marconi_pml_cache_get_stats(h, byref(st))
         _check(status, "marconi_pml_cache_get_stats")
         return {name: getattr(st, name) for name, _ in st._fields_[2:]}
-
-    def close(self) -> None:
-        """Frees the store (marconi_pml_cache_free); later calls raise
-        ValueError. Idempotent; RuntimeError while a call runs."""
-        self._close_with(lambda h: _lib.load().marconi_pml_cache_free(h))
-
-    def __reduce__(self):
-        raise TypeError("a marconi.pml.ModuleCache cannot be pickled or copied")
 
 
 __all__ = [

@@ -30,13 +30,14 @@ from __future__ import annotations
 import array
 import ctypes
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _lib
-from ._convert import OutOfRangeError, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64, _uint
-from .cache import _check, _Closing, _real
+from ._convert import OutOfRangeError, _real, _u32, _u32_bytes, _u32_pointer, _u32_source, _u64
+from ._errors import _check, _config
+from ._handle import _Handle
+from .cache import PrefixCache, _model_into
 
 BACKEND = {"none": 0, "memfd": 1, "cuda": 2}
 MIGRATION = {"static": 0, "avmp": 1}
@@ -144,105 +145,98 @@ def _pairs_pointer(src: Any, n_pairs: int, wide: bool = True) -> Any:
     return None if p is None else ctypes.cast(p, ctypes.POINTER(_lib.marconi_state_copy))
 
 
-class _Owner:
-    """The native object's last owner: frees it when dropped. The Python
-    object holds one reference and each view another, so the native free
-    runs at close() when no view is alive, else when the last view goes."""
-
-    __slots__ = ("_free", "_handle")
-
-    def __init__(self, free: Any, handle: Any):
-        self._free = free
-        self._handle = handle
-
-    def __del__(self) -> None:
-        h, self._handle = self._handle, None
-        if h is not None:
-            self._free(h)
+def _fields(s: Any) -> dict:
+    """A versioned output struct's fields as a dict (without struct_size and
+    reserved padding)."""
+    return {name: getattr(s, name) for name, _ in s._fields_ if not name.startswith(("struct_size", "reserved"))}
 
 
-class _Native(_Closing):
-    """Owns one native object: calls bracket it with _begin()/_end(), and
-    close() waits for the calls in flight before freeing it, so the native
-    free never runs beside another call and no call gets a freed handle."""
+def _stats(o: Any, fn: str, struct: Any) -> Any:
+    """An output struct `struct` filled by `fn(handle, &s)` (its struct_size set)."""
+    s = struct()
+    s.struct_size = ctypes.sizeof(s)
+    o._call(fn, ctypes.byref(s))
+    return s
 
-    _FREE = ""
-    _WHAT = "object"
 
-    def _init_lifetime(self) -> None:
-        self._handle: Optional[ctypes.c_void_p] = None
-        self._state = threading.Condition(threading.Lock())
-        self._inflight = 0
-        self._closing = False
-        self._owner: Optional[_Owner] = None
+def _locations(o: Any, fn: str, handles: Any) -> list[UnitLocation]:
+    """Where each handle's unit is, by `fn` (marconi_pool_resolve, ...; all or nothing)."""
+    src, n = _handles(handles, "handles")
+    out = (_lib.marconi_unit_location * max(n, 1))()
+    o._call(fn, _u64_pointer(src, n), n, out, n)
+    return [
+        UnitLocation(x.address, x.byte_offset, x.unit_bytes, KIND_NAME.get(x.kind, str(x.kind)), x.index)
+        for x in out[:n]
+    ]
 
-    def _begin(self) -> ctypes.c_void_p:
-        with self._state:
-            if self._closing:
-                raise ValueError(f"the {self._WHAT} is closed")
-            self._inflight += 1
-            return self._handle
 
-    def _end(self) -> None:
-        with self._state:
-            self._inflight -= 1
-            if not self._inflight:
-                self._state.notify_all()
+def _free_handles(o: Any, fn: str, handles: Any) -> None:
+    """Frees units by `fn` (marconi_pool_free_units, ...); all or nothing."""
+    src, n = _handles(handles, "handles")
+    o._call(fn, _u64_pointer(src, n), n)
 
-    @property
-    def closed(self) -> bool:
-        """True once close() has begun."""
-        return self._closing
 
-    def _adopt(self, lib: Any, handle: ctypes.c_void_p) -> None:
-        """Takes ownership of a native object just created."""
-        self._lib = lib
-        self._handle = handle
-        self._owner = _Owner(getattr(lib, self._FREE), handle)
+def _unit_view(o: Any, fn: str, handle: int) -> memoryview:
+    """A writable view of a live unit of `o` (resolved by `fn`) that keeps
+    the native memory mapped while it (or any buffer made from it) is alive."""
+    if o.backend != "memfd":
+        raise ValueError(f"view: backend {o.backend!r} has no host memory to view")
+    src, n = _handles([handle], "handle")
+    out = _lib.marconi_unit_location()
+    h = o._begin()
+    try:
+        _check(getattr(o._lib, fn)(h, _u64_pointer(src, n), n, ctypes.byref(out), 1), fn)
+        raw = (ctypes.c_char * out.unit_bytes).from_address(out.address)
+        # ctypes instances keep attributes: the view's base holds the owner.
+        raw._marconi_owner = o._owner
+    finally:
+        o._end()
+    return memoryview(raw).cast("B")
 
-    def close(self) -> None:
-        """Frees the native object and its memory once the calls running on
-        other threads return (and, when views of its units are alive, once
-        the last of them is gone). Idempotent and thread-safe."""
-        with self._state:
-            self._closing = True
-            self._state.wait_for(lambda: self._inflight == 0)
-            self._handle = None
-            owner, self._owner = self._owner, None
-        del owner
 
-    def _view(self, resolve: str, handle: int) -> memoryview:
-        """A writable view of a live unit that keeps the native memory mapped
-        while it (or any buffer made from it) is alive."""
-        if self.backend != "memfd":
-            raise ValueError(f"view: backend {self.backend!r} has no host memory to view")
-        src, n = _handles([handle], "handle")
-        out = _lib.marconi_unit_location()
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, resolve)(h, _u64_pointer(src, n), n, ctypes.byref(out), 1), resolve)
-            raw = (ctypes.c_char * out.unit_bytes).from_address(out.address)
-            # ctypes instances keep attributes: the view's base holds the owner.
-            raw._marconi_owner = self._owner
-        finally:
-            self._end()
-        return memoryview(raw).cast("B")
+class _Units(_Handle):
+    """The unit calls Pool and HostPool share, over the library functions
+    named `_PREFIX` + "_allocate", "_free_units", "_resolve". Safe to share
+    between threads (the library locks internally); close() waits for the
+    calls in flight on other threads and frees the memory (views keep it
+    mapped until they are gone); later calls raise ValueError."""
 
-    def __copy__(self):
-        raise TypeError(f"a {type(self).__name__} cannot be copied: it owns native memory (share the object instead)")
+    _PREFIX = ""
+    _NOT_COPIED = "it owns native memory (share the object instead)"
+    _NOT_PICKLED = "it owns native memory of this process"
 
-    def __deepcopy__(self, memo):
-        self.__copy__()
+    def allocate(self, kind: str, n: int) -> "array.array[int]":
+        """Allocates n units of `kind` ("kv" or "state"); all or nothing
+        (MarconiError OUT_OF_MEMORY when they are not there, even after the
+        migration a device pool's AVMP allows). Returns their handles as
+        array('Q')."""
+        k = _choice(kind, KIND, "kind")
+        n = _u32(n, "n")
+        out = array.array("Q", bytes(8 * n))
+        self._call(self._PREFIX + "_allocate", k, n, _u64_pointer(out, n), n)
+        return out
 
-    def __reduce_ex__(self, protocol):
-        raise TypeError(f"a {type(self).__name__} cannot be pickled: it owns native memory of this process")
+    def free(self, handles: Any) -> None:
+        """Frees the handles; all or nothing (MarconiError DOUBLE_FREE for a
+        freed or repeated handle, UNKNOWN_HANDLE for a stale or foreign one;
+        nothing is freed then)."""
+        _free_handles(self, self._PREFIX + "_free_units", handles)
 
-    def _call(self, name: str, *args: Any) -> None:
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, name)(h, *args), name)
-        finally:
-            self._end()
+    def resolve(self, handles: Any) -> list[UnitLocation]:
+        """Where each handle's unit is (all or nothing)."""
+        return _locations(self, self._PREFIX + "_resolve", handles)
+
+    def addresses(self, handles: Any) -> "array.array[int]":
+        """The units' addresses as array('Q') (see resolve)."""
+        return array.array("Q", (loc.address for loc in self.resolve(handles)))
+
+    def view(self, handle: int) -> memoryview:
+        """A writable memoryview of a live unit's bytes (memfd only; e.g.
+        numpy.frombuffer(pool.view(h), dtype)). Its bytes are the unit's
+        while the handle is live; after free() they may belong to the unit's
+        next owner. The view keeps the memory mapped after close() until
+        the view is gone."""
+        return _unit_view(self, self._PREFIX + "_resolve", handle)
 
 
 def _pool_config(
@@ -257,8 +251,7 @@ def _pool_config(
     cuda_device: int,
 ) -> Any:
     lib = _lib.load()
-    cfg = _lib.marconi_pool_config()
-    _check(lib.marconi_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_pool_config_init")
+    cfg = _config(lib, _lib.marconi_pool_config)
     cfg.backend = _choice(backend, BACKEND, "backend")
     cfg.migration = _choice(migration, MIGRATION, "migration")
     cfg.budget_bytes = _u64(budget_bytes, "budget_bytes")
@@ -271,7 +264,7 @@ def _pool_config(
     return cfg
 
 
-class Pool(_Native):
+class Pool(_Units):
     """A libmarconi memory pool (marconi_pool). Safe to share between
     threads (the library locks internally). Close it with close() or a
     `with` block: close() waits for calls in flight on other threads, and
@@ -289,6 +282,7 @@ class Pool(_Native):
 
     _FREE = "marconi_pool_free"
     _WHAT = "pool"
+    _PREFIX = "marconi_pool"
 
     def __init__(
         self,
@@ -303,7 +297,7 @@ class Pool(_Native):
         chunk_bytes: int = 0,
         cuda_device: int = 0,
     ):
-        self._init_lifetime()
+        self._guard_init()
         lib = _lib.load()
         cfg = _pool_config(
             budget_bytes,
@@ -318,49 +312,8 @@ class Pool(_Native):
         )
         handle = ctypes.c_void_p()
         _check(lib.marconi_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_pool_new")
-        self._adopt(lib, handle)
+        self._adopt(lib, handle, views=True)
         self.backend = backend
-
-    # -- units ---------------------------------------------------------------
-
-    def allocate(self, kind: str, n: int) -> "array.array[int]":
-        """Allocates n units of pool `kind` ("kv" or "state"); all or nothing
-        (MarconiError OUT_OF_MEMORY when they are not there, even after the
-        migration AVMP allows). Returns their handles as array('Q')."""
-        k = _choice(kind, KIND, "kind")
-        n = _u32(n, "n")
-        out = array.array("Q", bytes(8 * n))
-        self._call("marconi_pool_allocate", k, n, _u64_pointer(out, n), n)
-        return out
-
-    def free(self, handles: Any) -> None:
-        """Frees the handles; all or nothing (MarconiError DOUBLE_FREE for a
-        freed or repeated handle, UNKNOWN_HANDLE for a stale or foreign one;
-        nothing is freed then)."""
-        src, n = _handles(handles, "handles")
-        self._call("marconi_pool_free_units", _u64_pointer(src, n), n)
-
-    def resolve(self, handles: Any) -> list[UnitLocation]:
-        """Where each handle's unit is (all or nothing)."""
-        src, n = _handles(handles, "handles")
-        out = (_lib.marconi_unit_location * max(n, 1))()
-        self._call("marconi_pool_resolve", _u64_pointer(src, n), n, out, n)
-        return [
-            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
-            for o in out[:n]
-        ]
-
-    def addresses(self, handles: Any) -> "array.array[int]":
-        """The units' addresses as array('Q') (see resolve)."""
-        return array.array("Q", (loc.address for loc in self.resolve(handles)))
-
-    def view(self, handle: int) -> memoryview:
-        """A writable memoryview of a live unit's bytes (memfd only; e.g.
-        numpy.frombuffer(pool.view(h), dtype)). Its bytes are the unit's
-        while the handle is live; after free() they may belong to the unit's
-        next owner. The view keeps the pool's memory mapped after close()
-        until the view is gone."""
-        return self._view("marconi_pool_resolve", handle)
 
     def migrate(self, recipient: str, donor_units: int = 0) -> dict:
         """Moves capacity toward pool `recipient` from the other pool's free
@@ -378,10 +331,8 @@ class Pool(_Native):
 
     def stats(self) -> dict:
         """Counters and gauges (marconi_pool_stats) as a dict."""
-        s = _lib.marconi_pool_stats()
-        s.struct_size = ctypes.sizeof(s)
-        self._call("marconi_pool_get_stats", ctypes.byref(s))
-        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+        s = _stats(self, "marconi_pool_get_stats", _lib.marconi_pool_stats)
+        out = _fields(s)
         out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
         return out
 
@@ -421,7 +372,7 @@ class Pool(_Native):
 
 
 
-class HostPool(_Native):
+class HostPool(_Units):
     """Host tier memory (marconi_host_pool): KV pages ("kv") and state slots
     ("state") in host RAM (a memfd; page-locked for CUDA in builds with the
     `cuda` feature where a device exists: stats()["pinned"]). Its handles
@@ -444,6 +395,7 @@ class HostPool(_Native):
 
     _FREE = "marconi_host_pool_free"
     _WHAT = "host pool"
+    _PREFIX = "marconi_host_pool"
 
     def __init__(
         self,
@@ -454,13 +406,9 @@ class HostPool(_Native):
         state_fraction: float = 0.5,
         chunk_bytes: int = 0,
     ):
-        self._init_lifetime()
+        self._guard_init()
         lib = _lib.load()
-        cfg = _lib.marconi_host_pool_config()
-        _check(
-            lib.marconi_host_pool_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)),
-            "marconi_host_pool_config_init",
-        )
+        cfg = _config(lib, _lib.marconi_host_pool_config)
         cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
         cfg.page_bytes = _u64(page_bytes, "page_bytes")
         cfg.state_bytes = _u64(state_bytes, "state_bytes")
@@ -468,43 +416,13 @@ class HostPool(_Native):
         cfg.chunk_bytes = _u64(chunk_bytes, "chunk_bytes")
         handle = ctypes.c_void_p()
         _check(lib.marconi_host_pool_new(ctypes.byref(cfg), ctypes.byref(handle)), "marconi_host_pool_new")
-        self._adopt(lib, handle)
+        self._adopt(lib, handle, views=True)
         self.backend = "memfd"
-
-    def allocate(self, kind: str, n: int) -> "array.array[int]":
-        """Allocates n units of `kind` ("kv" or "state"); all or nothing
-        (MarconiError OUT_OF_MEMORY). Returns their handles as array('Q')."""
-        k = _choice(kind, KIND, "kind")
-        n = _u32(n, "n")
-        out = array.array("Q", bytes(8 * n))
-        self._call("marconi_host_pool_allocate", k, n, _u64_pointer(out, n), n)
-        return out
-
-    def free(self, handles: Any) -> None:
-        """Frees the handles; all or nothing (as Pool.free)."""
-        src, n = _handles(handles, "handles")
-        self._call("marconi_host_pool_free_units", _u64_pointer(src, n), n)
-
-    def resolve(self, handles: Any) -> list[UnitLocation]:
-        """Where each handle's unit is in host memory (all or nothing)."""
-        src, n = _handles(handles, "handles")
-        out = (_lib.marconi_unit_location * max(n, 1))()
-        self._call("marconi_host_pool_resolve", _u64_pointer(src, n), n, out, n)
-        return [
-            UnitLocation(o.address, o.byte_offset, o.unit_bytes, KIND_NAME.get(o.kind, str(o.kind)), o.index)
-            for o in out[:n]
-        ]
-
-    def view(self, handle: int) -> memoryview:
-        """A writable memoryview of a live unit's bytes (as Pool.view)."""
-        return self._view("marconi_host_pool_resolve", handle)
 
     def stats(self) -> dict:
         """Gauges and counters (marconi_host_pool_stats) as a dict."""
-        s = _lib.marconi_host_pool_stats()
-        s.struct_size = ctypes.sizeof(s)
-        self._call("marconi_host_pool_get_stats", ctypes.byref(s))
-        out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+        s = _stats(self, "marconi_host_pool_get_stats", _lib.marconi_host_pool_stats)
+        out = _fields(s)
         out["pinned"] = bool(s.pinned)
         return out
 
@@ -608,32 +526,10 @@ def snapshot_promote(
 # -- memory planning -------------------------------------------------------------
 
 
-def _model_into(target: Any, model: Any) -> Any:
-    """Sets a struct's model_preset / model fields from a preset name or a
-    dict of marconi_model_spec fields; returns what must stay alive."""
-    if isinstance(model, str):
-        if "\0" in model:
-            raise ValueError(f"model: a preset name cannot contain NUL: {model!r}")
-        keep = model.encode()
-        target.model_preset = keep
-        return keep
-    if isinstance(model, dict):
-        fields = dict(_lib.marconi_model_spec._fields_)
-        for k, v in model.items():
-            if k not in fields:
-                raise ValueError(f"model: unknown model field {k!r}")
-            hi = 0xFFFF_FFFF if fields[k] is ctypes.c_uint32 else 0xFFFF_FFFF_FFFF_FFFF
-            setattr(target.model, k, _uint(v, f"model.{k}", hi))
-        target.model_preset = None
-        return None
-    raise TypeError(f"model: expected a preset name or a dict of model fields, got {type(model).__name__}")
-
-
 def _plan_request(lib: Any, model: Any, budget_bytes: int, page_size: int, state_fraction: float) -> tuple:
     """A marconi_plan_request for these arguments, and what must stay alive
     while it is used."""
-    req = _lib.marconi_plan_request()
-    _check(lib.marconi_plan_request_init(ctypes.byref(req), ctypes.sizeof(req)), "marconi_plan_request_init")
+    req = _config(lib, _lib.marconi_plan_request)
     keep = _model_into(req, model)
     req.page_size = _u32(page_size, "page_size")
     req.budget_bytes = _u64(budget_bytes, "budget_bytes")
@@ -815,16 +711,8 @@ def _pools(pools: Any) -> Pools:
 
 
 # The request cycle over pools, shared by PrefixCache(pools=...) and the
-# deprecated PooledCache: `o` brackets its native calls with _begin()/_end()
-# and has _lib (and, for views, backend and _owner).
-
-
-def _ocall(o: Any, name: str, *args: Any) -> None:
-    h = o._begin()
-    try:
-        _check(getattr(o._lib, name)(h, *args), name)
-    finally:
-        o._end()
+# deprecated PooledCache: `o` is a marconi._handle._Handle (with, for views,
+# a backend).
 
 
 def _olist(o: Any, name: str, *args: Any, code: str = "Q") -> "array.array[int]":
@@ -850,11 +738,10 @@ def _pooled_lookup(o: Any, tokens: Any, namespace: int, checkpoints: Any) -> Poo
     src, n = _u32_source(tokens)
     out = _lib.marconi_pooled_lookup()
     if checkpoints is None:
-        _ocall(o, "marconi_cache_lookup_pooled", ns, _u32_pointer(src, n), n, ctypes.byref(out))
+        o._call("marconi_cache_lookup_pooled", ns, _u32_pointer(src, n), n, ctypes.byref(out))
     else:
         hsrc, hn = _u32_source(checkpoints, "checkpoints")
-        _ocall(
-            o,
+        o._call(
             "marconi_cache_lookup_pooled_hinted",
             ns,
             _u32_pointer(src, n),
@@ -871,7 +758,7 @@ def _pooled_lookup(o: Any, tokens: Any, namespace: int, checkpoints: Any) -> Poo
 def _reserve(o: Any, kv_pages: int, state_slots: int) -> tuple:
     kp, ss = _u32(kv_pages, "kv_pages"), _u32(state_slots, "state_slots")
     pages, slots = array.array("Q", bytes(8 * kp)), array.array("Q", bytes(8 * ss))
-    _ocall(o, "marconi_cache_reserve", kp, ss, _u64_pointer(pages, kp), kp, _u64_pointer(slots, ss), ss)
+    o._call("marconi_cache_reserve", kp, ss, _u64_pointer(pages, kp), kp, _u64_pointer(slots, ss), ss)
     return pages, slots
 
 
@@ -887,8 +774,7 @@ def _admit_pooled(o: Any, lease: Any, tokens: Any, states: Any, kv_pages: Any) -
         arr[i].state_handle = _u64(slot, f"states[{i}].slot")
     taken = (ctypes.c_uint8 * max(len(st), 1))()
     res = _lib.marconi_admit_result()
-    _ocall(
-        o,
+    o._call(
         "marconi_cache_admit_pooled",
         lid,
         _u32_pointer(src, n),
@@ -912,54 +798,19 @@ def _admit_pooled(o: Any, lease: Any, tokens: Any, states: Any, kv_pages: Any) -
     return PooledAdmit(flags, kv_range, returned, res.new_kv_tokens, res.truncated_to or None, bool(res.rejected))
 
 
-def _free_units(o: Any, handles: Any) -> None:
-    src, n = _handles(handles, "handles")
-    _ocall(o, "marconi_cache_free_units", _u64_pointer(src, n), n)
-
-
-def _resolve(o: Any, handles: Any) -> list:
-    src, n = _handles(handles, "handles")
-    out = (_lib.marconi_unit_location * max(n, 1))()
-    _ocall(o, "marconi_cache_resolve", _u64_pointer(src, n), n, out, n)
-    return [
-        UnitLocation(x.address, x.byte_offset, x.unit_bytes, KIND_NAME.get(x.kind, str(x.kind)), x.index)
-        for x in out[:n]
-    ]
-
-
 def _copy_states(o: Any, pairs: Any) -> None:
     src, n = _pairs_source(pairs)
-    _ocall(o, "marconi_cache_copy_states", _pairs_pointer(src, n), n)
+    o._call("marconi_cache_copy_states", _pairs_pointer(src, n), n)
 
 
 def _pool_stats(o: Any) -> dict:
-    s = _lib.marconi_pooled_stats()
-    s.struct_size = ctypes.sizeof(s)
-    _ocall(o, "marconi_cache_pool_stats", ctypes.byref(s))
-    out = {name: getattr(s, name) for name, _ in s._fields_ if name != "struct_size"}
+    s = _stats(o, "marconi_cache_pool_stats", _lib.marconi_pooled_stats)
+    out = _fields(s)
     out["backend"] = {v: k for k, v in BACKEND.items()}.get(s.backend, s.backend)
     return out
 
 
-def _unit_view(o: Any, handle: int) -> memoryview:
-    """A writable view of a live unit of `o`'s pools that keeps the native
-    memory mapped while it (or any buffer made from it) is alive."""
-    if o.backend != "memfd":
-        raise ValueError(f"view: backend {o.backend!r} has no host memory to view")
-    src, n = _handles([handle], "handle")
-    out = _lib.marconi_unit_location()
-    h = o._begin()
-    try:
-        _check(o._lib.marconi_cache_resolve(h, _u64_pointer(src, n), n, ctypes.byref(out), 1), "marconi_cache_resolve")
-        raw = (ctypes.c_char * out.unit_bytes).from_address(out.address)
-        # ctypes instances keep attributes: the view's base holds the owner.
-        raw._marconi_owner = o._owner
-    finally:
-        o._end()
-    return memoryview(raw).cast("B")
-
-
-class PooledCache(_Native):
+class PooledCache(PrefixCache):
     """Deprecated (removed in the next release): use
     PrefixCache(..., pools=Pools(...)), whose lookup_pooled, reserve,
     admit_pooled, free_units, release, drain_freed_units, held, resolve,
@@ -977,11 +828,12 @@ class PooledCache(_Native):
     copy_states([(hit state, own slot)]) -> admit(lease, tokens, states,
     pages) -> free(returned) -> release(lease). model: a preset name or a
     dict of model fields; kv_page_bytes / state_slot_bytes 0: the model's.
-    Thread-safe like PrefixCache; close() frees the pools' memory.
+    Thread-safe like PrefixCache; close() frees the pools' memory. It is
+    a PrefixCache over pools whose pool methods go by these names.
     """
 
-    _FREE = "marconi_cache_free"
-    _WHAT = "cache"
+    _NOT_COPIED = "it owns native memory (share the object instead)"
+    _NOT_PICKLED = "it owns native memory of this process"
 
     def __init__(
         self,
@@ -999,84 +851,34 @@ class PooledCache(_Native):
         alpha: Optional[float] = None,
         cuda_device: int = 0,
     ):
-        from .cache import EVICTION
-
-        self._init_lifetime()
-        lib = _lib.load()
-        cc = _lib.marconi_cache_config()
-        _check(lib.marconi_cache_config_init(ctypes.byref(cc), ctypes.sizeof(cc)), "marconi_cache_config_init")
-        keep = _model_into(cc, model)
-        cc.page_size = _u32(page_size, "page_size")
-        cc.capacity_bytes = _u64(budget_bytes, "budget_bytes")
-        cc.eviction = _choice(eviction, EVICTION, "eviction")
-        if alpha is not None:
-            cc.alpha_mode = 0
-            cc.alpha = _real(alpha, "alpha")
-        pc = _pool_config(
-            budget_bytes, kv_page_bytes, state_slot_bytes, backend, migration, state_fraction, 0, chunk_bytes, cuda_device
+        pools = Pools(
+            budget_bytes=budget_bytes,
+            backend=backend,
+            migration=migration,
+            state_fraction=state_fraction,
+            chunk_bytes=chunk_bytes,
+            kv_page_bytes=kv_page_bytes,
+            state_slot_bytes=state_slot_bytes,
+            cuda_device=cuda_device,
         )
-        cc.pools = ctypes.pointer(pc)
-        handle = ctypes.c_void_p()
-        _check(lib.marconi_cache_new(ctypes.byref(cc), ctypes.byref(handle)), "marconi_cache_new")
-        del keep, pc
-        self._adopt(lib, handle)
-        self.backend = backend
-        self.page_size = page_size
+        super().__init__(budget_bytes, model, page_size=page_size, eviction=eviction, alpha=alpha, pools=pools)
 
     def lookup(self, tokens: Any, namespace: int = 0, checkpoints: Any = None) -> PooledLookup:
-        """Looks up `tokens` (as PrefixCache.lookup takes them), with the
-        application `checkpoints` as PrefixCache.lookup takes them (the kept
-        ones are in the plan: reserve a state slot for each)."""
-        return _pooled_lookup(self, tokens, namespace, checkpoints)
-
-    def reserve(self, kv_pages: int, state_slots: int) -> tuple:
-        """(page handles, slot handles) reserved for a request: migrating free
-        capacity and evicting as needed; all or nothing (MarconiError
-        OUT_OF_MEMORY when even that cannot make room)."""
-        return _reserve(self, kv_pages, state_slots)
+        """PrefixCache.lookup_pooled."""
+        return self.lookup_pooled(tokens, namespace, checkpoints)
 
     def admit(self, lease: Any, tokens: Any, states: Any = (), kv_pages: Any = ()) -> PooledAdmit:
-        """Admits `tokens` under `lease` (a PooledLookup or its id) with its
-        page handles (the hit's, then reserved ones: one per full page) and
-        the states saved as (position, slot handle) pairs."""
-        return _admit_pooled(self, lease, tokens, states, kv_pages)
+        """PrefixCache.admit_pooled."""
+        return self.admit_pooled(lease, tokens, states, kv_pages)
 
     def free(self, handles: Any) -> None:
-        """Frees units the caller holds (reserved, not taken); all or nothing."""
-        _free_units(self, handles)
-
-    def release(self, lease: Any) -> None:
-        """Releases a lease (a PooledLookup or its id)."""
-        lid = _u64(lease.lease if isinstance(lease, PooledLookup) else lease, "lease")
-        self._call("marconi_cache_release", lid)
+        """PrefixCache.free_units."""
+        self.free_units(handles)
 
     def drain_freed(self) -> "array.array[int]":
-        """Handles evicted since the last call (already back in their pool)."""
-        return _olist(self, "marconi_cache_drain_freed_units")
-
-    def held(self) -> "array.array[int]":
-        """Handles the cache holds now, sorted."""
-        return _olist(self, "marconi_cache_held")
-
-    def resolve(self, handles: Any) -> list:
-        """Where each live handle's unit is (all or nothing)."""
-        return _resolve(self, handles)
-
-    def view(self, handle: int) -> memoryview:
-        """A writable view of a live unit's bytes (memfd only), as Pool.view:
-        the unit's while the handle is live; the view keeps the memory mapped
-        after close() until it is gone."""
-        return _unit_view(self, handle)
-
-    def copy_states(self, pairs: Any) -> None:
-        """Copies states by handle (e.g. the lookup's state into the request's
-        own slot); a destination must be the caller's."""
-        _copy_states(self, pairs)
+        """PrefixCache.drain_freed_units."""
+        return self.drain_freed_units()
 
     def stats(self) -> dict:
-        """Counters (marconi_pooled_stats) as a dict."""
-        return _pool_stats(self)
-
-    def check(self) -> None:
-        """Checks the joined invariants (MarconiError INVARIANT_VIOLATED: a bug)."""
-        self._call("marconi_cache_check")
+        """PrefixCache.pool_stats."""
+        return self.pool_stats()

@@ -20,20 +20,11 @@ import ctypes
 from typing import Any, Optional, Sequence
 
 from . import _convert, _lib
-from ._handle import _Guarded
-from .cache import _check, _Closing
+from ._convert import _cstr
+from ._errors import _check, _config
+from ._handle import _Handle
 
 BACKENDS = {"dir": 0, "redis": 1, "callback": 2}
-
-
-def _cstr(value: Optional[str], name: str) -> Optional[bytes]:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
-    if "\0" in value:
-        raise ValueError(f"{name}: cannot contain NUL")
-    return value.encode()
 
 
 def _uint(value: Any, name: str, bits: int) -> int:
@@ -114,9 +105,12 @@ class _Adapter:
             return -1
 
 
-class Store(_Guarded, _Closing):
+class Store(_Handle):
     """A store handle (marconi_store). Thread-safe; close() (or `with`)
     frees it."""
+
+    _WHAT = "store"
+    _FREE = "marconi_store_free"
 
     def __init__(
         self,
@@ -136,14 +130,13 @@ class Store(_Guarded, _Closing):
         ttl_s: int = 0,
         callbacks: Any = None,
     ):
-        self._guard_init("store")
+        self._guard_init()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}")
         if (backend == "callback") != (callbacks is not None):
             raise ValueError("callbacks are given exactly with the 'callback' backend")
         lib = _lib.load()
-        cfg = _lib.marconi_store_config()
-        _check(lib.marconi_store_config_init(ctypes.byref(cfg), ctypes.sizeof(cfg)), "marconi_store_config_init")
+        cfg = _config(lib, _lib.marconi_store_config)
         keep = [_cstr(location, "location"), _cstr(model, "model"), _cstr(prefix, "prefix"),
                 _cstr(namespace, "namespace"), _cstr(seed, "seed")]
         cfg.backend = BACKENDS[backend]
@@ -163,8 +156,7 @@ class Store(_Guarded, _Closing):
             setattr(cfg, "del", self._adapter.delete)  # `del` is a Python keyword
         h = ctypes.c_void_p()
         _check(lib.marconi_store_new(ctypes.byref(cfg), ctypes.byref(h)), "marconi_store_new")
-        self._lib = lib
-        self._h = h
+        self._adopt(lib, h)
         self.max_value_bytes = max_value_bytes
         self._hint = 1 << 20
 
@@ -186,11 +178,7 @@ class Store(_Guarded, _Closing):
         data = _state_bytes(data)
         fn, pre = self._fn("marconi_store_put_state", ns)
         buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, fn)(h, *pre, t, n, position, buf, len(data)), fn)
-        finally:
-            self._end()
+        self._call(fn, *pre, t, n, position, buf, len(data))
 
     def get_state(
         self, tokens: Sequence[int], position: int, max_bytes: Optional[int] = None, *, ns: Optional[int] = None
@@ -228,11 +216,7 @@ class Store(_Guarded, _Closing):
         t, n = _tokens(tokens)
         position = _uint(position, "position", 64)
         fn, pre = self._fn("marconi_store_delete_state", ns)
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, fn)(h, *pre, t, n, position), fn)
-        finally:
-            self._end()
+        self._call(fn, *pre, t, n, position)
 
     def put_kv(self, tokens: Sequence[int], first_block: int, blocks: Sequence[bytes], *,
                ns: Optional[int] = None) -> None:
@@ -245,11 +229,7 @@ class Store(_Guarded, _Closing):
         data = b"".join(_state_bytes(b) for b in blocks)
         fn, pre = self._fn("marconi_store_put_kv", ns)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data) if data else None
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, fn)(h, *pre, t, n, first_block, len(blocks), buf, len(blocks[0])), fn)
-        finally:
-            self._end()
+        self._call(fn, *pre, t, n, first_block, len(blocks), buf, len(blocks[0]))
 
     def get_kv(self, tokens: Sequence[int], first_block: int, block_bytes: int, max_blocks: int, *,
                ns: Optional[int] = None) -> list[bytes]:
@@ -262,12 +242,7 @@ class Store(_Guarded, _Closing):
         fn, pre = self._fn("marconi_store_get_kv", ns)
         buf = (ctypes.c_uint8 * max(cap, 1))()
         got = ctypes.c_size_t(0)
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, fn)(h, *pre, t, n, first_block, block_bytes,
-                                          buf if cap else None, cap, ctypes.byref(got)), fn)
-        finally:
-            self._end()
+        self._call(fn, *pre, t, n, first_block, block_bytes, buf if cap else None, cap, ctypes.byref(got))
         raw = ctypes.string_at(buf, got.value * block_bytes)
         return [raw[i * block_bytes:(i + 1) * block_bytes] for i in range(got.value)]
 
@@ -277,34 +252,12 @@ class Store(_Guarded, _Closing):
         t, n = _tokens(tokens)
         fn, pre = self._fn("marconi_store_kv_prefix", ns)
         got = ctypes.c_size_t(0)
-        h = self._begin()
-        try:
-            _check(getattr(self._lib, fn)(h, *pre, t, n, ctypes.byref(got)), fn)
-        finally:
-            self._end()
+        self._call(fn, *pre, t, n, ctypes.byref(got))
         return got.value
 
     def stats(self) -> dict[str, int]:
         """Hits, misses by kind, writes (marconi_store_get_stats)."""
         s = _lib.marconi_store_stats()
         s.struct_size = ctypes.sizeof(s)
-        h = self._begin()
-        try:
-            _check(self._lib.marconi_store_get_stats(h, ctypes.byref(s)), "marconi_store_get_stats")
-        finally:
-            self._end()
+        self._call("marconi_store_get_stats", ctypes.byref(s))
         return {f: getattr(s, f) for f in _lib.STORE_STATS_FIELDS}
-
-    def close(self) -> None:
-        """Frees the handle. Idempotent; raises RuntimeError while a call
-        is running (on another thread, or from a callback of that call)."""
-        self._close_with(lambda h: self._lib.marconi_store_free(h))
-
-    def __reduce__(self):
-        raise TypeError("a Store cannot be pickled")
-
-    def __copy__(self):
-        raise TypeError("a Store cannot be copied")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a Store cannot be copied")

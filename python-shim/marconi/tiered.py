@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from . import _lib
-from ._convert import _u32, _u64
-from ._handle import _Guarded
-from .cache import ADOPTION, AdmitResult, _check, _Closing, _real, _saved_states
+from ._convert import _real, _u32, _u64
+from ._errors import _check, _config
+from .cache import PrefixCache
 from .store import Store, _tokens
 
 TIERS = ("device", "host", "store")
@@ -134,8 +134,7 @@ class Tiers:
             v = getattr(self, name)
             if not isinstance(v, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
-        o = _lib.marconi_tier_options()
-        _check(lib.marconi_tier_options_init(ctypes.byref(o), ctypes.sizeof(o)), "marconi_tier_options_init")
+        o = _config(lib, _lib.marconi_tier_options)
         _spec(o.host, self.host_bytes, self.host_gbps, self.host_latency_us, "host")
         _spec(o.store, self.store_bytes, self.store_gbps, self.store_latency_us, "store")
         o.write_mode = WRITE_MODES[self.write]
@@ -156,28 +155,18 @@ def _tiers(tiers: Union["Tiers", dict]) -> "Tiers":
     raise TypeError(f"tiers: expected a marconi.Tiers or a dict, got {type(tiers).__name__}")
 
 
-# The tier calls, shared by PrefixCache (marconi_cache_* names) and the
-# deprecated TieredCache (its marconi_tiered_* names): `o` has _lib,
-# _begin() and _end().
-
-
-def _call(o: Any, fn: str, *args) -> None:
-    h = o._begin()
-    try:
-        _check(getattr(o._lib, fn)(h, *args), fn)
-    finally:
-        o._end()
+# The tier calls of PrefixCache (and so of the deprecated TieredCache): `o`
+# is the PrefixCache, fn the marconi_cache_* function.
 
 
 def _list(o: Any, fn: str, lease: int, ctype: Any, n: int) -> list:
     buf = (ctype * max(n, 1))()
     got = ctypes.c_size_t(0)
-    _call(o, fn, _u64(lease, "lease"), buf, n, ctypes.byref(got))
+    o._call(fn, _u64(lease, "lease"), buf, n, ctypes.byref(got))
     return list(buf[: got.value])
 
 
-def _lookup(o: Any, names: dict, tokens: Sequence[int], ns: int, checkpoints: Sequence[int],
-            store: Optional[Store]) -> TieredHit:
+def _lookup(o: Any, tokens: Sequence[int], ns: int, checkpoints: Sequence[int], store: Optional[Store]) -> TieredHit:
     t, n = _tokens(tokens)
     c, k = _tokens(checkpoints)
     raw = _lib.marconi_tiered_hit()
@@ -187,12 +176,12 @@ def _lookup(o: Any, names: dict, tokens: Sequence[int], ns: int, checkpoints: Se
             raise TypeError(f"store: expected a marconi.Store, got {type(store).__name__}")
         store_h = store._begin()
     try:
-        _call(o, names["lookup"], _u64(ns, "ns"), t, n, c if k else None, k, store_h, ctypes.byref(raw))
+        o._call("marconi_cache_lookup_tiered", _u64(ns, "ns"), t, n, c if k else None, k, store_h, ctypes.byref(raw))
     finally:
         if store is not None:
             store._end()
     lease = raw.lease
-    orders = _list(o, names["loads"], lease, _lib.marconi_load_order, raw.n_loads)
+    orders = _list(o, "marconi_cache_lease_loads", lease, _lib.marconi_load_order, raw.n_loads)
     loads = [LoadOrder(TIERS[x.tier], ("kv", "state")[x.kind], x.start, x.end, x.position, x.bytes) for x in orders]
     return TieredHit(
         lease=lease,
@@ -202,8 +191,8 @@ def _lookup(o: Any, names: dict, tokens: Sequence[int], ns: int, checkpoints: Se
         device_kv_tokens=raw.device_kv_tokens,
         device_state_slot=None if raw.device_state_slot == _lib.NO_SLOT else raw.device_state_slot,
         loads=loads,
-        plan=_list(o, names["plan"], lease, ctypes.c_uint32, raw.n_plan),
-        kv_pages=_list(o, names["kv_pages"], lease, ctypes.c_uint32, raw.n_kv_pages),
+        plan=_list(o, "marconi_cache_lease_plan", lease, ctypes.c_uint32, raw.n_plan),
+        kv_pages=_list(o, "marconi_cache_lease_kv_pages", lease, ctypes.c_uint32, raw.n_kv_pages),
         shared=bool(raw.shared),
         declined=(TIERS[raw.declined_tier], raw.declined_tokens) if raw.declined_tokens else None,
         load_s=raw.load_s,
@@ -249,7 +238,7 @@ def _drain_ops(o: Any, fn: str) -> list[TierOp]:
 def _tier_stats(o: Any, fn: str) -> dict:
     s = _lib.marconi_tiered_stats()
     s.struct_size = ctypes.sizeof(s)
-    _call(o, fn, ctypes.byref(s))
+    o._call(fn, ctypes.byref(s))
     out: dict = {}
     for f in _lib.TIERED_STATS_SCALARS_1 + _lib.TIERED_STATS_SCALARS_2:
         out[f] = getattr(s, f)
@@ -259,21 +248,7 @@ def _tier_stats(o: Any, fn: str) -> dict:
     return out
 
 
-CACHE_NAMES = {
-    "lookup": "marconi_cache_lookup_tiered",
-    "loads": "marconi_cache_lease_loads",
-    "plan": "marconi_cache_lease_plan",
-    "kv_pages": "marconi_cache_lease_kv_pages",
-}
-TIERED_NAMES = {
-    "lookup": "marconi_tiered_lookup",
-    "loads": "marconi_tiered_lease_loads",
-    "plan": "marconi_tiered_lease_plan",
-    "kv_pages": "marconi_tiered_lease_kv_pages",
-}
-
-
-class TieredCache(_Guarded, _Closing):
+class TieredCache(PrefixCache):
     """Deprecated (removed in the next release): use
     PrefixCache(..., tiers=Tiers(...)), whose lookup_tiered, lease_loads,
     report_load_failure, settle, drain_ops and tier_stats are this class's
@@ -291,8 +266,11 @@ class TieredCache(_Guarded, _Closing):
     FLOP/s (default 989e12 x 0.4). store_states_hold_kv: the engine's state
     objects in the store carry their KV (whole-sequence snapshots).
     exclusive (default True): a host or store hit the device took in is
-    dropped from that tier (a "drop" op); False keeps a copy there.
+    dropped from that tier (a "drop" op); False keeps a copy there. It is
+    a PrefixCache with tiers whose tier methods go by these names.
     """
+
+    _WHAT = "tiered cache"
 
     def __init__(
         self,
@@ -318,48 +296,13 @@ class TieredCache(_Guarded, _Closing):
         store_states_hold_kv: bool = False,
         exclusive: bool = True,
     ):
-        self._guard_init("tiered cache")
-        if tuner_adoption not in ADOPTION:
-            raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
-        lib = _lib.load()
-        dev = _lib.marconi_cache_config()
-        _check(lib.marconi_cache_config_init(ctypes.byref(dev), ctypes.sizeof(dev)), "marconi_cache_config_init")
-        preset = None
-        if isinstance(model, str):
-            if "\0" in model:
-                raise ValueError("model: a preset name cannot contain NUL")
-            preset = model.encode()
-            dev.model_preset = preset
-        elif isinstance(model, dict):
-            fields = dict(_lib.marconi_model_spec._fields_)
-            for k, v in model.items():
-                if k not in fields:
-                    raise ValueError(f"model: unknown model field {k!r}")
-                conv = _u32 if fields[k] is ctypes.c_uint32 else _u64
-                setattr(dev.model, k, conv(v, f"model.{k}"))
-        else:
-            raise TypeError(f"model: expected a preset name or a dict, got {type(model).__name__}")
-        dev.capacity_bytes = _u64(device_bytes, "device_bytes")
-        dev.page_size = _u32(page_size, "page_size")
-        dev.tuner_adoption = ADOPTION[tuner_adoption]
-        if alpha is not None:
-            dev.alpha_mode = 0
-            dev.alpha = _real(alpha, "alpha")
         tiers = Tiers(host_bytes=host_bytes, store_bytes=store_bytes, host_gbps=host_gbps,
                       host_latency_us=host_latency_us, store_gbps=store_gbps, store_latency_us=store_latency_us,
                       write=write, compute_flops=compute_flops, promote=promote, always_load=always_load,
                       lower_plans=lower_plans, defer_moves=defer_moves, max_store_probe=max_store_probe,
                       store_states_hold_kv=store_states_hold_kv, exclusive=exclusive)
-        opts = tiers._options(lib)
-        dev.tiers = ctypes.pointer(opts)
-        h = ctypes.c_void_p()
-        _check(lib.marconi_cache_new(ctypes.byref(dev), ctypes.byref(h)), "marconi_cache_new")
-        del preset, opts  # read only during marconi_cache_new
-        self._lib = lib
-        self._h = h
-
-    def _call(self, fn: str, *args) -> None:
-        _call(self, fn, *args)
+        super().__init__(device_bytes, model, page_size=page_size, alpha=alpha, tuner_adoption=tuner_adoption,
+                         tiers=tiers)
 
     def lookup(
         self,
@@ -368,92 +311,11 @@ class TieredCache(_Guarded, _Closing):
         checkpoints: Sequence[int] = (),
         store: Optional[Store] = None,
     ) -> TieredHit:
-        """Looks tokens up in every tier (and in `store`, a store shared
-        with other processes, when given) and returns the hit with a lease;
+        """PrefixCache.lookup_tiered: the hit in every tier (and in `store`,
+        a store shared with other processes, when given) with a lease;
         release it with release()."""
-        return _lookup(self, TIERED_NAMES, tokens, ns, checkpoints, store)
-
-    def admit(
-        self,
-        lease: int,
-        tokens: Sequence[int],
-        states: Iterable = (),
-        kv_pages: Optional[Sequence[int]] = None,
-    ) -> AdmitResult:
-        """Admits tokens (input + output) under `lease` with the saved
-        (position, slot) states; then drain_ops() before freeing the slots
-        of states not taken (one may go straight to the host)."""
-        t, n = _tokens(tokens)
-        saved, k = _saved_states(list(states))
-        pages, np_ = _tokens(kv_pages or [])
-        taken = (ctypes.c_uint8 * k)() if k else None
-        raw = _lib.marconi_admit_result()
-        self._call("marconi_tiered_admit", _u64(lease, "lease"), t, n, saved, k, pages if np_ else None, np_,
-                   taken, ctypes.byref(raw))
-        return AdmitResult(
-            states_taken=raw.states_taken,
-            slots_returned=raw.slots_returned,
-            kv_pages_taken=range(raw.kv_pages_taken_start, raw.kv_pages_taken_end),
-            new_kv_tokens=raw.new_kv_tokens,
-            truncated_to=raw.truncated_to or None,
-            rejected=bool(raw.rejected),
-            taken=[bool(x) for x in taken] if k else [],
-        )
-
-    def release(self, lease: int) -> None:
-        """Releases the lease in every tier."""
-        self._call("marconi_tiered_release", _u64(lease, "lease"))
-
-    def report_load_failure(self, lease: int) -> None:
-        """Counts a load the engine could not make (it recomputed from the
-        device's hit instead)."""
-        self._call("marconi_tiered_report_load_failure", _u64(lease, "lease"))
-
-    def settle(self) -> None:
-        """Runs the moves into the lower tiers that defer_moves left waiting."""
-        self._call("marconi_tiered_settle")
-
-    def drain_ops(self) -> list[TierOp]:
-        """The writes into and drops from the lower tiers since the last
-        drain, in the order to carry them out."""
-        return _drain_ops(self, "marconi_tiered_drain_ops")
-
-    def drain_freed(self) -> tuple[list[int], list[int]]:
-        """(KV page ids, state slot ids) the device freed since the last drain."""
-        n_p, n_s = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        for _ in range(4):
-            pages = (ctypes.c_uint32 * max(n_p.value, 1))()
-            slots = (ctypes.c_uint32 * max(n_s.value, 1))()
-            h = self._begin()
-            try:
-                st = self._lib.marconi_tiered_drain_freed(h, pages, n_p.value, ctypes.byref(n_p), slots, n_s.value,
-                                                          ctypes.byref(n_s))
-            finally:
-                self._end()
-            if st == 3:
-                continue
-            _check(st, "marconi_tiered_drain_freed")
-            return list(pages[: n_p.value]), list(slots[: n_s.value])
-        raise RuntimeError("marconi_tiered_drain_freed: the freed ids kept growing")
+        return self.lookup_tiered(tokens, ns, checkpoints, store)
 
     def stats(self) -> dict:
-        """Counters and gauges; per-tier values are dicts keyed by tier name."""
-        return _tier_stats(self, "marconi_tiered_get_stats")
-
-    def check(self) -> None:
-        """Raises MarconiError (INVARIANT_VIOLATED) when a tier's invariant fails."""
-        self._call("marconi_tiered_check")
-
-    def close(self) -> None:
-        """Frees the handle. Idempotent; raises RuntimeError while a call
-        is running (on another thread, or from a callback of that call)."""
-        self._close_with(lambda h: self._lib.marconi_tiered_free(h))
-
-    def __reduce__(self):
-        raise TypeError("a TieredCache cannot be pickled")
-
-    def __copy__(self):
-        raise TypeError("a TieredCache cannot be copied")
-
-    def __deepcopy__(self, memo):
-        raise TypeError("a TieredCache cannot be copied")
+        """PrefixCache.tier_stats: per-tier values are dicts keyed by tier name."""
+        return self.tier_stats()

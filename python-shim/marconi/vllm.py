@@ -40,7 +40,7 @@ import os
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional
 
 from .cache import MarconiError, PrefixCache
 from .model import ModelSpec
@@ -132,7 +132,7 @@ def _chunk_tokens(block_hash: bytes, tokens_per_chunk: int) -> "array.array[int]
 
 
 def _build_classes() -> dict:
-    from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx
+    from vllm.v1.kv_offload.base import get_offload_block_hash
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 
     class MarconiCachePolicy(CachePolicy):

@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,25 @@ def header_text() -> str:
 
 def target_dir() -> Path:
     return Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
+
+
+def run_threads(target, args) -> list:
+    """Runs target(*a) on one thread for each tuple `a` of `args`, all at
+    once, and returns the exceptions they raised (after joining them all)."""
+    errors = []
+
+    def run(*a):
+        try:
+            target(*a)
+        except Exception as e:  # noqa: BLE001 (returned to the test)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def free_port() -> int:

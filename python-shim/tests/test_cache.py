@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import marconi
+from conftest import run_threads
 from marconi import MarconiError, PrefixCache
 
 BIG = 100_000_000_000
@@ -166,7 +167,6 @@ def test_custom_model_and_pages():
 
 def test_threads_share_a_cache():
     cache = PrefixCache(1_500_000_000)
-    errors = []
     slot_lock = threading.Lock()
     next_slot = [1]
 
@@ -176,24 +176,16 @@ def test_threads_share_a_cache():
             return next_slot[0]
 
     def worker(t):
-        try:
-            for conv in range(6):
-                hist = list(range(32))
-                for turn in range(3):
-                    hist += range(10**6 * (t + 1) + 1000 * conv + 100 * turn, 10**6 * (t + 1) + 1000 * conv + 100 * turn + 10)
-                    out = list(range(9 * 10**8 + 10**5 * t + 1000 * conv + 10 * turn, 9 * 10**8 + 10**5 * t + 1000 * conv + 10 * turn + 5))
-                    lease = cache.serve(hist, out, slots=fresh)
-                    assert lease.hit_tokens < len(hist)
-                    hist += out
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        for conv in range(6):
+            hist = list(range(32))
+            for turn in range(3):
+                hist += range(10**6 * (t + 1) + 1000 * conv + 100 * turn, 10**6 * (t + 1) + 1000 * conv + 100 * turn + 10)
+                out = list(range(9 * 10**8 + 10**5 * t + 1000 * conv + 10 * turn, 9 * 10**8 + 10**5 * t + 1000 * conv + 10 * turn + 5))
+                lease = cache.serve(hist, out, slots=fresh)
+                assert lease.hit_tokens < len(hist)
+                hist += out
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert errors == []
+    assert run_threads(worker, [(t,) for t in range(4)]) == []
     s = cache.stats()
     assert s["requests"] == 4 * 6 * 3 and s["leases"] == 0
     assert s["evictions"] > 0 and s["hit_requests"] > 0

@@ -251,6 +251,18 @@ class Service:
         self.log.close()
 
 
+def _start_indexer_and_router(services: list, suffix: str, dyn_dir: str, router: str, out_dir: str) -> None:
+    """Starts Dynamo's indexer and the marconi router on free 127.0.0.1
+    ports, appending each to `services` as it starts (the caller stops
+    them)."""
+    pd, pr = free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=dyn_dir)
+    services.append(Service(f"dynamo-indexer{suffix}", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
+                                                         "--threads", "1"], pd, env, out_dir))
+    services.append(Service(f"marconi-router{suffix}", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr, None,
+                            out_dir))
+
+
 def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
     dyn_dir = _dir("MARCONI_DYNAMO_DIR")
     router = os.environ.get("MARCONI_ROUTER_BIN")
@@ -269,12 +281,7 @@ def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
               for c in caches]
     services = []
     try:
-        pd, pr = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=dyn_dir)
-        services.append(Service("dynamo-indexer", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
-                                                   "--threads", "1"], pd, env, out_dir))
-        services.append(Service("marconi-router", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr,
-                                None, out_dir))
+        _start_indexer_and_router(services, "", dyn_dir, router, out_dir)
         for s in services:
             for w, ev in enumerate(events):
                 st, body = http(s.port, "/register", {
@@ -299,7 +306,7 @@ def test_dynamo_indexer_and_marconi_router_on_the_same_streams(tmp_path):
                            for h in e["block_hashes"]}
         for s in services:
             deadline = time.monotonic() + 30
-            while (got := s.dump_blocks()) != {k: v for k, v in want.items() if v}:
+            while s.dump_blocks() != {k: v for k, v in want.items() if v}:
                 assert time.monotonic() < deadline, f"{s.name} did not converge"
                 time.sleep(0.2)
         # Queries: every distinct served sequence of namespace 0 plus a
@@ -373,7 +380,6 @@ def test_http_api_matches_dynamo(tmp_path):
     os.makedirs(out_dir, exist_ok=True)
     ep = f"tcp://127.0.0.1:{free_port()}"
     j = "application/json"
-    text = "text/plain; charset=utf-8"
 
     def reg(i, **kw):
         return json.dumps(dict({"instance_id": i, "endpoint": ep, "model_name": "m", "block_size": 4}, **kw))
@@ -441,12 +447,7 @@ def test_http_api_matches_dynamo(tmp_path):
     services = []
     rows = []
     try:
-        pd, pr = free_port(), free_port()
-        env = dict(os.environ, PYTHONPATH=dyn_dir)
-        services.append(Service("dynamo-indexer-api", [sys.executable, "-m", "dynamo.indexer", "--port", str(pd),
-                                                       "--threads", "1"], pd, env, out_dir))
-        services.append(Service("marconi-router-api", [router, "serve", "--http", f"127.0.0.1:{pr}"], pr, None,
-                                out_dir))
+        _start_indexer_and_router(services, "-api", dyn_dir, router, out_dir)
         dyn, ours = services
         for m, p, b, ct in same:
             d = raw_http(dyn.port, m, p, b, ct)

@@ -3,13 +3,16 @@ runs on another thread, close() from a callback the running call makes
 (tokenizer, store callbacks), and integers that do not fit their C types.
 
 A native handle must never be freed under a running call (the other thread
-would use freed memory: SIGSEGV): close() either waits for the call or is
-refused (RuntimeError), and the call then completes. An integer that does
+would use freed memory: SIGSEGV): close() waits for a call of another thread
+(or, with a timeout, gives up and leaves the freeing to that call) and is
+refused (RuntimeError) from a callback of the running call, which then
+completes. An integer that does
 not fit is refused (TypeError for a non-integer, OverflowError/ValueError
 out of range) before anything reaches ctypes, which would silently truncate
 it (2**32 -> 0, -1 -> 4294967295)."""
 
 import threading
+import time
 import types
 
 import pytest
@@ -22,6 +25,7 @@ from marconi.pml import ModuleCache, Schema
 
 FIX = REPO / "marconi-pml" / "tests" / "fixtures"
 BIG = 100_000_000_000
+MIB16 = 16 << 20
 
 
 class FakeLib:
@@ -84,15 +88,25 @@ def _patch_pml_lib(monkeypatch, fn):
 #          how the library is patched: "self" (obj._lib) or "pml")
 HANDLES = {
     "PrefixCache": (lambda p: prefix_cache(), "marconi_cache_stats", lambda o: o.stats(), "self"),
-    "TieredCache": (lambda p: tiered(), "marconi_tiered_get_stats", lambda o: o.stats(), "self"),
+    "TieredCache": (lambda p: tiered(), "marconi_cache_tier_stats", lambda o: o.stats(), "self"),
     "Store": (store, "marconi_store_get_stats", lambda o: o.stats(), "self"),
     "Schema": (lambda p: schema(), "marconi_pml_name", lambda o: o.name_of(0), "pml"),
     "ModuleCache": (lambda p: module_cache(), "marconi_pml_cache_get_stats", lambda o: o.stats(), "pml"),
+    "Pool": (lambda p: marconi.Pool(MIB16, 4096, 8192), "marconi_pool_get_stats", lambda o: o.stats(), "self"),
+    "HostPool": (lambda p: marconi.HostPool(MIB16, 4096, 8192), "marconi_host_pool_get_stats", lambda o: o.stats(),
+                 "self"),
+    "PooledCache": (lambda p: marconi.PooledCache(1 << 30, backend="none"), "marconi_cache_pool_stats", lambda o: o.stats(), "self"),
+    "CacheEvents": (lambda p: marconi.CacheEvents(PrefixCache(BIG)), "marconi_events_drain", lambda o: o.drain(),
+                    "self"),
 }
 
 
+@pytest.mark.parametrize("timeout", [None, 0.05], ids=["waits", "gives_up"])
 @pytest.mark.parametrize("name", sorted(HANDLES))
-def test_close_during_a_call_on_another_thread_never_frees_under_it(name, tmp_path, monkeypatch):
+def test_close_during_a_call_on_another_thread_never_frees_under_it(name, timeout, tmp_path, monkeypatch):
+    """close() refuses new calls at once and waits for the running one
+    before freeing; with a timeout it gives up (TimeoutError) and the
+    running call frees the handle as it returns. Every handle class alike."""
     make, fn, call, how = HANDLES[name]
     obj = make(tmp_path)
     fake = _patch_self_lib(obj, fn) if how == "self" else _patch_pml_lib(monkeypatch, fn)
@@ -111,25 +125,35 @@ def test_close_during_a_call_on_another_thread_never_frees_under_it(name, tmp_pa
 
     def close():
         try:
-            if name == "PrefixCache":
-                obj.close(timeout=0.05)  # waits for the call, then gives up
-            else:
-                obj.close()
+            obj.close(timeout=timeout)
             closer_outcome.append("closed")
         except (RuntimeError, TimeoutError) as e:
             closer_outcome.append(type(e).__name__)
 
     c = threading.Thread(target=close)
     c.start()
-    c.join(5)
-    assert not c.is_alive(), f"{name}.close() hung while a call ran"
+    if timeout is None:
+        for _ in range(1000):  # until close() has begun (bounded: 10 s)
+            if obj.closed:
+                break
+            time.sleep(0.01)
+        assert obj.closed and c.is_alive(), f"{name}.close() did not wait for the running call"
+    else:
+        c.join(5)
+        assert not c.is_alive(), f"{name}.close(timeout=...) hung while a call ran"
+        assert closer_outcome == ["TimeoutError"], closer_outcome
+    with pytest.raises(ValueError, match=f"the {obj._WHAT} is closed"):
+        call(obj)  # refused at once, whether close() waits or gave up
     # The handle was not freed under the running call.
-    assert closer_outcome in (["RuntimeError"], ["TimeoutError"]), closer_outcome
+    assert obj._handle is not None and not result
     fake.proceed.set()
     t.join(10)
+    c.join(10)
     assert not errors, errors
     assert len(result) == 1
-    obj.close()  # now it goes
+    if timeout is None:
+        assert closer_outcome == ["closed"], closer_outcome
+    assert obj._handle is None, "freed by close() or by the call that returned last"
     obj.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         call(obj)
@@ -154,33 +178,98 @@ def test_schema_close_from_its_tokenizer_is_refused():
     s.close()
 
 
+class Counted:
+    """The real library with native function `name` counted into `calls`."""
+
+    def __init__(self, real, name, calls):
+        fn = getattr(real, name)
+        self._real = real
+        setattr(self, name, lambda *a: (calls.append(a), fn(*a))[1])
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("name", sorted(HANDLES))
+def test_close_under_load_frees_exactly_once(name, tmp_path):
+    """close(timeout=0) while three threads call in a loop: every thread
+    then stops on "closed", and the native handle is freed exactly once
+    (by close() or by the call that returned last), never under a call."""
+    make, _, call, _ = HANDLES[name]
+    obj = make(tmp_path)
+    frees = []
+    if obj._owner is not None:  # views may share it: the owner frees
+        free = obj._owner._free
+        obj._owner._free = lambda h: (frees.append(h), free(h))[1]
+    else:
+        obj._lib = Counted(obj._lib, "marconi_events_free" if name == "CacheEvents" else obj._FREE, frees)
+    started = threading.Barrier(4, timeout=10)
+    outcomes = []
+
+    def worker():
+        i = 0
+        try:
+            while True:
+                call(obj)
+                if i == 0:
+                    started.wait()
+                i += 1
+        except ValueError as e:
+            outcomes.append(str(e))
+        except Exception as e:  # noqa: BLE001 - anything else fails below
+            outcomes.append(repr(e))
+        if i == 0:
+            started.abort()
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        obj.close(timeout=0)
+    except TimeoutError:
+        pass
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 3 and all(o == f"the {obj._WHAT} is closed" for o in outcomes), outcomes
+    assert len(frees) == 1 and obj._handle is None and not obj._calls
+    obj.close()  # freed already: a no-op
+    assert len(frees) == 1
+
+
+class ClosingCallbacks:
+    """Store callbacks over a dict whose reads (get, exists) first try
+    `close()`, recording "closed" or "refused" in `seen`."""
+
+    def __init__(self, close):
+        self.close, self.d, self.seen = close, {}, []
+
+    def _try_close(self):
+        try:
+            self.close()
+            self.seen.append("closed")
+        except RuntimeError:
+            self.seen.append("refused")
+
+    def get(self, name):
+        self._try_close()
+        return self.d.get(name)
+
+    def put(self, name, data):
+        self.d[name] = bytes(data)
+
+    def exists(self, name):
+        self._try_close()
+        return name in self.d
+
+    def delete(self, name):
+        self.d.pop(name, None)
+
+
 def test_store_close_from_its_callback_is_refused():
-    objs = {}
-
-    class Cb:
-        def __init__(self):
-            self.d, self.seen = {}, []
-
-        def get(self, name):
-            try:
-                st.close()
-                self.seen.append("closed")
-            except RuntimeError:
-                self.seen.append("refused")
-            return self.d.get(name)
-
-        def put(self, name, data):
-            self.d[name] = bytes(data)
-
-        def exists(self, name):
-            return name in self.d
-
-        def delete(self, name):
-            self.d.pop(name, None)
-
-    cb = Cb()
+    cb = ClosingCallbacks(lambda: st.close())
     st = Store("callback", model="table", block_size=4, callbacks=cb)
-    objs["st"] = st
     st.put_state([1, 2, 3, 4], 4, b"abc")
     assert st.get_state([1, 2, 3, 4], 4) == b"abc"
     assert cb.seen == ["refused"]
@@ -294,4 +383,24 @@ def test_store_namespaces_never_meet(tmp_path):
     st.delete_state(toks, 8, ns=1)
     assert st.get_state(toks, 8, ns=1) is None
     assert st.get_state(toks, 8) == b"plain"
+    st.close()
+
+
+def test_cache_close_from_a_store_callback_is_refused():
+    """A PrefixCache closed from a callback of the store that its
+    lookup_tiered probes: the call in flight is this thread's own, so
+    close() cannot wait for it. It is refused (RuntimeError) and the cache
+    stays usable; it used to wait for the call forever."""
+    cache = PrefixCache(BIG, tiers=marconi.Tiers(host_bytes=BIG, store_bytes=BIG))
+    cb = ClosingCallbacks(lambda: cache.close())
+    st = Store("callback", model="table", block_size=4, callbacks=cb)
+    hits = []
+    t = threading.Thread(target=lambda: hits.append(cache.lookup_tiered(list(range(64)), store=st)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "close() from the store callback hung"
+    assert cb.seen and set(cb.seen) == {"refused"}, cb.seen
+    assert len(hits) == 1
+    cache.release(hits[0].lease)  # still usable
+    cache.close()
     st.close()

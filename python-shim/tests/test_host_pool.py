@@ -5,7 +5,6 @@ all or nothing on a bad pair, and misuse refused with its status."""
 
 import pytest
 
-import marconi
 from marconi import HostPool, MarconiError, Pool
 
 MIB = 1 << 20

@@ -15,7 +15,7 @@ import pytest
 
 import marconi
 import test_pooled
-from test_tiered import Engine, chain_bytes, workload
+from test_tiered import chain_bytes, serve_in_step
 
 
 class OneHandle:
@@ -39,15 +39,8 @@ def test_the_engine_copies_stay_in_step_through_the_one_handle(as_dict, write):
         tiers = marconi.Tiers(**tiers)
     with marconi.PrefixCache(chain_bytes(300), "paper-7b", tiers=tiers) as pc:
         assert pc.has_tiers
-        e = Engine(OneHandle(pc))
-        for prompt, output in workload(10, 6, 3):
-            e.serve(prompt, output)
-            pc.check()
-        s = pc.tier_stats()
-        assert s["requests"] == 60
-        assert s["hits_by_tier"]["host"] > 0 and s["writes"]["host"] > 0
+        serve_in_step(OneHandle(pc), pc.tier_stats)
         assert pc.stats()["requests"] == 60
-        assert e.failures == 0
 
 
 def test_lookup_on_a_tiered_cache_is_the_device_view():
@@ -152,22 +145,7 @@ def test_the_pooled_cycle_through_the_one_handle(as_dict, seed):
         assert pc.has_pools and not pc.has_tiers and pc.backend == "memfd"
         cache, seen = PooledOneHandle(pc), []
         test_pooled.check_invariants(cache, budget, seen)
-        system = [rng.randrange(1 << 20) for _ in range(160)]
-        sessions, served, refused = [], 0, 0
-        for _ in range(30):
-            if not sessions or (len(sessions) < 6 and rng.random() < 0.2):
-                sessions.append(list(rng.choice(sessions) if sessions and rng.random() < 0.5 else system))
-            s = rng.choice(sessions)
-            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 200))]
-            input_len = len(s)
-            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 64))]
-            if len(s) > 4000:
-                sessions.remove(s)
-                continue
-            if test_pooled.serve(cache, s, input_len, budget, seen):
-                served += 1
-            else:
-                refused += 1
+        served, refused = test_pooled.conversations(cache, budget, seen, rng, 30)
         ps, st = pc.pool_stats(), pc.stats()
         assert ps["requests"] == st["requests"] == served + refused
         assert ps["reservations_refused"] == refused

@@ -8,11 +8,11 @@ import array
 import copy
 import os
 import pickle
-import threading
 
 import pytest
 
 import marconi
+from conftest import run_threads
 from marconi import MarconiError, Pool
 
 MIB = 1 << 20
@@ -289,23 +289,13 @@ def test_misuse_of_the_object():
 
 def test_threads_share_a_pool():
     with memfd_pool() as pool:
-        errors = []
-
         def work(kind):
-            try:
-                for _ in range(200):
-                    h = pool.allocate(kind, 4)
-                    pool.resolve(h)
-                    pool.free(h)
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
+            for _ in range(200):
+                h = pool.allocate(kind, 4)
+                pool.resolve(h)
+                pool.free(h)
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in ("kv", "state", "kv", "state")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        assert run_threads(work, [(k,) for k in ("kv", "state", "kv", "state")]) == []
         s = pool.stats()
         assert (s["kv_free"], s["state_free"]) == (s["kv_capacity"], s["state_capacity"])
 

@@ -98,34 +98,41 @@ def serve(cache, tokens, input_len, budget, seen_freed):
     return True
 
 
+def conversations(cache, budget, seen, rng, turns):
+    """`turns` random requests through serve() (a seeded generator: which
+    session speaks, how much it appends and decodes, forks from a shared
+    prefix); returns (served, refused)."""
+    system = [rng.randrange(1 << 20) for _ in range(160)]
+    sessions = []
+    served = refused = 0
+    for _ in range(turns):
+        if not sessions or (len(sessions) < 6 and rng.random() < 0.2):
+            base = rng.choice(sessions) if sessions and rng.random() < 0.5 else system
+            sessions.append(list(base))
+        s = rng.choice(sessions)
+        s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 200))]
+        input_len = len(s)
+        s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 64))]
+        if len(s) > 4000:
+            sessions.remove(s)
+            continue
+        if serve(cache, s, input_len, budget, seen):
+            served += 1
+        else:
+            refused += 1
+    return served, refused
+
+
 @pytest.mark.parametrize("migration,seed", [("avmp", 1), ("avmp", 2), ("static", 1)])
 def test_full_cycle_keeps_the_invariants(migration, seed):
-    """Random conversations (a seeded generator: which session speaks, how
-    much it appends and decodes, forks from a shared prefix), the
-    invariants checked after every request."""
+    """Random conversations (see conversations()), the invariants checked
+    after every request."""
     rng = random.Random(seed)
     cache, budget = small_cache(migration)
     seen = []
     with cache:
         check_invariants(cache, budget, seen)
-        system = [rng.randrange(1 << 20) for _ in range(160)]
-        sessions = []
-        served = refused = 0
-        for _ in range(40):
-            if not sessions or (len(sessions) < 6 and rng.random() < 0.2):
-                base = rng.choice(sessions) if sessions and rng.random() < 0.5 else system
-                sessions.append(list(base))
-            s = rng.choice(sessions)
-            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 200))]
-            input_len = len(s)
-            s += [rng.randrange(1 << 20) for _ in range(rng.randrange(1, 64))]
-            if len(s) > 4000:
-                sessions.remove(s)
-                continue
-            if serve(cache, s, input_len, budget, seen):
-                served += 1
-            else:
-                refused += 1
+        served, refused = conversations(cache, budget, seen, rng, 40)
         st = cache.stats()
         assert st["requests"] == served + refused
         assert st["reservations_refused"] == refused

@@ -5,11 +5,7 @@ of Python callbacks; faults read as misses, bad input as MarconiError."""
 
 import ctypes
 import os
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from conftest import free_port, running_redis

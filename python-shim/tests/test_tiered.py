@@ -118,16 +118,23 @@ class Engine:
             del self.slots[s]
 
 
+def serve_in_step(cache, tier_stats):
+    """Serves the 60-request workload through an Engine over `cache` (the
+    TieredCache calls), checking the invariants after each request, and
+    checks that the host tier was used and no load failed."""
+    e = Engine(cache)
+    for prompt, output in workload(10, 6, 3):
+        e.serve(prompt, output)
+        cache.check()
+    s = tier_stats()
+    assert s["requests"] == 60
+    assert s["hits_by_tier"]["host"] > 0 and s["writes"]["host"] > 0
+    assert e.failures == 0
+
+
 def test_the_engine_copies_stay_in_step_with_the_tiers():
     with marconi.TieredCache(chain_bytes(300), "paper-7b", host_bytes=chain_bytes(900)) as tc:
-        e = Engine(tc)
-        for prompt, output in workload(10, 6, 3):
-            e.serve(prompt, output)
-            tc.check()
-        s = tc.stats()
-        assert s["requests"] == 60
-        assert s["hits_by_tier"]["host"] > 0 and s["writes"]["host"] > 0
-        assert e.failures == 0
+        serve_in_step(tc, tc.stats)
 
 
 def test_exclusive_tiers_drop_what_they_served_in_step_with_the_engine(tmp_path):

@@ -183,6 +183,14 @@ def test_numpy_32_bit_arrays_are_not_copied(np, dtype):
     assert src is arr and address(src) == arr.ctypes.data
 
 
+def lookup_refuses(tokens, error, text):
+    """A lookup of `tokens` raises `error` whose message holds `text`."""
+    with PrefixCache(BIG) as cache:
+        with pytest.raises(error) as e:
+            cache.lookup(tokens)
+        assert text in str(e.value)
+
+
 @pytest.mark.parametrize(
     "make, error, text",
     [
@@ -199,10 +207,7 @@ def test_numpy_32_bit_arrays_are_not_copied(np, dtype):
     ],
 )
 def test_numpy_bad_arrays_are_refused(np, make, error, text):
-    with PrefixCache(BIG) as cache:
-        with pytest.raises(error) as e:
-            cache.lookup(make(np))
-        assert text in str(e.value)
+    lookup_refuses(make(np), error, text)
 
 
 def test_numpy_is_never_imported_by_the_package():
@@ -337,10 +342,7 @@ def test_torch_int32_is_not_copied(torch):
     ],
 )
 def test_torch_bad_tensors_are_refused(torch, make, error, text):
-    with PrefixCache(BIG) as cache:
-        with pytest.raises(error) as e:
-            cache.lookup(make(torch))
-        assert text in str(e.value)
+    lookup_refuses(make(torch), error, text)
 
 
 def test_saved_states_forms_and_bad_states():

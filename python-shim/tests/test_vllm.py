@@ -94,16 +94,6 @@ class TierChecker:
         m.prepare_load = prepare_load
 
 
-def _serve(engine, trace):
-    tot = hit = host = 0
-    for prompt, out in trace:
-        r = engine.run(prompt, out)
-        tot += r["prompt"]
-        hit += r["hit"]
-        host += r["host_hit"]
-    return tot, hit, host
-
-
 def test_config_selects_the_policy(model_dir):
     e = _engine(model_dir, 60)
     assert type(e.policy).__name__ == "MarconiCachePolicy"
@@ -124,7 +114,7 @@ def test_missing_model_is_a_clear_error(model_dir):
 def test_host_hits_resume_from_a_stored_state(model_dir, policy, module):
     e = _engine(model_dir, 40, policy=policy, module=module)
     check = TierChecker(e)
-    tot, hit, host = _serve(e, _trace(1))
+    tot, hit, host = ve.serve(e, _trace(1))
     assert check.loads > 0 and host > 0, (check.loads, host)
     assert hit <= tot
 
@@ -171,7 +161,7 @@ def test_negative_control_a_dropped_state_is_caught(model_dir):
     assert type(e.policy).__name__ == "Leaky"
     TierChecker(e)
     with pytest.raises(AssertionError, match="does not hold"):
-        _serve(e, _trace(1))
+        ve.serve(e, _trace(1))
 
 
 def _keys(rng, paths, T):
@@ -325,7 +315,7 @@ def test_doc_config_lines(model_dir):
                   policy_module=extra.pop("cache_policy_module_path"), extra=extra)
     assert type(e.policy).__name__ == "MarconiCachePolicy"
     TierChecker(e)
-    tot, hit, host_hit = _serve(e, _trace(3))
+    tot, hit, host_hit = ve.serve(e, _trace(3))
     assert host_hit > 0
 
 
@@ -333,10 +323,8 @@ def test_doc_config_lines(model_dir):
 
 import json  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import vllm_store_worker as sw  # noqa: E402

@@ -20,7 +20,6 @@ num_external_computed_tokens).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,3 +264,15 @@ class Engine:
             "hit": self._hit.get(rid, 0),
             "host_hit": self._external.get(rid, 0),
         }
+
+
+def serve(engine: "Engine", trace) -> tuple[int, int, int]:
+    """Runs each (prompt, output) of `trace` through `engine`: (prompt
+    tokens, hit tokens, host-tier hit tokens) summed."""
+    tot = hit = host = 0
+    for prompt, out in trace:
+        r = engine.run(prompt, out)
+        tot += r["prompt"]
+        hit += r["hit"]
+        host += r["host_hit"]
+    return tot, hit, host

@@ -92,12 +92,7 @@ class StoreChecker:
 
 
 def serve(e: ve.Engine, trace) -> dict:
-    tot = hit = host = 0
-    for prompt, out in trace:
-        r = e.run(prompt, out)
-        tot += r["prompt"]
-        hit += r["hit"]
-        host += r["host_hit"]
+    tot, hit, host = ve.serve(e, trace)
     return {"prompt": tot, "hit": hit, "host_hit": host}
 
 

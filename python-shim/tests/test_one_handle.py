@@ -235,9 +235,6 @@ def test_the_methods_over_engine_ids_refuse_on_a_cache_over_pools():
             assert e.value.name == "UNSUPPORTED", name
             assert name in str(e.value), str(e.value)
         with pytest.raises(marconi.MarconiError) as e:
-            marconi.CacheEvents(pc)
-        assert e.value.name == "UNSUPPORTED"
-        with pytest.raises(marconi.MarconiError) as e:
             pc.lookup_tiered([1, 2, 3])
         assert e.value.name == "UNSUPPORTED"
         assert pc.pool_stats()["leases"] == 1  # nothing changed
@@ -245,6 +242,30 @@ def test_the_methods_over_engine_ids_refuse_on_a_cache_over_pools():
             pc.view(look.lease)  # backend none: no host memory
         pc.release(look)
         pc.check()
+
+
+def test_the_events_over_pools_are_those_over_engine_ids():
+    """Events name tokens, never units: the same admission publishes the
+    same batches byte for byte on a cache over pools and on one over ids
+    the engine owns (drained, and as a snapshot)."""
+    tokens = list(range(1000, 1000 + 256))
+    batches = []
+    with marconi.PrefixCache(0, "nemotron-h-8b", page_size=16, alpha=1.0,
+                             pools=marconi.Pools(1 << 30, backend="none")) as pc, marconi.CacheEvents(pc) as ev:
+        look = pc.lookup_pooled(tokens[:200], checkpoints=[160])
+        pages, slots = pc.reserve(256 // 16, 2)
+        a = pc.admit_pooled(look, tokens, [(160, slots[1]), (256, slots[0])], pages)
+        assert a.taken == [True, True]
+        pc.release(look)
+        batches += [ev.drain(ts=1.0), ev.drain(ts=1.5), ev.snapshot(ts=2.0)]
+    with marconi.PrefixCache(1 << 30, "nemotron-h-8b", page_size=16, alpha=1.0) as c, marconi.CacheEvents(c) as ev:
+        look = c.lookup(tokens[:200], checkpoints=[160])
+        r = c.admit(look, tokens, [(160, 1), (256, 0)], kv_pages=list(range(16)))
+        assert r.taken == [True, True]
+        look.release()
+        batches += [ev.drain(ts=1.0), ev.drain(ts=1.5), ev.snapshot(ts=2.0)]
+    assert len(batches[0]) > 100 and batches[1] == batches[4] == b""
+    assert batches[:3] == batches[3:]
 
 
 def test_bad_pools_are_refused():

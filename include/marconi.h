@@ -27,9 +27,27 @@
  *    thread_local object, a pthread key): it behaves as anywhere else,
  *    except that marconi_last_error() may then keep no text.
  *
- * Thread safety: a marconi_cache may be used from several threads at once
- * (an internal lock serialises calls), except marconi_cache_free, which the
- * caller must not run concurrently with any other call on that cache.
+ * Handles (marconi_cache, marconi_pool, marconi_host_pool, marconi_store,
+ * marconi_events, marconi_pml_schema, marconi_pml_cache): a handle argument
+ * is NULL (MARCONI_STATUS_NULL_ARGUMENT) or a live handle of its kind;
+ * anything else (a freed handle, one of another kind, any other pointer)
+ * is MARCONI_STATUS_INVALID_ARGUMENT and is never read. A *_free takes
+ * NULL (a no-op) and leaves anything but a live handle of its kind alone.
+ *
+ * Versioned structs (configs, options, requests, stats) start with
+ * struct_size, the caller's sizeof; fill an input struct with its _init
+ * call first. Any struct_size from the struct's first version on is
+ * accepted: an older caller's input struct is read over the defaults and
+ * its output struct receives only the fields it has; a newer caller's
+ * bytes past this library's struct must be zero on input and are left
+ * alone on output. A smaller struct_size is
+ * MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE.
+ *
+ * Thread safety, where a function says nothing else: calls on one handle
+ * may run concurrently from any number of threads (an internal lock
+ * serialises them), except its *_free, which must not run concurrently
+ * with any other call on that handle (the handle must not be used after
+ * it); a function without a handle argument touches only its arguments.
  */
 
 #ifndef MARCONI_H
@@ -3058,8 +3076,6 @@ extern "C" {
  * The library version as a static NUL-terminated string ("0.2.0"); equals
  * MARCONI_VERSION_STRING of the header the library was built with. Never
  * NULL; the caller must not free it.
- *
- * Thread safety: safe from any thread.
  */
 const char *marconi_version(void);
 
@@ -3068,8 +3084,6 @@ const char *marconi_version(void);
  * truncated to `cap - 1` bytes, and returns the full length of the text
  * (without the NUL), as snprintf does: NULL with cap 0 asks for the length.
  * Unknown values give the text of MARCONI_STATUS_INVALID_ARGUMENT.
- *
- * Thread safety: safe from any thread.
  *
  * # Safety
  *
@@ -3100,8 +3114,6 @@ size_t marconi_last_error(char *buf, size_t cap);
  * pool calls); with cfg->tiers it has lower tiers; both at once is
  * MARCONI_STATUS_UNSUPPORTED.
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cfg` is NULL or points to struct_size readable bytes initialised by
@@ -3114,9 +3126,6 @@ marconi_status marconi_cache_new(const struct marconi_cache_config *cfg,
  * Frees a cache and everything it holds. NULL is a no-op. Every lease of the
  * cache becomes invalid; a stale lease passed to another cache is refused
  * with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
- *
- * Thread safety: must not run concurrently with any other call on this
- * cache; the handle must not be used afterwards.
  *
  * # Safety
  *
@@ -3151,8 +3160,6 @@ void marconi_cache_free(struct marconi_cache *cache);
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `tokens` points to n_tokens readable
@@ -3183,8 +3190,6 @@ marconi_status marconi_cache_lookup(const struct marconi_cache *cache,
  * for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
  * for n_checkpoints >= 2^32 - 1 (refused before the array is read).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * As marconi_cache_lookup; `checkpoints` points to n_checkpoints readable
@@ -3209,8 +3214,6 @@ marconi_status marconi_cache_lookup_hinted(const struct marconi_cache *cache,
  *
  * Errors: those of marconi_cache_lookup.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
@@ -3234,8 +3237,6 @@ marconi_status marconi_cache_lookup_i64(const struct marconi_cache *cache,
  * MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
  * know (refused before anything is read; nothing changes).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * As marconi_cache_lookup_i64.
@@ -3256,8 +3257,6 @@ marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
  * `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
  * pages are handles: marconi_cache_lease_kv_handles).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
@@ -3276,8 +3275,6 @@ marconi_status marconi_cache_lease_kv_pages(const struct marconi_cache *cache,
  * admissible and is not listed. A buffer too small behaves as in
  * marconi_cache_lease_kv_pages. Works on every cache (a lease of
  * marconi_cache_lookup_pooled too).
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -3309,8 +3306,6 @@ marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
  * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
  * _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; each input buffer has its length in
@@ -3339,8 +3334,6 @@ marconi_status marconi_cache_admit(const struct marconi_cache *cache,
  *
  * Ownership and errors: those of marconi_cache_admit.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * As marconi_cache_admit, with `tokens` and `kv_pages` pointing to their
@@ -3362,8 +3355,6 @@ marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
  * _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
  * again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
  * cache or already released.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -3412,8 +3403,6 @@ marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
  * marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
  * (its reservations evict as needed: marconi_cache_reserve).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `free_bytes` is writable or NULL.
@@ -3428,8 +3417,6 @@ marconi_status marconi_cache_evict(const struct marconi_cache *cache,
  * 16), so callers compiled against an older header keep working. On a
  * cache over pools the capacity is the pools' budget, and
  * marconi_cache_pool_stats has the pools' own counters.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -3468,8 +3455,6 @@ marconi_status marconi_cache_drain_log(const struct marconi_cache *cache,
  * the violation in marconi_last_error if one is broken, after which the
  * cache answers MARCONI_STATUS_POISONED. O(cached tokens): for tests.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL.
@@ -3481,8 +3466,6 @@ marconi_status marconi_cache_check(const struct marconi_cache *cache);
  * `cfg->struct_size`. `struct_size` is the caller's
  * sizeof(marconi_cache_config); only that many bytes are written. Set
  * capacity_bytes (and the model) afterwards.
- *
- * Thread safety: touches only `*cfg`.
  *
  * # Safety
  *
@@ -3509,8 +3492,6 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * min_branch_depth and superseded_age, which such a caller gets at their
  * defaults (16 and 1; marconi-paper and sglang-plus set 0).
  *
- * Thread safety: touches only `*cfg`.
- *
  * # Safety
  *
  * `cfg` is NULL or points to `struct_size` writable bytes; `policy` is
@@ -3526,8 +3507,6 @@ marconi_status marconi_cache_config_preset(struct marconi_cache_config *cfg,
  * "nemotron-h-8b") into `*out`. MARCONI_STATUS_UNKNOWN_PRESET for any other
  * name.
  *
- * Thread safety: touches only `*out`.
- *
  * # Safety
  *
  * `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
@@ -3539,8 +3518,6 @@ marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_
  * `cfg->struct_size`: any size from the first version's on (an older
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
- *
- * Thread safety: touches only `*cfg`.
  *
  * # Safety
  *
@@ -3560,11 +3537,10 @@ marconi_status marconi_events_config_init(struct marconi_events_config *cfg, siz
  * thread owning a PUB and, with `cfg->replay_endpoint`, a ROUTER socket);
  * MARCONI_STATUS_INVALID_CONFIG when the endpoint cannot be bound or
  * connected, or when this library was built without the publisher
- * (marconi_events_has_publisher() returns 0). MARCONI_STATUS_UNSUPPORTED
- * on a cache over pools (marconi_cache_config.pools): it publishes no
- * events yet.
- *
- * Thread safety: may run concurrently with anything.
+ * (marconi_events_has_publisher() returns 0). Every kind of cache
+ * publishes: over ids the engine owns, over the library's pools
+ * (marconi_cache_config.pools; events name tokens, never units), and with
+ * lower tiers (the device tier's changes).
  *
  * # Safety
  *
@@ -3582,9 +3558,6 @@ marconi_status marconi_events_new(const struct marconi_cache *cache,
  * (changes would otherwise pile up undrained), or NULL when that cache was
  * freed already.
  *
- * Thread safety: must not run concurrently with another call on this
- * handle; the handle must not be used afterwards.
- *
  * # Safety
  *
  * `events` is NULL or a handle from marconi_events_new not yet freed;
@@ -3594,8 +3567,6 @@ void marconi_events_free(struct marconi_events *events, const struct marconi_cac
 
 /**
  * Whether this library was built with the ZeroMQ publisher (1) or not (0).
- *
- * Thread safety: any thread.
  */
 uint32_t marconi_events_has_publisher(void);
 
@@ -3634,8 +3605,6 @@ marconi_status marconi_events_drain(const struct marconi_events *events,
  * MARCONI_STATUS_BUFFER_TOO_SMALL as marconi_events_drain (nothing kept).
  * O(cached tokens x depth).
  *
- * Thread safety: safe to call concurrently.
- *
  * # Safety
  *
  * As marconi_events_drain.
@@ -3658,8 +3627,6 @@ marconi_status marconi_events_snapshot(const struct marconi_events *events,
  * them with marconi_events_snapshot). MARCONI_STATUS_INVALID_ARGUMENT when
  * the handle has no publisher.
  *
- * Thread safety: safe to call concurrently.
- *
  * # Safety
  *
  * `events` and `cache` are live handles or NULL; `out_seq` is writable or
@@ -3677,8 +3644,6 @@ marconi_status marconi_events_publish(const struct marconi_events *events,
  * MARCONI_STATUS_BUFFER_TOO_SMALL with the length when it does not fit;
  * MARCONI_STATUS_INVALID_ARGUMENT when there is no such endpoint (no
  * publisher, no replay, `which` > 1).
- *
- * Thread safety: safe to call concurrently.
  *
  * # Safety
  *
@@ -3748,8 +3713,6 @@ marconi_status marconi_model_spec_from_gguf_bytes(const uint8_t *bytes,
  * unsupported model_type, a missing or malformed field, or dimensions that
  * cannot drive a cache). marconi_last_error() names the field.
  *
- * Thread safety: touches only `*out`.
- *
  * # Safety
  *
  * `json` is NULL or points to `len` readable bytes; `out` is NULL or
@@ -3765,8 +3728,6 @@ marconi_status marconi_model_spec_from_hf_config(const char *json,
  * them) and sets cfg->struct_size to `struct_size`, the caller's
  * sizeof(marconi_host_pool_config). Bytes past this library's struct are
  * zeroed.
- *
- * Thread safety: safe from any thread.
  *
  * # Safety
  *
@@ -3785,8 +3746,6 @@ marconi_status marconi_host_pool_config_init(struct marconi_host_pool_config *cf
  * mapping. Pinning is attempted only in cuda builds and its failure leaves
  * the pool pageable (marconi_host_pool_stats.pinned says which).
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cfg` is NULL or points to struct_size readable bytes initialised by
@@ -3799,9 +3758,6 @@ marconi_status marconi_host_pool_new(const struct marconi_host_pool_config *cfg,
  * Frees a host pool and its memory (every address it resolved becomes
  * invalid). NULL is a no-op.
  *
- * Thread safety: must not run concurrently with any other call on this
- * pool; the handle must not be used afterwards.
- *
  * # Safety
  *
  * `pool` is NULL or a handle from marconi_host_pool_new not yet freed.
@@ -3813,8 +3769,6 @@ void marconi_host_pool_free(struct marconi_host_pool *pool);
  * slots) and writes their handles to `out[0..n]`; all or nothing.
  * MARCONI_STATUS_OUT_OF_MEMORY when they are not there (nothing
  * allocated), MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds.
- *
- * Thread safety: safe to call concurrently on the same pool.
  *
  * # Safety
  *
@@ -3833,8 +3787,6 @@ marconi_status marconi_host_pool_allocate(const struct marconi_host_pool *pool,
  * for a stale or foreign one (a device pool's, for instance) or 0; the
  * detail names the first bad index. n 0 succeeds.
  *
- * Thread safety: safe to call concurrently on the same pool.
- *
  * # Safety
  *
  * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
@@ -3851,8 +3803,6 @@ marconi_status marconi_host_pool_free_units(const struct marconi_host_pool *pool
  * An engine that owns its device memory copies between these addresses
  * and its own (cudaMemcpyAsync on its stream: the pool is pinned there).
  *
- * Thread safety: safe to call concurrently on the same pool.
- *
  * # Safety
  *
  * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
@@ -3867,8 +3817,6 @@ marconi_status marconi_host_pool_resolve(const struct marconi_host_pool *pool,
 /**
  * Writes the host pool's gauges and counters to `*out` (its struct_size
  * set by the caller; older, shorter versions get their fields).
- *
- * Thread safety: safe to call concurrently on the same pool.
  *
  * # Safety
  *
@@ -3928,8 +3876,6 @@ marconi_status marconi_host_pool_promote(const struct marconi_host_pool *host,
  * model, state_fraction 0.5, budget 0: the caller sets it) and sets
  * req->struct_size to `struct_size`, the caller's sizeof.
  *
- * Thread safety: safe from any thread.
- *
  * # Safety
  *
  * `req` is NULL or has struct_size writable bytes.
@@ -3941,8 +3887,6 @@ marconi_status marconi_plan_request_init(struct marconi_plan_request *req, size_
  * out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
  * a model without recurrent layers, page_size 0, a budget below one page
  * and one slot, or a state_fraction outside (0, 1); the detail says which.
- *
- * Thread safety: safe from any thread.
  *
  * # Safety
  *
@@ -3972,8 +3916,6 @@ marconi_status marconi_plan(const struct marconi_plan_request *req,
  * cache accepts. Cost: the replay, O(trace tokens) with the cache's
  * per-request work (a 7,000-request trace takes about a second); it
  * allocates no device memory.
- *
- * Thread safety: safe from any thread.
  *
  * # Safety
  *
@@ -4019,9 +3961,6 @@ marconi_status marconi_pml_schema_new(const uint8_t *xml,
 /**
  * Frees a schema. NULL is a no-op.
  *
- * Thread safety: must not run concurrently with any other call on this
- * schema; the handle must not be used afterwards.
- *
  * # Safety
  *
  * `schema` is NULL or a handle from marconi_pml_schema_new not yet freed.
@@ -4033,8 +3972,6 @@ void marconi_pml_schema_free(struct marconi_pml_schema *schema);
  * *total_positions`) and its cache namespace (a hash of the schema's name,
  * modules and tokens: the `ns` for marconi_cache_lookup of its exact
  * leading modules).
- *
- * Thread safety: any number of threads.
  *
  * # Safety
  *
@@ -4050,8 +3987,6 @@ marconi_status marconi_pml_schema_info(const struct marconi_pml_schema *schema,
  * of that module into `buf[0..cap]`, NUL-terminated, truncated like
  * marconi_status_message; returns the full length without the NUL, 0 for
  * a NULL schema or an index out of range.
- *
- * Thread safety: any number of threads.
  *
  * # Safety
  *
@@ -4105,8 +4040,6 @@ marconi_status marconi_pml_layout(const struct marconi_pml_schema *schema,
  * compiled it). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when struct_size is
  * smaller than this library's struct.
  *
- * Thread safety: touches only `cfg`.
- *
  * # Safety
  *
  * `cfg` is NULL or points to `struct_size` writable bytes.
@@ -4121,8 +4054,6 @@ marconi_status marconi_pml_cache_config_init(struct marconi_pml_cache_config *cf
  * MARCONI_STATUS_INVALID_CONFIG: capacity_bytes or kv_bytes_per_token is 0,
  * or a FLOPs coefficient is negative or not finite.
  *
- * Thread safety: touches only its arguments.
- *
  * # Safety
  *
  * `cfg` points to cfg->struct_size readable bytes; `out` is writable.
@@ -4134,8 +4065,6 @@ marconi_status marconi_pml_cache_new(const struct marconi_pml_cache_config *cfg,
  * Frees a module store. NULL is a no-op (MARCONI_STATUS_OK). A pointer
  * that is not a live handle (freed already, or never one) is
  * MARCONI_STATUS_INVALID_ARGUMENT and nothing is freed or read.
- *
- * Thread safety: no other call may use the handle during or after this.
  *
  * # Safety
  *
@@ -4153,8 +4082,6 @@ marconi_status marconi_pml_cache_free(struct marconi_pml_cache *cache);
  * MARCONI_STATUS_OUT_OF_MEMORY: its modules and those already pinned
  * exceed the budget (nothing is evicted then).
  *
- * Thread safety: any number of threads (internal lock).
- *
  * # Safety
  *
  * `cache` is a pointer (only a live handle is used); `schema` is a live
@@ -4169,8 +4096,6 @@ marconi_status marconi_pml_cache_register(struct marconi_pml_cache *cache,
  * become unpinned (resident until the budget needs room).
  * MARCONI_STATUS_INVALID_ARGUMENT: not registered (also a second
  * unregister).
- *
- * Thread safety: any number of threads (internal lock).
  *
  * # Safety
  *
@@ -4194,8 +4119,6 @@ marconi_status marconi_pml_cache_unregister(struct marconi_pml_cache *cache, uin
  * not of this schema, more than MARCONI_PML_MAX_SEGMENTS segments.
  * MARCONI_STATUS_BUFFER_TOO_SMALL: out_cap < n_segments (writes
  * n_segments to `*n_out` only). MARCONI_STATUS_EMPTY_TOKENS: n_segments 0.
- *
- * Thread safety: any number of threads (internal lock).
  *
  * # Safety
  *
@@ -4223,8 +4146,6 @@ marconi_status marconi_pml_cache_lookup(struct marconi_pml_cache *cache,
  *
  * MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, kind or index.
  *
- * Thread safety: any number of threads (internal lock).
- *
  * # Safety
  *
  * `cache` is a pointer (only a live handle is used); `entry` is writable.
@@ -4246,8 +4167,6 @@ marconi_status marconi_pml_cache_admit(struct marconi_pml_cache *cache,
  * evicted). MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, a layout
  * not of this schema, a segment outside the run.
  *
- * Thread safety: any number of threads (internal lock).
- *
  * # Safety
  *
  * As marconi_pml_cache_lookup; `entry` is writable.
@@ -4266,8 +4185,6 @@ marconi_status marconi_pml_cache_admit_exact(struct marconi_pml_cache *cache,
  * (writes the pending count to `*n`, removes nothing; NULL with cap 0 is a
  * size query).
  *
- * Thread safety: any number of threads (internal lock).
- *
  * # Safety
  *
  * `cache` is a pointer (only a live handle is used); `out` is NULL with
@@ -4283,8 +4200,6 @@ marconi_status marconi_pml_cache_evicted(struct marconi_pml_cache *cache,
  * sizeof(marconi_pml_cache_stats) first: only that many bytes are written
  * (at least 8).
  *
- * Thread safety: any number of threads (internal lock).
- *
  * # Safety
  *
  * `cache` is a pointer (only a live handle is used); `out` points to
@@ -4299,8 +4214,6 @@ marconi_status marconi_pml_cache_get_stats(struct marconi_pml_cache *cache,
  * budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)
  * and sets cfg->struct_size to `struct_size`, the caller's
  * sizeof(marconi_pool_config). Bytes past this library's struct are zeroed.
- *
- * Thread safety: safe from any thread.
  *
  * # Safety
  *
@@ -4319,8 +4232,6 @@ marconi_status marconi_pool_config_init(struct marconi_pool_config *cfg, size_t 
  * on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
  * the operating system or the driver refuses the memory.
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cfg` is NULL or points to struct_size readable bytes initialised by
@@ -4331,9 +4242,6 @@ marconi_status marconi_pool_new(const struct marconi_pool_config *cfg, struct ma
 /**
  * Frees a pool and its memory (every address it resolved becomes invalid).
  * NULL is a no-op.
- *
- * Thread safety: must not run concurrently with any other call on this
- * pool; the handle must not be used afterwards.
  *
  * # Safety
  *
@@ -4350,8 +4258,6 @@ void marconi_pool_free(struct marconi_pool *pool);
  * are not there (nothing allocated, the detail says how many are free);
  * MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
  * nothing.
- *
- * Thread safety: safe to call concurrently on the same pool.
  *
  * # Safety
  *
@@ -4371,8 +4277,6 @@ marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
  * is stale (its unit was reused), not from this pool, or 0. The detail
  * names the first bad index. n 0 succeeds.
  *
- * Thread safety: safe to call concurrently on the same pool.
- *
  * # Safety
  *
  * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
@@ -4387,8 +4291,6 @@ marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
  * stays valid). All or nothing: a handle that is not live is
  * MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE (freed) and
  * nothing is written. MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
- *
- * Thread safety: safe to call concurrently on the same pool.
  *
  * # Safety
  *
@@ -4410,8 +4312,6 @@ marconi_status marconi_pool_resolve(const struct marconi_pool *pool,
  * budget; the detail says which), MARCONI_STATUS_UNSUPPORTED for a static
  * pool. The pools are unchanged on failure.
  *
- * Thread safety: safe to call concurrently on the same pool.
- *
  * # Safety
  *
  * `pool` is a live handle or NULL; `out` is NULL or writable.
@@ -4425,8 +4325,6 @@ marconi_status marconi_pool_migrate(const struct marconi_pool *pool,
  * Writes the pool's counters into `*out`: the caller sets out->struct_size
  * to sizeof(marconi_pool_stats) and the library writes only that many bytes
  * (struct_size below 16 is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE).
- *
- * Thread safety: safe to call concurrently on the same pool.
  *
  * # Safety
  *
@@ -4564,8 +4462,6 @@ marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
  * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
  * on a cache without pools (marconi_cache_config.pools).
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
@@ -4586,8 +4482,6 @@ marconi_status marconi_cache_lookup_pooled(const struct marconi_cache *cache,
  * Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
  * for checkpoints NULL with n_checkpoints > 0, and
  * MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4610,8 +4504,6 @@ marconi_status marconi_cache_lookup_pooled_hinted(const struct marconi_cache *ca
  * written when cap is too small; NULL with cap 0 asks for the count). The
  * pooled counterpart of marconi_cache_lease_kv_pages.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4637,8 +4529,6 @@ marconi_status marconi_cache_lease_kv_handles(const struct marconi_cache *cache,
  * capacity is below its count. The units are the caller's until admitted
  * (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4677,8 +4567,6 @@ marconi_status marconi_cache_reserve(const struct marconi_cache *cache,
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
  * error.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; each buffer has its length readable
@@ -4703,8 +4591,6 @@ marconi_status marconi_cache_admit_pooled(const struct marconi_cache *cache,
  * cache's, another pool's or cache's, freed, made up),
  * MARCONI_STATUS_DOUBLE_FREE for one listed twice.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4743,8 +4629,6 @@ marconi_status marconi_cache_drain_freed_units(const struct marconi_cache *cache
  * debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
  * pools.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * As marconi_cache_drain_freed_units.
@@ -4758,8 +4642,6 @@ marconi_status marconi_cache_held(const struct marconi_cache *cache,
  * Resolves live handles of a cache over pools (the cache's or the
  * caller's) to their units, as marconi_pool_resolve.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4781,8 +4663,6 @@ marconi_status marconi_cache_resolve(const struct marconi_cache *cache,
  * overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
  * cache without pools.
  *
- * Thread safety: safe to call concurrently on the same cache.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `pairs` has n readable elements (or is
@@ -4797,8 +4677,6 @@ marconi_status marconi_cache_copy_states(const struct marconi_cache *cache,
  * cache's), only out->struct_size bytes (at least 16): set it to
  * sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
  * cache without pools.
- *
- * Thread safety: safe to call concurrently on the same cache.
  *
  * # Safety
  *
@@ -4821,8 +4699,6 @@ marconi_status marconi_cache_pool_stats(const struct marconi_cache *cache,
  * smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
  * recurrent layers is refused.
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
@@ -4836,9 +4712,6 @@ marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache
  * Deprecated: marconi_cache_free. Frees a cache over pools and its memory
  * (every handle and address it gave out becomes invalid). NULL is a no-op;
  * a pointer that is not a live cache handle is refused and left alone.
- *
- * Thread safety: must not run concurrently with any other call on this
- * cache; the handle must not be used afterwards.
  *
  * # Safety
  *
@@ -5030,8 +4903,6 @@ marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc)
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
  *
- * Thread safety: touches only `*cfg`.
- *
  * # Safety
  *
  * `cfg` is NULL or points to `struct_size` writable bytes.
@@ -5046,8 +4917,6 @@ marconi_status marconi_store_config_init(struct marconi_store_config *cfg, size_
  * timeout_ms 0, a bad URL, prefix or backend, or a CALLBACK backend
  * without all four callbacks.
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cfg` is NULL or initialised by marconi_store_config_init; `out` is
@@ -5058,8 +4927,6 @@ marconi_status marconi_store_new(const struct marconi_store_config *cfg,
 
 /**
  * Frees a store handle (closes its connections). NULL is a no-op.
- *
- * Thread safety: no other call may use the handle during or after this.
  *
  * # Safety
  *
@@ -5073,8 +4940,6 @@ void marconi_store_free(struct marconi_store *store);
  * MARCONI_STATUS_POSITION_OUT_OF_RANGE unless 1 <= position <= n_tokens;
  * MARCONI_STATUS_BACKEND_FAILURE when the store did not take it (the
  * engine may ignore it: the state is then simply not found later).
- *
- * Thread safety: safe to call concurrently on the same store.
  *
  * # Safety
  *
@@ -5093,8 +4958,6 @@ marconi_status marconi_store_put_state(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * Thread safety: safe to call concurrently on the same store.
  *
  * # Safety
  *
@@ -5117,8 +4980,6 @@ marconi_status marconi_store_put_state_ns(const struct marconi_store *store,
  * than `cap`. MARCONI_STATUS_POSITION_OUT_OF_RANGE unless
  * 1 <= position <= n_tokens.
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
@@ -5140,8 +5001,6 @@ marconi_status marconi_store_get_state(const struct marconi_store *store,
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * As marconi_store_get_state.
@@ -5160,8 +5019,6 @@ marconi_status marconi_store_get_state_ns(const struct marconi_store *store,
  * Removes the state after `tokens[0..position]` from the store.
  * MARCONI_STATUS_BACKEND_FAILURE when the store failed.
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `tokens` has n_tokens u32.
@@ -5176,8 +5033,6 @@ marconi_status marconi_store_delete_state(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * Thread safety: safe to call concurrently on the same store.
  *
  * # Safety
  *
@@ -5198,8 +5053,6 @@ marconi_status marconi_store_delete_state_ns(const struct marconi_store *store,
  * max_value_bytes; MARCONI_STATUS_BACKEND_FAILURE when the store did not
  * take them (it may have taken some: a later read verifies each block).
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `tokens` has n_tokens u32; `data` has
@@ -5218,8 +5071,6 @@ marconi_status marconi_store_put_kv(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * Thread safety: safe to call concurrently on the same store.
  *
  * # Safety
  *
@@ -5243,8 +5094,6 @@ marconi_status marconi_store_put_kv_ns(const struct marconi_store *store,
  * the store is down or slow). MARCONI_STATUS_INVALID_ARGUMENT when
  * block_bytes is 0 or first_block is past the tokens' full blocks.
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
@@ -5265,8 +5114,6 @@ marconi_status marconi_store_get_kv(const struct marconi_store *store,
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * As marconi_store_get_kv.
@@ -5286,8 +5133,6 @@ marconi_status marconi_store_get_kv_ns(const struct marconi_store *store,
  * 0, the store says it has (one existence query, no value read: a hint
  * that marconi_store_get_kv verifies). 0 when the store is down or slow.
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `tokens` has n_tokens u32;
@@ -5304,8 +5149,6 @@ marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * As marconi_store_kv_prefix.
@@ -5321,8 +5164,6 @@ marconi_status marconi_store_kv_prefix_ns(const struct marconi_store *store,
  * sizeof(marconi_store_stats) first: only that many bytes are written (at
  * least 8), so callers compiled against an older header keep working.
  *
- * Thread safety: safe to call concurrently on the same store.
- *
  * # Safety
  *
  * `store` is a live handle or NULL; `out` is NULL or points to
@@ -5335,8 +5176,6 @@ marconi_status marconi_store_get_stats(const struct marconi_store *store,
  * Fills `*opts` with the defaults (documented per field) and sets
  * `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
  * struct_size is smaller than the first version's.
- *
- * Thread safety: touches only `*opts`.
  *
  * # Safety
  *
@@ -5375,8 +5214,6 @@ marconi_status marconi_tier_options_init(struct marconi_tier_options *opts, size
  * MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
  * handle (cache or store) that is not one.
  *
- * Thread safety: safe to call concurrently on the same handle.
- *
  * # Safety
  *
  * `cache` and `store` are live handles or NULL; each array has its
@@ -5403,8 +5240,6 @@ marconi_status marconi_cache_lookup_tiered(const struct marconi_cache *cache,
  * MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
  * [0, 2^32 - 1] (nothing changes).
  *
- * Thread safety: safe to call concurrently on the same handle.
- *
  * # Safety
  *
  * As marconi_cache_lookup_tiered, with `tokens` pointing to n_tokens
@@ -5427,8 +5262,6 @@ marconi_status marconi_cache_lookup_tiered_i64_flags(const struct marconi_cache 
  * query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
  * written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
  *
- * Thread safety: safe to call concurrently on the same handle.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `buf` has cap writable elements (or
@@ -5447,8 +5280,6 @@ marconi_status marconi_cache_lease_loads(const struct marconi_cache *cache,
  * Counted in load_failures; the lease stays valid.
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
  *
- * Thread safety: safe to call concurrently on the same handle.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL.
@@ -5459,8 +5290,6 @@ marconi_status marconi_cache_report_load_failure(const struct marconi_cache *cac
  * Runs the moves into the lower tiers that defer_moves left waiting
  * (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
- *
- * Thread safety: safe to call concurrently on the same handle.
  *
  * # Safety
  *
@@ -5508,8 +5337,6 @@ marconi_status marconi_cache_drain_ops(const struct marconi_cache *cache,
  * first: only that many bytes are written (at least 16).
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
  *
- * Thread safety: safe to call concurrently on the same handle.
- *
  * # Safety
  *
  * `cache` is a live handle or NULL; `out` is NULL or points to
@@ -5525,8 +5352,6 @@ marconi_status marconi_cache_tier_stats(const struct marconi_cache *cache,
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
  *
- * Thread safety: touches only `*cfg`.
- *
  * # Safety
  *
  * `cfg` is NULL or points to `struct_size` writable bytes.
@@ -5540,8 +5365,6 @@ marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg, siz
  * `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
  * marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
  *
- * Thread safety: may run concurrently with anything.
- *
  * # Safety
  *
  * `cfg` is NULL or initialised by marconi_tiered_config_init, its
@@ -5554,9 +5377,6 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
 /**
  * Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
  * a pointer that is not a live cache handle is refused and left alone.
- *
- * Thread safety: must not run concurrently with any other call on this
- * handle; the handle must not be used afterwards.
  *
  * # Safety
  *

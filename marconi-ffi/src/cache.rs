@@ -445,7 +445,6 @@ impl marconi_cache {
         Ok(self.lock()?.device().config().page_size)
     }
 
-
     /// Turns the device's event stream on (the events handle's way in).
     pub(crate) fn enable_events(&self) -> FfiResult {
         let mut g = self.lock()?;
@@ -522,8 +521,6 @@ pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
 /// lives in the library's pools (marconi_cache_lookup_pooled and the other
 /// pool calls); with cfg->tiers it has lower tiers; both at once is
 /// MARCONI_STATUS_UNSUPPORTED.
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -623,9 +620,6 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
 /// cache becomes invalid; a stale lease passed to another cache is refused
 /// with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
 ///
-/// Thread safety: must not run concurrently with any other call on this
-/// cache; the handle must not be used afterwards.
-///
 /// # Safety
 ///
 /// `cache` is NULL or a handle from marconi_cache_new not yet freed.
@@ -663,8 +657,6 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
 ///
 /// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
 /// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -713,8 +705,6 @@ pub unsafe extern "C" fn marconi_cache_lookup(
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
 /// for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
 /// for n_checkpoints >= 2^32 - 1 (refused before the array is read).
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -765,8 +755,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
 ///
 /// Errors: those of marconi_cache_lookup.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
@@ -807,8 +795,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64(
 /// Errors: those of marconi_cache_lookup_i64, and
 /// MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
 /// know (refused before anything is read; nothing changes).
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -1040,8 +1026,6 @@ unsafe fn lookup_opts(
 /// `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
 /// pages are handles: marconi_cache_lease_kv_handles).
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
@@ -1088,8 +1072,6 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
 /// admissible and is not listed. A buffer too small behaves as in
 /// marconi_cache_lease_kv_pages. Works on every cache (a lease of
 /// marconi_cache_lookup_pooled too).
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -1148,8 +1130,6 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
 /// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
 /// _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; each input buffer has its length in
@@ -1198,8 +1178,6 @@ pub unsafe extern "C" fn marconi_cache_admit(
 /// `kv_pages[i]`, and nothing changes.
 ///
 /// Ownership and errors: those of marconi_cache_admit.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -1342,8 +1320,6 @@ unsafe fn admit(
 /// again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
 /// cache or already released.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL.
@@ -1485,8 +1461,6 @@ pub(crate) unsafe fn hand_out_freed(
 /// marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
 /// (its reservations evict as needed: marconi_cache_reserve).
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `free_bytes` is writable or NULL.
@@ -1527,8 +1501,6 @@ pub unsafe extern "C" fn marconi_cache_evict(
 /// 16), so callers compiled against an older header keep working. On a
 /// cache over pools the capacity is the pools' budget, and
 /// marconi_cache_pool_stats has the pools' own counters.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -1659,8 +1631,6 @@ pub unsafe extern "C" fn marconi_cache_drain_log(
 /// links, lease counts, capacity). MARCONI_STATUS_INVARIANT_VIOLATED with
 /// the violation in marconi_last_error if one is broken, after which the
 /// cache answers MARCONI_STATUS_POISONED. O(cached tokens): for tests.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///

@@ -634,8 +634,6 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
 /// sizeof(marconi_cache_config); only that many bytes are written. Set
 /// capacity_bytes (and the model) afterwards.
 ///
-/// Thread safety: touches only `*cfg`.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
@@ -668,8 +666,6 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 /// shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
 /// min_branch_depth and superseded_age, which such a caller gets at their
 /// defaults (16 and 1; marconi-paper and sglang-plus set 0).
-///
-/// Thread safety: touches only `*cfg`.
 ///
 /// # Safety
 ///
@@ -742,8 +738,6 @@ fn config_bytes(c: &marconi_cache_config) -> &[u8] {
 /// "paper-7b", "paper-7b-attn", "paper-7b-ssm", "jamba-1.5-mini",
 /// "nemotron-h-8b") into `*out`. MARCONI_STATUS_UNKNOWN_PRESET for any other
 /// name.
-///
-/// Thread safety: touches only `*out`.
 ///
 /// # Safety
 ///

@@ -200,8 +200,6 @@ const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_events_config>();
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
 ///
-/// Thread safety: touches only `*cfg`.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
@@ -231,8 +229,6 @@ pub unsafe extern "C" fn marconi_events_config_init(
 /// publishes: over ids the engine owns, over the library's pools
 /// (marconi_cache_config.pools; events name tokens, never units), and with
 /// lower tiers (the device tier's changes).
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -360,9 +356,6 @@ pub unsafe extern "C" fn marconi_events_new(
 /// (changes would otherwise pile up undrained), or NULL when that cache was
 /// freed already.
 ///
-/// Thread safety: must not run concurrently with another call on this
-/// handle; the handle must not be used afterwards.
-///
 /// # Safety
 ///
 /// `events` is NULL or a handle from marconi_events_new not yet freed;
@@ -387,8 +380,6 @@ pub unsafe extern "C" fn marconi_events_free(
 }
 
 /// Whether this library was built with the ZeroMQ publisher (1) or not (0).
-///
-/// Thread safety: any thread.
 #[no_mangle]
 pub extern "C" fn marconi_events_has_publisher() -> u32 {
     u32::from(cfg!(feature = "publisher"))
@@ -499,8 +490,6 @@ pub unsafe extern "C" fn marconi_events_drain(
 /// MARCONI_STATUS_BUFFER_TOO_SMALL as marconi_events_drain (nothing kept).
 /// O(cached tokens x depth).
 ///
-/// Thread safety: safe to call concurrently.
-///
 /// # Safety
 ///
 /// As marconi_events_drain.
@@ -544,8 +533,6 @@ pub unsafe extern "C" fn marconi_events_snapshot(
 /// skipped, so subscribers see a gap that replay cannot fill (resynchronise
 /// them with marconi_events_snapshot). MARCONI_STATUS_INVALID_ARGUMENT when
 /// the handle has no publisher.
-///
-/// Thread safety: safe to call concurrently.
 ///
 /// # Safety
 ///
@@ -622,8 +609,6 @@ fn publish_locked(_g: &mut Inner, _h: &marconi_cache, _ts: f64) -> FfiResult<u64
 /// MARCONI_STATUS_BUFFER_TOO_SMALL with the length when it does not fit;
 /// MARCONI_STATUS_INVALID_ARGUMENT when there is no such endpoint (no
 /// publisher, no replay, `which` > 1).
-///
-/// Thread safety: safe to call concurrently.
 ///
 /// # Safety
 ///

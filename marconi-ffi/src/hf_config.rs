@@ -25,8 +25,6 @@ pub(crate) const MAX_HF_CONFIG_BYTES: usize = 16 << 20;
 /// unsupported model_type, a missing or malformed field, or dimensions that
 /// cannot drive a cache). marconi_last_error() names the field.
 ///
-/// Thread safety: touches only `*out`.
-///
 /// # Safety
 ///
 /// `json` is NULL or points to `len` readable bytes; `out` is NULL or

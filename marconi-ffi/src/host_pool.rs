@@ -158,8 +158,6 @@ fn move_err(e: MoveError) -> FfiError {
 /// sizeof(marconi_host_pool_config). Bytes past this library's struct are
 /// zeroed.
 ///
-/// Thread safety: safe from any thread.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to struct_size writable bytes.
@@ -187,8 +185,6 @@ pub unsafe extern "C" fn marconi_host_pool_config_init(
 /// MARCONI_STATUS_BACKEND_FAILURE when the system refuses the memfd or its
 /// mapping. Pinning is attempted only in cuda builds and its failure leaves
 /// the pool pageable (marconi_host_pool_stats.pinned says which).
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -232,9 +228,6 @@ pub unsafe extern "C" fn marconi_host_pool_new(
 /// Frees a host pool and its memory (every address it resolved becomes
 /// invalid). NULL is a no-op.
 ///
-/// Thread safety: must not run concurrently with any other call on this
-/// pool; the handle must not be used afterwards.
-///
 /// # Safety
 ///
 /// `pool` is NULL or a handle from marconi_host_pool_new not yet freed.
@@ -251,8 +244,6 @@ pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
 /// slots) and writes their handles to `out[0..n]`; all or nothing.
 /// MARCONI_STATUS_OUT_OF_MEMORY when they are not there (nothing
 /// allocated), MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds.
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///
@@ -303,8 +294,6 @@ pub unsafe extern "C" fn marconi_host_pool_allocate(
 /// for a stale or foreign one (a device pool's, for instance) or 0; the
 /// detail names the first bad index. n 0 succeeds.
 ///
-/// Thread safety: safe to call concurrently on the same pool.
-///
 /// # Safety
 ///
 /// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
@@ -338,8 +327,6 @@ pub unsafe extern "C" fn marconi_host_pool_free_units(
 /// handle that is not live here; MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
 /// An engine that owns its device memory copies between these addresses
 /// and its own (cudaMemcpyAsync on its stream: the pool is pinned there).
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///
@@ -395,8 +382,6 @@ pub unsafe extern "C" fn marconi_host_pool_resolve(
 
 /// Writes the host pool's gauges and counters to `*out` (its struct_size
 /// set by the caller; older, shorter versions get their fields).
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///

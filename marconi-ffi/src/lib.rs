@@ -86,8 +86,6 @@ const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 /// The library version as a static NUL-terminated string ("0.2.0"); equals
 /// MARCONI_VERSION_STRING of the header the library was built with. Never
 /// NULL; the caller must not free it.
-///
-/// Thread safety: safe from any thread.
 #[no_mangle]
 pub extern "C" fn marconi_version() -> *const c_char {
     VERSION.as_ptr().cast()
@@ -97,8 +95,6 @@ pub extern "C" fn marconi_version() -> *const c_char {
 /// truncated to `cap - 1` bytes, and returns the full length of the text
 /// (without the NUL), as snprintf does: NULL with cap 0 asks for the length.
 /// Unknown values give the text of MARCONI_STATUS_INVALID_ARGUMENT.
-///
-/// Thread safety: safe from any thread.
 ///
 /// # Safety
 ///

@@ -125,8 +125,6 @@ impl marconi_plan_request {
 /// model, state_fraction 0.5, budget 0: the caller sets it) and sets
 /// req->struct_size to `struct_size`, the caller's sizeof.
 ///
-/// Thread safety: safe from any thread.
-///
 /// # Safety
 ///
 /// `req` is NULL or has struct_size writable bytes.
@@ -196,8 +194,6 @@ unsafe fn out_struct_size(out: *const u32, min: usize, what: &str) -> FfiResult<
 /// out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
 /// a model without recurrent layers, page_size 0, a budget below one page
 /// and one slot, or a state_fraction outside (0, 1); the detail says which.
-///
-/// Thread safety: safe from any thread.
 ///
 /// # Safety
 ///
@@ -386,8 +382,6 @@ unsafe fn trace_of<'a>(
 /// cache accepts. Cost: the replay, O(trace tokens) with the cache's
 /// per-request work (a 7,000-request trace takes about a second); it
 /// allocates no device memory.
-///
-/// Thread safety: safe from any thread.
 ///
 /// # Safety
 ///

@@ -275,9 +275,6 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
 
 /// Frees a schema. NULL is a no-op.
 ///
-/// Thread safety: must not run concurrently with any other call on this
-/// schema; the handle must not be used afterwards.
-///
 /// # Safety
 ///
 /// `schema` is NULL or a handle from marconi_pml_schema_new not yet freed.
@@ -294,8 +291,6 @@ pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema
 /// *total_positions`) and its cache namespace (a hash of the schema's name,
 /// modules and tokens: the `ns` for marconi_cache_lookup of its exact
 /// leading modules).
-///
-/// Thread safety: any number of threads.
 ///
 /// # Safety
 ///
@@ -332,8 +327,6 @@ pub unsafe extern "C" fn marconi_pml_schema_info(
 /// of that module into `buf[0..cap]`, NUL-terminated, truncated like
 /// marconi_status_message; returns the full length without the NUL, 0 for
 /// a NULL schema or an index out of range.
-///
-/// Thread safety: any number of threads.
 ///
 /// # Safety
 ///

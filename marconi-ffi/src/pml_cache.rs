@@ -217,8 +217,6 @@ fn store_error(e: StoreError) -> FfiError {
 /// compiled it). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when struct_size is
 /// smaller than this library's struct.
 ///
-/// Thread safety: touches only `cfg`.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
@@ -243,8 +241,6 @@ pub unsafe extern "C" fn marconi_pml_cache_config_init(
 ///
 /// MARCONI_STATUS_INVALID_CONFIG: capacity_bytes or kv_bytes_per_token is 0,
 /// or a FLOPs coefficient is negative or not finite.
-///
-/// Thread safety: touches only its arguments.
 ///
 /// # Safety
 ///
@@ -289,8 +285,6 @@ pub unsafe extern "C" fn marconi_pml_cache_new(
 /// that is not a live handle (freed already, or never one) is
 /// MARCONI_STATUS_INVALID_ARGUMENT and nothing is freed or read.
 ///
-/// Thread safety: no other call may use the handle during or after this.
-///
 /// # Safety
 ///
 /// `cache` is NULL or a pointer; only a live handle is dereferenced.
@@ -320,8 +314,6 @@ pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -
 ///
 /// MARCONI_STATUS_OUT_OF_MEMORY: its modules and those already pinned
 /// exceed the budget (nothing is evicted then).
-///
-/// Thread safety: any number of threads (internal lock).
 ///
 /// # Safety
 ///
@@ -354,8 +346,6 @@ pub unsafe extern "C" fn marconi_pml_cache_register(
 /// become unpinned (resident until the budget needs room).
 /// MARCONI_STATUS_INVALID_ARGUMENT: not registered (also a second
 /// unregister).
-///
-/// Thread safety: any number of threads (internal lock).
 ///
 /// # Safety
 ///
@@ -459,8 +449,6 @@ unsafe fn read_layout(segments: *const marconi_pml_segment, n: usize) -> FfiResu
 /// MARCONI_STATUS_BUFFER_TOO_SMALL: out_cap < n_segments (writes
 /// n_segments to `*n_out` only). MARCONI_STATUS_EMPTY_TOKENS: n_segments 0.
 ///
-/// Thread safety: any number of threads (internal lock).
-///
 /// # Safety
 ///
 /// `cache` is a pointer (only a live handle is used); `segments` has
@@ -563,8 +551,6 @@ pub unsafe extern "C" fn marconi_pml_cache_lookup(
 ///
 /// MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, kind or index.
 ///
-/// Thread safety: any number of threads (internal lock).
-///
 /// # Safety
 ///
 /// `cache` is a pointer (only a live handle is used); `entry` is writable.
@@ -612,8 +598,6 @@ pub unsafe extern "C" fn marconi_pml_cache_admit(
 /// evicted). MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, a layout
 /// not of this schema, a segment outside the run.
 ///
-/// Thread safety: any number of threads (internal lock).
-///
 /// # Safety
 ///
 /// As marconi_pml_cache_lookup; `entry` is writable.
@@ -649,8 +633,6 @@ pub unsafe extern "C" fn marconi_pml_cache_admit_exact(
 /// memory. MARCONI_STATUS_BUFFER_TOO_SMALL: more are pending than `cap`
 /// (writes the pending count to `*n`, removes nothing; NULL with cap 0 is a
 /// size query).
-///
-/// Thread safety: any number of threads (internal lock).
 ///
 /// # Safety
 ///
@@ -695,8 +677,6 @@ pub unsafe extern "C" fn marconi_pml_cache_evicted(
 /// Writes the store's counters to `*out`. Set out->struct_size to
 /// sizeof(marconi_pml_cache_stats) first: only that many bytes are written
 /// (at least 8).
-///
-/// Thread safety: any number of threads (internal lock).
 ///
 /// # Safety
 ///

@@ -798,8 +798,6 @@ unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool>
 /// and sets cfg->struct_size to `struct_size`, the caller's
 /// sizeof(marconi_pool_config). Bytes past this library's struct are zeroed.
 ///
-/// Thread safety: safe from any thread.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to struct_size writable bytes.
@@ -823,8 +821,6 @@ pub unsafe extern "C" fn marconi_pool_config_init(
 /// MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
 /// on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
 /// the operating system or the driver refuses the memory.
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -855,9 +851,6 @@ pub unsafe extern "C" fn marconi_pool_new(
 /// Frees a pool and its memory (every address it resolved becomes invalid).
 /// NULL is a no-op.
 ///
-/// Thread safety: must not run concurrently with any other call on this
-/// pool; the handle must not be used afterwards.
-///
 /// # Safety
 ///
 /// `pool` is NULL or a handle from marconi_pool_new not yet freed.
@@ -878,8 +871,6 @@ pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
 /// are not there (nothing allocated, the detail says how many are free);
 /// MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
 /// nothing.
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///
@@ -952,8 +943,6 @@ pub unsafe extern "C" fn marconi_pool_allocate(
 /// is stale (its unit was reused), not from this pool, or 0. The detail
 /// names the first bad index. n 0 succeeds.
 ///
-/// Thread safety: safe to call concurrently on the same pool.
-///
 /// # Safety
 ///
 /// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
@@ -1001,8 +990,6 @@ pub unsafe extern "C" fn marconi_pool_free_units(
 /// stays valid). All or nothing: a handle that is not live is
 /// MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE (freed) and
 /// nothing is written. MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///
@@ -1052,8 +1039,6 @@ pub unsafe extern "C" fn marconi_pool_resolve(
 /// donor's tail is in use or too small, the recipient would exceed the
 /// budget; the detail says which), MARCONI_STATUS_UNSUPPORTED for a static
 /// pool. The pools are unchanged on failure.
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///
@@ -1113,8 +1098,6 @@ pub unsafe extern "C" fn marconi_pool_migrate(
 /// Writes the pool's counters into `*out`: the caller sets out->struct_size
 /// to sizeof(marconi_pool_stats) and the library writes only that many bytes
 /// (struct_size below 16 is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE).
-///
-/// Thread safety: safe to call concurrently on the same pool.
 ///
 /// # Safety
 ///

@@ -222,8 +222,6 @@ pub struct marconi_pooled_state {
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
 /// on a cache without pools (marconi_cache_config.pools).
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
@@ -262,8 +260,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled(
 /// Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
 /// for checkpoints NULL with n_checkpoints > 0, and
 /// MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -357,8 +353,6 @@ unsafe fn pooled_lookup(
 /// pooled counterpart of marconi_cache_lease_kv_pages.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or
@@ -399,8 +393,6 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_handles(
 /// capacity is below its count. The units are the caller's until admitted
 /// (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -469,8 +461,6 @@ pub unsafe extern "C" fn marconi_cache_reserve(
 /// MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
 /// error.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -569,8 +559,6 @@ pub unsafe extern "C" fn marconi_cache_admit_pooled(
 /// MARCONI_STATUS_DOUBLE_FREE for one listed twice.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
@@ -649,8 +637,6 @@ pub unsafe extern "C" fn marconi_cache_drain_freed_units(
 /// debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
 /// pools.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// As marconi_cache_drain_freed_units.
@@ -684,8 +670,6 @@ pub unsafe extern "C" fn marconi_cache_held(
 /// Resolves live handles of a cache over pools (the cache's or the
 /// caller's) to their units, as marconi_pool_resolve.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -760,8 +744,6 @@ fn resolve_all(
 /// (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
 /// overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
 /// cache without pools.
-///
-/// Thread safety: safe to call concurrently on the same cache.
 ///
 /// # Safety
 ///
@@ -897,8 +879,6 @@ pub struct marconi_pooled_stats {
 /// sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
 /// cache without pools.
 ///
-/// Thread safety: safe to call concurrently on the same cache.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `out` is NULL or has out->struct_size
@@ -1003,8 +983,6 @@ fn as_cache(pc: *const marconi_pooled_cache) -> *const marconi_cache {
 /// smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
 /// recurrent layers is refused.
 ///
-/// Thread safety: may run concurrently with anything.
-///
 /// # Safety
 ///
 /// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
@@ -1043,9 +1021,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
 /// Deprecated: marconi_cache_free. Frees a cache over pools and its memory
 /// (every handle and address it gave out becomes invalid). NULL is a no-op;
 /// a pointer that is not a live cache handle is refused and left alone.
-///
-/// Thread safety: must not run concurrently with any other call on this
-/// cache; the handle must not be used afterwards.
 ///
 /// # Safety
 ///

@@ -373,8 +373,6 @@ fn callback_store(cb: CCallbacks, timeout: Duration) -> CallbackStore {
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
 ///
-/// Thread safety: touches only `*cfg`.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
@@ -395,8 +393,6 @@ pub unsafe extern "C" fn marconi_store_config_init(
 /// in marconi_last_error) for a missing model or location, block_size 0,
 /// timeout_ms 0, a bad URL, prefix or backend, or a CALLBACK backend
 /// without all four callbacks.
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -491,8 +487,6 @@ pub unsafe extern "C" fn marconi_store_new(
 
 /// Frees a store handle (closes its connections). NULL is a no-op.
 ///
-/// Thread safety: no other call may use the handle during or after this.
-///
 /// # Safety
 ///
 /// `store` is NULL or a live handle from marconi_store_new, freed once.
@@ -537,8 +531,6 @@ fn put_error(e: StoreError) -> FfiError {
 /// MARCONI_STATUS_BACKEND_FAILURE when the store did not take it (the
 /// engine may ignore it: the state is then simply not found later).
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32 and `data`
@@ -571,8 +563,6 @@ pub unsafe extern "C" fn marconi_store_put_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -656,8 +646,6 @@ unsafe fn store_put_state(
 /// than `cap`. MARCONI_STATUS_POSITION_OUT_OF_RANGE unless
 /// 1 <= position <= n_tokens.
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
@@ -695,8 +683,6 @@ pub unsafe extern "C" fn marconi_store_get_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -799,8 +785,6 @@ unsafe fn store_get_state(
 /// Removes the state after `tokens[0..position]` from the store.
 /// MARCONI_STATUS_BACKEND_FAILURE when the store failed.
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32.
@@ -828,8 +812,6 @@ pub unsafe extern "C" fn marconi_store_delete_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -896,8 +878,6 @@ unsafe fn store_delete_state(
 /// max_value_bytes; MARCONI_STATUS_BACKEND_FAILURE when the store did not
 /// take them (it may have taken some: a later read verifies each block).
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32; `data` has
@@ -932,8 +912,6 @@ pub unsafe extern "C" fn marconi_store_put_kv(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -1030,8 +1008,6 @@ unsafe fn store_put_kv(
 /// the store is down or slow). MARCONI_STATUS_INVALID_ARGUMENT when
 /// block_bytes is 0 or first_block is past the tokens' full blocks.
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
@@ -1068,8 +1044,6 @@ pub unsafe extern "C" fn marconi_store_get_kv(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -1168,8 +1142,6 @@ unsafe fn store_get_kv(
 /// 0, the store says it has (one existence query, no value read: a hint
 /// that marconi_store_get_kv verifies). 0 when the store is down or slow.
 ///
-/// Thread safety: safe to call concurrently on the same store.
-///
 /// # Safety
 ///
 /// `store` is a live handle or NULL; `tokens` has n_tokens u32;
@@ -1198,8 +1170,6 @@ pub unsafe extern "C" fn marconi_store_kv_prefix(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///
@@ -1258,8 +1228,6 @@ unsafe fn store_kv_prefix(
 /// Writes the store's counters to `*out`. Set out->struct_size to
 /// sizeof(marconi_store_stats) first: only that many bytes are written (at
 /// least 8), so callers compiled against an older header keep working.
-///
-/// Thread safety: safe to call concurrently on the same store.
 ///
 /// # Safety
 ///

@@ -389,8 +389,6 @@ const OPTIONS_MIN_SIZE: usize = std::mem::size_of::<marconi_tier_options>();
 /// `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
 /// struct_size is smaller than the first version's.
 ///
-/// Thread safety: touches only `*opts`.
-///
 /// # Safety
 ///
 /// `opts` is NULL or points to `struct_size` writable bytes.
@@ -590,8 +588,6 @@ fn flag(v: u32, what: &str) -> FfiResult<bool> {
 /// MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
 /// handle (cache or store) that is not one.
 ///
-/// Thread safety: safe to call concurrently on the same handle.
-///
 /// # Safety
 ///
 /// `cache` and `store` are live handles or NULL; each array has its
@@ -641,8 +637,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered(
 /// Errors: those of marconi_cache_lookup_tiered, and
 /// MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
 /// [0, 2^32 - 1] (nothing changes).
-///
-/// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
@@ -780,8 +774,6 @@ unsafe fn lookup_tiered(
 /// query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
 /// written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
-/// Thread safety: safe to call concurrently on the same handle.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `buf` has cap writable elements (or
@@ -842,8 +834,6 @@ pub unsafe extern "C" fn marconi_cache_lease_loads(
 /// Counted in load_failures; the lease stays valid.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
-/// Thread safety: safe to call concurrently on the same handle.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL.
@@ -868,8 +858,6 @@ pub unsafe extern "C" fn marconi_cache_report_load_failure(
 /// Runs the moves into the lower tiers that defer_moves left waiting
 /// (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
-///
-/// Thread safety: safe to call concurrently on the same handle.
 ///
 /// # Safety
 ///
@@ -1015,8 +1003,6 @@ fn op_parts(o: &TierOp) -> OpParts<'_> {
 /// first: only that many bytes are written (at least 16).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
-/// Thread safety: safe to call concurrently on the same handle.
-///
 /// # Safety
 ///
 /// `cache` is a live handle or NULL; `out` is NULL or points to
@@ -1095,8 +1081,6 @@ fn as_cache(t: *const marconi_tiered) -> *const marconi_cache {
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
 ///
-/// Thread safety: touches only `*cfg`.
-///
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
@@ -1116,8 +1100,6 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
 /// `cfg->device`, the tiers in the other fields) and writes the handle to
 /// `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
 /// marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
-///
-/// Thread safety: may run concurrently with anything.
 ///
 /// # Safety
 ///
@@ -1157,9 +1139,6 @@ pub unsafe extern "C" fn marconi_tiered_new(
 
 /// Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
 /// a pointer that is not a live cache handle is refused and left alone.
-///
-/// Thread safety: must not run concurrently with any other call on this
-/// handle; the handle must not be used afterwards.
 ///
 /// # Safety
 ///

@@ -81,45 +81,17 @@ fn all_blocks_admits_the_final_state_between_block_boundaries() {
     let cache = new_cache(&cfg);
     let input: Vec<u32> = (0..20).collect();
     let full: Vec<u32> = (0..30).collect();
-    let mut l = marconi_lookup::default();
-    // SAFETY: live handle, valid buffers.
-    ok(unsafe {
-        marconi_cache_lookup(
-            cache,
-            0,
-            input.as_ptr(),
-            input.len(),
-            MARCONI_NO_SLOT,
-            &mut l,
-        )
-    });
+    let l = lookup(cache, &input);
     // 30 tokens end at 28 (pages of 4), between the blocks 24 and 32.
     let s = states(&[8, 16, 24, 28], &[1, 2, 3, 4]);
     let mut taken = [0u8; 4];
     let mut out = marconi_admit_result::default();
-    // SAFETY: live handle, valid buffers and lengths.
-    ok(unsafe {
-        marconi_cache_admit(
-            cache,
-            l.lease,
-            full.as_ptr(),
-            full.len(),
-            s.as_ptr(),
-            s.len(),
-            ptr::null(),
-            0,
-            taken.as_mut_ptr(),
-            &mut out,
-        )
-    });
+    ok(admit(cache, l.lease, &full, &s, &[], &mut taken, &mut out));
     assert_eq!((out.states_taken, taken), (4, [1; 4]));
     // SAFETY: live handle and lease.
     ok(unsafe { marconi_cache_release(cache, l.lease) });
     let next: Vec<u32> = (0..40).collect();
-    // SAFETY: live handle, valid buffers.
-    ok(unsafe {
-        marconi_cache_lookup(cache, 0, next.as_ptr(), next.len(), MARCONI_NO_SLOT, &mut l)
-    });
+    let l = lookup(cache, &next);
     assert_eq!((l.hit_tokens, l.state_slot), (28, 4));
     // SAFETY: live handle and lease; the handle is freed once.
     unsafe {
@@ -448,62 +420,29 @@ fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
     };
     // First turn: KV and a state; the drain carries the KV blocks.
     let seq: Vec<u32> = (0..16).collect();
-    let mut l = marconi_lookup::default();
     let mut out = marconi_admit_result::default();
-    // SAFETY: live handle, valid buffers.
-    unsafe {
-        ok(marconi_cache_lookup(
-            cache,
-            0,
-            seq.as_ptr(),
-            seq.len(),
-            MARCONI_NO_SLOT,
-            &mut l,
-        ));
-        let s = states(&[16], &[1]);
-        ok(marconi_cache_admit(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            seq.len(),
-            s.as_ptr(),
-            1,
-            ptr::null(),
-            0,
-            ptr::null_mut(),
-            &mut out,
-        ));
-        ok(marconi_cache_release(cache, l.lease));
-    }
+    let l = lookup(cache, &seq);
+    let s = states(&[16], &[1]);
+    ok(admit(cache, l.lease, &seq, &s, &[], &mut [], &mut out));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(cache, l.lease) });
     drain(&mut len, &mut buf);
     assert!(len > 12, "the KV blocks make a batch ({len} bytes)");
     // Second: the same 16 tokens again, a state at 12 only (a state
     // change, no new KV): nothing a subscriber without states sees.
-    // SAFETY: live handle, valid buffers.
-    unsafe {
-        ok(marconi_cache_lookup(
-            cache,
-            0,
-            seq.as_ptr(),
-            13,
-            MARCONI_NO_SLOT,
-            &mut l,
-        ));
-        let s = states(&[12], &[2]);
-        ok(marconi_cache_admit(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            13,
-            s.as_ptr(),
-            1,
-            ptr::null(),
-            0,
-            ptr::null_mut(),
-            &mut out,
-        ));
-        ok(marconi_cache_release(cache, l.lease));
-    }
+    let l = lookup(cache, &seq[..13]);
+    let s = states(&[12], &[2]);
+    ok(admit(
+        cache,
+        l.lease,
+        &seq[..13],
+        &s,
+        &[],
+        &mut [],
+        &mut out,
+    ));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(cache, l.lease) });
     assert_eq!(out.states_taken, 1, "the state at 12 is new");
     len = usize::MAX;
     drain(&mut len, &mut buf);

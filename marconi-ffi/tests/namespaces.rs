@@ -75,30 +75,14 @@ fn found(store: *const marconi_store, ns: Option<u64>) -> bool {
     let tokens = input();
     let mut buf = vec![0u8; 4096];
     let (mut len, mut found) = (0usize, 0u32);
+    let (toks, n, out, cap) = (tokens.as_ptr(), tokens.len(), buf.as_mut_ptr(), buf.len());
     // SAFETY: valid handle, arrays and outs.
     ok(unsafe {
         match ns {
-            None => marconi_store_get_state(
-                store,
-                tokens.as_ptr(),
-                tokens.len(),
-                AT,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut len,
-                &mut found,
-            ),
-            Some(ns) => marconi_store_get_state_ns(
-                store,
-                ns,
-                tokens.as_ptr(),
-                tokens.len(),
-                AT,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut len,
-                &mut found,
-            ),
+            None => marconi_store_get_state(store, toks, n, AT, out, cap, &mut len, &mut found),
+            Some(ns) => {
+                marconi_store_get_state_ns(store, ns, toks, n, AT, out, cap, &mut len, &mut found)
+            }
         }
     });
     if found == 1 {

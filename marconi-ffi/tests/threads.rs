@@ -123,21 +123,7 @@ fn threads_share_a_cache() {
                         }
                         let mut taken = vec![0u8; states.len()];
                         let mut out = marconi_admit_result::default();
-                        // SAFETY: every buffer is passed with its length.
-                        ok(unsafe {
-                            marconi_cache_admit(
-                                c,
-                                l.lease,
-                                full.as_ptr(),
-                                full.len(),
-                                states.as_ptr(),
-                                states.len(),
-                                kv.as_ptr(),
-                                kv.len(),
-                                taken.as_mut_ptr(),
-                                &mut out,
-                            )
-                        });
+                        ok(admit(c, l.lease, &full, &states, &kv, &mut taken, &mut out));
                         assert_eq!(
                             taken.iter().filter(|&&f| f == 1).count() as u32,
                             out.states_taken

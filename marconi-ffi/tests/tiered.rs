@@ -35,6 +35,12 @@ fn new_tiered(cfg: &marconi_tiered_config) -> *mut marconi_tiered {
     t
 }
 
+/// A tiered cache of `device`, `host` and `store` tokens of chains (the
+/// handle copies its configuration: nothing here outlives the call).
+fn tiered_of(device: u64, host: u64, store: u64) -> *mut marconi_tiered {
+    new_tiered(&tiered_config(&device_config(device), host, store))
+}
+
 fn lookup(
     t: *const marconi_tiered,
     tokens: &[u32],
@@ -362,9 +368,7 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn the_engine_cycle_keeps_its_copies_in_step_with_the_tiers() {
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 900, 0);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(300, 900, 0);
     let mut e = Engine::new(t, ptr::null());
     for (input, output) in workload(10, 6, 3) {
         e.serve(&input, &output);
@@ -471,9 +475,7 @@ fn a_second_handle_resumes_from_the_shared_store() {
 fn a_store_that_is_down_gives_misses_not_errors() {
     // Nothing listens on port 1 of the loopback.
     let store = store_at(marconi_store_backend::Redis, "redis://127.0.0.1:1");
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 600, 100_000);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(300, 600, 100_000);
     let mut e = Engine::new(t, store);
     let reqs = workload(4, 3, 5);
     for (input, output) in &reqs {
@@ -589,10 +591,8 @@ fn bad_configurations_are_refused() {
 
 #[test]
 fn bad_calls_are_refused_and_change_nothing() {
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 600, 0);
-    let t = new_tiered(&cfg);
-    let other = new_tiered(&cfg);
+    let t = tiered_of(300, 600, 0);
+    let other = tiered_of(300, 600, 0);
     let input: Vec<u32> = (0..50).collect();
     let mut out = marconi_tiered_hit::default();
 
@@ -759,9 +759,7 @@ fn bad_calls_are_refused_and_change_nothing() {
 
 #[test]
 fn a_drain_too_small_drains_nothing() {
-    let dev = device_config(200);
-    let cfg = tiered_config(&dev, 900, 0);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(200, 900, 0);
     let mut e = Engine::new(t, ptr::null());
     // Serve without draining, until ops are pending.
     let reqs = workload(6, 4, 9);

@@ -94,6 +94,49 @@ pub(crate) fn cache_stats(c: *const marconi_cache) -> marconi_stats {
     s
 }
 
+/// A lookup of `tokens` (namespace 0, no slot) that must succeed.
+pub(crate) fn lookup(c: *const marconi_cache, tokens: &[u32]) -> marconi_lookup {
+    let mut l = marconi_lookup::default();
+    // SAFETY: tokens readable for its length, l writable.
+    ok(unsafe {
+        marconi_cache_lookup(c, 0, tokens.as_ptr(), tokens.len(), MARCONI_NO_SLOT, &mut l)
+    });
+    l
+}
+
+/// marconi_cache_admit of `tokens` with `states` and `pages` on `lease`,
+/// the taken flags into `taken` (NULL where empty), the result into `out`.
+pub(crate) fn admit(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    states: &[marconi_saved_state],
+    pages: &[u32],
+    taken: &mut [u8],
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let taken = if taken.is_empty() {
+        ptr::null_mut()
+    } else {
+        taken.as_mut_ptr()
+    };
+    // SAFETY: every array readable (taken: writable) for its length.
+    unsafe {
+        marconi_cache_admit(
+            c,
+            lease,
+            tokens.as_ptr(),
+            tokens.len(),
+            states.as_ptr(),
+            states.len(),
+            pages.as_ptr(),
+            pages.len(),
+            taken,
+            out,
+        )
+    }
+}
+
 /// marconi_cache_drain_freed into `pages` and `slots` (NULL where empty):
 /// (status, pages written or pending, slots written or pending).
 pub(crate) fn drain_freed(

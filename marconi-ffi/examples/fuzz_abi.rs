@@ -1430,98 +1430,51 @@ impl<'r> Worker<'r> {
         // lengths, the header's documented checks).
         let (what, st, want): (&str, St, Vec<St>) = unsafe {
             match kind {
-                0 => (
-                    "lookup NULL cache",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(null_c, 0, ptr::null(), huge, 0, ptr::null_mut())
-                    }),
-                    vec![St::NullArgument],
-                ),
-                1 => (
-                    "lookup NULL tokens, huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, ptr::null(), huge, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::NullArgument],
-                ),
-                2 => (
-                    "lookup NULL out, huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            huge,
-                            MARCONI_NO_SLOT,
-                            ptr::null_mut(),
+                k @ 0..=5 => {
+                    // Refused lookups: (what, cache, tokens, length, slot,
+                    // out, refused as).
+                    let out: *mut marconi_lookup = &mut l;
+                    let none = ptr::null_mut();
+                    let nothing = if huge % 2 == 0 {
+                        ptr::null()
+                    } else {
+                        t.as_ptr()
+                    };
+                    let no_slot = MARCONI_NO_SLOT;
+                    #[rustfmt::skip]
+                    let cases = [
+                        ("lookup NULL cache", null_c, ptr::null(), huge, 0, none, St::NullArgument),
+                        ("lookup NULL tokens, huge length", h, ptr::null(), huge, no_slot, out, St::NullArgument),
+                        ("lookup NULL out, huge length", h, t.as_ptr(), huge, no_slot, none, St::NullArgument),
+                        ("lookup 0 tokens", h, nothing, 0, no_slot, out, St::EmptyTokens),
+                        ("lookup huge length", h, t.as_ptr(), huge, no_slot, out, St::TooManyTokens),
+                        ("lookup misaligned tokens", h, mis, 4, no_slot, out, St::InvalidArgument),
+                    ];
+                    let (what, c, toks, n, slot, out, want) = cases[k as usize];
+                    let st = self.call("lookup", || marconi_cache_lookup(c, 0, toks, n, slot, out));
+                    (what, st, vec![want])
+                }
+                k @ 30..=31 => {
+                    // A checkpoint array NULL with a length, or too long.
+                    let (what, (cp, n_cp), want) = if k == 30 {
+                        (
+                            "lookup_hinted NULL checkpoints with a length",
+                            (ptr::null(), 1 + huge % 7),
+                            St::NullArgument,
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                3 => (
-                    "lookup 0 tokens",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(
-                            h,
-                            0,
-                            if huge % 2 == 0 {
-                                ptr::null()
-                            } else {
-                                t.as_ptr()
-                            },
-                            0,
-                            MARCONI_NO_SLOT,
-                            &mut l,
+                    } else {
+                        (
+                            "lookup_hinted huge checkpoint count",
+                            (t.as_ptr(), huge),
+                            St::TooManyTokens,
                         )
-                    }),
-                    vec![St::EmptyTokens],
-                ),
-                4 => (
-                    "lookup huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, t.as_ptr(), huge, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::TooManyTokens],
-                ),
-                5 => (
-                    "lookup misaligned tokens",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, mis, 4, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::InvalidArgument],
-                ),
-                30 => (
-                    "lookup_hinted NULL checkpoints with a length",
-                    self.call("lookup_hinted", || {
-                        marconi_cache_lookup_hinted(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            t.len(),
-                            ptr::null(),
-                            1 + huge % 7,
-                            MARCONI_NO_SLOT,
-                            &mut l,
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                31 => (
-                    "lookup_hinted huge checkpoint count",
-                    self.call("lookup_hinted", || {
-                        marconi_cache_lookup_hinted(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            t.len(),
-                            t.as_ptr(),
-                            huge,
-                            MARCONI_NO_SLOT,
-                            &mut l,
-                        )
-                    }),
-                    vec![St::TooManyTokens],
-                ),
+                    };
+                    let (tp, tn) = (t.as_ptr(), t.len());
+                    let st = self.call("lookup_hinted", || {
+                        marconi_cache_lookup_hinted(h, 0, tp, tn, cp, n_cp, MARCONI_NO_SLOT, &mut l)
+                    });
+                    (what, st, vec![want])
+                }
                 6 => (
                     "release unknown lease",
                     self.call("release", || marconi_cache_release(h, lease)),
@@ -1539,42 +1492,13 @@ impl<'r> Worker<'r> {
                     let null = ptr::null();
                     let none = (null, 0);
                     let out: *mut marconi_admit_result = &mut r;
+                    #[rustfmt::skip]
                     let cases = [
-                        (
-                            "admit unknown lease",
-                            (t.as_ptr(), t.len()),
-                            (ptr::null(), 0),
-                            none,
-                            out,
-                        ),
-                        (
-                            "admit NULL tokens, huge length, bad lease",
-                            (null, huge),
-                            (mis.cast(), 3),
-                            none,
-                            out,
-                        ),
-                        (
-                            "admit NULL states with a length",
-                            (t.as_ptr(), huge),
-                            (ptr::null(), 2),
-                            none,
-                            out,
-                        ),
-                        (
-                            "admit NULL pages with a length",
-                            (mis, 4),
-                            (ptr::null(), 0),
-                            (null, 5),
-                            out,
-                        ),
-                        (
-                            "admit NULL out",
-                            (mis, huge),
-                            (ptr::null(), 0),
-                            none,
-                            ptr::null_mut(),
-                        ),
+                        ("admit unknown lease", (t.as_ptr(), t.len()), (ptr::null(), 0), none, out),
+                        ("admit NULL tokens, huge length, bad lease", (null, huge), (mis.cast(), 3), none, out),
+                        ("admit NULL states with a length", (t.as_ptr(), huge), (ptr::null(), 2), none, out),
+                        ("admit NULL pages with a length", (mis, 4), (ptr::null(), 0), (null, 5), out),
+                        ("admit NULL out", (mis, huge), (ptr::null(), 0), none, ptr::null_mut()),
                     ];
                     let (what, tokens, states, pages, out) = cases[k as usize - 8];
                     let a = AdmitArgs {
@@ -1615,36 +1539,30 @@ impl<'r> Worker<'r> {
                     }),
                     vec![St::NullArgument],
                 ),
-                16 => (
-                    "drain_freed NULL pages with capacity",
-                    self.call("drain_freed", || {
-                        marconi_cache_drain_freed(
-                            h,
-                            ptr::null_mut(),
-                            3,
-                            &mut n,
-                            buf.as_mut_ptr(),
-                            4,
-                            &mut n2,
+                k @ 16..=17 => {
+                    // (pages, capacity), (slots, capacity), n_slots: one NULL
+                    // where it may not be.
+                    let (what, (pp, pc), (sp, sc), n_slots) = if k == 16 {
+                        let n_slots: *mut usize = &mut n2;
+                        (
+                            "drain_freed NULL pages with capacity",
+                            (ptr::null_mut(), 3),
+                            (buf.as_mut_ptr(), 4),
+                            n_slots,
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                17 => (
-                    "drain_freed NULL n_slots, misaligned pages",
-                    self.call("drain_freed", || {
-                        marconi_cache_drain_freed(
-                            h,
-                            mis_mut,
-                            1,
-                            &mut n,
-                            ptr::null_mut(),
-                            0,
+                    } else {
+                        (
+                            "drain_freed NULL n_slots, misaligned pages",
+                            (mis_mut, 1),
+                            (ptr::null_mut(), 0),
                             ptr::null_mut(),
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
+                    };
+                    let st = self.call("drain_freed", || {
+                        marconi_cache_drain_freed(h, pp, pc, &mut n, sp, sc, n_slots)
+                    });
+                    (what, st, vec![St::NullArgument])
+                }
                 18 => (
                     "evict NULL out",
                     self.call("evict", || {

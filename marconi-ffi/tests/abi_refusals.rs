@@ -454,6 +454,20 @@ fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
     }
 }
 
+/// Each of `ptrs` (a pointer, what it points at) is no handle of the kind
+/// `call` and `free` take: `call` on it is refused with INVALID_ARGUMENT
+/// naming a handle, and `free` of it is a no-op.
+fn no_handle_of_kind<T>(
+    ptrs: &[(*mut T, &str)],
+    mut call: impl FnMut(*mut T) -> marconi_status,
+    free: impl Fn(*mut T),
+) {
+    for &(p, what) in ptrs {
+        not_a_handle(call(p), what, "handle");
+        free(p);
+    }
+}
+
 /// A handle of one kind passed where another is expected, or a pointer to
 /// something that is no handle at all, is refused with INVALID_ARGUMENT
 /// (and a free of it is a no-op) instead of being used as that kind.
@@ -484,21 +498,22 @@ fn handles_of_another_kind_are_refused() {
     // Plain memory the size of any handle, filled with a pattern: no handle.
     let mut junk = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
     let junk = junk.as_mut_ptr();
-    let refused = |s, what: &str| not_a_handle(s, what, "handle");
     let mut stats = marconi_stats {
         struct_size: size_of::<marconi_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (pool.cast::<marconi_cache>(), "a pool as a cache"),
-        (events.cast(), "an events handle as a cache"),
-        (junk.cast(), "plain memory as a cache"),
-    ] {
-        // SAFETY: every pointer is readable for a handle's size.
-        refused(unsafe { marconi_cache_stats(p, &mut stats) }, what);
-        // SAFETY: as above; a refused free must leave the memory alone.
-        unsafe { marconi_cache_free(p) };
-    }
+    // SAFETY (every call on a pointer below): each pointer is readable for
+    // a handle's size and each output writable; a refused free must leave
+    // the memory alone.
+    no_handle_of_kind(
+        &[
+            (pool.cast::<marconi_cache>(), "a pool as a cache"),
+            (events.cast(), "an events handle as a cache"),
+            (junk.cast(), "plain memory as a cache"),
+        ],
+        |p| unsafe { marconi_cache_stats(p, &mut stats) },
+        |p| unsafe { marconi_cache_free(p) },
+    );
     // A cache over pools is a cache (marconi_cache_config.pools): the
     // common calls take it; a plain cache given to a pooled call is a cache
     // without pools, refused as such.
@@ -510,92 +525,77 @@ fn handles_of_another_kind_are_refused() {
     };
     // SAFETY: a live plain cache.
     let st = unsafe { marconi_pooled_cache_stats(cache.cast(), &mut qstats0) };
-    assert_eq!(st, marconi_status::Unsupported, "{}", last_error());
-    assert!(
-        last_error().contains("marconi_cache_config.pools"),
-        "{}",
-        last_error()
-    );
+    unsupported(st, &["marconi_cache_config.pools"]);
     let mut pstats = marconi_pool_stats {
         struct_size: size_of::<marconi_pool_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (cache.cast::<marconi_pool>(), "a cache as a pool"),
-        (junk.cast(), "plain memory as a pool"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(unsafe { marconi_pool_get_stats(p, &mut pstats) }, what);
-        // SAFETY: as above.
-        unsafe { marconi_pool_free(p) };
-    }
+    no_handle_of_kind(
+        &[
+            (cache.cast::<marconi_pool>(), "a cache as a pool"),
+            (junk.cast(), "plain memory as a pool"),
+        ],
+        |p| unsafe { marconi_pool_get_stats(p, &mut pstats) },
+        |p| unsafe { marconi_pool_free(p) },
+    );
     let mut qstats = marconi_pooled_stats {
         struct_size: size_of::<marconi_pooled_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (
-            pool.cast::<marconi_pooled_cache>(),
-            "a pool as a cache over pools",
-        ),
-        (junk.cast(), "plain memory as a cache over pools"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(unsafe { marconi_pooled_cache_stats(p, &mut qstats) }, what);
-        // SAFETY: as above.
-        unsafe { marconi_pooled_cache_free(p) };
-    }
-    let mut hstats = marconi::host_pool::marconi_host_pool_stats {
-        struct_size: size_of::<marconi::host_pool::marconi_host_pool_stats>() as u32,
-        ..Default::default()
-    };
-    for (p, what) in [
-        (
-            pool.cast::<marconi::host_pool::marconi_host_pool>(),
-            "a device pool as a host pool",
-        ),
-        (junk.cast(), "plain memory as a host pool"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(
-            unsafe { marconi::host_pool::marconi_host_pool_get_stats(p, &mut hstats) },
-            what,
+    no_handle_of_kind(
+        &[
+            (
+                pool.cast::<marconi_pooled_cache>(),
+                "a pool as a cache over pools",
+            ),
+            (junk.cast(), "plain memory as a cache over pools"),
+        ],
+        |p| unsafe { marconi_pooled_cache_stats(p, &mut qstats) },
+        |p| unsafe { marconi_pooled_cache_free(p) },
+    );
+    {
+        use marconi::host_pool::*;
+        let mut hstats = marconi_host_pool_stats {
+            struct_size: size_of::<marconi_host_pool_stats>() as u32,
+            ..Default::default()
+        };
+        no_handle_of_kind(
+            &[
+                (
+                    pool.cast::<marconi_host_pool>(),
+                    "a device pool as a host pool",
+                ),
+                (junk.cast(), "plain memory as a host pool"),
+            ],
+            |p| unsafe { marconi_host_pool_get_stats(p, &mut hstats) },
+            |p| unsafe { marconi_host_pool_free(p) },
         );
-        // SAFETY: as above.
-        unsafe { marconi::host_pool::marconi_host_pool_free(p) };
     }
-    let (mut n_modules, mut total, mut ns) = (0usize, 0u32, 0u64);
-    for (p, what) in [
-        (
-            cache.cast::<marconi::pml::marconi_pml_schema>(),
-            "a cache as a PML schema",
-        ),
-        (junk.cast(), "plain memory as a PML schema"),
-    ] {
-        // SAFETY: readable for a handle's size; outputs writable.
-        refused(
-            unsafe {
-                marconi::pml::marconi_pml_schema_info(p, &mut n_modules, &mut total, &mut ns)
-            },
-            what,
+    {
+        use marconi::pml::*;
+        let (mut n_modules, mut total, mut ns) = (0usize, 0u32, 0u64);
+        no_handle_of_kind(
+            &[
+                (
+                    cache.cast::<marconi_pml_schema>(),
+                    "a cache as a PML schema",
+                ),
+                (junk.cast(), "plain memory as a PML schema"),
+            ],
+            |p| unsafe { marconi_pml_schema_info(p, &mut n_modules, &mut total, &mut ns) },
+            |p| unsafe { marconi_pml_schema_free(p) },
         );
-        // SAFETY: as above.
-        unsafe { marconi::pml::marconi_pml_schema_free(p) };
     }
     let mut buf = [0u8; 64];
     let mut len = 0usize;
-    for (p, what) in [
-        (cache.cast::<marconi_events>(), "a cache as events"),
-        (junk.cast(), "plain memory as events"),
-    ] {
-        // SAFETY: readable for a handle's size; buf of its length.
-        refused(
-            unsafe { marconi_events_drain(p, cache, 0.0, buf.as_mut_ptr(), buf.len(), &mut len) },
-            what,
-        );
-        // SAFETY: as above.
-        unsafe { marconi_events_free(p, ptr::null()) };
-    }
+    no_handle_of_kind(
+        &[
+            (cache.cast::<marconi_events>(), "a cache as events"),
+            (junk.cast(), "plain memory as events"),
+        ],
+        |p| unsafe { marconi_events_drain(p, cache, 0.0, buf.as_mut_ptr(), buf.len(), &mut len) },
+        |p| unsafe { marconi_events_free(p, ptr::null()) },
+    );
     // The real handles still work after all of that, and free normally.
     // SAFETY: live handles.
     unsafe {

@@ -212,21 +212,10 @@ impl Engine {
     }
 
     fn apply_ops(&mut self) {
-        let (mut no, mut nt) = (0usize, 0usize);
         let mut ops = vec![marconi_tier_op::default(); 4096];
         let mut toks = vec![0u32; 1 << 20];
-        // SAFETY: buffers of the sizes given.
-        ok(unsafe {
-            marconi_cache_drain_ops(
-                self.c,
-                ops.as_mut_ptr(),
-                ops.len(),
-                &mut no,
-                toks.as_mut_ptr(),
-                toks.len(),
-                &mut nt,
-            )
-        });
+        let (st, no, _) = drain_tier_ops(marconi_cache_drain_ops, self.c, &mut ops, &mut toks);
+        ok(st);
         for o in &ops[..no] {
             self.ops += 1;
             let at = o.tokens_offset as usize;

@@ -88,11 +88,8 @@ fn plan(t: *const marconi_tiered, lease: u64) -> Vec<u32> {
 
 /// Drains the ops: (kind, tier, tokens).
 fn drain_ops(t: *const marconi_tiered) -> Vec<(u32, u32, Vec<u32>)> {
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: a size query.
-    let st = unsafe {
-        marconi_tiered_drain_ops(t, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
-    };
+    // A size query first.
+    let (st, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut [], &mut []);
     if no == 0 {
         ok(st);
         return Vec::new();
@@ -100,18 +97,9 @@ fn drain_ops(t: *const marconi_tiered) -> Vec<(u32, u32, Vec<u32>)> {
     assert_eq!(st, marconi_status::BufferTooSmall);
     let mut ops = vec![marconi_tier_op::default(); no];
     let mut toks = vec![0u32; nt];
-    // SAFETY: buffers of the sizes given.
-    ok(unsafe {
-        marconi_tiered_drain_ops(
-            t,
-            ops.as_mut_ptr(),
-            no,
-            &mut no,
-            toks.as_mut_ptr(),
-            nt,
-            &mut nt,
-        )
-    });
+    let (st, wo, wt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut ops, &mut toks);
+    ok(st);
+    assert_eq!((wo, wt), (no, nt), "the size query's counts");
     ops.iter()
         .map(|o| {
             let s = o.tokens_offset as usize;
@@ -787,18 +775,9 @@ fn a_drain_too_small_drains_nothing() {
         });
         // SAFETY: valid handle and lease.
         ok(unsafe { marconi_tiered_release(t, l.lease) });
-        // SAFETY: a size query.
-        let s = unsafe {
-            marconi_tiered_drain_ops(
-                t,
-                ptr::null_mut(),
-                0,
-                &mut pending.0,
-                ptr::null_mut(),
-                0,
-                &mut pending.1,
-            )
-        };
+        // A size query.
+        let (s, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut [], &mut []);
+        pending = (no, nt);
         if pending.0 > 1 {
             assert_eq!(s, marconi_status::BufferTooSmall);
             break;
@@ -808,19 +787,7 @@ fn a_drain_too_small_drains_nothing() {
     // Room for the ops but one token short: nothing drained.
     let mut ops = vec![marconi_tier_op::default(); pending.0];
     let mut toks = vec![0u32; pending.1 - 1];
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: buffers of the sizes given.
-    let s = unsafe {
-        marconi_tiered_drain_ops(
-            t,
-            ops.as_mut_ptr(),
-            ops.len(),
-            &mut no,
-            toks.as_mut_ptr(),
-            toks.len(),
-            &mut nt,
-        )
-    };
+    let (s, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut ops, &mut toks);
     assert_eq!(s, marconi_status::BufferTooSmall);
     assert_eq!((no, nt), pending);
     assert_eq!(drain_ops(t).len(), pending.0, "nothing was lost");

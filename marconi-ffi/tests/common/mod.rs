@@ -94,6 +94,15 @@ pub(crate) fn cache_stats(c: *const marconi_cache) -> marconi_stats {
     s
 }
 
+/// The buffer's pointer, NULL where it is empty (a size query).
+fn or_null<T>(b: &mut [T]) -> *mut T {
+    if b.is_empty() {
+        ptr::null_mut()
+    } else {
+        b.as_mut_ptr()
+    }
+}
+
 /// A lookup of `tokens` (namespace 0, no slot) that must succeed.
 pub(crate) fn lookup(c: *const marconi_cache, tokens: &[u32]) -> marconi_lookup {
     let mut l = marconi_lookup::default();
@@ -115,11 +124,7 @@ pub(crate) fn admit(
     taken: &mut [u8],
     out: &mut marconi_admit_result,
 ) -> marconi_status {
-    let taken = if taken.is_empty() {
-        ptr::null_mut()
-    } else {
-        taken.as_mut_ptr()
-    };
+    let taken = or_null(taken);
     // SAFETY: every array readable (taken: writable) for its length.
     unsafe {
         marconi_cache_admit(
@@ -144,27 +149,40 @@ pub(crate) fn drain_freed(
     pages: &mut [u32],
     slots: &mut [u32],
 ) -> (marconi_status, usize, usize) {
-    let or_null = |b: &mut [u32]| {
-        if b.is_empty() {
-            ptr::null_mut()
-        } else {
-            b.as_mut_ptr()
-        }
-    };
+    let (p, s) = (or_null(pages), or_null(slots));
     let (mut np, mut ns) = (0usize, 0usize);
     // SAFETY: each buffer is NULL with capacity 0 or holds its length.
-    let st = unsafe {
-        marconi_cache_drain_freed(
-            c,
-            or_null(pages),
-            pages.len(),
-            &mut np,
-            or_null(slots),
-            slots.len(),
-            &mut ns,
-        )
-    };
+    let st =
+        unsafe { marconi_cache_drain_freed(c, p, pages.len(), &mut np, s, slots.len(), &mut ns) };
     (st, np, ns)
+}
+
+/// The C signature of marconi_cache_drain_ops and marconi_tiered_drain_ops
+/// over a handle `H`.
+pub(crate) type DrainOps<H> = unsafe extern "C" fn(
+    *const H,
+    *mut marconi::tiered::marconi_tier_op,
+    usize,
+    *mut usize,
+    *mut u32,
+    usize,
+    *mut usize,
+) -> marconi_status;
+
+/// A drain of the tier ops of `h` by `drain` into `ops` and `toks` (NULL
+/// where empty): (status, ops written or pending, tokens written or
+/// pending).
+pub(crate) fn drain_tier_ops<H>(
+    drain: DrainOps<H>,
+    h: *const H,
+    ops: &mut [marconi::tiered::marconi_tier_op],
+    toks: &mut [u32],
+) -> (marconi_status, usize, usize) {
+    let (o, t) = (or_null(ops), or_null(toks));
+    let (mut no, mut nt) = (0usize, 0usize);
+    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
+    let st = unsafe { drain(h, o, ops.len(), &mut no, t, toks.len(), &mut nt) };
+    (st, no, nt)
 }
 
 /// A store of `backend` at `location` for `model`, blocks of 16 tokens,

@@ -3332,7 +3332,7 @@ impl<'r> Worker<'r> {
         let a = AdmitArgs {
             states: (states.as_ptr(), n_states),
             taken: taken.as_mut_ptr(),
-            ..AdmitArgs::of(&toks)
+            ..AdmitArgs::of(toks)
         };
         let st = self.call("admit", || unsafe { a.call(h, l.lease, &mut out) });
         self.expect("admit (events)", st, &[St::Ok]);

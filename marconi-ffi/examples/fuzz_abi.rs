@@ -49,8 +49,11 @@ use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
+#[path = "fuzz_abi_parts/rng.rs"]
+mod rng;
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
+use rng::Rng;
 
 /// Whether a pool handle names a state unit (marconi-gpu's handle layout:
 /// the fuzzer is this project's own code and may read it).
@@ -60,35 +63,8 @@ fn is_state(h: u64) -> bool {
 
 // ---------------------------------------------------------------- rng ----
 
-/// SplitMix64: a fixed algorithm, so a seed means the same run everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x5851_f42d_4c95_7f2d)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in 0..n (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.below(hi - lo + 1)
-    }
-    /// True with probability num/den.
-    fn chance(&mut self, num: u64, den: u64) -> bool {
-        self.below(den) < num
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize]
-    }
-}
+/// This fuzzer's stream of the shared SplitMix64 (see rng.rs).
+const RNG_SALT: u64 = 0x5851_f42d_4c95_7f2d;
 
 // ----------------------------------------------------------- watchdog ----
 
@@ -271,24 +247,94 @@ fn last_error() -> String {
     String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
 }
 
-fn default_config() -> marconi_cache_config {
-    let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    let st =
-        unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) };
+/// The arrays of one marconi_cache_admit call as (pointer, length) pairs
+/// (the fuzzer passes pointers and lengths that disagree on purpose), and
+/// the taken flags (NULL: not asked for).
+#[derive(Clone, Copy)]
+struct AdmitArgs {
+    tokens: (*const u32, usize),
+    states: (*const marconi_saved_state, usize),
+    pages: (*const u32, usize),
+    taken: *mut u8,
+}
+
+impl AdmitArgs {
+    /// No arrays at all.
+    const NONE: AdmitArgs = AdmitArgs {
+        tokens: (ptr::null(), 0),
+        states: (ptr::null(), 0),
+        pages: (ptr::null(), 0),
+        taken: ptr::null_mut(),
+    };
+
+    /// `tokens`, no states, no pages.
+    fn of(tokens: &[u32]) -> Self {
+        AdmitArgs {
+            tokens: (tokens.as_ptr(), tokens.len()),
+            ..Self::NONE
+        }
+    }
+
+    fn states(self, s: &[marconi_saved_state]) -> Self {
+        AdmitArgs {
+            states: (s.as_ptr(), s.len()),
+            ..self
+        }
+    }
+
+    fn pages(self, p: &[u32]) -> Self {
+        AdmitArgs {
+            pages: (p.as_ptr(), p.len()),
+            ..self
+        }
+    }
+
+    /// marconi_cache_admit of these arrays on `lease` of `h`.
+    ///
+    /// # Safety
+    /// Each pointer is readable (taken: writable) for its length, or the
+    /// library refuses that length before reading it.
+    unsafe fn call(
+        self,
+        h: *const marconi_cache,
+        lease: u64,
+        out: *mut marconi_admit_result,
+    ) -> St {
+        marconi_cache_admit(
+            h,
+            lease,
+            self.tokens.0,
+            self.tokens.1,
+            self.states.0,
+            self.states.1,
+            self.pages.0,
+            self.pages.1,
+            self.taken,
+            out,
+        )
+    }
+}
+
+/// An enum field of a config struct `C`: (the case's name, its first
+/// value past the last valid one, the field).
+type EnumField<C> = (&'static str, u32, fn(&mut C) -> &mut u32);
+
+/// A struct as its `*_init` call fills it at its full size.
+fn init_struct<T>(init: unsafe extern "C" fn(*mut T, usize) -> St) -> T {
+    let mut v = std::mem::MaybeUninit::<T>::uninit();
+    // SAFETY: v has sizeof(T) writable bytes.
+    let st = unsafe { init(v.as_mut_ptr(), size_of::<T>()) };
     assert_eq!(st, St::Ok);
-    // SAFETY: initialised by marconi_cache_config_init.
-    unsafe { cfg.assume_init() }
+    // SAFETY: the init call succeeded: every field is set.
+    unsafe { v.assume_init() }
+}
+
+fn default_config() -> marconi_cache_config {
+    init_struct(marconi_cache_config_init)
 }
 
 fn pool_config() -> marconi_pool_config {
-    let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_pool_config) writable bytes.
-    let st =
-        unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) };
-    assert_eq!(st, St::Ok);
-    // SAFETY: initialised by marconi_pool_config_init.
-    unsafe { cfg.assume_init() }
+    init_struct(marconi_pool_config_init)
 }
 
 fn pool_free_units(p: *const marconi_pool) -> (u64, u64) {
@@ -924,28 +970,14 @@ impl<'r> Worker<'r> {
         let with_taken = shape.slots || self.rng.chance(1, 2);
         let mut r = marconi_admit_result::default();
         // SAFETY: every buffer is passed with its length; taken has n_states bytes.
-        let st = self.call("admit", || unsafe {
-            marconi_cache_admit(
-                h,
-                lease,
-                full.as_ptr(),
-                full.len(),
-                states.as_ptr(),
-                states.len(),
-                if kv.is_empty() {
-                    ptr::null()
-                } else {
-                    kv.as_ptr()
-                },
-                kv.len(),
-                if with_taken {
-                    taken.as_mut_ptr()
-                } else {
-                    ptr::null_mut()
-                },
-                &mut r,
-            )
-        });
+        let mut a = AdmitArgs::of(&full).states(&states);
+        if !kv.is_empty() {
+            a = a.pages(&kv);
+        }
+        if with_taken {
+            a.taken = taken.as_mut_ptr();
+        }
+        let st = self.call("admit", || unsafe { a.call(h, lease, &mut r) });
         let ok = self.expect(
             &format!("admit of {} tokens, states {positions:?}", full.len()),
             st,
@@ -1065,12 +1097,9 @@ impl<'r> Worker<'r> {
         }
     }
 
-    fn op_release(&mut self) {
-        if self.leases.is_empty() {
-            return;
-        }
-        let i = self.rng.below(self.leases.len() as u64) as usize;
-        let lr = self.leases.swap_remove(i);
+    /// Releases a live lease (taken out of `self.leases`), which must
+    /// succeed, and records it as released.
+    fn release_live(&mut self, lr: &LeaseRec) {
         let h = self.h(lr.cache);
         // SAFETY: live handle.
         let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
@@ -1081,7 +1110,17 @@ impl<'r> Worker<'r> {
             .lock()
             .unwrap()
             .push(lr.id);
+    }
+
+    fn op_release(&mut self) {
+        if self.leases.is_empty() {
+            return;
+        }
+        let i = self.rng.below(self.leases.len() as u64) as usize;
+        let lr = self.leases.swap_remove(i);
+        self.release_live(&lr);
         if self.rng.chance(1, 4) {
+            let h = self.h(lr.cache);
             // SAFETY: live handle.
             let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
             self.expect("double release", st, &[St::UnknownLease]);
@@ -1139,28 +1178,34 @@ impl<'r> Worker<'r> {
         let mut bad = Vec::new();
         {
             let mut ids = m.ids.lock().unwrap();
-            for &p in &pages[..gp] {
-                match ids.pages.get(&p).copied() {
-                    Some(IdState::Owned) => {
-                        ids.pages.remove(&p);
-                        self.free_pages[c].push(p);
+            let ids = &mut *ids;
+            for (kind, freed, model, free) in [
+                (
+                    "page",
+                    &pages[..gp],
+                    &mut ids.pages,
+                    &mut self.free_pages[c],
+                ),
+                (
+                    "slot",
+                    &slots[..gs],
+                    &mut ids.slots,
+                    &mut self.free_slots[c],
+                ),
+            ] {
+                // An owned id comes back to the engine; one only offered
+                // (lenient runs) was freed early; anything else is a finding.
+                for &id in freed {
+                    match model.get(&id).copied() {
+                        Some(IdState::Owned) => {
+                            model.remove(&id);
+                            free.push(id);
+                        }
+                        Some(IdState::Offered) if !self.run.strict => {
+                            model.insert(id, IdState::FreedEarly);
+                        }
+                        other => bad.push(format!("freed {kind} {id}, which was {other:?}")),
                     }
-                    Some(IdState::Offered) if !self.run.strict => {
-                        ids.pages.insert(p, IdState::FreedEarly);
-                    }
-                    other => bad.push(format!("freed page {p}, which was {other:?}")),
-                }
-            }
-            for &s in &slots[..gs] {
-                match ids.slots.get(&s).copied() {
-                    Some(IdState::Owned) => {
-                        ids.slots.remove(&s);
-                        self.free_slots[c].push(s);
-                    }
-                    Some(IdState::Offered) if !self.run.strict => {
-                        ids.slots.insert(s, IdState::FreedEarly);
-                    }
-                    other => bad.push(format!("freed slot {s}, which was {other:?}")),
                 }
             }
         }
@@ -1385,98 +1430,51 @@ impl<'r> Worker<'r> {
         // lengths, the header's documented checks).
         let (what, st, want): (&str, St, Vec<St>) = unsafe {
             match kind {
-                0 => (
-                    "lookup NULL cache",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(null_c, 0, ptr::null(), huge, 0, ptr::null_mut())
-                    }),
-                    vec![St::NullArgument],
-                ),
-                1 => (
-                    "lookup NULL tokens, huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, ptr::null(), huge, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::NullArgument],
-                ),
-                2 => (
-                    "lookup NULL out, huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            huge,
-                            MARCONI_NO_SLOT,
-                            ptr::null_mut(),
+                k @ 0..=5 => {
+                    // Refused lookups: (what, cache, tokens, length, slot,
+                    // out, refused as).
+                    let out: *mut marconi_lookup = &mut l;
+                    let none = ptr::null_mut();
+                    let nothing = if huge % 2 == 0 {
+                        ptr::null()
+                    } else {
+                        t.as_ptr()
+                    };
+                    let no_slot = MARCONI_NO_SLOT;
+                    #[rustfmt::skip]
+                    let cases = [
+                        ("lookup NULL cache", null_c, ptr::null(), huge, 0, none, St::NullArgument),
+                        ("lookup NULL tokens, huge length", h, ptr::null(), huge, no_slot, out, St::NullArgument),
+                        ("lookup NULL out, huge length", h, t.as_ptr(), huge, no_slot, none, St::NullArgument),
+                        ("lookup 0 tokens", h, nothing, 0, no_slot, out, St::EmptyTokens),
+                        ("lookup huge length", h, t.as_ptr(), huge, no_slot, out, St::TooManyTokens),
+                        ("lookup misaligned tokens", h, mis, 4, no_slot, out, St::InvalidArgument),
+                    ];
+                    let (what, c, toks, n, slot, out, want) = cases[k as usize];
+                    let st = self.call("lookup", || marconi_cache_lookup(c, 0, toks, n, slot, out));
+                    (what, st, vec![want])
+                }
+                k @ 30..=31 => {
+                    // A checkpoint array NULL with a length, or too long.
+                    let (what, (cp, n_cp), want) = if k == 30 {
+                        (
+                            "lookup_hinted NULL checkpoints with a length",
+                            (ptr::null(), 1 + huge % 7),
+                            St::NullArgument,
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                3 => (
-                    "lookup 0 tokens",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(
-                            h,
-                            0,
-                            if huge % 2 == 0 {
-                                ptr::null()
-                            } else {
-                                t.as_ptr()
-                            },
-                            0,
-                            MARCONI_NO_SLOT,
-                            &mut l,
+                    } else {
+                        (
+                            "lookup_hinted huge checkpoint count",
+                            (t.as_ptr(), huge),
+                            St::TooManyTokens,
                         )
-                    }),
-                    vec![St::EmptyTokens],
-                ),
-                4 => (
-                    "lookup huge length",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, t.as_ptr(), huge, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::TooManyTokens],
-                ),
-                5 => (
-                    "lookup misaligned tokens",
-                    self.call("lookup", || {
-                        marconi_cache_lookup(h, 0, mis, 4, MARCONI_NO_SLOT, &mut l)
-                    }),
-                    vec![St::InvalidArgument],
-                ),
-                30 => (
-                    "lookup_hinted NULL checkpoints with a length",
-                    self.call("lookup_hinted", || {
-                        marconi_cache_lookup_hinted(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            t.len(),
-                            ptr::null(),
-                            1 + huge % 7,
-                            MARCONI_NO_SLOT,
-                            &mut l,
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                31 => (
-                    "lookup_hinted huge checkpoint count",
-                    self.call("lookup_hinted", || {
-                        marconi_cache_lookup_hinted(
-                            h,
-                            0,
-                            t.as_ptr(),
-                            t.len(),
-                            t.as_ptr(),
-                            huge,
-                            MARCONI_NO_SLOT,
-                            &mut l,
-                        )
-                    }),
-                    vec![St::TooManyTokens],
-                ),
+                    };
+                    let (tp, tn) = (t.as_ptr(), t.len());
+                    let st = self.call("lookup_hinted", || {
+                        marconi_cache_lookup_hinted(h, 0, tp, tn, cp, n_cp, MARCONI_NO_SLOT, &mut l)
+                    });
+                    (what, st, vec![want])
+                }
                 6 => (
                     "release unknown lease",
                     self.call("release", || marconi_cache_release(h, lease)),
@@ -1487,96 +1485,39 @@ impl<'r> Worker<'r> {
                     self.call("release", || marconi_cache_release(null_c, lease)),
                     vec![St::NullArgument],
                 ),
-                8 => (
-                    "admit unknown lease",
-                    self.call("admit", || {
-                        marconi_cache_admit(
-                            h,
-                            lease,
-                            t.as_ptr(),
-                            t.len(),
-                            ptr::null(),
-                            0,
-                            ptr::null(),
-                            0,
-                            ptr::null_mut(),
-                            &mut r,
-                        )
-                    }),
-                    vec![St::UnknownLease],
-                ),
-                9 => (
-                    "admit NULL tokens, huge length, bad lease",
-                    self.call("admit", || {
-                        marconi_cache_admit(
-                            h,
-                            lease,
-                            ptr::null(),
-                            huge,
-                            mis.cast(),
-                            3,
-                            ptr::null(),
-                            0,
-                            ptr::null_mut(),
-                            &mut r,
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                10 => (
-                    "admit NULL states with a length",
-                    self.call("admit", || {
-                        marconi_cache_admit(
-                            h,
-                            lease,
-                            t.as_ptr(),
-                            huge,
-                            ptr::null(),
-                            2,
-                            ptr::null(),
-                            0,
-                            ptr::null_mut(),
-                            &mut r,
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                11 => (
-                    "admit NULL pages with a length",
-                    self.call("admit", || {
-                        marconi_cache_admit(
-                            h,
-                            lease,
-                            mis,
-                            4,
-                            ptr::null(),
-                            0,
-                            ptr::null(),
-                            5,
-                            ptr::null_mut(),
-                            &mut r,
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                12 => (
-                    "admit NULL out",
-                    self.call("admit", || {
-                        marconi_cache_admit(
-                            h,
-                            lease,
-                            mis,
-                            huge,
-                            ptr::null(),
-                            0,
-                            ptr::null(),
-                            0,
-                            ptr::null_mut(),
-                            ptr::null_mut(),
-                        )
-                    }),
-                    vec![St::NullArgument],
-                ),
+                k @ 8..=12 => {
+                    // Admissions on a lease that is not live, with arrays
+                    // (pointer, length) that disagree: (what, tokens,
+                    // states, pages, out); all but the first have a NULL.
+                    let null = ptr::null();
+                    let none = (null, 0);
+                    let out: *mut marconi_admit_result = &mut r;
+                    #[rustfmt::skip]
+                    let cases = [
+                        ("admit unknown lease", (t.as_ptr(), t.len()), (ptr::null(), 0), none, out),
+                        ("admit NULL tokens, huge length, bad lease", (null, huge), (mis.cast(), 3), none, out),
+                        ("admit NULL states with a length", (t.as_ptr(), huge), (ptr::null(), 2), none, out),
+                        ("admit NULL pages with a length", (mis, 4), (ptr::null(), 0), (null, 5), out),
+                        ("admit NULL out", (mis, huge), (ptr::null(), 0), none, ptr::null_mut()),
+                    ];
+                    let (what, tokens, states, pages, out) = cases[k as usize - 8];
+                    let a = AdmitArgs {
+                        tokens,
+                        states,
+                        pages,
+                        taken: ptr::null_mut(),
+                    };
+                    let want = if k == 8 {
+                        St::UnknownLease
+                    } else {
+                        St::NullArgument
+                    };
+                    (
+                        what,
+                        self.call("admit", || a.call(h, lease, out)),
+                        vec![want],
+                    )
+                }
                 13 => (
                     "lease_plan unknown lease",
                     self.call("lease_plan", || {
@@ -1598,36 +1539,30 @@ impl<'r> Worker<'r> {
                     }),
                     vec![St::NullArgument],
                 ),
-                16 => (
-                    "drain_freed NULL pages with capacity",
-                    self.call("drain_freed", || {
-                        marconi_cache_drain_freed(
-                            h,
-                            ptr::null_mut(),
-                            3,
-                            &mut n,
-                            buf.as_mut_ptr(),
-                            4,
-                            &mut n2,
+                k @ 16..=17 => {
+                    // (pages, capacity), (slots, capacity), n_slots: one NULL
+                    // where it may not be.
+                    let (what, (pp, pc), (sp, sc), n_slots) = if k == 16 {
+                        let n_slots: *mut usize = &mut n2;
+                        (
+                            "drain_freed NULL pages with capacity",
+                            (ptr::null_mut(), 3),
+                            (buf.as_mut_ptr(), 4),
+                            n_slots,
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
-                17 => (
-                    "drain_freed NULL n_slots, misaligned pages",
-                    self.call("drain_freed", || {
-                        marconi_cache_drain_freed(
-                            h,
-                            mis_mut,
-                            1,
-                            &mut n,
-                            ptr::null_mut(),
-                            0,
+                    } else {
+                        (
+                            "drain_freed NULL n_slots, misaligned pages",
+                            (mis_mut, 1),
+                            (ptr::null_mut(), 0),
                             ptr::null_mut(),
                         )
-                    }),
-                    vec![St::NullArgument],
-                ),
+                    };
+                    let st = self.call("drain_freed", || {
+                        marconi_cache_drain_freed(h, pp, pc, &mut n, sp, sc, n_slots)
+                    });
+                    (what, st, vec![St::NullArgument])
+                }
                 18 => (
                     "evict NULL out",
                     self.call("evict", || {
@@ -1710,20 +1645,7 @@ impl<'r> Worker<'r> {
                     toks[0] = toks[0].wrapping_add(1);
                     (
                         "admit prefix mismatch",
-                        self.call("admit", || {
-                            marconi_cache_admit(
-                                h,
-                                id,
-                                toks.as_ptr(),
-                                toks.len(),
-                                ptr::null(),
-                                0,
-                                ptr::null(),
-                                0,
-                                ptr::null_mut(),
-                                &mut r,
-                            )
-                        }),
+                        self.call("admit", || AdmitArgs::of(&toks).call(h, id, &mut r)),
                         vec![St::PrefixMismatch],
                     )
                 }
@@ -1739,18 +1661,10 @@ impl<'r> Worker<'r> {
                     (
                         "admit position out of range",
                         self.call("admit", || {
-                            marconi_cache_admit(
-                                h,
-                                id,
-                                toks.as_ptr(),
-                                toks.len(),
-                                s.as_ptr(),
-                                1,
-                                kv.as_ptr(),
-                                kv.len(),
-                                ptr::null_mut(),
-                                &mut r,
-                            )
+                            AdmitArgs::of(&toks)
+                                .states(&s)
+                                .pages(&kv)
+                                .call(h, id, &mut r)
                         }),
                         vec![St::PositionOutOfRange],
                     )
@@ -1769,18 +1683,7 @@ impl<'r> Worker<'r> {
                     (
                         "admit bad page list length",
                         self.call("admit", || {
-                            marconi_cache_admit(
-                                h,
-                                id,
-                                toks.as_ptr(),
-                                toks.len(),
-                                ptr::null(),
-                                0,
-                                pages.as_ptr(),
-                                pages.len(),
-                                ptr::null_mut(),
-                                &mut r,
-                            )
+                            AdmitArgs::of(&toks).pages(&pages).call(h, id, &mut r)
                         }),
                         vec![St::BadPageList],
                     )
@@ -1805,18 +1708,10 @@ impl<'r> Worker<'r> {
                     (
                         "admit duplicate slot",
                         self.call("admit", || {
-                            marconi_cache_admit(
-                                h,
-                                id,
-                                toks.as_ptr(),
-                                toks.len(),
-                                s.as_ptr(),
-                                s.len(),
-                                kv.as_ptr(),
-                                kv.len(),
-                                ptr::null_mut(),
-                                &mut r,
-                            )
+                            AdmitArgs::of(&toks)
+                                .states(&s)
+                                .pages(&kv)
+                                .call(h, id, &mut r)
                         }),
                         vec![St::DuplicateSlot],
                     )
@@ -1840,6 +1735,14 @@ impl<'r> Worker<'r> {
         cfg.capacity_bytes = 1 << 30;
         let grid = [0.5f64, 1.0];
         let alphas = [0.0f64, 2.0];
+        let enums: [EnumField<marconi_cache_config>; 4] = [
+            ("admission out of range", 3, |c| &mut c.admission),
+            ("eviction out of range", 2, |c| &mut c.eviction),
+            ("alpha_mode out of range", 2, |c| &mut c.alpha_mode),
+            ("tuner_objective out of range", 2, |c| {
+                &mut c.tuner_objective
+            }),
+        ];
         let (what, want): (&str, St) = match self.rng.below(18) {
             0 => {
                 cfg.capacity_bytes = 0;
@@ -1849,21 +1752,10 @@ impl<'r> Worker<'r> {
                 cfg.page_size = 0;
                 ("page_size 0", St::InvalidConfig)
             }
-            2 => {
-                cfg.admission = 3 + self.rng.below(1000) as u32;
-                ("admission out of range", St::InvalidConfig)
-            }
-            3 => {
-                cfg.eviction = 2 + self.rng.below(1000) as u32;
-                ("eviction out of range", St::InvalidConfig)
-            }
-            4 => {
-                cfg.alpha_mode = 2 + self.rng.below(1000) as u32;
-                ("alpha_mode out of range", St::InvalidConfig)
-            }
-            5 => {
-                cfg.tuner_objective = 2 + self.rng.below(1000) as u32;
-                ("tuner_objective out of range", St::InvalidConfig)
+            k @ 2..=5 => {
+                let (name, first, field) = enums[k as usize - 2];
+                *field(&mut cfg) = first + self.rng.below(1000) as u32;
+                (name, St::InvalidConfig)
             }
             6 => {
                 cfg.alpha_mode = 0;
@@ -2330,6 +2222,14 @@ impl<'r> Worker<'r> {
     /// elsewhere, another cache's, stale and duplicated ones. A handle given
     /// to anything but its owner must be refused and leave the owner's unit
     /// untouched; a stale handle must never be accepted.
+    /// marconi_pool_free_units of the one handle `h` to pool `p` (`what`
+    /// names the case), answered `want`.
+    fn pool_free_one(&mut self, p: *mut marconi_pool, h: u64, what: &'static str, want: St) {
+        // SAFETY: one readable handle; p is a pool handle, live or not.
+        let st = self.call(what, || unsafe { marconi_pool_free_units(p, &h, 1) });
+        self.expect(what, st, &[want]);
+    }
+
     fn op_pools_cross(&mut self) {
         let mut pools = Vec::new();
         for _ in 0..self.rng.range(2, 4) {
@@ -2383,14 +2283,11 @@ impl<'r> Worker<'r> {
                 st,
                 &[St::UnknownHandle],
             );
-            // SAFETY: one readable handle.
-            let st = self.call("pool_free_units (foreign)", || unsafe {
-                marconi_pool_free_units(q, &h, 1)
-            });
-            self.expect(
+            self.pool_free_one(
+                q,
+                h,
                 "pool_free_units of another pool's handle",
-                st,
-                &[St::UnknownHandle],
+                St::UnknownHandle,
             );
             if pool_free_units(q) != before {
                 finding!(self, "a pool freed a unit for another pool's handle {h:#x}");
@@ -2428,11 +2325,7 @@ impl<'r> Worker<'r> {
                     );
                     break;
                 }
-                // SAFETY: one readable handle.
-                let st = self.call("pool_free_units (reuse)", || unsafe {
-                    marconi_pool_free_units(p, &h, 1)
-                });
-                self.expect("pool_free_units (reuse)", st, &[St::Ok]);
+                self.pool_free_one(p, h, "pool_free_units (reuse)", St::Ok);
                 issued.push(h);
             }
             let mut h = 0u64;
@@ -2451,24 +2344,18 @@ impl<'r> Worker<'r> {
                 }
             }
             if let Some(&old) = issued.first() {
-                // SAFETY: one readable handle.
-                let st = self.call("pool_free_units (stale)", || unsafe {
-                    marconi_pool_free_units(p, &old, 1)
-                });
-                self.expect(
+                self.pool_free_one(
+                    p,
+                    old,
                     "pool_free_units of a stale handle",
-                    st,
-                    &[St::UnknownHandle],
+                    St::UnknownHandle,
                 );
                 if let Some(&q) = pools.first() {
-                    // SAFETY: as above.
-                    let st = self.call("pool_free_units (foreign)", || unsafe {
-                        marconi_pool_free_units(q, &h, 1)
-                    });
-                    self.expect(
+                    self.pool_free_one(
+                        q,
+                        h,
                         "pool_free_units of another pool's handle",
-                        st,
-                        &[St::UnknownHandle],
+                        St::UnknownHandle,
                     );
                 }
             }
@@ -3124,18 +3011,10 @@ impl<'r> Worker<'r> {
                 let kv = self.filler_pages(li, toks.len());
                 // SAFETY: as above.
                 let st = self.call("admit", || unsafe {
-                    marconi_cache_admit(
-                        h,
-                        id,
-                        toks.as_ptr(),
-                        toks.len(),
-                        s.as_ptr(),
-                        1,
-                        kv.as_ptr(),
-                        kv.len(),
-                        ptr::null_mut(),
-                        &mut r,
-                    )
+                    AdmitArgs::of(&toks)
+                        .states(&s)
+                        .pages(&kv)
+                        .call(h, id, &mut r)
                 });
                 self.expect("admit a slot the cache owns", st, &[St::DuplicateSlot]);
             }
@@ -3152,18 +3031,7 @@ impl<'r> Worker<'r> {
                 let mut r = marconi_admit_result::default();
                 // SAFETY: as above.
                 let st = self.call("admit", || unsafe {
-                    marconi_cache_admit(
-                        h,
-                        id,
-                        toks.as_ptr(),
-                        toks.len(),
-                        ptr::null(),
-                        0,
-                        kv.as_ptr(),
-                        kv.len(),
-                        ptr::null_mut(),
-                        &mut r,
-                    )
+                    AdmitArgs::of(&toks).pages(&kv).call(h, id, &mut r)
                 });
                 self.expect(
                     &format!("admit page {page} the cache owns"),
@@ -3385,18 +3253,16 @@ impl<'r> Worker<'r> {
             &[St::UnsupportedStructSize],
         );
         let ep = c"tcp://127.0.0.1:1";
+        let enums: [EnumField<marconi_events_config>; 3] = [
+            ("hash_format out of range", 2, |c| &mut c.hash_format),
+            ("layout out of range", 2, |c| &mut c.layout),
+            ("namespaces out of range", 3, |c| &mut c.namespaces),
+        ];
         let (what, want): (&str, St) = match self.rng.below(8) {
-            0 => {
-                cfg.hash_format = 2 + self.rng.below(100) as u32;
-                ("hash_format out of range", St::InvalidConfig)
-            }
-            1 => {
-                cfg.layout = 2 + self.rng.below(100) as u32;
-                ("layout out of range", St::InvalidConfig)
-            }
-            2 => {
-                cfg.namespaces = 3 + self.rng.below(100) as u32;
-                ("namespaces out of range", St::InvalidConfig)
+            k @ 0..=2 => {
+                let (name, first, field) = enums[k as usize];
+                *field(&mut cfg) = first + self.rng.below(100) as u32;
+                (name, St::InvalidConfig)
             }
             3 if marconi_events_has_publisher() == 0 => {
                 cfg.endpoint = ep.as_ptr();
@@ -3463,20 +3329,12 @@ impl<'r> Worker<'r> {
         let mut taken = [0u8; 1];
         let mut out = marconi_admit_result::default();
         // SAFETY: live handle, buffers with their lengths.
-        let st = self.call("admit", || unsafe {
-            marconi_cache_admit(
-                h,
-                l.lease,
-                toks.as_ptr(),
-                toks.len(),
-                states.as_ptr(),
-                n_states,
-                ptr::null(),
-                0,
-                taken.as_mut_ptr(),
-                &mut out,
-            )
-        });
+        let a = AdmitArgs {
+            states: (states.as_ptr(), n_states),
+            taken: taken.as_mut_ptr(),
+            ..AdmitArgs::of(toks)
+        };
+        let st = self.call("admit", || unsafe { a.call(h, l.lease, &mut out) });
         self.expect("admit (events)", st, &[St::Ok]);
         // SAFETY: live handle.
         let st = self.call("release", || unsafe { marconi_cache_release(h, l.lease) });
@@ -3740,16 +3598,7 @@ impl<'r> Worker<'r> {
         // Too many open leases pin everything: release the oldest.
         if self.leases.len() > 12 {
             let lr = self.leases.remove(0);
-            let h = self.h(lr.cache);
-            // SAFETY: live handle.
-            let st = self.call("release", || unsafe { marconi_cache_release(h, lr.id) });
-            self.cur_cache = Some(lr.cache);
-            self.expect("release of a live lease", st, &[St::Ok]);
-            self.run.caches[lr.cache]
-                .released
-                .lock()
-                .unwrap()
-                .push(lr.id);
+            self.release_live(&lr);
         }
         self.steps += 1;
         if self.run.check_every > 0 && self.steps % self.run.check_every == 0 {

@@ -55,37 +55,14 @@ use marconi::status::marconi_status as St;
 use marconi_core::ModelSpec;
 use serde_json::Value;
 
+#[path = "fuzz_abi_parts/rng.rs"]
+mod rng;
+use rng::Rng;
+
 // ---------------------------------------------------------------- rng ----
 
-/// SplitMix64: a fixed algorithm, so a seed means the same run everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x2545_f491_4f6c_dd1d)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in 0..n (n > 0).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    /// True with probability num/den.
-    fn chance(&mut self, num: u64, den: u64) -> bool {
-        self.below(den) < num
-    }
-    fn pick<T: Clone>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len() as u64) as usize].clone()
-    }
-    fn index(&mut self, len: usize) -> usize {
-        self.below(len as u64) as usize
-    }
-}
+/// This fuzzer's stream of the shared SplitMix64 (see rng.rs).
+const RNG_SALT: u64 = 0x2545_f491_4f6c_dd1d;
 
 // ----------------------------------------------------------- watchdog ----
 
@@ -261,23 +238,22 @@ fn gguf_seeds() -> Vec<Gguf> {
         ("attention.value_length", V::U32(32)),
     ];
     falcon.extend(ssm(true));
-    let mut mamba2 = vec![
-        ("block_count", V::U32(2)),
-        ("embedding_length", V::U32(128)),
-    ];
-    mamba2.extend(ssm(true));
-    let mut mamba = vec![
-        ("block_count", V::U32(2)),
-        ("embedding_length", V::U32(128)),
-    ];
-    mamba.extend(ssm(false));
+    // Pure SSM: two blocks, the SSM keys (Mamba2's with groups).
+    let mamba = |groups: bool| {
+        let mut keys = vec![
+            ("block_count", V::U32(2)),
+            ("embedding_length", V::U32(128)),
+        ];
+        keys.extend(ssm(groups));
+        keys
+    };
     let mut out = vec![
         nemotron("nemotron_h", false),
         nemotron("nemotron_h_moe", true),
         kv("granitehybrid", &granite),
         kv("falcon-h1", &falcon),
-        kv("mamba2", &mamba2),
-        kv("mamba", &mamba),
+        kv("mamba2", &mamba(true)),
+        kv("mamba", &mamba(false)),
         dense("llama"),
         dense("qwen2"),
         dense("qwen3"),

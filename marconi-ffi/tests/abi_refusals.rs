@@ -5,7 +5,7 @@
 //! with nothing a subscriber sees.
 
 use std::ffi::CString;
-use std::mem::{size_of, MaybeUninit};
+use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
@@ -18,24 +18,12 @@ use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status;
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 512];
-    // SAFETY: buf has 512 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
-}
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
+mod common;
+use common::*;
 
 /// An all-blocks configuration: blocks of 8 tokens over pages of 4.
 fn all_blocks_config() -> marconi_cache_config {
-    let mut cfg = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_cache_config_init);
     cfg.capacity_bytes = 1 << 40;
     cfg.page_size = 4;
     cfg.admission = marconi_admission::AllBlocks as u32;
@@ -43,61 +31,67 @@ fn all_blocks_config() -> marconi_cache_config {
     cfg
 }
 
-fn states(positions: &[u32], slots: &[u32]) -> Vec<marconi_saved_state> {
-    positions
-        .iter()
-        .zip(slots)
-        .map(|(&position, &slot)| marconi_saved_state { position, slot })
-        .collect()
+/// A cache of one-token pages admitting by the Marconi policy.
+fn marconi_cache_of_single_pages() -> *mut marconi_cache {
+    let mut cfg = all_blocks_config();
+    cfg.page_size = 1;
+    cfg.admission = marconi_admission::Marconi as u32;
+    new_cache(&cfg)
+}
+
+/// marconi_cache_admit_i64 of `seq` with `states` and `pages`, into `out`.
+///
+/// # Safety
+/// `cache` is a live handle.
+unsafe fn admit_i64(
+    cache: *const marconi_cache,
+    lease: u64,
+    seq: &[i64],
+    states: &[marconi_saved_state],
+    pages: &[i64],
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    marconi_cache_admit_i64(
+        cache,
+        lease,
+        seq.as_ptr(),
+        seq.len(),
+        states.as_ptr(),
+        states.len(),
+        pages.as_ptr(),
+        pages.len(),
+        ptr::null_mut(),
+        out,
+    )
+}
+
+/// The KV page list of a live lease, read with room for `cap` ids.
+fn lease_kv_pages(cache: *const marconi_cache, lease: u64, cap: usize) -> Vec<u32> {
+    let mut got = vec![0u32; cap];
+    let mut n = 0usize;
+    // SAFETY: got has cap writable ids.
+    ok(unsafe { marconi_cache_lease_kv_pages(cache, lease, got.as_mut_ptr(), cap, &mut n) });
+    got.truncate(n);
+    got
 }
 
 #[test]
 fn all_blocks_admits_the_final_state_between_block_boundaries() {
     let cfg = all_blocks_config();
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let cache = new_cache(&cfg);
     let input: Vec<u32> = (0..20).collect();
     let full: Vec<u32> = (0..30).collect();
-    let mut l = marconi_lookup::default();
-    // SAFETY: live handle, valid buffers.
-    ok(unsafe {
-        marconi_cache_lookup(
-            cache,
-            0,
-            input.as_ptr(),
-            input.len(),
-            MARCONI_NO_SLOT,
-            &mut l,
-        )
-    });
+    let l = lookup(cache, &input);
     // 30 tokens end at 28 (pages of 4), between the blocks 24 and 32.
     let s = states(&[8, 16, 24, 28], &[1, 2, 3, 4]);
     let mut taken = [0u8; 4];
     let mut out = marconi_admit_result::default();
-    // SAFETY: live handle, valid buffers and lengths.
-    ok(unsafe {
-        marconi_cache_admit(
-            cache,
-            l.lease,
-            full.as_ptr(),
-            full.len(),
-            s.as_ptr(),
-            s.len(),
-            ptr::null(),
-            0,
-            taken.as_mut_ptr(),
-            &mut out,
-        )
-    });
+    ok(admit(cache, l.lease, &full, &s, &[], &mut taken, &mut out));
     assert_eq!((out.states_taken, taken), (4, [1; 4]));
     // SAFETY: live handle and lease.
     ok(unsafe { marconi_cache_release(cache, l.lease) });
     let next: Vec<u32> = (0..40).collect();
-    // SAFETY: live handle, valid buffers.
-    ok(unsafe {
-        marconi_cache_lookup(cache, 0, next.as_ptr(), next.len(), MARCONI_NO_SLOT, &mut l)
-    });
+    let l = lookup(cache, &next);
     assert_eq!((l.hit_tokens, l.state_slot), (28, 4));
     // SAFETY: live handle and lease; the handle is freed once.
     unsafe {
@@ -109,11 +103,7 @@ fn all_blocks_admits_the_final_state_between_block_boundaries() {
 #[test]
 fn all_blocks_over_pools_admits_the_final_state() {
     let cfg = all_blocks_config();
-    let mut pool = MaybeUninit::<marconi_pool_config>::uninit();
-    // SAFETY: pool has sizeof(marconi_pool_config) writable bytes.
-    ok(unsafe { marconi_pool_config_init(pool.as_mut_ptr(), size_of::<marconi_pool_config>()) });
-    // SAFETY: initialised above.
-    let mut pool = unsafe { pool.assume_init() };
+    let mut pool = init(marconi_pool_config_init);
     pool.budget_bytes = 8 << 30; // backend NONE: handles only, no memory
     let mut pc = ptr::null_mut();
     // SAFETY: valid configs and out pointer.
@@ -169,11 +159,7 @@ fn all_blocks_over_pools_admits_the_final_state() {
 }
 
 fn plan_request(context: u64, batch: u64) -> marconi_plan_request {
-    let mut r = MaybeUninit::<marconi_plan_request>::uninit();
-    // SAFETY: r has sizeof(marconi_plan_request) writable bytes.
-    ok(unsafe { marconi_plan_request_init(r.as_mut_ptr(), size_of::<marconi_plan_request>()) });
-    // SAFETY: initialised above.
-    let mut r = unsafe { r.assume_init() };
+    let mut r = init(marconi_plan_request_init);
     r.budget_bytes = 10 << 30;
     r.context_tokens = context;
     r.batch = batch;
@@ -420,16 +406,8 @@ fn impossible_models_are_invalid_config() {
 fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
     let mut cfg = all_blocks_config();
     cfg.admission = marconi_admission::Marconi as u32;
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
-    let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
-    // SAFETY: ecfg has sizeof(marconi_events_config) writable bytes.
-    ok(unsafe {
-        marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
-    });
-    // SAFETY: initialised above.
-    let mut ecfg = unsafe { ecfg.assume_init() };
+    let cache = new_cache(&cfg);
+    let mut ecfg = init(marconi_events_config_init);
     ecfg.states = 0;
     let mut events = ptr::null_mut();
     // SAFETY: live cache, valid config and out pointer.
@@ -442,62 +420,29 @@ fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
     };
     // First turn: KV and a state; the drain carries the KV blocks.
     let seq: Vec<u32> = (0..16).collect();
-    let mut l = marconi_lookup::default();
     let mut out = marconi_admit_result::default();
-    // SAFETY: live handle, valid buffers.
-    unsafe {
-        ok(marconi_cache_lookup(
-            cache,
-            0,
-            seq.as_ptr(),
-            seq.len(),
-            MARCONI_NO_SLOT,
-            &mut l,
-        ));
-        let s = states(&[16], &[1]);
-        ok(marconi_cache_admit(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            seq.len(),
-            s.as_ptr(),
-            1,
-            ptr::null(),
-            0,
-            ptr::null_mut(),
-            &mut out,
-        ));
-        ok(marconi_cache_release(cache, l.lease));
-    }
+    let l = lookup(cache, &seq);
+    let s = states(&[16], &[1]);
+    ok(admit(cache, l.lease, &seq, &s, &[], &mut [], &mut out));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(cache, l.lease) });
     drain(&mut len, &mut buf);
     assert!(len > 12, "the KV blocks make a batch ({len} bytes)");
     // Second: the same 16 tokens again, a state at 12 only (a state
     // change, no new KV): nothing a subscriber without states sees.
-    // SAFETY: live handle, valid buffers.
-    unsafe {
-        ok(marconi_cache_lookup(
-            cache,
-            0,
-            seq.as_ptr(),
-            13,
-            MARCONI_NO_SLOT,
-            &mut l,
-        ));
-        let s = states(&[12], &[2]);
-        ok(marconi_cache_admit(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            13,
-            s.as_ptr(),
-            1,
-            ptr::null(),
-            0,
-            ptr::null_mut(),
-            &mut out,
-        ));
-        ok(marconi_cache_release(cache, l.lease));
-    }
+    let l = lookup(cache, &seq[..13]);
+    let s = states(&[12], &[2]);
+    ok(admit(
+        cache,
+        l.lease,
+        &seq[..13],
+        &s,
+        &[],
+        &mut [],
+        &mut out,
+    ));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(cache, l.lease) });
     assert_eq!(out.states_taken, 1, "the state at 12 is new");
     len = usize::MAX;
     drain(&mut len, &mut buf);
@@ -509,20 +454,28 @@ fn a_drain_with_only_state_changes_and_state_events_off_is_empty() {
     }
 }
 
+/// Each of `ptrs` (a pointer, what it points at) is no handle of the kind
+/// `call` and `free` take: `call` on it is refused with INVALID_ARGUMENT
+/// naming a handle, and `free` of it is a no-op.
+fn no_handle_of_kind<T>(
+    ptrs: &[(*mut T, &str)],
+    mut call: impl FnMut(*mut T) -> marconi_status,
+    free: impl Fn(*mut T),
+) {
+    for &(p, what) in ptrs {
+        not_a_handle(call(p), what, "handle");
+        free(p);
+    }
+}
+
 /// A handle of one kind passed where another is expected, or a pointer to
 /// something that is no handle at all, is refused with INVALID_ARGUMENT
 /// (and a free of it is a no-op) instead of being used as that kind.
 #[test]
 fn handles_of_another_kind_are_refused() {
     let cfg = all_blocks_config();
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
-    let mut pcfg = MaybeUninit::<marconi_pool_config>::uninit();
-    // SAFETY: pcfg has sizeof(marconi_pool_config) writable bytes.
-    ok(unsafe { marconi_pool_config_init(pcfg.as_mut_ptr(), size_of::<marconi_pool_config>()) });
-    // SAFETY: initialised above.
-    let mut pcfg = unsafe { pcfg.assume_init() };
+    let cache = new_cache(&cfg);
+    let mut pcfg = init(marconi_pool_config_init);
     pcfg.budget_bytes = 1 << 30;
     pcfg.kv_page_bytes = 4096;
     pcfg.state_slot_bytes = 4096;
@@ -537,13 +490,7 @@ fn handles_of_another_kind_are_refused() {
     units_from_model.budget_bytes = 8 << 30;
     // SAFETY: valid configs and out pointer.
     ok(unsafe { marconi_pooled_cache_new(&cfg, &units_from_model, &mut pc) });
-    let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
-    // SAFETY: ecfg has sizeof(marconi_events_config) writable bytes.
-    ok(unsafe {
-        marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
-    });
-    // SAFETY: initialised above.
-    let ecfg = unsafe { ecfg.assume_init() };
+    let ecfg = init(marconi_events_config_init);
     let mut events = ptr::null_mut();
     // SAFETY: live cache, valid config and out pointer.
     ok(unsafe { marconi_events_new(cache, &ecfg, &mut events) });
@@ -551,29 +498,22 @@ fn handles_of_another_kind_are_refused() {
     // Plain memory the size of any handle, filled with a pattern: no handle.
     let mut junk = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
     let junk = junk.as_mut_ptr();
-    let refused = |s: marconi_status, what: &str| {
-        assert_eq!(
-            s,
-            marconi_status::InvalidArgument,
-            "{what}: {}",
-            last_error()
-        );
-        assert!(last_error().contains("handle"), "{what}: {}", last_error());
-    };
     let mut stats = marconi_stats {
         struct_size: size_of::<marconi_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (pool.cast::<marconi_cache>(), "a pool as a cache"),
-        (events.cast(), "an events handle as a cache"),
-        (junk.cast(), "plain memory as a cache"),
-    ] {
-        // SAFETY: every pointer is readable for a handle's size.
-        refused(unsafe { marconi_cache_stats(p, &mut stats) }, what);
-        // SAFETY: as above; a refused free must leave the memory alone.
-        unsafe { marconi_cache_free(p) };
-    }
+    // SAFETY (every call on a pointer below): each pointer is readable for
+    // a handle's size and each output writable; a refused free must leave
+    // the memory alone.
+    no_handle_of_kind(
+        &[
+            (pool.cast::<marconi_cache>(), "a pool as a cache"),
+            (events.cast(), "an events handle as a cache"),
+            (junk.cast(), "plain memory as a cache"),
+        ],
+        |p| unsafe { marconi_cache_stats(p, &mut stats) },
+        |p| unsafe { marconi_cache_free(p) },
+    );
     // A cache over pools is a cache (marconi_cache_config.pools): the
     // common calls take it; a plain cache given to a pooled call is a cache
     // without pools, refused as such.
@@ -585,92 +525,77 @@ fn handles_of_another_kind_are_refused() {
     };
     // SAFETY: a live plain cache.
     let st = unsafe { marconi_pooled_cache_stats(cache.cast(), &mut qstats0) };
-    assert_eq!(st, marconi_status::Unsupported, "{}", last_error());
-    assert!(
-        last_error().contains("marconi_cache_config.pools"),
-        "{}",
-        last_error()
-    );
+    unsupported(st, &["marconi_cache_config.pools"]);
     let mut pstats = marconi_pool_stats {
         struct_size: size_of::<marconi_pool_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (cache.cast::<marconi_pool>(), "a cache as a pool"),
-        (junk.cast(), "plain memory as a pool"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(unsafe { marconi_pool_get_stats(p, &mut pstats) }, what);
-        // SAFETY: as above.
-        unsafe { marconi_pool_free(p) };
-    }
+    no_handle_of_kind(
+        &[
+            (cache.cast::<marconi_pool>(), "a cache as a pool"),
+            (junk.cast(), "plain memory as a pool"),
+        ],
+        |p| unsafe { marconi_pool_get_stats(p, &mut pstats) },
+        |p| unsafe { marconi_pool_free(p) },
+    );
     let mut qstats = marconi_pooled_stats {
         struct_size: size_of::<marconi_pooled_stats>() as u32,
         ..Default::default()
     };
-    for (p, what) in [
-        (
-            pool.cast::<marconi_pooled_cache>(),
-            "a pool as a cache over pools",
-        ),
-        (junk.cast(), "plain memory as a cache over pools"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(unsafe { marconi_pooled_cache_stats(p, &mut qstats) }, what);
-        // SAFETY: as above.
-        unsafe { marconi_pooled_cache_free(p) };
-    }
-    let mut hstats = marconi::host_pool::marconi_host_pool_stats {
-        struct_size: size_of::<marconi::host_pool::marconi_host_pool_stats>() as u32,
-        ..Default::default()
-    };
-    for (p, what) in [
-        (
-            pool.cast::<marconi::host_pool::marconi_host_pool>(),
-            "a device pool as a host pool",
-        ),
-        (junk.cast(), "plain memory as a host pool"),
-    ] {
-        // SAFETY: readable for a handle's size.
-        refused(
-            unsafe { marconi::host_pool::marconi_host_pool_get_stats(p, &mut hstats) },
-            what,
+    no_handle_of_kind(
+        &[
+            (
+                pool.cast::<marconi_pooled_cache>(),
+                "a pool as a cache over pools",
+            ),
+            (junk.cast(), "plain memory as a cache over pools"),
+        ],
+        |p| unsafe { marconi_pooled_cache_stats(p, &mut qstats) },
+        |p| unsafe { marconi_pooled_cache_free(p) },
+    );
+    {
+        use marconi::host_pool::*;
+        let mut hstats = marconi_host_pool_stats {
+            struct_size: size_of::<marconi_host_pool_stats>() as u32,
+            ..Default::default()
+        };
+        no_handle_of_kind(
+            &[
+                (
+                    pool.cast::<marconi_host_pool>(),
+                    "a device pool as a host pool",
+                ),
+                (junk.cast(), "plain memory as a host pool"),
+            ],
+            |p| unsafe { marconi_host_pool_get_stats(p, &mut hstats) },
+            |p| unsafe { marconi_host_pool_free(p) },
         );
-        // SAFETY: as above.
-        unsafe { marconi::host_pool::marconi_host_pool_free(p) };
     }
-    let (mut n_modules, mut total, mut ns) = (0usize, 0u32, 0u64);
-    for (p, what) in [
-        (
-            cache.cast::<marconi::pml::marconi_pml_schema>(),
-            "a cache as a PML schema",
-        ),
-        (junk.cast(), "plain memory as a PML schema"),
-    ] {
-        // SAFETY: readable for a handle's size; outputs writable.
-        refused(
-            unsafe {
-                marconi::pml::marconi_pml_schema_info(p, &mut n_modules, &mut total, &mut ns)
-            },
-            what,
+    {
+        use marconi::pml::*;
+        let (mut n_modules, mut total, mut ns) = (0usize, 0u32, 0u64);
+        no_handle_of_kind(
+            &[
+                (
+                    cache.cast::<marconi_pml_schema>(),
+                    "a cache as a PML schema",
+                ),
+                (junk.cast(), "plain memory as a PML schema"),
+            ],
+            |p| unsafe { marconi_pml_schema_info(p, &mut n_modules, &mut total, &mut ns) },
+            |p| unsafe { marconi_pml_schema_free(p) },
         );
-        // SAFETY: as above.
-        unsafe { marconi::pml::marconi_pml_schema_free(p) };
     }
     let mut buf = [0u8; 64];
     let mut len = 0usize;
-    for (p, what) in [
-        (cache.cast::<marconi_events>(), "a cache as events"),
-        (junk.cast(), "plain memory as events"),
-    ] {
-        // SAFETY: readable for a handle's size; buf of its length.
-        refused(
-            unsafe { marconi_events_drain(p, cache, 0.0, buf.as_mut_ptr(), buf.len(), &mut len) },
-            what,
-        );
-        // SAFETY: as above.
-        unsafe { marconi_events_free(p, ptr::null()) };
-    }
+    no_handle_of_kind(
+        &[
+            (cache.cast::<marconi_events>(), "a cache as events"),
+            (junk.cast(), "plain memory as events"),
+        ],
+        |p| unsafe { marconi_events_drain(p, cache, 0.0, buf.as_mut_ptr(), buf.len(), &mut len) },
+        |p| unsafe { marconi_events_free(p, ptr::null()) },
+    );
     // The real handles still work after all of that, and free normally.
     // SAFETY: live handles.
     unsafe {
@@ -697,12 +622,7 @@ fn handles_of_another_kind_are_refused() {
 /// it, with nothing changed.
 #[test]
 fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
-    let mut cfg = all_blocks_config();
-    cfg.page_size = 1;
-    cfg.admission = marconi_admission::Marconi as u32;
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let cache = marconi_cache_of_single_pages();
     let seq: Vec<i64> = (0..16).map(|t| t * 1000).collect();
     let pages: Vec<i64> = (100..116).collect();
     let mut l = marconi_lookup::default();
@@ -722,18 +642,7 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         let mut bad = pages.clone();
         bad[5] = 1 << 32;
         let s = states(&[16], &[7]);
-        let st = marconi_cache_admit_i64(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            seq.len(),
-            s.as_ptr(),
-            1,
-            bad.as_ptr(),
-            bad.len(),
-            ptr::null_mut(),
-            &mut out,
-        );
+        let st = admit_i64(cache, l.lease, &seq, &s, &bad, &mut out);
         assert_eq!(st, marconi_status::InvalidArgument);
         assert!(
             last_error().contains("kv_pages[5] = 4294967296"),
@@ -742,32 +651,10 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         );
         let mut neg = seq.clone();
         neg[3] = -1;
-        let st = marconi_cache_admit_i64(
-            cache,
-            l.lease,
-            neg.as_ptr(),
-            neg.len(),
-            s.as_ptr(),
-            1,
-            pages.as_ptr(),
-            pages.len(),
-            ptr::null_mut(),
-            &mut out,
-        );
+        let st = admit_i64(cache, l.lease, &neg, &s, &pages, &mut out);
         assert_eq!(st, marconi_status::InvalidArgument);
         assert!(last_error().contains("tokens[3] = -1"), "{}", last_error());
-        ok(marconi_cache_admit_i64(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            seq.len(),
-            s.as_ptr(),
-            1,
-            pages.as_ptr(),
-            pages.len(),
-            ptr::null_mut(),
-            &mut out,
-        ));
+        ok(admit_i64(cache, l.lease, &seq, &s, &pages, &mut out));
         assert_eq!(out.states_taken, 1);
         assert_eq!((out.kv_pages_taken_start, out.kv_pages_taken_end), (0, 16));
         ok(marconi_cache_release(cache, l.lease));
@@ -784,24 +671,11 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
             &mut l,
         ));
         assert_eq!(l.hit_tokens, 16);
-        let mut got = vec![0u32; 16];
-        let mut n = 0usize;
-        ok(marconi_cache_lease_kv_pages(
-            cache,
-            l.lease,
-            got.as_mut_ptr(),
-            got.len(),
-            &mut n,
-        ));
+        let got = lease_kv_pages(cache, l.lease, 16);
         assert_eq!(got, (100..116).collect::<Vec<u32>>());
         ok(marconi_cache_release(cache, l.lease));
         // A lookup with an id out of range: refused, no lease issued.
-        let mut stats = marconi_stats {
-            struct_size: size_of::<marconi_stats>() as u32,
-            ..Default::default()
-        };
-        ok(marconi_cache_stats(cache, &mut stats));
-        let before = stats.requests;
+        let before = cache_stats(cache).requests;
         let far = [1i64, i64::MAX];
         let st = marconi_cache_lookup_i64(cache, 0, far.as_ptr(), 2, MARCONI_NO_SLOT, &mut l);
         assert_eq!(st, marconi_status::InvalidArgument);
@@ -811,8 +685,7 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         assert_eq!(st, marconi_status::NullArgument);
         let st = marconi_cache_lookup_i64(cache, 0, far.as_ptr(), 0, MARCONI_NO_SLOT, &mut l);
         assert_eq!(st, marconi_status::EmptyTokens);
-        ok(marconi_cache_stats(cache, &mut stats));
-        assert_eq!(stats.requests, before);
+        assert_eq!(cache_stats(cache).requests, before);
         marconi_cache_free(cache);
     }
 }
@@ -825,12 +698,7 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
 /// refused with no lease issued.
 #[test]
 fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
-    let mut cfg = all_blocks_config();
-    cfg.page_size = 1;
-    cfg.admission = marconi_admission::Marconi as u32;
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
+    let cache = marconi_cache_of_single_pages();
     let seq: Vec<i64> = (0..16).map(|t| t * 1000 + 1).collect();
     let pages: Vec<i64> = (200..216).collect();
     let mut l = marconi_lookup::default();
@@ -847,18 +715,7 @@ fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
         ok(lookup(both, 16, &mut l));
         assert_eq!(l.hit_tokens, 0);
         let s = states(&[16], &[7]);
-        ok(marconi_cache_admit_i64(
-            cache,
-            l.lease,
-            seq.as_ptr(),
-            seq.len(),
-            s.as_ptr(),
-            1,
-            pages.as_ptr(),
-            pages.len(),
-            ptr::null_mut(),
-            &mut out,
-        ));
+        ok(admit_i64(cache, l.lease, &seq, &s, &pages, &mut out));
         assert_eq!(out.states_taken, 1);
         ok(marconi_cache_release(cache, l.lease));
         // Default (flags 0): the last token is left to compute, so the state
@@ -870,43 +727,26 @@ fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
         ok(lookup(MARCONI_LOOKUP_WHOLE_INPUT, 16, &mut l));
         assert_eq!((l.hit_tokens, l.n_kv_pages, l.n_plan), (16, 16, 0));
         assert_eq!(l.state_slot, 7);
-        let mut got = vec![0u32; 16];
-        let mut n = 0usize;
-        ok(marconi_cache_lease_kv_pages(
-            cache,
-            l.lease,
-            got.as_mut_ptr(),
-            got.len(),
-            &mut n,
-        ));
-        assert_eq!(got, (200..216).collect::<Vec<u32>>());
+        assert_eq!(
+            lease_kv_pages(cache, l.lease, 16),
+            (200..216).collect::<Vec<u32>>()
+        );
         ok(marconi_cache_release(cache, l.lease));
         // No page list at the lookup: n_kv_pages is 0, the size query and the
         // list come from the lease, the same ids.
         ok(lookup(both, 16, &mut l));
         assert_eq!((l.hit_tokens, l.n_kv_pages, l.state_slot), (16, 0, 7));
+        let mut n = 0usize;
         let st = marconi_cache_lease_kv_pages(cache, l.lease, ptr::null_mut(), 0, &mut n);
         assert_eq!((st, n), (marconi_status::BufferTooSmall, 16));
-        let mut got = vec![0u32; 16];
-        ok(marconi_cache_lease_kv_pages(
-            cache,
-            l.lease,
-            got.as_mut_ptr(),
-            got.len(),
-            &mut n,
-        ));
+        let mut got = lease_kv_pages(cache, l.lease, 16);
         assert_eq!(got, (200..216).collect::<Vec<u32>>());
         ok(marconi_cache_release(cache, l.lease));
         // Released: the deferred list is refused as a stale lease.
         let st = marconi_cache_lease_kv_pages(cache, l.lease, got.as_mut_ptr(), got.len(), &mut n);
         assert_eq!(st, marconi_status::UnknownLease);
         // Refusals: unknown bits, NULL with a length, empty; no lease issued.
-        let mut stats = marconi_stats {
-            struct_size: size_of::<marconi_stats>() as u32,
-            ..Default::default()
-        };
-        ok(marconi_cache_stats(cache, &mut stats));
-        let before = stats.requests;
+        let before = cache_stats(cache).requests;
         let st = lookup(4, 16, &mut l);
         assert_eq!(st, marconi_status::InvalidArgument);
         assert!(
@@ -949,8 +789,7 @@ fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
             &mut l,
         );
         assert_eq!(st, marconi_status::NullArgument);
-        ok(marconi_cache_stats(cache, &mut stats));
-        assert_eq!(stats.requests, before);
+        assert_eq!(cache_stats(cache).requests, before);
         marconi_cache_free(cache);
     }
 }
@@ -966,33 +805,14 @@ fn freed_handles_are_refused_without_being_read() {
     use marconi::pml_cache::*;
     use marconi::store::*;
     use marconi::tiered::*;
-    // SAFETY: a fresh anonymous mapping with no access; unmapped below.
-    let page = unsafe {
-        libc::mmap(
-            ptr::null_mut(),
-            4096,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(page, libc::MAP_FAILED);
+    let page = NoAccessPage::new();
     // "mccache1", the kind tag a cache keeps in its first field, then junk.
     let mut forged = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
     forged[0] = 0x6d63_6361_6368_6531;
     let forged = forged.as_mut_ptr().cast::<u8>();
-    let refused = |s: marconi_status, what: &str| {
-        assert_eq!(
-            s,
-            marconi_status::InvalidArgument,
-            "{what}: {}",
-            last_error()
-        );
-        assert!(last_error().contains("handle"), "{what}: {}", last_error());
-    };
+    let refused = |s, what: &str| not_a_handle(s, what, "handle");
     for (p, place) in [
-        (page.cast::<u8>(), "an inaccessible page"),
+        (page.ptr::<u8>(), "an inaccessible page"),
         (forged, "a forged cache"),
     ] {
         let mut stats = marconi_stats {
@@ -1014,6 +834,4 @@ fn freed_handles_are_refused_without_being_read() {
             marconi_events_free(p.cast(), ptr::null());
         }
     }
-    // SAFETY: mapped above, no pointer into it is used after this.
-    assert_eq!(unsafe { libc::munmap(page, 4096) }, 0);
 }

@@ -73,9 +73,8 @@ impl<T> Caller<T> {
     }
 }
 
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok);
-}
+mod common;
+use common::{init, ok};
 
 #[test]
 fn a_first_version_tiered_config_is_initialised_and_read() {
@@ -88,11 +87,7 @@ fn a_first_version_tiered_config_is_initialised_and_read() {
         "config_init wrote past the caller's struct"
     );
     assert_eq!(c.struct_size() as usize, first);
-    let mut dev = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: dev has sizeof writable bytes.
-    ok(unsafe { marconi_cache_config_init(dev.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut dev = unsafe { dev.assume_init() };
+    let mut dev = init(marconi_cache_config_init);
     dev.capacity_bytes = 1 << 40;
     let mut cfg = c.widened();
     cfg.device = &dev;
@@ -113,25 +108,23 @@ fn a_first_version_tiered_config_is_initialised_and_read() {
     );
 }
 
+/// A struct whose first version is its whole size: `init` takes that
+/// size, writing nothing past it, and refuses one byte less.
+fn takes_its_first_version<T>(init: unsafe extern "C" fn(*mut T, usize) -> marconi_status) {
+    let first = size_of::<T>();
+    let mut c = Caller::<T>::new(first);
+    // SAFETY: c holds more than `first` writable bytes.
+    ok(unsafe { init(c.ptr(), first) });
+    assert!(c.untouched_past());
+    // SAFETY: as above.
+    let st = unsafe { init(c.ptr(), first - 1) };
+    assert_eq!(st, marconi_status::UnsupportedStructSize);
+}
+
 #[test]
 fn store_and_events_configs_take_their_first_version() {
-    let first = size_of::<marconi_store_config>();
-    let mut c = Caller::<marconi_store_config>::new(first);
-    // SAFETY: c holds more than `first` writable bytes.
-    ok(unsafe { marconi_store_config_init(c.ptr(), first) });
-    assert!(c.untouched_past());
-    // SAFETY: as above.
-    let st = unsafe { marconi_store_config_init(c.ptr(), first - 1) };
-    assert_eq!(st, marconi_status::UnsupportedStructSize);
-
-    let first = size_of::<marconi_events_config>();
-    let mut c = Caller::<marconi_events_config>::new(first);
-    // SAFETY: c holds more than `first` writable bytes.
-    ok(unsafe { marconi_events_config_init(c.ptr(), first) });
-    assert!(c.untouched_past());
-    // SAFETY: as above.
-    let st = unsafe { marconi_events_config_init(c.ptr(), first - 1) };
-    assert_eq!(st, marconi_status::UnsupportedStructSize);
+    takes_its_first_version(marconi_store_config_init);
+    takes_its_first_version(marconi_events_config_init);
 }
 
 #[test]

@@ -7,13 +7,10 @@
 //! The writer runs in a child process: this test binary started again with
 //! MARCONI_NS_WRITER set, running only `namespaces_writer_child`.
 
-use std::ffi::CString;
-use std::mem::{size_of, MaybeUninit};
 use std::process::Command;
 use std::ptr;
 
 use marconi::config::*;
-use marconi::status::marconi_status;
 use marconi::store::*;
 use marconi::tiered::*;
 
@@ -22,57 +19,24 @@ const WRITER_ENV: &str = "MARCONI_NS_WRITER";
 const LEN: u32 = 64;
 const AT: usize = 48;
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 512];
-    // SAFETY: buf has 512 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
-}
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
+mod common;
+use common::*;
 
 fn input() -> Vec<u32> {
     (0..LEN).map(|i| 7_000 + i * 3).collect()
 }
 
+/// A store for "paper-7b namespaces", 500 ms to connect and for a call.
 fn store_at(backend: marconi_store_backend, location: &str) -> *mut marconi_store {
-    let mut cfg = MaybeUninit::<marconi_store_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_store_config) writable bytes.
-    ok(unsafe { marconi_store_config_init(cfg.as_mut_ptr(), size_of::<marconi_store_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
-    let loc = CString::new(location).unwrap();
-    let model = CString::new("paper-7b namespaces").unwrap();
-    cfg.backend = backend as u32;
-    cfg.location = loc.as_ptr();
-    cfg.model = model.as_ptr();
-    cfg.block_size = 16;
-    cfg.timeout_ms = 500;
-    cfg.connect_timeout_ms = 500;
-    let mut s = ptr::null_mut();
-    // SAFETY: valid config and out; the strings live during the call.
-    ok(unsafe { marconi_store_new(&cfg, &mut s) });
-    s
+    common::store_at(backend, location, "paper-7b namespaces", 500, Some(500))
 }
 
 /// A tiered cache with a store tier whose state objects carry their KV
 /// (so a probed state needs no KV blocks).
 fn tiered() -> (*mut marconi_tiered, Box<marconi_cache_config>) {
-    let m = marconi_core::ModelSpec::preset("paper-7b").unwrap();
-    let chain = |t: u64| t * m.kv_bytes_per_token() + m.state_bytes();
-    let mut dev = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: dev has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(dev.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut dev = Box::new(unsafe { dev.assume_init() });
+    let mut dev = Box::new(init(marconi_cache_config_init));
     dev.capacity_bytes = chain(300);
-    let mut cfg = MaybeUninit::<marconi_tiered_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_tiered_config) writable bytes.
-    ok(unsafe { marconi_tiered_config_init(cfg.as_mut_ptr(), size_of::<marconi_tiered_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_tiered_config_init);
     cfg.device = &*dev;
     cfg.host.capacity_bytes = chain(600);
     cfg.store.capacity_bytes = chain(100_000);
@@ -111,30 +75,14 @@ fn found(store: *const marconi_store, ns: Option<u64>) -> bool {
     let tokens = input();
     let mut buf = vec![0u8; 4096];
     let (mut len, mut found) = (0usize, 0u32);
+    let (toks, n, out, cap) = (tokens.as_ptr(), tokens.len(), buf.as_mut_ptr(), buf.len());
     // SAFETY: valid handle, arrays and outs.
     ok(unsafe {
         match ns {
-            None => marconi_store_get_state(
-                store,
-                tokens.as_ptr(),
-                tokens.len(),
-                AT,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut len,
-                &mut found,
-            ),
-            Some(ns) => marconi_store_get_state_ns(
-                store,
-                ns,
-                tokens.as_ptr(),
-                tokens.len(),
-                AT,
-                buf.as_mut_ptr(),
-                buf.len(),
-                &mut len,
-                &mut found,
-            ),
+            None => marconi_store_get_state(store, toks, n, AT, out, cap, &mut len, &mut found),
+            Some(ns) => {
+                marconi_store_get_state_ns(store, ns, toks, n, AT, out, cap, &mut len, &mut found)
+            }
         }
     });
     if found == 1 {

@@ -6,7 +6,7 @@
 //! tiers; a configuration struct of the previous version still accepted.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::mem::{offset_of, size_of, MaybeUninit};
+use std::mem::{offset_of, size_of};
 use std::ptr;
 
 use marconi::cache::*;
@@ -15,40 +15,11 @@ use marconi::events::*;
 use marconi::status::marconi_status;
 use marconi::tiered::*;
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 1024];
-    // SAFETY: buf has 1024 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(1023)]).into_owned()
-}
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
-
-/// Bytes of one chain of `tokens` tokens of the paper-7b preset.
-fn chain(tokens: u64) -> u64 {
-    let m = marconi_core::ModelSpec::preset("paper-7b").unwrap();
-    tokens * m.kv_bytes_per_token() + m.state_bytes()
-}
-
-fn device_config(tokens: u64) -> marconi_cache_config {
-    let mut cfg = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
-    cfg.capacity_bytes = chain(tokens);
-    cfg.tuner_adoption = marconi_alpha_adoption::Deterministic as u32;
-    cfg
-}
+mod common;
+use common::*;
 
 fn tier_options(host: u64, store: u64) -> marconi_tier_options {
-    let mut o = MaybeUninit::<marconi_tier_options>::uninit();
-    // SAFETY: o has sizeof(marconi_tier_options) writable bytes.
-    ok(unsafe { marconi_tier_options_init(o.as_mut_ptr(), size_of::<marconi_tier_options>()) });
-    // SAFETY: initialised above.
-    let mut o = unsafe { o.assume_init() };
+    let mut o = init(marconi_tier_options_init);
     o.host.capacity_bytes = chain(host);
     o.store.capacity_bytes = if store > 0 { chain(store) } else { 0 };
     // Loads always pay off: the lower tiers are fast.
@@ -57,13 +28,6 @@ fn tier_options(host: u64, store: u64) -> marconi_tier_options {
     o.store.latency_s = 0.0;
     o.host.latency_s = 0.0;
     o
-}
-
-fn new_cache(cfg: &marconi_cache_config) -> *mut marconi_cache {
-    let mut c = ptr::null_mut();
-    // SAFETY: a valid config and out pointer.
-    ok(unsafe { marconi_cache_new(cfg, &mut c) });
-    c
 }
 
 /// The engine: device slots and pages it tracks, the host and store
@@ -248,21 +212,10 @@ impl Engine {
     }
 
     fn apply_ops(&mut self) {
-        let (mut no, mut nt) = (0usize, 0usize);
         let mut ops = vec![marconi_tier_op::default(); 4096];
         let mut toks = vec![0u32; 1 << 20];
-        // SAFETY: buffers of the sizes given.
-        ok(unsafe {
-            marconi_cache_drain_ops(
-                self.c,
-                ops.as_mut_ptr(),
-                ops.len(),
-                &mut no,
-                toks.as_mut_ptr(),
-                toks.len(),
-                &mut nt,
-            )
-        });
+        let (st, no, _) = drain_tier_ops(marconi_cache_drain_ops, self.c, &mut ops, &mut toks);
+        ok(st);
         for o in &ops[..no] {
             self.ops += 1;
             let at = o.tokens_offset as usize;
@@ -288,21 +241,10 @@ impl Engine {
                 }
             }
         }
-        let (mut np, mut ns) = (0usize, 0usize);
         let mut pages = vec![0u32; 1 << 20];
         let mut slots = vec![0u32; 4096];
-        // SAFETY: buffers of the sizes given.
-        ok(unsafe {
-            marconi_cache_drain_freed(
-                self.c,
-                pages.as_mut_ptr(),
-                pages.len(),
-                &mut np,
-                slots.as_mut_ptr(),
-                slots.len(),
-                &mut ns,
-            )
-        });
+        let (st, np, ns) = drain_freed(self.c, &mut pages, &mut slots);
+        ok(st);
         for p in &pages[..np] {
             assert!(
                 self.cache_pages.remove(&i64::from(*p)),
@@ -364,13 +306,7 @@ fn sglang_path_through_host_and_store_tiers_with_events() {
         o.defer_moves = defer;
         dev.tiers = &o;
         let c = new_cache(&dev);
-        let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
-        // SAFETY: ecfg has its size in writable bytes.
-        ok(unsafe {
-            marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
-        });
-        // SAFETY: initialised above.
-        let ecfg = unsafe { ecfg.assume_init() };
+        let ecfg = init(marconi_events_config_init);
         let mut ev = ptr::null_mut();
         // SAFETY: live cache, valid config and out.
         ok(unsafe { marconi_events_new(c, &ecfg, &mut ev) });
@@ -397,12 +333,7 @@ fn sglang_path_through_host_and_store_tiers_with_events() {
         ok(unsafe { marconi_cache_tier_stats(c, &mut ts) });
         assert_eq!(ts.requests, 30);
         assert!(ts.hits_by_tier[1] + ts.hits_by_tier[2] > 0);
-        let mut s = marconi_stats {
-            struct_size: size_of::<marconi_stats>() as u32,
-            ..Default::default()
-        };
-        // SAFETY: valid handle and out.
-        ok(unsafe { marconi_cache_stats(c, &mut s) });
+        let s = cache_stats(c);
         assert_eq!(s.requests, 30, "the device saw every lookup");
         assert!(s.evictions > 0);
         // Evicting the device moves its content down: WRITE ops.
@@ -510,11 +441,11 @@ fn every_tier_call_refuses_on_a_plain_cache() {
     };
     let t = c.cast::<marconi_tiered>();
     let refused = |name: &str, st: marconi_status| {
-        assert_eq!(st, marconi_status::Unsupported, "{name}");
-        let e = last_error();
-        assert!(
-            e.contains(name) && e.contains("marconi_cache_config.tiers"),
-            "{name}: {e}"
+        refusal(
+            st,
+            marconi_status::Unsupported,
+            name,
+            &[name, "marconi_cache_config.tiers"],
         );
     };
     // SAFETY (this block): a live handle and valid buffers.
@@ -587,27 +518,18 @@ fn every_tier_call_refuses_on_a_plain_cache() {
 fn bad_tier_options_are_refused() {
     let mut dev = device_config(1_000);
     let good = tier_options(1_000, 1_000);
-    let mut bads = Vec::new();
-    let mut o = good;
-    o.write_mode = 9;
-    bads.push(o);
-    let mut o = good;
-    o.exclusive = 2;
-    bads.push(o);
-    let mut o = good;
-    o.max_store_probe = 0;
-    bads.push(o);
-    let mut o = good;
-    o.reserved = 1;
-    bads.push(o);
-    let mut o = good;
-    o.host.capacity_bytes = 0;
-    bads.push(o);
-    let mut o = good;
-    o.host.bandwidth_bytes_per_s = f64::NAN;
-    bads.push(o);
-    for o in &bads {
-        dev.tiers = o;
+    let bads: [fn(&mut marconi_tier_options); 6] = [
+        |o| o.write_mode = 9,
+        |o| o.exclusive = 2,
+        |o| o.max_store_probe = 0,
+        |o| o.reserved = 1,
+        |o| o.host.capacity_bytes = 0,
+        |o| o.host.bandwidth_bytes_per_s = f64::NAN,
+    ];
+    for bad in bads {
+        let mut o = good;
+        bad(&mut o);
+        dev.tiers = &o;
         let mut c = ptr::null_mut();
         // SAFETY: valid config and out.
         let st = unsafe { marconi_cache_new(&dev, &mut c) };

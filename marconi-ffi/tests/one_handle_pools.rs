@@ -8,7 +8,7 @@
 //! handle; a freed cache over pools refused without being read.
 
 use std::collections::BTreeSet;
-use std::mem::{size_of, MaybeUninit};
+use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
@@ -22,26 +22,8 @@ use marconi::tiered::*;
 const PAGE: u32 = 16;
 const MODEL: &std::ffi::CStr = c"nemotron-h-8b";
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 1024];
-    // SAFETY: buf has 1024 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(1023)]).into_owned()
-}
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
-
-/// `s` is MARCONI_STATUS_UNSUPPORTED and the last error names every one
-/// of `words`.
-fn unsupported(s: marconi_status, words: &[&str]) {
-    assert_eq!(s, marconi_status::Unsupported, "{}", last_error());
-    let e = last_error();
-    for w in words {
-        assert!(e.contains(w), "{w:?} not in {e:?}");
-    }
-}
+mod common;
+use common::*;
 
 /// (KV page bytes, state slot bytes) of the model at PAGE tokens a page.
 fn unit_bytes() -> (u64, u64) {
@@ -50,11 +32,7 @@ fn unit_bytes() -> (u64, u64) {
 }
 
 fn cache_config() -> marconi_cache_config {
-    let mut cfg = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_cache_config_init);
     cfg.model_preset = MODEL.as_ptr();
     cfg.page_size = PAGE;
     cfg.alpha_mode = marconi_alpha_mode::Fixed as u32;
@@ -63,11 +41,7 @@ fn cache_config() -> marconi_cache_config {
 }
 
 fn pool_config(backend: marconi_pool_backend, budget: u64) -> marconi_pool_config {
-    let mut p = MaybeUninit::<marconi_pool_config>::uninit();
-    // SAFETY: p has sizeof(marconi_pool_config) writable bytes.
-    ok(unsafe { marconi_pool_config_init(p.as_mut_ptr(), size_of::<marconi_pool_config>()) });
-    // SAFETY: initialised above.
-    let mut p = unsafe { p.assume_init() };
+    let mut p = init(marconi_pool_config_init);
     p.backend = backend as u32;
     p.budget_bytes = budget;
     p.state_fraction = 0.3;
@@ -88,9 +62,7 @@ fn new_pooled(backend: marconi_pool_backend, budget: u64, log: bool) -> *mut mar
     cfg.decision_log = u32::from(log);
     let p = pool_config(backend, budget);
     cfg.pools = &p;
-    let mut c = ptr::null_mut();
-    // SAFETY: valid configs (p lives through the call) and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut c) });
+    let c = new_cache(&cfg);
     assert!(!c.is_null());
     c
 }
@@ -98,10 +70,7 @@ fn new_pooled(backend: marconi_pool_backend, budget: u64, log: bool) -> *mut mar
 fn new_plain() -> *mut marconi_cache {
     let mut cfg = cache_config();
     cfg.capacity_bytes = 1 << 30;
-    let mut c = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut c) });
-    c
+    new_cache(&cfg)
 }
 
 fn pool_stats(c: *const marconi_cache) -> marconi_pooled_stats {
@@ -111,16 +80,6 @@ fn pool_stats(c: *const marconi_cache) -> marconi_pooled_stats {
     };
     // SAFETY: live handle, out sized by struct_size.
     ok(unsafe { marconi_cache_pool_stats(c, &mut s) });
-    s
-}
-
-fn stats(c: *const marconi_cache) -> marconi_stats {
-    let mut s = marconi_stats {
-        struct_size: size_of::<marconi_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, out sized by struct_size.
-    ok(unsafe { marconi_cache_stats(c, &mut s) });
     s
 }
 
@@ -350,7 +309,7 @@ fn check_all(c: *const marconi_cache, budget: u64, freed_seen: &mut Vec<u64>) {
     assert_eq!(ps.backend, marconi_pool_backend::Memfd as u32);
     assert!(ps.physical_bytes <= budget && ps.budget_bytes <= budget);
     assert_eq!(ps.leases, 0);
-    let s = stats(c);
+    let s = cache_stats(c);
     assert_eq!(s.requests, ps.requests);
     assert_eq!(s.hit_tokens, ps.hit_tokens);
     assert_eq!(s.evictions, ps.evictions);
@@ -417,7 +376,7 @@ fn the_pooled_request_cycle_through_the_one_handle() {
     assert!(resumed > 0 && ps.hit_tokens > 0, "later turns resume");
     assert!(ps.evictions > 0, "the budget is small: entries left memory");
     assert!(!freed_seen.is_empty(), "and their handles came back");
-    let s = stats(c);
+    let s = cache_stats(c);
     assert_eq!(s.requests, served + refused);
     assert!(s.used_bytes <= s.capacity_bytes);
     // The decision log names the C lease ids the lookups gave.
@@ -485,23 +444,17 @@ fn every_pool_call_refuses_on_a_cache_without_pools() {
     let plain = new_plain();
     let mut tcfg = cache_config();
     tcfg.capacity_bytes = 1 << 30;
-    let mut o = MaybeUninit::<marconi_tier_options>::uninit();
-    // SAFETY: o has sizeof(marconi_tier_options) writable bytes.
-    ok(unsafe { marconi_tier_options_init(o.as_mut_ptr(), size_of::<marconi_tier_options>()) });
-    // SAFETY: initialised above.
-    let mut o = unsafe { o.assume_init() };
+    let mut o = init(marconi_tier_options_init);
     o.host.capacity_bytes = 1 << 30;
     tcfg.tiers = &o;
-    let mut tiered = ptr::null_mut();
-    // SAFETY: valid config (o lives through the call) and out pointer.
-    ok(unsafe { marconi_cache_new(&tcfg, &mut tiered) });
+    let tiered = new_cache(&tcfg);
     let t: Vec<u32> = (0..64).collect();
     for c in [plain, tiered] {
         // A lease of the cache's own, which the pool calls must not take.
         let mut pl = marconi_lookup::default();
         // SAFETY: live handle, valid buffers.
         ok(unsafe { marconi_cache_lookup(c, 0, t.as_ptr(), t.len(), MARCONI_NO_SLOT, &mut pl) });
-        let before = stats(c);
+        let before = cache_stats(c);
         let mut l = marconi_pooled_lookup::default();
         let (mut buf, mut n) = ([0u64; 8], 0usize);
         let mut loc = [marconi_unit_location::default(); 1];
@@ -642,7 +595,7 @@ fn every_pool_call_refuses_on_a_cache_without_pools() {
                 8,
                 &mut np,
             ));
-            let after = stats(c);
+            let after = cache_stats(c);
             assert_eq!(
                 (before.requests, before.leases),
                 (after.requests, after.leases)
@@ -665,7 +618,7 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
     let mut pl = marconi_pooled_lookup::default();
     // SAFETY: live handle, valid buffers.
     ok(unsafe { marconi_cache_lookup_pooled(c, 0, t.as_ptr(), t.len(), &mut pl) });
-    let before = stats(c);
+    let before = cache_stats(c);
     let mut l = marconi_lookup::default();
     let (mut p32, mut s32, mut n, mut n2) = ([0u32; 8], [0u32; 8], 0usize, 0usize);
     let p64 = [0i64; 4];
@@ -776,12 +729,7 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
             ],
         );
         // Events: refused, no handle written.
-        let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
-        ok(marconi_events_config_init(
-            ecfg.as_mut_ptr(),
-            size_of::<marconi_events_config>(),
-        ));
-        let ecfg = ecfg.assume_init();
+        let ecfg = init(marconi_events_config_init);
         let mut ev = ptr::null_mut();
         unsupported(
             marconi_events_new(c, &ecfg, &mut ev),
@@ -792,7 +740,7 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
         assert_eq!((p32, s32, n2), ([0; 8], [0; 8], 0));
         // Nothing changed: the pooled lease is still the only one, and
         // still works.
-        let after = stats(c);
+        let after = cache_stats(c);
         assert_eq!(
             (before.requests, before.leases),
             (after.requests, after.leases)
@@ -820,11 +768,7 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
 #[test]
 fn pool_configurations_that_cannot_make_a_cache_are_refused() {
     let p = pool_config(marconi_pool_backend::None, 8 << 30);
-    let mut o = MaybeUninit::<marconi_tier_options>::uninit();
-    // SAFETY: o has sizeof(marconi_tier_options) writable bytes.
-    ok(unsafe { marconi_tier_options_init(o.as_mut_ptr(), size_of::<marconi_tier_options>()) });
-    // SAFETY: initialised above.
-    let mut o = unsafe { o.assume_init() };
+    let mut o = init(marconi_tier_options_init);
     o.host.capacity_bytes = 1 << 30;
     let mut cfg = cache_config();
     cfg.pools = &p;
@@ -1019,7 +963,7 @@ fn the_deprecated_pooled_forwarders_still_work() {
             // The same handle through the one handle's calls.
             let c1 = c.cast::<marconi_cache>();
             assert_eq!(pool_stats(c1).held_state_slots, 2);
-            assert_eq!(stats(c1).requests, 2);
+            assert_eq!(cache_stats(c1).requests, 2);
             ok(marconi_cache_check(c1));
         }
     }
@@ -1035,38 +979,15 @@ fn the_deprecated_pooled_forwarders_still_work() {
 /// read (the live-handle registry answers).
 #[test]
 fn a_freed_cache_over_pools_is_refused_without_being_read() {
-    // SAFETY: a fresh anonymous mapping with no access; unmapped below.
-    let page = unsafe {
-        libc::mmap(
-            ptr::null_mut(),
-            4096,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(page, libc::MAP_FAILED);
+    let page = NoAccessPage::new();
     let freed = new_pooled(marconi_pool_backend::None, 8 << 30, false);
     // SAFETY: a live handle, freed once.
     unsafe { marconi_cache_free(freed) };
-    let refused = |s: marconi_status, what: &str| {
-        assert_eq!(
-            s,
-            marconi_status::InvalidArgument,
-            "{what}: {}",
-            last_error()
-        );
-        assert!(
-            last_error().contains("is not a marconi_cache handle"),
-            "{what}: {}",
-            last_error()
-        );
-    };
+    let refused = |s, what: &str| not_a_handle(s, what, "is not a marconi_cache handle");
     let t = [1u32, 2, 3];
     for (c, place) in [
         (freed, "a freed cache over pools"),
-        (page.cast(), "an inaccessible page"),
+        (page.ptr(), "an inaccessible page"),
     ] {
         let c: *mut marconi_cache = c;
         let mut l = marconi_pooled_lookup::default();
@@ -1145,8 +1066,6 @@ fn a_freed_cache_over_pools_is_refused_without_being_read() {
         }
         assert_eq!((l, r, n, ps.requests), Default::default());
     }
-    // SAFETY: mapped above, no pointer into it is used after this.
-    assert_eq!(unsafe { libc::munmap(page, 4096) }, 0);
 }
 
 /// Regression: a cache over pools made with decision_log = 1 kept every

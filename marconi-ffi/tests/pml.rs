@@ -8,6 +8,9 @@ use std::ptr::{null, null_mut};
 use marconi::marconi_status;
 use marconi::pml::*;
 
+mod common;
+use common::{blank_segment, pml_layout};
+
 const SCHEMA: &str = include_str!("../../marconi-pml/tests/fixtures/figure2_schema.xml");
 const PROMPT: &str = include_str!("../../marconi-pml/tests/fixtures/figure2_prompt.xml");
 
@@ -80,43 +83,13 @@ fn layout(
     xml: &str,
     tok: marconi_pml_tokenize_fn,
 ) -> Result<Layout, Failure> {
-    let mut segs = vec![
-        marconi_pml_segment {
-            kind: marconi_pml_segment_kind::Text,
-            cached: false,
-            start: 0,
-            len: 0,
-            module: 0,
-            param: 0,
-            tokens_offset: 0
-        };
-        64
-    ];
+    let mut segs = vec![blank_segment(); 64];
     let mut toks = vec![0u32; 4096];
-    let (mut ns, mut nt) = (0usize, 0usize);
     let mut err = new_error();
-    // SAFETY: valid buffers of the capacities given.
-    let st = unsafe {
-        marconi_pml_layout(
-            s,
-            xml.as_ptr(),
-            xml.len(),
-            tok,
-            null_mut(),
-            segs.as_mut_ptr(),
-            segs.len(),
-            &mut ns,
-            toks.as_mut_ptr(),
-            toks.len(),
-            &mut nt,
-            &mut err,
-        )
-    };
+    let st = pml_layout(s, xml, tok, &mut segs, &mut toks, &mut err);
     if st != marconi_status::Ok {
         return Err(Box::new((st, err)));
     }
-    segs.truncate(ns);
-    toks.truncate(nt);
     Ok((segs, toks))
 }
 
@@ -279,68 +252,55 @@ fn null_lengths_and_small_buffers() {
     assert!(out.is_null());
     let s = schema(SCHEMA, Some(words)).unwrap();
     let (mut ns, mut nt) = (0usize, 0usize);
-    let mut seg = [marconi_pml_segment {
-        kind: marconi_pml_segment_kind::Text,
-        cached: false,
-        start: 0,
-        len: 0,
-        module: 0,
-        param: 0,
-        tokens_offset: 0,
-    }; 2];
-    // SAFETY: deliberate NULLs and short buffers.
-    unsafe {
-        assert_eq!(
-            marconi_pml_layout(
-                null(),
-                PROMPT.as_ptr(),
-                PROMPT.len(),
-                None,
-                null_mut(),
-                null_mut(),
-                0,
-                &mut ns,
-                null_mut(),
-                0,
-                &mut nt,
-                null_mut()
-            ),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
+    let mut seg = [blank_segment(); 2];
+    // The prompt's layout into `segs` of `cap` segments and no token
+    // buffer, no error out.
+    let mut prompt_layout = |s, tok, segs, cap| {
+        // SAFETY: deliberate NULLs and short buffers.
+        unsafe {
             marconi_pml_layout(
                 s,
                 PROMPT.as_ptr(),
                 PROMPT.len(),
-                None,
+                tok,
                 null_mut(),
-                null_mut(),
-                3,
+                segs,
+                cap,
                 &mut ns,
                 null_mut(),
                 0,
                 &mut nt,
-                null_mut()
-            ),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
-            marconi_pml_layout(
-                s,
-                PROMPT.as_ptr(),
-                PROMPT.len(),
-                Some(words),
                 null_mut(),
-                seg.as_mut_ptr(),
-                seg.len(),
-                &mut ns,
-                null_mut(),
-                0,
-                &mut nt,
-                null_mut()
-            ),
-            marconi_status::BufferTooSmall
-        );
+            )
+        }
+    };
+    for (what, s, tok, segs, cap, want) in [
+        (
+            "NULL schema",
+            null(),
+            None,
+            null_mut(),
+            0,
+            marconi_status::NullArgument,
+        ),
+        (
+            "NULL segments, 3",
+            s,
+            None,
+            null_mut(),
+            3,
+            marconi_status::NullArgument,
+        ),
+        (
+            "2 segments, no token buffer",
+            s,
+            Some(words as _),
+            seg.as_mut_ptr(),
+            seg.len(),
+            marconi_status::BufferTooSmall,
+        ),
+    ] {
+        assert_eq!(prompt_layout(s, tok, segs, cap), want, "{what}");
     }
     assert_eq!((ns, nt), (5, 17));
     let mut n = 0usize;

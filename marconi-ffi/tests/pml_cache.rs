@@ -2,12 +2,14 @@
 //! handle, four threads looking up and admitting the prompts of two
 //! schemas; the counters add up and the budget holds.
 
-use std::mem::MaybeUninit;
 use std::ptr::null_mut;
 
 use marconi::marconi_status;
 use marconi::pml::*;
 use marconi::pml_cache::*;
+
+mod common;
+use common::{blank_segment, init, ok, pml_layout};
 
 const FIG2: &str = include_str!("../../marconi-pml/tests/fixtures/figure2_schema.xml");
 /// Figure 2's prompt with an argument that fits 2 bytes.
@@ -15,10 +17,6 @@ const FIG2_PROMPT: &str =
     r#"<prompt schema="cities"><trip-plan duration="3d"/><miami/>Surf?</prompt>"#;
 const TRAVEL: &str = include_str!("../../marconi-pml/tests/fixtures/travel_schema.xml");
 const TRAVEL_PROMPT: &str = include_str!("../../marconi-pml/tests/fixtures/travel_prompt.xml");
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok);
-}
 
 fn schema(xml: &str) -> *mut marconi_pml_schema {
     let mut out = null_mut();
@@ -37,36 +35,9 @@ fn schema(xml: &str) -> *mut marconi_pml_schema {
 }
 
 fn layout(s: *const marconi_pml_schema, xml: &str) -> Vec<marconi_pml_segment> {
-    let blank = marconi_pml_segment {
-        kind: marconi_pml_segment_kind::Text,
-        cached: false,
-        start: 0,
-        len: 0,
-        module: 0,
-        param: 0,
-        tokens_offset: 0,
-    };
-    let mut segs = vec![blank; 64];
+    let mut segs = vec![blank_segment(); 64];
     let mut toks = vec![0u32; 4096];
-    let (mut ns, mut nt) = (0usize, 0usize);
-    // SAFETY: buffers of the capacities given.
-    ok(unsafe {
-        marconi_pml_layout(
-            s,
-            xml.as_ptr(),
-            xml.len(),
-            None,
-            null_mut(),
-            segs.as_mut_ptr(),
-            segs.len(),
-            &mut ns,
-            toks.as_mut_ptr(),
-            toks.len(),
-            &mut nt,
-            null_mut(),
-        )
-    });
-    segs.truncate(ns);
+    ok(pml_layout(s, xml, None, &mut segs, &mut toks, null_mut()));
     segs
 }
 
@@ -80,13 +51,7 @@ unsafe impl Sync for Shared {}
 
 #[test]
 fn threads_share_one_store() {
-    let mut cfg = MaybeUninit::<marconi_pml_cache_config>::uninit();
-    // SAFETY: a whole struct's bytes.
-    ok(unsafe {
-        marconi_pml_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_pml_cache_config>())
-    });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_pml_cache_config_init);
     cfg.capacity_bytes = 1 << 20;
     cfg.kv_bytes_per_token = 64;
     cfg.state_bytes = 1000;

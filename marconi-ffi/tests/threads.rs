@@ -28,45 +28,21 @@ impl Shared {
     }
 }
 
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
+mod common;
+use common::*;
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 512];
-    // SAFETY: buf has 512 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
-}
-
-fn new_cache(capacity: u64) -> *mut marconi_cache {
-    let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised by marconi_cache_config_init.
-    let mut cfg = unsafe { cfg.assume_init() };
+/// A cache of `capacity` bytes over pages of PAGE tokens.
+fn cache_of(capacity: u64) -> *mut marconi_cache {
+    let mut cfg = init(marconi_cache_config_init);
     cfg.capacity_bytes = capacity;
     cfg.page_size = PAGE;
-    let mut cache = ptr::null_mut();
-    // SAFETY: valid config and out pointer.
-    ok(unsafe { marconi_cache_new(&cfg, &mut cache) });
-    cache
-}
-
-fn stats(c: *mut marconi_cache) -> marconi_stats {
-    let mut s = marconi_stats {
-        struct_size: size_of::<marconi_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, writable stats.
-    ok(unsafe { marconi_cache_stats(c, &mut s) });
-    s
+    new_cache(&cfg)
 }
 
 #[test]
 fn threads_share_a_cache() {
     // Small enough that evictions happen: about 30 states of paper-7b.
-    let cache = new_cache(1_200_000_000);
+    let cache = cache_of(1_200_000_000);
     let shared = Shared(cache);
     let next_id = AtomicU32::new(1);
     let taken_pages = Mutex::new(HashSet::new());
@@ -147,21 +123,7 @@ fn threads_share_a_cache() {
                         }
                         let mut taken = vec![0u8; states.len()];
                         let mut out = marconi_admit_result::default();
-                        // SAFETY: every buffer is passed with its length.
-                        ok(unsafe {
-                            marconi_cache_admit(
-                                c,
-                                l.lease,
-                                full.as_ptr(),
-                                full.len(),
-                                states.as_ptr(),
-                                states.len(),
-                                kv.as_ptr(),
-                                kv.len(),
-                                taken.as_mut_ptr(),
-                                &mut out,
-                            )
-                        });
+                        ok(admit(c, l.lease, &full, &states, &kv, &mut taken, &mut out));
                         assert_eq!(
                             taken.iter().filter(|&&f| f == 1).count() as u32,
                             out.states_taken
@@ -193,7 +155,7 @@ fn threads_share_a_cache() {
     });
     // SAFETY: live handle.
     ok(unsafe { marconi_cache_check(cache) });
-    let s = stats(cache);
+    let s = cache_stats(cache);
     assert_eq!(s.requests, u64::from(threads * per_thread));
     assert_eq!(s.leases, 0);
     assert!(s.evictions > 0, "capacity too large for the test: {s:?}");
@@ -202,35 +164,16 @@ fn threads_share_a_cache() {
     assert_eq!(s.evictable_bytes, s.used_bytes, "nothing is leased");
 
     // Every freed id was taken by the cache, and comes back once.
-    let (mut np, mut ns) = (0usize, 0usize);
-    // SAFETY: NULL buffers with capacity 0 ask for the sizes.
-    let st = unsafe {
-        marconi_cache_drain_freed(
-            cache,
-            ptr::null_mut(),
-            0,
-            &mut np,
-            ptr::null_mut(),
-            0,
-            &mut ns,
-        )
-    };
+    // NULL buffers with capacity 0 ask for the sizes.
+    let (st, np, ns) = drain_freed(cache, &mut [], &mut []);
     assert!(np > 0 && ns > 0, "evictions freed nothing");
     assert_eq!(st, marconi_status::BufferTooSmall);
     let mut pages = vec![0u32; np];
     let mut slots = vec![0u32; ns];
-    // SAFETY: buffers of the sizes reported.
-    ok(unsafe {
-        marconi_cache_drain_freed(
-            cache,
-            pages.as_mut_ptr(),
-            np,
-            &mut np,
-            slots.as_mut_ptr(),
-            ns,
-            &mut ns,
-        )
-    });
+    // Buffers of the sizes reported.
+    let (st, wp, ws) = drain_freed(cache, &mut pages, &mut slots);
+    ok(st);
+    assert_eq!((wp, ws), (np, ns));
     let tp = taken_pages.lock().unwrap();
     let ts = taken_slots.lock().unwrap();
     assert_eq!(pages.iter().collect::<HashSet<_>>().len(), pages.len());
@@ -239,18 +182,9 @@ fn threads_share_a_cache() {
     assert!(slots.iter().all(|s| ts.contains(s)));
     // Cached states + freed slots = taken slots.
     assert_eq!(s.states as usize + slots.len(), ts.len());
-    // SAFETY: drained: nothing pending now.
-    ok(unsafe {
-        marconi_cache_drain_freed(
-            cache,
-            ptr::null_mut(),
-            0,
-            &mut np,
-            ptr::null_mut(),
-            0,
-            &mut ns,
-        )
-    });
+    // Drained: nothing pending now.
+    let (st, np, ns) = drain_freed(cache, &mut [], &mut []);
+    ok(st);
     assert_eq!((np, ns), (0, 0));
     // SAFETY: no other thread uses the cache any more.
     unsafe { marconi_cache_free(cache) };
@@ -258,7 +192,7 @@ fn threads_share_a_cache() {
 
 #[test]
 fn a_stale_lease_never_reaches_another_cache() {
-    let a = new_cache(1_000_000_000_000);
+    let a = cache_of(1_000_000_000_000);
     let tokens: Vec<u32> = (0..40).collect();
     let mut l = marconi_lookup::default();
     // SAFETY: live handle.
@@ -268,13 +202,13 @@ fn a_stale_lease_never_reaches_another_cache() {
     let stale = l.lease;
     // SAFETY: freed once, not used after.
     unsafe { marconi_cache_free(a) };
-    let b = new_cache(1_000_000_000_000);
+    let b = cache_of(1_000_000_000_000);
     // SAFETY: live handle.
     ok(unsafe {
         marconi_cache_lookup(b, 0, tokens.as_ptr(), tokens.len(), MARCONI_NO_SLOT, &mut l)
     });
     assert_ne!(l.lease, stale);
-    let before = stats(b);
+    let before = cache_stats(b);
     // SAFETY: live handle; the lease is stale.
     assert_eq!(
         unsafe { marconi_cache_release(b, stale) },
@@ -285,7 +219,7 @@ fn a_stale_lease_never_reaches_another_cache() {
         "{}",
         last_error()
     );
-    assert_eq!(stats(b), before);
+    assert_eq!(cache_stats(b), before);
     // SAFETY: live handle.
     ok(unsafe { marconi_cache_release(b, l.lease) });
     // SAFETY: freed once.
@@ -312,21 +246,9 @@ impl<T> SharedPtr<T> {
     }
 }
 
-fn default_cache_config() -> marconi_cache_config {
-    let mut cfg = std::mem::MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised by marconi_cache_config_init.
-    unsafe { cfg.assume_init() }
-}
-
 fn pool_cfg(backend: u32, budget: u64) -> marconi::pool::marconi_pool_config {
     use marconi::pool::*;
-    let mut cfg = std::mem::MaybeUninit::<marconi_pool_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_pool_config) writable bytes.
-    ok(unsafe { marconi_pool_config_init(cfg.as_mut_ptr(), size_of::<marconi_pool_config>()) });
-    // SAFETY: initialised by marconi_pool_config_init.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_pool_config_init);
     cfg.backend = backend;
     cfg.budget_bytes = budget;
     cfg.chunk_bytes = 64 << 10;
@@ -406,7 +328,7 @@ fn threads_share_two_pools_and_never_cross_handles() {
 #[test]
 fn threads_share_a_cache_over_pools() {
     use marconi::pooled::*;
-    let mut cc = default_cache_config();
+    let mut cc = init(marconi_cache_config_init);
     cc.model_preset = c"nemotron-h-8b".as_ptr();
     cc.page_size = PAGE;
     let mut pc = pool_cfg(0, 8 << 30);
@@ -540,13 +462,7 @@ fn threads_move_units_between_a_device_pool_and_a_host_pool() {
     let cfg = pool_cfg(1, 4 << 20);
     // SAFETY: cfg whole; dev writable.
     ok(unsafe { marconi_pool_new(&cfg, &mut dev) });
-    let mut hc = std::mem::MaybeUninit::<marconi_host_pool_config>::uninit();
-    // SAFETY: hc has sizeof(marconi_host_pool_config) writable bytes.
-    ok(unsafe {
-        marconi_host_pool_config_init(hc.as_mut_ptr(), size_of::<marconi_host_pool_config>())
-    });
-    // SAFETY: initialised above.
-    let mut hc = unsafe { hc.assume_init() };
+    let mut hc = init(marconi_host_pool_config_init);
     hc.capacity_bytes = 4 << 20;
     hc.chunk_bytes = 64 << 10;
     hc.page_bytes = 4 << 10;

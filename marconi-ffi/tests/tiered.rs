@@ -6,7 +6,6 @@
 //! misses, counted.
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::mem::{size_of, MaybeUninit};
 use std::ptr;
 
@@ -16,45 +15,11 @@ use marconi::status::marconi_status;
 use marconi::store::*;
 use marconi::tiered::*;
 
-fn last_error() -> String {
-    let mut buf = vec![0u8; 512];
-    // SAFETY: buf has 512 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
-}
-
-fn ok(s: marconi_status) {
-    assert_eq!(s, marconi_status::Ok, "{}", last_error());
-}
-
-/// Bytes of the paper-7b preset: KV per token and one state.
-fn sizes() -> (u64, u64) {
-    let m = marconi_core::ModelSpec::preset("paper-7b").unwrap();
-    (m.kv_bytes_per_token(), m.state_bytes())
-}
-
-fn chain(tokens: u64) -> u64 {
-    let (kv, st) = sizes();
-    tokens * kv + st
-}
-
-fn device_config(tokens: u64) -> marconi_cache_config {
-    let mut cfg = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_cache_config) writable bytes.
-    ok(unsafe { marconi_cache_config_init(cfg.as_mut_ptr(), size_of::<marconi_cache_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
-    cfg.capacity_bytes = chain(tokens);
-    cfg.tuner_adoption = marconi_alpha_adoption::Deterministic as u32;
-    cfg
-}
+mod common;
+use common::*;
 
 fn tiered_config(device: &marconi_cache_config, host: u64, store: u64) -> marconi_tiered_config {
-    let mut cfg = MaybeUninit::<marconi_tiered_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_tiered_config) writable bytes.
-    ok(unsafe { marconi_tiered_config_init(cfg.as_mut_ptr(), size_of::<marconi_tiered_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = init(marconi_tiered_config_init);
     cfg.device = device;
     cfg.host.capacity_bytes = if host > 0 { chain(host) } else { 0 };
     cfg.store.capacity_bytes = if store > 0 { chain(store) } else { 0 };
@@ -68,6 +33,12 @@ fn new_tiered(cfg: &marconi_tiered_config) -> *mut marconi_tiered {
     // SAFETY: valid config and out pointer.
     ok(unsafe { marconi_tiered_new(cfg, &mut t) });
     t
+}
+
+/// A tiered cache of `device`, `host` and `store` tokens of chains (the
+/// handle copies its configuration: nothing here outlives the call).
+fn tiered_of(device: u64, host: u64, store: u64) -> *mut marconi_tiered {
+    new_tiered(&tiered_config(&device_config(device), host, store))
 }
 
 fn lookup(
@@ -117,11 +88,8 @@ fn plan(t: *const marconi_tiered, lease: u64) -> Vec<u32> {
 
 /// Drains the ops: (kind, tier, tokens).
 fn drain_ops(t: *const marconi_tiered) -> Vec<(u32, u32, Vec<u32>)> {
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: a size query.
-    let st = unsafe {
-        marconi_tiered_drain_ops(t, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
-    };
+    // A size query first.
+    let (st, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut [], &mut []);
     if no == 0 {
         ok(st);
         return Vec::new();
@@ -129,18 +97,9 @@ fn drain_ops(t: *const marconi_tiered) -> Vec<(u32, u32, Vec<u32>)> {
     assert_eq!(st, marconi_status::BufferTooSmall);
     let mut ops = vec![marconi_tier_op::default(); no];
     let mut toks = vec![0u32; nt];
-    // SAFETY: buffers of the sizes given.
-    ok(unsafe {
-        marconi_tiered_drain_ops(
-            t,
-            ops.as_mut_ptr(),
-            no,
-            &mut no,
-            toks.as_mut_ptr(),
-            nt,
-            &mut nt,
-        )
-    });
+    let (st, wo, wt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut ops, &mut toks);
+    ok(st);
+    assert_eq!((wo, wt), (no, nt), "the size query's counts");
     ops.iter()
         .map(|o| {
             let s = o.tokens_offset as usize;
@@ -383,23 +342,9 @@ fn dir_store(dir: &std::path::Path) -> *mut marconi_store {
     store_at(marconi_store_backend::Dir, dir.to_str().unwrap())
 }
 
+/// A store for "paper-7b test", calls timed out after 200 ms.
 fn store_at(backend: marconi_store_backend, location: &str) -> *mut marconi_store {
-    let mut cfg = MaybeUninit::<marconi_store_config>::uninit();
-    // SAFETY: cfg has sizeof(marconi_store_config) writable bytes.
-    ok(unsafe { marconi_store_config_init(cfg.as_mut_ptr(), size_of::<marconi_store_config>()) });
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
-    let loc = CString::new(location).unwrap();
-    let model = CString::new("paper-7b test").unwrap();
-    cfg.backend = backend as u32;
-    cfg.location = loc.as_ptr();
-    cfg.model = model.as_ptr();
-    cfg.block_size = 16;
-    cfg.timeout_ms = 200;
-    let mut s = ptr::null_mut();
-    // SAFETY: valid config and out; the strings live during the call.
-    ok(unsafe { marconi_store_new(&cfg, &mut s) });
-    s
+    common::store_at(backend, location, "paper-7b test", 200, None)
 }
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
@@ -411,9 +356,7 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 
 #[test]
 fn the_engine_cycle_keeps_its_copies_in_step_with_the_tiers() {
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 900, 0);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(300, 900, 0);
     let mut e = Engine::new(t, ptr::null());
     for (input, output) in workload(10, 6, 3) {
         e.serve(&input, &output);
@@ -520,9 +463,7 @@ fn a_second_handle_resumes_from_the_shared_store() {
 fn a_store_that_is_down_gives_misses_not_errors() {
     // Nothing listens on port 1 of the loopback.
     let store = store_at(marconi_store_backend::Redis, "redis://127.0.0.1:1");
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 600, 100_000);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(300, 600, 100_000);
     let mut e = Engine::new(t, store);
     let reqs = workload(4, 3, 5);
     for (input, output) in &reqs {
@@ -638,119 +579,82 @@ fn bad_configurations_are_refused() {
 
 #[test]
 fn bad_calls_are_refused_and_change_nothing() {
-    let dev = device_config(300);
-    let cfg = tiered_config(&dev, 600, 0);
-    let t = new_tiered(&cfg);
-    let other = new_tiered(&cfg);
+    let t = tiered_of(300, 600, 0);
+    let other = tiered_of(300, 600, 0);
     let input: Vec<u32> = (0..50).collect();
     let mut out = marconi_tiered_hit::default();
 
     // SAFETY (this block): every call is given NULL, a foreign pointer of
     // at least 8 readable bytes, or valid pointers with bad values.
     unsafe {
-        assert_eq!(
-            marconi_tiered_lookup(
-                ptr::null(),
-                0,
-                input.as_ptr(),
-                50,
-                ptr::null(),
-                0,
-                ptr::null(),
-                &mut out
-            ),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
-            marconi_tiered_lookup(t, 0, ptr::null(), 50, ptr::null(), 0, ptr::null(), &mut out),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
-            marconi_tiered_lookup(
-                t,
-                0,
-                input.as_ptr(),
-                50,
-                ptr::null(),
-                3,
-                ptr::null(),
-                &mut out
-            ),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
-            marconi_tiered_lookup(
-                t,
-                0,
-                input.as_ptr(),
-                50,
-                ptr::null(),
-                0,
-                ptr::null(),
-                ptr::null_mut()
-            ),
-            marconi_status::NullArgument
-        );
-        assert_eq!(
-            marconi_tiered_lookup(
-                t,
-                0,
-                input.as_ptr(),
-                0,
-                ptr::null(),
-                0,
-                ptr::null(),
-                &mut out
-            ),
-            marconi_status::EmptyTokens
-        );
-        assert_eq!(
-            marconi_tiered_lookup(
-                t,
-                0,
-                input.as_ptr(),
-                u32::MAX as usize,
-                ptr::null(),
-                0,
-                ptr::null(),
-                &mut out
-            ),
-            marconi_status::TooManyTokens
-        );
         // A foreign pointer: not a tiered handle (here, a store config's memory).
         let foreign = [0u64; 16];
         let fake = foreign.as_ptr().cast::<marconi_tiered>();
-        assert_eq!(
-            marconi_tiered_lookup(
-                fake,
-                0,
-                input.as_ptr(),
-                50,
-                ptr::null(),
-                0,
-                ptr::null(),
-                &mut out
-            ),
-            marconi_status::InvalidArgument
+        let toks = input.as_ptr();
+        let hit: *mut marconi_tiered_hit = &mut out;
+        let null = ptr::null::<u32>();
+        let no_store = ptr::null::<marconi_store>();
+        let foreign_store = foreign.as_ptr().cast::<marconi_store>();
+        let t_c: *const marconi_tiered = t;
+        // (what, handle, tokens, n_tokens, n_checkpoints (NULL array), store, out)
+        type Case<'a> = (
+            &'a str,
+            *const marconi_tiered,
+            *const u32,
+            usize,
+            usize,
+            *const marconi_store,
+            *mut marconi_tiered_hit,
         );
+        let null_arg = marconi_status::NullArgument;
+        let invalid = marconi_status::InvalidArgument;
+        let cases: [(Case, marconi_status); 8] = [
+            (
+                ("NULL handle", ptr::null(), toks, 50, 0, no_store, hit),
+                null_arg,
+            ),
+            (("NULL tokens", t_c, null, 50, 0, no_store, hit), null_arg),
+            (
+                ("NULL checkpoints, 3", t_c, toks, 50, 3, no_store, hit),
+                null_arg,
+            ),
+            (
+                ("NULL out", t_c, toks, 50, 0, no_store, ptr::null_mut()),
+                null_arg,
+            ),
+            (
+                ("0 tokens", t_c, toks, 0, 0, no_store, hit),
+                marconi_status::EmptyTokens,
+            ),
+            (
+                (
+                    "2^32 - 1 tokens",
+                    t_c,
+                    toks,
+                    u32::MAX as usize,
+                    0,
+                    no_store,
+                    hit,
+                ),
+                marconi_status::TooManyTokens,
+            ),
+            (
+                ("a foreign handle", fake, toks, 50, 0, no_store, hit),
+                invalid,
+            ),
+            (
+                ("a foreign store", t_c, toks, 50, 0, foreign_store, hit),
+                invalid,
+            ),
+        ];
+        for ((what, h, tokens, n, n_cp, store, out), want) in cases {
+            let st = marconi_tiered_lookup(h, 0, tokens, n, ptr::null(), n_cp, store, out);
+            assert_eq!(st, want, "{what}");
+        }
         marconi_tiered_free(fake.cast_mut());
         assert_eq!(
             foreign, [0u64; 16],
             "a foreign pointer is not freed or written"
-        );
-        // A foreign pointer as the store.
-        assert_eq!(
-            marconi_tiered_lookup(
-                t,
-                0,
-                input.as_ptr(),
-                50,
-                ptr::null(),
-                0,
-                foreign.as_ptr().cast(),
-                &mut out
-            ),
-            marconi_status::InvalidArgument
         );
         assert_eq!(stats(t).requests, 0, "a refused lookup counts nothing");
 
@@ -843,9 +747,7 @@ fn bad_calls_are_refused_and_change_nothing() {
 
 #[test]
 fn a_drain_too_small_drains_nothing() {
-    let dev = device_config(200);
-    let cfg = tiered_config(&dev, 900, 0);
-    let t = new_tiered(&cfg);
+    let t = tiered_of(200, 900, 0);
     let mut e = Engine::new(t, ptr::null());
     // Serve without draining, until ops are pending.
     let reqs = workload(6, 4, 9);
@@ -873,18 +775,9 @@ fn a_drain_too_small_drains_nothing() {
         });
         // SAFETY: valid handle and lease.
         ok(unsafe { marconi_tiered_release(t, l.lease) });
-        // SAFETY: a size query.
-        let s = unsafe {
-            marconi_tiered_drain_ops(
-                t,
-                ptr::null_mut(),
-                0,
-                &mut pending.0,
-                ptr::null_mut(),
-                0,
-                &mut pending.1,
-            )
-        };
+        // A size query.
+        let (s, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut [], &mut []);
+        pending = (no, nt);
         if pending.0 > 1 {
             assert_eq!(s, marconi_status::BufferTooSmall);
             break;
@@ -894,19 +787,7 @@ fn a_drain_too_small_drains_nothing() {
     // Room for the ops but one token short: nothing drained.
     let mut ops = vec![marconi_tier_op::default(); pending.0];
     let mut toks = vec![0u32; pending.1 - 1];
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: buffers of the sizes given.
-    let s = unsafe {
-        marconi_tiered_drain_ops(
-            t,
-            ops.as_mut_ptr(),
-            ops.len(),
-            &mut no,
-            toks.as_mut_ptr(),
-            toks.len(),
-            &mut nt,
-        )
-    };
+    let (s, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut ops, &mut toks);
     assert_eq!(s, marconi_status::BufferTooSmall);
     assert_eq!((no, nt), pending);
     assert_eq!(drain_ops(t).len(), pending.0, "nothing was lost");

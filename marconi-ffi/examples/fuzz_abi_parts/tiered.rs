@@ -91,6 +91,27 @@ struct Engine {
     admitted: BTreeMap<u64, Vec<Vec<u32>>>,
 }
 
+/// A call that takes only the handle: as the cache the one handle is, and
+/// as the deprecated tiered handle.
+type HandleCall = (
+    unsafe extern "C" fn(*const marconi_cache) -> St,
+    unsafe extern "C" fn(*const marconi_tiered) -> St,
+);
+
+impl Engine {
+    /// `call` on the handle, in the form the handle was built for.
+    fn on_handle(&self, call: HandleCall) -> St {
+        // SAFETY: a live handle of the kind each form takes.
+        unsafe {
+            if self.one {
+                call.0(self.t.cast())
+            } else {
+                call.1(self.t)
+            }
+        }
+    }
+}
+
 /// What one life found, and the calls it made.
 pub(crate) struct Life {
     pub(crate) calls: u64,
@@ -128,6 +149,20 @@ impl Ctx<'_> {
         }
         true
     }
+
+    /// A struct as its `*_init` call (`what`) fills it at its full size;
+    /// None, noted, where the call fails.
+    fn init<T>(
+        &mut self,
+        what: &str,
+        init: unsafe extern "C" fn(*mut T, usize) -> St,
+    ) -> Option<T> {
+        let mut v = MaybeUninit::<T>::uninit();
+        // SAFETY: v has sizeof(T) writable bytes.
+        let st = unsafe { init(v.as_mut_ptr(), size_of::<T>()) };
+        // SAFETY: the init call succeeded: every field is set.
+        self.ok(what, st).then(|| unsafe { v.assume_init() })
+    }
 }
 
 fn new_tiered(
@@ -136,27 +171,11 @@ fn new_tiered(
     shape: &mut String,
 ) -> Option<(Engine, Box<marconi_cache_config>)> {
     let page = if rng.below(2) == 0 { 1 } else { 4 };
-    let mut dev = MaybeUninit::<marconi_cache_config>::uninit();
-    // SAFETY: dev has sizeof writable bytes.
-    let st =
-        unsafe { marconi_cache_config_init(dev.as_mut_ptr(), size_of::<marconi_cache_config>()) };
-    if !ctx.ok("cache_config_init", st) {
-        return None;
-    }
-    // SAFETY: initialised above.
-    let mut dev = Box::new(unsafe { dev.assume_init() });
+    let mut dev = Box::new(ctx.init("cache_config_init", marconi_cache_config_init)?);
     dev.capacity_bytes = ctx.m.chain(rng.range(80, 400));
     dev.page_size = page;
     dev.checkpoint_grid = page;
-    let mut cfg = MaybeUninit::<marconi_tiered_config>::uninit();
-    // SAFETY: cfg has sizeof writable bytes.
-    let st =
-        unsafe { marconi_tiered_config_init(cfg.as_mut_ptr(), size_of::<marconi_tiered_config>()) };
-    if !ctx.ok("tiered_config_init", st) {
-        return None;
-    }
-    // SAFETY: initialised above.
-    let mut cfg = unsafe { cfg.assume_init() };
+    let mut cfg = ctx.init("tiered_config_init", marconi_tiered_config_init)?;
     cfg.device = &*dev;
     cfg.write_mode = rng.below(2) as u32;
     cfg.exclusive = rng.below(2) as u32;
@@ -181,15 +200,7 @@ fn new_tiered(
     let mut t = ptr::null_mut();
     let mut events = ptr::null_mut();
     if one {
-        let mut o = MaybeUninit::<marconi_tier_options>::uninit();
-        // SAFETY: o has sizeof writable bytes.
-        let st =
-            unsafe { marconi_tier_options_init(o.as_mut_ptr(), size_of::<marconi_tier_options>()) };
-        if !ctx.ok("tier_options_init", st) {
-            return None;
-        }
-        // SAFETY: initialised above.
-        let mut o = unsafe { o.assume_init() };
+        let mut o = ctx.init("tier_options_init", marconi_tier_options_init)?;
         o.write_mode = cfg.write_mode;
         o.exclusive = cfg.exclusive;
         o.defer_moves = cfg.defer_moves;
@@ -206,14 +217,7 @@ fn new_tiered(
         }
         t = c.cast();
         if rng.below(2) == 0 {
-            let mut ecfg = MaybeUninit::<marconi_events_config>::uninit();
-            // SAFETY: ecfg has sizeof writable bytes.
-            let st = unsafe {
-                marconi_events_config_init(ecfg.as_mut_ptr(), size_of::<marconi_events_config>())
-            };
-            if ctx.ok("events_config_init", st) {
-                // SAFETY: initialised above.
-                let ecfg = unsafe { ecfg.assume_init() };
+            if let Some(ecfg) = ctx.init("events_config_init", marconi_events_config_init) {
                 // SAFETY: a live cache, a valid config and out.
                 let st = unsafe { marconi_events_new(c, &ecfg, &mut events) };
                 ctx.ok("events_new (tiers)", st);
@@ -419,14 +423,7 @@ fn check_copies(ctx: &mut Ctx<'_>, e: &Engine, what: &str) {
             e.written, s.bytes_written
         ));
     }
-    // SAFETY: valid handle.
-    let st = unsafe {
-        if e.one {
-            marconi_cache_check(e.t.cast())
-        } else {
-            marconi_tiered_check(e.t)
-        }
-    };
+    let st = e.on_handle((marconi_cache_check, marconi_tiered_check));
     ctx.ok("check", st);
 }
 
@@ -637,14 +634,7 @@ fn serve(
     if !e.defer {
         check_copies(ctx, e, what);
     }
-    // SAFETY: valid handle.
-    let st = unsafe {
-        if e.one {
-            marconi_cache_settle(e.t.cast())
-        } else {
-            marconi_tiered_settle(e.t)
-        }
-    };
+    let st = e.on_handle((marconi_cache_settle, marconi_tiered_settle));
     ctx.ok("settle", st);
     replay(ctx, e, what);
     check_copies(ctx, e, what);
@@ -701,13 +691,7 @@ pub(crate) fn life(rng: &mut Rng, dir: &std::path::Path, requests: u32) -> Life 
     };
     let loc = CString::new(dir.to_str().unwrap_or(".")).unwrap_or_default();
     let model = CString::new("fuzz tiered").unwrap_or_default();
-    let mut scfg = MaybeUninit::<marconi_store_config>::uninit();
-    // SAFETY: scfg has sizeof writable bytes.
-    let st =
-        unsafe { marconi_store_config_init(scfg.as_mut_ptr(), size_of::<marconi_store_config>()) };
-    if ctx.ok("store_config_init", st) {
-        // SAFETY: initialised above.
-        let mut scfg = unsafe { scfg.assume_init() };
+    if let Some(mut scfg) = ctx.init("store_config_init", marconi_store_config_init) {
         scfg.location = loc.as_ptr();
         scfg.model = model.as_ptr();
         scfg.block_size = 4;

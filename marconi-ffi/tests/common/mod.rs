@@ -1,0 +1,307 @@
+//! Set-up and checks the C ABI integration tests share: the last error, a
+//! status check that prints it, structs from their `*_init` call, the
+//! paper-7b device configuration, cache and store constructors, stats
+//! readers, the freed-id drain, and a page no call may read.
+//!
+//! Cargo builds this module into every test binary that declares
+//! `mod common;`; a binary uses only some of it.
+#![allow(dead_code)]
+
+use std::ffi::CString;
+use std::mem::{size_of, MaybeUninit};
+use std::ptr;
+
+use marconi::cache::*;
+use marconi::config::*;
+use marconi::status::marconi_status;
+use marconi::store::*;
+
+/// The calling thread's last error message.
+pub(crate) fn last_error() -> String {
+    let mut buf = vec![0u8; 1024];
+    // SAFETY: buf has 1024 writable bytes.
+    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
+    String::from_utf8_lossy(&buf[..n.min(buf.len() - 1)]).into_owned()
+}
+
+/// `s` is MARCONI_STATUS_OK; else the last error is the panic message.
+pub(crate) fn ok(s: marconi_status) {
+    assert_eq!(s, marconi_status::Ok, "{}", last_error());
+}
+
+/// `s` is `want` and the last error names every one of `words`; `what`
+/// says which call it was.
+pub(crate) fn refusal(s: marconi_status, want: marconi_status, what: &str, words: &[&str]) {
+    assert_eq!(s, want, "{what}: {}", last_error());
+    let e = last_error();
+    for w in words {
+        assert!(e.contains(w), "{what}: {w:?} not in {e:?}");
+    }
+}
+
+/// `s` is MARCONI_STATUS_UNSUPPORTED and the last error names every one
+/// of `words`.
+pub(crate) fn unsupported(s: marconi_status, words: &[&str]) {
+    refusal(s, marconi_status::Unsupported, "", words);
+}
+
+/// A pointer that is no handle of the kind asked for (`what` says which
+/// pointer) refused with INVALID_ARGUMENT, the last error naming `word`.
+pub(crate) fn not_a_handle(s: marconi_status, what: &str, word: &str) {
+    refusal(s, marconi_status::InvalidArgument, what, &[word]);
+}
+
+/// A struct as its `*_init` call fills it at its full size.
+pub(crate) fn init<T>(f: unsafe extern "C" fn(*mut T, usize) -> marconi_status) -> T {
+    let mut v = MaybeUninit::<T>::uninit();
+    // SAFETY: v has sizeof(T) writable bytes.
+    ok(unsafe { f(v.as_mut_ptr(), size_of::<T>()) });
+    // SAFETY: the init call succeeded: every field is set.
+    unsafe { v.assume_init() }
+}
+
+/// Bytes of one chain of `tokens` tokens of the paper-7b preset.
+pub(crate) fn chain(tokens: u64) -> u64 {
+    let m = marconi_core::ModelSpec::preset("paper-7b").unwrap();
+    tokens * m.kv_bytes_per_token() + m.state_bytes()
+}
+
+/// The default cache configuration with room for `tokens` tokens of one
+/// paper-7b chain and a deterministic tuner.
+pub(crate) fn device_config(tokens: u64) -> marconi_cache_config {
+    let mut cfg = init(marconi_cache_config_init);
+    cfg.capacity_bytes = chain(tokens);
+    cfg.tuner_adoption = marconi_alpha_adoption::Deterministic as u32;
+    cfg
+}
+
+/// A cache of `cfg`.
+pub(crate) fn new_cache(cfg: &marconi_cache_config) -> *mut marconi_cache {
+    let mut c = ptr::null_mut();
+    // SAFETY: valid config and out pointer.
+    ok(unsafe { marconi_cache_new(cfg, &mut c) });
+    c
+}
+
+/// The stats of a live cache.
+pub(crate) fn cache_stats(c: *const marconi_cache) -> marconi_stats {
+    let mut s = marconi_stats {
+        struct_size: size_of::<marconi_stats>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: live handle, writable stats.
+    ok(unsafe { marconi_cache_stats(c, &mut s) });
+    s
+}
+
+/// The buffer's pointer, NULL where it is empty (a size query).
+fn or_null<T>(b: &mut [T]) -> *mut T {
+    if b.is_empty() {
+        ptr::null_mut()
+    } else {
+        b.as_mut_ptr()
+    }
+}
+
+/// A lookup of `tokens` (namespace 0, no slot) that must succeed.
+pub(crate) fn lookup(c: *const marconi_cache, tokens: &[u32]) -> marconi_lookup {
+    let mut l = marconi_lookup::default();
+    // SAFETY: tokens readable for its length, l writable.
+    ok(unsafe {
+        marconi_cache_lookup(c, 0, tokens.as_ptr(), tokens.len(), MARCONI_NO_SLOT, &mut l)
+    });
+    l
+}
+
+/// marconi_cache_admit of `tokens` with `states` and `pages` on `lease`,
+/// the taken flags into `taken` (NULL where empty), the result into `out`.
+pub(crate) fn admit(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    states: &[marconi_saved_state],
+    pages: &[u32],
+    taken: &mut [u8],
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let taken = or_null(taken);
+    // SAFETY: every array readable (taken: writable) for its length.
+    unsafe {
+        marconi_cache_admit(
+            c,
+            lease,
+            tokens.as_ptr(),
+            tokens.len(),
+            states.as_ptr(),
+            states.len(),
+            pages.as_ptr(),
+            pages.len(),
+            taken,
+            out,
+        )
+    }
+}
+
+/// marconi_cache_drain_freed into `pages` and `slots` (NULL where empty):
+/// (status, pages written or pending, slots written or pending).
+pub(crate) fn drain_freed(
+    c: *const marconi_cache,
+    pages: &mut [u32],
+    slots: &mut [u32],
+) -> (marconi_status, usize, usize) {
+    let (p, s) = (or_null(pages), or_null(slots));
+    let (mut np, mut ns) = (0usize, 0usize);
+    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
+    let st =
+        unsafe { marconi_cache_drain_freed(c, p, pages.len(), &mut np, s, slots.len(), &mut ns) };
+    (st, np, ns)
+}
+
+/// The C signature of marconi_cache_drain_ops and marconi_tiered_drain_ops
+/// over a handle `H`.
+pub(crate) type DrainOps<H> = unsafe extern "C" fn(
+    *const H,
+    *mut marconi::tiered::marconi_tier_op,
+    usize,
+    *mut usize,
+    *mut u32,
+    usize,
+    *mut usize,
+) -> marconi_status;
+
+/// A drain of the tier ops of `h` by `drain` into `ops` and `toks` (NULL
+/// where empty): (status, ops written or pending, tokens written or
+/// pending).
+pub(crate) fn drain_tier_ops<H>(
+    drain: DrainOps<H>,
+    h: *const H,
+    ops: &mut [marconi::tiered::marconi_tier_op],
+    toks: &mut [u32],
+) -> (marconi_status, usize, usize) {
+    let (o, t) = (or_null(ops), or_null(toks));
+    let (mut no, mut nt) = (0usize, 0usize);
+    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
+    let st = unsafe { drain(h, o, ops.len(), &mut no, t, toks.len(), &mut nt) };
+    (st, no, nt)
+}
+
+/// A store of `backend` at `location` for `model`, blocks of 16 tokens,
+/// `timeout_ms` for every call and `connect_timeout_ms` (None: the
+/// default) for connecting.
+pub(crate) fn store_at(
+    backend: marconi_store_backend,
+    location: &str,
+    model: &str,
+    timeout_ms: u32,
+    connect_timeout_ms: Option<u32>,
+) -> *mut marconi_store {
+    let mut cfg = init(marconi_store_config_init);
+    let loc = CString::new(location).unwrap();
+    let model = CString::new(model).unwrap();
+    cfg.backend = backend as u32;
+    cfg.location = loc.as_ptr();
+    cfg.model = model.as_ptr();
+    cfg.block_size = 16;
+    cfg.timeout_ms = timeout_ms;
+    if let Some(ms) = connect_timeout_ms {
+        cfg.connect_timeout_ms = ms;
+    }
+    let mut s = ptr::null_mut();
+    // SAFETY: valid config and out; the strings live during the call.
+    ok(unsafe { marconi_store_new(&cfg, &mut s) });
+    s
+}
+
+/// Saved states at `positions` in `slots`, pairwise.
+pub(crate) fn states(positions: &[u32], slots: &[u32]) -> Vec<marconi_saved_state> {
+    positions
+        .iter()
+        .zip(slots)
+        .map(|(&position, &slot)| marconi_saved_state { position, slot })
+        .collect()
+}
+
+/// One page mapped with no access: a read through it kills the process.
+/// Unmapped on drop.
+pub(crate) struct NoAccessPage(*mut libc::c_void);
+
+impl NoAccessPage {
+    pub(crate) fn new() -> Self {
+        // SAFETY: a fresh anonymous mapping with no access.
+        let page = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                4096,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(page, libc::MAP_FAILED);
+        NoAccessPage(page)
+    }
+
+    pub(crate) fn ptr<T>(&self) -> *mut T {
+        self.0.cast()
+    }
+}
+
+impl Drop for NoAccessPage {
+    fn drop(&mut self) {
+        // SAFETY: mapped in new; no pointer into it is used after this.
+        let r = unsafe { libc::munmap(self.0, 4096) };
+        if !std::thread::panicking() {
+            assert_eq!(r, 0);
+        }
+    }
+}
+
+/// An empty text segment, to fill a layout's output buffer.
+pub(crate) fn blank_segment() -> marconi::pml::marconi_pml_segment {
+    marconi::pml::marconi_pml_segment {
+        kind: marconi::pml::marconi_pml_segment_kind::Text,
+        cached: false,
+        start: 0,
+        len: 0,
+        module: 0,
+        param: 0,
+        tokens_offset: 0,
+    }
+}
+
+/// marconi_pml_layout of `xml` on a live schema, tokenized by `tok`, into
+/// `segs` and `toks` (truncated to what was written), the error into
+/// `err` (may be NULL).
+pub(crate) fn pml_layout(
+    s: *const marconi::pml::marconi_pml_schema,
+    xml: &str,
+    tok: marconi::pml::marconi_pml_tokenize_fn,
+    segs: &mut Vec<marconi::pml::marconi_pml_segment>,
+    toks: &mut Vec<u32>,
+    err: *mut marconi::pml::marconi_pml_error,
+) -> marconi_status {
+    let (mut ns, mut nt) = (0usize, 0usize);
+    // SAFETY: buffers of the capacities given; err is NULL or writable.
+    let st = unsafe {
+        marconi::pml::marconi_pml_layout(
+            s,
+            xml.as_ptr(),
+            xml.len(),
+            tok,
+            ptr::null_mut(),
+            segs.as_mut_ptr(),
+            segs.len(),
+            &mut ns,
+            toks.as_mut_ptr(),
+            toks.len(),
+            &mut nt,
+            err,
+        )
+    };
+    if st == marconi_status::Ok {
+        segs.truncate(ns);
+        toks.truncate(nt);
+    }
+    st
+}

@@ -25,7 +25,8 @@
 //! marconi_cache_check after calls. The event stream (marconi_events_*):
 //! every drained batch decodes and, applied in order, rebuilds exactly the
 //! blocks and states of a snapshot of the cache, with no removal of a block
-//! never stored; refused configurations and calls change nothing. A call that takes longer than
+//! never stored, on caches over engine ids, over pools and with tiers;
+//! refused configurations and calls change nothing. A call that takes longer than
 //! `--watchdog` seconds is reported as a deadlock (the process then exits,
 //! since a blocked thread cannot be stopped).
 //!
@@ -2686,6 +2687,15 @@ impl<'r> Worker<'r> {
         });
         self.expect("pooled_cache_reserve (other)", st, &[St::Ok]);
         let c = caches[0];
+        // Half the runs publish the cache's events: drained between
+        // requests, they must rebuild what the cache holds (events name
+        // tokens, never units).
+        let ev = if self.rng.chance(1, 2) {
+            self.events_new(c)
+        } else {
+            None
+        };
+        let mut mirror = ::marconi_events::Mirror::default();
         let base: Vec<u32> = (0..self.rng.range(64, 160))
             .map(|_| self.rng.below(50_000) as u32 + 1)
             .collect();
@@ -2728,6 +2738,27 @@ impl<'r> Worker<'r> {
             let source = self.rng.below(7) as u8;
             let input = t.len() as u32 - 3;
             self.pooled_request(c, &t, input, Some(source), &mut stale, &fpg);
+            if let Some(ev) = ev.filter(|_| self.rng.chance(1, 2)) {
+                self.events_drain(ev, c, &mut mirror);
+            }
+        }
+        if let Some(ev) = ev {
+            self.events_drain(ev, c, &mut mirror);
+            if let Some(snap) = self.events_snapshot(ev, c) {
+                if snap.set != mirror.set || mirror.unknown_removals != 0 {
+                    finding!(
+                        self,
+                        "events over pools: drained batches rebuild {} blocks/states ({} unknown removals), the snapshot has {}",
+                        mirror.set.len(),
+                        mirror.unknown_removals,
+                        snap.set.len()
+                    );
+                }
+            }
+            // SAFETY: both live; the events handle freed once.
+            self.call("events_free (pools)", || unsafe {
+                marconi_events_free(ev, c)
+            });
         }
         // SAFETY: the other cache's units, freed once.
         let st = unsafe { marconi_cache_free_units(other, fpg.as_ptr(), 2) };

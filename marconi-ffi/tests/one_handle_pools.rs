@@ -292,6 +292,58 @@ fn serve(
     })
 }
 
+type EventsCall = unsafe extern "C" fn(
+    *const marconi_events,
+    *const marconi_cache,
+    f64,
+    *mut u8,
+    usize,
+    *mut usize,
+) -> marconi_status;
+
+/// One batch from `call` (marconi_events_drain or _snapshot), sized by a
+/// query first, decoded.
+///
+/// # Safety
+///
+/// `ev` and `c` are live, `ev` made on `c`.
+unsafe fn events_batch(
+    ev: *const marconi_events,
+    c: *const marconi_cache,
+    call: EventsCall,
+) -> Vec<::marconi_events::DecodedEvent> {
+    let mut len = 0usize;
+    // SAFETY: a size query (NULL buffer, capacity 0).
+    let st = unsafe { call(ev, c, 1.0, ptr::null_mut(), 0, &mut len) };
+    if st == marconi_status::Ok {
+        assert_eq!(len, 0, "nothing pending");
+        return Vec::new();
+    }
+    assert_eq!(st, marconi_status::BufferTooSmall, "{}", last_error());
+    let mut buf = vec![0u8; len];
+    // SAFETY: buf has len writable bytes.
+    ok(unsafe { call(ev, c, 1.0, buf.as_mut_ptr(), buf.len(), &mut len) });
+    ::marconi_events::decode_batch(&buf[..len])
+        .expect("a decodable batch")
+        .events
+}
+
+/// Drains `ev` into `mirror`; returns the removals it held.
+fn drain_events(
+    ev: *const marconi_events,
+    c: *const marconi_cache,
+    mirror: &mut ::marconi_events::Mirror,
+) -> usize {
+    // SAFETY: live handles (the caller's).
+    let events = unsafe { events_batch(ev, c, marconi_events_drain) };
+    let removals = events
+        .iter()
+        .filter(|e| matches!(e, ::marconi_events::DecodedEvent::BlockRemoved { .. }))
+        .count();
+    mirror.apply(&events);
+    removals
+}
+
 /// The invariants after each request: check passes, every held handle
 /// resolves, drained handles are no longer held and no longer resolve,
 /// the two stats calls agree.
@@ -337,6 +389,14 @@ fn the_pooled_request_cycle_through_the_one_handle() {
     let c = new_pooled(marconi_pool_backend::Memfd, b, true);
     let mut freed_seen = Vec::new();
     check_all(c, b, &mut freed_seen);
+    // The event stream over pools: drained after every request into a
+    // subscriber's mirror, which must rebuild what the cache holds.
+    let ecfg = init(marconi_events_config_init);
+    let mut ev = ptr::null_mut();
+    // SAFETY: live cache, initialised config, out writable.
+    ok(unsafe { marconi_events_new(c, &ecfg, &mut ev) });
+    let mut mirror = ::marconi_events::Mirror::default();
+    let mut removals = 0usize;
     // Four conversations sharing a 160-token prefix (the last one not),
     // each turn extending the previous one; an application checkpoint at
     // the end of the shared prefix.
@@ -368,8 +428,24 @@ fn the_pooled_request_cycle_through_the_one_handle() {
             }
             len[k] = full;
             check_all(c, b, &mut freed_seen);
+            removals += drain_events(ev, c, &mut mirror);
         }
     }
+    // SAFETY: live handles.
+    let snapshot = unsafe { events_batch(ev, c, marconi_events_snapshot) };
+    let mut rebuilt = ::marconi_events::Mirror::default();
+    rebuilt.apply(&snapshot);
+    assert_eq!(
+        mirror.unknown_removals, 0,
+        "removals of blocks never stored"
+    );
+    assert!(!mirror.set.is_empty() && removals > 0, "stored and removed");
+    assert_eq!(
+        mirror.set, rebuilt.set,
+        "the drained stream rebuilds the cache"
+    );
+    // SAFETY: both live; the events handle first.
+    unsafe { marconi_events_free(ev, c) };
     let ps = pool_stats(c);
     assert_eq!(ps.requests, served + refused);
     assert_eq!(ps.reservations_refused, refused);
@@ -607,8 +683,8 @@ fn every_pool_call_refuses_on_a_cache_without_pools() {
     }
 }
 
-/// Every call over ids the engine owns (and evict, and the events handle)
-/// refuses on a cache over pools, naming the call to use, and changes
+/// Every call over ids the engine owns (and evict) refuses on a cache over
+/// pools, naming the call to use, and changes
 /// nothing; so does every tier call.
 #[test]
 fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
@@ -728,14 +804,6 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
                 "pools and tiers cannot be combined yet",
             ],
         );
-        // Events: refused, no handle written.
-        let ecfg = init(marconi_events_config_init);
-        let mut ev = ptr::null_mut();
-        unsupported(
-            marconi_events_new(c, &ecfg, &mut ev),
-            &["marconi_cache_config.pools"],
-        );
-        assert!(ev.is_null());
         assert_eq!((l, r, n, free), Default::default());
         assert_eq!((p32, s32, n2), ([0; 8], [0; 8], 0));
         // Nothing changed: the pooled lease is still the only one, and

@@ -71,6 +71,24 @@
  * `static const marconi_status all[] = marconi_status_ALL;`
  */
 #define marconi_status_ALL { MARCONI_STATUS_OK, MARCONI_STATUS_NULL_ARGUMENT, MARCONI_STATUS_INVALID_ARGUMENT, MARCONI_STATUS_BUFFER_TOO_SMALL, MARCONI_STATUS_PANIC, MARCONI_STATUS_POISONED, MARCONI_STATUS_INVALID_CONFIG, MARCONI_STATUS_UNKNOWN_PRESET, MARCONI_STATUS_EMPTY_TOKENS, MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_UNKNOWN_LEASE, MARCONI_STATUS_PREFIX_MISMATCH, MARCONI_STATUS_BAD_PAGE_LIST, MARCONI_STATUS_NOT_PLANNED, MARCONI_STATUS_POSITION_OUT_OF_RANGE, MARCONI_STATUS_DUPLICATE_POSITION, MARCONI_STATUS_DUPLICATE_SLOT, MARCONI_STATUS_DUPLICATE_PAGE, MARCONI_STATUS_INVARIANT_VIOLATED, MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, MARCONI_STATUS_UNKNOWN_HANDLE, MARCONI_STATUS_DOUBLE_FREE, MARCONI_STATUS_OUT_OF_MEMORY, MARCONI_STATUS_UNSUPPORTED, MARCONI_STATUS_BACKEND_FAILURE, MARCONI_STATUS_QUEUE_FULL }
+/*
+ * The entry points kept one release for callers of an earlier ABI carry
+ * MARCONI_DEPRECATED("use ..."): a compiler that knows the attribute warns
+ * where one is called (-Wdeprecated-declarations), naming the call to use.
+ * Define MARCONI_NO_DEPRECATION_WARNINGS before including this header to
+ * silence it.
+ */
+#if defined(MARCONI_NO_DEPRECATION_WARNINGS)
+#define MARCONI_DEPRECATED(note)
+#elif defined(__cplusplus) && __cplusplus >= 201402L
+#define MARCONI_DEPRECATED(note) [[deprecated(note)]]
+#elif defined(__GNUC__) || defined(__clang__)
+#define MARCONI_DEPRECATED(note) __attribute__((deprecated(note)))
+#elif defined(_MSC_VER)
+#define MARCONI_DEPRECATED(note) __declspec(deprecated(note))
+#else
+#define MARCONI_DEPRECATED(note)
+#endif
 
 /**
  * The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
@@ -4704,6 +4722,7 @@ marconi_status marconi_cache_pool_stats(const struct marconi_cache *cache,
  * `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
  * functions (struct_size readable bytes); `out` is NULL or writable.
  */
+MARCONI_DEPRECATED("use marconi_cache_new with marconi_cache_config.pools (removed in the next release)")
 marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache_cfg,
                                         const struct marconi_pool_config *pool_cfg,
                                         struct marconi_pooled_cache **out);
@@ -4717,6 +4736,7 @@ marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache
  *
  * `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
  */
+MARCONI_DEPRECATED("use marconi_cache_free (removed in the next release)")
 void marconi_pooled_cache_free(struct marconi_pooled_cache *pc);
 
 /**
@@ -4726,6 +4746,7 @@ void marconi_pooled_cache_free(struct marconi_pooled_cache *pc);
  *
  * As marconi_cache_lookup_pooled.
  */
+MARCONI_DEPRECATED("use marconi_cache_lookup_pooled (removed in the next release)")
 marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc,
                                            uint64_t ns,
                                            const uint32_t *tokens,
@@ -4739,6 +4760,7 @@ marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc
  *
  * As marconi_cache_lookup_pooled_hinted.
  */
+MARCONI_DEPRECATED("use marconi_cache_lookup_pooled_hinted (removed in the next release)")
 marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_cache *pc,
                                                   uint64_t ns,
                                                   const uint32_t *tokens,
@@ -4754,6 +4776,7 @@ marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_ca
  *
  * As marconi_cache_lease_kv_handles.
  */
+MARCONI_DEPRECATED("use marconi_cache_lease_kv_handles (removed in the next release)")
 marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_cache *pc,
                                                    uint64_t lease,
                                                    uint64_t *buf,
@@ -4768,6 +4791,7 @@ marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_c
  *
  * As marconi_cache_lease_plan.
  */
+MARCONI_DEPRECATED("use marconi_cache_lease_plan (removed in the next release)")
 marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache *pc,
                                                uint64_t lease,
                                                uint32_t *buf,
@@ -4781,6 +4805,7 @@ marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache
  *
  * As marconi_cache_reserve.
  */
+MARCONI_DEPRECATED("use marconi_cache_reserve (removed in the next release)")
 marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *pc,
                                             uint32_t kv_pages,
                                             uint32_t state_slots,
@@ -4796,6 +4821,7 @@ marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *p
  *
  * As marconi_cache_admit_pooled.
  */
+MARCONI_DEPRECATED("use marconi_cache_admit_pooled (removed in the next release)")
 marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
                                           uint64_t lease,
                                           const uint32_t *tokens,
@@ -4814,6 +4840,7 @@ marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
  *
  * As marconi_cache_free_units.
  */
+MARCONI_DEPRECATED("use marconi_cache_free_units (removed in the next release)")
 marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache *pc,
                                                const uint64_t *handles,
                                                size_t n);
@@ -4825,7 +4852,9 @@ marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache
  *
  * As marconi_cache_release.
  */
-marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *pc, uint64_t lease);
+MARCONI_DEPRECATED("use marconi_cache_release (removed in the next release)")
+marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *pc,
+                                            uint64_t lease);
 
 /**
  * Deprecated: marconi_cache_drain_freed_units.
@@ -4834,6 +4863,7 @@ marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *p
  *
  * As marconi_cache_drain_freed_units.
  */
+MARCONI_DEPRECATED("use marconi_cache_drain_freed_units (removed in the next release)")
 marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cache *pc,
                                                 uint64_t *buf,
                                                 size_t cap,
@@ -4846,6 +4876,7 @@ marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cach
  *
  * As marconi_cache_held.
  */
+MARCONI_DEPRECATED("use marconi_cache_held (removed in the next release)")
 marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
                                          uint64_t *buf,
                                          size_t cap,
@@ -4858,6 +4889,7 @@ marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
  *
  * As marconi_cache_resolve.
  */
+MARCONI_DEPRECATED("use marconi_cache_resolve (removed in the next release)")
 marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *pc,
                                             const uint64_t *handles,
                                             size_t n,
@@ -4871,6 +4903,7 @@ marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *p
  *
  * As marconi_cache_copy_states.
  */
+MARCONI_DEPRECATED("use marconi_cache_copy_states (removed in the next release)")
 marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cache *pc,
                                                 const struct marconi_state_copy *pairs,
                                                 size_t n);
@@ -4882,6 +4915,7 @@ marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cach
  *
  * As marconi_cache_pool_stats.
  */
+MARCONI_DEPRECATED("use marconi_cache_pool_stats (removed in the next release)")
 marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
                                           struct marconi_pooled_stats *out);
 
@@ -4895,6 +4929,7 @@ marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
  *
  * As marconi_cache_check.
  */
+MARCONI_DEPRECATED("use marconi_cache_check (removed in the next release)")
 marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc);
 
 /**
@@ -5356,7 +5391,9 @@ marconi_status marconi_cache_tier_stats(const struct marconi_cache *cache,
  *
  * `cfg` is NULL or points to `struct_size` writable bytes.
  */
-marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg, size_t struct_size);
+MARCONI_DEPRECATED("use marconi_tier_options_init and marconi_cache_config.tiers (removed in the next release)")
+marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg,
+                                          size_t struct_size);
 
 /**
  * Deprecated: marconi_cache_new with marconi_cache_config.tiers. Creates a
@@ -5371,6 +5408,7 @@ marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg, siz
  * `device` NULL or initialised by marconi_cache_config_init; `out` is
  * writable or NULL.
  */
+MARCONI_DEPRECATED("use marconi_cache_new with marconi_cache_config.tiers (removed in the next release)")
 marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
                                   struct marconi_tiered **out);
 
@@ -5382,6 +5420,7 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
  *
  * `t` is NULL or a handle from marconi_tiered_new.
  */
+MARCONI_DEPRECATED("use marconi_cache_free (removed in the next release)")
 void marconi_tiered_free(struct marconi_tiered *t);
 
 /**
@@ -5391,6 +5430,7 @@ void marconi_tiered_free(struct marconi_tiered *t);
  *
  * As marconi_cache_lookup_tiered.
  */
+MARCONI_DEPRECATED("use marconi_cache_lookup_tiered (removed in the next release)")
 marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
                                      uint64_t ns,
                                      const uint32_t *tokens,
@@ -5407,6 +5447,7 @@ marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_lease_loads.
  */
+MARCONI_DEPRECATED("use marconi_cache_lease_loads (removed in the next release)")
 marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
                                           uint64_t lease,
                                           struct marconi_load_order *buf,
@@ -5421,6 +5462,7 @@ marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_lease_plan.
  */
+MARCONI_DEPRECATED("use marconi_cache_lease_plan (removed in the next release)")
 marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
                                          uint64_t lease,
                                          uint32_t *buf,
@@ -5435,6 +5477,7 @@ marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_lease_kv_pages.
  */
+MARCONI_DEPRECATED("use marconi_cache_lease_kv_pages (removed in the next release)")
 marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered,
                                              uint64_t lease,
                                              uint32_t *buf,
@@ -5450,6 +5493,7 @@ marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered
  *
  * As marconi_cache_admit.
  */
+MARCONI_DEPRECATED("use marconi_cache_admit (removed in the next release)")
 marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
                                     uint64_t lease,
                                     const uint32_t *tokens,
@@ -5468,7 +5512,9 @@ marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_release.
  */
-marconi_status marconi_tiered_release(const struct marconi_tiered *tiered, uint64_t lease);
+MARCONI_DEPRECATED("use marconi_cache_release (removed in the next release)")
+marconi_status marconi_tiered_release(const struct marconi_tiered *tiered,
+                                      uint64_t lease);
 
 /**
  * Deprecated: marconi_cache_report_load_failure.
@@ -5477,6 +5523,7 @@ marconi_status marconi_tiered_release(const struct marconi_tiered *tiered, uint6
  *
  * As marconi_cache_report_load_failure.
  */
+MARCONI_DEPRECATED("use marconi_cache_report_load_failure (removed in the next release)")
 marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *tiered,
                                                   uint64_t lease);
 
@@ -5487,6 +5534,7 @@ marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *t
  *
  * As marconi_cache_settle.
  */
+MARCONI_DEPRECATED("use marconi_cache_settle (removed in the next release)")
 marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
 
 /**
@@ -5496,6 +5544,7 @@ marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
  *
  * As marconi_cache_drain_ops.
  */
+MARCONI_DEPRECATED("use marconi_cache_drain_ops (removed in the next release)")
 marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
                                         struct marconi_tier_op *ops,
                                         size_t ops_cap,
@@ -5511,6 +5560,7 @@ marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_drain_freed.
  */
+MARCONI_DEPRECATED("use marconi_cache_drain_freed (removed in the next release)")
 marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
                                           uint32_t *pages,
                                           size_t pages_cap,
@@ -5526,6 +5576,7 @@ marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_tier_stats.
  */
+MARCONI_DEPRECATED("use marconi_cache_tier_stats (removed in the next release)")
 marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
                                         struct marconi_tiered_stats *out);
 
@@ -5536,6 +5587,7 @@ marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
  *
  * As marconi_cache_check.
  */
+MARCONI_DEPRECATED("use marconi_cache_check (removed in the next release)")
 marconi_status marconi_tiered_check(const struct marconi_tiered *tiered);
 
 #ifdef __cplusplus

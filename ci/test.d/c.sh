@@ -58,6 +58,26 @@ g++ -std=c++17 -pthread -Wall -Wextra -Wpedantic -Werror -g -Iinclude "${san[@]}
   marconi-ffi/tests/c/test_cxx.cpp -L"$lib" -Wl,-rpath,"$lib" -lmarconi -o "$out/test_cxx"
 "$out/test_cxx"
 
+echo "--- a deprecated call warns, naming the call to use (C and C++), unless silenced"
+printf '#include "marconi.h"\nint main(void) { marconi_pooled_cache_free(0); return 0; }\n' \
+  >"$out/deprecated.c"
+cp "$out/deprecated.c" "$out/deprecated.cpp"
+for compile in "gcc -std=c11 -x c" "g++ -std=c++17 -x c++"; do
+  src="$out/deprecated.c"
+  [ "${compile%% *}" = g++ ] && src="$out/deprecated.cpp"
+  if $compile -Iinclude -Werror=deprecated-declarations -c "$src" -o "$out/deprecated.o" \
+    2>"$out/deprecated.err"; then
+    echo "${compile%% *}: a call of a deprecated function compiled without a warning" >&2
+    exit 1
+  fi
+  grep -q 'use marconi_cache_free' "$out/deprecated.err" || {
+    cat "$out/deprecated.err" >&2
+    echo "${compile%% *}: the warning does not name the call to use" >&2
+    exit 1
+  }
+  $compile -Iinclude -Wall -Werror -DMARCONI_NO_DEPRECATION_WARNINGS -c "$src" -o "$out/deprecated.o"
+done
+
 echo "--- test_cuda.c compiles and links (it runs on a GPU: scripts/gpu-check.sh)"
 # It shares check.h with the tests above; built here so that a change there
 # cannot break it unseen. Not run: without a GPU it only prints SKIPPED.

@@ -33,6 +33,10 @@
 //! A finding prints its seed and call index; with `--threads 1` (the default)
 //! a run is deterministic, and `--seed S --calls N` replays it. Exits 1 when
 //! anything was found, 3 on a deadlock.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_char, CStr};

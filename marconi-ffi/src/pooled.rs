@@ -987,6 +987,9 @@ fn as_cache(pc: *const marconi_pooled_cache) -> *const marconi_cache {
 ///
 /// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
 /// functions (struct_size readable bytes); `out` is NULL or writable.
+#[deprecated(
+    note = "use marconi_cache_new with marconi_cache_config.pools (removed in the next release)"
+)]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_new(
     cache_cfg: *const marconi_cache_config,
@@ -1025,6 +1028,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
 /// # Safety
 ///
 /// `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
+#[deprecated(note = "use marconi_cache_free (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
     // SAFETY: forwarded caller contract.
@@ -1036,6 +1040,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache
 /// # Safety
 ///
 /// As marconi_cache_lookup_pooled.
+#[deprecated(note = "use marconi_cache_lookup_pooled (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lookup(
     pc: *const marconi_pooled_cache,
@@ -1053,6 +1058,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup(
 /// # Safety
 ///
 /// As marconi_cache_lookup_pooled_hinted.
+#[deprecated(note = "use marconi_cache_lookup_pooled_hinted (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
     pc: *const marconi_pooled_cache,
@@ -1082,6 +1088,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
 /// # Safety
 ///
 /// As marconi_cache_lease_kv_handles.
+#[deprecated(note = "use marconi_cache_lease_kv_handles (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
     pc: *const marconi_pooled_cache,
@@ -1100,6 +1107,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
 /// # Safety
 ///
 /// As marconi_cache_lease_plan.
+#[deprecated(note = "use marconi_cache_lease_plan (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
     pc: *const marconi_pooled_cache,
@@ -1117,6 +1125,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
 /// # Safety
 ///
 /// As marconi_cache_reserve.
+#[deprecated(note = "use marconi_cache_reserve (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_reserve(
     pc: *const marconi_pooled_cache,
@@ -1146,6 +1155,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
 /// # Safety
 ///
 /// As marconi_cache_admit_pooled.
+#[deprecated(note = "use marconi_cache_admit_pooled (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_admit(
     pc: *const marconi_pooled_cache,
@@ -1181,6 +1191,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
 /// # Safety
 ///
 /// As marconi_cache_free_units.
+#[deprecated(note = "use marconi_cache_free_units (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free_units(
     pc: *const marconi_pooled_cache,
@@ -1196,6 +1207,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_free_units(
 /// # Safety
 ///
 /// As marconi_cache_release.
+#[deprecated(note = "use marconi_cache_release (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_release(
     pc: *const marconi_pooled_cache,
@@ -1210,6 +1222,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_release(
 /// # Safety
 ///
 /// As marconi_cache_drain_freed_units.
+#[deprecated(note = "use marconi_cache_drain_freed_units (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
     pc: *const marconi_pooled_cache,
@@ -1226,6 +1239,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
 /// # Safety
 ///
 /// As marconi_cache_held.
+#[deprecated(note = "use marconi_cache_held (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_held(
     pc: *const marconi_pooled_cache,
@@ -1242,6 +1256,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_held(
 /// # Safety
 ///
 /// As marconi_cache_resolve.
+#[deprecated(note = "use marconi_cache_resolve (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_resolve(
     pc: *const marconi_pooled_cache,
@@ -1259,6 +1274,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_resolve(
 /// # Safety
 ///
 /// As marconi_cache_copy_states.
+#[deprecated(note = "use marconi_cache_copy_states (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
     pc: *const marconi_pooled_cache,
@@ -1274,6 +1290,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
 /// # Safety
 ///
 /// As marconi_cache_pool_stats.
+#[deprecated(note = "use marconi_cache_pool_stats (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_stats(
     pc: *const marconi_pooled_cache,
@@ -1291,6 +1308,7 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
 /// # Safety
 ///
 /// As marconi_cache_check.
+#[deprecated(note = "use marconi_cache_check (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_check(
     pc: *const marconi_pooled_cache,

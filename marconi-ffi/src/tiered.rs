@@ -1084,6 +1084,9 @@ fn as_cache(t: *const marconi_tiered) -> *const marconi_cache {
 /// # Safety
 ///
 /// `cfg` is NULL or points to `struct_size` writable bytes.
+#[deprecated(
+    note = "use marconi_tier_options_init and marconi_cache_config.tiers (removed in the next release)"
+)]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_config_init(
     cfg: *mut marconi_tiered_config,
@@ -1106,6 +1109,9 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
 /// `cfg` is NULL or initialised by marconi_tiered_config_init, its
 /// `device` NULL or initialised by marconi_cache_config_init; `out` is
 /// writable or NULL.
+#[deprecated(
+    note = "use marconi_cache_new with marconi_cache_config.tiers (removed in the next release)"
+)]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_new(
     cfg: *const marconi_tiered_config,
@@ -1143,6 +1149,7 @@ pub unsafe extern "C" fn marconi_tiered_new(
 /// # Safety
 ///
 /// `t` is NULL or a handle from marconi_tiered_new.
+#[deprecated(note = "use marconi_cache_free (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
     // SAFETY: forwarded caller contract.
@@ -1154,6 +1161,7 @@ pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
 /// # Safety
 ///
 /// As marconi_cache_lookup_tiered.
+#[deprecated(note = "use marconi_cache_lookup_tiered (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lookup(
     tiered: *const marconi_tiered,
@@ -1185,6 +1193,7 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
 /// # Safety
 ///
 /// As marconi_cache_lease_loads.
+#[deprecated(note = "use marconi_cache_lease_loads (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_loads(
     tiered: *const marconi_tiered,
@@ -1203,6 +1212,7 @@ pub unsafe extern "C" fn marconi_tiered_lease_loads(
 /// # Safety
 ///
 /// As marconi_cache_lease_plan.
+#[deprecated(note = "use marconi_cache_lease_plan (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_plan(
     tiered: *const marconi_tiered,
@@ -1221,6 +1231,7 @@ pub unsafe extern "C" fn marconi_tiered_lease_plan(
 /// # Safety
 ///
 /// As marconi_cache_lease_kv_pages.
+#[deprecated(note = "use marconi_cache_lease_kv_pages (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
     tiered: *const marconi_tiered,
@@ -1240,6 +1251,7 @@ pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
 /// # Safety
 ///
 /// As marconi_cache_admit.
+#[deprecated(note = "use marconi_cache_admit (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_admit(
     tiered: *const marconi_tiered,
@@ -1275,6 +1287,7 @@ pub unsafe extern "C" fn marconi_tiered_admit(
 /// # Safety
 ///
 /// As marconi_cache_release.
+#[deprecated(note = "use marconi_cache_release (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_release(
     tiered: *const marconi_tiered,
@@ -1289,6 +1302,7 @@ pub unsafe extern "C" fn marconi_tiered_release(
 /// # Safety
 ///
 /// As marconi_cache_report_load_failure.
+#[deprecated(note = "use marconi_cache_report_load_failure (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_report_load_failure(
     tiered: *const marconi_tiered,
@@ -1303,6 +1317,7 @@ pub unsafe extern "C" fn marconi_tiered_report_load_failure(
 /// # Safety
 ///
 /// As marconi_cache_settle.
+#[deprecated(note = "use marconi_cache_settle (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) -> marconi_status {
     // SAFETY: forwarded caller contract.
@@ -1314,6 +1329,7 @@ pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) ->
 /// # Safety
 ///
 /// As marconi_cache_drain_ops.
+#[deprecated(note = "use marconi_cache_drain_ops (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_drain_ops(
     tiered: *const marconi_tiered,
@@ -1343,6 +1359,7 @@ pub unsafe extern "C" fn marconi_tiered_drain_ops(
 /// # Safety
 ///
 /// As marconi_cache_drain_freed.
+#[deprecated(note = "use marconi_cache_drain_freed (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_drain_freed(
     tiered: *const marconi_tiered,
@@ -1372,6 +1389,7 @@ pub unsafe extern "C" fn marconi_tiered_drain_freed(
 /// # Safety
 ///
 /// As marconi_cache_tier_stats.
+#[deprecated(note = "use marconi_cache_tier_stats (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_get_stats(
     tiered: *const marconi_tiered,
@@ -1386,6 +1404,7 @@ pub unsafe extern "C" fn marconi_tiered_get_stats(
 /// # Safety
 ///
 /// As marconi_cache_check.
+#[deprecated(note = "use marconi_cache_check (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_check(tiered: *const marconi_tiered) -> marconi_status {
     // SAFETY: forwarded caller contract.

@@ -3,6 +3,10 @@
 //! (plain cache and cache over pools), planning far beyond the budget,
 //! model paths that are not regular files, impossible models, and a drain
 //! with nothing a subscriber sees.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::ffi::CString;
 use std::mem::size_of;

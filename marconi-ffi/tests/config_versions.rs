@@ -3,6 +3,10 @@
 //! (its own, smaller size) and `..._new` reads it. Nothing past the
 //! caller's struct is written; a size below the first version's is
 //! refused by both.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::mem::{offset_of, size_of};
 use std::ptr;

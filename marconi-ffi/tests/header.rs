@@ -59,7 +59,9 @@ fn status_all_macro() -> String {
 fn generate() -> String {
     let mut config =
         cbindgen::Config::from_file(crate_dir().join("cbindgen.toml")).expect("cbindgen.toml");
-    config.after_includes = Some(version_macros() + &status_all_macro());
+    // cbindgen.toml's own after_includes (the deprecation macro) first.
+    let own = config.after_includes.take().unwrap_or_default();
+    config.after_includes = Some(version_macros() + &status_all_macro() + "\n" + &own);
     let bindings = cbindgen::Builder::new()
         .with_config(config)
         .with_src(crate_dir().join("src/lib.rs"))
@@ -108,7 +110,11 @@ fn header_documents_every_function() {
             && !line.starts_with([' ', '/', '#', '*']);
         if prototype {
             functions += 1;
-            let above = lines[..i].iter().rev().find(|l| !l.trim().is_empty());
+            // The doc comment stands above the prototype and its attribute.
+            let above = lines[..i]
+                .iter()
+                .rev()
+                .find(|l| !l.trim().is_empty() && !l.starts_with("MARCONI_DEPRECATED("));
             assert!(
                 above.is_some_and(|l| l.trim_end().ends_with("*/")),
                 "no doc comment above line {}: {line}",

@@ -6,6 +6,10 @@
 //!
 //! The writer runs in a child process: this test binary started again with
 //! MARCONI_NS_WRITER set, running only `namespaces_writer_child`.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::process::Command;
 use std::ptr;

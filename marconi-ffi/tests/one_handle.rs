@@ -4,6 +4,10 @@
 //! replayed from the tier ops; the device view of marconi_cache_lookup on
 //! such a cache; every tier call refused on a cache configured without
 //! tiers; a configuration struct of the previous version still accepted.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::mem::{offset_of, size_of};

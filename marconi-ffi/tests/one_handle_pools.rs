@@ -6,6 +6,10 @@
 //! over pools, naming the call to use; pools with tiers refused; the
 //! deprecated marconi_pooled_cache_* forwarders still working on either
 //! handle; a freed cache over pools refused without being read.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::collections::BTreeSet;
 use std::mem::size_of;

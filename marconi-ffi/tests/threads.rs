@@ -1,6 +1,10 @@
 //! Several engine threads share one cache handle through the C ABI; the
 //! request cycle keeps its invariants and every id handed over comes back
 //! at most once.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::collections::HashSet;
 use std::ptr;

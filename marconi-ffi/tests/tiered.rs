@@ -4,6 +4,10 @@
 //! sharing a store as two engine processes do: the second resumes from
 //! what the first wrote, a corrupt object or a store that is down gives
 //! misses, counted.
+#![expect(
+    deprecated,
+    reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
+)]
 
 use std::collections::BTreeMap;
 use std::mem::{size_of, MaybeUninit};

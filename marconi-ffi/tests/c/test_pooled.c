@@ -522,6 +522,8 @@ static void test_wrong_configuration(void) {
   check_and_free(c);
 }
 
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 /* The deprecated marconi_pooled_cache_* forwarders (one release more): the
  * same cycle, and the handle is a marconi_cache. */
 static void test_deprecated_forwarders(void) {
@@ -567,6 +569,7 @@ static void test_deprecated_forwarders(void) {
   OK(marconi_cache_check(one));
   marconi_cache_free(one);
 }
+#pragma GCC diagnostic pop
 
 int main(void) {
   test_plan();

@@ -339,6 +339,33 @@ pub struct marconi_admit_result {
     pub rejected: bool,
 }
 
+impl marconi_admit_result {
+    /// The result of an admission with outcome `o`: `states_taken` of the
+    /// offered states kept and `slots_returned` left to the caller; the
+    /// taken page range only when a page list was given (`pages`).
+    pub(crate) fn of(
+        o: &marconi_core::AdmitOutcome,
+        states_taken: u32,
+        slots_returned: u32,
+        pages: bool,
+    ) -> Self {
+        let taken = if pages {
+            o.kv_pages_taken.clone()
+        } else {
+            0..0
+        };
+        Self {
+            states_taken,
+            slots_returned,
+            kv_pages_taken_start: taken.start,
+            kv_pages_taken_end: taken.end,
+            new_kv_tokens: o.new_kv_tokens,
+            truncated_to: o.truncated_to.unwrap_or(0),
+            rejected: o.rejected.is_some(),
+        }
+    }
+}
+
 /// Counters and gauges of a cache. Versioned by size: set struct_size to
 /// sizeof(marconi_stats) before calling marconi_cache_stats; the library
 /// writes only that many bytes.
@@ -1292,24 +1319,13 @@ unsafe fn admit(
             *flag = u8::from(o.states_taken.contains(&s.position));
         }
     }
-    let res = marconi_admit_result {
-        states_taken: o.states_taken.len() as u32,
-        slots_returned: o.slots_returned.len() as u32,
-        // Without a page list there is nothing to index.
-        kv_pages_taken_start: if kv_pages.is_empty() {
-            0
-        } else {
-            o.kv_pages_taken.start
-        },
-        kv_pages_taken_end: if kv_pages.is_empty() {
-            0
-        } else {
-            o.kv_pages_taken.end
-        },
-        new_kv_tokens: o.new_kv_tokens,
-        truncated_to: o.truncated_to.unwrap_or(0),
-        rejected: o.rejected.is_some(),
-    };
+    // Without a page list there is nothing to index.
+    let res = marconi_admit_result::of(
+        &o,
+        o.states_taken.len() as u32,
+        o.slots_returned.len() as u32,
+        !kv_pages.is_empty(),
+    );
     // SAFETY: out is non-NULL and aligned (checked) and writable.
     unsafe { out.write(res) };
     Ok(())

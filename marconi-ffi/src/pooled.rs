@@ -537,15 +537,8 @@ pub unsafe extern "C" fn marconi_cache_admit_pooled(
             );
         }
         let states_taken = taken.iter().filter(|&&t| t == 1).count() as u32;
-        let res = marconi_admit_result {
-            states_taken,
-            slots_returned: states.len() as u32 - states_taken,
-            kv_pages_taken_start: o.kv_pages_taken.start,
-            kv_pages_taken_end: o.kv_pages_taken.end,
-            new_kv_tokens: o.new_kv_tokens,
-            truncated_to: o.truncated_to.unwrap_or(0),
-            rejected: o.rejected.is_some(),
-        };
+        let res =
+            marconi_admit_result::of(o, states_taken, states.len() as u32 - states_taken, true);
         // SAFETY: out checked, writable.
         unsafe { out.write(res) };
         Ok(())

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::sync::{PoisonError, RwLock};
 
-use crate::status::{marconi_status, FfiError, FfiResult};
+use crate::status::{check_pointer, marconi_status, FfiError, FfiResult};
 
 /// The kind of a live handle, as the registry records it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,18 +108,7 @@ pub(crate) unsafe fn publish<H: Handle>(value: H, out: *mut *mut H) {
 /// None beyond the caller not freeing the handle while the borrow lives
 /// (the calls' contract: no call runs concurrently with a free).
 pub(crate) unsafe fn borrow<'a, H: Handle>(ptr: *const H, what: &str) -> FfiResult<&'a H> {
-    if ptr.is_null() {
-        return Err(FfiError::new(
-            marconi_status::NullArgument,
-            format!("{what} is NULL"),
-        ));
-    }
-    if !ptr.is_aligned() {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!("{what} is not aligned for its type"),
-        ));
-    }
+    check_pointer(ptr, what)?;
     let found = shard(ptr as usize)
         .read()
         .unwrap_or_else(PoisonError::into_inner)

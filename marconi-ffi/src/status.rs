@@ -399,6 +399,25 @@ macro_rules! check_ptr {
 }
 pub(crate) use check_ptr;
 
+/// A required pointer argument (`what` names it): NULL is
+/// MARCONI_STATUS_NULL_ARGUMENT, a pointer not aligned for `T`
+/// MARCONI_STATUS_INVALID_ARGUMENT. Reads nothing behind it.
+pub(crate) fn check_pointer<T>(ptr: *const T, what: &str) -> FfiResult {
+    if ptr.is_null() {
+        return Err(FfiError::new(
+            marconi_status::NullArgument,
+            format!("{what} is NULL"),
+        ));
+    }
+    if !ptr.is_aligned() {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("{what} is not aligned for its type"),
+        ));
+    }
+    Ok(())
+}
+
 /// The slice `ptr[..len]` after the checks: NULL is allowed only with
 /// `len == 0`, the pointer must be aligned, and `len` elements must fit in
 /// `isize::MAX` bytes.
@@ -564,18 +583,7 @@ pub(crate) unsafe fn init_struct<T: Versioned>(
     value: T,
     what: &str,
 ) -> FfiResult<()> {
-    if p.is_null() {
-        return Err(FfiError::new(
-            marconi_status::NullArgument,
-            format!("{what} is NULL"),
-        ));
-    }
-    if !p.is_aligned() {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!("{what} is not aligned for its type"),
-        ));
-    }
+    check_pointer(p, what)?;
     if struct_size < T::FIRST || struct_size > u32::MAX as usize {
         return Err(FfiError::new(
             marconi_status::UnsupportedStructSize,

@@ -225,7 +225,8 @@ class PrefixCache(_Handle):
     tiers: a marconi.Tiers (or a dict of its fields): lower tiers below the
     cache (lookup_tiered and the other tier methods). pools: a marconi.Pools
     (or a dict of its fields): the cache lives in the library's pools
-    (capacity_bytes is then ignored: the pools' budget is the capacity) and
+    (capacity_bytes may then be left out, and is ignored: the pools' budget
+    is the capacity) and
     runs the request cycle over unit handles with lookup_pooled, reserve,
     copy_states, admit_pooled, free_units, release and drain_freed_units;
     lookup, admit, drain_freed and evict, over ids the engine owns, raise
@@ -246,7 +247,7 @@ class PrefixCache(_Handle):
 
     def __init__(
         self,
-        capacity_bytes: int,
+        capacity_bytes: Optional[int] = None,
         model: Union[str, dict] = "paper-7b",
         *,
         page_size: int = 1,
@@ -302,6 +303,10 @@ class PrefixCache(_Handle):
                 raise ValueError(f"{name}: expected one of {sorted(known)}, got {value!r}")
         if tuner_adoption not in ADOPTION:
             raise ValueError(f"tuner_adoption: expected one of {sorted(ADOPTION)}, got {tuner_adoption!r}")
+        if capacity_bytes is None:
+            if pools is None:
+                raise TypeError("capacity_bytes is required unless pools= is given (the pools' budget is then the capacity)")
+            capacity_bytes = 0
         cfg.capacity_bytes = _u64(capacity_bytes, "capacity_bytes")
         cfg.page_size = page_size = _u32(page_size, "page_size")
         cfg.checkpoint_grid = _u32(checkpoint_grid, "checkpoint_grid")

@@ -268,6 +268,16 @@ def test_the_events_over_pools_are_those_over_engine_ids():
     assert batches[:3] == batches[3:]
 
 
+def test_a_cache_over_pools_needs_no_capacity():
+    """The pools' budget is the capacity: capacity_bytes may be left out
+    with pools=, and is required without them."""
+    with marconi.PrefixCache(model="nemotron-h-8b", page_size=16, pools=marconi.Pools(1 << 30, backend="none")) as pc:
+        assert pc.has_pools
+        assert pc.stats()["capacity_bytes"] == pc.pool_stats()["budget_bytes"] > 0
+    with pytest.raises(TypeError, match="capacity_bytes is required unless pools="):
+        marconi.PrefixCache(model="nemotron-h-8b")
+
+
 def test_bad_pools_are_refused():
     with pytest.raises(TypeError, match="pools"):
         marconi.PrefixCache(0, "nemotron-h-8b", pools=42)

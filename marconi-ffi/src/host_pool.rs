@@ -11,7 +11,8 @@ use marconi_gpu::VirtualHandle;
 
 use crate::handle::{borrow, handle_kind, publish, release};
 use crate::pool::{
-    alloc_err, kind_of, kind_value, marconi_pool, marconi_unit_location, with_memfd,
+    alloc_count, alloc_err, at_handle, kind_of, kind_value, marconi_pool, marconi_unit_location,
+    with_memfd,
 };
 use crate::status::{
     boundary, boundary_or, check_ptr, in_slice, init_struct, marconi_status, out_slice,
@@ -264,21 +265,9 @@ pub unsafe extern "C" fn marconi_host_pool_allocate(
         // SAFETY: buffer contract of the header.
         let out = unsafe { out_slice(out, cap, "out") }?;
         let kind = kind_of(kind)?;
-        if out.len() < n {
-            return Err(FfiError::new(
-                marconi_status::BufferTooSmall,
-                format!("out holds {} handles, {n} asked for", out.len()),
-            ));
-        }
-        let n32 = u32::try_from(n).map_err(|_| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                format!("n {n} is more units than a pool can hold"),
-            )
-        })?;
-        if n32 == 0 {
+        let Some(n32) = alloc_count(n, out.len())? else {
             return Ok(());
-        }
+        };
         let mut got = Vec::with_capacity(n);
         p.lock()?.allocate(kind, n32, &mut got).map_err(alloc_err)?;
         for (o, h) in out.iter_mut().zip(&got) {
@@ -314,10 +303,9 @@ pub unsafe extern "C" fn marconi_host_pool_free_units(
             .iter()
             .map(|&r| VirtualHandle::from_raw(r))
             .collect();
-        p.lock()?.free(&hs).map_err(|(i, e)| {
-            let e = alloc_err(e);
-            FfiError::new(e.status, format!("handles[{i}]: {}", e.detail))
-        })
+        p.lock()?
+            .free(&hs)
+            .map_err(|(i, e)| at_handle(i, alloc_err(e)))
     })
 }
 
@@ -360,10 +348,7 @@ pub unsafe extern "C" fn marconi_host_pool_resolve(
         let mut locs = Vec::with_capacity(n);
         for (i, &raw) in handles.iter().enumerate() {
             let h = VirtualHandle::from_raw(raw);
-            let named = |e| {
-                let e = alloc_err(e);
-                FfiError::new(e.status, format!("handles[{i}]: {}", e.detail))
-            };
+            let named = |e| at_handle(i, alloc_err(e));
             let loc = g.resolve(h).map_err(named)?;
             let address = g.address(h).map_err(named)?;
             locs.push(marconi_unit_location {

@@ -347,6 +347,30 @@ pub(crate) fn alloc_err(e: AllocError) -> FfiError {
     FfiError::new(status, e.to_string())
 }
 
+/// The error of `handles[i]`: its status, the detail prefixed with the index.
+pub(crate) fn at_handle(i: usize, e: FfiError) -> FfiError {
+    FfiError::new(e.status, format!("handles[{i}]: {}", e.detail))
+}
+
+/// The count of an allocation of `n` units into a buffer of `cap`:
+/// MARCONI_STATUS_BUFFER_TOO_SMALL when it does not hold them,
+/// MARCONI_STATUS_INVALID_ARGUMENT past u32; None for 0 (nothing to do).
+pub(crate) fn alloc_count(n: usize, cap: usize) -> FfiResult<Option<u32>> {
+    if cap < n {
+        return Err(FfiError::new(
+            marconi_status::BufferTooSmall,
+            format!("out holds {cap} handles, {n} asked for"),
+        ));
+    }
+    let n32 = u32::try_from(n).map_err(|_| {
+        FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("n {n} is more units than a pool can hold"),
+        )
+    })?;
+    Ok((n32 > 0).then_some(n32))
+}
+
 fn snap_err(e: SnapshotError) -> FfiError {
     FfiError::new(marconi_status::InvalidArgument, e.to_string())
 }
@@ -891,21 +915,9 @@ pub unsafe extern "C" fn marconi_pool_allocate(
         // SAFETY: buffer contract of the header.
         let out = unsafe { out_slice(out, cap, "out") }?;
         let kind = kind_of(kind)?;
-        if out.len() < n {
-            return Err(FfiError::new(
-                marconi_status::BufferTooSmall,
-                format!("out holds {} handles, {n} asked for", out.len()),
-            ));
-        }
-        let n32 = u32::try_from(n).map_err(|_| {
-            FfiError::new(
-                marconi_status::InvalidArgument,
-                format!("n {n} is more units than a pool can hold"),
-            )
-        })?;
-        if n32 == 0 {
+        let Some(n32) = alloc_count(n, out.len())? else {
             return Ok(());
-        }
+        };
         let mut g = p.lock()?;
         let mut got = Vec::with_capacity(n);
         // Migrate only when one migration makes room for all n units: a
@@ -971,10 +983,7 @@ pub unsafe extern "C" fn marconi_pool_free_units(
             g.backing
                 .alloc()
                 .resolve(VirtualHandle::from_raw(raw))
-                .map_err(|e| {
-                    let e = alloc_err(e);
-                    FfiError::new(e.status, format!("handles[{i}]: {}", e.detail))
-                })?;
+                .map_err(|e| at_handle(i, alloc_err(e)))?;
         }
         let a = g.backing.alloc_mut();
         for &raw in handles {
@@ -1023,8 +1032,7 @@ pub unsafe extern "C" fn marconi_pool_resolve(
         let a = g.backing.alloc();
         let mut locs = Vec::with_capacity(n);
         for (i, &raw) in handles.iter().enumerate() {
-            let loc = location(a, raw, &|k, off| g.address(k, off))
-                .map_err(|e| FfiError::new(e.status, format!("handles[{i}]: {}", e.detail)))?;
+            let loc = location(a, raw, &|k, off| g.address(k, off)).map_err(|e| at_handle(i, e))?;
             locs.push(loc);
         }
         out[..n].copy_from_slice(&locs);

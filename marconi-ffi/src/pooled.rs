@@ -23,7 +23,7 @@ use crate::cache::{
 };
 use crate::config::marconi_cache_config;
 use crate::pool::{
-    alloc_err, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
+    alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
 use crate::status::{
@@ -723,10 +723,7 @@ fn resolve_all(
     handles
         .iter()
         .enumerate()
-        .map(|(i, &raw)| {
-            location(a, raw, &address)
-                .map_err(|e| FfiError::new(e.status, format!("handles[{i}]: {}", e.detail)))
-        })
+        .map(|(i, &raw)| location(a, raw, &address).map_err(|e| at_handle(i, e)))
         .collect()
 }
 

@@ -54,8 +54,12 @@ use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
+
+use common::{init, last_error};
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
 use rng::Rng;
@@ -245,13 +249,6 @@ static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
 /// Of those, requests served through the one cache handle with tiers.
 static ONE_HANDLE_REQUESTS: AtomicU64 = AtomicU64::new(0);
 
-fn last_error() -> String {
-    let mut buf = [0u8; 512];
-    // SAFETY: buf has 512 writable bytes.
-    let n = unsafe { marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(511)]).into_owned()
-}
-
 /// The arrays of one marconi_cache_admit call as (pointer, length) pairs
 /// (the fuzzer passes pointers and lengths that disagree on purpose), and
 /// the taken flags (NULL: not asked for).
@@ -324,22 +321,12 @@ impl AdmitArgs {
 /// value past the last valid one, the field).
 type EnumField<C> = (&'static str, u32, fn(&mut C) -> &mut u32);
 
-/// A struct as its `*_init` call fills it at its full size.
-fn init_struct<T>(init: unsafe extern "C" fn(*mut T, usize) -> St) -> T {
-    let mut v = std::mem::MaybeUninit::<T>::uninit();
-    // SAFETY: v has sizeof(T) writable bytes.
-    let st = unsafe { init(v.as_mut_ptr(), size_of::<T>()) };
-    assert_eq!(st, St::Ok);
-    // SAFETY: the init call succeeded: every field is set.
-    unsafe { v.assume_init() }
-}
-
 fn default_config() -> marconi_cache_config {
-    init_struct(marconi_cache_config_init)
+    init(marconi_cache_config_init)
 }
 
 fn pool_config() -> marconi_pool_config {
-    init_struct(marconi_pool_config_init)
+    init(marconi_pool_config_init)
 }
 
 fn pool_free_units(p: *const marconi_pool) -> (u64, u64) {

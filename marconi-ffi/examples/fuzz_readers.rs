@@ -55,8 +55,12 @@ use marconi::status::marconi_status as St;
 use marconi_core::ModelSpec;
 use serde_json::Value;
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
+
+use common::last_error;
 use rng::Rng;
 
 // ---------------------------------------------------------------- rng ----
@@ -537,13 +541,6 @@ struct Fuzz {
     dir: PathBuf,
     /// Specs the readers accepted, for the plans.
     accepted: Vec<marconi_model_spec>,
-}
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; 1024];
-    // SAFETY: buf has 1024 writable bytes.
-    let n = unsafe { marconi::marconi_last_error(buf.as_mut_ptr().cast(), buf.len()) };
-    String::from_utf8_lossy(&buf[..n.min(1023)]).into_owned()
 }
 
 fn to_core(m: &marconi_model_spec) -> ModelSpec {

@@ -9,8 +9,8 @@ use marconi_core::{
 };
 
 use crate::status::{
-    boundary, check_ptr, in_slice, init_struct, marconi_status, require, versioned, FfiError,
-    FfiResult,
+    boundary, check_ptr, in_slice, init_struct, init_struct_as, marconi_status, require, versioned,
+    FfiError, FfiResult,
 };
 
 /// Which recurrent states the cache asks for and accepts
@@ -645,7 +645,7 @@ pub unsafe extern "C" fn marconi_cache_config_init(
     boundary("marconi_cache_config_init", || {
         check_ptr!(cfg);
         // SAFETY: forwarded contract (cfg has struct_size writable bytes).
-        unsafe { init_struct(cfg, struct_size, marconi_cache_config::defaults(), "cfg") }
+        unsafe { init_struct(cfg, struct_size, "cfg") }
     })
 }
 
@@ -718,7 +718,7 @@ pub unsafe extern "C" fn marconi_cache_config_preset(
             ));
         }
         // SAFETY: forwarded contract (cfg has struct_size writable bytes).
-        unsafe { init_struct(cfg, struct_size, d, "cfg") }
+        unsafe { init_struct_as(cfg, struct_size, d, "cfg") }
     })
 }
 

@@ -210,7 +210,7 @@ pub unsafe extern "C" fn marconi_events_config_init(
 ) -> marconi_status {
     // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
     boundary("marconi_events_config_init", || unsafe {
-        init_struct(cfg, struct_size, marconi_events_config::defaults(), "cfg")
+        init_struct(cfg, struct_size, "cfg")
     })
 }
 

@@ -169,12 +169,7 @@ pub unsafe extern "C" fn marconi_host_pool_config_init(
 ) -> marconi_status {
     // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
     boundary("marconi_host_pool_config_init", || unsafe {
-        init_struct(
-            cfg,
-            struct_size,
-            marconi_host_pool_config::defaults(),
-            "cfg",
-        )
+        init_struct(cfg, struct_size, "cfg")
     })
 }
 

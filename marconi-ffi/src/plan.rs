@@ -135,7 +135,7 @@ pub unsafe extern "C" fn marconi_plan_request_init(
 ) -> marconi_status {
     // SAFETY: req is NULL or has struct_size writable bytes (contract).
     boundary("marconi_plan_request_init", || unsafe {
-        init_struct(req, struct_size, marconi_plan_request::defaults(), "req")
+        init_struct(req, struct_size, "req")
     })
 }
 

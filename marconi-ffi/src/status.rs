@@ -384,17 +384,7 @@ pub(crate) use require;
 /// pointer before dereferencing it.
 macro_rules! check_ptr {
     ($ptr:ident) => {
-        if $ptr.is_null() {
-            return Err($crate::status::FfiError::new(
-                $crate::status::marconi_status::NullArgument,
-                concat!(stringify!($ptr), " is NULL"),
-            ));
-        } else if !$ptr.is_aligned() {
-            return Err($crate::status::FfiError::new(
-                $crate::status::marconi_status::InvalidArgument,
-                concat!(stringify!($ptr), " is not aligned for its type"),
-            ));
-        }
+        $crate::status::check_pointer($ptr, stringify!($ptr))?
     };
 }
 pub(crate) use check_ptr;
@@ -510,27 +500,6 @@ pub(crate) unsafe fn write_versioned<T: Copy>(value: &T, out: *mut T, size: usiz
     }
 }
 
-/// Writes a versioned config struct's defaults `value` into a caller's
-/// struct of `size` bytes: its first `size` bytes when the caller's
-/// (older) struct is shorter than ours; else our fields, then zeros past
-/// them ("not set" for a caller compiled against a newer, longer version).
-///
-/// # Safety
-///
-/// `out` is non-NULL and has `size` writable bytes.
-unsafe fn write_config_init<T: Copy>(value: &T, out: *mut T, size: usize) {
-    let ours = std::mem::size_of::<T>();
-    let n = size.min(ours);
-    // SAFETY: `out` has `size` writable bytes (caller contract), n <= size
-    // and n <= ours; a local value and the caller's memory do not overlap.
-    unsafe {
-        std::ptr::copy_nonoverlapping(std::ptr::from_ref(value).cast::<u8>(), out.cast::<u8>(), n);
-        if size > ours {
-            std::ptr::write_bytes(out.cast::<u8>().add(ours), 0, size - ours);
-        }
-    }
-}
-
 /// A versioned input struct of the ABI (configs, options, requests):
 /// plain data that starts with its u32 struct_size and whose versions only
 /// append fields. [`init_struct`] is the body of its `marconi_<x>_init`,
@@ -566,7 +535,7 @@ macro_rules! versioned {
 }
 pub(crate) use versioned;
 
-/// Fills the caller's `*p` of `struct_size` bytes with `value` and sets
+/// Fills the caller's `*p` of `struct_size` bytes with [`Versioned::initial`] and sets
 /// its struct_size, so that a caller compiled against any released header
 /// can initialise the struct it has: an older (shorter) struct gets its
 /// first `struct_size` bytes, a newer (longer) one our fields and zeros
@@ -578,6 +547,21 @@ pub(crate) use versioned;
 ///
 /// `p` is NULL or points to `struct_size` writable bytes.
 pub(crate) unsafe fn init_struct<T: Versioned>(
+    p: *mut T,
+    struct_size: usize,
+    what: &str,
+) -> FfiResult<()> {
+    // SAFETY: forwarded contract.
+    unsafe { init_struct_as(p, struct_size, T::initial(), what) }
+}
+
+/// [`init_struct`] with `value` instead of [`Versioned::initial`] (a
+/// preset).
+///
+/// # Safety
+///
+/// As [`init_struct`].
+pub(crate) unsafe fn init_struct_as<T: Versioned>(
     p: *mut T,
     struct_size: usize,
     value: T,
@@ -602,9 +586,18 @@ pub(crate) unsafe fn init_struct<T: Versioned>(
             .cast::<u32>()
             .write(struct_size as u32)
     };
+    let ours = std::mem::size_of::<T>();
+    let n = struct_size.min(ours);
     // SAFETY: p is non-NULL and aligned (checked) with struct_size writable
-    // bytes (contract).
-    unsafe { write_config_init(&d, p, struct_size) };
+    // bytes (contract), n <= struct_size and n <= ours; a local value and
+    // the caller's memory do not overlap. A newer caller's bytes past ours
+    // are zeroed ("not set").
+    unsafe {
+        std::ptr::copy_nonoverlapping(std::ptr::from_ref(&d).cast::<u8>(), p.cast::<u8>(), n);
+        if struct_size > ours {
+            std::ptr::write_bytes(p.cast::<u8>().add(ours), 0, struct_size - ours);
+        }
+    }
     Ok(())
 }
 
@@ -616,46 +609,8 @@ pub(crate) unsafe fn init_struct<T: Versioned>(
 ///
 /// `p` is non-NULL, aligned, and points to its struct_size readable bytes.
 pub(crate) unsafe fn read_struct<T: Versioned>(p: *const T) -> FfiResult<T> {
-    // SAFETY: forwarded; T is plain data starting with its size (trait).
-    unsafe { read_versioned(p, T::FIRST, T::initial(), T::NAME) }
-}
-
-/// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
-/// `cap - 1` bytes (nothing is written when `cap` is 0 or `buf` is NULL), and
-/// returns the full length of `text` without the NUL, as `snprintf` does.
-///
-/// # Safety
-///
-/// When `buf` is not NULL it must point to `cap` writable bytes.
-pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) -> usize {
-    if !buf.is_null() && cap > 0 {
-        let n = text.len().min(cap - 1);
-        // SAFETY: buf has `cap` writable bytes (caller contract) and n + 1 <= cap;
-        // text and buf cannot overlap (text is Rust-owned).
-        unsafe {
-            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buf, n);
-            buf.add(n).write(0);
-        }
-    }
-    text.len()
-}
-
-/// Reads a caller's versioned struct of type `T` whose first field is its
-/// u32 struct_size: smaller than `min` is refused, larger is accepted only
-/// when the bytes past ours are zero, an older (smaller) one is read over
-/// `defaults`.
-///
-/// # Safety
-///
-/// `p` is non-NULL, aligned, and points to struct_size readable bytes; `T`
-/// is plain data (any bit pattern of its fields is valid).
-unsafe fn read_versioned<T: Copy>(
-    p: *const T,
-    min: usize,
-    defaults: T,
-    what: &str,
-) -> FfiResult<T> {
-    // SAFETY: p is non-NULL and aligned and starts with its u32 size.
+    let (min, what) = (T::FIRST, T::NAME);
+    // SAFETY: p is non-NULL and aligned and starts with its u32 size (trait).
     let size = unsafe { p.cast::<u32>().read() } as usize;
     let ours = std::mem::size_of::<T>();
     if size < min {
@@ -676,9 +631,9 @@ unsafe fn read_versioned<T: Copy>(
         // SAFETY: size > ours, so a whole current struct is readable.
         return Ok(unsafe { p.read() });
     }
-    let mut out = defaults;
+    let mut out = T::initial();
     // SAFETY: the caller's struct has `size` <= ours readable bytes; out has
-    // ours writable ones; plain data.
+    // ours writable ones; plain data (trait).
     unsafe {
         std::ptr::copy_nonoverlapping(
             p.cast::<u8>(),
@@ -687,6 +642,26 @@ unsafe fn read_versioned<T: Copy>(
         );
     }
     Ok(out)
+}
+
+/// Copies `text` into `buf[..cap]` as a NUL-terminated string, truncated to
+/// `cap - 1` bytes (nothing is written when `cap` is 0 or `buf` is NULL), and
+/// returns the full length of `text` without the NUL, as `snprintf` does.
+///
+/// # Safety
+///
+/// When `buf` is not NULL it must point to `cap` writable bytes.
+pub(crate) unsafe fn write_c_string(text: &str, buf: *mut c_char, cap: usize) -> usize {
+    if !buf.is_null() && cap > 0 {
+        let n = text.len().min(cap - 1);
+        // SAFETY: buf has `cap` writable bytes (caller contract) and n + 1 <= cap;
+        // text and buf cannot overlap (text is Rust-owned).
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buf, n);
+            buf.add(n).write(0);
+        }
+    }
+    text.len()
 }
 
 /// Copies `list` into `buf` and writes its length to `*out_len`, or, when

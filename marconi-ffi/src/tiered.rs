@@ -399,7 +399,7 @@ pub unsafe extern "C" fn marconi_tier_options_init(
 ) -> marconi_status {
     // SAFETY: opts is NULL or has struct_size writable bytes (contract).
     boundary("marconi_tier_options_init", || unsafe {
-        init_struct(opts, struct_size, marconi_tier_options::defaults(), "opts")
+        init_struct(opts, struct_size, "opts")
     })
 }
 
@@ -1094,7 +1094,7 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
 ) -> marconi_status {
     // SAFETY: cfg is NULL or has struct_size writable bytes (contract).
     boundary("marconi_tiered_config_init", || unsafe {
-        init_struct(cfg, struct_size, marconi_tiered_config::defaults(), "cfg")
+        init_struct(cfg, struct_size, "cfg")
     })
 }
 

@@ -31,7 +31,7 @@ use crate::cache::PrefixCache;
 use crate::config::CacheConfig;
 use crate::error::CacheError;
 use crate::events::CacheEvent;
-use crate::eviction::Freed;
+use crate::eviction::{Freed, UnitBudget, UnitKind, UnitUse};
 use crate::lookup::{Lookup, LookupOptions, Peek};
 use crate::tree::NodeId;
 
@@ -988,6 +988,24 @@ impl TieredCache {
             self.settle()?;
         }
         Ok(free)
+    }
+
+    /// Sets the device's unit budget ([`PrefixCache::set_unit_budget`]):
+    /// for a memory manager whose units are the device's capacity (a cache
+    /// over pools). Refused as there when what is cached does not fit.
+    pub fn set_device_unit_budget(&mut self, budget: Option<UnitBudget>) -> Result<(), CacheError> {
+        self.device.set_unit_budget(budget)
+    }
+
+    /// Evicts the device's lowest-utility candidate
+    /// ([`PrefixCache::evict_lowest`]) and moves it into the lower tiers as
+    /// [`evict`](Self::evict) does. `None` when there is no candidate.
+    pub fn evict_lowest(&mut self, kind: Option<UnitKind>) -> Result<Option<UnitUse>, CacheError> {
+        let freed = self.device.evict_lowest(kind);
+        if freed.is_some() && !self.cfg.defer_moves {
+            self.settle()?;
+        }
+        Ok(freed)
     }
 
     /// Drains the device's decision records ([`PrefixCache::drain_log`]);

@@ -72,8 +72,9 @@
 use std::collections::{HashMap, HashSet};
 
 use marconi_core::{
-    AdmitOutcome, CacheConfig, CacheError, LeaseId, Lookup, ModelSpec, PrefixCache, SavedState,
-    Stats, UnitBudget, UnitKind, UnitUse,
+    AdmitOutcome, CacheConfig, CacheError, Freed, LeaseId, Lookup, ModelSpec, PrefixCache,
+    SavedState, Stats, Tier, TierConfig, TierOp, TieredCache, TieredLookup, UnitBudget, UnitKind,
+    UnitUse, WriteMode,
 };
 use serde::Serialize;
 
@@ -243,7 +244,7 @@ pub struct PooledState {
 }
 
 /// What [`PooledCache::lookup`] found, with handles.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PooledLookup {
     /// Core's lookup (ids are the handles' unit indices).
     pub lookup: Lookup,
@@ -251,8 +252,14 @@ pub struct PooledLookup {
     /// caller, valid while the lease is held).
     pub kv_pages: Vec<VirtualHandle>,
     /// The cache's state slot to resume from (copy it into a slot of the
-    /// request's own), when there is a hit.
+    /// request's own), when there is a device hit.
     pub state_slot: Option<VirtualHandle>,
+    /// With lower tiers ([`PooledCache::with_tiers`]): the lookup of every
+    /// tier. Its `hit_tokens` may pass the device's (a host or store hit):
+    /// the engine then carries out its `loads` into units it reserved, and
+    /// its `plan` (not the device's) says which states to save. `None`
+    /// without tiers.
+    pub tiered: Option<TieredLookup>,
 }
 
 /// Units reserved for a request: the caller's until admitted or freed.
@@ -311,7 +318,7 @@ pub struct PooledStats {
 /// invariants.
 #[derive(Debug)]
 pub struct PooledCache<A: PoolAllocator> {
-    cache: PrefixCache,
+    cache: Device,
     pool: A,
     page_size: u32,
     /// Raw handles the cache holds.
@@ -329,6 +336,56 @@ pub struct PooledCache<A: PoolAllocator> {
     stats: PooledStats,
 }
 
+/// The cache deciding over the pools: the device cache alone, or with
+/// lower tiers (its lookups kept per lease: admit and release need them).
+enum Device {
+    Plain(PrefixCache),
+    Tiered(Box<TieredCache>, HashMap<LeaseId, TieredLookup>),
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Plain(c) => f.debug_tuple("Plain").field(c).finish(),
+            Device::Tiered(t, l) => f
+                .debug_struct("Tiered")
+                .field("device", t.device())
+                .field("leases", &l.len())
+                .finish(),
+        }
+    }
+}
+
+impl Device {
+    fn get(&self) -> &PrefixCache {
+        match self {
+            Device::Plain(c) => c,
+            Device::Tiered(t, _) => t.device(),
+        }
+    }
+
+    fn set_unit_budget(&mut self, b: UnitBudget) -> Result<(), CacheError> {
+        match self {
+            Device::Plain(c) => c.set_unit_budget(Some(b)),
+            Device::Tiered(t, _) => t.set_device_unit_budget(Some(b)),
+        }
+    }
+
+    fn evict_lowest(&mut self, kind: Option<UnitKind>) -> Result<Option<UnitUse>, CacheError> {
+        match self {
+            Device::Plain(c) => Ok(c.evict_lowest(kind)),
+            Device::Tiered(t, _) => t.evict_lowest(kind),
+        }
+    }
+
+    fn drain_freed(&mut self) -> Freed {
+        match self {
+            Device::Plain(c) => c.drain_freed(),
+            Device::Tiered(t, _) => t.drain_freed(),
+        }
+    }
+}
+
 impl<A: PoolAllocator> PooledCache<A> {
     /// A cache built from `cfg` over `pool`. `cfg.capacity_bytes` is
     /// replaced by the pools' total bytes (the pools are the capacity).
@@ -336,7 +393,48 @@ impl<A: PoolAllocator> PooledCache<A> {
     /// page (`page_size` × KV bytes per token) or a state, or when the model
     /// has no recurrent layers (a cache over two pools needs both kinds), or
     /// when the pools hold live units already.
-    pub fn new(mut cfg: CacheConfig, pool: A) -> Result<Self, PooledError> {
+    pub fn new(cfg: CacheConfig, pool: A) -> Result<Self, PooledError> {
+        Self::build(cfg, None, pool)
+    }
+
+    /// [`new`](Self::new) with lower tiers below the pools
+    /// ([`TieredCache`]; `tiers.host` and `tiers.store` keep their own
+    /// byte capacities). The tiers are written through
+    /// ([`WriteMode::Through`]): a chain goes down when it is admitted,
+    /// so the units an eviction frees hold nothing still to copy and go
+    /// back to their pool at once. (Written back, an eviction's copy would
+    /// read units the same [`reserve`](Self::reserve) hands out again.) A
+    /// host `Write` of [`drain_tier_ops`](Self::drain_tier_ops) after an
+    /// [`admit`](Self::admit) copies a chain of that admission: the state
+    /// in the slot given for its position, the KV in the first
+    /// `ceil(position / page_size)` pages given; the engine carries it out
+    /// before it frees or reuses those units.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), and [`PooledError::InvalidConfig`] for
+    /// write-back tiers or [`TierConfig::defer_moves`] (the moves are made
+    /// at admission).
+    pub fn with_tiers(cfg: CacheConfig, tiers: TierConfig, pool: A) -> Result<Self, PooledError> {
+        if tiers.host.is_some() && tiers.write != WriteMode::Through {
+            return Err(PooledError::InvalidConfig(
+                "tiers below pools are written through (WriteMode::Through): written back, an \
+                 eviction's copy would read units the same reservation hands out"
+                    .into(),
+            ));
+        }
+        if tiers.defer_moves {
+            return Err(PooledError::InvalidConfig(
+                "tiers below pools move at admission: defer_moves is not supported".into(),
+            ));
+        }
+        Self::build(cfg, Some(tiers), pool)
+    }
+
+    fn build(
+        mut cfg: CacheConfig,
+        tiers: Option<TierConfig>,
+        pool: A,
+    ) -> Result<Self, PooledError> {
         let (kv, state) = unit_sizes(&cfg.model, cfg.page_size);
         if state == 0 {
             return Err(PooledError::InvalidConfig(
@@ -360,7 +458,10 @@ impl<A: PoolAllocator> PooledCache<A> {
         }
         cfg.capacity_bytes = pool.total_bytes().max(1);
         let page_size = cfg.page_size;
-        let cache = PrefixCache::new(cfg)?;
+        let cache = match tiers {
+            None => Device::Plain(PrefixCache::new(cfg)?),
+            Some(t) => Device::Tiered(Box::new(TieredCache::new(cfg, t)?), HashMap::new()),
+        };
         let mut me = PooledCache {
             cache,
             pool,
@@ -376,9 +477,56 @@ impl<A: PoolAllocator> PooledCache<A> {
         Ok(me)
     }
 
-    /// The cache (its statistics, configuration, invariants).
+    /// The cache (its statistics, configuration, invariants); with tiers,
+    /// the device's.
     pub fn cache(&self) -> &PrefixCache {
-        &self.cache
+        self.cache.get()
+    }
+
+    /// The tiers, when built [`with_tiers`](Self::with_tiers) (read only:
+    /// their counters, capacities and lower caches).
+    pub fn tiers(&self) -> Option<&TieredCache> {
+        match &self.cache {
+            Device::Plain(_) => None,
+            Device::Tiered(t, _) => Some(t),
+        }
+    }
+
+    /// The tiered lookup of an outstanding `lease` (its loads, tier and
+    /// plan), with tiers.
+    pub fn tiered_lookup(&self, lease: LeaseId) -> Option<&TieredLookup> {
+        match &self.cache {
+            Device::Plain(_) => None,
+            Device::Tiered(_, l) => l.get(&lease),
+        }
+    }
+
+    /// Records the tiers' writes and drops for
+    /// [`drain_tier_ops`](Self::drain_tier_ops) ([`TieredCache::record_ops`]);
+    /// a no-op without tiers.
+    pub fn record_tier_ops(&mut self, on: bool) {
+        if let Device::Tiered(t, _) = &mut self.cache {
+            t.record_ops(on);
+        }
+    }
+
+    /// The tiers' writes and drops since the last call, in order (empty
+    /// without tiers or unless recorded). See [`with_tiers`](Self::with_tiers)
+    /// for what a host write reads.
+    pub fn drain_tier_ops(&mut self) -> Vec<TierOp> {
+        match &mut self.cache {
+            Device::Plain(_) => Vec::new(),
+            Device::Tiered(t, _) => t.drain_ops(),
+        }
+    }
+
+    /// Runs what the tiers left waiting ([`TieredCache::settle`]); a no-op
+    /// without tiers.
+    pub fn settle(&mut self) -> Result<(), PooledError> {
+        if let Device::Tiered(t, _) = &mut self.cache {
+            t.settle()?;
+        }
+        self.collect_evicted()
     }
 
     /// The allocator (resolve handles, read capacities and counters).
@@ -396,32 +544,49 @@ impl<A: PoolAllocator> PooledCache<A> {
 
     /// Core's counters.
     pub fn cache_stats(&self) -> Stats {
-        self.cache.stats()
+        self.cache.get().stats()
     }
 
     /// Core's decision records since the last call (empty unless
     /// `CacheConfig::decision_log` is set); draining them changes no unit.
     pub fn drain_log(&mut self) -> Vec<marconi_core::Decision> {
-        self.cache.drain_log()
+        match &mut self.cache {
+            Device::Plain(c) => c.drain_log(),
+            Device::Tiered(t, _) => t.drain_device_log(),
+        }
     }
 
     /// Turns the cache's event stream on (see
     /// [`PrefixCache::enable_events`]): the next drain starts with the
     /// current content. Events speak of tokens only, never of units, so a
     /// subscriber sees the same stream as over ids an engine owns.
-    pub fn enable_events(&mut self) {
-        self.cache.enable_events();
+    ///
+    /// # Errors
+    /// With tiers, an error of the moves it runs first
+    /// ([`TieredCache::enable_device_events`]).
+    pub fn enable_events(&mut self) -> Result<(), PooledError> {
+        match &mut self.cache {
+            Device::Plain(c) => c.enable_events(),
+            Device::Tiered(t, _) => t.enable_device_events()?,
+        }
+        Ok(())
     }
 
     /// Turns the event stream off and drops the pending events.
     pub fn disable_events(&mut self) {
-        self.cache.disable_events();
+        match &mut self.cache {
+            Device::Plain(c) => c.disable_events(),
+            Device::Tiered(t, _) => t.disable_device_events(),
+        }
     }
 
     /// The events since the last drain (empty while the stream is off);
     /// draining them changes no unit.
     pub fn drain_events(&mut self) -> Vec<marconi_core::CacheEvent> {
-        self.cache.drain_events()
+        match &mut self.cache {
+            Device::Plain(c) => c.drain_events(),
+            Device::Tiered(t, _) => t.drain_device_events(),
+        }
     }
 
     /// The joined system's counters.
@@ -467,7 +632,7 @@ impl<A: PoolAllocator> PooledCache<A> {
 
     fn update_budget(&mut self) -> Result<(), PooledError> {
         let b = self.budget();
-        self.cache.set_unit_budget(Some(b))?;
+        self.cache.set_unit_budget(b)?;
         Ok(())
     }
 
@@ -511,10 +676,13 @@ impl<A: PoolAllocator> PooledCache<A> {
         input: &[u32],
         checkpoints: &[u32],
     ) -> Result<PooledLookup, PooledError> {
-        let lookup = if checkpoints.is_empty() {
-            self.cache.lookup(ns, input)?
-        } else {
-            self.cache.lookup_hinted(ns, input, checkpoints)?
+        let (lookup, tiered) = match &mut self.cache {
+            Device::Plain(c) if checkpoints.is_empty() => (c.lookup(ns, input)?, None),
+            Device::Plain(c) => (c.lookup_hinted(ns, input, checkpoints)?, None),
+            Device::Tiered(t, _) => {
+                let tl = t.lookup_hinted(ns, input, checkpoints)?;
+                (tl.device.clone(), Some(tl))
+            }
         };
         let pages: Result<Vec<VirtualHandle>, PooledError> = lookup
             .kv_pages
@@ -528,29 +696,49 @@ impl<A: PoolAllocator> PooledCache<A> {
         let (kv_pages, state_slot) = match (pages, slot) {
             (Ok(p), Ok(s)) => (p, s),
             (Err(e), _) | (_, Err(e)) => {
-                self.cache.release(lookup.lease)?;
+                match (&mut self.cache, &tiered) {
+                    (Device::Tiered(t, _), Some(tl)) => t.release(tl)?,
+                    (c, _) => release_plain(c, lookup.lease)?,
+                }
                 return Err(e);
             }
         };
         self.lease_pages
             .insert(lookup.lease, kv_pages.iter().map(|h| h.raw()).collect());
+        if let (Device::Tiered(_, leases), Some(tl)) = (&mut self.cache, &tiered) {
+            leases.insert(lookup.lease, tl.clone());
+        }
         Ok(PooledLookup {
             kv_pages,
             state_slot,
             lookup,
+            tiered,
         })
     }
 
     /// The checkpoints planned for `lease`.
+    /// With tiers, the tiered lookup's plan.
     pub fn plan(&self, lease: LeaseId) -> Result<&[u32], PooledError> {
-        Ok(self.cache.plan(lease)?)
+        match &self.cache {
+            Device::Plain(c) => Ok(c.plan(lease)?),
+            Device::Tiered(_, l) => l
+                .get(&lease)
+                .map(|t| t.plan.as_slice())
+                .ok_or_else(|| CacheError::UnknownLease(lease).into()),
+        }
     }
 
     /// Releases `lease`.
     pub fn release(&mut self, lease: LeaseId) -> Result<(), PooledError> {
-        self.cache.release(lease)?;
+        match &mut self.cache {
+            Device::Plain(c) => c.release(lease)?,
+            Device::Tiered(t, l) => {
+                let tl = l.remove(&lease).ok_or(CacheError::UnknownLease(lease))?;
+                t.release(&tl)?;
+            }
+        }
         self.lease_pages.remove(&lease);
-        Ok(())
+        self.collect_evicted()
     }
 
     /// Reserves `kv_pages` pages and `state_slots` slots for a request,
@@ -650,7 +838,7 @@ impl<A: PoolAllocator> PooledCache<A> {
                 Some(kind_of(k))
             };
             // The cache may fill its budget only: the caller's units count.
-            let Some(freed) = self.cache.evict_lowest(filter) else {
+            let Some(freed) = self.cache.evict_lowest(filter)? else {
                 let free = self.pool.free_units(k);
                 return Err(PooledError::OutOfMemory {
                     pool: k,
@@ -815,7 +1003,7 @@ impl<A: PoolAllocator> PooledCache<A> {
                 units: units + offered[0] + offered[1],
             },
         };
-        self.cache.set_unit_budget(Some(during))?;
+        self.cache.set_unit_budget(during)?;
         let raw_pages: Vec<u32> = kv_pages.iter().map(|&h| self.pool.unit_index(h)).collect();
         let saved: Vec<SavedState> = states
             .iter()
@@ -824,7 +1012,14 @@ impl<A: PoolAllocator> PooledCache<A> {
                 slot: Some(self.pool.unit_index(s.slot)),
             })
             .collect();
-        let outcome = match self.cache.admit(lease, tokens, &saved, &raw_pages) {
+        let admitted = match &mut self.cache {
+            Device::Plain(c) => c.admit(lease, tokens, &saved, &raw_pages),
+            Device::Tiered(t, l) => match l.get(&lease) {
+                Some(tl) => t.admit(tl, tokens, &saved, &raw_pages),
+                None => Err(CacheError::UnknownLease(lease)),
+            },
+        };
+        let outcome = match admitted {
             Ok(o) => o,
             Err(e) => {
                 self.update_budget()?;
@@ -886,16 +1081,23 @@ impl<A: PoolAllocator> PooledCache<A> {
             return Err(CacheError::PrefixMismatch { input_len }.into());
         }
         let l = self.lookup(ns, &full[..input_len])?;
-        let hit = l.lookup.hit_tokens;
         let page = self.page_size as usize;
         let full_pages = full.len() / page;
-        let hit_pages = hit as usize / page;
-        let positions: Vec<u32> = self
-            .cache
-            .states_to_save(&l.lookup, full.len())
-            .iter()
-            .map(|s| s.position)
-            .collect();
+        // A lower tier's hit is loaded (here: nothing to copy) into pages
+        // reserved past the device's.
+        let hit_pages = l.kv_pages.len();
+        let mut saves = self.cache.get().states_to_save(&l.lookup, full.len());
+        let hit = match &l.tiered {
+            None => l.lookup.hit_tokens,
+            Some(t) => {
+                saves.retain(|s| {
+                    s.position > t.hit_tokens
+                        || (s.position == t.hit_tokens && t.tier != Tier::Device)
+                });
+                t.hit_tokens
+            }
+        };
+        let positions: Vec<u32> = saves.iter().map(|s| s.position).collect();
         let need_pages = u32::try_from(full_pages - hit_pages).unwrap_or(u32::MAX);
         let need_slots = u32::try_from(positions.len()).unwrap_or(u32::MAX);
         let r = match self.reserve(need_pages, need_slots) {
@@ -944,7 +1146,13 @@ impl<A: PoolAllocator> PooledCache<A> {
     /// invariants), after core's own [`PrefixCache::check_invariants`].
     /// O(units + nodes); for tests and debugging.
     pub fn check_invariants(&self) {
-        self.cache.check_invariants();
+        match &self.cache {
+            Device::Plain(c) => c.check_invariants(),
+            Device::Tiered(t, l) => {
+                t.check_invariants();
+                assert_eq!(l.len(), self.lease_pages.len(), "tiered leases");
+            }
+        }
         let mut held = [0u64; 2];
         for &r in &self.held {
             let h = VirtualHandle::from_raw(r);
@@ -955,7 +1163,7 @@ impl<A: PoolAllocator> PooledCache<A> {
             assert!(!self.callers.contains(&r), "{r:#018x} held twice");
             held[h.pool().index()] += 1;
         }
-        let used = self.cache.used_units();
+        let used = self.cache.get().used_units();
         assert_eq!(
             UnitUse {
                 pages: held[0],
@@ -989,9 +1197,17 @@ impl<A: PoolAllocator> PooledCache<A> {
             }
         }
         assert_eq!(
-            self.cache.unit_budget(),
+            self.cache.get().unit_budget(),
             Some(self.budget()),
             "core's unit budget"
         );
+    }
+}
+
+fn release_plain(c: &mut Device, lease: LeaseId) -> Result<(), CacheError> {
+    match c {
+        Device::Plain(c) => c.release(lease),
+        // Only reached with a tiered lookup in hand (released by it).
+        Device::Tiered(..) => Err(CacheError::UnknownLease(lease)),
     }
 }

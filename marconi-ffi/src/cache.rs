@@ -16,7 +16,7 @@ use crate::status::{
     boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct,
     require, write_versioned, FfiError, FfiResult,
 };
-use crate::tiered::Tiers;
+use crate::tiered::{TierSide, Tiers};
 
 /// The slot id meaning "no slot": in marconi_lookup.state_slot (the hit has
 /// no engine slot, or there is no hit), in marconi_saved_state.slot (the
@@ -153,14 +153,22 @@ impl Inner {
     pub(crate) fn tiers(&mut self, what: &str) -> FfiResult<&mut Tiers> {
         match &mut self.core {
             Core::Tiered(t) => Ok(t),
-            Core::Plain(_) => Err(no_tiers(what)),
-            Core::Pooled(_) => Err(FfiError::new(
-                marconi_status::Unsupported,
-                format!(
-                    "{what} needs lower tiers, and this cache lives in pools \
-                     (marconi_cache_config.pools): pools and tiers cannot be combined yet"
-                ),
+            Core::Pooled(p) if p.has_tiers() => Err(pooled_instead(
+                what,
+                "marconi_cache_lookup_pooled (its lease's loads: marconi_cache_lease_loads)",
             )),
+            _ => Err(no_tiers(what)),
+        }
+    }
+
+    /// The tiers of a cache over ids the engine owns or over pools, or
+    /// MARCONI_STATUS_UNSUPPORTED naming `what` on a cache without them.
+    pub(crate) fn tier_side(&mut self, what: &str) -> FfiResult<TierSide<'_>> {
+        let Inner { core, leases, .. } = self;
+        match core {
+            Core::Tiered(t) => Ok(TierSide::Own(t)),
+            Core::Pooled(p) if p.has_tiers() => Ok(TierSide::Pooled(p, leases)),
+            _ => Err(no_tiers(what)),
         }
     }
 
@@ -478,7 +486,7 @@ impl marconi_cache {
         match &mut g.core {
             Core::Plain(c) => c.enable_events(),
             Core::Tiered(t) => t.cache.enable_device_events()?,
-            Core::Pooled(p) => p.set_events(true),
+            Core::Pooled(p) => p.enable_events()?,
         }
         // Moves run to turn them on may have freed ids.
         g.collect_freed();
@@ -491,7 +499,7 @@ impl marconi_cache {
         match &mut g.core {
             Core::Plain(c) => c.disable_events(),
             Core::Tiered(t) => t.cache.disable_device_events(),
-            Core::Pooled(p) => p.set_events(false),
+            Core::Pooled(p) => p.disable_events(),
         }
         Ok(())
     }
@@ -573,9 +581,9 @@ pub unsafe extern "C" fn marconi_cache_new(
     })
 }
 
-/// The core a configuration asks for: over pools (`c.pools`), with lower
-/// tiers (`c.tiers`), or plain; both pools and tiers is
-/// MARCONI_STATUS_UNSUPPORTED.
+/// The core a configuration asks for: over pools (`c.pools`, with lower
+/// tiers below them when `c.tiers` is set too), with lower tiers over ids
+/// the engine owns (`c.tiers`), or plain.
 ///
 /// # Safety
 ///
@@ -583,13 +591,6 @@ pub unsafe extern "C" fn marconi_cache_new(
 /// marconi_cache_config.
 pub(crate) unsafe fn build_core(c: marconi_cache_config) -> FfiResult<Core> {
     let (tiers, pools) = (c.tiers, c.pools);
-    if !pools.is_null() && !tiers.is_null() {
-        return Err(FfiError::new(
-            marconi_status::Unsupported,
-            "pools and tiers cannot be combined yet: set marconi_cache_config.pools or \
-             marconi_cache_config.tiers, not both",
-        ));
-    }
     let mut c = c;
     if !pools.is_null() && c.capacity_bytes == 0 {
         // Ignored with pools (their budget is the capacity), but core
@@ -603,7 +604,15 @@ pub(crate) unsafe fn build_core(c: marconi_cache_config) -> FfiResult<Core> {
         // SAFETY: non-NULL and aligned (checked); initialised by
         // marconi_pool_config_init (contract).
         let p = unsafe { read_struct(pools) }?;
-        Core::Pooled(Box::new(crate::pooled::build(core_cfg, &p)?))
+        let t = if tiers.is_null() {
+            None
+        } else {
+            check_ptr!(tiers);
+            // SAFETY: non-NULL and aligned (checked); initialised by
+            // marconi_tier_options_init (contract).
+            Some(unsafe { read_struct(tiers) }?)
+        };
+        Core::Pooled(Box::new(crate::pooled::build(core_cfg, &p, t.as_ref())?))
     } else if tiers.is_null() {
         Core::Plain(PrefixCache::new(core_cfg)?)
     } else {

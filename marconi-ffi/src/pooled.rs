@@ -10,7 +10,10 @@
 
 use std::collections::HashMap;
 
-use marconi_core::{CacheConfig, CacheError, Decision, PrefixCache, Stats};
+use marconi_core::{
+    CacheConfig, CacheError, Decision, PrefixCache, Stats, Tier, TierConfig, TieredCache,
+    TieredLookup,
+};
 use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory};
 use marconi_gpu::pooled::{unit_sizes, PooledCache, PooledError, PooledState, PooledStats};
 use marconi_gpu::snapshot::SlotPair;
@@ -26,6 +29,7 @@ use crate::pool::{
     alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
+use crate::tiered::{marconi_tier_options, tier_config, TierBook};
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct, require,
     write_versioned, FfiError, FfiResult,
@@ -71,6 +75,9 @@ pub(crate) struct Pools {
     backend: marconi_pool_backend,
     /// Evicted handles not yet drained by the engine.
     freed: Vec<u64>,
+    /// With lower tiers (marconi_cache_config.tiers): what the tier calls
+    /// keep.
+    tiers: Option<TierBook>,
 }
 
 impl Pools {
@@ -84,13 +91,17 @@ impl Pools {
         with!(&mut self.joined, c => c.drain_log())
     }
 
-    /// Turns the event stream on, or off (`on` false).
-    pub(crate) fn set_events(&mut self, on: bool) {
-        if on {
-            with!(&mut self.joined, c => c.enable_events());
-        } else {
-            with!(&mut self.joined, c => c.disable_events());
-        }
+    /// Turns the event stream on.
+    pub(crate) fn enable_events(&mut self) -> FfiResult {
+        let r = with!(&mut self.joined, c => c.enable_events()).map_err(pooled_err);
+        // With tiers, turning them on runs the moves left waiting.
+        self.collect_tier_ops();
+        r
+    }
+
+    /// Turns the event stream off.
+    pub(crate) fn disable_events(&mut self) {
+        with!(&mut self.joined, c => c.disable_events());
     }
 
     /// The events since the last drain.
@@ -114,6 +125,41 @@ impl Pools {
     /// Checks the joined invariants (panics on a violation, as core's).
     pub(crate) fn check_invariants(&self) {
         with!(&self.joined, c => c.check_invariants());
+    }
+
+    /// Whether lower tiers were configured.
+    pub(crate) fn has_tiers(&self) -> bool {
+        self.tiers.is_some()
+    }
+
+    /// The tier calls' book; only called with tiers (`TierSide::Pooled`).
+    pub(crate) fn tier_book(&mut self) -> &mut TierBook {
+        self.tiers.get_or_insert_with(TierBook::default)
+    }
+
+    /// The tiers; only called with tiers (`TierSide::Pooled`).
+    pub(crate) fn tiers(&self) -> &TieredCache {
+        with!(&self.joined, c => c.tiers()).expect("a cache over pools with a tier book has tiers")
+    }
+
+    /// The tiered lookup of core lease `core`.
+    pub(crate) fn tiered_lookup(&self, core: u64) -> Option<&TieredLookup> {
+        with!(&self.joined, c => c.tiered_lookup(core))
+    }
+
+    /// Runs what the tiers left waiting; the ops it decides go to the book.
+    pub(crate) fn settle(&mut self) -> FfiResult {
+        let r = with!(&mut self.joined, c => c.settle()).map_err(pooled_err);
+        self.collect_tier_ops();
+        r
+    }
+
+    /// Moves the tiers' ops into the book.
+    pub(crate) fn collect_tier_ops(&mut self) {
+        let ops = with!(&mut self.joined, c => c.drain_tier_ops());
+        if let Some(b) = self.tiers.as_mut() {
+            b.ops.extend(ops);
+        }
     }
 }
 
@@ -141,8 +187,15 @@ pub(crate) fn pooled_err(e: PooledError) -> FfiError {
     }
 }
 
-/// The core over pools of `p` for the policy and model of `core`.
-pub(crate) fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Pools> {
+/// The core over pools of `p` for the policy and model of `core`, with the
+/// lower tiers of `tiers` below them when given (written through:
+/// MARCONI_STATUS_INVALID_CONFIG for MARCONI_TIER_WRITE_BACK or
+/// defer_moves, see PooledCache::with_tiers).
+pub(crate) fn build(
+    core: CacheConfig,
+    p: &marconi_pool_config,
+    tiers: Option<&marconi_tier_options>,
+) -> FfiResult<Pools> {
     let (kv_need, state_need) = unit_sizes(&core.model, core.page_size);
     let mut p = *p;
     if p.kv_page_bytes == 0 {
@@ -158,20 +211,37 @@ pub(crate) fn build(core: CacheConfig, p: &marconi_pool_config) -> FfiResult<Poo
              create the cache without marconi_cache_config.pools",
         ));
     }
+    let tiers = tiers.map(|t| tier_config(&core, t)).transpose()?;
     let (backend, backing) = chunked_dual_pool(&p, true)?;
-    let joined = match backing {
-        Backing::Plain(d) => Joined::Plain(PooledCache::new(core, d).map_err(pooled_err)?),
-        Backing::Memfd(b) => Joined::Memfd(PooledCache::new(core, b).map_err(pooled_err)?),
-        #[cfg(feature = "cuda")]
-        Backing::Cuda(b, copier) => {
-            Joined::Cuda(PooledCache::new(core, b).map_err(pooled_err)?, copier)
+    fn joined<A: PoolAllocator>(
+        core: CacheConfig,
+        tiers: Option<TierConfig>,
+        pool: A,
+    ) -> FfiResult<PooledCache<A>> {
+        let mut c = match tiers {
+            None => PooledCache::new(core, pool),
+            Some(t) => PooledCache::with_tiers(core, t, pool),
         }
+        .map_err(pooled_err)?;
+        c.record_tier_ops(true);
+        Ok(c)
+    }
+    let (tcfg, book) = match tiers {
+        Some((t, b)) => (Some(t), Some(b)),
+        None => (None, None),
+    };
+    let joined = match backing {
+        Backing::Plain(d) => Joined::Plain(joined(core, tcfg, d)?),
+        Backing::Memfd(b) => Joined::Memfd(joined(core, tcfg, b)?),
+        #[cfg(feature = "cuda")]
+        Backing::Cuda(b, copier) => Joined::Cuda(joined(core, tcfg, b)?, copier),
     };
     Ok(Pools {
         joined,
         leases: HashMap::new(),
         backend,
         freed: Vec::new(),
+        tiers: book,
     })
 }
 
@@ -323,19 +393,26 @@ unsafe fn pooled_lookup(
     let id = new_lease_id()?;
     let l = with!(&mut p.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
     let core = l.lookup.lease;
+    // With tiers: the hit of every tier, its plan; a lower tier's hit
+    // resumes from the state its loads bring, not from a device slot.
+    let (hit_tokens, plan, state_slot) = match l.tiered {
+        Some(t) if t.tier != Tier::Device => (t.hit_tokens, t.plan, None),
+        Some(t) => (t.hit_tokens, t.plan, l.state_slot),
+        None => (l.lookup.hit_tokens, l.lookup.plan, l.state_slot),
+    };
     let res = marconi_pooled_lookup {
         lease: id,
-        hit_tokens: l.lookup.hit_tokens,
+        hit_tokens,
         kv_matched_tokens: l.lookup.kv_matched_tokens,
-        state_handle: l.state_slot.map_or(0, VirtualHandle::raw),
+        state_handle: state_slot.map_or(0, VirtualHandle::raw),
         n_kv_pages: l.kv_pages.len() as u32,
-        n_plan: l.lookup.plan.len() as u32,
+        n_plan: plan.len() as u32,
     };
     p.leases.insert(
         id,
         PoolLease {
             pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
-            plan: l.lookup.plan,
+            plan,
         },
     );
     g.issue_lease(id, Lease { core, pages: None });

@@ -22,6 +22,7 @@ use crate::cache::{
     TokenSource, MARCONI_NO_SLOT,
 };
 use crate::config::{marconi_cache_config, to_core_config};
+use crate::pooled::Pools;
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, init_struct, marconi_status, out_slice, read_struct,
     require, versioned, write_versioned, FfiError, FfiResult,
@@ -403,12 +404,19 @@ pub unsafe extern "C" fn marconi_tier_options_init(
     })
 }
 
-/// The tiered part of a cache with lower tiers.
+/// The tiered part of a cache with lower tiers over ids the engine owns.
 pub(crate) struct Tiers {
     pub(crate) cache: TieredCache,
     /// The tiered lookup of each outstanding lease, by C id (its device
     /// lookup's page list moved to the cache's lease).
     pub(crate) leases: HashMap<u64, TieredLookup>,
+    pub(crate) book: TierBook,
+}
+
+/// What the C calls keep beside the tiers, on either core with tiers
+/// (over ids the engine owns, or over pools).
+#[derive(Default)]
+pub(crate) struct TierBook {
     /// Ops drained from the core, not yet delivered.
     pub(crate) ops: Vec<TierOp>,
     max_probe: usize,
@@ -416,6 +424,55 @@ pub(crate) struct Tiers {
     store_probes: u64,
     store_probe_failures: u64,
     load_failures: u64,
+}
+
+/// The tiers of a cache, whichever its memory: the tier calls' one view.
+pub(crate) enum TierSide<'a> {
+    /// Over ids the engine owns.
+    Own(&'a mut Tiers),
+    /// Over pools, with the cache's C leases (to find the core lease).
+    Pooled(&'a mut Pools, &'a HashMap<u64, Lease>),
+}
+
+impl TierSide<'_> {
+    pub(crate) fn book(&mut self) -> &mut TierBook {
+        match self {
+            TierSide::Own(t) => &mut t.book,
+            TierSide::Pooled(p, _) => p.tier_book(),
+        }
+    }
+
+    /// The tiered cache (read only: its counters and capacities).
+    pub(crate) fn cache(&self) -> &TieredCache {
+        match self {
+            TierSide::Own(t) => &t.cache,
+            TierSide::Pooled(p, _) => p.tiers(),
+        }
+    }
+
+    /// The tiered lookup of C lease `lease`, if outstanding.
+    pub(crate) fn lookup(&self, lease: u64) -> Option<&TieredLookup> {
+        match self {
+            TierSide::Own(t) => t.leases.get(&lease),
+            TierSide::Pooled(p, leases) => p.tiered_lookup(leases.get(&lease)?.core),
+        }
+    }
+
+    /// Runs what the tiers left waiting.
+    pub(crate) fn settle(&mut self) -> FfiResult {
+        match self {
+            TierSide::Own(t) => Ok(t.cache.settle()?),
+            TierSide::Pooled(p, _) => p.settle(),
+        }
+    }
+
+    /// Moves the core's ops into the book (over pools: the ids the engine
+    /// owns are collected with them by `Inner::collect_freed`).
+    pub(crate) fn collect_ops(&mut self) {
+        if let TierSide::Pooled(p, _) = self {
+            p.collect_tier_ops();
+        }
+    }
 }
 
 // The tiered arms of the marconi_cache_* calls, out of line and cold: the
@@ -487,7 +544,7 @@ impl Tiers {
     #[inline(never)]
     pub(crate) fn drain_freed(&mut self) -> Freed {
         let ops = self.cache.drain_ops();
-        self.ops.extend(ops);
+        self.book.ops.extend(ops);
         self.cache.drain_freed()
     }
 }
@@ -499,6 +556,23 @@ impl Tiers {
 /// write_mode, a flag other than 0 or 1, max_store_probe 0 or reserved not
 /// 0.
 pub(crate) fn build_tiers(dev: CacheConfig, c: &marconi_tier_options) -> FfiResult<Tiers> {
+    let (t, book) = tier_config(&dev, c)?;
+    let mut cache = TieredCache::new(dev, t)?;
+    cache.record_ops(true);
+    Ok(Tiers {
+        cache,
+        leases: HashMap::new(),
+        book,
+    })
+}
+
+/// The core's tier configuration of `c` for a device configured by `dev`,
+/// with the book the C calls keep; errors as [`build_tiers`] (the core
+/// checks the tiers against the device when it builds them).
+pub(crate) fn tier_config(
+    dev: &CacheConfig,
+    c: &marconi_tier_options,
+) -> FfiResult<(TierConfig, TierBook)> {
     let write = match c.write_mode {
         0 => WriteMode::Back,
         1 => WriteMode::Through,
@@ -532,18 +606,17 @@ pub(crate) fn build_tiers(dev: CacheConfig, c: &marconi_tier_options) -> FfiResu
     t.defer_moves = flag(c.defer_moves, "defer_moves")?;
     t.exclusive = flag(c.exclusive, "exclusive")?;
     let states_hold_kv = flag(c.store_states_hold_kv, "store_states_hold_kv")?;
-    let mut cache = TieredCache::new(dev, t)?;
-    cache.record_ops(true);
-    Ok(Tiers {
-        cache,
-        leases: HashMap::new(),
-        ops: Vec::new(),
-        max_probe: c.max_store_probe as usize,
-        states_hold_kv,
-        store_probes: 0,
-        store_probe_failures: 0,
-        load_failures: 0,
-    })
+    Ok((
+        t,
+        TierBook {
+            ops: Vec::new(),
+            max_probe: c.max_store_probe as usize,
+            states_hold_kv,
+            store_probes: 0,
+            store_probe_failures: 0,
+            load_failures: 0,
+        },
+    ))
 }
 
 fn bad_config(s: impl Into<String>) -> FfiError {
@@ -697,11 +770,11 @@ unsafe fn lookup_tiered(
         let t = g.tiers(what)?;
         let p = if !store.is_null() && t.cache.tier(Tier::Store).is_some() {
             let (TokenSource::U32(_, n) | TokenSource::I64(_, n)) = tokens;
-            t.cache.store_probe_positions(n, t.max_probe)
+            t.cache.store_probe_positions(n, t.book.max_probe)
         } else {
             Vec::new()
         };
-        (p, t.states_hold_kv)
+        (p, t.book.states_hold_kv)
     };
     // SAFETY: buffer contract of the header.
     let tokens = unsafe { tokens.read("tokens") }?;
@@ -727,8 +800,8 @@ unsafe fn lookup_tiered(
     let g = &mut *g;
     let t = g.tiers(what)?;
     if let Some((_, failed)) = &probe {
-        t.store_probes += 1;
-        t.store_probe_failures += u64::from(*failed);
+        t.book.store_probes += 1;
+        t.book.store_probe_failures += u64::from(*failed);
     }
     let p = probe.as_ref().map(|(p, _)| p);
     let mut l = t.cache.lookup_opts(ns, tokens, hints, p, opts, false)?;
@@ -793,11 +866,11 @@ pub unsafe extern "C" fn marconi_cache_lease_loads(
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
-        let t = g.tiers("marconi_cache_lease_loads")?;
+        let t = g.tier_side("marconi_cache_lease_loads")?;
         // SAFETY: buffer contract of the header.
         let buf = unsafe { out_slice(buf, cap, "buf") }?;
         check_ptr!(out_len);
-        let l = t.leases.get(&lease).ok_or_else(|| unknown_lease(lease))?;
+        let l = t.lookup(lease).ok_or_else(|| unknown_lease(lease))?;
         let list: Vec<marconi_load_order> = l
             .loads
             .iter()
@@ -846,11 +919,11 @@ pub unsafe extern "C" fn marconi_cache_report_load_failure(
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
-        let t = g.tiers("marconi_cache_report_load_failure")?;
-        if !t.leases.contains_key(&lease) {
+        let mut t = g.tier_side("marconi_cache_report_load_failure")?;
+        if t.lookup(lease).is_none() {
             return Err(unknown_lease(lease));
         }
-        t.load_failures += 1;
+        t.book().load_failures += 1;
         Ok(())
     })
 }
@@ -868,10 +941,10 @@ pub unsafe extern "C" fn marconi_cache_settle(cache: *const marconi_cache) -> ma
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
-        let r = g.tiers("marconi_cache_settle")?.cache.settle();
+        let r = g.tier_side("marconi_cache_settle")?.settle();
         g.collect_freed();
         g.collect_log();
-        r.map_err(FfiError::from)
+        r
     })
 }
 
@@ -918,7 +991,7 @@ pub unsafe extern "C" fn marconi_cache_drain_ops(
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
-        g.tiers("marconi_cache_drain_ops")?;
+        g.tier_side("marconi_cache_drain_ops")?;
         // SAFETY: buffer contracts of the header.
         let ops = unsafe { out_slice(ops, ops_cap, "ops") }?;
         // SAFETY: as above.
@@ -926,7 +999,9 @@ pub unsafe extern "C" fn marconi_cache_drain_ops(
         check_ptr!(n_ops);
         check_ptr!(n_tokens);
         g.collect_freed();
-        let t = g.tiers("marconi_cache_drain_ops")?;
+        let mut side = g.tier_side("marconi_cache_drain_ops")?;
+        side.collect_ops();
+        let t = side.book();
         let need_ops = t.ops.len();
         let need_tokens: usize = t.ops.iter().map(|o| op_parts(o).3.len()).sum();
         // SAFETY: n_ops and n_tokens are non-NULL, aligned and writable.
@@ -1018,7 +1093,7 @@ pub unsafe extern "C" fn marconi_cache_tier_stats(
         // SAFETY: the caller passes a live handle or NULL.
         let h = unsafe { handle(cache) }?;
         let mut g = h.lock()?;
-        let t = g.tiers("marconi_cache_tier_stats")?;
+        let mut side = g.tier_side("marconi_cache_tier_stats")?;
         check_ptr!(out);
         // SAFETY: out is non-NULL and aligned; its first field is struct_size.
         let size = unsafe { out.cast::<u32>().read() } as usize;
@@ -1030,7 +1105,11 @@ pub unsafe extern "C" fn marconi_cache_tier_stats(
                 ),
             ));
         }
-        let s = t.cache.stats();
+        let b = side.book();
+        let (store_probes, store_probe_failures, load_failures) =
+            (b.store_probes, b.store_probe_failures, b.load_failures);
+        let t = side.cache();
+        let s = t.stats();
         let v = marconi_tiered_stats {
             struct_size: size as u32,
             reserved: 0,
@@ -1046,11 +1125,11 @@ pub unsafe extern "C" fn marconi_cache_tier_stats(
             loads_declined: s.loads_declined,
             shared_hits: s.shared_hits,
             shared_hit_tokens: s.shared_hit_tokens,
-            store_probes: t.store_probes,
-            store_probe_failures: t.store_probe_failures,
-            load_failures: t.load_failures,
-            used_bytes: t.cache.used_bytes(),
-            capacity_bytes: t.cache.capacity_bytes(),
+            store_probes,
+            store_probe_failures,
+            load_failures,
+            used_bytes: t.used_bytes(),
+            capacity_bytes: t.capacity_bytes(),
             load_s: s.load_s,
         };
         // SAFETY: out has `size` writable bytes (contract), checked above.

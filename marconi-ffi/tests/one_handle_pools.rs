@@ -3,9 +3,9 @@
 //! free what was not taken, release, drain, resolve, held, stats, check,
 //! decision log) through marconi_cache_* calls; every pool call refused
 //! on a cache without pools; every call over engine ids refused on a cache
-//! over pools, naming the call to use; pools with tiers refused; the
-//! deprecated marconi_pooled_cache_* forwarders still working on either
-//! handle; a freed cache over pools refused without being read.
+//! over pools, naming the call to use; tiers written back below pools
+//! refused; the deprecated marconi_pooled_cache_* forwarders still working
+//! on either handle; a freed cache over pools refused without being read.
 #![expect(
     deprecated,
     reason = "also drives the deprecated marconi_pooled_cache_* / marconi_tiered_* forwarders, kept one release"
@@ -801,13 +801,7 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
             ),
             &["needs lower tiers"],
         );
-        unsupported(
-            marconi_cache_settle(c),
-            &[
-                "needs lower tiers",
-                "pools and tiers cannot be combined yet",
-            ],
-        );
+        unsupported(marconi_cache_settle(c), &["needs lower tiers"]);
         assert_eq!((l, r, n, free), Default::default());
         assert_eq!((p32, s32, n2), ([0; 8], [0; 8], 0));
         // Nothing changed: the pooled lease is still the only one, and
@@ -833,10 +827,12 @@ fn calls_over_engine_ids_refuse_on_a_cache_over_pools() {
     }
 }
 
-/// Pools and tiers together are refused; a configuration of version 5
-/// (no pools field) is a cache without pools whatever follows it; a model
-/// without recurrent layers cannot have pools; the deprecated constructor
-/// refuses a configuration that already sets pools.
+/// Tiers written back or with deferred moves below pools are refused
+/// (an eviction's copy would read units the same reservation hands out);
+/// a configuration of version 5 (no pools field) is a cache without pools
+/// whatever follows it; a model without recurrent layers cannot have
+/// pools; the deprecated constructor refuses a configuration that already
+/// sets pools.
 #[test]
 fn pool_configurations_that_cannot_make_a_cache_are_refused() {
     let p = pool_config(marconi_pool_backend::None, 8 << 30);
@@ -848,13 +844,17 @@ fn pool_configurations_that_cannot_make_a_cache_are_refused() {
     let sentinel = ptr::NonNull::<marconi_cache>::dangling().as_ptr();
     let mut c = sentinel;
     // SAFETY: valid configs and out pointer.
-    unsupported(
-        unsafe { marconi_cache_new(&cfg, &mut c) },
-        &["pools and tiers cannot be combined yet"],
-    );
+    let st = unsafe { marconi_cache_new(&cfg, &mut c) };
+    refusal(st, marconi_status::InvalidConfig, "write-back", &["written through"]);
     assert_eq!(c, sentinel, "nothing written");
-    // A model without recurrent layers.
+    o.write_mode = marconi_tier_write::Through as u32;
+    o.defer_moves = 1;
+    // SAFETY: as above.
+    let st = unsafe { marconi_cache_new(&cfg, &mut c) };
+    refusal(st, marconi_status::InvalidConfig, "deferred", &["defer_moves"]);
+    assert_eq!(c, sentinel, "nothing written");
     cfg.tiers = ptr::null();
+    // A model without recurrent layers.
     cfg.model_preset = c"paper-7b-attn".as_ptr();
     // SAFETY: as above.
     let st = unsafe { marconi_cache_new(&cfg, &mut c) };

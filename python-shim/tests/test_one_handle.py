@@ -292,7 +292,7 @@ def test_bad_pools_are_refused():
         marconi.PrefixCache(
             0, "nemotron-h-8b", pools=marconi.Pools(1 << 30), tiers=marconi.Tiers(host_bytes=1 << 30)
         )
-    assert e.value.name == "UNSUPPORTED" and "pools and tiers cannot be combined yet" in str(e.value)
+    assert e.value.name == "INVALID_CONFIG" and "written through" in str(e.value)
 
 
 def test_the_deprecated_pooled_cache_calls_the_one_handle():

@@ -226,12 +226,17 @@ class PrefixCache(_Handle):
     cache (lookup_tiered and the other tier methods). pools: a marconi.Pools
     (or a dict of its fields): the cache lives in the library's pools
     (capacity_bytes may then be left out, and is ignored: the pools' budget
-    is the capacity) and
-    runs the request cycle over unit handles with lookup_pooled, reserve,
-    copy_states, admit_pooled, free_units, release and drain_freed_units;
-    lookup, admit, drain_freed and evict, over ids the engine owns, raise
-    MarconiError (UNSUPPORTED) on it. Pools and tiers together are
-    UNSUPPORTED for now.
+    is the capacity) and runs the request cycle over unit handles with
+    lookup_pooled, reserve, copy_states, admit_pooled, free_units, release
+    and drain_freed_units; lookup, admit, drain_freed and evict, over ids
+    the engine owns, raise MarconiError (UNSUPPORTED) on it. Both: tiers
+    below the pools, written through (Tiers(write="through"); write-back
+    and defer_moves are INVALID_CONFIG: an eviction's copy would read units
+    the same reserve hands out). lookup_pooled then gives the hit of every
+    tier: carry out lease_loads(lease) into reserved units; after
+    admit_pooled, carry out drain_ops() (a host "write" copies a chain of
+    that admission: the state in the slot given for its position, the KV
+    in its first ceil(position / page_size) pages) before free_units.
 
     Every integer argument is checked against its C type before the call
     (ctypes would silently wrap it: namespace 2**64 + 1 would be namespace

@@ -7,8 +7,10 @@ deprecated TieredCache still working over the same handle; the pooled
 request cycle through the pool methods with the invariants of test_pooled,
 every pool method refused on a cache without pools, the methods over engine
 ids refused on a cache over pools, and the deprecated PooledCache calling
-the same functions."""
+the same functions; pools and tiers together, with an engine that moves
+bytes between the units and its lower-tier copies."""
 
+import hashlib
 import random
 
 import pytest
@@ -305,3 +307,114 @@ def test_the_deprecated_pooled_cache_calls_the_one_handle():
         cache.release(look)
         assert cache.stats()["requests"] == 1
         cache.check()
+
+
+class BytesEngine:
+    """An engine over a cache with pools and tiers that moves bytes: the
+    first 32 bytes of each KV page and state name the tokens they cover
+    (what a recompute would write); every device hit, host write and load
+    is checked against them. Its lower-tier copies are its own, by
+    (namespace, chain), as the tier ops say."""
+
+    def __init__(self, pc):
+        self.pc, self.page = pc, pc.page_size
+        self.copies = {"host": {}, "store": {}}
+        self.host_hits = self.device_hits = self.writes = self.drops = 0
+
+    @staticmethod
+    def tag(kind, tokens):
+        return hashlib.blake2b(repr((kind, list(tokens))).encode(), digest_size=32).digest()
+
+    def put(self, h, data):
+        self.pc.view(h)[:32] = data
+
+    def get(self, h):
+        return bytes(self.pc.view(h)[:32])
+
+    def carry_out(self, ops, pages, states):
+        for op in ops:
+            key = (op.ns, tuple(op.tokens))
+            if op.kind == "write" and op.tier == "host":
+                slot = dict(states)[op.position]  # a state of the admission that decided it
+                n = op.position // self.page
+                copy = (self.get(slot), [self.get(h) for h in pages[:n]])
+                assert copy[0] == self.tag("state", op.tokens)
+                assert copy[1] == [self.tag("kv", op.tokens[: (i + 1) * self.page]) for i in range(n)]
+                self.copies["host"][key] = copy
+                self.writes += 1
+            elif op.kind == "write":
+                self.copies["store"][key] = self.copies["host"][key]
+            else:
+                del self.copies[op.tier][key]
+                self.drops += 1
+
+    def request(self, full, input_len, ns=0):
+        pc, page = self.pc, self.page
+        look = pc.lookup_pooled(full[:input_len], namespace=ns)
+        for i, h in enumerate(look.kv_pages):
+            assert self.get(h) == self.tag("kv", full[: (i + 1) * page])
+        loads = pc.lease_loads(look)
+        if not loads and look.hit_tokens:
+            assert self.get(look.state_handle) == self.tag("state", full[: look.hit_tokens])
+            self.device_hits += 1
+        dev = len(look.kv_pages)
+        pages, slots = pc.reserve(len(full) // page - dev, len(look.plan) + 1)
+        done = dev
+        for o in loads:
+            copies = self.copies[o.tier]
+            if o.kind == "kv":
+                src = next(c for (n, chain), c in copies.items() if n == ns and chain[: o.end] == tuple(full[: o.end]))
+                for i in range(o.start // page, -(-o.end // page)):
+                    self.put(pages[i - dev], src[1][i])
+                    done = max(done, i + 1)
+            else:
+                state, _ = copies[(ns, tuple(full[: o.position]))]
+                assert state == self.tag("state", full[: o.position])
+                assert o.position == look.hit_tokens and look.state_handle is None
+                self.host_hits += o.tier == "host"
+        for i in range(done, len(full) // page):
+            self.put(pages[i - dev], self.tag("kv", full[: (i + 1) * page]))
+        positions = sorted(set(look.plan) | {len(full)})
+        states = list(zip(positions, slots))
+        for p, s in states:
+            self.put(s, self.tag("state", full[:p]))
+        all_pages = list(look.kv_pages) + list(pages)
+        a = pc.admit_pooled(look, full, states, all_pages)
+        self.carry_out(pc.drain_ops(), all_pages, states)
+        pc.free_units(list(a.returned) + list(slots[len(states):]))
+        pc.release(look)
+        later = pc.drain_ops()
+        assert not [o for o in later if o.kind == "write" and o.tier == "host"]
+        self.carry_out(later, [], [])
+        pc.check()
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_pools_with_tiers_load_what_the_engine_wrote_down(store):
+    page = 16
+    p = marconi.plan("nemotron-h-8b", 1 << 30, page_size=page)
+    budget = 4 * p["state_slot_bytes"] + 40 * p["kv_page_bytes"]
+    budget = -(-budget // (2 << 20)) * (2 << 20)
+    chain = 6 * page * p["kv_page_bytes"] // page + p["state_slot_bytes"]
+    tiers = marconi.Tiers(
+        host_bytes=(3 if store else 100) * chain, store_bytes=100 * chain if store else 0, write="through", always_load=True
+    )
+    pools = marconi.Pools(budget, state_fraction=0.3)
+    with marconi.PrefixCache(model="nemotron-h-8b", page_size=page, alpha=1.0, pools=pools, tiers=tiers) as pc:
+        assert pc.has_pools and pc.has_tiers
+        e = BytesEngine(pc)
+        for _ in range(4):
+            for d in range(8):  # 8 documents of 6 pages, a question and an answer each
+                doc = [d * 10_000 + i for i in range(6 * page)]
+                full = doc + [random.randrange(1 << 30) for _ in range(2 * page)]
+                e.request(full, len(full) - page)
+                e.request(doc + full[len(doc):], len(full) - page)  # the same request again: a device hit
+        ts = pc.tier_stats()
+        assert e.writes > 0 and e.device_hits == ts["hits_by_tier"]["device"] > 0
+        assert (ts["hits_by_tier"]["store" if store else "host"]) > 0
+        assert e.host_hits == ts["hits_by_tier"]["host"]
+        if store:
+            assert e.drops > 0
+        with pytest.raises(marconi.MarconiError) as err:
+            pc.lookup_tiered([1, 2, 3])
+        assert err.value.name == "UNSUPPORTED" and "marconi_cache_lookup_pooled" in str(err.value)

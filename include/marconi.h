@@ -1406,9 +1406,14 @@ typedef struct marconi_cache_config {
    * marconi_cache_reserve, marconi_cache_admit_pooled,
    * marconi_cache_free_units, marconi_cache_drain_freed_units, ...; the
    * calls that take engine ids refuse with MARCONI_STATUS_UNSUPPORTED.
-   * Pools and tiers together are MARCONI_STATUS_UNSUPPORTED. Added in
-   * version 6 of the struct: a caller whose struct ends before it gets
-   * NULL.
+   * With pools and tiers, the tiers are written through
+   * (MARCONI_TIER_WRITE_THROUGH; write-back or defer_moves is
+   * MARCONI_STATUS_INVALID_CONFIG: an eviction's copy would read units
+   * the same marconi_cache_reserve hands out): marconi_cache_lookup_pooled
+   * gives the hit of every tier, marconi_cache_lease_loads its loads, and
+   * marconi_cache_drain_ops the writes of each admission (see there).
+   * Added in version 6 of the struct: a caller whose struct ends before
+   * it gets NULL.
    */
   const struct marconi_pool_config *pools;
 } marconi_cache_config;
@@ -2427,17 +2432,22 @@ typedef struct marconi_pooled_lookup {
    */
   uint64_t lease;
   /**
-   * Leading tokens the engine may skip (< the input length).
+   * Leading tokens the engine may skip (< the input length). With
+   * lower tiers, a host or store hit may pass what the pools hold: the
+   * engine skips them once it has carried out the lease's loads
+   * (marconi_cache_lease_loads) into units it reserved.
    */
   uint32_t hit_tokens;
   /**
-   * Leading tokens whose KV is cached (page-aligned).
+   * Leading tokens whose KV the pools hold (page-aligned): the
+   * n_kv_pages pages of the hit.
    */
   uint32_t kv_matched_tokens;
   /**
    * The cache's state-slot handle to resume from (copy it into a slot
    * the request reserved, e.g. with marconi_cache_copy_states),
-   * or 0 when there is no hit.
+   * or 0 when there is no hit or the hit's state is loaded from a lower
+   * tier.
    */
   uint64_t state_handle;
   /**
@@ -4475,7 +4485,11 @@ marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
  * of KV page handles and planned checkpoints, and a lease to `*out` (pass
  * it to marconi_cache_admit_pooled, release it with marconi_cache_release).
  * The pooled counterpart of marconi_cache_lookup, which refuses on a
- * cache over pools.
+ * cache over pools. With lower tiers too (marconi_cache_config.tiers),
+ * every tier is weighed as marconi_cache_lookup_tiered weighs them (no
+ * store probe): a longer host or store hit comes with its loads
+ * (marconi_cache_lease_loads), and the plan is the tiered one (it may
+ * include the hit's own position: save the loaded state there).
  *
  * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
  * on a cache without pools (marconi_cache_config.pools).
@@ -5292,8 +5306,11 @@ marconi_status marconi_cache_lookup_tiered_i64_flags(const struct marconi_cache 
  * Writes a lease's load orders (KV ranges in token order, then the state)
  * into `buf[0..cap]` and their number to `*out_len`: what the engine reads
  * from the lower tiers before prefilling from the hit of
- * marconi_cache_lookup_tiered (none for a device hit, or for a lease of
- * marconi_cache_lookup). A buffer too small (NULL with cap 0 is a size
+ * marconi_cache_lookup_tiered or, on a cache over pools with tiers, of
+ * marconi_cache_lookup_pooled (none for a device hit, or for a lease of
+ * marconi_cache_lookup). Over pools, load into units the request
+ * reserved: KV page i (tokens i x page_size..) is the hit's page i when
+ * the lookup gave it, else the reserved page i - n_kv_pages. A buffer too small (NULL with cap 0 is a size
  * query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
  * written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
  *
@@ -5339,7 +5356,11 @@ marconi_status marconi_cache_settle(const struct marconi_cache *cache);
  * counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
  * the host copies the chain from the device (before its slot, returned by
  * marconi_cache_drain_freed, is reused), a WRITE to the store copies it
- * from the host copy, a DROP frees a copy. All or nothing: when either
+ * from the host copy, a DROP frees a copy. On a cache over pools, a WRITE
+ * to the host drained after marconi_cache_admit_pooled copies a chain of
+ * that admission: its state is in the slot given for `position`, its KV
+ * in the first ceil(position / page_size) pages given; copy it before
+ * freeing the returned units or reserving again. All or nothing: when either
  * buffer is too small (NULL with capacity 0 is a size query), returns
  * MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
  * nothing. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.

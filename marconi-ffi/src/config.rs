@@ -317,9 +317,14 @@ pub struct marconi_cache_config {
     /// marconi_cache_reserve, marconi_cache_admit_pooled,
     /// marconi_cache_free_units, marconi_cache_drain_freed_units, ...; the
     /// calls that take engine ids refuse with MARCONI_STATUS_UNSUPPORTED.
-    /// Pools and tiers together are MARCONI_STATUS_UNSUPPORTED. Added in
-    /// version 6 of the struct: a caller whose struct ends before it gets
-    /// NULL.
+    /// With pools and tiers, the tiers are written through
+    /// (MARCONI_TIER_WRITE_THROUGH; write-back or defer_moves is
+    /// MARCONI_STATUS_INVALID_CONFIG: an eviction's copy would read units
+    /// the same marconi_cache_reserve hands out): marconi_cache_lookup_pooled
+    /// gives the hit of every tier, marconi_cache_lease_loads its loads, and
+    /// marconi_cache_drain_ops the writes of each admission (see there).
+    /// Added in version 6 of the struct: a caller whose struct ends before
+    /// it gets NULL.
     pub pools: *const crate::pool::marconi_pool_config,
 }
 

@@ -253,13 +253,18 @@ pub struct marconi_pooled_lookup {
     /// never valid in another cache): pass it to marconi_cache_admit_pooled
     /// and release it with marconi_cache_release.
     pub lease: u64,
-    /// Leading tokens the engine may skip (< the input length).
+    /// Leading tokens the engine may skip (< the input length). With
+    /// lower tiers, a host or store hit may pass what the pools hold: the
+    /// engine skips them once it has carried out the lease's loads
+    /// (marconi_cache_lease_loads) into units it reserved.
     pub hit_tokens: u32,
-    /// Leading tokens whose KV is cached (page-aligned).
+    /// Leading tokens whose KV the pools hold (page-aligned): the
+    /// n_kv_pages pages of the hit.
     pub kv_matched_tokens: u32,
     /// The cache's state-slot handle to resume from (copy it into a slot
     /// the request reserved, e.g. with marconi_cache_copy_states),
-    /// or 0 when there is no hit.
+    /// or 0 when there is no hit or the hit's state is loaded from a lower
+    /// tier.
     pub state_handle: u64,
     /// The cache's KV page handles of the first hit_tokens tokens
     /// (marconi_cache_lease_kv_handles): read them, never free them;
@@ -287,7 +292,11 @@ pub struct marconi_pooled_state {
 /// of KV page handles and planned checkpoints, and a lease to `*out` (pass
 /// it to marconi_cache_admit_pooled, release it with marconi_cache_release).
 /// The pooled counterpart of marconi_cache_lookup, which refuses on a
-/// cache over pools.
+/// cache over pools. With lower tiers too (marconi_cache_config.tiers),
+/// every tier is weighed as marconi_cache_lookup_tiered weighs them (no
+/// store probe): a longer host or store hit comes with its loads
+/// (marconi_cache_lease_loads), and the plan is the tiered one (it may
+/// include the hit's own position: save the loaded state there).
 ///
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
 /// on a cache without pools (marconi_cache_config.pools).

@@ -842,8 +842,11 @@ unsafe fn lookup_tiered(
 /// Writes a lease's load orders (KV ranges in token order, then the state)
 /// into `buf[0..cap]` and their number to `*out_len`: what the engine reads
 /// from the lower tiers before prefilling from the hit of
-/// marconi_cache_lookup_tiered (none for a device hit, or for a lease of
-/// marconi_cache_lookup). A buffer too small (NULL with cap 0 is a size
+/// marconi_cache_lookup_tiered or, on a cache over pools with tiers, of
+/// marconi_cache_lookup_pooled (none for a device hit, or for a lease of
+/// marconi_cache_lookup). Over pools, load into units the request
+/// reserved: KV page i (tokens i x page_size..) is the hit's page i when
+/// the lookup gave it, else the reserved page i - n_kv_pages. A buffer too small (NULL with cap 0 is a size
 /// query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
 /// written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
 ///
@@ -954,7 +957,11 @@ pub unsafe extern "C" fn marconi_cache_settle(cache: *const marconi_cache) -> ma
 /// counts in `*n_ops` and `*n_tokens`. Carry them out in order: a WRITE to
 /// the host copies the chain from the device (before its slot, returned by
 /// marconi_cache_drain_freed, is reused), a WRITE to the store copies it
-/// from the host copy, a DROP frees a copy. All or nothing: when either
+/// from the host copy, a DROP frees a copy. On a cache over pools, a WRITE
+/// to the host drained after marconi_cache_admit_pooled copies a chain of
+/// that admission: its state is in the slot given for `position`, its KV
+/// in the first ceil(position / page_size) pages given; copy it before
+/// freeing the returned units or reserving again. All or nothing: when either
 /// buffer is too small (NULL with capacity 0 is a size query), returns
 /// MARCONI_STATUS_BUFFER_TOO_SMALL with the needed counts and drains
 /// nothing. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.

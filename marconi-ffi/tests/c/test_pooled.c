@@ -474,14 +474,44 @@ static void test_misuse(void) {
   CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(x == (marconi_cache *)0x1);
   CHECK_EQ(marconi_cache_new(NULL, &x), MARCONI_STATUS_NULL_ARGUMENT);
-  /* Pools and tiers together: not yet. */
+  /* Tiers below pools are written through: write-back (the default) and
+   * deferred moves are refused, nothing written. */
   pc.state_slot_bytes = 0;
   marconi_tier_options to;
   OK(marconi_tier_options_init(&to, sizeof to));
   to.host.capacity_bytes = 64u << 20;
   cc.tiers = &to;
-  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_UNSUPPORTED);
+  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_INVALID_CONFIG);
   CHECK(x == (marconi_cache *)0x1);
+  to.write_mode = MARCONI_TIER_WRITE_THROUGH;
+  to.defer_moves = 1;
+  CHECK_EQ(marconi_cache_new(&cc, &x), MARCONI_STATUS_INVALID_CONFIG);
+  CHECK(x == (marconi_cache *)0x1);
+  /* Written through: a cache over pools with tiers, whose tier calls work
+   * and whose tier lookup over engine ids names the pooled one. */
+  to.defer_moves = 0;
+  OK(marconi_cache_new(&cc, &x));
+  uint32_t toks[64];
+  for (uint32_t i = 0; i < 64; i++) toks[i] = 7 + i;
+  marconi_pooled_lookup pl;
+  OK(marconi_cache_lookup_pooled(x, 0, toks, 64, &pl));
+  CHECK_EQ(pl.hit_tokens, 0u);
+  n = 99;
+  OK(marconi_cache_lease_loads(x, pl.lease, NULL, 0, &n));
+  CHECK_EQ(n, 0u);
+  marconi_tiered_hit th;
+  CHECK_EQ(marconi_cache_lookup_tiered(x, 0, toks, 64, NULL, 0, NULL, &th), MARCONI_STATUS_UNSUPPORTED);
+  char err[512];
+  marconi_last_error(err, sizeof err);
+  CHECK(strstr(err, "marconi_cache_lookup_pooled") != NULL);
+  marconi_tiered_stats ts = {.struct_size = sizeof ts};
+  OK(marconi_cache_tier_stats(x, &ts));
+  CHECK_EQ(ts.requests, 1u);
+  CHECK(ts.capacity_bytes[MARCONI_TIER_HOST] == 64u << 20);
+  OK(marconi_cache_release(x, pl.lease));
+  OK(marconi_cache_settle(x));
+  OK(marconi_cache_check(x));
+  marconi_cache_free(x);
 }
 
 /* Calls on the wrong configuration: a pool call on a cache without pools,

@@ -121,6 +121,13 @@
 #define MARCONI_NO_SEQ UINT64_MAX
 
 /**
+ * marconi_cache_lookup_with on a cache with lower tiers: the device's view
+ * only (no lower-tier hit chosen, pinned or counted; the lease loads
+ * nothing), as marconi_cache_lookup gives it.
+ */
+#define MARCONI_LOOKUP_DEVICE_ONLY 4
+
+/**
  * The size of `marconi_pml_error::message`.
  */
 #define MARCONI_PML_ERROR_MESSAGE_BYTES 256
@@ -1861,6 +1868,157 @@ typedef struct marconi_unit_move {
    */
   uint64_t dst;
 } marconi_unit_move;
+
+/**
+ * What marconi_cache_lookup_with looks up. Versioned by size: initialise
+ * it with marconi_lookup_request_init, then set the fields.
+ */
+typedef struct marconi_lookup_request {
+  /**
+   * sizeof(marconi_lookup_request) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_token_width value: what `tokens` points to. Default
+   * MARCONI_TOKEN_WIDTH_U32.
+   */
+  uint32_t token_width;
+  /**
+   * The namespace (a LoRA id or cache salt). Default 0.
+   */
+  uint64_t ns;
+  /**
+   * n_tokens ids of token_width. Default NULL.
+   */
+  const void *tokens;
+  /**
+   * Default 0 (MARCONI_STATUS_EMPTY_TOKENS).
+   */
+  size_t n_tokens;
+  /**
+   * Application checkpoint hints, as marconi_cache_lookup_hinted takes
+   * them (NULL with 0: none). Default none.
+   */
+  const uint32_t *checkpoints;
+  /**
+   * Default 0.
+   */
+  size_t n_checkpoints;
+  /**
+   * A bitwise OR of MARCONI_LOOKUP_WHOLE_INPUT,
+   * MARCONI_LOOKUP_NO_KV_PAGES (ids the engine owns only; over pools the
+   * hit's handles are always listed) and MARCONI_LOOKUP_DEVICE_ONLY.
+   * Default 0.
+   */
+  uint32_t flags;
+  /**
+   * The request's own state slot (ids the engine owns), or
+   * MARCONI_NO_SLOT (the default): as marconi_cache_lookup's dst_slot.
+   */
+  uint32_t dst_slot;
+  /**
+   * A store shared with other processes to probe (a cache with lower
+   * tiers over ids the engine owns; as marconi_cache_lookup_tiered's
+   * `store`), or NULL (the default).
+   */
+  const struct marconi_store *store;
+} marconi_lookup_request;
+
+/**
+ * What marconi_cache_lookup_with found. Versioned by size: set
+ * struct_size to sizeof(marconi_lookup_result) first; only that many
+ * bytes are written.
+ */
+typedef struct marconi_lookup_result {
+  /**
+   * sizeof(marconi_lookup_result) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_tier value: where the state the hit resumes from is
+   * (DEVICE on a cache without tiers, or with no hit).
+   */
+  uint32_t tier;
+  /**
+   * The lease pinning what the request reuses (never 0, never reused,
+   * never valid in another cache): pass it to the admit calls and
+   * release it with marconi_cache_release.
+   */
+  uint64_t lease;
+  /**
+   * Leading tokens the engine may skip (for a HOST or STORE hit, once
+   * it has carried out the lease's loads, marconi_cache_lease_loads).
+   */
+  uint32_t hit_tokens;
+  /**
+   * The device's own hit (hit_tokens for a DEVICE hit): where the
+   * engine resumes when a load fails.
+   */
+  uint32_t device_hit_tokens;
+  /**
+   * Leading tokens whose KV the device holds (page-aligned).
+   */
+  uint32_t kv_matched_tokens;
+  /**
+   * The device's KV pages of the hit: marconi_cache_lease_kv_pages
+   * (ids the engine owns; 0 with MARCONI_LOOKUP_NO_KV_PAGES) or
+   * marconi_cache_lease_kv_handles (pools).
+   */
+  uint32_t n_kv_pages;
+  /**
+   * Checkpoint positions for this prefill (marconi_cache_lease_plan).
+   */
+  uint32_t n_plan;
+  /**
+   * Loads to carry out before prefill (marconi_cache_lease_loads).
+   */
+  uint32_t n_loads;
+  /**
+   * 1 when device_state names the device's state at device_hit_tokens.
+   */
+  uint32_t has_device_state;
+  /**
+   * 1 when copy_order is set: the request's dst_slot was given and the
+   * hit resumes from a device state.
+   */
+  uint32_t has_copy_order;
+  /**
+   * The device's state to resume from: a state slot id (ids the engine
+   * owns) or a state handle (pools; read it, copy it into a slot the
+   * request reserved).
+   */
+  uint64_t device_state;
+  /**
+   * {device_state, dst_slot} when has_copy_order.
+   */
+  struct marconi_copy_order copy_order;
+  /**
+   * 1 when the hit resumes from a state only a shared store probe knew
+   * of.
+   */
+  uint32_t shared;
+  /**
+   * A marconi_tier value whose longer hit was declined (recomputing is
+   * faster), or 0 (DEVICE) for none.
+   */
+  uint32_t declined_tier;
+  /**
+   * The declined hit's length, or 0.
+   */
+  uint32_t declined_tokens;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Modelled seconds of the loads.
+   */
+  double load_s;
+  /**
+   * Modelled seconds to recompute what the loads bring instead.
+   */
+  double recompute_s;
+} marconi_lookup_result;
 
 /**
  * What to plan for. Versioned by size: set struct_size with
@@ -3898,6 +4056,47 @@ marconi_status marconi_host_pool_promote(const struct marconi_host_pool *host,
                                          const struct marconi_unit_move *pairs,
                                          size_t n,
                                          uint64_t *out_bytes);
+
+/**
+ * Fills `*req` with the defaults (documented per field) and sets
+ * `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than the first version's.
+ *
+ * # Safety
+ *
+ * `req` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_lookup_request_init(struct marconi_lookup_request *req, size_t struct_size);
+
+/**
+ * Looks up `req->tokens` on a cache of any configuration and writes what
+ * can be reused to `*out`, with a lease that pins it until
+ * marconi_cache_release: the one lookup, with the token width, flags,
+ * hints, the request's own slot and a store probe as options of the
+ * request. Over ids the engine owns it is marconi_cache_lookup (and its
+ * `_hinted`, `_i64`, `_i64_flags` variants); with lower tiers, the view of
+ * every tier (marconi_cache_lookup_tiered) unless
+ * MARCONI_LOOKUP_DEVICE_ONLY; over pools (with or without tiers)
+ * marconi_cache_lookup_pooled. Admit with the call that matches the
+ * memory: marconi_cache_admit / _admit_i64 (ids) or
+ * marconi_cache_admit_pooled (pools).
+ *
+ * Errors: those of the lookup it stands for;
+ * MARCONI_STATUS_INVALID_ARGUMENT for an unknown token_width or flag bit,
+ * a dst_slot on a cache over pools, or an int64 id outside [0, 2^32 - 1];
+ * MARCONI_STATUS_UNSUPPORTED for a store on a cache without lower tiers
+ * over ids the engine owns.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `req` is NULL or an initialised
+ * request whose arrays have their lengths in readable elements (or are
+ * NULL with 0); `out` is NULL or points to out->struct_size writable
+ * bytes.
+ */
+marconi_status marconi_cache_lookup_with(const struct marconi_cache *cache,
+                                         const struct marconi_lookup_request *req,
+                                         struct marconi_lookup_result *out);
 
 /**
  * Writes the default request into `*req` (page_size 16, the "paper-7b"

@@ -11,6 +11,7 @@ use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, to_core_config};
 use crate::handle::{borrow, handle_kind, publish, release};
+use crate::lookup::{lookup_any, Ask, Entry};
 use crate::pooled::Pools;
 use crate::status::{
     boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct,
@@ -130,6 +131,12 @@ impl Inner {
         }
     }
 
+    /// Whether `slot` holds a state the cache owns (admitted, not yet
+    /// freed by an eviction).
+    pub(crate) fn owns_slot(&self, slot: u32) -> bool {
+        self.owned_slots.contains(&slot)
+    }
+
     /// The pools, or MARCONI_STATUS_UNSUPPORTED naming `what` on a cache
     /// configured without them.
     pub(crate) fn pools(&mut self, what: &str) -> FfiResult<&mut Pools> {
@@ -145,19 +152,6 @@ impl Inner {
         match self.core {
             Core::Pooled(_) => Err(pooled_instead(what, instead)),
             _ => Ok(()),
-        }
-    }
-
-    /// The tiers, or MARCONI_STATUS_UNSUPPORTED naming `what` on a cache
-    /// configured without them.
-    pub(crate) fn tiers(&mut self, what: &str) -> FfiResult<&mut Tiers> {
-        match &mut self.core {
-            Core::Tiered(t) => Ok(t),
-            Core::Pooled(p) if p.has_tiers() => Err(pooled_instead(
-                what,
-                "marconi_cache_lookup_pooled (its lease's loads: marconi_cache_lease_loads)",
-            )),
-            _ => Err(no_tiers(what)),
         }
     }
 
@@ -868,19 +862,24 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
 /// The lookup options of a marconi_cache_lookup_i64_flags `flags` word;
 /// MARCONI_STATUS_INVALID_ARGUMENT for a bit this library does not know.
 pub(crate) fn lookup_flags(flags: u32) -> FfiResult<LookupOptions> {
-    if flags & !LOOKUP_FLAGS != 0 {
+    Ok(lookup_flags_with(flags, 0)?.0)
+}
+
+/// [`lookup_flags`] that also knows the bit `extra`, and says whether it
+/// is set.
+pub(crate) fn lookup_flags_with(flags: u32, extra: u32) -> FfiResult<(LookupOptions, bool)> {
+    let known = LOOKUP_FLAGS | extra;
+    if flags & !known != 0 {
         return Err(FfiError::new(
             marconi_status::InvalidArgument,
-            format!(
-                "flags {flags:#x}: unknown bits {:#x}",
-                flags & !LOOKUP_FLAGS
-            ),
+            format!("flags {flags:#x}: unknown bits {:#x}", flags & !known),
         ));
     }
-    Ok(LookupOptions {
+    let opts = LookupOptions {
         whole_input: flags & MARCONI_LOOKUP_WHOLE_INPUT != 0,
         skip_kv_pages: flags & MARCONI_LOOKUP_NO_KV_PAGES != 0,
-    })
+    };
+    Ok((opts, extra != 0 && flags & extra != 0))
 }
 
 /// A caller's id array: uint32 ids (read in place) or int64 ids (checked
@@ -968,8 +967,8 @@ unsafe fn lookup(
     }
 }
 
-/// [`lookup`] with the core's lookup options (never with hints: the
-/// flagged entry point takes none).
+/// The lookups over ids through the one lookup, narrowed to
+/// marconi_lookup.
 ///
 /// # Safety
 ///
@@ -983,73 +982,40 @@ unsafe fn lookup_opts(
     opts: LookupOptions,
     out: *mut marconi_lookup,
 ) -> FfiResult {
-    // SAFETY: the caller passes a live handle or NULL.
-    let h = unsafe { handle(cache) }?;
-    // SAFETY: buffer contract of the header.
-    let tokens = unsafe { tokens.read("tokens") }?;
-    let tokens = &tokens[..];
+    let ask = Ask {
+        ns,
+        tokens,
+        hints,
+        opts,
+        device_only: true,
+        dst_slot,
+        store: std::ptr::null(),
+        entry: Entry::Ids,
+        what: "marconi_cache_lookup",
+    };
+    // Checked before the lookup: a lease is issued only when it can be
+    // written out.
     check_ptr!(out);
-    let mut g = h.lock()?;
-    g.not_pooled("marconi_cache_lookup", "marconi_cache_lookup_pooled")?;
-    if dst_slot != MARCONI_NO_SLOT && g.owned_slots.contains(&dst_slot) {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!("dst_slot {dst_slot} holds a cached state owned by the cache"),
-        ));
-    }
-    // Drawn first, so that running out changes nothing.
-    let id = new_lease_id()?;
-    let g = &mut *g;
-    let l = match &mut g.core {
-        Core::Plain(c) => {
-            if hints.is_empty() {
-                c.lookup_with(ns, tokens, opts)?
-            } else {
-                c.lookup_hinted(ns, tokens, hints)?
-            }
-        }
-        // The device's view: a longer hit in a lower tier is neither chosen
-        // nor pinned (the engine would have to load it first; the tier
-        // lookup, marconi_cache_lookup_tiered, offers it with its loads).
-        Core::Tiered(t) => t.device_lookup(id, ns, tokens, hints, opts)?,
-        Core::Pooled(_) => {
-            return Err(pooled_instead(
-                "marconi_cache_lookup",
-                "marconi_cache_lookup_pooled",
-            ))
-        }
-    };
-    let state_slot = l.state_slot.unwrap_or(MARCONI_NO_SLOT);
-    let core_lease = l.lease;
-    let (n_copy, copy) = if dst_slot != MARCONI_NO_SLOT && state_slot != MARCONI_NO_SLOT {
-        (
-            1,
-            marconi_copy_order {
-                src_slot: state_slot,
-                dst_slot,
-            },
-        )
-    } else {
-        (0, marconi_copy_order::default())
-    };
+    // SAFETY: forwarded caller contract.
+    let r = unsafe { lookup_any(cache, ask) }?;
     let res = marconi_lookup {
-        lease: id,
-        hit_tokens: l.hit_tokens,
-        kv_matched_tokens: l.kv_matched_tokens,
-        state_slot,
-        n_kv_pages: l.kv_pages.len() as u32,
-        n_plan: l.plan.len() as u32,
-        n_copy_orders: n_copy,
-        copy_order: copy,
-    };
-    g.issue_lease(
-        id,
-        Lease {
-            core: core_lease,
-            pages: (!opts.skip_kv_pages).then_some(l.kv_pages),
+        lease: r.lease,
+        hit_tokens: r.hit_tokens,
+        kv_matched_tokens: r.kv_matched_tokens,
+        state_slot: if r.has_device_state == 1 {
+            r.device_state as u32
+        } else {
+            MARCONI_NO_SLOT
         },
-    );
-    g.collect_log();
+        n_kv_pages: r.n_kv_pages,
+        n_plan: r.n_plan,
+        n_copy_orders: r.has_copy_order,
+        copy_order: if r.has_copy_order == 1 {
+            r.copy_order
+        } else {
+            marconi_copy_order::default()
+        },
+    };
     // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
     unsafe { out.write(res) };
     Ok(())

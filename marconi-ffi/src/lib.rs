@@ -29,6 +29,7 @@ pub mod gguf;
 mod handle;
 pub mod hf_config;
 pub mod host_pool;
+pub mod lookup;
 pub mod plan;
 pub mod pml;
 pub mod pml_cache;

@@ -11,29 +11,32 @@
 use std::collections::HashMap;
 
 use marconi_core::{
-    CacheConfig, CacheError, Decision, PrefixCache, Stats, Tier, TierConfig, TieredCache,
+    CacheConfig, CacheError, Decision, LookupOptions, PrefixCache, Stats, TierConfig, TieredCache,
     TieredLookup,
 };
 use marconi_gpu::phys::{BackedPool, MemfdBackend, PhysicalMemory};
-use marconi_gpu::pooled::{unit_sizes, PooledCache, PooledError, PooledState, PooledStats};
+use marconi_gpu::pooled::{
+    unit_sizes, PooledCache, PooledError, PooledLookup, PooledState, PooledStats,
+};
 use marconi_gpu::snapshot::SlotPair;
 use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
 use crate::cache::{
     build_core, handle, marconi_admit_result, marconi_cache, marconi_cache_check,
-    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, new_lease_id,
-    tokens_len_ok, unknown_lease, Lease,
+    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, tokens_len_ok,
+    unknown_lease, TokenSource, MARCONI_NO_SLOT,
 };
 use crate::config::marconi_cache_config;
+use crate::lookup::{lookup_any, Ask, Entry};
 use crate::pool::{
     alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
-use crate::tiered::{marconi_tier_options, tier_config, TierBook};
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct, require,
     write_versioned, FfiError, FfiResult,
 };
+use crate::tiered::{marconi_tier_options, tier_config, TierBook};
 
 enum Joined {
     Plain(PooledCache<DualPool>),
@@ -58,11 +61,11 @@ macro_rules! with {
 }
 
 /// What a lease of marconi_cache_lookup_pooled gives out.
-struct PoolLease {
+pub(crate) struct PoolLease {
     /// The hit's KV page handles.
-    pages: Vec<u64>,
+    pub(crate) pages: Vec<u64>,
     /// The checkpoints planned.
-    plan: Vec<u32>,
+    pub(crate) plan: Vec<u32>,
 }
 
 /// The core of a cache over pools (`Core::Pooled`): the joined cache and
@@ -71,7 +74,7 @@ struct PoolLease {
 pub(crate) struct Pools {
     joined: Joined,
     /// Per outstanding C lease id (also in `Inner::leases`).
-    leases: HashMap<u64, PoolLease>,
+    pub(crate) leases: HashMap<u64, PoolLease>,
     backend: marconi_pool_backend,
     /// Evicted handles not yet drained by the engine.
     freed: Vec<u64>,
@@ -125,6 +128,18 @@ impl Pools {
     /// Checks the joined invariants (panics on a violation, as core's).
     pub(crate) fn check_invariants(&self) {
         with!(&self.joined, c => c.check_invariants());
+    }
+
+    /// Looks `input` up (PooledCache::lookup_opts).
+    pub(crate) fn lookup(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        hints: &[u32],
+        opts: LookupOptions,
+        device_only: bool,
+    ) -> Result<PooledLookup, PooledError> {
+        with!(&mut self.joined, c => c.lookup_opts(ns, input, hints, opts, device_only))
     }
 
     /// Whether lower tiers were configured.
@@ -376,7 +391,8 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled_hinted(
     })
 }
 
-/// The body of marconi_cache_lookup_pooled(_hinted), after the NULL checks.
+/// The pooled lookups through the one lookup, narrowed to
+/// marconi_pooled_lookup.
 ///
 /// # Safety
 ///
@@ -389,43 +405,35 @@ unsafe fn pooled_lookup(
     out: *mut marconi_pooled_lookup,
     what: &str,
 ) -> FfiResult {
-    // SAFETY: live handle or NULL.
-    let h = unsafe { handle(cache) }?;
-    tokens_len_ok(n_tokens, "tokens")?;
-    // SAFETY: buffer contract.
-    let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
+    let ask = Ask {
+        ns,
+        tokens: TokenSource::U32(tokens, n_tokens),
+        hints,
+        opts: LookupOptions::default(),
+        device_only: false,
+        dst_slot: MARCONI_NO_SLOT,
+        store: std::ptr::null(),
+        entry: Entry::Pools,
+        what,
+    };
+    // Checked before the lookup: a lease is issued only when it can be
+    // written out.
     check_ptr!(out);
-    let mut g = h.lock()?;
-    let g = &mut *g;
-    let p = g.pools(what)?;
-    // Drawn first, so that running out changes nothing.
-    let id = new_lease_id()?;
-    let l = with!(&mut p.joined, c => c.lookup_hinted(ns, tokens, hints)).map_err(pooled_err)?;
-    let core = l.lookup.lease;
-    // With tiers: the hit of every tier, its plan; a lower tier's hit
-    // resumes from the state its loads bring, not from a device slot.
-    let (hit_tokens, plan, state_slot) = match l.tiered {
-        Some(t) if t.tier != Tier::Device => (t.hit_tokens, t.plan, None),
-        Some(t) => (t.hit_tokens, t.plan, l.state_slot),
-        None => (l.lookup.hit_tokens, l.lookup.plan, l.state_slot),
-    };
+    // SAFETY: forwarded caller contract.
+    let r = unsafe { lookup_any(cache, ask) }?;
     let res = marconi_pooled_lookup {
-        lease: id,
-        hit_tokens,
-        kv_matched_tokens: l.lookup.kv_matched_tokens,
-        state_handle: state_slot.map_or(0, VirtualHandle::raw),
-        n_kv_pages: l.kv_pages.len() as u32,
-        n_plan: plan.len() as u32,
-    };
-    p.leases.insert(
-        id,
-        PoolLease {
-            pages: l.kv_pages.iter().map(|h| h.raw()).collect(),
-            plan,
+        lease: r.lease,
+        hit_tokens: r.hit_tokens,
+        kv_matched_tokens: r.kv_matched_tokens,
+        // A lower tier's hit resumes from the state its loads bring.
+        state_handle: if r.tier == 0 && r.has_device_state == 1 {
+            r.device_state
+        } else {
+            0
         },
-    );
-    g.issue_lease(id, Lease { core, pages: None });
-    g.collect_log();
+        n_kv_pages: r.n_kv_pages,
+        n_plan: r.n_plan,
+    };
     // SAFETY: out checked non-NULL and aligned, writable by contract.
     unsafe { out.write(res) };
     Ok(())

@@ -11,23 +11,24 @@ use std::collections::HashMap;
 
 use marconi_core::{
     AdmitOutcome, CacheConfig, CacheError, Freed, LoadWhat, Lookup, LookupOptions, SavedState,
-    Tier, TierConfig, TierOp, TierSpec, TieredCache, TieredLookup, WriteMode,
+    StoreProbe, Tier, TierConfig, TierOp, TierSpec, TieredCache, TieredLookup, WriteMode,
 };
 
 use crate::cache::{
     handle, lookup_flags, marconi_admit_result, marconi_cache, marconi_cache_admit,
     marconi_cache_check, marconi_cache_drain_freed, marconi_cache_free,
     marconi_cache_lease_kv_pages, marconi_cache_lease_plan, marconi_cache_release,
-    marconi_saved_state, new_handle, new_lease_id, tokens_len_ok, unknown_lease, Core, Lease,
-    TokenSource, MARCONI_NO_SLOT,
+    marconi_saved_state, new_handle, tokens_len_ok, unknown_lease, Core, Inner, Lease, TokenSource,
+    MARCONI_NO_SLOT,
 };
 use crate::config::{marconi_cache_config, to_core_config};
+use crate::lookup::{lookup_any, marconi_lookup_result, tier_fields, Ask, Entry};
 use crate::pooled::Pools;
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, init_struct, marconi_status, out_slice, read_struct,
     require, versioned, write_versioned, FfiError, FfiResult,
 };
-use crate::store::{marconi_store, probe_states};
+use crate::store::marconi_store;
 
 /// A tier: where an entry lives.
 #[repr(u32)]
@@ -41,7 +42,7 @@ pub enum marconi_tier {
     Store = 2,
 }
 
-fn tier_code(t: Tier) -> u32 {
+pub(crate) fn tier_code(t: Tier) -> u32 {
     match t {
         Tier::Device => marconi_tier::Device as u32,
         Tier::Host => marconi_tier::Host as u32,
@@ -686,12 +687,10 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered(
         let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
         // SAFETY: forwarded caller contract.
         unsafe {
-            lookup_tiered(
+            tier_hit(
                 cache,
-                ns,
                 TokenSource::U32(tokens, n_tokens),
-                hints,
-                LookupOptions::default(),
+                (ns, hints, LookupOptions::default()),
                 store,
                 out,
                 "marconi_cache_lookup_tiered",
@@ -732,12 +731,10 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered_i64_flags(
         let opts = lookup_flags(flags)?;
         // SAFETY: forwarded caller contract.
         unsafe {
-            lookup_tiered(
+            tier_hit(
                 cache,
-                ns,
                 TokenSource::I64(tokens, n_tokens),
-                &[],
-                opts,
+                (ns, &[], opts),
                 store,
                 out,
                 "marconi_cache_lookup_tiered_i64_flags",
@@ -746,97 +743,115 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered_i64_flags(
     })
 }
 
-/// The body of the tier lookups, after the NULL checks.
+/// The tier lookups through the one lookup, narrowed to marconi_tiered_hit.
 ///
 /// # Safety
 ///
 /// As marconi_cache_lookup_tiered.
-#[allow(clippy::too_many_arguments)]
-unsafe fn lookup_tiered(
+unsafe fn tier_hit(
     cache: *const marconi_cache,
-    ns: u64,
     tokens: TokenSource,
-    hints: &[u32],
-    opts: LookupOptions,
+    (ns, hints, opts): (u64, &[u32], LookupOptions),
     store: *const marconi_store,
     out: *mut marconi_tiered_hit,
     what: &str,
 ) -> FfiResult {
-    // SAFETY: the caller passes a live handle or NULL.
-    let h = unsafe { handle(cache) }?;
-    // Refused before the arguments are read: a plain cache has no tiers.
-    let (positions, hold_kv) = {
-        let mut g = h.lock()?;
-        let t = g.tiers(what)?;
-        let p = if !store.is_null() && t.cache.tier(Tier::Store).is_some() {
-            let (TokenSource::U32(_, n) | TokenSource::I64(_, n)) = tokens;
-            t.cache.store_probe_positions(n, t.book.max_probe)
+    let ask = Ask {
+        ns,
+        tokens,
+        hints,
+        opts,
+        device_only: false,
+        dst_slot: MARCONI_NO_SLOT,
+        store,
+        entry: Entry::Tiers,
+        what,
+    };
+    // Checked before the lookup: a lease is issued only when it can be
+    // written out.
+    check_ptr!(out);
+    // SAFETY: forwarded caller contract.
+    let r = unsafe { lookup_any(cache, ask) }?;
+    let hit = marconi_tiered_hit {
+        lease: r.lease,
+        hit_tokens: r.hit_tokens,
+        tier: r.tier,
+        device_hit_tokens: r.device_hit_tokens,
+        device_kv_tokens: r.kv_matched_tokens,
+        device_state_slot: if r.has_device_state == 1 {
+            r.device_state as u32
+        } else {
+            MARCONI_NO_SLOT
+        },
+        n_loads: r.n_loads,
+        n_plan: r.n_plan,
+        n_kv_pages: r.n_kv_pages,
+        shared: r.shared,
+        declined_tier: r.declined_tier,
+        declined_tokens: r.declined_tokens,
+        reserved: 0,
+        load_s: r.load_s,
+        recompute_s: r.recompute_s,
+    };
+    // SAFETY: out is non-NULL and aligned (checked) and writable.
+    unsafe { out.write(hit) };
+    Ok(())
+}
+
+impl Tiers {
+    /// The candidate positions a store probe asks about for an input of
+    /// `n` tokens (none without a store tier to weigh them by), and whether
+    /// the store's states carry their KV.
+    pub(crate) fn probe_positions(&self, n: usize) -> (Vec<u32>, bool) {
+        let p = if self.cache.tier(Tier::Store).is_some() {
+            self.cache.store_probe_positions(n, self.book.max_probe)
         } else {
             Vec::new()
         };
-        (p, t.book.states_hold_kv)
-    };
-    // SAFETY: buffer contract of the header.
-    let tokens = unsafe { tokens.read("tokens") }?;
-    let tokens = &tokens[..];
-    if tokens.is_empty() {
-        return Err(FfiError::new(
-            marconi_status::EmptyTokens,
-            "tokens is empty",
-        ));
+        (p, self.book.states_hold_kv)
     }
-    check_ptr!(out);
-    // The probe's I/O runs without the lock.
-    let probe = if store.is_null() {
-        None
-    } else {
-        // SAFETY: store is non-NULL; a live store handle by contract.
-        let r = unsafe { probe_states(store, ns, tokens, &positions, hold_kv) }?;
-        // Nothing to ask without a store tier to weigh the answer by.
-        (!positions.is_empty()).then_some(r)
+}
+
+/// The tier view over ids (the one lookup's route for a cache with tiers):
+/// every tier weighed, with the probe's answer (and whether it failed).
+pub(crate) fn lookup_tiers(
+    g: &mut Inner,
+    id: u64,
+    ask: &Ask,
+    tokens: &[u32],
+    probe: Option<(StoreProbe, bool)>,
+) -> FfiResult<marconi_lookup_result> {
+    let Core::Tiered(t) = &mut g.core else {
+        unreachable!("routed to the tiers")
     };
-    let id = new_lease_id()?;
-    let mut g = h.lock()?;
-    let g = &mut *g;
-    let t = g.tiers(what)?;
     if let Some((_, failed)) = &probe {
         t.book.store_probes += 1;
         t.book.store_probe_failures += u64::from(*failed);
     }
     let p = probe.as_ref().map(|(p, _)| p);
-    let mut l = t.cache.lookup_opts(ns, tokens, hints, p, opts, false)?;
+    let mut l = t
+        .cache
+        .lookup_opts(ask.ns, tokens, ask.hints, p, ask.opts, false)?;
     let pages = std::mem::take(&mut l.device.kv_pages);
-    let (declined_tier, declined_tokens) = l.declined.map_or((0, 0), |(t, n)| (tier_code(t), n));
-    let res = marconi_tiered_hit {
-        lease: id,
-        hit_tokens: l.hit_tokens,
-        tier: tier_code(l.tier),
+    let mut res = marconi_lookup_result {
         device_hit_tokens: l.device.hit_tokens,
-        device_kv_tokens: l.device.kv_matched_tokens,
-        device_state_slot: l.device.state_slot.unwrap_or(MARCONI_NO_SLOT),
-        n_loads: l.loads.len() as u32,
-        n_plan: l.plan.len() as u32,
+        kv_matched_tokens: l.device.kv_matched_tokens,
         n_kv_pages: pages.len() as u32,
-        shared: u32::from(l.shared),
-        declined_tier,
-        declined_tokens,
-        reserved: 0,
-        load_s: l.load_s,
-        recompute_s: l.recompute_s,
+        has_device_state: u32::from(l.device.state_slot.is_some()),
+        device_state: u64::from(l.device.state_slot.unwrap_or(MARCONI_NO_SLOT)),
+        ..Default::default()
     };
+    tier_fields(&mut res, &l);
     let core = l.device.lease;
     t.leases.insert(id, l);
     g.issue_lease(
         id,
         Lease {
             core,
-            pages: (!opts.skip_kv_pages).then_some(pages),
+            pages: (!ask.opts.skip_kv_pages).then_some(pages),
         },
     );
-    g.collect_log();
-    // SAFETY: out is non-NULL and aligned (checked) and writable.
-    unsafe { out.write(res) };
-    Ok(())
+    Ok(res)
 }
 
 /// Writes a lease's load orders (KV ranges in token order, then the state)

@@ -72,9 +72,9 @@
 use std::collections::{HashMap, HashSet};
 
 use marconi_core::{
-    AdmitOutcome, CacheConfig, CacheError, Freed, LeaseId, Lookup, ModelSpec, PrefixCache,
-    SavedState, Stats, Tier, TierConfig, TierOp, TieredCache, TieredLookup, UnitBudget, UnitKind,
-    UnitUse, WriteMode,
+    AdmitOutcome, CacheConfig, CacheError, Freed, LeaseId, Lookup, LookupOptions, ModelSpec,
+    PrefixCache, SavedState, Stats, Tier, TierConfig, TierOp, TieredCache, TieredLookup,
+    UnitBudget, UnitKind, UnitUse, WriteMode,
 };
 use serde::Serialize;
 
@@ -338,6 +338,10 @@ pub struct PooledCache<A: PoolAllocator> {
 
 /// The cache deciding over the pools: the device cache alone, or with
 /// lower tiers (its lookups kept per lease: admit and release need them).
+#[expect(
+    clippy::large_enum_variant,
+    reason = "the plain cache stays inline: no indirection on its request path"
+)]
 enum Device {
     Plain(PrefixCache),
     Tiered(Box<TieredCache>, HashMap<LeaseId, TieredLookup>),
@@ -676,11 +680,32 @@ impl<A: PoolAllocator> PooledCache<A> {
         input: &[u32],
         checkpoints: &[u32],
     ) -> Result<PooledLookup, PooledError> {
+        self.lookup_opts(ns, input, checkpoints, LookupOptions::default(), false)
+    }
+
+    /// [`lookup_hinted`](Self::lookup_hinted) with core's lookup options
+    /// (`opts.whole_input`; the hit's pages are always given: admissions
+    /// check them) and, with tiers, `device_only`: the device's view (no
+    /// lower-tier hit chosen, pinned or counted; see
+    /// [`TieredCache::lookup_opts`]).
+    pub fn lookup_opts(
+        &mut self,
+        ns: u64,
+        input: &[u32],
+        checkpoints: &[u32],
+        opts: LookupOptions,
+        device_only: bool,
+    ) -> Result<PooledLookup, PooledError> {
+        let opts = LookupOptions {
+            skip_kv_pages: false,
+            ..opts
+        };
+        let plain = opts == LookupOptions::default() && checkpoints.is_empty();
         let (lookup, tiered) = match &mut self.cache {
-            Device::Plain(c) if checkpoints.is_empty() => (c.lookup(ns, input)?, None),
-            Device::Plain(c) => (c.lookup_hinted(ns, input, checkpoints)?, None),
+            Device::Plain(c) if plain => (c.lookup(ns, input)?, None),
+            Device::Plain(c) => (c.lookup_hinted_with(ns, input, checkpoints, opts)?, None),
             Device::Tiered(t, _) => {
-                let tl = t.lookup_hinted(ns, input, checkpoints)?;
+                let tl = t.lookup_opts(ns, input, checkpoints, None, opts, device_only)?;
                 (tl.device.clone(), Some(tl))
             }
         };

@@ -608,6 +608,41 @@ class marconi_tiered_stats(Structure):
     )
 
 
+class marconi_lookup_request(Structure):
+    """struct marconi_lookup_request (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("token_width", c_uint32),
+        ("ns", c_uint64),
+        ("tokens", c_void_p),
+        ("n_tokens", c_size_t),
+        ("checkpoints", POINTER(c_uint32)),
+        ("n_checkpoints", c_size_t),
+        ("flags", c_uint32),
+        ("dst_slot", c_uint32),
+        ("store", c_void_p),
+    ]
+
+
+class marconi_lookup_result(Structure):
+    """struct marconi_lookup_result (versioned by struct_size)."""
+
+    _fields_ = (
+        [("struct_size", c_uint32), ("tier", c_uint32), ("lease", c_uint64)]
+        + [
+            (f, c_uint32)
+            for f in (
+                "hit_tokens", "device_hit_tokens", "kv_matched_tokens", "n_kv_pages", "n_plan", "n_loads",
+                "has_device_state", "has_copy_order",
+            )
+        ]
+        + [("device_state", c_uint64), ("copy_order", marconi_copy_order)]
+        + [(f, c_uint32) for f in ("shared", "declined_tier", "declined_tokens", "reserved")]
+        + [("load_s", c_double), ("recompute_s", c_double)]
+    )
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -643,6 +678,8 @@ STRUCTS = {
         marconi_load_order,
         marconi_tier_op,
         marconi_tiered_stats,
+        marconi_lookup_request,
+        marconi_lookup_result,
     )
 }
 STRUCTS.update(_pml_abi.PML_STRUCTS)
@@ -787,6 +824,11 @@ SIGNATURES = {
     "marconi_store_get_stats": (status_t, [_store_p, POINTER(marconi_store_stats)]),
     # The tiers of a cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
     "marconi_tier_options_init": (status_t, [POINTER(marconi_tier_options), c_size_t]),
+    "marconi_lookup_request_init": (status_t, [POINTER(marconi_lookup_request), c_size_t]),
+    "marconi_cache_lookup_with": (
+        status_t,
+        [_cache_p, POINTER(marconi_lookup_request), POINTER(marconi_lookup_result)],
+    ),
     "marconi_cache_lookup_tiered": (
         status_t, [_cache_p, c_uint64, _u32_p, c_size_t, _u32_p, c_size_t, _store_p, POINTER(marconi_tiered_hit)],
     ),

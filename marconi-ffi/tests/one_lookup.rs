@@ -1,0 +1,671 @@
+//! The one lookup (marconi_cache_lookup_with) against every lookup it
+//! stands for, on twin caches driven by the same requests: over ids the
+//! engine owns (u32 and int64 ids, hints, flags, the request's own slot),
+//! with lower tiers (every tier, and the device's view), over pools with
+//! and without tiers; then its refusals, each leaving no lease behind.
+
+use std::mem::size_of;
+use std::ptr;
+
+use marconi::cache::*;
+use marconi::config::*;
+use marconi::lookup::*;
+use marconi::pool::*;
+use marconi::pooled::*;
+use marconi::status::marconi_status;
+use marconi::tiered::*;
+
+mod common;
+use common::*;
+
+const PAGE: u32 = 16;
+const MODEL: &std::ffi::CStr = c"nemotron-h-8b";
+
+/// A request as both twins receive it: namespace, ids, hints, flags,
+/// the request's own slot.
+#[derive(Clone)]
+struct Req {
+    ns: u64,
+    tokens: Vec<u32>,
+    hints: Vec<u32>,
+    flags: u32,
+    wide: bool,
+    dst_slot: u32,
+}
+
+fn req(tokens: &[u32]) -> Req {
+    Req {
+        ns: 0,
+        tokens: tokens.to_vec(),
+        hints: Vec::new(),
+        flags: 0,
+        wide: false,
+        dst_slot: MARCONI_NO_SLOT,
+    }
+}
+
+/// marconi_cache_lookup_with of `r`: (status, result).
+fn lookup_with(c: *const marconi_cache, r: &Req) -> (marconi_status, marconi_lookup_result) {
+    let wide: Vec<i64> = r.tokens.iter().map(|&t| i64::from(t)).collect();
+    let mut q = init(marconi_lookup_request_init);
+    q.ns = r.ns;
+    if r.wide {
+        q.token_width = marconi_token_width::I64 as u32;
+        q.tokens = wide.as_ptr().cast();
+    } else {
+        q.tokens = r.tokens.as_ptr().cast();
+    }
+    q.n_tokens = r.tokens.len();
+    if !r.hints.is_empty() {
+        q.checkpoints = r.hints.as_ptr();
+        q.n_checkpoints = r.hints.len();
+    }
+    q.flags = r.flags;
+    q.dst_slot = r.dst_slot;
+    let mut out = marconi_lookup_result {
+        struct_size: size_of::<marconi_lookup_result>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: q's arrays live for the call; out is writable.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    (st, out)
+}
+
+/// The lease's plan and its KV pages (ids, or handles over pools).
+fn lease_lists(c: *const marconi_cache, lease: u64, pooled: bool) -> (Vec<u32>, Vec<u64>) {
+    let (mut plan, mut n) = (vec![0u32; 4096], 0usize);
+    // SAFETY: buffers of their lengths.
+    ok(unsafe { marconi_cache_lease_plan(c, lease, plan.as_mut_ptr(), plan.len(), &mut n) });
+    plan.truncate(n);
+    let pages = if pooled {
+        let (mut p, mut n) = (vec![0u64; 4096], 0usize);
+        // SAFETY: as above.
+        ok(unsafe { marconi_cache_lease_kv_handles(c, lease, p.as_mut_ptr(), p.len(), &mut n) });
+        p.truncate(n);
+        p
+    } else {
+        let (mut p, mut n) = (vec![0u32; 4096], 0usize);
+        // SAFETY: as above.
+        ok(unsafe { marconi_cache_lease_kv_pages(c, lease, p.as_mut_ptr(), p.len(), &mut n) });
+        p.into_iter().take(n).map(u64::from).collect()
+    };
+    (plan, pages)
+}
+
+/// Admits `tokens` over ids under `lease`: its hit pages `hit`, then
+/// fresh page ids, and a state at each planned position and the final page
+/// boundary, in fresh slots; then releases.
+fn admit_ids(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    plan: &[u32],
+    hit: &[u64],
+    next: &mut u32,
+) {
+    let end = tokens.len() as u32 / PAGE * PAGE;
+    let mut positions: Vec<u32> = plan.iter().copied().filter(|&p| p <= end).collect();
+    if !positions.contains(&end) {
+        positions.push(end);
+    }
+    let mut fresh = || {
+        *next += 1;
+        *next
+    };
+    let slots: Vec<u32> = positions.iter().map(|_| fresh()).collect();
+    let mut pages: Vec<u32> = hit.iter().map(|&p| p as u32).collect();
+    while pages.len() < (end / PAGE) as usize {
+        pages.push(fresh());
+    }
+    let st = states(&positions, &slots);
+    let mut taken = vec![0u8; st.len()];
+    let mut out = marconi_admit_result::default();
+    ok(admit(c, lease, tokens, &st, &pages, &mut taken, &mut out));
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(c, lease) });
+}
+
+/// Admits `tokens` over pools under `lease` (its hit pages `hit`): pages
+/// and slots reserved for the rest, the units not taken freed; then
+/// releases. Loads are not carried out: these twins compare decisions.
+fn admit_pooled(c: *const marconi_cache, lease: u64, tokens: &[u32], plan: &[u32], hit: &[u64]) {
+    let full = tokens.len() as u32 / PAGE;
+    let end = full * PAGE;
+    let mut positions: Vec<u32> = plan.iter().copied().filter(|&p| p <= end).collect();
+    if !positions.contains(&end) {
+        positions.push(end);
+    }
+    let want = full as usize - hit.len();
+    let (mut pages, mut slots) = (vec![0u64; want], vec![0u64; positions.len()]);
+    // SAFETY: buffers of their lengths.
+    ok(unsafe {
+        marconi_cache_reserve(
+            c,
+            want as u32,
+            slots.len() as u32,
+            pages.as_mut_ptr(),
+            pages.len(),
+            slots.as_mut_ptr(),
+            slots.len(),
+        )
+    });
+    let all: Vec<u64> = hit.iter().chain(&pages).copied().collect();
+    let st: Vec<marconi_pooled_state> = positions
+        .iter()
+        .zip(&slots)
+        .map(|(&position, &state_handle)| marconi_pooled_state {
+            position,
+            reserved: 0,
+            state_handle,
+        })
+        .collect();
+    let mut taken = vec![0u8; st.len()];
+    let mut out = marconi_admit_result::default();
+    // SAFETY: every array readable (taken writable) for its length.
+    ok(unsafe {
+        marconi_cache_admit_pooled(
+            c,
+            lease,
+            tokens.as_ptr(),
+            tokens.len(),
+            st.as_ptr(),
+            st.len(),
+            all.as_ptr(),
+            all.len(),
+            taken.as_mut_ptr(),
+            &mut out,
+        )
+    });
+    let range = out.kv_pages_taken_start as usize..out.kv_pages_taken_end as usize;
+    let mut free: Vec<u64> = all
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i >= hit.len() && !range.contains(i))
+        .map(|(_, &h)| h)
+        .collect();
+    free.extend(
+        slots
+            .iter()
+            .zip(&taken)
+            .filter(|(_, &t)| t == 0)
+            .map(|(&h, _)| h),
+    );
+    // SAFETY: handles the caller holds.
+    ok(unsafe { marconi_cache_free_units(c, free.as_ptr(), free.len()) });
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(c, lease) });
+}
+
+/// Requests over a few shared documents, with the variants of the lookup
+/// in turn: plain, hinted, int64, int64 with flags.
+fn requests(n: u32) -> Vec<Req> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let doc = i % 5;
+        let mut t: Vec<u32> = (0..8 * PAGE).map(|k| doc * 100_000 + k).collect();
+        t.extend((0..(i % 3 + 1) * PAGE).map(|k| 1_000_000 + i * 1000 + k));
+        let mut r = req(&t);
+        r.ns = u64::from(i % 7 == 6);
+        match i % 4 {
+            1 => r.hints = vec![8 * PAGE, 3 * PAGE],
+            2 => r.wide = true,
+            3 => {
+                r.wide = true;
+                r.flags = MARCONI_LOOKUP_WHOLE_INPUT;
+            }
+            _ => {}
+        }
+        out.push(r);
+    }
+    out
+}
+
+/// The legacy lookup over ids that `r` stands for, as a result.
+fn legacy_ids(c: *const marconi_cache, r: &Req) -> marconi_lookup_result {
+    let mut l = marconi_lookup::default();
+    let wide: Vec<i64> = r.tokens.iter().map(|&t| i64::from(t)).collect();
+    let (t, n) = (r.tokens.as_ptr(), r.tokens.len());
+    // SAFETY: arrays readable for their lengths, l writable.
+    ok(unsafe {
+        match (r.wide, r.flags, r.hints.is_empty()) {
+            (false, 0, true) => marconi_cache_lookup(c, r.ns, t, n, r.dst_slot, &mut l),
+            (false, 0, false) => marconi_cache_lookup_hinted(
+                c,
+                r.ns,
+                t,
+                n,
+                r.hints.as_ptr(),
+                r.hints.len(),
+                r.dst_slot,
+                &mut l,
+            ),
+            (true, 0, true) => {
+                marconi_cache_lookup_i64(c, r.ns, wide.as_ptr(), n, r.dst_slot, &mut l)
+            }
+            (true, f, true) => {
+                marconi_cache_lookup_i64_flags(c, r.ns, wide.as_ptr(), n, r.dst_slot, f, &mut l)
+            }
+            _ => unreachable!("no legacy lookup takes hints and flags"),
+        }
+    });
+    marconi_lookup_result {
+        lease: l.lease,
+        hit_tokens: l.hit_tokens,
+        device_hit_tokens: l.hit_tokens,
+        kv_matched_tokens: l.kv_matched_tokens,
+        n_kv_pages: l.n_kv_pages,
+        n_plan: l.n_plan,
+        has_device_state: u32::from(l.state_slot != MARCONI_NO_SLOT),
+        device_state: if l.state_slot == MARCONI_NO_SLOT {
+            0
+        } else {
+            u64::from(l.state_slot)
+        },
+        has_copy_order: l.n_copy_orders,
+        copy_order: l.copy_order,
+        ..Default::default()
+    }
+}
+
+/// The fields twins must agree on (leases and, over pools, handle values
+/// differ between two caches).
+fn decisions(r: &marconi_lookup_result, pooled: bool) -> [u64; 12] {
+    [
+        u64::from(r.tier),
+        u64::from(r.hit_tokens),
+        u64::from(r.device_hit_tokens),
+        u64::from(r.kv_matched_tokens),
+        u64::from(r.n_kv_pages),
+        u64::from(r.n_plan),
+        u64::from(r.n_loads),
+        u64::from(r.has_device_state),
+        if pooled || r.has_device_state == 0 {
+            0
+        } else {
+            r.device_state
+        },
+        u64::from(r.has_copy_order),
+        u64::from(r.declined_tokens),
+        u64::from(r.shared),
+    ]
+}
+
+#[test]
+fn the_one_lookup_is_each_lookup_over_ids() {
+    let mut cfg = device_config(2000);
+    cfg.page_size = PAGE;
+    // Room for twenty chains: hits, and evictions late.
+    cfg.capacity_bytes = 20 * chain(200);
+    let (a, b) = (new_cache(&cfg), new_cache(&cfg));
+    let (mut next_a, mut next_b) = (0u32, 0u32);
+    let mut hits = 0;
+    for (i, r) in requests(60).into_iter().enumerate() {
+        let mut r = r;
+        if i % 5 == 4 {
+            r.dst_slot = 5_000_000 + i as u32;
+        }
+        let la = legacy_ids(a, &r);
+        let (st, lb) = lookup_with(b, &r);
+        ok(st);
+        assert_eq!(decisions(&la, false), decisions(&lb, false), "request {i}");
+        assert_eq!(
+            (la.copy_order.src_slot, la.copy_order.dst_slot),
+            (lb.copy_order.src_slot, lb.copy_order.dst_slot)
+        );
+        let (pa, ka) = lease_lists(a, la.lease, false);
+        let (pb, kb) = lease_lists(b, lb.lease, false);
+        assert_eq!((&pa, &ka), (&pb, &kb), "request {i}: plan and pages");
+        hits += u32::from(la.hit_tokens > 0);
+        admit_ids(a, la.lease, &r.tokens, &pa, &ka, &mut next_a);
+        admit_ids(b, lb.lease, &r.tokens, &pb, &kb, &mut next_b);
+    }
+    assert!(hits > 20, "{hits} hits");
+    let (sa, sb) = (cache_stats(a), cache_stats(b));
+    assert_eq!((sa.requests, sa.hit_tokens), (sb.requests, sb.hit_tokens));
+    // Hints and flags together: only the one lookup takes both.
+    let mut r = requests(1).remove(0);
+    r.hints = vec![4 * PAGE];
+    r.flags = MARCONI_LOOKUP_WHOLE_INPUT | MARCONI_LOOKUP_NO_KV_PAGES;
+    let (st, l) = lookup_with(b, &r);
+    ok(st);
+    assert_eq!(l.n_kv_pages, 0, "NO_KV_PAGES");
+    let (_, pages) = lease_lists(b, l.lease, false);
+    assert!(l.hit_tokens > 0);
+    assert_eq!(
+        pages.len() as u32,
+        l.hit_tokens / PAGE,
+        "the pages, when asked"
+    );
+    // SAFETY: live handles and lease.
+    unsafe {
+        ok(marconi_cache_release(b, l.lease));
+        ok(marconi_cache_check(a));
+        ok(marconi_cache_check(b));
+        marconi_cache_free(a);
+        marconi_cache_free(b);
+    }
+}
+
+fn tiered_config(host_tokens: u64) -> (marconi_cache_config, Box<marconi_tier_options>) {
+    let mut cfg = device_config(400);
+    cfg.page_size = PAGE;
+    let mut o = Box::new(init(marconi_tier_options_init));
+    o.host.capacity_bytes = chain(host_tokens);
+    o.host.bandwidth_bytes_per_s = 1e15;
+    o.host.latency_s = 0.0;
+    o.always_load = 1;
+    cfg.tiers = &*o;
+    (cfg, o)
+}
+
+#[test]
+fn the_one_lookup_weighs_every_tier_or_the_device_only() {
+    let (cfg, _o) = tiered_config(100_000);
+    // a: marconi_cache_lookup_tiered, b: the one lookup; c:
+    // marconi_cache_lookup (the device's view), d: the one lookup with
+    // MARCONI_LOOKUP_DEVICE_ONLY.
+    let [a, b, c, d] = [(); 4].map(|_| new_cache(&cfg));
+    let mut next = [0u32; 4];
+    let mut lower = 0;
+    for (i, r) in requests(60).into_iter().enumerate() {
+        let r = Req {
+            wide: false,
+            flags: 0,
+            ..r
+        };
+        let mut la = marconi_tiered_hit::default();
+        let h = &r.hints;
+        // SAFETY: arrays readable for their lengths, la writable.
+        ok(unsafe {
+            marconi_cache_lookup_tiered(
+                a,
+                r.ns,
+                r.tokens.as_ptr(),
+                r.tokens.len(),
+                if h.is_empty() {
+                    ptr::null()
+                } else {
+                    h.as_ptr()
+                },
+                h.len(),
+                ptr::null(),
+                &mut la,
+            )
+        });
+        let (st, lb) = lookup_with(b, &r);
+        ok(st);
+        assert_eq!(
+            (
+                la.tier,
+                la.hit_tokens,
+                la.device_hit_tokens,
+                la.device_kv_tokens
+            ),
+            (
+                lb.tier,
+                lb.hit_tokens,
+                lb.device_hit_tokens,
+                lb.kv_matched_tokens
+            ),
+            "request {i}"
+        );
+        assert_eq!(
+            (la.n_loads, la.n_plan, la.n_kv_pages, la.declined_tokens),
+            (lb.n_loads, lb.n_plan, lb.n_kv_pages, lb.declined_tokens)
+        );
+        let device_state = if lb.has_device_state == 1 {
+            lb.device_state as u32
+        } else {
+            MARCONI_NO_SLOT
+        };
+        assert_eq!(la.device_state_slot, device_state);
+        lower += u32::from(lb.tier != marconi_tier::Device as u32);
+        let lc = legacy_ids(c, &r);
+        let (st, ld) = lookup_with(
+            d,
+            &Req {
+                flags: MARCONI_LOOKUP_DEVICE_ONLY,
+                ..r.clone()
+            },
+        );
+        ok(st);
+        assert_eq!(decisions(&lc, false), decisions(&ld, false), "request {i}");
+        assert_eq!(ld.n_loads, 0);
+        for (k, (cache, lease)) in [(a, la.lease), (b, lb.lease), (c, lc.lease), (d, ld.lease)]
+            .into_iter()
+            .enumerate()
+        {
+            let (plan, hit) = lease_lists(cache, lease, false);
+            admit_ids(cache, lease, &r.tokens, &plan, &hit, &mut next[k]);
+        }
+    }
+    assert!(lower > 5, "{lower} lower-tier hits");
+    for c in [a, b, c, d] {
+        // SAFETY: live handle.
+        unsafe {
+            ok(marconi_cache_check(c));
+            marconi_cache_free(c);
+        }
+    }
+}
+
+fn pooled_config(
+    tiers: Option<&marconi_tier_options>,
+) -> (marconi_cache_config, Box<marconi_pool_config>) {
+    let mut cfg = init(marconi_cache_config_init);
+    cfg.model_preset = MODEL.as_ptr();
+    cfg.page_size = PAGE;
+    cfg.alpha_mode = marconi_alpha_mode::Fixed as u32;
+    cfg.alpha = 1.0;
+    let m = marconi_core::ModelSpec::preset("nemotron-h-8b").unwrap();
+    let (kv, st) = marconi_gpu::pooled::unit_sizes(&m, PAGE);
+    let mut p = Box::new(init(marconi_pool_config_init));
+    p.backend = marconi_pool_backend::None as u32;
+    p.budget_bytes = (6 * st + 40 * kv).div_ceil(2 << 20) * (2 << 20);
+    p.state_fraction = 0.3;
+    cfg.pools = &*p;
+    if let Some(t) = tiers {
+        cfg.tiers = t;
+    }
+    (cfg, p)
+}
+
+#[test]
+fn the_one_lookup_over_pools_with_and_without_tiers() {
+    let mut t = init(marconi_tier_options_init);
+    t.write_mode = marconi_tier_write::Through as u32;
+    t.host.capacity_bytes = 1 << 40;
+    t.host.bandwidth_bytes_per_s = 1e15;
+    t.host.latency_s = 0.0;
+    t.always_load = 1;
+    for tiers in [None, Some(&t)] {
+        let (cfg, _p) = pooled_config(tiers);
+        let (a, b) = (new_cache(&cfg), new_cache(&cfg));
+        let mut lower = 0;
+        for (i, r) in requests(40).into_iter().enumerate() {
+            let r = Req { flags: 0, ..r };
+            let mut la = marconi_pooled_lookup::default();
+            let h = &r.hints;
+            // SAFETY: arrays readable for their lengths, la writable.
+            ok(unsafe {
+                marconi_cache_lookup_pooled_hinted(
+                    a,
+                    r.ns,
+                    r.tokens.as_ptr(),
+                    r.tokens.len(),
+                    if h.is_empty() {
+                        ptr::null()
+                    } else {
+                        h.as_ptr()
+                    },
+                    h.len(),
+                    &mut la,
+                )
+            });
+            // int64 ids on every other request: the pools' int64 lookup.
+            let (st, lb) = lookup_with(b, &r);
+            ok(st);
+            assert_eq!(
+                (
+                    la.hit_tokens,
+                    la.kv_matched_tokens,
+                    la.n_kv_pages,
+                    la.n_plan
+                ),
+                (
+                    lb.hit_tokens,
+                    lb.kv_matched_tokens,
+                    lb.n_kv_pages,
+                    lb.n_plan
+                ),
+                "request {i}"
+            );
+            let device = lb.tier == marconi_tier::Device as u32;
+            assert_eq!(la.state_handle != 0, device && lb.has_device_state == 1);
+            lower += u32::from(!device);
+            assert_eq!(lb.n_loads > 0, !device);
+            let (pa, ka) = lease_lists(a, la.lease, true);
+            let (pb, kb) = lease_lists(b, lb.lease, true);
+            assert_eq!((pa.len(), ka.len()), (pb.len(), kb.len()));
+            assert_eq!(pa, pb);
+            admit_pooled(a, la.lease, &r.tokens, &pa, &ka);
+            admit_pooled(b, lb.lease, &r.tokens, &pb, &kb);
+        }
+        assert_eq!(lower > 0, tiers.is_some(), "{lower} lower-tier hits");
+        // The device's view of a cache over pools and tiers.
+        let (st, l) = lookup_with(
+            b,
+            &Req {
+                flags: MARCONI_LOOKUP_DEVICE_ONLY,
+                ..requests(1).remove(0)
+            },
+        );
+        ok(st);
+        assert_eq!((l.tier, l.n_loads), (0, 0));
+        assert_eq!(l.hit_tokens, l.device_hit_tokens);
+        // SAFETY: live handles and lease.
+        unsafe {
+            ok(marconi_cache_release(b, l.lease));
+            ok(marconi_cache_check(a));
+            ok(marconi_cache_check(b));
+            marconi_cache_free(a);
+            marconi_cache_free(b);
+        }
+    }
+}
+
+#[test]
+fn the_one_lookup_refuses_clearly_and_leaves_no_lease() {
+    let mut cfg = device_config(2000);
+    cfg.page_size = PAGE;
+    let c = new_cache(&cfg);
+    let (pcfg, _p) = pooled_config(None);
+    let pc = new_cache(&pcfg);
+    let r = requests(1).remove(0);
+    let refused = |c, r: &Req, want, words: &[&str]| {
+        let (st, out) = lookup_with(c, r);
+        refusal(st, want, "lookup_with", words);
+        assert_eq!(out.lease, 0, "nothing written");
+    };
+    refused(
+        c,
+        &Req {
+            flags: 8,
+            ..r.clone()
+        },
+        marconi_status::InvalidArgument,
+        &["unknown bits 0x8"],
+    );
+    refused(
+        c,
+        &Req {
+            tokens: Vec::new(),
+            ..r.clone()
+        },
+        marconi_status::EmptyTokens,
+        &[],
+    );
+    refused(
+        pc,
+        &Req {
+            dst_slot: 3,
+            ..r.clone()
+        },
+        marconi_status::InvalidArgument,
+        &["dst_slot 3", "marconi_cache_copy_states"],
+    );
+    // An int64 id outside [0, 2^32 - 1].
+    let big: Vec<i64> = vec![1, 2, 1 << 40];
+    let mut q = init(marconi_lookup_request_init);
+    q.token_width = marconi_token_width::I64 as u32;
+    q.tokens = big.as_ptr().cast();
+    q.n_tokens = big.len();
+    let mut out = marconi_lookup_result {
+        struct_size: size_of::<marconi_lookup_result>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: valid request and out.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    refusal(st, marconi_status::InvalidArgument, "wide", &["tokens[2]"]);
+    // An unknown width, a NULL request, a short result, a store without
+    // tiers.
+    q.token_width = 7;
+    // SAFETY: as above.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    refusal(
+        st,
+        marconi_status::InvalidArgument,
+        "width",
+        &["token_width 7"],
+    );
+    // SAFETY: NULL request: refused before anything is read.
+    let st = unsafe { marconi_cache_lookup_with(c, ptr::null(), &mut out) };
+    refusal(st, marconi_status::NullArgument, "null", &["req"]);
+    q.token_width = 0;
+    q.tokens = r.tokens.as_ptr().cast();
+    q.n_tokens = r.tokens.len();
+    out.struct_size = 8;
+    // SAFETY: as above.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    refusal(
+        st,
+        marconi_status::UnsupportedStructSize,
+        "short",
+        &["struct_size is 8"],
+    );
+    out.struct_size = size_of::<marconi_lookup_result>() as u32;
+    let store = store_at(
+        marconi::store::marconi_store_backend::Dir,
+        std::env::temp_dir()
+            .join("marconi-one-lookup")
+            .to_str()
+            .unwrap(),
+        "nemotron-h-8b",
+        100,
+        None,
+    );
+    q.store = store;
+    // SAFETY: as above.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    unsupported(st, &["store is probed only"]);
+    let mut small = init(marconi_lookup_request_init);
+    small.struct_size = 8;
+    // SAFETY: as above; the struct is smaller than the first version.
+    let st = unsafe { marconi_cache_lookup_with(c, &small, &mut out) };
+    assert_eq!(
+        st,
+        marconi_status::UnsupportedStructSize,
+        "{}",
+        last_error()
+    );
+    // Nothing was issued by any refusal.
+    assert_eq!(cache_stats(c).leases, 0);
+    assert_eq!(cache_stats(c).requests, 0);
+    assert_eq!(cache_stats(pc).requests, 0);
+    // SAFETY: live handles.
+    unsafe {
+        marconi::store::marconi_store_free(store);
+        marconi_cache_free(c);
+        marconi_cache_free(pc);
+    }
+}

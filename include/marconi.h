@@ -1656,6 +1656,188 @@ typedef struct marconi_stats {
 } marconi_stats;
 
 /**
+ * A state the engine saved, offered to marconi_cache_admit_with.
+ */
+typedef struct marconi_admit_state {
+  /**
+   * Tokens the state covers (a planned position or the final one).
+   */
+  uint32_t position;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+  /**
+   * Where it is: a state slot id (ids the engine owns; MARCONI_NO_SLOT
+   * for none) or a state handle from marconi_cache_reserve (pools).
+   */
+  uint64_t unit;
+} marconi_admit_state;
+
+/**
+ * What marconi_cache_admit_with admits. Versioned by size: initialise it
+ * with marconi_admit_request_init, then set the fields.
+ */
+typedef struct marconi_admit_request {
+  /**
+   * sizeof(marconi_admit_request) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * A marconi_id_width value for `tokens`: MARCONI_ID_WIDTH_U32 (the
+   * default) or MARCONI_ID_WIDTH_I64.
+   */
+  uint32_t token_width;
+  /**
+   * The lease of the lookup (any lookup of this cache).
+   */
+  uint64_t lease;
+  /**
+   * The looked-up input, then the decoded output: n_tokens ids of
+   * token_width.
+   */
+  const void *tokens;
+  /**
+   * Default 0.
+   */
+  size_t n_tokens;
+  /**
+   * The states saved. Default none.
+   */
+  const struct marconi_admit_state *states;
+  /**
+   * Default 0.
+   */
+  size_t n_states;
+  /**
+   * A marconi_id_width value for `kv_pages`: U32 (the default) or I64
+   * (ids the engine owns), U64 (pool handles, or ids).
+   */
+  uint32_t page_width;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * One KV page per full page of tokens, from token 0 (the hit's pages,
+   * then the engine's); over ids the engine owns, none at all is
+   * allowed (an engine that tracks no pages). Default none.
+   */
+  const void *kv_pages;
+  /**
+   * Default 0.
+   */
+  size_t n_kv_pages;
+  /**
+   * NULL (the default), or n_states writable bytes: `taken[i]` is set
+   * to 1 when the cache took states[i]'s unit, else 0.
+   */
+  uint8_t *taken;
+} marconi_admit_request;
+
+/**
+ * One op of marconi_tiered_drain_ops, in the order the tiers decided
+ * them: carry them out in this order.
+ */
+typedef struct marconi_tier_op {
+  /**
+   * A marconi_tier_op_kind value.
+   */
+  uint32_t kind;
+  /**
+   * The marconi_tier written or dropped from.
+   */
+  uint32_t tier;
+  /**
+   * The namespace.
+   */
+  uint64_t ns;
+  /**
+   * The chain's position: its tokens are `position` long.
+   */
+  uint32_t position;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * Where the chain's tokens start in the tokens buffer of the drain.
+   */
+  uint64_t tokens_offset;
+  /**
+   * Bytes the tier charges anew (WRITE), 0 (DROP).
+   */
+  uint64_t bytes;
+} marconi_tier_op;
+
+/**
+ * The buffers of marconi_cache_drain_with and what it wrote. Versioned by
+ * size: set struct_size to sizeof(marconi_drain) and the buffers (NULL
+ * with capacity 0 for a size query), then read the counts.
+ */
+typedef struct marconi_drain {
+  /**
+   * sizeof(marconi_drain) as the caller compiled it.
+   */
+  uint32_t struct_size;
+  /**
+   * Reserved, 0.
+   */
+  uint32_t reserved;
+  /**
+   * The tier ops (a cache with lower tiers; none otherwise), as
+   * marconi_cache_drain_ops writes them.
+   */
+  struct marconi_tier_op *ops;
+  /**
+   * Capacity of `ops`.
+   */
+  size_t ops_cap;
+  /**
+   * Written: the ops drained (or pending, with BUFFER_TOO_SMALL).
+   */
+  size_t n_ops;
+  /**
+   * The ops' chain tokens (each op's `position` tokens from its
+   * tokens_offset).
+   */
+  uint32_t *op_tokens;
+  /**
+   * Capacity of `op_tokens`.
+   */
+  size_t op_tokens_cap;
+  /**
+   * Written: the tokens drained (or pending).
+   */
+  size_t n_op_tokens;
+  /**
+   * The KV pages freed by evictions: ids the engine owns, or pool
+   * handles (already back in their pool: stale).
+   */
+  uint64_t *kv_pages;
+  /**
+   * Capacity of `kv_pages`.
+   */
+  size_t kv_pages_cap;
+  /**
+   * Written: the pages drained (or pending).
+   */
+  size_t n_kv_pages;
+  /**
+   * The state slots freed: ids, or pool handles.
+   */
+  uint64_t *state_slots;
+  /**
+   * Capacity of `state_slots`.
+   */
+  size_t state_slots_cap;
+  /**
+   * Written: the slots drained (or pending).
+   */
+  size_t n_state_slots;
+} marconi_drain;
+
+/**
  * Configuration of an events handle. Versioned by size: fill it with
  * marconi_events_config_init(&cfg, sizeof cfg), then set fields.
  */
@@ -1879,8 +2061,8 @@ typedef struct marconi_lookup_request {
    */
   uint32_t struct_size;
   /**
-   * A marconi_token_width value: what `tokens` points to. Default
-   * MARCONI_TOKEN_WIDTH_U32.
+   * A marconi_id_width value: what `tokens` points to. Default
+   * MARCONI_ID_WIDTH_U32.
    */
   uint32_t token_width;
   /**
@@ -3058,41 +3240,6 @@ typedef struct marconi_load_order {
 } marconi_load_order;
 
 /**
- * One op of marconi_tiered_drain_ops, in the order the tiers decided
- * them: carry them out in this order.
- */
-typedef struct marconi_tier_op {
-  /**
-   * A marconi_tier_op_kind value.
-   */
-  uint32_t kind;
-  /**
-   * The marconi_tier written or dropped from.
-   */
-  uint32_t tier;
-  /**
-   * The namespace.
-   */
-  uint64_t ns;
-  /**
-   * The chain's position: its tokens are `position` long.
-   */
-  uint32_t position;
-  /**
-   * Reserved, 0.
-   */
-  uint32_t reserved;
-  /**
-   * Where the chain's tokens start in the tokens buffer of the drain.
-   */
-  uint64_t tokens_offset;
-  /**
-   * Bytes the tier charges anew (WRITE), 0 (DROP).
-   */
-  uint64_t bytes;
-} marconi_tier_op;
-
-/**
  * Counters and gauges of a tiered cache, per tier where an array (index
  * marconi_tier). Versioned by size: set struct_size to
  * sizeof(marconi_tiered_stats) first.
@@ -3698,6 +3845,62 @@ marconi_status marconi_cache_config_preset(struct marconi_cache_config *cfg,
  * `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
  */
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
+
+/**
+ * Fills `*req` with the defaults (documented per field) and sets
+ * `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
+ * struct_size is smaller than the first version's.
+ *
+ * # Safety
+ *
+ * `req` is NULL or points to `struct_size` writable bytes.
+ */
+marconi_status marconi_admit_request_init(struct marconi_admit_request *req, size_t struct_size);
+
+/**
+ * Admits `req->tokens` under `req->lease` on a cache of any
+ * configuration, with the states saved and the KV pages, and writes the
+ * outcome to `*out`: the one admit. Over ids the engine owns it is
+ * marconi_cache_admit (or _admit_i64, with int64 widths); over pools
+ * marconi_cache_admit_pooled (page_width must be MARCONI_ID_WIDTH_U64:
+ * handles are 64 bits). Ownership, the `taken` flags and the errors are
+ * those of the call it stands for; nothing changes on error.
+ *
+ * Errors besides: MARCONI_STATUS_INVALID_ARGUMENT for an unknown width, a
+ * reserved field not 0, an int64 id outside [0, 2^32 - 1], or over ids a
+ * unit or page of 2^32 or more.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `req` is NULL or an initialised
+ * request whose arrays have their lengths in readable elements (`taken`:
+ * writable), or are NULL with 0; `out` is writable or NULL.
+ */
+marconi_status marconi_cache_admit_with(const struct marconi_cache *cache,
+                                        const struct marconi_admit_request *req,
+                                        struct marconi_admit_result *out);
+
+/**
+ * Drains, on a cache of any configuration, what the engine must act on
+ * after a call: the tier ops in order (carry them out first: a WRITE
+ * reads units freed with it), then the KV pages and state slots freed by
+ * evictions (ids the engine reuses at once, or stale pool handles): the
+ * one drain, standing for marconi_cache_drain_ops followed by
+ * marconi_cache_drain_freed or marconi_cache_drain_freed_units, in one
+ * call. All or nothing: when any buffer is too small (NULL with capacity 0
+ * is a size query), returns MARCONI_STATUS_BUFFER_TOO_SMALL with every
+ * count written and drains nothing.
+ *
+ * Thread safety: safe to call concurrently on the same cache; each op and
+ * each freed unit is delivered to exactly one caller.
+ *
+ * # Safety
+ *
+ * `cache` is a live handle or NULL; `d` is NULL or points to
+ * d->struct_size readable and writable bytes, each buffer with its
+ * capacity in writable elements (or NULL).
+ */
+marconi_status marconi_cache_drain_with(const struct marconi_cache *cache, struct marconi_drain *d);
 
 /**
  * Fills `*cfg` with the defaults (documented per field) and sets

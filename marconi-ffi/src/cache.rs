@@ -131,6 +131,13 @@ impl Inner {
         }
     }
 
+    /// The freed ids waiting for the engine (KV pages, state slots), after
+    /// collecting what the core freed since the last call.
+    pub(crate) fn freed_ids(&mut self) -> (&mut Vec<u32>, &mut Vec<u32>) {
+        self.collect_freed();
+        (&mut self.freed_pages, &mut self.freed_slots)
+    }
+
     /// Whether `slot` holds a state the cache owns (admitted, not yet
     /// freed by an eviction).
     pub(crate) fn owns_slot(&self, slot: u32) -> bool {
@@ -909,7 +916,7 @@ impl TokenSource {
     /// # Safety
     ///
     /// As [`TokenSource::read`].
-    unsafe fn ids<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
+    pub(crate) unsafe fn ids<'a>(self, what: &str) -> FfiResult<Cow<'a, [u32]>> {
         match self {
             // SAFETY: forwarded caller contract.
             TokenSource::U32(p, n) => Ok(Cow::Borrowed(unsafe { in_slice(p, n, what) }?)),
@@ -1158,7 +1165,7 @@ pub unsafe extern "C" fn marconi_cache_admit(
         require!(out);
         // SAFETY: forwarded caller contract.
         unsafe {
-            admit(
+            admit_ids(
                 cache,
                 lease,
                 TokenSource::U32(tokens, n_tokens),
@@ -1206,7 +1213,7 @@ pub unsafe extern "C" fn marconi_cache_admit_i64(
         require!(out);
         // SAFETY: forwarded caller contract.
         unsafe {
-            admit(
+            admit_ids(
                 cache,
                 lease,
                 TokenSource::I64(tokens, n_tokens),
@@ -1219,12 +1226,13 @@ pub unsafe extern "C" fn marconi_cache_admit_i64(
     })
 }
 
-/// The body of marconi_cache_admit(_i64), after the NULL checks.
+/// The body of marconi_cache_admit(_i64) (and of marconi_cache_admit_with
+/// over ids), after the NULL checks.
 ///
 /// # Safety
 ///
 /// As marconi_cache_admit.
-unsafe fn admit(
+pub(crate) unsafe fn admit_ids(
     cache: *const marconi_cache,
     lease: u64,
     tokens: TokenSource,

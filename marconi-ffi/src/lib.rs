@@ -24,6 +24,7 @@ use std::ffi::c_char;
 
 pub mod cache;
 pub mod config;
+pub mod cycle;
 pub mod events;
 pub mod gguf;
 mod handle;

@@ -22,16 +22,19 @@ use crate::status::{
 use crate::store::{marconi_store, probe_states};
 use crate::tiered::{lookup_tiers, tier_code};
 
-/// marconi_lookup_request.token_width, marconi_admit_request.token_width:
-/// how the caller's array holds the token ids.
+/// How a caller's array holds ids (marconi_lookup_request.token_width,
+/// marconi_admit_request.token_width and .page_width).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum marconi_token_width {
+pub enum marconi_id_width {
     /// uint32_t ids.
     U32 = 0,
     /// int64_t ids, each in [0, 2^32 - 1] (Python's array('q'), torch's
     /// int64 tensors), read in place.
     I64 = 1,
+    /// uint64_t: pool handles (a cache over pools), or ids below 2^32.
+    /// Pages only.
+    U64 = 2,
 }
 
 /// marconi_cache_lookup_with on a cache with lower tiers: the device's view
@@ -46,8 +49,8 @@ pub const MARCONI_LOOKUP_DEVICE_ONLY: u32 = 4;
 pub struct marconi_lookup_request {
     /// sizeof(marconi_lookup_request) as the caller compiled it.
     pub struct_size: u32,
-    /// A marconi_token_width value: what `tokens` points to. Default
-    /// MARCONI_TOKEN_WIDTH_U32.
+    /// A marconi_id_width value: what `tokens` points to. Default
+    /// MARCONI_ID_WIDTH_U32.
     pub token_width: u32,
     /// The namespace (a LoRA id or cache salt). Default 0.
     pub ns: u64,
@@ -82,7 +85,7 @@ impl marconi_lookup_request {
     fn defaults() -> Self {
         marconi_lookup_request {
             struct_size: std::mem::size_of::<marconi_lookup_request>() as u32,
-            token_width: marconi_token_width::U32 as u32,
+            token_width: marconi_id_width::U32 as u32,
             ns: 0,
             tokens: std::ptr::null(),
             n_tokens: 0,
@@ -231,7 +234,7 @@ pub unsafe extern "C" fn marconi_cache_lookup_with(
             w => {
                 return Err(FfiError::new(
                     marconi_status::InvalidArgument,
-                    format!("token_width {w} is unknown (MARCONI_TOKEN_WIDTH_U32 or _I64)"),
+                    format!("token_width {w}: tokens are MARCONI_ID_WIDTH_U32 or _I64"),
                 ))
             }
         };

@@ -77,7 +77,7 @@ pub(crate) struct Pools {
     pub(crate) leases: HashMap<u64, PoolLease>,
     backend: marconi_pool_backend,
     /// Evicted handles not yet drained by the engine.
-    freed: Vec<u64>,
+    pub(crate) freed: Vec<u64>,
     /// With lower tiers (marconi_cache_config.tiers): what the tier calls
     /// keep.
     tiers: Option<TierBook>,
@@ -140,6 +140,12 @@ impl Pools {
         device_only: bool,
     ) -> Result<PooledLookup, PooledError> {
         with!(&mut self.joined, c => c.lookup_opts(ns, input, hints, opts, device_only))
+    }
+
+    /// Moves the handles evicted since the last call into `freed`.
+    pub(crate) fn collect_freed(&mut self) {
+        let more = with!(&mut self.joined, c => c.drain_freed());
+        self.freed.extend(more.iter().map(|h| h.raw()));
     }
 
     /// Whether lower tiers were configured.
@@ -581,62 +587,90 @@ pub unsafe extern "C" fn marconi_cache_admit_pooled(
         require!(kv_pages, len = n_kv_pages);
         require!(taken, cap = n_states);
         require!(out);
-        // SAFETY: live handle or NULL.
-        let h = unsafe { handle(cache) }?;
         // SAFETY: buffer contracts.
-        let tokens = unsafe { in_slice(tokens, n_tokens, "tokens") }?;
-        // SAFETY: as above.
         let states = unsafe { in_slice(states, n_states, "states") }?;
         // SAFETY: as above.
         let kv_pages = unsafe { in_slice(kv_pages, n_kv_pages, "kv_pages") }?;
         // SAFETY: as above.
         let taken = unsafe { out_slice(taken, n_states, "taken") }?;
-        check_ptr!(out);
-        let mut g = h.lock()?;
-        let g = &mut *g;
-        g.pools("marconi_cache_admit_pooled")?;
-        let core = g.core_lease(lease)?;
-        if let Some(i) = states.iter().position(|s| s.reserved != 0) {
-            return Err(FfiError::new(
-                marconi_status::InvalidArgument,
-                format!("states[{i}].reserved must be 0"),
-            ));
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            admit_units(
+                cache,
+                lease,
+                TokenSource::U32(tokens, n_tokens),
+                states,
+                kv_pages,
+                taken,
+                out,
+            )
         }
-        let pstates: Vec<PooledState> = states
-            .iter()
-            .map(|s| PooledState {
-                position: s.position,
-                slot: VirtualHandle::from_raw(s.state_handle),
-            })
-            .collect();
-        let pages: Vec<VirtualHandle> = kv_pages
-            .iter()
-            .map(|&r| VirtualHandle::from_raw(r))
-            .collect();
-        let p = g.pools("marconi_cache_admit_pooled")?;
-        let a =
-            with!(&mut p.joined, c => c.admit(core, tokens, &pstates, &pages)).map_err(
-                |e| match e {
-                    PooledError::Cache(CacheError::UnknownLease(_)) => unknown_lease(lease),
-                    e => pooled_err(e),
-                },
-            );
-        g.collect_log();
-        let a = a?;
-        let o = &a.outcome;
-        for (t, s) in taken.iter_mut().zip(states) {
-            *t = u8::from(
-                o.states_taken.contains(&s.position)
-                    && a.taken.iter().any(|h| h.raw() == s.state_handle),
-            );
-        }
-        let states_taken = taken.iter().filter(|&&t| t == 1).count() as u32;
-        let res =
-            marconi_admit_result::of(o, states_taken, states.len() as u32 - states_taken, true);
-        // SAFETY: out checked, writable.
-        unsafe { out.write(res) };
-        Ok(())
     })
+}
+
+/// The body of marconi_cache_admit_pooled (and of marconi_cache_admit_with
+/// over pools), after the buffer checks.
+///
+/// # Safety
+///
+/// `cache` is a live handle or NULL; `tokens` follows its contract; `out`
+/// is writable or NULL.
+pub(crate) unsafe fn admit_units(
+    cache: *const marconi_cache,
+    lease: u64,
+    tokens: TokenSource,
+    states: &[marconi_pooled_state],
+    kv_pages: &[u64],
+    taken: &mut [u8],
+    out: *mut marconi_admit_result,
+) -> FfiResult {
+    // SAFETY: live handle or NULL.
+    let h = unsafe { handle(cache) }?;
+    // SAFETY: buffer contract.
+    let tokens = unsafe { tokens.read("tokens") }?;
+    let tokens = &tokens[..];
+    check_ptr!(out);
+    let mut g = h.lock()?;
+    let g = &mut *g;
+    g.pools("marconi_cache_admit_pooled")?;
+    let core = g.core_lease(lease)?;
+    if let Some(i) = states.iter().position(|s| s.reserved != 0) {
+        return Err(FfiError::new(
+            marconi_status::InvalidArgument,
+            format!("states[{i}].reserved must be 0"),
+        ));
+    }
+    let pstates: Vec<PooledState> = states
+        .iter()
+        .map(|s| PooledState {
+            position: s.position,
+            slot: VirtualHandle::from_raw(s.state_handle),
+        })
+        .collect();
+    let pages: Vec<VirtualHandle> = kv_pages
+        .iter()
+        .map(|&r| VirtualHandle::from_raw(r))
+        .collect();
+    let p = g.pools("marconi_cache_admit_pooled")?;
+    let a =
+        with!(&mut p.joined, c => c.admit(core, tokens, &pstates, &pages)).map_err(|e| match e {
+            PooledError::Cache(CacheError::UnknownLease(_)) => unknown_lease(lease),
+            e => pooled_err(e),
+        });
+    g.collect_log();
+    let a = a?;
+    let o = &a.outcome;
+    for (t, s) in taken.iter_mut().zip(states) {
+        *t = u8::from(
+            o.states_taken.contains(&s.position)
+                && a.taken.iter().any(|h| h.raw() == s.state_handle),
+        );
+    }
+    let states_taken = taken.iter().filter(|&&t| t == 1).count() as u32;
+    let res = marconi_admit_result::of(o, states_taken, states.len() as u32 - states_taken, true);
+    // SAFETY: out checked, writable.
+    unsafe { out.write(res) };
+    Ok(())
 }
 
 /// Frees `handles[0..n]`, units the caller holds on a cache over pools
@@ -710,8 +744,7 @@ pub unsafe extern "C" fn marconi_cache_drain_freed_units(
         check_ptr!(out_len);
         let mut g = h.lock()?;
         let p = g.pools("marconi_cache_drain_freed_units")?;
-        let more = with!(&mut p.joined, c => c.drain_freed());
-        p.freed.extend(more.iter().map(|h| h.raw()));
+        p.collect_freed();
         copy_list(&p.freed, buf, out_len)?;
         p.freed.clear();
         Ok(())

@@ -1024,8 +1024,7 @@ pub unsafe extern "C" fn marconi_cache_drain_ops(
         let mut side = g.tier_side("marconi_cache_drain_ops")?;
         side.collect_ops();
         let t = side.book();
-        let need_ops = t.ops.len();
-        let need_tokens: usize = t.ops.iter().map(|o| op_parts(o).3.len()).sum();
+        let (need_ops, need_tokens) = ops_need(&t.ops);
         // SAFETY: n_ops and n_tokens are non-NULL, aligned and writable.
         unsafe {
             n_ops.write(need_ops);
@@ -1041,24 +1040,35 @@ pub unsafe extern "C" fn marconi_cache_drain_ops(
                 ),
             ));
         }
-        let mut at = 0usize;
-        for (dst, o) in ops.iter_mut().zip(&t.ops) {
-            let (kind, tier, ns, prefix, position, bytes) = op_parts(o);
-            tokens[at..at + prefix.len()].copy_from_slice(prefix);
-            *dst = marconi_tier_op {
-                kind: kind as u32,
-                tier: tier_code(tier),
-                ns,
-                position,
-                reserved: 0,
-                tokens_offset: at as u64,
-                bytes,
-            };
-            at += prefix.len();
-        }
+        write_ops(&t.ops, ops, tokens);
         t.ops.clear();
         Ok(())
     })
+}
+
+/// The ops and tokens a drain of `ops` writes.
+pub(crate) fn ops_need(ops: &[TierOp]) -> (usize, usize) {
+    (ops.len(), ops.iter().map(|o| op_parts(o).3.len()).sum())
+}
+
+/// Writes `ops` into `out` and their chains' tokens into `tokens` (both
+/// at least [`ops_need`] long).
+pub(crate) fn write_ops(ops: &[TierOp], out: &mut [marconi_tier_op], tokens: &mut [u32]) {
+    let mut at = 0usize;
+    for (dst, o) in out.iter_mut().zip(ops) {
+        let (kind, tier, ns, prefix, position, bytes) = op_parts(o);
+        tokens[at..at + prefix.len()].copy_from_slice(prefix);
+        *dst = marconi_tier_op {
+            kind: kind as u32,
+            tier: tier_code(tier),
+            ns,
+            position,
+            reserved: 0,
+            tokens_offset: at as u64,
+            bytes,
+        };
+        at += prefix.len();
+    }
 }
 
 type OpParts<'a> = (marconi_tier_op_kind, Tier, u64, &'a [u32], u32, u64);

@@ -643,6 +643,52 @@ class marconi_lookup_result(Structure):
     )
 
 
+class marconi_admit_state(Structure):
+    """struct marconi_admit_state."""
+
+    _fields_ = [("position", c_uint32), ("reserved", c_uint32), ("unit", c_uint64)]
+
+
+class marconi_admit_request(Structure):
+    """struct marconi_admit_request (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("token_width", c_uint32),
+        ("lease", c_uint64),
+        ("tokens", c_void_p),
+        ("n_tokens", c_size_t),
+        ("states", POINTER(marconi_admit_state)),
+        ("n_states", c_size_t),
+        ("page_width", c_uint32),
+        ("reserved", c_uint32),
+        ("kv_pages", c_void_p),
+        ("n_kv_pages", c_size_t),
+        ("taken", POINTER(c_uint8)),
+    ]
+
+
+class marconi_drain(Structure):
+    """struct marconi_drain (versioned by struct_size)."""
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("reserved", c_uint32),
+        ("ops", POINTER(marconi_tier_op)),
+        ("ops_cap", c_size_t),
+        ("n_ops", c_size_t),
+        ("op_tokens", POINTER(c_uint32)),
+        ("op_tokens_cap", c_size_t),
+        ("n_op_tokens", c_size_t),
+        ("kv_pages", POINTER(c_uint64)),
+        ("kv_pages_cap", c_size_t),
+        ("n_kv_pages", c_size_t),
+        ("state_slots", POINTER(c_uint64)),
+        ("state_slots_cap", c_size_t),
+        ("n_state_slots", c_size_t),
+    ]
+
+
 STRUCTS = {
     cls.__name__: cls
     for cls in (
@@ -680,6 +726,9 @@ STRUCTS = {
         marconi_tiered_stats,
         marconi_lookup_request,
         marconi_lookup_result,
+        marconi_admit_state,
+        marconi_admit_request,
+        marconi_drain,
     )
 }
 STRUCTS.update(_pml_abi.PML_STRUCTS)
@@ -825,6 +874,12 @@ SIGNATURES = {
     # The tiers of a cache (marconi-ffi/src/tiered.rs, docs/tiers.md).
     "marconi_tier_options_init": (status_t, [POINTER(marconi_tier_options), c_size_t]),
     "marconi_lookup_request_init": (status_t, [POINTER(marconi_lookup_request), c_size_t]),
+    "marconi_admit_request_init": (status_t, [POINTER(marconi_admit_request), c_size_t]),
+    "marconi_cache_admit_with": (
+        status_t,
+        [_cache_p, POINTER(marconi_admit_request), POINTER(marconi_admit_result)],
+    ),
+    "marconi_cache_drain_with": (status_t, [_cache_p, POINTER(marconi_drain)]),
     "marconi_cache_lookup_with": (
         status_t,
         [_cache_p, POINTER(marconi_lookup_request), POINTER(marconi_lookup_result)],

@@ -1,14 +1,16 @@
-//! The one lookup (marconi_cache_lookup_with) against every lookup it
-//! stands for, on twin caches driven by the same requests: over ids the
-//! engine owns (u32 and int64 ids, hints, flags, the request's own slot),
-//! with lower tiers (every tier, and the device's view), over pools with
-//! and without tiers; then its refusals, each leaving no lease behind.
+//! The one lookup, admit and drain (marconi_cache_lookup_with,
+//! _admit_with, _drain_with) against every call they stand for, on twin
+//! caches driven by the same requests: over ids the engine owns (u32 and
+//! int64 ids, hints, flags, the request's own slot), with lower tiers
+//! (every tier, and the device's view), over pools with and without
+//! tiers; then their refusals, each leaving nothing behind.
 
 use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
 use marconi::config::*;
+use marconi::cycle::*;
 use marconi::lookup::*;
 use marconi::pool::*;
 use marconi::pooled::*;
@@ -50,7 +52,7 @@ fn lookup_with(c: *const marconi_cache, r: &Req) -> (marconi_status, marconi_loo
     let mut q = init(marconi_lookup_request_init);
     q.ns = r.ns;
     if r.wide {
-        q.token_width = marconi_token_width::I64 as u32;
+        q.token_width = marconi_id_width::I64 as u32;
         q.tokens = wide.as_ptr().cast();
     } else {
         q.tokens = r.tokens.as_ptr().cast();
@@ -102,7 +104,8 @@ fn admit_ids(
     plan: &[u32],
     hit: &[u64],
     next: &mut u32,
-) {
+    with: Option<bool>,
+) -> (marconi_admit_result, Vec<u8>) {
     let end = tokens.len() as u32 / PAGE * PAGE;
     let mut positions: Vec<u32> = plan.iter().copied().filter(|&p| p <= end).collect();
     if !positions.contains(&end) {
@@ -120,15 +123,161 @@ fn admit_ids(
     let st = states(&positions, &slots);
     let mut taken = vec![0u8; st.len()];
     let mut out = marconi_admit_result::default();
-    ok(admit(c, lease, tokens, &st, &pages, &mut taken, &mut out));
+    match with {
+        None => ok(admit(c, lease, tokens, &st, &pages, &mut taken, &mut out)),
+        Some(wide) => {
+            let units: Vec<marconi_admit_state> = st
+                .iter()
+                .map(|s| marconi_admit_state {
+                    position: s.position,
+                    reserved: 0,
+                    unit: u64::from(s.slot),
+                })
+                .collect();
+            let (t64, p64): (Vec<i64>, Vec<i64>) = (
+                tokens.iter().map(|&t| i64::from(t)).collect(),
+                pages.iter().map(|&p| i64::from(p)).collect(),
+            );
+            let mut q = init(marconi_admit_request_init);
+            q.lease = lease;
+            if wide {
+                q.token_width = marconi_id_width::I64 as u32;
+                q.page_width = marconi_id_width::I64 as u32;
+                q.tokens = t64.as_ptr().cast();
+                q.kv_pages = p64.as_ptr().cast();
+            } else {
+                q.tokens = tokens.as_ptr().cast();
+                q.kv_pages = pages.as_ptr().cast();
+            }
+            q.n_tokens = tokens.len();
+            q.n_kv_pages = pages.len();
+            q.states = units.as_ptr();
+            q.n_states = units.len();
+            q.taken = taken.as_mut_ptr();
+            // SAFETY: the arrays live for the call.
+            ok(unsafe { marconi_cache_admit_with(c, &q, &mut out) });
+        }
+    }
     // SAFETY: live handle and lease.
     ok(unsafe { marconi_cache_release(c, lease) });
+    (out, taken)
+}
+
+/// What a drain gives: ops (kind, tier, ns, position, tokens), freed pages
+/// and slots.
+type Drained = (Vec<(u32, u32, u64, u32, Vec<u32>)>, Vec<u64>, Vec<u64>);
+
+/// The legacy drains: marconi_cache_drain_ops (with tiers), then
+/// marconi_cache_drain_freed or, over pools, _drain_freed_units (split by
+/// kind).
+fn drain_legacy(c: *const marconi_cache, tiers: bool, pooled: bool) -> Drained {
+    let mut ops_out = Vec::new();
+    if tiers {
+        let (mut ops, mut toks) = (vec![marconi_tier_op::default(); 4096], vec![0u32; 1 << 20]);
+        let (st, n, _) = drain_tier_ops(marconi_cache_drain_ops, c, &mut ops, &mut toks);
+        ok(st);
+        for o in &ops[..n] {
+            let at = o.tokens_offset as usize;
+            ops_out.push((
+                o.kind,
+                o.tier,
+                o.ns,
+                o.position,
+                toks[at..at + o.position as usize].to_vec(),
+            ));
+        }
+    }
+    if pooled {
+        let (mut buf, mut n) = (vec![0u64; 4096], 0usize);
+        // SAFETY: buf has its length.
+        ok(unsafe { marconi_cache_drain_freed_units(c, buf.as_mut_ptr(), buf.len(), &mut n) });
+        buf.truncate(n);
+        let (kv, st): (Vec<u64>, Vec<u64>) = buf.into_iter().partition(|&h| {
+            marconi_gpu::VirtualHandle::from_raw(h).pool() == marconi_gpu::PoolKind::Kv
+        });
+        return (ops_out, kv, st);
+    }
+    let (mut p, mut s) = (vec![0u32; 4096], vec![0u32; 4096]);
+    let (st, np, ns) = drain_freed(c, &mut p, &mut s);
+    ok(st);
+    (
+        ops_out,
+        p[..np].iter().map(|&v| u64::from(v)).collect(),
+        s[..ns].iter().map(|&v| u64::from(v)).collect(),
+    )
+}
+
+/// marconi_cache_drain_with, after a size query that must give the same
+/// counts.
+fn drain_one(c: *const marconi_cache) -> Drained {
+    let mut d = marconi_drain {
+        struct_size: size_of::<marconi_drain>() as u32,
+        reserved: 0,
+        ops: ptr::null_mut(),
+        ops_cap: 0,
+        n_ops: 0,
+        op_tokens: ptr::null_mut(),
+        op_tokens_cap: 0,
+        n_op_tokens: 0,
+        kv_pages: ptr::null_mut(),
+        kv_pages_cap: 0,
+        n_kv_pages: 0,
+        state_slots: ptr::null_mut(),
+        state_slots_cap: 0,
+        n_state_slots: 0,
+    };
+    // SAFETY: a size query: every buffer NULL with capacity 0.
+    let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+    let want = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
+    assert!(
+        st == marconi_status::Ok && want == (0, 0, 0, 0) || st == marconi_status::BufferTooSmall,
+        "{st:?}"
+    );
+    let mut ops = vec![marconi_tier_op::default(); d.n_ops];
+    let mut toks = vec![0u32; d.n_op_tokens];
+    let mut pages = vec![0u64; d.n_kv_pages];
+    let mut slots = vec![0u64; d.n_state_slots];
+    d.ops = ops.as_mut_ptr();
+    d.ops_cap = ops.len();
+    d.op_tokens = toks.as_mut_ptr();
+    d.op_tokens_cap = toks.len();
+    d.kv_pages = pages.as_mut_ptr();
+    d.kv_pages_cap = pages.len();
+    d.state_slots = slots.as_mut_ptr();
+    d.state_slots_cap = slots.len();
+    // SAFETY: buffers of the capacities given.
+    ok(unsafe { marconi_cache_drain_with(c, &mut d) });
+    assert_eq!(
+        (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots),
+        want
+    );
+    let ops = ops
+        .iter()
+        .map(|o| {
+            let at = o.tokens_offset as usize;
+            (
+                o.kind,
+                o.tier,
+                o.ns,
+                o.position,
+                toks[at..at + o.position as usize].to_vec(),
+            )
+        })
+        .collect();
+    (ops, pages, slots)
 }
 
 /// Admits `tokens` over pools under `lease` (its hit pages `hit`): pages
 /// and slots reserved for the rest, the units not taken freed; then
 /// releases. Loads are not carried out: these twins compare decisions.
-fn admit_pooled(c: *const marconi_cache, lease: u64, tokens: &[u32], plan: &[u32], hit: &[u64]) {
+fn admit_pooled(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    plan: &[u32],
+    hit: &[u64],
+    with: bool,
+) -> (marconi_admit_result, Vec<u8>) {
     let full = tokens.len() as u32 / PAGE;
     let end = full * PAGE;
     let mut positions: Vec<u32> = plan.iter().copied().filter(|&p| p <= end).collect();
@@ -161,20 +310,42 @@ fn admit_pooled(c: *const marconi_cache, lease: u64, tokens: &[u32], plan: &[u32
         .collect();
     let mut taken = vec![0u8; st.len()];
     let mut out = marconi_admit_result::default();
+    let units: Vec<marconi_admit_state> = st
+        .iter()
+        .map(|s| marconi_admit_state {
+            position: s.position,
+            reserved: 0,
+            unit: s.state_handle,
+        })
+        .collect();
+    let mut q = init(marconi_admit_request_init);
+    q.lease = lease;
+    q.tokens = tokens.as_ptr().cast();
+    q.n_tokens = tokens.len();
+    q.states = units.as_ptr();
+    q.n_states = units.len();
+    q.page_width = marconi_id_width::U64 as u32;
+    q.kv_pages = all.as_ptr().cast();
+    q.n_kv_pages = all.len();
+    q.taken = taken.as_mut_ptr();
     // SAFETY: every array readable (taken writable) for its length.
     ok(unsafe {
-        marconi_cache_admit_pooled(
-            c,
-            lease,
-            tokens.as_ptr(),
-            tokens.len(),
-            st.as_ptr(),
-            st.len(),
-            all.as_ptr(),
-            all.len(),
-            taken.as_mut_ptr(),
-            &mut out,
-        )
+        if with {
+            return_admit_with(c, &q, &mut out)
+        } else {
+            marconi_cache_admit_pooled(
+                c,
+                lease,
+                tokens.as_ptr(),
+                tokens.len(),
+                st.as_ptr(),
+                st.len(),
+                all.as_ptr(),
+                all.len(),
+                taken.as_mut_ptr(),
+                &mut out,
+            )
+        }
     });
     let range = out.kv_pages_taken_start as usize..out.kv_pages_taken_end as usize;
     let mut free: Vec<u64> = all
@@ -194,6 +365,21 @@ fn admit_pooled(c: *const marconi_cache, lease: u64, tokens: &[u32], plan: &[u32
     ok(unsafe { marconi_cache_free_units(c, free.as_ptr(), free.len()) });
     // SAFETY: live handle and lease.
     ok(unsafe { marconi_cache_release(c, lease) });
+    (out, taken)
+}
+
+/// marconi_cache_admit_with, for the same match arm as the legacy call.
+///
+/// # Safety
+///
+/// As marconi_cache_admit_with.
+unsafe fn return_admit_with(
+    c: *const marconi_cache,
+    q: &marconi_admit_request,
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    // SAFETY: forwarded.
+    unsafe { marconi_cache_admit_with(c, q, out) }
 }
 
 /// Requests over a few shared documents, with the variants of the lookup
@@ -291,14 +477,14 @@ fn decisions(r: &marconi_lookup_result, pooled: bool) -> [u64; 12] {
 }
 
 #[test]
-fn the_one_lookup_is_each_lookup_over_ids() {
+fn the_one_cycle_is_each_call_over_ids() {
     let mut cfg = device_config(2000);
     cfg.page_size = PAGE;
-    // Room for twenty chains: hits, and evictions late.
-    cfg.capacity_bytes = 20 * chain(200);
+    // Room for ten chains: hits, and evictions.
+    cfg.capacity_bytes = 10 * chain(200);
     let (a, b) = (new_cache(&cfg), new_cache(&cfg));
     let (mut next_a, mut next_b) = (0u32, 0u32);
-    let mut hits = 0;
+    let (mut hits, mut freed) = (0, 0);
     for (i, r) in requests(60).into_iter().enumerate() {
         let mut r = r;
         if i % 5 == 4 {
@@ -316,14 +502,22 @@ fn the_one_lookup_is_each_lookup_over_ids() {
         let (pb, kb) = lease_lists(b, lb.lease, false);
         assert_eq!((&pa, &ka), (&pb, &kb), "request {i}: plan and pages");
         hits += u32::from(la.hit_tokens > 0);
-        admit_ids(a, la.lease, &r.tokens, &pa, &ka, &mut next_a);
-        admit_ids(b, lb.lease, &r.tokens, &pb, &kb, &mut next_b);
+        let aa = admit_ids(a, la.lease, &r.tokens, &pa, &ka, &mut next_a, None);
+        let ab = admit_ids(b, lb.lease, &r.tokens, &pb, &kb, &mut next_b, Some(r.wide));
+        assert_eq!(aa, ab, "request {i}: the admissions");
+        let (da, db) = (drain_legacy(a, false, false), drain_one(b));
+        assert_eq!(da, db, "request {i}: the drains");
+        freed += da.1.len() + da.2.len();
     }
+    assert!(freed > 0, "nothing was evicted");
     assert!(hits > 20, "{hits} hits");
     let (sa, sb) = (cache_stats(a), cache_stats(b));
     assert_eq!((sa.requests, sa.hit_tokens), (sb.requests, sb.hit_tokens));
-    // Hints and flags together: only the one lookup takes both.
-    let mut r = requests(1).remove(0);
+    // Hints and flags together: only the one lookup takes both (the last
+    // request again: cached).
+    let mut r = requests(60).pop().unwrap();
+    r.wide = false;
+    r.dst_slot = MARCONI_NO_SLOT;
     r.hints = vec![4 * PAGE];
     r.flags = MARCONI_LOOKUP_WHOLE_INPUT | MARCONI_LOOKUP_NO_KV_PAGES;
     let (st, l) = lookup_with(b, &r);
@@ -359,14 +553,14 @@ fn tiered_config(host_tokens: u64) -> (marconi_cache_config, Box<marconi_tier_op
 }
 
 #[test]
-fn the_one_lookup_weighs_every_tier_or_the_device_only() {
+fn the_one_cycle_weighs_every_tier_or_the_device_only() {
     let (cfg, _o) = tiered_config(100_000);
     // a: marconi_cache_lookup_tiered, b: the one lookup; c:
     // marconi_cache_lookup (the device's view), d: the one lookup with
     // MARCONI_LOOKUP_DEVICE_ONLY.
     let [a, b, c, d] = [(); 4].map(|_| new_cache(&cfg));
     let mut next = [0u32; 4];
-    let mut lower = 0;
+    let (mut lower, mut ops) = (0, 0);
     for (i, r) in requests(60).into_iter().enumerate() {
         let r = Req {
             wide: false,
@@ -431,14 +625,27 @@ fn the_one_lookup_weighs_every_tier_or_the_device_only() {
         ok(st);
         assert_eq!(decisions(&lc, false), decisions(&ld, false), "request {i}");
         assert_eq!(ld.n_loads, 0);
+        let mut got = Vec::new();
         for (k, (cache, lease)) in [(a, la.lease), (b, lb.lease), (c, lc.lease), (d, ld.lease)]
             .into_iter()
             .enumerate()
         {
             let (plan, hit) = lease_lists(cache, lease, false);
-            admit_ids(cache, lease, &r.tokens, &plan, &hit, &mut next[k]);
+            // b and d: the one admit and the one drain.
+            let with = (k % 2 == 1).then_some(i % 2 == 0);
+            let admitted = admit_ids(cache, lease, &r.tokens, &plan, &hit, &mut next[k], with);
+            let drained = if with.is_some() {
+                drain_one(cache)
+            } else {
+                drain_legacy(cache, true, false)
+            };
+            got.push((admitted, drained));
         }
+        assert_eq!(got[0], got[1], "request {i}: every tier");
+        assert_eq!(got[2], got[3], "request {i}: the device's view");
+        ops += got[0].1 .0.len();
     }
+    assert!(ops > 0, "no tier op");
     assert!(lower > 5, "{lower} lower-tier hits");
     for c in [a, b, c, d] {
         // SAFETY: live handle.
@@ -471,7 +678,7 @@ fn pooled_config(
 }
 
 #[test]
-fn the_one_lookup_over_pools_with_and_without_tiers() {
+fn the_one_cycle_over_pools_with_and_without_tiers() {
     let mut t = init(marconi_tier_options_init);
     t.write_mode = marconi_tier_write::Through as u32;
     t.host.capacity_bytes = 1 << 40;
@@ -481,7 +688,7 @@ fn the_one_lookup_over_pools_with_and_without_tiers() {
     for tiers in [None, Some(&t)] {
         let (cfg, _p) = pooled_config(tiers);
         let (a, b) = (new_cache(&cfg), new_cache(&cfg));
-        let mut lower = 0;
+        let (mut lower, mut freed, mut ops) = (0, 0, 0);
         for (i, r) in requests(40).into_iter().enumerate() {
             let r = Req { flags: 0, ..r };
             let mut la = marconi_pooled_lookup::default();
@@ -528,10 +735,19 @@ fn the_one_lookup_over_pools_with_and_without_tiers() {
             let (pb, kb) = lease_lists(b, lb.lease, true);
             assert_eq!((pa.len(), ka.len()), (pb.len(), kb.len()));
             assert_eq!(pa, pb);
-            admit_pooled(a, la.lease, &r.tokens, &pa, &ka);
-            admit_pooled(b, lb.lease, &r.tokens, &pb, &kb);
+            let aa = admit_pooled(a, la.lease, &r.tokens, &pa, &ka, false);
+            let ab = admit_pooled(b, lb.lease, &r.tokens, &pb, &kb, true);
+            assert_eq!(aa, ab, "request {i}: the admissions");
+            let (da, db) = (drain_legacy(a, tiers.is_some(), true), drain_one(b));
+            // Handles name their pool: compare the ops and the counts.
+            assert_eq!(da.0, db.0, "request {i}: the ops");
+            assert_eq!((da.1.len(), da.2.len()), (db.1.len(), db.2.len()));
+            freed += da.1.len() + da.2.len();
+            ops += da.0.len();
         }
         assert_eq!(lower > 0, tiers.is_some(), "{lower} lower-tier hits");
+        assert_eq!(ops > 0, tiers.is_some(), "{ops} ops");
+        assert!(freed > 0, "nothing was evicted");
         // The device's view of a cache over pools and tiers.
         let (st, l) = lookup_with(
             b,
@@ -555,7 +771,7 @@ fn the_one_lookup_over_pools_with_and_without_tiers() {
 }
 
 #[test]
-fn the_one_lookup_refuses_clearly_and_leaves_no_lease() {
+fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
     let mut cfg = device_config(2000);
     cfg.page_size = PAGE;
     let c = new_cache(&cfg);
@@ -597,7 +813,7 @@ fn the_one_lookup_refuses_clearly_and_leaves_no_lease() {
     // An int64 id outside [0, 2^32 - 1].
     let big: Vec<i64> = vec![1, 2, 1 << 40];
     let mut q = init(marconi_lookup_request_init);
-    q.token_width = marconi_token_width::I64 as u32;
+    q.token_width = marconi_id_width::I64 as u32;
     q.tokens = big.as_ptr().cast();
     q.n_tokens = big.len();
     let mut out = marconi_lookup_result {
@@ -662,6 +878,123 @@ fn the_one_lookup_refuses_clearly_and_leaves_no_lease() {
     assert_eq!(cache_stats(c).leases, 0);
     assert_eq!(cache_stats(c).requests, 0);
     assert_eq!(cache_stats(pc).requests, 0);
+
+    // The one admit: each refusal changes nothing (the lease stays).
+    for (cache, pooled) in [(c, false), (pc, true)] {
+        let (st, l) = lookup_with(cache, &r);
+        ok(st);
+        let units = [marconi_admit_state {
+            position: 16,
+            reserved: 0,
+            unit: 1 << 40,
+        }];
+        let pages = [1u64 << 40];
+        let mut q = init(marconi_admit_request_init);
+        q.lease = l.lease;
+        q.tokens = r.tokens.as_ptr().cast();
+        q.n_tokens = r.tokens.len();
+        q.states = units.as_ptr();
+        q.n_states = 1;
+        q.kv_pages = pages.as_ptr().cast();
+        q.n_kv_pages = 1;
+        let mut out = marconi_admit_result::default();
+        let admit_with = |q: &marconi_admit_request, out: &mut marconi_admit_result| {
+            // SAFETY: the arrays live for the call.
+            unsafe { marconi_cache_admit_with(cache, q, out) }
+        };
+        let st = admit_with(&q, &mut out);
+        if pooled {
+            refusal(
+                st,
+                marconi_status::InvalidArgument,
+                "u32 pages",
+                &["MARCONI_ID_WIDTH_U64"],
+            );
+        } else {
+            q.page_width = marconi_id_width::U64 as u32;
+            let st = admit_with(&q, &mut out);
+            refusal(
+                st,
+                marconi_status::InvalidArgument,
+                "wide unit",
+                &["states[0].unit"],
+            );
+        }
+        for (field, v, word) in [
+            ("token_width", 5, "token_width 5"),
+            ("page_width", 9, "page_width 9"),
+            ("reserved", 1, "reserved must be 0"),
+        ] {
+            let mut bad = q;
+            match field {
+                "token_width" => bad.token_width = v,
+                "page_width" => bad.page_width = v,
+                _ => bad.reserved = v,
+            }
+            refusal(
+                admit_with(&bad, &mut out),
+                marconi_status::InvalidArgument,
+                field,
+                &[word],
+            );
+        }
+        let mut small = q;
+        small.struct_size = 8;
+        let st = admit_with(&small, &mut out);
+        assert_eq!(
+            st,
+            marconi_status::UnsupportedStructSize,
+            "{}",
+            last_error()
+        );
+        // SAFETY: a NULL request.
+        let st = unsafe { marconi_cache_admit_with(cache, ptr::null(), &mut out) };
+        refusal(st, marconi_status::NullArgument, "null", &["req"]);
+        assert_eq!(out, marconi_admit_result::default(), "nothing written");
+        // SAFETY: live handle; the lease is still outstanding.
+        ok(unsafe { marconi_cache_release(cache, l.lease) });
+        assert_eq!(cache_stats(cache).leases, 0);
+    }
+
+    // The one drain: NULL, a short struct, a NULL buffer with a capacity.
+    let mut d = marconi_drain {
+        struct_size: 8,
+        reserved: 0,
+        ops: ptr::null_mut(),
+        ops_cap: 0,
+        n_ops: 7,
+        op_tokens: ptr::null_mut(),
+        op_tokens_cap: 0,
+        n_op_tokens: 0,
+        kv_pages: ptr::null_mut(),
+        kv_pages_cap: 0,
+        n_kv_pages: 0,
+        state_slots: ptr::null_mut(),
+        state_slots_cap: 0,
+        n_state_slots: 0,
+    };
+    // SAFETY: d is readable and writable.
+    let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+    assert_eq!(
+        st,
+        marconi_status::UnsupportedStructSize,
+        "{}",
+        last_error()
+    );
+    d.struct_size = size_of::<marconi_drain>() as u32;
+    d.kv_pages_cap = 4;
+    // SAFETY: as above.
+    let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+    refusal(
+        st,
+        marconi_status::NullArgument,
+        "null buffer",
+        &["kv_pages"],
+    );
+    assert_eq!(d.n_ops, 7, "nothing written");
+    // SAFETY: NULL: refused.
+    let st = unsafe { marconi_cache_drain_with(c, ptr::null_mut()) };
+    refusal(st, marconi_status::NullArgument, "null", &["d"]);
     // SAFETY: live handles.
     unsafe {
         marconi::store::marconi_store_free(store);

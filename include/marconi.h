@@ -871,6 +871,38 @@ typedef uint32_t marconi_pml_reuse_mode;
 #endif // __cplusplus
 
 /**
+ * How a caller's array holds ids (marconi_lookup_request.token_width,
+ * marconi_admit_request.token_width and .page_width).
+ */
+enum marconi_id_width
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  /**
+   * uint32_t ids.
+   */
+  MARCONI_ID_WIDTH_U32 = 0,
+  /**
+   * int64_t ids, each in [0, 2^32 - 1] (Python's array('q'), torch's
+   * int64 tensors), read in place.
+   */
+  MARCONI_ID_WIDTH_I64 = 1,
+  /**
+   * uint64_t: pool handles (a cache over pools), or ids below 2^32.
+   * Pages only.
+   */
+  MARCONI_ID_WIDTH_U64 = 2,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum marconi_id_width marconi_id_width;
+#else
+typedef uint32_t marconi_id_width;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+/**
  * A prefix cache handle: opaque to C. Create with marconi_cache_new, free
  * with marconi_cache_free.
  */

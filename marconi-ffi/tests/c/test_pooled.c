@@ -601,6 +601,103 @@ static void test_deprecated_forwarders(void) {
 }
 #pragma GCC diagnostic pop
 
+/* The one lookup, admit and drain on a cache over memfd pools with a host
+ * tier below them (written through): documents cycled past what the pools
+ * hold come back from the host; every host WRITE names a state of the
+ * admission just made; the drain hands out ops, then freed units. */
+static void test_one_cycle_with_tiers(void) {
+  marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
+  uint64_t budget = 4 * p.state_slot_bytes + 40 * p.kv_page_bytes;
+  budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = "nemotron-h-8b";
+  cc.page_size = PAGE;
+  cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
+  cc.alpha = 1.0;
+  marconi_pool_config pc = pool_config(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, budget, 0, 0, 0.3);
+  marconi_tier_options to;
+  OK(marconi_tier_options_init(&to, sizeof to));
+  to.write_mode = MARCONI_TIER_WRITE_THROUGH;
+  to.host.capacity_bytes = 1ull << 40;
+  to.always_load = 1;
+  cc.pools = &pc;
+  cc.tiers = &to;
+  marconi_cache *c = NULL;
+  OK(marconi_cache_new(&cc, &c));
+  static uint32_t seq[160];
+  static uint64_t pages[16], slots[8], hit[16], freed[256], freed_slots[64], untaken[32];
+  static marconi_tier_op ops[64];
+  static uint32_t op_tokens[8192];
+  uint32_t plan[8];
+  int host_writes = 0, lower_hits = 0;
+  for (uint32_t round = 0; round < 3; round++) {
+    for (uint32_t d = 0; d < 8; d++) {
+      for (uint32_t i = 0; i < 160; i++) seq[i] = i < 96 ? d * 10000 + i : 1000000 + round * 10000 + d * 100 + i;
+      marconi_lookup_request q;
+      OK(marconi_lookup_request_init(&q, sizeof q));
+      q.tokens = seq;
+      q.n_tokens = 144;
+      marconi_lookup_result r = {.struct_size = sizeof r};
+      OK(marconi_cache_lookup_with(c, &q, &r));
+      lower_hits += r.tier != MARCONI_TIER_DEVICE;
+      CHECK_EQ(r.tier != MARCONI_TIER_DEVICE, r.n_loads > 0);
+      size_t n_hit = 0, n_plan = 0;
+      OK(marconi_cache_lease_kv_handles(c, r.lease, hit, 16, &n_hit));
+      OK(marconi_cache_lease_plan(c, r.lease, plan, 8, &n_plan));
+      size_t n_pages = 160 / PAGE, want = n_pages - n_hit, n_states = 0;
+      marconi_admit_state st[8];
+      for (size_t i = 0; i < n_plan; i++) st[n_states++] = (marconi_admit_state){plan[i], 0, 0};
+      if (n_states == 0 || st[n_states - 1].position != 160) st[n_states++] = (marconi_admit_state){160, 0, 0};
+      OK(marconi_cache_reserve(c, (uint32_t)want, (uint32_t)n_states, pages + n_hit, want, slots, 8));
+      for (size_t i = 0; i < n_hit; i++) pages[i] = hit[i];
+      for (size_t i = 0; i < n_states; i++) st[i].unit = slots[i];
+      marconi_admit_request a;
+      OK(marconi_admit_request_init(&a, sizeof a));
+      uint8_t taken[8];
+      a.lease = r.lease;
+      a.tokens = seq;
+      a.n_tokens = 160;
+      a.states = st;
+      a.n_states = n_states;
+      a.page_width = MARCONI_ID_WIDTH_U64;
+      a.kv_pages = pages;
+      a.n_kv_pages = n_pages;
+      a.taken = taken;
+      marconi_admit_result res;
+      OK(marconi_cache_admit_with(c, &a, &res));
+      marconi_drain dr = {.struct_size = sizeof dr, .ops = ops, .ops_cap = 64, .op_tokens = op_tokens,
+                          .op_tokens_cap = 8192, .kv_pages = freed, .kv_pages_cap = 256,
+                          .state_slots = freed_slots, .state_slots_cap = 64};
+      OK(marconi_cache_drain_with(c, &dr));
+      for (size_t i = 0; i < dr.n_ops; i++) {
+        if (ops[i].kind != MARCONI_TIER_OP_KIND_WRITE || ops[i].tier != MARCONI_TIER_HOST) continue;
+        int found = 0;
+        for (size_t k = 0; k < n_states; k++) found |= st[k].position == ops[i].position;
+        CHECK(found); /* a chain of this admission: its state is st[k].unit */
+        CHECK(memcmp(op_tokens + ops[i].tokens_offset, seq, ops[i].position * sizeof(uint32_t)) == 0);
+        host_writes++;
+      }
+      size_t n_untaken = 0;
+      for (size_t i = n_hit; i < n_pages; i++)
+        if (i < res.kv_pages_taken_start || i >= res.kv_pages_taken_end) untaken[n_untaken++] = pages[i];
+      for (size_t i = 0; i < n_states; i++)
+        if (!taken[i]) untaken[n_untaken++] = st[i].unit;
+      OK(marconi_cache_free_units(c, untaken, n_untaken));
+      OK(marconi_cache_release(c, r.lease));
+      OK(marconi_cache_check(c));
+    }
+  }
+  marconi_tiered_stats ts = {.struct_size = sizeof ts};
+  OK(marconi_cache_tier_stats(c, &ts));
+  CHECK(host_writes > 0);
+  CHECK(lower_hits > 0);
+  CHECK_EQ(ts.hits_by_tier[MARCONI_TIER_HOST], (uint64_t)lower_hits);
+  CHECK_EQ(stats_of(c).leases, 0);
+  printf("one cycle over pools and a host tier: %d host writes, %d host hits\n", host_writes, lower_hits);
+  marconi_cache_free(c);
+}
+
 int main(void) {
   test_plan();
   test_converged_split();
@@ -610,5 +707,6 @@ int main(void) {
   test_hinted();
   test_wrong_configuration();
   test_deprecated_forwarders();
+  test_one_cycle_with_tiers();
   return check_summary("test_pooled");
 }

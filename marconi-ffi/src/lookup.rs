@@ -335,10 +335,12 @@ pub(crate) unsafe fn lookup_any(
 ) -> FfiResult<marconi_lookup_result> {
     // SAFETY: the caller passes a live handle or NULL.
     let h = unsafe { handle(cache) }?;
-    // Refused before the arguments are read. With tiers over ids, the
-    // store probe's positions are chosen under the lock, its I/O runs
-    // without it.
-    let (route, probe_at) = {
+    // The tier lookups, and any with a store to probe, are refused before
+    // their arguments are read and choose the probe's positions under the
+    // lock (its I/O runs without it); the others read their ids first and
+    // lock once, as the request path wants.
+    let early = ask.entry == Entry::Tiers || !ask.store.is_null();
+    let (known, probe_at) = if early {
         let g = h.lock()?;
         let r = route(&g.core, ask.entry, ask.device_only, ask.what)?;
         let probe_at = match (&g.core, r) {
@@ -348,32 +350,23 @@ pub(crate) unsafe fn lookup_any(
             }
             _ => None,
         };
-        (r, probe_at)
+        if !ask.store.is_null() && r != Route::Tiers {
+            return Err(FfiError::new(
+                marconi_status::Unsupported,
+                format!(
+                    "{}: a store is probed only by a cache with lower tiers over ids the \
+                     engine owns",
+                    ask.what
+                ),
+            ));
+        }
+        (Some(r), probe_at)
+    } else {
+        (None, None)
     };
-    if !ask.store.is_null() && route != Route::Tiers {
-        return Err(FfiError::new(
-            marconi_status::Unsupported,
-            format!(
-                "{}: a store is probed only by a cache with lower tiers over ids the \
-                 engine owns",
-                ask.what
-            ),
-        ));
-    }
-    if route == Route::Pools && ask.dst_slot != MARCONI_NO_SLOT {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!(
-                "{}: dst_slot {} on a cache over pools (copy the state with \
-                 marconi_cache_copy_states)",
-                ask.what, ask.dst_slot
-            ),
-        ));
-    }
     // SAFETY: buffer contract of the entry point.
     let tokens = unsafe { ask.tokens.read("tokens") }?;
     let tokens = &tokens[..];
-    // The probe's I/O runs without the lock.
     let probe = match probe_at {
         Some((positions, hold_kv)) => {
             // SAFETY: store is non-NULL here; a live store handle by contract.
@@ -384,14 +377,30 @@ pub(crate) unsafe fn lookup_any(
         None => None,
     };
     let mut g = h.lock()?;
-    if ask.dst_slot != MARCONI_NO_SLOT && g.owns_slot(ask.dst_slot) {
-        return Err(FfiError::new(
-            marconi_status::InvalidArgument,
-            format!(
-                "dst_slot {} holds a cached state owned by the cache",
-                ask.dst_slot
-            ),
-        ));
+    let route = match known {
+        Some(r) => r,
+        None => route(&g.core, ask.entry, ask.device_only, ask.what)?,
+    };
+    if ask.dst_slot != MARCONI_NO_SLOT {
+        if route == Route::Pools {
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                format!(
+                    "{}: dst_slot {} on a cache over pools (copy the state with \
+                     marconi_cache_copy_states)",
+                    ask.what, ask.dst_slot
+                ),
+            ));
+        }
+        if g.owns_slot(ask.dst_slot) {
+            return Err(FfiError::new(
+                marconi_status::InvalidArgument,
+                format!(
+                    "dst_slot {} holds a cached state owned by the cache",
+                    ask.dst_slot
+                ),
+            ));
+        }
     }
     // Drawn first, so that running out changes nothing.
     let id = new_lease_id()?;

@@ -307,6 +307,13 @@ versioned!(marconi_drain, std::mem::size_of::<marconi_drain>());
 
 impl marconi_drain {
     fn defaults() -> Self {
+        Self::default()
+    }
+}
+
+/// This version's struct_size, no buffers (a size query).
+impl Default for marconi_drain {
+    fn default() -> Self {
         marconi_drain {
             struct_size: std::mem::size_of::<marconi_drain>() as u32,
             reserved: 0,

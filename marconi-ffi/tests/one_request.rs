@@ -210,22 +210,7 @@ fn drain_legacy(c: *const marconi_cache, tiers: bool, pooled: bool) -> Drained {
 /// marconi_cache_drain_with, after a size query that must give the same
 /// counts.
 fn drain_one(c: *const marconi_cache) -> Drained {
-    let mut d = marconi_drain {
-        struct_size: size_of::<marconi_drain>() as u32,
-        reserved: 0,
-        ops: ptr::null_mut(),
-        ops_cap: 0,
-        n_ops: 0,
-        op_tokens: ptr::null_mut(),
-        op_tokens_cap: 0,
-        n_op_tokens: 0,
-        kv_pages: ptr::null_mut(),
-        kv_pages_cap: 0,
-        n_kv_pages: 0,
-        state_slots: ptr::null_mut(),
-        state_slots_cap: 0,
-        n_state_slots: 0,
-    };
+    let mut d = marconi_drain::default();
     // SAFETY: a size query: every buffer NULL with capacity 0.
     let st = unsafe { marconi_cache_drain_with(c, &mut d) };
     let want = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
@@ -959,19 +944,8 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
     // The one drain: NULL, a short struct, a NULL buffer with a capacity.
     let mut d = marconi_drain {
         struct_size: 8,
-        reserved: 0,
-        ops: ptr::null_mut(),
-        ops_cap: 0,
         n_ops: 7,
-        op_tokens: ptr::null_mut(),
-        op_tokens_cap: 0,
-        n_op_tokens: 0,
-        kv_pages: ptr::null_mut(),
-        kv_pages_cap: 0,
-        n_kv_pages: 0,
-        state_slots: ptr::null_mut(),
-        state_slots_cap: 0,
-        n_state_slots: 0,
+        ..Default::default()
     };
     // SAFETY: d is readable and writable.
     let st = unsafe { marconi_cache_drain_with(c, &mut d) };

@@ -3,8 +3,9 @@
 //! with bytes. Each KV page and state holds bytes derived from the tokens
 //! it covers (what a recompute would write), so every device hit, every
 //! host write and every load is checked against what it must hold; the
-//! joined invariants are checked after every request. Write-back tiers and
-//! deferred moves are refused.
+//! joined invariants are checked after every request; the event stream
+//! follows the device's states. Write-back tiers and deferred moves are
+//! refused.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -427,4 +428,49 @@ fn serve_with_tiers_keeps_the_invariants() {
         c.check_invariants();
     }
     assert!(c.tiers().unwrap().stats().hits_by_tier[Tier::Host.index()] > 0);
+}
+
+#[test]
+fn events_over_pools_with_tiers_follow_the_device() {
+    use marconi_core::CacheEvent;
+    use std::collections::BTreeSet;
+    let mut c = PooledCache::with_tiers(cfg(), tiers(WriteMode::Through), backed()).unwrap();
+    c.record_tier_ops(true);
+    c.enable_events().unwrap();
+    let mut e = Engine::default();
+    let mut states: BTreeSet<(u64, Vec<u32>)> = BTreeSet::new();
+    let (mut stored, mut removed) = (0, 0);
+    for (full, input) in workload(8, 6, 3, true) {
+        e.request(&mut c, 4, &full, input);
+        for ev in c.drain_events() {
+            match ev {
+                CacheEvent::AllCleared => states.clear(),
+                CacheEvent::StateStored {
+                    ns,
+                    position,
+                    prefix,
+                } => {
+                    stored += 1;
+                    assert!(states.insert((ns, prefix[..position as usize].to_vec())));
+                }
+                CacheEvent::StateRemoved {
+                    ns,
+                    position,
+                    prefix,
+                } => {
+                    removed += 1;
+                    assert!(states.remove(&(ns, prefix[..position as usize].to_vec())));
+                }
+                _ => {}
+            }
+        }
+        let mut held: Vec<(u64, Vec<u32>)> = c.cache().cached_chains().states;
+        held.sort();
+        assert_eq!(held, states.iter().cloned().collect::<Vec<_>>());
+    }
+    assert!(
+        stored > 0 && removed > 0,
+        "{stored} stored, {removed} removed"
+    );
+    assert!(e.host_hits > 0);
 }

@@ -72,9 +72,9 @@
 use std::collections::{HashMap, HashSet};
 
 use marconi_core::{
-    AdmitOutcome, CacheConfig, CacheError, Freed, LeaseId, Lookup, ModelSpec, PrefixCache,
-    SavedState, Stats, Tier, TierConfig, TierOp, TieredCache, TieredLookup, UnitBudget, UnitKind,
-    UnitUse, WriteMode,
+    AdmitOutcome, CacheConfig, CacheError, Freed, LeaseId, LoadOrder, LoadWhat, Lookup, ModelSpec,
+    PrefixCache, SavedState, Stats, Tier, TierConfig, TierOp, TieredCache, TieredLookup,
+    UnitBudget, UnitKind, UnitUse, WriteMode,
 };
 use serde::Serialize;
 
@@ -257,7 +257,9 @@ pub struct PooledLookup {
     /// With lower tiers ([`PooledCache::with_tiers`]): the lookup of every
     /// tier. Its `hit_tokens` may pass the device's (a host or store hit):
     /// the engine then carries out its `loads` into units it reserved, and
-    /// its `plan` (not the device's) says which states to save. `None`
+    /// its `plan` (not the device's) says which states to save. Its KV
+    /// loads start where `kv_pages` ends (KV the device matched past its
+    /// hit is loaded too: the engine holds no handle for it). `None`
     /// without tiers.
     pub tiered: Option<TieredLookup>,
 }
@@ -676,7 +678,7 @@ impl<A: PoolAllocator> PooledCache<A> {
         input: &[u32],
         checkpoints: &[u32],
     ) -> Result<PooledLookup, PooledError> {
-        let (lookup, tiered) = match &mut self.cache {
+        let (lookup, mut tiered) = match &mut self.cache {
             Device::Plain(c) if checkpoints.is_empty() => (c.lookup(ns, input)?, None),
             Device::Plain(c) => (c.lookup_hinted(ns, input, checkpoints)?, None),
             Device::Tiered(t, _) => {
@@ -703,6 +705,10 @@ impl<A: PoolAllocator> PooledCache<A> {
                 return Err(e);
             }
         };
+        if let Some(tl) = tiered.as_mut() {
+            let kv_per_token = self.cache.get().config().model.kv_bytes_per_token();
+            load_past_device_pages(tl, kv_pages.len() as u32 * self.page_size, kv_per_token);
+        }
         self.lease_pages
             .insert(lookup.lease, kv_pages.iter().map(|h| h.raw()).collect());
         if let (Device::Tiered(_, leases), Some(tl)) = (&mut self.cache, &tiered) {
@@ -1201,6 +1207,47 @@ impl<A: PoolAllocator> PooledCache<A> {
             Some(self.budget()),
             "core's unit budget"
         );
+    }
+}
+
+/// Over pools the engine holds handles for the device hit's pages only
+/// (`held` tokens of KV), not for the KV the device matched past its hit
+/// (`kv_matched_tokens`, which the tiers' loads leave out): a lower tier's
+/// hit loads that KV too, from the tier of its first KV load (which holds
+/// the chain from the start) or, with none, from the hit's own tier.
+fn load_past_device_pages(tl: &mut TieredLookup, held: u32, kv_per_token: u64) {
+    if tl.tier == Tier::Device || held >= tl.hit_tokens {
+        return;
+    }
+    let first = tl
+        .loads
+        .iter()
+        .position(|o| matches!(o.what, LoadWhat::Kv { .. }));
+    match first {
+        Some(k) => {
+            let o = &mut tl.loads[k];
+            if let LoadWhat::Kv { start, end, pages } = &mut o.what {
+                if *start > held {
+                    *start = held;
+                    // The tier's page ids of the range (when tracked) no
+                    // longer match it.
+                    pages.clear();
+                    o.bytes = u64::from(*end - held) * kv_per_token;
+                }
+            }
+        }
+        None => tl.loads.insert(
+            0,
+            LoadOrder {
+                tier: tl.tier,
+                what: LoadWhat::Kv {
+                    start: held,
+                    end: tl.hit_tokens,
+                    pages: Vec::new(),
+                },
+                bytes: u64::from(tl.hit_tokens - held) * kv_per_token,
+            },
+        ),
     }
 }
 

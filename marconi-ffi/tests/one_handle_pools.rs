@@ -849,6 +849,7 @@ fn pool_configurations_that_cannot_make_a_cache_are_refused() {
     assert_eq!(c, sentinel, "nothing written");
     o.write_mode = marconi_tier_write::Through as u32;
     o.defer_moves = 1;
+    cfg.tiers = &o;
     // SAFETY: as above.
     let st = unsafe { marconi_cache_new(&cfg, &mut c) };
     refusal(st, marconi_status::InvalidConfig, "deferred", &["defer_moves"]);

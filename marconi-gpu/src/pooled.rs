@@ -341,7 +341,7 @@ pub struct PooledCache<A: PoolAllocator> {
 /// The cache deciding over the pools: the device cache alone, or with
 /// lower tiers (its lookups kept per lease: admit and release need them).
 enum Device {
-    Plain(PrefixCache),
+    Plain(Box<PrefixCache>),
     Tiered(Box<TieredCache>, HashMap<LeaseId, TieredLookup>),
 }
 
@@ -461,7 +461,7 @@ impl<A: PoolAllocator> PooledCache<A> {
         cfg.capacity_bytes = pool.total_bytes().max(1);
         let page_size = cfg.page_size;
         let cache = match tiers {
-            None => Device::Plain(PrefixCache::new(cfg)?),
+            None => Device::Plain(Box::new(PrefixCache::new(cfg)?)),
             Some(t) => Device::Tiered(Box::new(TieredCache::new(cfg, t)?), HashMap::new()),
         };
         let mut me = PooledCache {

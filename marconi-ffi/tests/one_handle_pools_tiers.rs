@@ -216,7 +216,8 @@ fn held(c: *const marconi_cache) -> Vec<u64> {
 }
 
 /// marconi_cache_check passes, every unit in use is the cache's (the
-/// caller holds none between requests), no lease is outstanding.
+/// caller holds none between requests), no lease is outstanding (in the
+/// C handle or the device), nothing is pinned.
 fn check_all(c: *const marconi_cache) {
     // SAFETY: live handle.
     ok(unsafe { marconi_cache_check(c) });
@@ -236,6 +237,9 @@ fn check_all(c: *const marconi_cache) {
         "units in use that the cache does not hold: a leak"
     );
     assert_eq!(ps.leases, 0);
+    let s = cache_stats(c);
+    assert_eq!(s.leases, 0, "a lease the device still holds");
+    assert_eq!(s.evictable_bytes, s.used_bytes, "pinned with no lease out");
 }
 
 fn is_state(c: *const marconi_cache, h: u64) -> bool {
@@ -435,12 +439,14 @@ impl Engine {
                     .expect("a KV load reads a chain the engine holds");
                 let first = (o.start / PAGE) as usize;
                 assert!(first >= n_dev, "a load into a page the device hit holds");
-                for i in first..o.end.div_ceil(PAGE) as usize {
+                let last = o.end.div_ceil(PAGE) as usize;
+                for (i, &h) in pages.iter().enumerate().take(last).skip(first) {
                     assert_eq!(src.pages[i], kv(full, i), "loaded page {i}");
-                    write(c, pages[i], &src.pages[i]);
-                    self.landed.insert(pages[i]);
+                    write(c, h, &src.pages[i]);
+                    self.landed.insert(h);
                     loaded_to = loaded_to.max(i + 1);
                 }
+                assert!(loaded_to >= last, "a load past the pages reserved");
             } else {
                 assert_eq!(o.kind, marconi_load_kind::State as u32);
                 let src = copies
@@ -469,8 +475,8 @@ impl Engine {
         }
         // Prefill: the pages past what was reused or loaded; the states
         // saved (the hit's own, where planned, is the loaded one).
-        for i in loaded_to..full_pages {
-            write(c, pages[i], &kv(full, i));
+        for (i, &h) in pages.iter().enumerate().skip(loaded_to) {
+            write(c, h, &kv(full, i));
         }
         let states: Vec<marconi_pooled_state> = positions
             .iter()

@@ -26,8 +26,14 @@
 //! every drained batch decodes and, applied in order, rebuilds exactly the
 //! blocks and states of a snapshot of the cache, with no removal of a block
 //! never stored, on caches over engine ids, over pools and with tiers;
-//! refused configurations and calls change nothing. A call that takes longer than
-//! `--watchdog` seconds is reported as a deadlock (the process then exits,
+//! refused configurations and calls change nothing. Caches over pools with
+//! lower tiers (a third of the pooled runs, over memfd): every lease load
+//! and drained tier op carried out on a model of the engine's copies (a
+//! host WRITE reads units of the admission just made, a STORE write a host
+//! copy, a DROP a copy, a load a copy held), units signed by the tokens
+//! they stand for, and after each step the units in use are the cache's
+//! plus the caller's (fuzz_abi_parts/pooled_tiers.rs). A call that takes
+//! longer than `--watchdog` seconds is reported as a deadlock (the process then exits,
 //! since a blocked thread cannot be stopped).
 //!
 //! A finding prints its seed and call index; with `--threads 1` (the default)
@@ -2380,7 +2386,10 @@ impl<'r> Worker<'r> {
             // SAFETY: freed once, never used again.
             self.call("pool_free", || unsafe { marconi_pool_free(p) });
         }
+        // Findings there are the pooled caches', not a run cache's.
+        let prev = self.cur_cache.take();
         self.op_pooled_admits();
+        self.cur_cache = prev;
         self.op_host_pool();
     }
 

@@ -29,11 +29,11 @@ use crate::pool::{
     alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
 };
-use crate::tiered::{marconi_tier_options, tier_config, TierBook};
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct, require,
     write_versioned, FfiError, FfiResult,
 };
+use crate::tiered::{marconi_tier_options, tier_config, TierBook};
 
 enum Joined {
     Plain(PooledCache<DualPool>),

@@ -845,14 +845,24 @@ fn pool_configurations_that_cannot_make_a_cache_are_refused() {
     let mut c = sentinel;
     // SAFETY: valid configs and out pointer.
     let st = unsafe { marconi_cache_new(&cfg, &mut c) };
-    refusal(st, marconi_status::InvalidConfig, "write-back", &["written through"]);
+    refusal(
+        st,
+        marconi_status::InvalidConfig,
+        "write-back",
+        &["written through"],
+    );
     assert_eq!(c, sentinel, "nothing written");
     o.write_mode = marconi_tier_write::Through as u32;
     o.defer_moves = 1;
     cfg.tiers = &o;
     // SAFETY: as above.
     let st = unsafe { marconi_cache_new(&cfg, &mut c) };
-    refusal(st, marconi_status::InvalidConfig, "deferred", &["defer_moves"]);
+    refusal(
+        st,
+        marconi_status::InvalidConfig,
+        "deferred",
+        &["defer_moves"],
+    );
     assert_eq!(c, sentinel, "nothing written");
     cfg.tiers = ptr::null();
     // A model without recurrent layers.

@@ -264,8 +264,8 @@ static ONE_HANDLE_REQUESTS: AtomicU64 = AtomicU64::new(0);
 
 /// Requests served by caches over pools with lower tiers
 /// (`op_pooled_admits`), all seeds: [requests, lower-tier hits loaded,
-/// host writes, store writes, drops].
-static POOLED_TIERS: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+/// host writes, store writes, drops, device hits].
+static POOLED_TIERS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
 
 /// Salt of the stream that draws the lower tiers of `op_pooled_admits`
 /// (a stream of their own: the runs without tiers keep their draws).
@@ -2788,6 +2788,7 @@ impl<'r> Worker<'r> {
                 m.host_writes,
                 m.store_writes,
                 m.drops,
+                m.device_hits,
             ]
             .into_iter()
             .enumerate()
@@ -2843,7 +2844,7 @@ impl<'r> Worker<'r> {
         let model = marconi_core::ModelSpec::preset("nemotron-h-8b").unwrap();
         let (kv, st) = marconi_gpu::pooled::unit_sizes(&model, cc.page_size);
         let chunk = 2u64 << 20;
-        let (slots, pages) = (trng.range(3, 6), trng.range(16, 64));
+        let (slots, pages) = (trng.range(3, 5), trng.range(12, 40));
         pc.backend = marconi_pool_backend::Memfd as u32;
         pc.budget_bytes = (slots * st + pages * kv).div_ceil(chunk) * chunk + chunk;
         pc.state_fraction = ((slots * st + chunk) as f64 / pc.budget_bytes as f64).min(0.95);
@@ -2854,7 +2855,7 @@ impl<'r> Worker<'r> {
         if trng.chance(1, 3) {
             o.store.capacity_bytes = chain * trng.range(8, 64);
         }
-        o.always_load = u32::from(trng.chance(1, 2));
+        o.always_load = u32::from(trng.chance(3, 4));
         o.promote = u32::from(trng.chance(1, 3));
         o.exclusive = u32::from(trng.chance(3, 4));
         o.lower_plans = u32::from(trng.chance(3, 4));
@@ -2896,16 +2897,21 @@ impl<'r> Worker<'r> {
         stale: &mut Vec<u64>,
         foreign: &[u64],
     ) {
-        let docs: Vec<Vec<u32>> = (0..trng.range(2, 5))
+        let docs: Vec<Vec<u32>> = (0..trng.range(3, 6))
             .map(|_| {
-                (0..trng.range(2, 6) * 16)
+                (0..trng.range(3, 8) * 16)
                     .map(|_| trng.below(50_000) as u32 + 1)
                     .collect()
             })
             .collect();
         let mut failures = 0u64;
+        let mut d = 0;
         for _ in 0..trng.range(6, 20) {
-            let d = trng.index(docs.len());
+            // A document asked again at once branches at its end (a state
+            // there, written down): later, a lower tier's hit.
+            if trng.chance(2, 3) {
+                d = trng.index(docs.len());
+            }
             let mut t = docs[d].clone();
             t.extend((0..trng.range(4, 40)).map(|_| trng.below(50_000) as u32 + 120_000));
             let input = t.len() as u32 - trng.range(1, 3) as u32;
@@ -3054,10 +3060,31 @@ impl<'r> Worker<'r> {
         }
         let full_pages = tokens.len() / 16;
         let want = full_pages.saturating_sub(hit.len());
-        let (mut pg, mut sl) = (vec![0u64; want], [0u64; 2]);
+        // With tiers, the plan's states are saved too (a lower tier's hit
+        // needs a state written down at a branch point): a slot each.
+        let end = (tokens.len() / 16 * 16) as u32;
+        let mut plan = vec![0u32; if tm.is_some() { l.n_plan as usize } else { 0 }];
+        if !plan.is_empty() {
+            // SAFETY: plan has its length in writable positions.
+            let st = unsafe {
+                marconi_cache_lease_plan(c, l.lease, plan.as_mut_ptr(), plan.len(), &mut n)
+            };
+            self.expect("cache_lease_plan (pools)", st, &[St::Ok]);
+            plan.retain(|&p| p > 0 && p < end);
+        }
+        let n_slots = 2 + plan.len();
+        let (mut pg, mut sl) = (vec![0u64; want], vec![0u64; n_slots]);
         // SAFETY: writable buffers of their lengths.
         let st = self.call("pooled_cache_reserve", || unsafe {
-            marconi_cache_reserve(c, want as u32, 2, pg.as_mut_ptr(), want, sl.as_mut_ptr(), 2)
+            marconi_cache_reserve(
+                c,
+                want as u32,
+                n_slots as u32,
+                pg.as_mut_ptr(),
+                want,
+                sl.as_mut_ptr(),
+                n_slots,
+            )
         });
         if !self.expect("pooled_cache_reserve", st, &[St::Ok, St::OutOfMemory]) || st != St::Ok {
             // SAFETY: live lease.
@@ -3070,11 +3097,18 @@ impl<'r> Worker<'r> {
         }
         let mut pages = hit.clone();
         pages.extend_from_slice(&pg);
-        let states = [marconi_pooled_state {
-            position: (tokens.len() / 16 * 16) as u32,
+        let mut states = vec![marconi_pooled_state {
+            position: end,
             reserved: 0,
             state_handle: sl[0],
         }];
+        states.extend(plan.iter().zip(&sl[2..]).map(|(&position, &state_handle)| {
+            marconi_pooled_state {
+                position,
+                reserved: 0,
+                state_handle,
+            }
+        }));
         if let Some(tm) = tm.as_deref_mut() {
             // What the reservation evicted first, then the loads from the
             // engine's copies, then "prefill" past what was reused or
@@ -3091,14 +3125,15 @@ impl<'r> Worker<'r> {
                     f.push(format!("prefill of page {i}: {e}"));
                 }
             }
-            let end = states[0].position as usize;
-            if let Err(e) = pooled_tiers::write(c, sl[0], &pooled_tiers::state_sig(&tokens[..end]))
-            {
-                f.push(format!("the state saved: {e}"));
+            for s in &states {
+                let sig = pooled_tiers::state_sig(&tokens[..s.position as usize]);
+                if let Err(e) = pooled_tiers::write(c, s.state_handle, &sig) {
+                    f.push(format!("the state saved at {}: {e}", s.position));
+                }
             }
             f.extend(pooled_tiers::check_units(
                 c,
-                (pg.len() as u64, 2),
+                (pg.len() as u64, n_slots as u64),
                 "after reserve",
             ));
             self.report(f);
@@ -3182,7 +3217,7 @@ impl<'r> Worker<'r> {
                 }
             }
         }
-        let mut taken = [0u8; 1];
+        let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
         // SAFETY: as above.
         let st = self.call("pooled_cache_admit", || unsafe {
@@ -3192,7 +3227,7 @@ impl<'r> Worker<'r> {
                 tokens.as_ptr(),
                 tokens.len(),
                 states.as_ptr(),
-                1,
+                states.len(),
                 pages.as_ptr(),
                 pages.len(),
                 taken.as_mut_ptr(),
@@ -3207,12 +3242,16 @@ impl<'r> Worker<'r> {
                     .filter(|i| !range.contains(i))
                     .map(|i| pages[i]),
             );
-            if taken[0] == 0 {
-                mine.push(sl[0]);
-            }
+            mine.extend(
+                states
+                    .iter()
+                    .zip(&taken)
+                    .filter(|(_, &t)| t == 0)
+                    .map(|(s, _)| s.state_handle),
+            );
         } else {
             mine.extend_from_slice(&pg);
-            mine.push(sl[0]);
+            mine.extend(states.iter().map(|s| s.state_handle));
         }
         mine.push(sl[1]);
         if let Some(tm) = tm.as_deref_mut() {
@@ -4188,8 +4227,8 @@ fn main() {
         .map(|a| a.load(Ordering::Relaxed))
         .collect();
     println!(
-        "fuzz_abi: caches over pools with tiers served {} requests ({} lower-tier hits loaded, {} host writes, {} store writes, {} drops; every op carried out)",
-        pt[0], pt[1], pt[2], pt[3], pt[4]
+        "fuzz_abi: caches over pools with tiers served {} requests ({} device hits checked, {} lower-tier hits loaded, {} host writes, {} store writes, {} drops; every op carried out)",
+        pt[0], pt[5], pt[1], pt[2], pt[3], pt[4]
     );
     if let Some(f) = findings.first() {
         eprintln!(

@@ -110,6 +110,7 @@ pub(crate) struct TierModel {
     copies: [HashMap<(u64, Vec<u32>), Copy>; 2],
     pub(crate) requests: u64,
     pub(crate) lower_hits: u64,
+    pub(crate) device_hits: u64,
     pub(crate) host_writes: u64,
     pub(crate) store_writes: u64,
     pub(crate) drops: u64,
@@ -130,6 +131,7 @@ impl TierModel {
             copies: [HashMap::new(), HashMap::new()],
             requests: 0,
             lower_hits: 0,
+            device_hits: 0,
             host_writes: 0,
             store_writes: 0,
             drops: 0,
@@ -419,7 +421,10 @@ impl TierModel {
                     out.pages_to as u32 * page
                 ));
             }
-        } else if !buf.is_empty() {
+        } else if l.hit_tokens > 0 {
+            self.device_hits += 1;
+        }
+        if !lower_hit && !buf.is_empty() {
             found.push(format!("loads without a lower tier's hit: {buf:?}"));
         }
         (out, found)

@@ -721,7 +721,11 @@ impl TieredCache {
                 .lookup_hinted_with(ns, input, &self.hints, opts)?
         };
         let d = device.hit_tokens;
-        let dkv = device.kv_matched_tokens;
+        // The device KV the engine can use is its hit's pages (the lease
+        // gives none past the hit): KV the device matched past its hit has
+        // no page the engine knows, so a lower tier's hit loads it too.
+        let page = self.device.config().page_size.max(1);
+        let dkv = (d / page * page).min(device.kv_matched_tokens);
         let shared_hit = self.shared_candidate(input.len(), dkv, &probes, probe);
         if let Some(p) = shared_hit {
             probes[1] = Some(Probe { hit: p, kv: p });

@@ -101,8 +101,11 @@ fn check_hit(l: &marconi_core::TieredLookup, input: &[u32], holds: &[bool; 3]) {
         holds[l.tier.index()],
         "the hit's tier held no state at the hit"
     );
-    // The KV loads tile [device KV match, hit), then the state at the hit.
-    let mut at = l.device.kv_matched_tokens.min(l.hit_tokens);
+    // The KV loads tile [the device hit's pages, hit), then the state at
+    // the hit: KV the device matched past its hit has no page the engine
+    // knows (a lease names its hit's pages only), so it is loaded too.
+    let page = CacheConfig::marconi(model(), 1).page_size;
+    let mut at = (d / page * page).min(l.device.kv_matched_tokens);
     let (last, kv) = l.loads.split_last().unwrap();
     for o in kv {
         match &o.what {

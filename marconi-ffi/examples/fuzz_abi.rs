@@ -26,8 +26,14 @@
 //! every drained batch decodes and, applied in order, rebuilds exactly the
 //! blocks and states of a snapshot of the cache, with no removal of a block
 //! never stored, on caches over engine ids, over pools and with tiers;
-//! refused configurations and calls change nothing. A call that takes longer than
-//! `--watchdog` seconds is reported as a deadlock (the process then exits,
+//! refused configurations and calls change nothing. Caches over pools with
+//! lower tiers (a third of the pooled runs, over memfd): every lease load
+//! and drained tier op carried out on a model of the engine's copies (a
+//! host WRITE reads units of the admission just made, a STORE write a host
+//! copy, a DROP a copy, a load a copy held), units signed by the tokens
+//! they stand for, and after each step the units in use are the cache's
+//! plus the caller's (fuzz_abi_parts/pooled_tiers.rs). A call that takes
+//! longer than `--watchdog` seconds is reported as a deadlock (the process then exits,
 //! since a blocked thread cannot be stopped).
 //!
 //! A finding prints its seed and call index; with `--threads 1` (the default)
@@ -52,6 +58,11 @@ use marconi::host_pool::*;
 use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status as St;
+use marconi::tiered::{
+    marconi_cache_lookup_tiered, marconi_cache_report_load_failure, marconi_cache_settle,
+    marconi_cache_tier_stats, marconi_tier_options, marconi_tier_options_init, marconi_tier_write,
+    marconi_tiered_hit, marconi_tiered_stats,
+};
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
 #[path = "../tests/common/mod.rs"]
@@ -60,6 +71,8 @@ mod common;
 mod rng;
 
 use common::{init, last_error};
+#[path = "fuzz_abi_parts/pooled_tiers.rs"]
+mod pooled_tiers;
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
 use rng::Rng;
@@ -248,6 +261,15 @@ static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
 
 /// Of those, requests served through the one cache handle with tiers.
 static ONE_HANDLE_REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// Requests served by caches over pools with lower tiers
+/// (`op_pooled_admits`), all seeds: [requests, lower-tier hits loaded,
+/// host writes, store writes, drops, device hits].
+static POOLED_TIERS: [AtomicU64; 6] = [const { AtomicU64::new(0) }; 6];
+
+/// Salt of the stream that draws the lower tiers of `op_pooled_admits`
+/// (a stream of their own: the runs without tiers keep their draws).
+const TIERS_SALT: u64 = 0x7469_6572_7370_6f6f;
 
 /// The arrays of one marconi_cache_admit call as (pointer, length) pairs
 /// (the fuzzer passes pointers and lengths that disagree on purpose), and
@@ -2364,7 +2386,10 @@ impl<'r> Worker<'r> {
             // SAFETY: freed once, never used again.
             self.call("pool_free", || unsafe { marconi_pool_free(p) });
         }
+        // Findings there are the pooled caches', not a run cache's.
+        let prev = self.cur_cache.take();
         self.op_pooled_admits();
+        self.cur_cache = prev;
         self.op_host_pool();
     }
 
@@ -2603,6 +2628,13 @@ impl<'r> Worker<'r> {
     /// nothing changed, good ones accepted.
     fn op_pooled_admits(&mut self) {
         let mut caches: Vec<*mut marconi_cache> = Vec::new();
+        // A third of the runs put lower tiers below the first cache (memfd
+        // pools small enough to evict, signatures in every unit).
+        let mut trng =
+            Rng::new(self.run.seed ^ TIERS_SALT ^ self.call.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let tiered = trng.chance(1, 3);
+        let mut opts = init(marconi_tier_options_init);
+        let mut tm: Option<pooled_tiers::TierModel> = None;
         for k in 0..2 {
             let mut cc = default_config();
             cc.model_preset = c"nemotron-h-8b".as_ptr();
@@ -2615,6 +2647,11 @@ impl<'r> Worker<'r> {
             let mut c: *mut marconi_cache = ptr::null_mut();
             // The one handle with pools; the other through the deprecated
             // constructor, which makes the same handle.
+            if k == 0 && tiered {
+                self.tier_shape(&mut trng, &mut cc, &mut pc, &mut opts);
+                cc.tiers = &opts;
+                tm = Some(pooled_tiers::TierModel::new(16));
+            }
             let st = if k == 0 {
                 cc.pools = &pc;
                 // SAFETY: whole configs (pc lives through the call); c writable.
@@ -2632,6 +2669,8 @@ impl<'r> Worker<'r> {
             };
             if self.expect("cache_new (pools)", st, &[St::Ok]) {
                 caches.push(c);
+            } else if k == 0 {
+                tm = None;
             }
         }
         // A pool call on one of the run's caches (none has pools): refused,
@@ -2691,7 +2730,15 @@ impl<'r> Worker<'r> {
             .map(|_| self.rng.below(50_000) as u32 + 1)
             .collect();
         let mut stale: Vec<u64> = Vec::new();
-        self.pooled_request(c, &base, base.len() as u32 - 4, None, &mut stale, &[]);
+        self.pooled_request(
+            c,
+            &base,
+            base.len() as u32 - 4,
+            None,
+            &mut stale,
+            &[],
+            tm.as_mut(),
+        );
         // Calls over engine ids have nothing to serve on a cache over pools:
         // refused, nothing changed.
         let held = pooled_list(c, true);
@@ -2728,9 +2775,25 @@ impl<'r> Worker<'r> {
             t.extend((0..self.rng.range(20, 60)).map(|_| self.rng.below(50_000) as u32 + 60_000));
             let source = self.rng.below(7) as u8;
             let input = t.len() as u32 - 3;
-            self.pooled_request(c, &t, input, Some(source), &mut stale, &fpg);
+            self.pooled_request(c, &t, input, Some(source), &mut stale, &fpg, tm.as_mut());
             if let Some(ev) = ev.filter(|_| self.rng.chance(1, 2)) {
                 self.events_drain(ev, c, &mut mirror);
+            }
+        }
+        if let Some(mut m) = tm.take() {
+            self.pooled_tier_requests(c, &mut trng, &mut m, &mut stale, &fpg);
+            for (k, v) in [
+                m.requests,
+                m.lower_hits,
+                m.host_writes,
+                m.store_writes,
+                m.drops,
+                m.device_hits,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                POOLED_TIERS[k].fetch_add(v, Ordering::Relaxed);
             }
         }
         if let Some(ev) = ev {
@@ -2766,11 +2829,205 @@ impl<'r> Worker<'r> {
         }
     }
 
+    /// The lower tiers of a cache over pools (written through; a host tier,
+    /// a store below it on some, always_load, promote, exclusive and
+    /// lower_plans drawn) over memfd pools of a few states and pages of
+    /// `cc`'s model; on some runs a write-back configuration first, which
+    /// must be refused with nothing written.
+    fn tier_shape(
+        &mut self,
+        trng: &mut Rng,
+        cc: &mut marconi_cache_config,
+        pc: &mut marconi_pool_config,
+        o: &mut marconi_tier_options,
+    ) {
+        let model = marconi_core::ModelSpec::preset("nemotron-h-8b").unwrap();
+        let (kv, st) = marconi_gpu::pooled::unit_sizes(&model, cc.page_size);
+        let chunk = 2u64 << 20;
+        let (slots, pages) = (trng.range(3, 5), trng.range(12, 40));
+        pc.backend = marconi_pool_backend::Memfd as u32;
+        pc.budget_bytes = (slots * st + pages * kv).div_ceil(chunk) * chunk + chunk;
+        pc.state_fraction = ((slots * st + chunk) as f64 / pc.budget_bytes as f64).min(0.95);
+        pc.migration = trng.below(2) as u32;
+        let chain = model.kv_bytes_per_token() * 64 + model.state_bytes();
+        o.write_mode = marconi_tier_write::Through as u32;
+        o.host.capacity_bytes = chain * trng.range(2, 12);
+        if trng.chance(1, 3) {
+            o.store.capacity_bytes = chain * trng.range(8, 64);
+        }
+        o.always_load = u32::from(trng.chance(3, 4));
+        o.promote = u32::from(trng.chance(1, 3));
+        o.exclusive = u32::from(trng.chance(3, 4));
+        o.lower_plans = u32::from(trng.chance(3, 4));
+        if trng.chance(1, 4) {
+            let mut bad = *o;
+            bad.write_mode = marconi_tier_write::Back as u32;
+            let mut cfg = *cc;
+            cfg.pools = &*pc;
+            cfg.tiers = &bad;
+            let sentinel = ptr::NonNull::<marconi_cache>::dangling().as_ptr();
+            let mut c = sentinel;
+            // SAFETY: whole configs living through the call; c writable.
+            let st = self.call("cache_new (pools, tiers written back)", || unsafe {
+                marconi_cache_new(&cfg, &mut c)
+            });
+            self.expect(
+                "cache_new over pools with tiers written back",
+                st,
+                &[St::InvalidConfig],
+            );
+            if c != sentinel {
+                finding!(
+                    self,
+                    "a refused cache_new (pools, write-back) wrote its out pointer"
+                );
+            }
+        }
+    }
+
+    /// Requests over a few documents on a cache over pools with tiers (it
+    /// evicts: lower-tier hits and their loads), with settle, a reported
+    /// load failure and a refused lookup_tiered among them; the tier stats
+    /// agree with what was reported.
+    fn pooled_tier_requests(
+        &mut self,
+        c: *mut marconi_cache,
+        trng: &mut Rng,
+        tm: &mut pooled_tiers::TierModel,
+        stale: &mut Vec<u64>,
+        foreign: &[u64],
+    ) {
+        let docs: Vec<Vec<u32>> = (0..trng.range(3, 6))
+            .map(|_| {
+                (0..trng.range(3, 8) * 16)
+                    .map(|_| trng.below(50_000) as u32 + 1)
+                    .collect()
+            })
+            .collect();
+        let mut failures = 0u64;
+        let mut d = 0;
+        for _ in 0..trng.range(6, 20) {
+            // A document asked again at once branches at its end (a state
+            // there, written down): later, a lower tier's hit.
+            if trng.chance(2, 3) {
+                d = trng.index(docs.len());
+            }
+            let mut t = docs[d].clone();
+            t.extend((0..trng.range(4, 40)).map(|_| trng.below(50_000) as u32 + 120_000));
+            let input = t.len() as u32 - trng.range(1, 3) as u32;
+            self.pooled_request(c, &t, input, None, stale, foreign, Some(&mut *tm));
+            match trng.below(8) {
+                0 => {
+                    // SAFETY: live handle.
+                    let st = self.call("cache_settle (pools)", || unsafe {
+                        marconi_cache_settle(c)
+                    });
+                    self.expect("cache_settle over pools with tiers", st, &[St::Ok]);
+                    let f = tm.drain(c, None);
+                    self.report(f);
+                }
+                1 => {
+                    let mut hit = marconi_tiered_hit::default();
+                    // SAFETY: t readable, hit writable.
+                    let st = self.call("cache_lookup_tiered (pools)", || unsafe {
+                        marconi_cache_lookup_tiered(
+                            c,
+                            0,
+                            t.as_ptr(),
+                            t.len(),
+                            ptr::null(),
+                            0,
+                            ptr::null(),
+                            &mut hit,
+                        )
+                    });
+                    self.expect(
+                        "cache_lookup_tiered over pools with tiers",
+                        st,
+                        &[St::Unsupported],
+                    );
+                    if hit != marconi_tiered_hit::default()
+                        || !last_error().contains("marconi_cache_lookup_pooled")
+                    {
+                        finding!(
+                            self,
+                            "a refused lookup_tiered over pools wrote its output or named no call to use ({})",
+                            last_error()
+                        );
+                    }
+                }
+                2 => {
+                    let mut l = marconi_pooled_lookup::default();
+                    // SAFETY: t readable, l writable.
+                    let st = self.call("cache_lookup_pooled (load failure)", || unsafe {
+                        marconi_cache_lookup_pooled(c, 0, t.as_ptr(), input as usize, &mut l)
+                    });
+                    if self.expect("cache_lookup_pooled", st, &[St::Ok]) {
+                        // SAFETY: live lease.
+                        let st = self.call("cache_report_load_failure", || unsafe {
+                            marconi_cache_report_load_failure(c, l.lease)
+                        });
+                        failures += u64::from(self.expect(
+                            "cache_report_load_failure on a live lease",
+                            st,
+                            &[St::Ok],
+                        ));
+                        // SAFETY: live lease.
+                        let st = self.call("cache_release (load failure)", || unsafe {
+                            marconi_cache_release(c, l.lease)
+                        });
+                        self.expect("cache_release", st, &[St::Ok]);
+                        let f = tm.drain(c, None);
+                        self.report(f);
+                        if let Some(f) =
+                            pooled_tiers::check_units(c, (0, 0), "after a load failure")
+                        {
+                            finding!(self, "{f}");
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut s = marconi_tiered_stats {
+            struct_size: size_of::<marconi_tiered_stats>() as u32,
+            ..Default::default()
+        };
+        // SAFETY: live handle, out sized by struct_size.
+        let st = self.call("cache_tier_stats (pools)", || unsafe {
+            marconi_cache_tier_stats(c, &mut s)
+        });
+        if self.expect("cache_tier_stats over pools", st, &[St::Ok])
+            && (s.load_failures != failures
+                || s.hits_by_tier[1] + s.hits_by_tier[2] < tm.lower_hits)
+        {
+            finding!(
+                self,
+                "tier stats over pools: {} load failures of {failures} reported, {} + {} lower hits of {} loaded",
+                s.load_failures,
+                s.hits_by_tier[1],
+                s.hits_by_tier[2],
+                tm.lower_hits
+            );
+        }
+    }
+
+    /// Each of `found` as a finding.
+    fn report(&mut self, found: Vec<String>) {
+        for f in found {
+            finding!(self, "pooled tiers: {f}");
+        }
+    }
+
     /// One request through cache `c`; with `source`, first an admit whose
     /// page or slot list carries a handle from that source (0 the caller's:
     /// valid; 1 a page the cache holds elsewhere; 2 another cache's page;
     /// 3 a stale handle; 4 a reserved page twice; 5 a reserved slot twice;
-    /// 6 the lease's own hit page at another position).
+    /// 6 the lease's own hit page at another position). With `tm` (a cache
+    /// with lower tiers over memfd pools) the engine model also checks the
+    /// device hit's bytes, carries out the lease's loads into the reserved
+    /// units and every drained op, and checks the units after each step.
+    #[expect(clippy::too_many_arguments, reason = "one request's whole context")]
     fn pooled_request(
         &mut self,
         c: *mut marconi_cache,
@@ -2779,6 +3036,7 @@ impl<'r> Worker<'r> {
         source: Option<u8>,
         stale: &mut Vec<u64>,
         foreign: &[u64],
+        mut tm: Option<&mut pooled_tiers::TierModel>,
     ) {
         let mut l = marconi_pooled_lookup::default();
         // SAFETY: tokens readable, l writable.
@@ -2795,25 +3053,91 @@ impl<'r> Worker<'r> {
             marconi_cache_lease_kv_handles(c, l.lease, hit.as_mut_ptr(), hit.len(), &mut n)
         };
         self.expect("pooled_cache_lease_kv_pages", st, &[St::Ok]);
+        if let Some(tm) = tm.as_deref_mut() {
+            let mut f = tm.drain(c, None);
+            f.extend(tm.check_hit(c, tokens, &l, &hit));
+            self.report(f);
+        }
         let full_pages = tokens.len() / 16;
         let want = full_pages.saturating_sub(hit.len());
-        let (mut pg, mut sl) = (vec![0u64; want], [0u64; 2]);
+        // With tiers, the plan's states are saved too (a lower tier's hit
+        // needs a state written down at a branch point): a slot each.
+        let end = (tokens.len() / 16 * 16) as u32;
+        let mut plan = vec![0u32; if tm.is_some() { l.n_plan as usize } else { 0 }];
+        if !plan.is_empty() {
+            // SAFETY: plan has its length in writable positions.
+            let st = unsafe {
+                marconi_cache_lease_plan(c, l.lease, plan.as_mut_ptr(), plan.len(), &mut n)
+            };
+            self.expect("cache_lease_plan (pools)", st, &[St::Ok]);
+            plan.retain(|&p| p > 0 && p < end);
+        }
+        let n_slots = 2 + plan.len();
+        let (mut pg, mut sl) = (vec![0u64; want], vec![0u64; n_slots]);
         // SAFETY: writable buffers of their lengths.
         let st = self.call("pooled_cache_reserve", || unsafe {
-            marconi_cache_reserve(c, want as u32, 2, pg.as_mut_ptr(), want, sl.as_mut_ptr(), 2)
+            marconi_cache_reserve(
+                c,
+                want as u32,
+                n_slots as u32,
+                pg.as_mut_ptr(),
+                want,
+                sl.as_mut_ptr(),
+                n_slots,
+            )
         });
         if !self.expect("pooled_cache_reserve", st, &[St::Ok, St::OutOfMemory]) || st != St::Ok {
             // SAFETY: live lease.
             unsafe { marconi_cache_release(c, l.lease) };
+            if let Some(tm) = tm.as_deref_mut() {
+                let f = tm.drain(c, None);
+                self.report(f);
+            }
             return;
         }
         let mut pages = hit.clone();
         pages.extend_from_slice(&pg);
-        let states = [marconi_pooled_state {
-            position: (tokens.len() / 16 * 16) as u32,
+        let mut states = vec![marconi_pooled_state {
+            position: end,
             reserved: 0,
             state_handle: sl[0],
         }];
+        states.extend(plan.iter().zip(&sl[2..]).map(|(&position, &state_handle)| {
+            marconi_pooled_state {
+                position,
+                reserved: 0,
+                state_handle,
+            }
+        }));
+        if let Some(tm) = tm.as_deref_mut() {
+            // What the reservation evicted first, then the loads from the
+            // engine's copies, then "prefill" past what was reused or
+            // loaded, and the state saved.
+            let mut f = tm.drain(c, None);
+            let (loaded, more) = tm.load(c, 0, tokens, &l, &pages, sl[1]);
+            f.extend(more);
+            for (i, &h) in pages
+                .iter()
+                .enumerate()
+                .skip(loaded.pages_to.max(hit.len()))
+            {
+                if let Err(e) = pooled_tiers::write(c, h, &pooled_tiers::kv_sig(tokens, 16, i)) {
+                    f.push(format!("prefill of page {i}: {e}"));
+                }
+            }
+            for s in &states {
+                let sig = pooled_tiers::state_sig(&tokens[..s.position as usize]);
+                if let Err(e) = pooled_tiers::write(c, s.state_handle, &sig) {
+                    f.push(format!("the state saved at {}: {e}", s.position));
+                }
+            }
+            f.extend(pooled_tiers::check_units(
+                c,
+                (pg.len() as u64, n_slots as u64),
+                "after reserve",
+            ));
+            self.report(f);
+        }
         let held = pooled_list(c, true);
         let before = held.clone();
         if let Some(src) = source {
@@ -2887,9 +3211,13 @@ impl<'r> Worker<'r> {
                         "a refused pooled admit (source {src}) changed what the cache holds"
                     );
                 }
+                if let Some(tm) = tm.as_deref_mut() {
+                    let f = tm.drain(c, None);
+                    self.report(f);
+                }
             }
         }
-        let mut taken = [0u8; 1];
+        let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
         // SAFETY: as above.
         let st = self.call("pooled_cache_admit", || unsafe {
@@ -2899,7 +3227,7 @@ impl<'r> Worker<'r> {
                 tokens.as_ptr(),
                 tokens.len(),
                 states.as_ptr(),
-                1,
+                states.len(),
                 pages.as_ptr(),
                 pages.len(),
                 taken.as_mut_ptr(),
@@ -2914,14 +3242,31 @@ impl<'r> Worker<'r> {
                     .filter(|i| !range.contains(i))
                     .map(|i| pages[i]),
             );
-            if taken[0] == 0 {
-                mine.push(sl[0]);
-            }
+            mine.extend(
+                states
+                    .iter()
+                    .zip(&taken)
+                    .filter(|(_, &t)| t == 0)
+                    .map(|(s, _)| s.state_handle),
+            );
         } else {
             mine.extend_from_slice(&pg);
-            mine.push(sl[0]);
+            mine.extend(states.iter().map(|s| s.state_handle));
         }
         mine.push(sl[1]);
+        if let Some(tm) = tm.as_deref_mut() {
+            // The host writes read this admission's units: before any is
+            // freed.
+            let adm = pooled_tiers::Admission {
+                pages: &pages,
+                states: &states,
+            };
+            let mut f = tm.drain(c, Some(&adm));
+            let slots = mine.iter().filter(|&&h| is_state(h)).count() as u64;
+            let caller = (mine.len() as u64 - slots, slots);
+            f.extend(pooled_tiers::check_units(c, caller, "after admit"));
+            self.report(f);
+        }
         let now = pooled_list(c, true);
         if let Some(h) = mine.iter().find(|h| now.contains(h)) {
             finding!(
@@ -2940,14 +3285,26 @@ impl<'r> Worker<'r> {
         );
         stale.extend_from_slice(&mine);
         stale.extend(pooled_list(c, false));
+        if let Some(tm) = tm.as_deref_mut() {
+            let f = tm.drain(c, None);
+            self.report(f);
+        }
         // SAFETY: live lease.
         let st = self.call("pooled_cache_release", || unsafe {
             marconi_cache_release(c, l.lease)
         });
         self.expect("pooled_cache_release", st, &[St::Ok]);
+        if let Some(tm) = tm {
+            let f = tm.drain(c, None);
+            self.report(f);
+        }
         // SAFETY: live handle.
         let st = unsafe { marconi_cache_check(c) };
         self.expect("pooled_cache_check", st, &[St::Ok]);
+        // No unit leaked: the caller holds none of this cache's now.
+        if let Some(f) = pooled_tiers::check_units(c, (0, 0), "after a request") {
+            finding!(self, "{f}");
+        }
     }
 
     fn op_messages(&mut self) {
@@ -3864,6 +4221,14 @@ fn main() {
         "fuzz_abi: tiered cache lives served {} requests (ops replayed, copies checked after each), {} through the one cache handle (int64 lookups, flags, device views, events)",
         TIERED_REQUESTS.load(Ordering::Relaxed),
         ONE_HANDLE_REQUESTS.load(Ordering::Relaxed)
+    );
+    let pt: Vec<u64> = POOLED_TIERS
+        .iter()
+        .map(|a| a.load(Ordering::Relaxed))
+        .collect();
+    println!(
+        "fuzz_abi: caches over pools with tiers served {} requests ({} device hits checked, {} lower-tier hits loaded, {} host writes, {} store writes, {} drops; every op carried out)",
+        pt[0], pt[5], pt[1], pt[2], pt[3], pt[4]
     );
     if let Some(f) = findings.first() {
         eprintln!(

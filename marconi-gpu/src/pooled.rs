@@ -257,7 +257,9 @@ pub struct PooledLookup {
     /// With lower tiers ([`PooledCache::with_tiers`]): the lookup of every
     /// tier. Its `hit_tokens` may pass the device's (a host or store hit):
     /// the engine then carries out its `loads` into units it reserved, and
-    /// its `plan` (not the device's) says which states to save. `None`
+    /// its `plan` (not the device's) says which states to save. Its KV
+    /// loads start where `kv_pages` ends (KV the device matched past its
+    /// hit is loaded too: the engine holds no handle for it). `None`
     /// without tiers.
     pub tiered: Option<TieredLookup>,
 }

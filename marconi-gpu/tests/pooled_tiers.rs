@@ -474,3 +474,40 @@ fn events_over_pools_with_tiers_follow_the_device() {
     );
     assert!(e.host_hits > 0);
 }
+
+/// A lower tier's hit where the device still holds KV past its own hit:
+/// a document loaded from the host (its state there not promoted, its
+/// pages admitted) asked again. The engine holds handles for the device
+/// hit's pages only (none here), so the loads must bring the KV from
+/// there on, not from the device's matched KV past its hit.
+#[test]
+fn a_lower_hit_over_kv_the_device_matched_loads_that_kv() {
+    let mut c = PooledCache::with_tiers(cfg(), tiers(WriteMode::Through), backed()).unwrap();
+    c.record_tier_ops(true);
+    let mut e = Engine::default();
+    // Document 1 twice (a branch at its end: a state there, written down),
+    // six others (it leaves the device), then 1 twice.
+    let w = workload_of(&[1, 1, 2, 3, 4, 5, 6, 7, 1, 1], 6, 1);
+    for (full, input) in &w {
+        e.request(&mut c, 9, full, *input);
+    }
+    assert_eq!(e.host_hits, 2, "document 1 came back from the host twice");
+}
+
+/// Requests for the documents of `order` as [`workload`] makes them.
+fn workload_of(order: &[u32], pages: u32, rounds: u32) -> Vec<(Vec<u32>, usize)> {
+    let mut out = Vec::new();
+    let mut fresh = 1_000_000;
+    for _ in 0..rounds {
+        for &d in order {
+            let mut full: Vec<u32> = (0..pages * PAGE).map(|i| d * 10_000 + i).collect();
+            for _ in 0..2 * PAGE {
+                full.push(fresh);
+                fresh += 1;
+            }
+            let input = full.len() - PAGE as usize;
+            out.push((full, input));
+        }
+    }
+    out
+}

@@ -66,7 +66,7 @@ pub struct marconi_admit_request {
     /// Default 0.
     pub n_kv_pages: usize,
     /// NULL (the default), or n_states writable bytes: `taken[i]` is set
-    /// to 1 when the cache took states[i]'s unit, else 0.
+    /// to 1 when the cache took the unit of `states[i]`, else 0.
     pub taken: *mut u8,
 }
 versioned!(

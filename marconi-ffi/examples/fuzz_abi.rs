@@ -55,8 +55,8 @@ use marconi::cache::*;
 use marconi::config::*;
 use marconi::cycle::*;
 use marconi::events::*;
-use marconi::lookup::*;
 use marconi::host_pool::*;
+use marconi::lookup::*;
 use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status as St;
@@ -879,7 +879,9 @@ impl<'r> Worker<'r> {
                     VIA_WITH[0].fetch_add(1, Ordering::Relaxed);
                     lookup_via_with(h, ns, &input, hints.as_deref(), dst, wide, &mut l)
                 }
-                (None, None) => marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l),
+                (None, None) => {
+                    marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l)
+                }
                 (Some(hs), None) => marconi_cache_lookup_hinted(
                     h,
                     ns,
@@ -1342,13 +1344,18 @@ impl<'r> Worker<'r> {
             ..Default::default()
         };
         // SAFETY: a size query: every buffer NULL with capacity 0.
-        let st = self.call("drain_with", || unsafe { marconi_cache_drain_with(h, &mut d) });
+        let st = self.call("drain_with", || unsafe {
+            marconi_cache_drain_with(h, &mut d)
+        });
         if !self.expect("drain_with size query", st, &[St::Ok, St::BufferTooSmall]) {
             return;
         }
         let (np, ns) = (d.n_kv_pages, d.n_state_slots);
         if st == St::Ok && (np, ns, d.n_ops) != (0, 0, 0) {
-            finding!(self, "drain_with OK into empty buffers with {np} pages, {ns} slots");
+            finding!(
+                self,
+                "drain_with OK into empty buffers with {np} pages, {ns} slots"
+            );
         }
         let extra = if exact { 0 } else { 64 };
         let mut pages = vec![0u64; np + extra];
@@ -1364,7 +1371,9 @@ impl<'r> Worker<'r> {
         d.op_tokens = toks.as_mut_ptr();
         d.op_tokens_cap = toks.len();
         // SAFETY: buffers passed with their capacities.
-        let st = self.call("drain_with", || unsafe { marconi_cache_drain_with(h, &mut d) });
+        let st = self.call("drain_with", || unsafe {
+            marconi_cache_drain_with(h, &mut d)
+        });
         let want: &[St] = if self.run.strict {
             &[St::Ok]
         } else {
@@ -1381,14 +1390,16 @@ impl<'r> Worker<'r> {
                 d.n_state_slots
             );
         }
-        let narrow = |v: &[u64]| -> Option<Vec<u32>> {
-            v.iter().map(|&x| u32::try_from(x).ok()).collect()
-        };
+        let narrow =
+            |v: &[u64]| -> Option<Vec<u32>> { v.iter().map(|&x| u32::try_from(x).ok()).collect() };
         let (Some(p), Some(s)) = (
             narrow(&pages[..d.n_kv_pages]),
             narrow(&slots[..d.n_state_slots]),
         ) else {
-            finding!(self, "drain_with gave an id of 2^32 or more on a cache over ids");
+            finding!(
+                self,
+                "drain_with gave an id of 2^32 or more on a cache over ids"
+            );
             return;
         };
         self.settle_freed(c, &p, &s);
@@ -1403,18 +1414,8 @@ impl<'r> Worker<'r> {
             let mut ids = m.ids.lock().unwrap();
             let ids = &mut *ids;
             for (kind, freed, model, free) in [
-                (
-                    "page",
-                    pages,
-                    &mut ids.pages,
-                    &mut self.free_pages[c],
-                ),
-                (
-                    "slot",
-                    slots,
-                    &mut ids.slots,
-                    &mut self.free_slots[c],
-                ),
+                ("page", pages, &mut ids.pages, &mut self.free_pages[c]),
+                ("slot", slots, &mut ids.slots, &mut self.free_slots[c]),
             ] {
                 // An owned id comes back to the engine; one only offered
                 // (lenient runs) was freed early; anything else is a finding.

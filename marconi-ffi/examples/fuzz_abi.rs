@@ -53,8 +53,10 @@ use std::time::{Duration, Instant};
 
 use marconi::cache::*;
 use marconi::config::*;
+use marconi::cycle::*;
 use marconi::events::*;
 use marconi::host_pool::*;
+use marconi::lookup::*;
 use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status as St;
@@ -248,6 +250,10 @@ struct Worker<'r> {
     run: &'r Run,
     w: usize,
     rng: Rng,
+    /// Which requests go through the one lookup, admit and drain
+    /// (marconi_cache_*_with) instead of the shorthands: a stream of its
+    /// own, so the other draws are those of a run without it.
+    via: Rng,
     call: u64,
     leases: Vec<LeaseRec>,
     free_pages: Vec<Vec<u32>>,
@@ -255,6 +261,12 @@ struct Worker<'r> {
     cur_cache: Option<usize>,
     steps: u64,
 }
+
+/// The salt of the stream choosing the one lookup, admit and drain.
+const VIA_SALT: u64 = 0x7769_7468_5f76_6961;
+
+/// Lookups, admits and drains made through the `_with` calls, all seeds.
+static VIA_WITH: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
 
 /// Requests served by `op_tiered` lives, all seeds.
 static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
@@ -337,6 +349,115 @@ impl AdmitArgs {
             out,
         )
     }
+}
+
+/// marconi_cache_lookup(_hinted) through marconi_cache_lookup_with (the
+/// device's view, as the shorthands give it; `wide`: int64 ids), its
+/// result narrowed to a marconi_lookup the way the shorthand writes it.
+///
+/// # Safety
+/// `h` is a live cache or what the call refuses; `l` is writable.
+unsafe fn lookup_via_with(
+    h: *const marconi_cache,
+    ns: u64,
+    input: &[u32],
+    hints: Option<&[u32]>,
+    dst: u32,
+    wide: bool,
+    l: &mut marconi_lookup,
+) -> St {
+    let ids: Vec<i64> = input.iter().map(|&t| i64::from(t)).collect();
+    let mut q: marconi_lookup_request = init(marconi_lookup_request_init);
+    q.ns = ns;
+    if wide {
+        q.token_width = marconi_id_width::I64 as u32;
+        q.tokens = ids.as_ptr().cast();
+    } else {
+        q.tokens = input.as_ptr().cast();
+    }
+    q.n_tokens = input.len();
+    if let Some(hs) = hints.filter(|hs| !hs.is_empty()) {
+        q.checkpoints = hs.as_ptr();
+        q.n_checkpoints = hs.len();
+    }
+    q.flags = MARCONI_LOOKUP_DEVICE_ONLY;
+    q.dst_slot = dst;
+    let mut r = marconi_lookup_result {
+        struct_size: std::mem::size_of::<marconi_lookup_result>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: q's arrays live for the call; r is writable.
+    let st = unsafe { marconi_cache_lookup_with(h, &q, &mut r) };
+    if st == St::Ok {
+        *l = marconi_lookup {
+            lease: r.lease,
+            hit_tokens: r.hit_tokens,
+            kv_matched_tokens: r.kv_matched_tokens,
+            state_slot: if r.has_device_state == 1 {
+                r.device_state as u32
+            } else {
+                MARCONI_NO_SLOT
+            },
+            n_kv_pages: r.n_kv_pages,
+            n_plan: r.n_plan,
+            n_copy_orders: r.has_copy_order,
+            copy_order: if r.has_copy_order == 1 {
+                r.copy_order
+            } else {
+                marconi_copy_order::default()
+            },
+        };
+    }
+    st
+}
+
+/// marconi_cache_admit through marconi_cache_admit_with: the states as
+/// 64-bit units, `wide`: the tokens and pages as int64 ids.
+///
+/// # Safety
+/// `h` is a live cache or what the call refuses; `taken` has
+/// `states.len()` writable bytes; `r` is writable.
+#[allow(clippy::too_many_arguments)]
+unsafe fn admit_via_with(
+    h: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    states: &[marconi_saved_state],
+    kv: &[u32],
+    taken: Option<*mut u8>,
+    wide: bool,
+    r: &mut marconi_admit_result,
+) -> St {
+    let units: Vec<marconi_admit_state> = states
+        .iter()
+        .map(|s| marconi_admit_state {
+            position: s.position,
+            reserved: 0,
+            unit: u64::from(s.slot),
+        })
+        .collect();
+    let (t64, p64): (Vec<i64>, Vec<i64>) = (
+        tokens.iter().map(|&t| i64::from(t)).collect(),
+        kv.iter().map(|&p| i64::from(p)).collect(),
+    );
+    let mut q: marconi_admit_request = init(marconi_admit_request_init);
+    q.lease = lease;
+    if wide {
+        q.token_width = marconi_id_width::I64 as u32;
+        q.page_width = marconi_id_width::I64 as u32;
+        q.tokens = t64.as_ptr().cast();
+        q.kv_pages = p64.as_ptr().cast();
+    } else {
+        q.tokens = tokens.as_ptr().cast();
+        q.kv_pages = kv.as_ptr().cast();
+    }
+    q.n_tokens = tokens.len();
+    q.n_kv_pages = kv.len();
+    q.states = units.as_ptr();
+    q.n_states = units.len();
+    q.taken = taken.unwrap_or(ptr::null_mut());
+    // SAFETY: q's arrays live for the call; taken and r per the contract.
+    unsafe { marconi_cache_admit_with(h, &q, r) }
 }
 
 /// An enum field of a config struct `C`: (the case's name, its first
@@ -750,11 +871,18 @@ impl<'r> Worker<'r> {
                 })
                 .collect()
         });
+        let with = self.via.chance(1, 2).then(|| self.via.chance(1, 2));
         // SAFETY: live handle, input and hints outlive the call, l is writable.
         let st = self.call("lookup", || unsafe {
-            match &hints {
-                None => marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l),
-                Some(hs) => marconi_cache_lookup_hinted(
+            match (&hints, with) {
+                (_, Some(wide)) => {
+                    VIA_WITH[0].fetch_add(1, Ordering::Relaxed);
+                    lookup_via_with(h, ns, &input, hints.as_deref(), dst, wide, &mut l)
+                }
+                (None, None) => {
+                    marconi_cache_lookup(h, ns, input.as_ptr(), input.len(), dst, &mut l)
+                }
+                (Some(hs), None) => marconi_cache_lookup_hinted(
                     h,
                     ns,
                     input.as_ptr(),
@@ -991,7 +1119,17 @@ impl<'r> Worker<'r> {
         if with_taken {
             a.taken = taken.as_mut_ptr();
         }
-        let st = self.call("admit", || unsafe { a.call(h, lease, &mut r) });
+        let with = self.via.chance(1, 2).then(|| self.via.chance(1, 2));
+        let st = self.call("admit", || unsafe {
+            match with {
+                Some(wide) => {
+                    VIA_WITH[1].fetch_add(1, Ordering::Relaxed);
+                    let t = with_taken.then_some(taken.as_mut_ptr());
+                    admit_via_with(h, lease, &full, &states, &kv, t, wide, &mut r)
+                }
+                None => a.call(h, lease, &mut r),
+            }
+        });
         let ok = self.expect(
             &format!("admit of {} tokens, states {positions:?}", full.len()),
             st,
@@ -1142,6 +1280,10 @@ impl<'r> Worker<'r> {
     }
 
     fn op_drain(&mut self, c: usize, exact: bool) {
+        if self.via.chance(1, 2) {
+            VIA_WITH[2].fetch_add(1, Ordering::Relaxed);
+            return self.op_drain_with(c, exact);
+        }
         let h = self.h(c);
         let (mut np, mut ns) = (usize::MAX, usize::MAX);
         // SAFETY: NULL buffers with capacity 0 are a size query.
@@ -1188,24 +1330,92 @@ impl<'r> Worker<'r> {
                 "drain_freed drained {gp}/{gs}, the size query said {np}/{ns}"
             );
         }
+        self.settle_freed(c, &pages[..gp], &slots[..gs]);
+    }
+
+    /// op_drain through marconi_cache_drain_with: a size query, then the
+    /// drain; a cache over ids has no tier ops here.
+    fn op_drain_with(&mut self, c: usize, exact: bool) {
+        let h = self.h(c);
+        let mut d = marconi_drain {
+            n_ops: usize::MAX,
+            n_kv_pages: usize::MAX,
+            n_state_slots: usize::MAX,
+            ..Default::default()
+        };
+        // SAFETY: a size query: every buffer NULL with capacity 0.
+        let st = self.call("drain_with", || unsafe {
+            marconi_cache_drain_with(h, &mut d)
+        });
+        if !self.expect("drain_with size query", st, &[St::Ok, St::BufferTooSmall]) {
+            return;
+        }
+        let (np, ns) = (d.n_kv_pages, d.n_state_slots);
+        if st == St::Ok && (np, ns, d.n_ops) != (0, 0, 0) {
+            finding!(
+                self,
+                "drain_with OK into empty buffers with {np} pages, {ns} slots"
+            );
+        }
+        let extra = if exact { 0 } else { 64 };
+        let mut pages = vec![0u64; np + extra];
+        let mut slots = vec![0u64; ns + extra];
+        let mut ops = vec![marconi::tiered::marconi_tier_op::default(); d.n_ops + extra];
+        let mut toks = vec![0u32; d.n_op_tokens + extra * 64];
+        d.kv_pages = pages.as_mut_ptr();
+        d.kv_pages_cap = pages.len();
+        d.state_slots = slots.as_mut_ptr();
+        d.state_slots_cap = slots.len();
+        d.ops = ops.as_mut_ptr();
+        d.ops_cap = ops.len();
+        d.op_tokens = toks.as_mut_ptr();
+        d.op_tokens_cap = toks.len();
+        // SAFETY: buffers passed with their capacities.
+        let st = self.call("drain_with", || unsafe {
+            marconi_cache_drain_with(h, &mut d)
+        });
+        let want: &[St] = if self.run.strict {
+            &[St::Ok]
+        } else {
+            &[St::Ok, St::BufferTooSmall]
+        };
+        if !self.expect("drain_with", st, want) || st != St::Ok {
+            return;
+        }
+        if self.run.strict && (d.n_kv_pages, d.n_state_slots) != (np, ns) {
+            finding!(
+                self,
+                "drain_with drained {}/{}, the size query said {np}/{ns}",
+                d.n_kv_pages,
+                d.n_state_slots
+            );
+        }
+        let narrow =
+            |v: &[u64]| -> Option<Vec<u32>> { v.iter().map(|&x| u32::try_from(x).ok()).collect() };
+        let (Some(p), Some(s)) = (
+            narrow(&pages[..d.n_kv_pages]),
+            narrow(&slots[..d.n_state_slots]),
+        ) else {
+            finding!(
+                self,
+                "drain_with gave an id of 2^32 or more on a cache over ids"
+            );
+            return;
+        };
+        self.settle_freed(c, &p, &s);
+    }
+
+    /// The model's side of a drain: each freed page and slot back to the
+    /// engine, checked against what the model says of it.
+    fn settle_freed(&mut self, c: usize, pages: &[u32], slots: &[u32]) {
         let m = &self.run.caches[c];
         let mut bad = Vec::new();
         {
             let mut ids = m.ids.lock().unwrap();
             let ids = &mut *ids;
             for (kind, freed, model, free) in [
-                (
-                    "page",
-                    &pages[..gp],
-                    &mut ids.pages,
-                    &mut self.free_pages[c],
-                ),
-                (
-                    "slot",
-                    &slots[..gs],
-                    &mut ids.slots,
-                    &mut self.free_slots[c],
-                ),
+                ("page", pages, &mut ids.pages, &mut self.free_pages[c]),
+                ("slot", slots, &mut ids.slots, &mut self.free_slots[c]),
             ] {
                 // An owned id comes back to the engine; one only offered
                 // (lenient runs) was freed early; anything else is a finding.
@@ -1224,7 +1434,7 @@ impl<'r> Worker<'r> {
             }
         }
         for b in bad {
-            finding!(self, "drain_freed: {b}");
+            finding!(self, "drain: {b}");
         }
         if self.run.strict {
             self.check_ownership(c);
@@ -4102,6 +4312,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
                     run,
                     w,
                     rng: Rng::new(seed.wrapping_mul(0x100_0193).wrapping_add(w as u64)),
+                    via: Rng::new(seed.wrapping_mul(0x100_0193).wrapping_add(w as u64) ^ VIA_SALT),
                     call: 0,
                     leases: Vec::new(),
                     free_pages: vec![Vec::new(); n],
@@ -4131,6 +4342,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
         run: &run,
         w: 0,
         rng: Rng::new(seed),
+        via: Rng::new(seed ^ VIA_SALT),
         call: run.calls.load(Ordering::Relaxed),
         leases: Vec::new(),
         free_pages: vec![Vec::new(); run.caches.len()],
@@ -4229,6 +4441,12 @@ fn main() {
     println!(
         "fuzz_abi: caches over pools with tiers served {} requests ({} device hits checked, {} lower-tier hits loaded, {} host writes, {} store writes, {} drops; every op carried out)",
         pt[0], pt[5], pt[1], pt[2], pt[3], pt[4]
+    );
+    println!(
+        "fuzz_abi: through the one lookup, admit and drain (marconi_cache_*_with): {} lookups, {} admits, {} drains",
+        VIA_WITH[0].load(Ordering::Relaxed),
+        VIA_WITH[1].load(Ordering::Relaxed),
+        VIA_WITH[2].load(Ordering::Relaxed)
     );
     if let Some(f) = findings.first() {
         eprintln!(

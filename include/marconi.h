@@ -1762,7 +1762,7 @@ typedef struct marconi_admit_request {
   size_t n_kv_pages;
   /**
    * NULL (the default), or n_states writable bytes: `taken[i]` is set
-   * to 1 when the cache took states[i]'s unit, else 0.
+   * to 1 when the cache took the unit of `states[i]`, else 0.
    */
   uint8_t *taken;
 } marconi_admit_request;

@@ -354,10 +354,7 @@ impl AdmitArgs {
 /// marconi_cache_lookup(_hinted) through marconi_cache_lookup_with (the
 /// device's view, as the shorthands give it; `wide`: int64 ids), its
 /// result narrowed to a marconi_lookup the way the shorthand writes it.
-///
-/// # Safety
-/// `h` is a live cache or what the call refuses; `l` is writable.
-unsafe fn lookup_via_with(
+fn lookup_via_with(
     h: *const marconi_cache,
     ns: u64,
     input: &[u32],
@@ -366,98 +363,47 @@ unsafe fn lookup_via_with(
     wide: bool,
     l: &mut marconi_lookup,
 ) -> St {
-    let ids: Vec<i64> = input.iter().map(|&t| i64::from(t)).collect();
-    let mut q: marconi_lookup_request = init(marconi_lookup_request_init);
-    q.ns = ns;
-    if wide {
-        q.token_width = marconi_id_width::I64 as u32;
-        q.tokens = ids.as_ptr().cast();
-    } else {
-        q.tokens = input.as_ptr().cast();
-    }
-    q.n_tokens = input.len();
-    if let Some(hs) = hints.filter(|hs| !hs.is_empty()) {
-        q.checkpoints = hs.as_ptr();
-        q.n_checkpoints = hs.len();
-    }
-    q.flags = MARCONI_LOOKUP_DEVICE_ONLY;
-    q.dst_slot = dst;
-    let mut r = marconi_lookup_result {
-        struct_size: std::mem::size_of::<marconi_lookup_result>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: q's arrays live for the call; r is writable.
-    let st = unsafe { marconi_cache_lookup_with(h, &q, &mut r) };
+    let flags = MARCONI_LOOKUP_DEVICE_ONLY;
+    let (st, r) = common::lookup_with(h, ns, (input, wide), hints.unwrap_or(&[]), flags, dst);
     if st == St::Ok {
-        *l = marconi_lookup {
-            lease: r.lease,
-            hit_tokens: r.hit_tokens,
-            kv_matched_tokens: r.kv_matched_tokens,
-            state_slot: if r.has_device_state == 1 {
-                r.device_state as u32
-            } else {
-                MARCONI_NO_SLOT
-            },
-            n_kv_pages: r.n_kv_pages,
-            n_plan: r.n_plan,
-            n_copy_orders: r.has_copy_order,
-            copy_order: if r.has_copy_order == 1 {
-                r.copy_order
-            } else {
-                marconi_copy_order::default()
-            },
-        };
+        *l = marconi_lookup::from(&r);
     }
     st
 }
 
 /// marconi_cache_admit through marconi_cache_admit_with: the states as
 /// 64-bit units, `wide`: the tokens and pages as int64 ids.
-///
-/// # Safety
-/// `h` is a live cache or what the call refuses; `taken` has
-/// `states.len()` writable bytes; `r` is writable.
 #[allow(clippy::too_many_arguments)]
-unsafe fn admit_via_with(
+fn admit_via_with(
     h: *const marconi_cache,
     lease: u64,
     tokens: &[u32],
     states: &[marconi_saved_state],
     kv: &[u32],
-    taken: Option<*mut u8>,
+    taken: Option<&mut [u8]>,
     wide: bool,
     r: &mut marconi_admit_result,
 ) -> St {
-    let units: Vec<marconi_admit_state> = states
+    let units: Vec<(u32, u64)> = states
         .iter()
-        .map(|s| marconi_admit_state {
-            position: s.position,
-            reserved: 0,
-            unit: u64::from(s.slot),
-        })
+        .map(|s| (s.position, u64::from(s.slot)))
         .collect();
-    let (t64, p64): (Vec<i64>, Vec<i64>) = (
-        tokens.iter().map(|&t| i64::from(t)).collect(),
-        kv.iter().map(|&p| i64::from(p)).collect(),
-    );
-    let mut q: marconi_admit_request = init(marconi_admit_request_init);
-    q.lease = lease;
-    if wide {
-        q.token_width = marconi_id_width::I64 as u32;
-        q.page_width = marconi_id_width::I64 as u32;
-        q.tokens = t64.as_ptr().cast();
-        q.kv_pages = p64.as_ptr().cast();
+    let pages: Vec<u64> = kv.iter().map(|&p| u64::from(p)).collect();
+    let width = if wide {
+        marconi_id_width::I64
     } else {
-        q.tokens = tokens.as_ptr().cast();
-        q.kv_pages = kv.as_ptr().cast();
-    }
-    q.n_tokens = tokens.len();
-    q.n_kv_pages = kv.len();
-    q.states = units.as_ptr();
-    q.n_states = units.len();
-    q.taken = taken.unwrap_or(ptr::null_mut());
-    // SAFETY: q's arrays live for the call; taken and r per the contract.
-    unsafe { marconi_cache_admit_with(h, &q, r) }
+        marconi_id_width::U32
+    };
+    common::admit_with(
+        h,
+        lease,
+        (tokens, wide),
+        &units,
+        &pages,
+        width as u32,
+        taken,
+        r,
+    )
 }
 
 /// An enum field of a config struct `C`: (the case's name, its first
@@ -1124,7 +1070,7 @@ impl<'r> Worker<'r> {
             match with {
                 Some(wide) => {
                     VIA_WITH[1].fetch_add(1, Ordering::Relaxed);
-                    let t = with_taken.then_some(taken.as_mut_ptr());
+                    let t = with_taken.then_some(&mut taken[..]);
                     admit_via_with(h, lease, &full, &states, &kv, t, wide, &mut r)
                 }
                 None => a.call(h, lease, &mut r),

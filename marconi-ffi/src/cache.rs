@@ -1005,24 +1005,7 @@ unsafe fn lookup_opts(
     check_ptr!(out);
     // SAFETY: forwarded caller contract.
     let r = unsafe { lookup_any(cache, ask) }?;
-    let res = marconi_lookup {
-        lease: r.lease,
-        hit_tokens: r.hit_tokens,
-        kv_matched_tokens: r.kv_matched_tokens,
-        state_slot: if r.has_device_state == 1 {
-            r.device_state as u32
-        } else {
-            MARCONI_NO_SLOT
-        },
-        n_kv_pages: r.n_kv_pages,
-        n_plan: r.n_plan,
-        n_copy_orders: r.has_copy_order,
-        copy_order: if r.has_copy_order == 1 {
-            r.copy_order
-        } else {
-            marconi_copy_order::default()
-        },
-    };
+    let res = marconi_lookup::from(&r);
     // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
     unsafe { out.write(res) };
     Ok(())

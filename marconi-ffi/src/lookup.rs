@@ -11,16 +11,17 @@ use marconi_core::{LookupOptions, Tier};
 use marconi_gpu::VirtualHandle;
 
 use crate::cache::{
-    handle, lookup_flags_with, marconi_cache, marconi_copy_order, new_lease_id, no_pools, no_tiers,
-    pooled_instead, tokens_len_ok, Core, Inner, Lease, TokenSource, MARCONI_NO_SLOT,
+    handle, lookup_flags_with, marconi_cache, marconi_copy_order, marconi_lookup, new_lease_id,
+    no_pools, no_tiers, pooled_instead, tokens_len_ok, Core, Inner, Lease, TokenSource,
+    MARCONI_NO_SLOT,
 };
-use crate::pooled::{pooled_err, PoolLease};
+use crate::pooled::{marconi_pooled_lookup, pooled_err, PoolLease};
 use crate::status::{
     boundary, check_ptr, in_slice, init_struct, marconi_status, read_struct, require, versioned,
     write_versioned, FfiError, FfiResult,
 };
 use crate::store::{marconi_store, probe_states};
-use crate::tiered::{lookup_tiers, tier_code};
+use crate::tiered::{lookup_tiers, marconi_tiered_hit, tier_code};
 
 /// How a caller's array holds ids (marconi_lookup_request.token_width,
 /// marconi_admit_request.token_width and .page_width).
@@ -154,6 +155,80 @@ pub struct marconi_lookup_result {
     pub load_s: f64,
     /// Modelled seconds to recompute what the loads bring instead.
     pub recompute_s: f64,
+}
+
+impl From<&marconi_lookup_result> for marconi_lookup {
+    /// The result narrowed to what marconi_cache_lookup writes.
+    fn from(r: &marconi_lookup_result) -> Self {
+        marconi_lookup {
+            lease: r.lease,
+            hit_tokens: r.hit_tokens,
+            kv_matched_tokens: r.kv_matched_tokens,
+            state_slot: r.device_slot(),
+            n_kv_pages: r.n_kv_pages,
+            n_plan: r.n_plan,
+            n_copy_orders: r.has_copy_order,
+            copy_order: if r.has_copy_order == 1 {
+                r.copy_order
+            } else {
+                marconi_copy_order::default()
+            },
+        }
+    }
+}
+
+impl From<&marconi_lookup_result> for marconi_tiered_hit {
+    /// The result narrowed to what marconi_cache_lookup_tiered writes.
+    fn from(r: &marconi_lookup_result) -> Self {
+        marconi_tiered_hit {
+            lease: r.lease,
+            hit_tokens: r.hit_tokens,
+            tier: r.tier,
+            device_hit_tokens: r.device_hit_tokens,
+            device_kv_tokens: r.kv_matched_tokens,
+            device_state_slot: r.device_slot(),
+            n_loads: r.n_loads,
+            n_plan: r.n_plan,
+            n_kv_pages: r.n_kv_pages,
+            shared: r.shared,
+            declined_tier: r.declined_tier,
+            declined_tokens: r.declined_tokens,
+            reserved: 0,
+            load_s: r.load_s,
+            recompute_s: r.recompute_s,
+        }
+    }
+}
+
+impl From<&marconi_lookup_result> for marconi_pooled_lookup {
+    /// The result narrowed to what marconi_cache_lookup_pooled writes: a
+    /// lower tier's hit resumes from the state its loads bring (no
+    /// handle).
+    fn from(r: &marconi_lookup_result) -> Self {
+        marconi_pooled_lookup {
+            lease: r.lease,
+            hit_tokens: r.hit_tokens,
+            kv_matched_tokens: r.kv_matched_tokens,
+            state_handle: if r.tier == 0 && r.has_device_state == 1 {
+                r.device_state
+            } else {
+                0
+            },
+            n_kv_pages: r.n_kv_pages,
+            n_plan: r.n_plan,
+        }
+    }
+}
+
+impl marconi_lookup_result {
+    /// The device state as an engine slot id, or MARCONI_NO_SLOT.
+    fn device_slot(&self) -> u32 {
+        if self.has_device_state == 1 {
+            self.device_state as u32
+        } else {
+            MARCONI_NO_SLOT
+        }
+    }
 }
 
 /// The size of the first version of marconi_lookup_result.

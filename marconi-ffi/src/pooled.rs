@@ -427,19 +427,7 @@ unsafe fn pooled_lookup(
     check_ptr!(out);
     // SAFETY: forwarded caller contract.
     let r = unsafe { lookup_any(cache, ask) }?;
-    let res = marconi_pooled_lookup {
-        lease: r.lease,
-        hit_tokens: r.hit_tokens,
-        kv_matched_tokens: r.kv_matched_tokens,
-        // A lower tier's hit resumes from the state its loads bring.
-        state_handle: if r.tier == 0 && r.has_device_state == 1 {
-            r.device_state
-        } else {
-            0
-        },
-        n_kv_pages: r.n_kv_pages,
-        n_plan: r.n_plan,
-    };
+    let res = marconi_pooled_lookup::from(&r);
     // SAFETY: out checked non-NULL and aligned, writable by contract.
     unsafe { out.write(res) };
     Ok(())

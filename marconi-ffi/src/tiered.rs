@@ -772,27 +772,7 @@ unsafe fn tier_hit(
     check_ptr!(out);
     // SAFETY: forwarded caller contract.
     let r = unsafe { lookup_any(cache, ask) }?;
-    let hit = marconi_tiered_hit {
-        lease: r.lease,
-        hit_tokens: r.hit_tokens,
-        tier: r.tier,
-        device_hit_tokens: r.device_hit_tokens,
-        device_kv_tokens: r.kv_matched_tokens,
-        device_state_slot: if r.has_device_state == 1 {
-            r.device_state as u32
-        } else {
-            MARCONI_NO_SLOT
-        },
-        n_loads: r.n_loads,
-        n_plan: r.n_plan,
-        n_kv_pages: r.n_kv_pages,
-        shared: r.shared,
-        declined_tier: r.declined_tier,
-        declined_tokens: r.declined_tokens,
-        reserved: 0,
-        load_s: r.load_s,
-        recompute_s: r.recompute_s,
-    };
+    let hit = marconi_tiered_hit::from(&r);
     // SAFETY: out is non-NULL and aligned (checked) and writable.
     unsafe { out.write(hit) };
     Ok(())

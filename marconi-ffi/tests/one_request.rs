@@ -48,29 +48,7 @@ fn req(tokens: &[u32]) -> Req {
 
 /// marconi_cache_lookup_with of `r`: (status, result).
 fn lookup_with(c: *const marconi_cache, r: &Req) -> (marconi_status, marconi_lookup_result) {
-    let wide: Vec<i64> = r.tokens.iter().map(|&t| i64::from(t)).collect();
-    let mut q = init(marconi_lookup_request_init);
-    q.ns = r.ns;
-    if r.wide {
-        q.token_width = marconi_id_width::I64 as u32;
-        q.tokens = wide.as_ptr().cast();
-    } else {
-        q.tokens = r.tokens.as_ptr().cast();
-    }
-    q.n_tokens = r.tokens.len();
-    if !r.hints.is_empty() {
-        q.checkpoints = r.hints.as_ptr();
-        q.n_checkpoints = r.hints.len();
-    }
-    q.flags = r.flags;
-    q.dst_slot = r.dst_slot;
-    let mut out = marconi_lookup_result {
-        struct_size: size_of::<marconi_lookup_result>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: q's arrays live for the call; out is writable.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
-    (st, out)
+    common::lookup_with(c, r.ns, (&r.tokens, r.wide), &r.hints, r.flags, r.dst_slot)
 }
 
 /// The lease's plan and its KV pages (ids, or handles over pools).
@@ -126,36 +104,24 @@ fn admit_ids(
     match with {
         None => ok(admit(c, lease, tokens, &st, &pages, &mut taken, &mut out)),
         Some(wide) => {
-            let units: Vec<marconi_admit_state> = st
-                .iter()
-                .map(|s| marconi_admit_state {
-                    position: s.position,
-                    reserved: 0,
-                    unit: u64::from(s.slot),
-                })
-                .collect();
-            let (t64, p64): (Vec<i64>, Vec<i64>) = (
-                tokens.iter().map(|&t| i64::from(t)).collect(),
-                pages.iter().map(|&p| i64::from(p)).collect(),
-            );
-            let mut q = init(marconi_admit_request_init);
-            q.lease = lease;
-            if wide {
-                q.token_width = marconi_id_width::I64 as u32;
-                q.page_width = marconi_id_width::I64 as u32;
-                q.tokens = t64.as_ptr().cast();
-                q.kv_pages = p64.as_ptr().cast();
+            let units: Vec<(u32, u64)> =
+                st.iter().map(|s| (s.position, u64::from(s.slot))).collect();
+            let p: Vec<u64> = pages.iter().map(|&p| u64::from(p)).collect();
+            let width = if wide {
+                marconi_id_width::I64
             } else {
-                q.tokens = tokens.as_ptr().cast();
-                q.kv_pages = pages.as_ptr().cast();
-            }
-            q.n_tokens = tokens.len();
-            q.n_kv_pages = pages.len();
-            q.states = units.as_ptr();
-            q.n_states = units.len();
-            q.taken = taken.as_mut_ptr();
-            // SAFETY: the arrays live for the call.
-            ok(unsafe { marconi_cache_admit_with(c, &q, &mut out) });
+                marconi_id_width::U32
+            };
+            ok(admit_with(
+                c,
+                lease,
+                (tokens, wide),
+                &units,
+                &p,
+                width as u32,
+                Some(&mut taken),
+                &mut out,
+            ));
         }
     }
     // SAFETY: live handle and lease.
@@ -295,29 +261,23 @@ fn admit_pooled(
         .collect();
     let mut taken = vec![0u8; st.len()];
     let mut out = marconi_admit_result::default();
-    let units: Vec<marconi_admit_state> = st
-        .iter()
-        .map(|s| marconi_admit_state {
-            position: s.position,
-            reserved: 0,
-            unit: s.state_handle,
-        })
-        .collect();
-    let mut q = init(marconi_admit_request_init);
-    q.lease = lease;
-    q.tokens = tokens.as_ptr().cast();
-    q.n_tokens = tokens.len();
-    q.states = units.as_ptr();
-    q.n_states = units.len();
-    q.page_width = marconi_id_width::U64 as u32;
-    q.kv_pages = all.as_ptr().cast();
-    q.n_kv_pages = all.len();
-    q.taken = taken.as_mut_ptr();
-    // SAFETY: every array readable (taken writable) for its length.
-    ok(unsafe {
-        if with {
-            return_admit_with(c, &q, &mut out)
-        } else {
+    if with {
+        let units: Vec<(u32, u64)> = st.iter().map(|s| (s.position, s.state_handle)).collect();
+        let width = marconi_id_width::U64 as u32;
+        let taken = Some(&mut taken[..]);
+        ok(admit_with(
+            c,
+            lease,
+            (tokens, false),
+            &units,
+            &all,
+            width,
+            taken,
+            &mut out,
+        ));
+    } else {
+        // SAFETY: every array readable (taken writable) for its length.
+        ok(unsafe {
             marconi_cache_admit_pooled(
                 c,
                 lease,
@@ -330,8 +290,8 @@ fn admit_pooled(
                 taken.as_mut_ptr(),
                 &mut out,
             )
-        }
-    });
+        });
+    }
     let range = out.kv_pages_taken_start as usize..out.kv_pages_taken_end as usize;
     let mut free: Vec<u64> = all
         .iter()
@@ -351,20 +311,6 @@ fn admit_pooled(
     // SAFETY: live handle and lease.
     ok(unsafe { marconi_cache_release(c, lease) });
     (out, taken)
-}
-
-/// marconi_cache_admit_with, for the same match arm as the legacy call.
-///
-/// # Safety
-///
-/// As marconi_cache_admit_with.
-unsafe fn return_admit_with(
-    c: *const marconi_cache,
-    q: &marconi_admit_request,
-    out: &mut marconi_admit_result,
-) -> marconi_status {
-    // SAFETY: forwarded.
-    unsafe { marconi_cache_admit_with(c, q, out) }
 }
 
 /// Requests over a few shared documents, with the variants of the lookup

@@ -4,9 +4,12 @@
 //! pools admits only handles the caller holds (or the lease's own cached
 //! pages, at their own positions).
 
-use marconi_core::{CacheConfig, ModelSpec};
+use marconi_core::CacheConfig;
 use marconi_gpu::pooled::{dual_pool, PoolLayout, PooledCache, PooledError, PooledState};
 use marconi_gpu::{AllocError, DualPool, DualPoolConfig, MigrationPolicy, PoolAllocator, PoolKind};
+
+mod common;
+use common::tiny;
 
 fn pool(units: u64) -> DualPool {
     DualPool::new(
@@ -74,31 +77,6 @@ fn a_unit_reused_many_times_never_accepts_an_earlier_handle() {
         assert!(p.free(stale).is_err(), "stale {stale:?} freed");
     }
     assert!(p.resolve(out[0]).is_ok());
-}
-
-/// A tiny hybrid (128 B of KV a token, 2 KiB a state), as in tests/pooled.rs.
-fn tiny() -> ModelSpec {
-    ModelSpec {
-        name: "tiny".into(),
-        attn_layers: 1,
-        ssm_layers: 1,
-        mlp_layers: 1,
-        moe_layers: 0,
-        moe_top_k: 0,
-        d_model: 64,
-        n_heads: 2,
-        kv_heads: 2,
-        head_dim: 16,
-        ffn_dim: 128,
-        ffn_matrices: 2,
-        ssm_inner: 128,
-        d_state: 8,
-        ssm_state_channels: 64,
-        conv_channels: 64,
-        conv_kernel: 8,
-        dtype_bytes: 2,
-        state_dtype_bytes: 2,
-    }
 }
 
 const PAGE: u32 = 4;

@@ -11,36 +11,14 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
 use marconi_core::{
-    AlphaMode, CacheConfig, LoadWhat, ModelSpec, Tier, TierConfig, TierOp, TierSpec, WriteMode,
+    AlphaMode, CacheConfig, LoadWhat, Tier, TierConfig, TierOp, TierSpec, WriteMode,
 };
 use marconi_gpu::phys::{BackedPool, MemfdBackend};
 use marconi_gpu::pooled::{dual_pool, PoolLayout, PooledCache, PooledError, PooledState};
 use marconi_gpu::{PoolAllocator, VirtualHandle};
 
-/// The tiny hybrid of `pooled.rs`: 512 B pages of 4 tokens, 2048 B states.
-fn tiny() -> ModelSpec {
-    ModelSpec {
-        name: "tiny".into(),
-        attn_layers: 1,
-        ssm_layers: 1,
-        mlp_layers: 1,
-        moe_layers: 0,
-        moe_top_k: 0,
-        d_model: 64,
-        n_heads: 2,
-        kv_heads: 2,
-        head_dim: 16,
-        ffn_dim: 128,
-        ffn_matrices: 2,
-        ssm_inner: 128,
-        d_state: 8,
-        ssm_state_channels: 64,
-        conv_channels: 64,
-        conv_kernel: 8,
-        dtype_bytes: 2,
-        state_dtype_bytes: 2,
-    }
-}
+mod common;
+use common::tiny;
 
 const PAGE: u32 = 4;
 const BUDGET: u64 = 24 << 10;

@@ -305,3 +305,91 @@ pub(crate) fn pml_layout(
     }
     st
 }
+
+/// marconi_cache_lookup_with of `tokens` in namespace `ns` (as int64 ids
+/// with `wide`), with `hints`, `flags` and the request's slot `dst_slot`:
+/// (status, result).
+pub(crate) fn lookup_with(
+    c: *const marconi_cache,
+    ns: u64,
+    (tokens, wide): (&[u32], bool),
+    hints: &[u32],
+    flags: u32,
+    dst_slot: u32,
+) -> (marconi_status, marconi::lookup::marconi_lookup_result) {
+    use marconi::lookup::*;
+    let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+    let mut q = init(marconi_lookup_request_init);
+    q.ns = ns;
+    if wide {
+        q.token_width = marconi_id_width::I64 as u32;
+        q.tokens = ids.as_ptr().cast();
+    } else {
+        q.tokens = tokens.as_ptr().cast();
+    }
+    q.n_tokens = tokens.len();
+    if !hints.is_empty() {
+        q.checkpoints = hints.as_ptr();
+        q.n_checkpoints = hints.len();
+    }
+    q.flags = flags;
+    q.dst_slot = dst_slot;
+    let mut out = marconi_lookup_result {
+        struct_size: size_of::<marconi_lookup_result>() as u32,
+        ..Default::default()
+    };
+    // SAFETY: q's arrays live for the call; out is writable.
+    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    (st, out)
+}
+
+/// marconi_cache_admit_with of `tokens` (int64 with a `wide` width) under
+/// `lease`, the states as (position, unit) and the pages as 64-bit values
+/// passed with `page_width` (MARCONI_ID_WIDTH_U32 / _I64 narrowed here,
+/// _U64 as they are); `taken` NULL when None.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn admit_with(
+    c: *const marconi_cache,
+    lease: u64,
+    (tokens, wide): (&[u32], bool),
+    states: &[(u32, u64)],
+    pages: &[u64],
+    page_width: u32,
+    taken: Option<&mut [u8]>,
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    use marconi::cycle::*;
+    let units: Vec<marconi_admit_state> = states
+        .iter()
+        .map(|&(position, unit)| marconi_admit_state {
+            position,
+            reserved: 0,
+            unit,
+        })
+        .collect();
+    let t64: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+    let p32: Vec<u32> = pages.iter().map(|&p| p as u32).collect();
+    let p64: Vec<i64> = pages.iter().map(|&p| p as i64).collect();
+    let mut q = init(marconi_admit_request_init);
+    q.lease = lease;
+    if wide {
+        q.token_width = marconi::lookup::marconi_id_width::I64 as u32;
+        q.tokens = t64.as_ptr().cast();
+    } else {
+        q.tokens = tokens.as_ptr().cast();
+    }
+    q.n_tokens = tokens.len();
+    q.states = units.as_ptr();
+    q.n_states = units.len();
+    q.page_width = page_width;
+    q.kv_pages = match page_width {
+        0 => p32.as_ptr().cast(),
+        1 => p64.as_ptr().cast(),
+        _ => pages.as_ptr().cast(),
+    };
+    q.n_kv_pages = pages.len();
+    q.taken = taken.map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    // SAFETY: q's arrays live for the call; taken has n_states bytes; out
+    // is writable.
+    unsafe { marconi_cache_admit_with(c, &q, out) }
+}

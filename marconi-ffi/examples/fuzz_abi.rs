@@ -3195,9 +3195,24 @@ impl<'r> Worker<'r> {
         mut tm: Option<&mut pooled_tiers::TierModel>,
     ) {
         let mut l = marconi_pooled_lookup::default();
+        // Half the requests through the one lookup and the one admit
+        // (int64 ids on half of those), narrowed as the shorthands write.
+        let with = self.via.chance(1, 2).then(|| self.via.chance(1, 2));
+        let input_tokens = &tokens[..input as usize];
         // SAFETY: tokens readable, l writable.
         let st = self.call("pooled_cache_lookup", || unsafe {
-            marconi_cache_lookup_pooled(c, 0, tokens.as_ptr(), input as usize, &mut l)
+            match with {
+                Some(wide) => {
+                    VIA_WITH[0].fetch_add(1, Ordering::Relaxed);
+                    let (st, r) =
+                        common::lookup_with(c, 0, (input_tokens, wide), &[], 0, MARCONI_NO_SLOT);
+                    if st == St::Ok {
+                        l = marconi_pooled_lookup::from(&r);
+                    }
+                    st
+                }
+                None => marconi_cache_lookup_pooled(c, 0, tokens.as_ptr(), input as usize, &mut l),
+            }
         });
         if !self.expect("pooled_cache_lookup", st, &[St::Ok]) {
             return;
@@ -3377,18 +3392,30 @@ impl<'r> Worker<'r> {
         let mut r = marconi_admit_result::default();
         // SAFETY: as above.
         let st = self.call("pooled_cache_admit", || unsafe {
-            marconi_cache_admit_pooled(
-                c,
-                l.lease,
-                tokens.as_ptr(),
-                tokens.len(),
-                states.as_ptr(),
-                states.len(),
-                pages.as_ptr(),
-                pages.len(),
-                taken.as_mut_ptr(),
-                &mut r,
-            )
+            match with {
+                Some(wide) => {
+                    VIA_WITH[1].fetch_add(1, Ordering::Relaxed);
+                    let units: Vec<(u32, u64)> = states
+                        .iter()
+                        .map(|s| (s.position, s.state_handle))
+                        .collect();
+                    let width = marconi_id_width::U64 as u32;
+                    let t = Some(&mut taken[..]);
+                    common::admit_with(c, l.lease, (tokens, wide), &units, &pages, width, t, &mut r)
+                }
+                None => marconi_cache_admit_pooled(
+                    c,
+                    l.lease,
+                    tokens.as_ptr(),
+                    tokens.len(),
+                    states.as_ptr(),
+                    states.len(),
+                    pages.as_ptr(),
+                    pages.len(),
+                    taken.as_mut_ptr(),
+                    &mut r,
+                ),
+            }
         });
         let mut mine: Vec<u64> = Vec::new();
         if self.expect("pooled_cache_admit", st, &[St::Ok]) {

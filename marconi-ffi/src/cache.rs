@@ -131,10 +131,9 @@ impl Inner {
         }
     }
 
-    /// The freed ids waiting for the engine (KV pages, state slots), after
-    /// collecting what the core freed since the last call.
+    /// The freed ids waiting for the engine (KV pages, state slots), as
+    /// far as [`collect_freed`](Self::collect_freed) has moved them.
     pub(crate) fn freed_ids(&mut self) -> (&mut Vec<u32>, &mut Vec<u32>) {
-        self.collect_freed();
         (&mut self.freed_pages, &mut self.freed_slots)
     }
 

@@ -383,12 +383,12 @@ pub unsafe extern "C" fn marconi_cache_drain_with(
         let g = &mut *g;
         // The ids first: on a cache with tiers over ids this moves the ops
         // decided with them into the book, before them in order.
+        g.collect_freed();
         let (ids_pages, ids_slots) = g.freed_ids();
         let (mut pages, mut slots): (Vec<u64>, Vec<u64>) = (
             ids_pages.iter().map(|&p| u64::from(p)).collect(),
             ids_slots.iter().map(|&s| u64::from(s)).collect(),
         );
-        let from_ids = !pages.is_empty() || !slots.is_empty();
         let no_ops = Vec::new();
         let pending = match &mut g.core {
             Core::Plain(_) => &no_ops,
@@ -432,11 +432,9 @@ pub unsafe extern "C" fn marconi_cache_drain_with(
                     }
                 }
             }
-            if from_ids {
-                let (a, b) = g.freed_ids();
-                a.clear();
-                b.clear();
-            }
+            let (a, b) = g.freed_ids();
+            a.clear();
+            b.clear();
         }
         // SAFETY: d has `size` writable bytes (contract).
         unsafe { write_versioned(&v, d, size) };

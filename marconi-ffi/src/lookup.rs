@@ -540,7 +540,6 @@ fn pools(g: &mut Inner, id: u64, ask: &Ask, tokens: &[u32]) -> FfiResult<marconi
         device_hit_tokens: l.lookup.hit_tokens,
         kv_matched_tokens: l.lookup.kv_matched_tokens,
         n_kv_pages: l.kv_pages.len() as u32,
-        n_plan: l.lookup.plan.len() as u32,
         has_device_state: u32::from(l.state_slot.is_some()),
         device_state: l.state_slot.map_or(0, VirtualHandle::raw),
         ..Default::default()

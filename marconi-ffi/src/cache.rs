@@ -11,7 +11,7 @@ use marconi_core::{Decision, LookupOptions, PrefixCache, SavedState};
 
 use crate::config::{marconi_cache_config, to_core_config};
 use crate::handle::{borrow, handle_kind, publish, release};
-use crate::lookup::{lookup_any, Ask, Entry};
+use crate::lookup::{answer, hints_in, Ask, Entry};
 use crate::pooled::Pools;
 use crate::status::{
     boundary, boundary_or, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct,
@@ -711,17 +711,10 @@ pub unsafe extern "C" fn marconi_cache_lookup(
         require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
-        // SAFETY: forwarded caller contract; no hints.
-        unsafe {
-            lookup(
-                cache,
-                ns,
-                TokenSource::U32(tokens, n_tokens),
-                &[],
-                dst_slot,
-                out,
-            )
-        }
+        let tokens = TokenSource::U32(tokens, n_tokens);
+        let ask = Ask::new(Entry::Ids, "marconi_cache_lookup", ns, tokens);
+        // SAFETY: forwarded caller contract.
+        unsafe { answer(cache, Ask { dst_slot, ..ask }, out) }
     })
 }
 
@@ -762,20 +755,19 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
-        // Refused before anything is read, as an oversized token count is:
-        // a model whose hits need no states ignores the hints, so without
-        // this a wild count would pass there and fault elsewhere.
-        tokens_len_ok(n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract of the header.
-        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        let hints = unsafe { hints_in(checkpoints, n_checkpoints) }?;
+        let tokens = TokenSource::U32(tokens, n_tokens);
+        let ask = Ask::new(Entry::Ids, "marconi_cache_lookup_hinted", ns, tokens);
         // SAFETY: forwarded caller contract.
         unsafe {
-            lookup(
+            answer(
                 cache,
-                ns,
-                TokenSource::U32(tokens, n_tokens),
-                hints,
-                dst_slot,
+                Ask {
+                    hints,
+                    dst_slot,
+                    ..ask
+                },
                 out,
             )
         }
@@ -808,17 +800,10 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64(
         require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
-        // SAFETY: forwarded caller contract; no hints.
-        unsafe {
-            lookup(
-                cache,
-                ns,
-                TokenSource::I64(tokens, n_tokens),
-                &[],
-                dst_slot,
-                out,
-            )
-        }
+        let tokens = TokenSource::I64(tokens, n_tokens);
+        let ask = Ask::new(Entry::Ids, "marconi_cache_lookup_i64", ns, tokens);
+        // SAFETY: forwarded caller contract.
+        unsafe { answer(cache, Ask { dst_slot, ..ask }, out) }
     })
 }
 
@@ -850,15 +835,17 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
         require!(tokens, len = n_tokens);
         require!(out);
         let opts = lookup_flags(flags)?;
-        // SAFETY: forwarded caller contract; no hints.
+        let tokens = TokenSource::I64(tokens, n_tokens);
+        let ask = Ask::new(Entry::Ids, "marconi_cache_lookup_i64_flags", ns, tokens);
+        // SAFETY: forwarded caller contract.
         unsafe {
-            lookup_opts(
+            answer(
                 cache,
-                ns,
-                TokenSource::I64(tokens, n_tokens),
-                &[],
-                dst_slot,
-                opts,
+                Ask {
+                    dst_slot,
+                    opts,
+                    ..ask
+                },
                 out,
             )
         }
@@ -944,70 +931,6 @@ pub(crate) fn narrow_ids(ids: &[i64], what: &str) -> FfiResult<Vec<u32>> {
         marconi_status::InvalidArgument,
         format!("{what}[{i}] = {t} is not an id in [0, 4294967295]"),
     ))
-}
-
-/// The body of marconi_cache_lookup(_hinted), after the NULL checks.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup.
-unsafe fn lookup(
-    cache: *const marconi_cache,
-    ns: u64,
-    tokens: TokenSource,
-    hints: &[u32],
-    dst_slot: u32,
-    out: *mut marconi_lookup,
-) -> FfiResult {
-    // SAFETY: forwarded caller contract.
-    unsafe {
-        lookup_opts(
-            cache,
-            ns,
-            tokens,
-            hints,
-            dst_slot,
-            LookupOptions::default(),
-            out,
-        )
-    }
-}
-
-/// The lookups over ids through the one lookup, narrowed to
-/// marconi_lookup.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup.
-unsafe fn lookup_opts(
-    cache: *const marconi_cache,
-    ns: u64,
-    tokens: TokenSource,
-    hints: &[u32],
-    dst_slot: u32,
-    opts: LookupOptions,
-    out: *mut marconi_lookup,
-) -> FfiResult {
-    let ask = Ask {
-        ns,
-        tokens,
-        hints,
-        opts,
-        device_only: true,
-        dst_slot,
-        store: std::ptr::null(),
-        entry: Entry::Ids,
-        what: "marconi_cache_lookup",
-    };
-    // Checked before the lookup: a lease is issued only when it can be
-    // written out.
-    check_ptr!(out);
-    // SAFETY: forwarded caller contract.
-    let r = unsafe { lookup_any(cache, ask) }?;
-    let res = marconi_lookup::from(&r);
-    // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
-    unsafe { out.write(res) };
-    Ok(())
 }
 
 /// Writes the KV page ids of a lease's hit (the engine's pages holding the

@@ -314,9 +314,8 @@ pub unsafe extern "C" fn marconi_cache_lookup_with(
             }
         };
         let (opts, device_only) = lookup_flags_with(r.flags, MARCONI_LOOKUP_DEVICE_ONLY)?;
-        tokens_len_ok(r.n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract of the request.
-        let hints = unsafe { in_slice(checkpoints, r.n_checkpoints, "checkpoints") }?;
+        let hints = unsafe { hints_in(checkpoints, r.n_checkpoints) }?;
         let ask = Ask {
             ns: r.ns,
             tokens,
@@ -363,6 +362,57 @@ pub(crate) struct Ask<'a> {
     pub(crate) entry: Entry,
     /// The entry point, in errors.
     pub(crate) what: &'a str,
+}
+
+impl<'a> Ask<'a> {
+    /// The lookup of `tokens` in `ns` through `entry` with the defaults:
+    /// no hints, no flags, no slot of the request's, no store to probe.
+    pub(crate) fn new(entry: Entry, what: &'a str, ns: u64, tokens: TokenSource) -> Self {
+        Ask {
+            ns,
+            tokens,
+            hints: &[],
+            opts: LookupOptions::default(),
+            device_only: entry == Entry::Ids,
+            dst_slot: MARCONI_NO_SLOT,
+            store: std::ptr::null(),
+            entry,
+            what,
+        }
+    }
+}
+
+/// The checkpoints of a hinted lookup: their count is refused before
+/// anything is read, as an oversized token count is (a model whose hits
+/// need no states ignores the hints, so a wild count would otherwise pass
+/// there and fault elsewhere).
+///
+/// # Safety
+///
+/// `p` has `n` readable u32, or is NULL (refused unless `n` is 0).
+pub(crate) unsafe fn hints_in<'a>(p: *const u32, n: usize) -> FfiResult<&'a [u32]> {
+    tokens_len_ok(n, "checkpoints")?;
+    // SAFETY: forwarded caller contract.
+    unsafe { in_slice(p, n, "checkpoints") }
+}
+
+/// Runs `ask` and writes its result, narrowed to the entry point's struct,
+/// to `*out`; `out` is checked first, so a lease is issued only when it can
+/// be written out.
+///
+/// # Safety
+///
+/// As [`lookup_any`]; `out` is NULL or writable.
+pub(crate) unsafe fn answer<T>(cache: *const marconi_cache, ask: Ask, out: *mut T) -> FfiResult
+where
+    T: for<'r> From<&'r marconi_lookup_result>,
+{
+    check_ptr!(out);
+    // SAFETY: forwarded caller contract.
+    let r = unsafe { lookup_any(cache, ask) }?;
+    // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
+    unsafe { out.write(T::from(&r)) };
+    Ok(())
 }
 
 /// How a cache serves a lookup.

@@ -23,11 +23,11 @@ use marconi_gpu::{DualPool, PoolAllocator, PoolKind, VirtualHandle};
 
 use crate::cache::{
     build_core, handle, marconi_admit_result, marconi_cache, marconi_cache_check,
-    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, tokens_len_ok,
-    unknown_lease, TokenSource, MARCONI_NO_SLOT,
+    marconi_cache_free, marconi_cache_lease_plan, marconi_cache_release, new_handle, unknown_lease,
+    TokenSource,
 };
 use crate::config::marconi_cache_config;
-use crate::lookup::{lookup_any, Ask, Entry};
+use crate::lookup::{answer, hints_in, Ask, Entry};
 use crate::pool::{
     alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
     marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
@@ -338,17 +338,10 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled(
         require!(cache);
         require!(tokens, len = n_tokens);
         require!(out);
-        // SAFETY: forwarded caller contract; no hints.
-        unsafe {
-            pooled_lookup(
-                cache,
-                ns,
-                (tokens, n_tokens),
-                &[],
-                out,
-                "marconi_cache_lookup_pooled",
-            )
-        }
+        let tokens = TokenSource::U32(tokens, n_tokens);
+        let ask = Ask::new(Entry::Pools, "marconi_cache_lookup_pooled", ns, tokens);
+        // SAFETY: forwarded caller contract.
+        unsafe { answer(cache, ask, out) }
     })
 }
 
@@ -380,57 +373,18 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled_hinted(
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
-        tokens_len_ok(n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract.
-        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        let hints = unsafe { hints_in(checkpoints, n_checkpoints) }?;
+        let tokens = TokenSource::U32(tokens, n_tokens);
+        let ask = Ask::new(
+            Entry::Pools,
+            "marconi_cache_lookup_pooled_hinted",
+            ns,
+            tokens,
+        );
         // SAFETY: forwarded caller contract.
-        unsafe {
-            pooled_lookup(
-                cache,
-                ns,
-                (tokens, n_tokens),
-                hints,
-                out,
-                "marconi_cache_lookup_pooled_hinted",
-            )
-        }
+        unsafe { answer(cache, Ask { hints, ..ask }, out) }
     })
-}
-
-/// The pooled lookups through the one lookup, narrowed to
-/// marconi_pooled_lookup.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_pooled.
-unsafe fn pooled_lookup(
-    cache: *const marconi_cache,
-    ns: u64,
-    (tokens, n_tokens): (*const u32, usize),
-    hints: &[u32],
-    out: *mut marconi_pooled_lookup,
-    what: &str,
-) -> FfiResult {
-    let ask = Ask {
-        ns,
-        tokens: TokenSource::U32(tokens, n_tokens),
-        hints,
-        opts: LookupOptions::default(),
-        device_only: false,
-        dst_slot: MARCONI_NO_SLOT,
-        store: std::ptr::null(),
-        entry: Entry::Pools,
-        what,
-    };
-    // Checked before the lookup: a lease is issued only when it can be
-    // written out.
-    check_ptr!(out);
-    // SAFETY: forwarded caller contract.
-    let r = unsafe { lookup_any(cache, ask) }?;
-    let res = marconi_pooled_lookup::from(&r);
-    // SAFETY: out checked non-NULL and aligned, writable by contract.
-    unsafe { out.write(res) };
-    Ok(())
 }
 
 /// Writes the KV page handles of a lease's hit (a lease of

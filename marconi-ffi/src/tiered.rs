@@ -18,15 +18,15 @@ use crate::cache::{
     handle, lookup_flags, marconi_admit_result, marconi_cache, marconi_cache_admit,
     marconi_cache_check, marconi_cache_drain_freed, marconi_cache_free,
     marconi_cache_lease_kv_pages, marconi_cache_lease_plan, marconi_cache_release,
-    marconi_saved_state, new_handle, tokens_len_ok, unknown_lease, Core, Inner, Lease, TokenSource,
+    marconi_saved_state, new_handle, unknown_lease, Core, Inner, Lease, TokenSource,
     MARCONI_NO_SLOT,
 };
 use crate::config::{marconi_cache_config, to_core_config};
-use crate::lookup::{lookup_any, marconi_lookup_result, tier_fields, Ask, Entry};
+use crate::lookup::{answer, hints_in, marconi_lookup_result, tier_fields, Ask, Entry};
 use crate::pooled::Pools;
 use crate::status::{
-    boundary, check_ptr, copy_list, in_slice, init_struct, marconi_status, out_slice, read_struct,
-    require, versioned, write_versioned, FfiError, FfiResult,
+    boundary, check_ptr, copy_list, init_struct, marconi_status, out_slice, read_struct, require,
+    versioned, write_versioned, FfiError, FfiResult,
 };
 use crate::store::marconi_store;
 
@@ -682,18 +682,20 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered(
         require!(tokens, len = n_tokens);
         require!(checkpoints, len = n_checkpoints);
         require!(out);
-        tokens_len_ok(n_checkpoints, "checkpoints")?;
         // SAFETY: buffer contract of the header.
-        let hints = unsafe { in_slice(checkpoints, n_checkpoints, "checkpoints") }?;
+        let hints = unsafe { hints_in(checkpoints, n_checkpoints) }?;
+        let tokens = TokenSource::U32(tokens, n_tokens);
+        let ask = Ask::new(Entry::Tiers, "marconi_cache_lookup_tiered", ns, tokens);
         // SAFETY: forwarded caller contract.
         unsafe {
-            tier_hit(
+            answer(
                 cache,
-                TokenSource::U32(tokens, n_tokens),
-                (ns, hints, LookupOptions::default()),
-                store,
+                Ask {
+                    hints,
+                    store,
+                    ..ask
+                },
                 out,
-                "marconi_cache_lookup_tiered",
             )
         }
     })
@@ -729,53 +731,16 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered_i64_flags(
         require!(tokens, len = n_tokens);
         require!(out);
         let opts = lookup_flags(flags)?;
+        let tokens = TokenSource::I64(tokens, n_tokens);
+        let ask = Ask::new(
+            Entry::Tiers,
+            "marconi_cache_lookup_tiered_i64_flags",
+            ns,
+            tokens,
+        );
         // SAFETY: forwarded caller contract.
-        unsafe {
-            tier_hit(
-                cache,
-                TokenSource::I64(tokens, n_tokens),
-                (ns, &[], opts),
-                store,
-                out,
-                "marconi_cache_lookup_tiered_i64_flags",
-            )
-        }
+        unsafe { answer(cache, Ask { opts, store, ..ask }, out) }
     })
-}
-
-/// The tier lookups through the one lookup, narrowed to marconi_tiered_hit.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_tiered.
-unsafe fn tier_hit(
-    cache: *const marconi_cache,
-    tokens: TokenSource,
-    (ns, hints, opts): (u64, &[u32], LookupOptions),
-    store: *const marconi_store,
-    out: *mut marconi_tiered_hit,
-    what: &str,
-) -> FfiResult {
-    let ask = Ask {
-        ns,
-        tokens,
-        hints,
-        opts,
-        device_only: false,
-        dst_slot: MARCONI_NO_SLOT,
-        store,
-        entry: Entry::Tiers,
-        what,
-    };
-    // Checked before the lookup: a lease is issued only when it can be
-    // written out.
-    check_ptr!(out);
-    // SAFETY: forwarded caller contract.
-    let r = unsafe { lookup_any(cache, ask) }?;
-    let hit = marconi_tiered_hit::from(&r);
-    // SAFETY: out is non-NULL and aligned (checked) and writable.
-    unsafe { out.write(hit) };
-    Ok(())
 }
 
 impl Tiers {

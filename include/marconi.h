@@ -27,6 +27,20 @@
  *    thread_local object, a pthread key): it behaves as anywhere else,
  *    except that marconi_last_error() may then keep no text.
  *
+ * Memory (the safety contract of every function; a function's own
+ * "Safety" note adds only what differs):
+ *  - a buffer holds its length (or capacity) in elements of its type,
+ *    readable for an input and writable for an output, aligned for its
+ *    type (int64_t and uint64_t included), or is NULL with length 0; the
+ *    arrays and strings a struct points to follow the same rules;
+ *  - any other output pointer (out, out_len, n_*, ...) is NULL or points
+ *    to one writable element of its type; a versioned struct is NULL or
+ *    points to its struct_size bytes (an output result: the caller sets
+ *    struct_size);
+ *  - a string (const char *) is NULL or NUL-terminated;
+ *  - nothing else writes the memory a call reads, or touches the memory
+ *    it writes, while the call runs.
+ *
  * Handles (marconi_cache, marconi_pool, marconi_host_pool, marconi_store,
  * marconi_events, marconi_pml_schema, marconi_pml_cache): a handle argument
  * is NULL (MARCONI_STATUS_NULL_ARGUMENT) or a live handle of its kind;
@@ -3449,10 +3463,6 @@ const char *marconi_version(void);
  * truncated to `cap - 1` bytes, and returns the full length of the text
  * (without the NUL), as snprintf does: NULL with cap 0 asks for the length.
  * Unknown values give the text of MARCONI_STATUS_INVALID_ARGUMENT.
- *
- * # Safety
- *
- * `buf` is NULL or points to `cap` writable bytes.
  */
 size_t marconi_status_message(uint32_t status, char *buf, size_t cap);
 
@@ -3463,10 +3473,6 @@ size_t marconi_status_message(uint32_t status, char *buf, size_t cap);
  * Successful calls leave it unchanged; it is empty before the first failure.
  *
  * Thread safety: each thread has its own last error.
- *
- * # Safety
- *
- * `buf` is NULL or points to `cap` writable bytes.
  */
 size_t marconi_last_error(char *buf, size_t cap);
 
@@ -3478,11 +3484,6 @@ size_t marconi_last_error(char *buf, size_t cap);
  * lives in the library's pools (marconi_cache_lookup_pooled and the other
  * pool calls); with cfg->tiers it has lower tiers; both at once is
  * MARCONI_STATUS_UNSUPPORTED.
- *
- * # Safety
- *
- * `cfg` is NULL or points to struct_size readable bytes initialised by
- * marconi_cache_config_init; `out` is NULL or writable.
  */
 marconi_status marconi_cache_new(const struct marconi_cache_config *cfg,
                                  struct marconi_cache **out);
@@ -3491,10 +3492,6 @@ marconi_status marconi_cache_new(const struct marconi_cache_config *cfg,
  * Frees a cache and everything it holds. NULL is a no-op. Every lease of the
  * cache becomes invalid; a stale lease passed to another cache is refused
  * with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
- *
- * # Safety
- *
- * `cache` is NULL or a handle from marconi_cache_new not yet freed.
  */
 void marconi_cache_free(struct marconi_cache *cache);
 
@@ -3524,11 +3521,6 @@ void marconi_cache_free(struct marconi_cache *cache);
  *
  * Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
  * MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `tokens` points to n_tokens readable
- * u32 (or is NULL); `out` is writable or NULL.
  */
 marconi_status marconi_cache_lookup(const struct marconi_cache *cache,
                                     uint64_t ns,
@@ -3554,11 +3546,6 @@ marconi_status marconi_cache_lookup(const struct marconi_cache *cache,
  * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
  * for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
  * for n_checkpoints >= 2^32 - 1 (refused before the array is read).
- *
- * # Safety
- *
- * As marconi_cache_lookup; `checkpoints` points to n_checkpoints readable
- * u32 (or is NULL with 0).
  */
 marconi_status marconi_cache_lookup_hinted(const struct marconi_cache *cache,
                                            uint64_t ns,
@@ -3578,11 +3565,6 @@ marconi_status marconi_cache_lookup_hinted(const struct marconi_cache *cache,
  * `tokens[i]`, and nothing changes.
  *
  * Errors: those of marconi_cache_lookup.
- *
- * # Safety
- *
- * As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
- * aligned int64 (or NULL).
  */
 marconi_status marconi_cache_lookup_i64(const struct marconi_cache *cache,
                                         uint64_t ns,
@@ -3601,10 +3583,6 @@ marconi_status marconi_cache_lookup_i64(const struct marconi_cache *cache,
  * Errors: those of marconi_cache_lookup_i64, and
  * MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
  * know (refused before anything is read; nothing changes).
- *
- * # Safety
- *
- * As marconi_cache_lookup_i64.
  */
 marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
                                               uint64_t ns,
@@ -3621,11 +3599,6 @@ marconi_status marconi_cache_lookup_i64_flags(const struct marconi_cache *cache,
  * MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
  * `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
  * pages are handles: marconi_cache_lease_kv_handles).
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
- * `out_len` is writable or NULL.
  */
 marconi_status marconi_cache_lease_kv_pages(const struct marconi_cache *cache,
                                             uint64_t lease,
@@ -3640,10 +3613,6 @@ marconi_status marconi_cache_lease_kv_pages(const struct marconi_cache *cache,
  * admissible and is not listed. A buffer too small behaves as in
  * marconi_cache_lease_kv_pages. Works on every cache (a lease of
  * marconi_cache_lookup_pooled too).
- *
- * # Safety
- *
- * As marconi_cache_lease_kv_pages.
  */
 marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
                                         uint64_t lease,
@@ -3670,12 +3639,6 @@ marconi_status marconi_cache_lease_plan(const struct marconi_cache *cache,
  * given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
  * _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
  * _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; each input buffer has its length in
- * readable elements (or is NULL); `taken` has n_states writable bytes or is
- * NULL; `out` is writable or NULL.
  */
 marconi_status marconi_cache_admit(const struct marconi_cache *cache,
                                    uint64_t lease,
@@ -3698,11 +3661,6 @@ marconi_status marconi_cache_admit(const struct marconi_cache *cache,
  * `kv_pages[i]`, and nothing changes.
  *
  * Ownership and errors: those of marconi_cache_admit.
- *
- * # Safety
- *
- * As marconi_cache_admit, with `tokens` and `kv_pages` pointing to their
- * lengths in readable, aligned int64 (or NULL).
  */
 marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
                                        uint64_t lease,
@@ -3720,10 +3678,6 @@ marconi_status marconi_cache_admit_i64(const struct marconi_cache *cache,
  * _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
  * again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
  * cache or already released.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL.
  */
 marconi_status marconi_cache_release(const struct marconi_cache *cache, uint64_t lease);
 
@@ -3745,11 +3699,6 @@ marconi_status marconi_cache_release(const struct marconi_cache *cache, uint64_t
  *
  * Thread safety: safe to call concurrently on the same cache; each freed id
  * is delivered to exactly one caller.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; each buffer has its capacity in writable
- * u32 (or is NULL); n_pages and n_slots are writable or NULL.
  */
 marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
                                          uint32_t *pages,
@@ -3767,10 +3716,6 @@ marconi_status marconi_cache_drain_freed(const struct marconi_cache *cache,
  * marconi_cache_drain_ops; with defer_moves at the next
  * marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
  * (its reservations evict as needed: marconi_cache_reserve).
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `free_bytes` is writable or NULL.
  */
 marconi_status marconi_cache_evict(const struct marconi_cache *cache,
                                    uint64_t bytes,
@@ -3782,11 +3727,6 @@ marconi_status marconi_cache_evict(const struct marconi_cache *cache,
  * 16), so callers compiled against an older header keep working. On a
  * cache over pools the capacity is the pools' budget, and
  * marconi_cache_pool_stats has the pools' own counters.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_cache_stats(const struct marconi_cache *cache, struct marconi_stats *out);
 
@@ -3803,11 +3743,6 @@ marconi_status marconi_cache_stats(const struct marconi_cache *cache, struct mar
  *
  * Thread safety: safe to call concurrently on the same cache; each record is
  * delivered to exactly one caller.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `buf` has cap writable bytes or is NULL;
- * `out_len` is writable or NULL.
  */
 marconi_status marconi_cache_drain_log(const struct marconi_cache *cache,
                                        char *buf,
@@ -3819,10 +3754,6 @@ marconi_status marconi_cache_drain_log(const struct marconi_cache *cache,
  * links, lease counts, capacity). MARCONI_STATUS_INVARIANT_VIOLATED with
  * the violation in marconi_last_error if one is broken, after which the
  * cache answers MARCONI_STATUS_POISONED. O(cached tokens): for tests.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL.
  */
 marconi_status marconi_cache_check(const struct marconi_cache *cache);
 
@@ -3831,10 +3762,6 @@ marconi_status marconi_cache_check(const struct marconi_cache *cache);
  * `cfg->struct_size`. `struct_size` is the caller's
  * sizeof(marconi_cache_config); only that many bytes are written. Set
  * capacity_bytes (and the model) afterwards.
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_t struct_size);
 
@@ -3856,11 +3783,6 @@ marconi_status marconi_cache_config_init(struct marconi_cache_config *cfg, size_
  * shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
  * min_branch_depth and superseded_age, which such a caller gets at their
  * defaults (16 and 1; marconi-paper and sglang-plus set 0).
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes; `policy` is
- * NULL or a NUL-terminated string.
  */
 marconi_status marconi_cache_config_preset(struct marconi_cache_config *cfg,
                                            size_t struct_size,
@@ -3871,10 +3793,6 @@ marconi_status marconi_cache_config_preset(struct marconi_cache_config *cfg,
  * "paper-7b", "paper-7b-attn", "paper-7b-ssm", "jamba-1.5-mini",
  * "nemotron-h-8b") into `*out`. MARCONI_STATUS_UNKNOWN_PRESET for any other
  * name.
- *
- * # Safety
- *
- * `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
  */
 marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_spec *out);
 
@@ -3882,10 +3800,6 @@ marconi_status marconi_model_spec_preset(const char *name, struct marconi_model_
  * Fills `*req` with the defaults (documented per field) and sets
  * `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
  * struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `req` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_admit_request_init(struct marconi_admit_request *req, size_t struct_size);
 
@@ -3901,12 +3815,6 @@ marconi_status marconi_admit_request_init(struct marconi_admit_request *req, siz
  * Errors besides: MARCONI_STATUS_INVALID_ARGUMENT for an unknown width, a
  * reserved field not 0, an int64 id outside [0, 2^32 - 1], or over ids a
  * unit or page of 2^32 or more.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `req` is NULL or an initialised
- * request whose arrays have their lengths in readable elements (`taken`:
- * writable), or are NULL with 0; `out` is writable or NULL.
  */
 marconi_status marconi_cache_admit_with(const struct marconi_cache *cache,
                                         const struct marconi_admit_request *req,
@@ -3925,12 +3833,6 @@ marconi_status marconi_cache_admit_with(const struct marconi_cache *cache,
  *
  * Thread safety: safe to call concurrently on the same cache; each op and
  * each freed unit is delivered to exactly one caller.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `d` is NULL or points to
- * d->struct_size readable and writable bytes, each buffer with its
- * capacity in writable elements (or NULL).
  */
 marconi_status marconi_cache_drain_with(const struct marconi_cache *cache, struct marconi_drain *d);
 
@@ -3939,10 +3841,6 @@ marconi_status marconi_cache_drain_with(const struct marconi_cache *cache, struc
  * `cfg->struct_size`: any size from the first version's on (an older
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_events_config_init(struct marconi_events_config *cfg, size_t struct_size);
 
@@ -3962,11 +3860,6 @@ marconi_status marconi_events_config_init(struct marconi_events_config *cfg, siz
  * publishes: over ids the engine owns, over the library's pools
  * (marconi_cache_config.pools; events name tokens, never units), and with
  * lower tiers (the device tier's changes).
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `cfg` is NULL or initialised by
- * marconi_events_config_init; `out` is writable or NULL.
  */
 marconi_status marconi_events_new(const struct marconi_cache *cache,
                                   const struct marconi_events_config *cfg,
@@ -3978,11 +3871,6 @@ marconi_status marconi_events_new(const struct marconi_cache *cache,
  * empty). `cache` is the handle's cache, whose event stream this turns off
  * (changes would otherwise pile up undrained), or NULL when that cache was
  * freed already.
- *
- * # Safety
- *
- * `events` is NULL or a handle from marconi_events_new not yet freed;
- * `cache` is NULL or a live handle.
  */
 void marconi_events_free(struct marconi_events *events, const struct marconi_cache *cache);
 
@@ -4004,11 +3892,6 @@ uint32_t marconi_events_has_publisher(void);
  * size than the handle's.
  *
  * Thread safety: safe to call concurrently; each change is delivered once.
- *
- * # Safety
- *
- * `events` and `cache` are live handles or NULL; `buf` has cap writable
- * bytes or is NULL; `out_len` is writable or NULL.
  */
 marconi_status marconi_events_drain(const struct marconi_events *events,
                                     const struct marconi_cache *cache,
@@ -4025,10 +3908,6 @@ marconi_status marconi_events_drain(const struct marconi_events *events,
  * (apply this batch first, then the drained ones). Size query and
  * MARCONI_STATUS_BUFFER_TOO_SMALL as marconi_events_drain (nothing kept).
  * O(cached tokens x depth).
- *
- * # Safety
- *
- * As marconi_events_drain.
  */
 marconi_status marconi_events_snapshot(const struct marconi_events *events,
                                        const struct marconi_cache *cache,
@@ -4047,11 +3926,6 @@ marconi_status marconi_events_snapshot(const struct marconi_events *events,
  * skipped, so subscribers see a gap that replay cannot fill (resynchronise
  * them with marconi_events_snapshot). MARCONI_STATUS_INVALID_ARGUMENT when
  * the handle has no publisher.
- *
- * # Safety
- *
- * `events` and `cache` are live handles or NULL; `out_seq` is writable or
- * NULL.
  */
 marconi_status marconi_events_publish(const struct marconi_events *events,
                                       const struct marconi_cache *cache,
@@ -4065,11 +3939,6 @@ marconi_status marconi_events_publish(const struct marconi_events *events,
  * MARCONI_STATUS_BUFFER_TOO_SMALL with the length when it does not fit;
  * MARCONI_STATUS_INVALID_ARGUMENT when there is no such endpoint (no
  * publisher, no replay, `which` > 1).
- *
- * # Safety
- *
- * `events` is a live handle or NULL; `buf` has cap writable bytes or is
- * NULL; `out_len` is writable or NULL.
  */
 marconi_status marconi_events_endpoint(const struct marconi_events *events,
                                        uint32_t which,
@@ -4097,10 +3966,6 @@ marconi_status marconi_events_endpoint(const struct marconi_events *events,
  * on success.
  *
  * Thread safety: touches only `*out`; reads the file.
- *
- * # Safety
- *
- * `path` is NULL or a NUL-terminated string; `out` is NULL or writable.
  */
 marconi_status marconi_model_spec_from_gguf(const char *path, struct marconi_model_spec *out);
 
@@ -4109,11 +3974,6 @@ marconi_status marconi_model_spec_from_gguf(const char *path, struct marconi_mod
  * file already in memory (at least up to the end of its metadata).
  *
  * Thread safety: reads `bytes`, touches only `*out`.
- *
- * # Safety
- *
- * `bytes` is NULL (with `len` 0) or points to `len` readable bytes; `out`
- * is NULL or writable.
  */
 marconi_status marconi_model_spec_from_gguf_bytes(const uint8_t *bytes,
                                                   size_t len,
@@ -4133,11 +3993,6 @@ marconi_status marconi_model_spec_from_gguf_bytes(const uint8_t *bytes,
  * 16 MiB, not UTF-8, not a JSON object); MARCONI_STATUS_INVALID_CONFIG (an
  * unsupported model_type, a missing or malformed field, or dimensions that
  * cannot drive a cache). marconi_last_error() names the field.
- *
- * # Safety
- *
- * `json` is NULL or points to `len` readable bytes; `out` is NULL or
- * writable.
  */
 marconi_status marconi_model_spec_from_hf_config(const char *json,
                                                  size_t len,
@@ -4149,10 +4004,6 @@ marconi_status marconi_model_spec_from_hf_config(const char *json,
  * them) and sets cfg->struct_size to `struct_size`, the caller's
  * sizeof(marconi_host_pool_config). Bytes past this library's struct are
  * zeroed.
- *
- * # Safety
- *
- * `cfg` is NULL or points to struct_size writable bytes.
  */
 marconi_status marconi_host_pool_config_init(struct marconi_host_pool_config *cfg,
                                              size_t struct_size);
@@ -4166,11 +4017,6 @@ marconi_status marconi_host_pool_config_init(struct marconi_host_pool_config *cf
  * MARCONI_STATUS_BACKEND_FAILURE when the system refuses the memfd or its
  * mapping. Pinning is attempted only in cuda builds and its failure leaves
  * the pool pageable (marconi_host_pool_stats.pinned says which).
- *
- * # Safety
- *
- * `cfg` is NULL or points to struct_size readable bytes initialised by
- * marconi_host_pool_config_init; `out` is NULL or writable.
  */
 marconi_status marconi_host_pool_new(const struct marconi_host_pool_config *cfg,
                                      struct marconi_host_pool **out);
@@ -4178,10 +4024,6 @@ marconi_status marconi_host_pool_new(const struct marconi_host_pool_config *cfg,
 /**
  * Frees a host pool and its memory (every address it resolved becomes
  * invalid). NULL is a no-op.
- *
- * # Safety
- *
- * `pool` is NULL or a handle from marconi_host_pool_new not yet freed.
  */
 void marconi_host_pool_free(struct marconi_host_pool *pool);
 
@@ -4190,10 +4032,6 @@ void marconi_host_pool_free(struct marconi_host_pool *pool);
  * slots) and writes their handles to `out[0..n]`; all or nothing.
  * MARCONI_STATUS_OUT_OF_MEMORY when they are not there (nothing
  * allocated), MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
  */
 marconi_status marconi_host_pool_allocate(const struct marconi_host_pool *pool,
                                           uint32_t kind,
@@ -4207,10 +4045,6 @@ marconi_status marconi_host_pool_allocate(const struct marconi_host_pool *pool,
  * for a handle already freed or listed twice, MARCONI_STATUS_UNKNOWN_HANDLE
  * for a stale or foreign one (a device pool's, for instance) or 0; the
  * detail names the first bad index. n 0 succeeds.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_host_pool_free_units(const struct marconi_host_pool *pool,
                                             const uint64_t *handles,
@@ -4223,11 +4057,6 @@ marconi_status marconi_host_pool_free_units(const struct marconi_host_pool *pool
  * handle that is not live here; MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
  * An engine that owns its device memory copies between these addresses
  * and its own (cudaMemcpyAsync on its stream: the pool is pinned there).
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
- * NULL); `out` has cap writable elements (or is NULL).
  */
 marconi_status marconi_host_pool_resolve(const struct marconi_host_pool *pool,
                                          const uint64_t *handles,
@@ -4238,11 +4067,6 @@ marconi_status marconi_host_pool_resolve(const struct marconi_host_pool *pool,
 /**
  * Writes the host pool's gauges and counters to `*out` (its struct_size
  * set by the caller; older, shorter versions get their fields).
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_host_pool_get_stats(const struct marconi_host_pool *pool,
                                            struct marconi_host_pool_stats *out);
@@ -4262,11 +4086,6 @@ marconi_status marconi_host_pool_get_stats(const struct marconi_host_pool *pool,
  * Thread safety: safe to call concurrently with other calls on either
  * pool (serialised by their locks); the engine must not touch the units
  * named meanwhile.
- *
- * # Safety
- *
- * `host` and `device` are live handles or NULL; `pairs` has n readable
- * elements (or is NULL); `out_bytes` is NULL or writable.
  */
 marconi_status marconi_host_pool_demote(const struct marconi_host_pool *host,
                                         const struct marconi_pool *device,
@@ -4280,11 +4099,6 @@ marconi_status marconi_host_pool_demote(const struct marconi_host_pool *host,
  * backends as marconi_host_pool_demote.
  *
  * Thread safety: as marconi_host_pool_demote.
- *
- * # Safety
- *
- * `host` and `device` are live handles or NULL; `pairs` has n readable
- * elements (or is NULL); `out_bytes` is NULL or writable.
  */
 marconi_status marconi_host_pool_promote(const struct marconi_host_pool *host,
                                          const struct marconi_pool *device,
@@ -4296,10 +4110,6 @@ marconi_status marconi_host_pool_promote(const struct marconi_host_pool *host,
  * Fills `*req` with the defaults (documented per field) and sets
  * `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
  * struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `req` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_lookup_request_init(struct marconi_lookup_request *req, size_t struct_size);
 
@@ -4321,13 +4131,6 @@ marconi_status marconi_lookup_request_init(struct marconi_lookup_request *req, s
  * a dst_slot on a cache over pools, or an int64 id outside [0, 2^32 - 1];
  * MARCONI_STATUS_UNSUPPORTED for a store on a cache without lower tiers
  * over ids the engine owns.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `req` is NULL or an initialised
- * request whose arrays have their lengths in readable elements (or are
- * NULL with 0); `out` is NULL or points to out->struct_size writable
- * bytes.
  */
 marconi_status marconi_cache_lookup_with(const struct marconi_cache *cache,
                                          const struct marconi_lookup_request *req,
@@ -4337,10 +4140,6 @@ marconi_status marconi_cache_lookup_with(const struct marconi_cache *cache,
  * Writes the default request into `*req` (page_size 16, the "paper-7b"
  * model, state_fraction 0.5, budget 0: the caller sets it) and sets
  * req->struct_size to `struct_size`, the caller's sizeof.
- *
- * # Safety
- *
- * `req` is NULL or has struct_size writable bytes.
  */
 marconi_status marconi_plan_request_init(struct marconi_plan_request *req, size_t struct_size);
 
@@ -4349,12 +4148,6 @@ marconi_status marconi_plan_request_init(struct marconi_plan_request *req, size_
  * out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
  * a model without recurrent layers, page_size 0, a budget below one page
  * and one slot, or a state_fraction outside (0, 1); the detail says which.
- *
- * # Safety
- *
- * `req` is NULL or initialised by marconi_plan_request_init (its
- * model_preset NULL or NUL-terminated); `out` is NULL or has
- * out->struct_size writable bytes.
  */
 marconi_status marconi_plan(const struct marconi_plan_request *req,
                             struct marconi_memory_plan *out);
@@ -4378,12 +4171,6 @@ marconi_status marconi_plan(const struct marconi_plan_request *req,
  * cache accepts. Cost: the replay, O(trace tokens) with the cache's
  * per-request work (a 7,000-request trace takes about a second); it
  * allocates no device memory.
- *
- * # Safety
- *
- * `req` as marconi_plan; `tokens`, `offsets`, `input_lens` have their
- * lengths in readable elements (NULL allowed with length 0; `input_lens`
- * may be NULL); `out` is NULL or has out->struct_size writable bytes.
  */
 marconi_status marconi_plan_converged_split(const struct marconi_plan_request *req,
                                             const uint32_t *tokens,
@@ -4410,8 +4197,8 @@ marconi_status marconi_plan_converged_split(const struct marconi_plan_request *r
  *
  * # Safety
  *
- * `xml` points to `xml_len` readable bytes; `out` is writable; `err` is
- * NULL or writable; `tokenize` is NULL or follows its contract with `user`.
+ * Besides the memory rules at the top of marconi.h: `tokenize` is NULL or
+ * follows its contract with `user`.
  */
 marconi_status marconi_pml_schema_new(const uint8_t *xml,
                                       size_t xml_len,
@@ -4422,10 +4209,6 @@ marconi_status marconi_pml_schema_new(const uint8_t *xml,
 
 /**
  * Frees a schema. NULL is a no-op.
- *
- * # Safety
- *
- * `schema` is NULL or a handle from marconi_pml_schema_new not yet freed.
  */
 void marconi_pml_schema_free(struct marconi_pml_schema *schema);
 
@@ -4434,10 +4217,6 @@ void marconi_pml_schema_free(struct marconi_pml_schema *schema);
  * *total_positions`) and its cache namespace (a hash of the schema's name,
  * modules and tokens: the `ns` for marconi_cache_lookup of its exact
  * leading modules).
- *
- * # Safety
- *
- * `schema` is a live handle; the outputs are writable.
  */
 marconi_status marconi_pml_schema_info(const struct marconi_pml_schema *schema,
                                        size_t *n_modules,
@@ -4449,11 +4228,6 @@ marconi_status marconi_pml_schema_info(const struct marconi_pml_schema *schema,
  * of that module into `buf[0..cap]`, NUL-terminated, truncated like
  * marconi_status_message; returns the full length without the NUL, 0 for
  * a NULL schema or an index out of range.
- *
- * # Safety
- *
- * `schema` is NULL or a live handle; `buf` is NULL or has `cap` writable
- * bytes.
  */
 size_t marconi_pml_name(const struct marconi_pml_schema *schema,
                         int32_t module,
@@ -4476,12 +4250,6 @@ size_t marconi_pml_name(const struct marconi_pml_schema *schema,
  * MARCONI_STATUS_EMPTY_TOKENS: `xml_len` is 0.
  *
  * Thread safety: any number of threads per schema.
- *
- * # Safety
- *
- * `schema` is a live handle; `xml` has `xml_len` readable bytes;
- * `segments` and `tokens` are NULL with capacity 0 or have their capacity
- * writable; the counts and `err` (or NULL) are writable.
  */
 marconi_status marconi_pml_layout(const struct marconi_pml_schema *schema,
                                   const uint8_t *xml,
@@ -4501,10 +4269,6 @@ marconi_status marconi_pml_layout(const struct marconi_pml_schema *schema,
  * into `cfg`, a struct of `struct_size` bytes (sizeof as the caller
  * compiled it). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when struct_size is
  * smaller than this library's struct.
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_pml_cache_config_init(struct marconi_pml_cache_config *cfg,
                                              size_t struct_size);
@@ -4515,10 +4279,6 @@ marconi_status marconi_pml_cache_config_init(struct marconi_pml_cache_config *cf
  *
  * MARCONI_STATUS_INVALID_CONFIG: capacity_bytes or kv_bytes_per_token is 0,
  * or a FLOPs coefficient is negative or not finite.
- *
- * # Safety
- *
- * `cfg` points to cfg->struct_size readable bytes; `out` is writable.
  */
 marconi_status marconi_pml_cache_new(const struct marconi_pml_cache_config *cfg,
                                      struct marconi_pml_cache **out);
@@ -4527,10 +4287,6 @@ marconi_status marconi_pml_cache_new(const struct marconi_pml_cache_config *cfg,
  * Frees a module store. NULL is a no-op (MARCONI_STATUS_OK). A pointer
  * that is not a live handle (freed already, or never one) is
  * MARCONI_STATUS_INVALID_ARGUMENT and nothing is freed or read.
- *
- * # Safety
- *
- * `cache` is NULL or a pointer; only a live handle is dereferenced.
  */
 marconi_status marconi_pml_cache_free(struct marconi_pml_cache *cache);
 
@@ -4543,11 +4299,6 @@ marconi_status marconi_pml_cache_free(struct marconi_pml_cache *cache);
  *
  * MARCONI_STATUS_OUT_OF_MEMORY: its modules and those already pinned
  * exceed the budget (nothing is evicted then).
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used); `schema` is a live
- * marconi_pml_schema; `schema_id` is writable.
  */
 marconi_status marconi_pml_cache_register(struct marconi_pml_cache *cache,
                                           const struct marconi_pml_schema *schema,
@@ -4558,10 +4309,6 @@ marconi_status marconi_pml_cache_register(struct marconi_pml_cache *cache,
  * become unpinned (resident until the budget needs room).
  * MARCONI_STATUS_INVALID_ARGUMENT: not registered (also a second
  * unregister).
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used).
  */
 marconi_status marconi_pml_cache_unregister(struct marconi_pml_cache *cache, uint64_t schema_id);
 
@@ -4581,12 +4328,6 @@ marconi_status marconi_pml_cache_unregister(struct marconi_pml_cache *cache, uin
  * not of this schema, more than MARCONI_PML_MAX_SEGMENTS segments.
  * MARCONI_STATUS_BUFFER_TOO_SMALL: out_cap < n_segments (writes
  * n_segments to `*n_out` only). MARCONI_STATUS_EMPTY_TOKENS: n_segments 0.
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used); `segments` has
- * `n_segments` readable segments; `out` is NULL with out_cap 0 or has
- * out_cap writable elements; `n_out` is writable.
  */
 marconi_status marconi_pml_cache_lookup(struct marconi_pml_cache *cache,
                                         uint64_t schema_id,
@@ -4607,10 +4348,6 @@ marconi_status marconi_pml_cache_lookup(struct marconi_pml_cache *cache,
  * when already resident).
  *
  * MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, kind or index.
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used); `entry` is writable.
  */
 marconi_status marconi_pml_cache_admit(struct marconi_pml_cache *cache,
                                        uint64_t schema_id,
@@ -4628,10 +4365,6 @@ marconi_status marconi_pml_cache_admit(struct marconi_pml_cache *cache,
  * MARCONI_STATUS_OUT_OF_MEMORY: larger than the unpinned budget (nothing
  * evicted). MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, a layout
  * not of this schema, a segment outside the run.
- *
- * # Safety
- *
- * As marconi_pml_cache_lookup; `entry` is writable.
  */
 marconi_status marconi_pml_cache_admit_exact(struct marconi_pml_cache *cache,
                                              uint64_t schema_id,
@@ -4646,11 +4379,6 @@ marconi_status marconi_pml_cache_admit_exact(struct marconi_pml_cache *cache,
  * memory. MARCONI_STATUS_BUFFER_TOO_SMALL: more are pending than `cap`
  * (writes the pending count to `*n`, removes nothing; NULL with cap 0 is a
  * size query).
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used); `out` is NULL with
- * cap 0 or has cap writable u64s; `n` is writable.
  */
 marconi_status marconi_pml_cache_evicted(struct marconi_pml_cache *cache,
                                          uint64_t *out,
@@ -4661,11 +4389,6 @@ marconi_status marconi_pml_cache_evicted(struct marconi_pml_cache *cache,
  * Writes the store's counters to `*out`. Set out->struct_size to
  * sizeof(marconi_pml_cache_stats) first: only that many bytes are written
  * (at least 8).
- *
- * # Safety
- *
- * `cache` is a pointer (only a live handle is used); `out` points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_pml_cache_get_stats(struct marconi_pml_cache *cache,
                                            struct marconi_pml_cache_stats *out);
@@ -4676,10 +4399,6 @@ marconi_status marconi_pml_cache_get_stats(struct marconi_pml_cache *cache,
  * budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)
  * and sets cfg->struct_size to `struct_size`, the caller's
  * sizeof(marconi_pool_config). Bytes past this library's struct are zeroed.
- *
- * # Safety
- *
- * `cfg` is NULL or points to struct_size writable bytes.
  */
 marconi_status marconi_pool_config_init(struct marconi_pool_config *cfg, size_t struct_size);
 
@@ -4693,21 +4412,12 @@ marconi_status marconi_pool_config_init(struct marconi_pool_config *cfg, size_t 
  * MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
  * on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
  * the operating system or the driver refuses the memory.
- *
- * # Safety
- *
- * `cfg` is NULL or points to struct_size readable bytes initialised by
- * marconi_pool_config_init; `out` is NULL or writable.
  */
 marconi_status marconi_pool_new(const struct marconi_pool_config *cfg, struct marconi_pool **out);
 
 /**
  * Frees a pool and its memory (every address it resolved becomes invalid).
  * NULL is a no-op.
- *
- * # Safety
- *
- * `pool` is NULL or a handle from marconi_pool_new not yet freed.
  */
 void marconi_pool_free(struct marconi_pool *pool);
 
@@ -4720,10 +4430,6 @@ void marconi_pool_free(struct marconi_pool *pool);
  * are not there (nothing allocated, the detail says how many are free);
  * MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
  * nothing.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
                                      uint32_t kind,
@@ -4738,10 +4444,6 @@ marconi_status marconi_pool_allocate(const struct marconi_pool *pool,
  * reused since) or listed twice; MARCONI_STATUS_UNKNOWN_HANDLE for one that
  * is stale (its unit was reused), not from this pool, or 0. The detail
  * names the first bad index. n 0 succeeds.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
                                        const uint64_t *handles,
@@ -4753,11 +4455,6 @@ marconi_status marconi_pool_free_units(const struct marconi_pool *pool,
  * stays valid). All or nothing: a handle that is not live is
  * MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE (freed) and
  * nothing is written. MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
- * NULL); `out` has cap writable elements (or is NULL).
  */
 marconi_status marconi_pool_resolve(const struct marconi_pool *pool,
                                     const uint64_t *handles,
@@ -4773,10 +4470,6 @@ marconi_status marconi_pool_resolve(const struct marconi_pool *pool,
  * donor's tail is in use or too small, the recipient would exceed the
  * budget; the detail says which), MARCONI_STATUS_UNSUPPORTED for a static
  * pool. The pools are unchanged on failure.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `out` is NULL or writable.
  */
 marconi_status marconi_pool_migrate(const struct marconi_pool *pool,
                                     uint32_t recipient,
@@ -4787,11 +4480,6 @@ marconi_status marconi_pool_migrate(const struct marconi_pool *pool,
  * Writes the pool's counters into `*out`: the caller sets out->struct_size
  * to sizeof(marconi_pool_stats) and the library writes only that many bytes
  * (struct_size below 16 is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE).
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_pool_get_stats(const struct marconi_pool *pool,
                                       struct marconi_pool_stats *out);
@@ -4809,10 +4497,6 @@ marconi_status marconi_pool_get_stats(const struct marconi_pool *pool,
  *
  * Thread safety: safe to call concurrently on the same pool (calls are
  * serialised); the engine must not write the slots named meanwhile.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
  */
 marconi_status marconi_pool_copy_states(const struct marconi_pool *pool,
                                         const struct marconi_state_copy *pairs,
@@ -4824,10 +4508,6 @@ marconi_status marconi_pool_copy_states(const struct marconi_pool *pool,
  * statuses as marconi_pool_copy_states.
  *
  * Thread safety: as marconi_pool_copy_states.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `dsts` has n readable uint64_t (or is NULL).
  */
 marconi_status marconi_pool_fork_state(const struct marconi_pool *pool,
                                        uint64_t src,
@@ -4844,11 +4524,6 @@ marconi_status marconi_pool_fork_state(const struct marconi_pool *pool,
  * accepted < n, no handle listed twice, every handle a live state slot.
  *
  * Thread safety: as marconi_pool_copy_states.
- *
- * # Safety
- *
- * `pool` is a live handle or NULL; `candidates` has n readable uint64_t (or
- * is NULL); `out_state` is writable or NULL.
  */
 marconi_status marconi_pool_promote_state(const struct marconi_pool *pool,
                                           uint64_t state,
@@ -4870,9 +4545,8 @@ marconi_status marconi_pool_promote_state(const struct marconi_pool *pool,
  *
  * # Safety
  *
- * `buf` is NULL or points to a marconi_state_buffer whose base holds
- * layers * slots * slot_bytes writable bytes; `pairs` has n readable
- * elements (or is NULL).
+ * Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+ * slots * slot_bytes writable bytes.
  */
 marconi_status marconi_snapshot_copy(const struct marconi_state_buffer *buf,
                                      const struct marconi_copy_order *pairs,
@@ -4886,7 +4560,8 @@ marconi_status marconi_snapshot_copy(const struct marconi_state_buffer *buf,
  *
  * # Safety
  *
- * As marconi_snapshot_copy; `dsts` has n readable u32 (or is NULL).
+ * Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+ * slots * slot_bytes writable bytes.
  */
 marconi_status marconi_snapshot_fork(const struct marconi_state_buffer *buf,
                                      uint32_t src,
@@ -4902,8 +4577,8 @@ marconi_status marconi_snapshot_fork(const struct marconi_state_buffer *buf,
  *
  * # Safety
  *
- * As marconi_snapshot_copy; `candidates` has n readable u32 (or is NULL);
- * `out_slot` is writable or NULL.
+ * Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+ * slots * slot_bytes writable bytes.
  */
 marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
                                         uint32_t state_slot,
@@ -4927,11 +4602,6 @@ marconi_status marconi_snapshot_promote(const struct marconi_state_buffer *buf,
  *
  * Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
  * on a cache without pools (marconi_cache_config.pools).
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
- * (or is NULL); `out` is writable or NULL.
  */
 marconi_status marconi_cache_lookup_pooled(const struct marconi_cache *cache,
                                            uint64_t ns,
@@ -4948,11 +4618,6 @@ marconi_status marconi_cache_lookup_pooled(const struct marconi_cache *cache,
  * Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
  * for checkpoints NULL with n_checkpoints > 0, and
  * MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
- *
- * # Safety
- *
- * As marconi_cache_lookup_pooled; `checkpoints` has n_checkpoints readable
- * u32 (or is NULL with 0).
  */
 marconi_status marconi_cache_lookup_pooled_hinted(const struct marconi_cache *cache,
                                                   uint64_t ns,
@@ -4970,11 +4635,6 @@ marconi_status marconi_cache_lookup_pooled_hinted(const struct marconi_cache *ca
  * written when cap is too small; NULL with cap 0 asks for the count). The
  * pooled counterpart of marconi_cache_lease_kv_pages.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or
- * is NULL); `out_len` is writable or NULL.
  */
 marconi_status marconi_cache_lease_kv_handles(const struct marconi_cache *cache,
                                               uint64_t lease,
@@ -4995,11 +4655,6 @@ marconi_status marconi_cache_lease_kv_handles(const struct marconi_cache *cache,
  * capacity is below its count. The units are the caller's until admitted
  * (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
- * state_cap writable uint64_t (or are NULL with a capacity 0).
  */
 marconi_status marconi_cache_reserve(const struct marconi_cache *cache,
                                      uint32_t kv_pages,
@@ -5032,12 +4687,6 @@ marconi_status marconi_cache_reserve(const struct marconi_cache *cache,
  * MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
  * error.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; each buffer has its length readable
- * (or is NULL with length 0); `taken` has n_states writable bytes; `out`
- * is writable or NULL.
  */
 marconi_status marconi_cache_admit_pooled(const struct marconi_cache *cache,
                                           uint64_t lease,
@@ -5057,11 +4706,6 @@ marconi_status marconi_cache_admit_pooled(const struct marconi_cache *cache,
  * cache's, another pool's or cache's, freed, made up),
  * MARCONI_STATUS_DOUBLE_FREE for one listed twice.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
- * is NULL).
  */
 marconi_status marconi_cache_free_units(const struct marconi_cache *cache,
                                         const uint64_t *handles,
@@ -5077,11 +4721,6 @@ marconi_status marconi_cache_free_units(const struct marconi_cache *cache,
  *
  * Thread safety: safe to call concurrently on the same cache; each handle
  * is delivered to exactly one caller.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or is
- * NULL); `out_len` is writable or NULL.
  */
 marconi_status marconi_cache_drain_freed_units(const struct marconi_cache *cache,
                                                uint64_t *buf,
@@ -5094,10 +4733,6 @@ marconi_status marconi_cache_drain_freed_units(const struct marconi_cache *cache
  * (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
  * debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
  * pools.
- *
- * # Safety
- *
- * As marconi_cache_drain_freed_units.
  */
 marconi_status marconi_cache_held(const struct marconi_cache *cache,
                                   uint64_t *buf,
@@ -5108,11 +4743,6 @@ marconi_status marconi_cache_held(const struct marconi_cache *cache,
  * Resolves live handles of a cache over pools (the cache's or the
  * caller's) to their units, as marconi_pool_resolve.
  * MARCONI_STATUS_UNSUPPORTED on a cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
- * is NULL); `out` has cap writable elements (or is NULL).
  */
 marconi_status marconi_cache_resolve(const struct marconi_cache *cache,
                                      const uint64_t *handles,
@@ -5128,11 +4758,6 @@ marconi_status marconi_cache_resolve(const struct marconi_cache *cache,
  * (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
  * overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
  * cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `pairs` has n readable elements (or is
- * NULL).
  */
 marconi_status marconi_cache_copy_states(const struct marconi_cache *cache,
                                          const struct marconi_state_copy *pairs,
@@ -5143,11 +4768,6 @@ marconi_status marconi_cache_copy_states(const struct marconi_cache *cache,
  * cache's), only out->struct_size bytes (at least 16): set it to
  * sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
  * cache without pools.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `out` is NULL or has out->struct_size
- * writable bytes.
  */
 marconi_status marconi_cache_pool_stats(const struct marconi_cache *cache,
                                         struct marconi_pooled_stats *out);
@@ -5164,11 +4784,6 @@ marconi_status marconi_cache_pool_stats(const struct marconi_cache *cache,
  * 128-aligned; larger values (an engine's padded layout) are accepted,
  * smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
  * recurrent layers is refused.
- *
- * # Safety
- *
- * `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
- * functions (struct_size readable bytes); `out` is NULL or writable.
  */
 MARCONI_DEPRECATED("use marconi_cache_new with marconi_cache_config.pools (removed in the next release)")
 marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache_cfg,
@@ -5179,20 +4794,12 @@ marconi_status marconi_pooled_cache_new(const struct marconi_cache_config *cache
  * Deprecated: marconi_cache_free. Frees a cache over pools and its memory
  * (every handle and address it gave out becomes invalid). NULL is a no-op;
  * a pointer that is not a live cache handle is refused and left alone.
- *
- * # Safety
- *
- * `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
  */
 MARCONI_DEPRECATED("use marconi_cache_free (removed in the next release)")
 void marconi_pooled_cache_free(struct marconi_pooled_cache *pc);
 
 /**
  * Deprecated: marconi_cache_lookup_pooled (same arguments, same meaning).
- *
- * # Safety
- *
- * As marconi_cache_lookup_pooled.
  */
 MARCONI_DEPRECATED("use marconi_cache_lookup_pooled (removed in the next release)")
 marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc,
@@ -5203,10 +4810,6 @@ marconi_status marconi_pooled_cache_lookup(const struct marconi_pooled_cache *pc
 
 /**
  * Deprecated: marconi_cache_lookup_pooled_hinted.
- *
- * # Safety
- *
- * As marconi_cache_lookup_pooled_hinted.
  */
 MARCONI_DEPRECATED("use marconi_cache_lookup_pooled_hinted (removed in the next release)")
 marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_cache *pc,
@@ -5219,10 +4822,6 @@ marconi_status marconi_pooled_cache_lookup_hinted(const struct marconi_pooled_ca
 
 /**
  * Deprecated: marconi_cache_lease_kv_handles.
- *
- * # Safety
- *
- * As marconi_cache_lease_kv_handles.
  */
 MARCONI_DEPRECATED("use marconi_cache_lease_kv_handles (removed in the next release)")
 marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_cache *pc,
@@ -5234,10 +4833,6 @@ marconi_status marconi_pooled_cache_lease_kv_pages(const struct marconi_pooled_c
 /**
  * Deprecated: marconi_cache_lease_plan (a pooled lease's checkpoint
  * positions, ascending).
- *
- * # Safety
- *
- * As marconi_cache_lease_plan.
  */
 MARCONI_DEPRECATED("use marconi_cache_lease_plan (removed in the next release)")
 marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache *pc,
@@ -5248,10 +4843,6 @@ marconi_status marconi_pooled_cache_lease_plan(const struct marconi_pooled_cache
 
 /**
  * Deprecated: marconi_cache_reserve.
- *
- * # Safety
- *
- * As marconi_cache_reserve.
  */
 MARCONI_DEPRECATED("use marconi_cache_reserve (removed in the next release)")
 marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *pc,
@@ -5264,10 +4855,6 @@ marconi_status marconi_pooled_cache_reserve(const struct marconi_pooled_cache *p
 
 /**
  * Deprecated: marconi_cache_admit_pooled.
- *
- * # Safety
- *
- * As marconi_cache_admit_pooled.
  */
 MARCONI_DEPRECATED("use marconi_cache_admit_pooled (removed in the next release)")
 marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
@@ -5283,10 +4870,6 @@ marconi_status marconi_pooled_cache_admit(const struct marconi_pooled_cache *pc,
 
 /**
  * Deprecated: marconi_cache_free_units.
- *
- * # Safety
- *
- * As marconi_cache_free_units.
  */
 MARCONI_DEPRECATED("use marconi_cache_free_units (removed in the next release)")
 marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache *pc,
@@ -5295,10 +4878,6 @@ marconi_status marconi_pooled_cache_free_units(const struct marconi_pooled_cache
 
 /**
  * Deprecated: marconi_cache_release.
- *
- * # Safety
- *
- * As marconi_cache_release.
  */
 MARCONI_DEPRECATED("use marconi_cache_release (removed in the next release)")
 marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *pc,
@@ -5306,10 +4885,6 @@ marconi_status marconi_pooled_cache_release(const struct marconi_pooled_cache *p
 
 /**
  * Deprecated: marconi_cache_drain_freed_units.
- *
- * # Safety
- *
- * As marconi_cache_drain_freed_units.
  */
 MARCONI_DEPRECATED("use marconi_cache_drain_freed_units (removed in the next release)")
 marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cache *pc,
@@ -5319,10 +4894,6 @@ marconi_status marconi_pooled_cache_drain_freed(const struct marconi_pooled_cach
 
 /**
  * Deprecated: marconi_cache_held.
- *
- * # Safety
- *
- * As marconi_cache_held.
  */
 MARCONI_DEPRECATED("use marconi_cache_held (removed in the next release)")
 marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
@@ -5332,10 +4903,6 @@ marconi_status marconi_pooled_cache_held(const struct marconi_pooled_cache *pc,
 
 /**
  * Deprecated: marconi_cache_resolve.
- *
- * # Safety
- *
- * As marconi_cache_resolve.
  */
 MARCONI_DEPRECATED("use marconi_cache_resolve (removed in the next release)")
 marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *pc,
@@ -5346,10 +4913,6 @@ marconi_status marconi_pooled_cache_resolve(const struct marconi_pooled_cache *p
 
 /**
  * Deprecated: marconi_cache_copy_states.
- *
- * # Safety
- *
- * As marconi_cache_copy_states.
  */
 MARCONI_DEPRECATED("use marconi_cache_copy_states (removed in the next release)")
 marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cache *pc,
@@ -5358,10 +4921,6 @@ marconi_status marconi_pooled_cache_copy_states(const struct marconi_pooled_cach
 
 /**
  * Deprecated: marconi_cache_pool_stats.
- *
- * # Safety
- *
- * As marconi_cache_pool_stats.
  */
 MARCONI_DEPRECATED("use marconi_cache_pool_stats (removed in the next release)")
 marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
@@ -5372,10 +4931,6 @@ marconi_status marconi_pooled_cache_stats(const struct marconi_pooled_cache *pc,
  * every handle the cache holds live in its pool, the caller's and the
  * cache's units are the pools' live units, core's unit budget is the
  * pools' capacity less the caller's units).
- *
- * # Safety
- *
- * As marconi_cache_check.
  */
 MARCONI_DEPRECATED("use marconi_cache_check (removed in the next release)")
 marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc);
@@ -5385,10 +4940,6 @@ marconi_status marconi_pooled_cache_check(const struct marconi_pooled_cache *pc)
  * `cfg->struct_size`: any size from the first version's on (an older
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_store_config_init(struct marconi_store_config *cfg, size_t struct_size);
 
@@ -5402,18 +4953,14 @@ marconi_status marconi_store_config_init(struct marconi_store_config *cfg, size_
  *
  * # Safety
  *
- * `cfg` is NULL or initialised by marconi_store_config_init; `out` is
- * writable or NULL.
+ * Besides the memory rules at the top of marconi.h: the callbacks of `cfg`
+ * follow their contracts, with its `user`, until marconi_store_free.
  */
 marconi_status marconi_store_new(const struct marconi_store_config *cfg,
                                  struct marconi_store **out);
 
 /**
  * Frees a store handle (closes its connections). NULL is a no-op.
- *
- * # Safety
- *
- * `store` is NULL or a live handle from marconi_store_new, freed once.
  */
 void marconi_store_free(struct marconi_store *store);
 
@@ -5423,11 +4970,6 @@ void marconi_store_free(struct marconi_store *store);
  * MARCONI_STATUS_POSITION_OUT_OF_RANGE unless 1 <= position <= n_tokens;
  * MARCONI_STATUS_BACKEND_FAILURE when the store did not take it (the
  * engine may ignore it: the state is then simply not found later).
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32 and `data`
- * len bytes (either NULL only with length 0).
  */
 marconi_status marconi_store_put_state(const struct marconi_store *store,
                                        const uint32_t *tokens,
@@ -5441,10 +4983,6 @@ marconi_status marconi_store_put_state(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * # Safety
- *
- * As marconi_store_put_state.
  */
 marconi_status marconi_store_put_state_ns(const struct marconi_store *store,
                                           uint64_t ns,
@@ -5462,12 +5000,6 @@ marconi_status marconi_store_put_state_ns(const struct marconi_store *store,
  * state's size in `*out_len` and nothing else written, when it is larger
  * than `cap`. MARCONI_STATUS_POSITION_OUT_OF_RANGE unless
  * 1 <= position <= n_tokens.
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
- * cap writable bytes (NULL only with cap 0); `out_len`, `out_found` are
- * writable.
  */
 marconi_status marconi_store_get_state(const struct marconi_store *store,
                                        const uint32_t *tokens,
@@ -5483,10 +5015,6 @@ marconi_status marconi_store_get_state(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * # Safety
- *
- * As marconi_store_get_state.
  */
 marconi_status marconi_store_get_state_ns(const struct marconi_store *store,
                                           uint64_t ns,
@@ -5501,10 +5029,6 @@ marconi_status marconi_store_get_state_ns(const struct marconi_store *store,
 /**
  * Removes the state after `tokens[0..position]` from the store.
  * MARCONI_STATUS_BACKEND_FAILURE when the store failed.
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32.
  */
 marconi_status marconi_store_delete_state(const struct marconi_store *store,
                                           const uint32_t *tokens,
@@ -5516,10 +5040,6 @@ marconi_status marconi_store_delete_state(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * # Safety
- *
- * As marconi_store_delete_state.
  */
 marconi_status marconi_store_delete_state_ns(const struct marconi_store *store,
                                              uint64_t ns,
@@ -5538,8 +5058,8 @@ marconi_status marconi_store_delete_state_ns(const struct marconi_store *store,
  *
  * # Safety
  *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32; `data` has
- * n_blocks * block_bytes readable bytes.
+ * Besides the memory rules at the top of marconi.h: `data` holds n_blocks *
+ * block_bytes bytes.
  */
 marconi_status marconi_store_put_kv(const struct marconi_store *store,
                                     const uint32_t *tokens,
@@ -5557,7 +5077,8 @@ marconi_status marconi_store_put_kv(const struct marconi_store *store,
  *
  * # Safety
  *
- * As marconi_store_put_kv.
+ * Besides the memory rules at the top of marconi.h: `data` holds n_blocks *
+ * block_bytes bytes.
  */
 marconi_status marconi_store_put_kv_ns(const struct marconi_store *store,
                                        uint64_t ns,
@@ -5576,11 +5097,6 @@ marconi_status marconi_store_put_kv_ns(const struct marconi_store *store,
  * from `first_block` to `*out_blocks` (0 on a miss of the first, and when
  * the store is down or slow). MARCONI_STATUS_INVALID_ARGUMENT when
  * block_bytes is 0 or first_block is past the tokens' full blocks.
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
- * cap writable bytes (NULL only with cap 0); `out_blocks` is writable.
  */
 marconi_status marconi_store_get_kv(const struct marconi_store *store,
                                     const uint32_t *tokens,
@@ -5596,10 +5112,6 @@ marconi_status marconi_store_get_kv(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * # Safety
- *
- * As marconi_store_get_kv.
  */
 marconi_status marconi_store_get_kv_ns(const struct marconi_store *store,
                                        uint64_t ns,
@@ -5615,11 +5127,6 @@ marconi_status marconi_store_get_kv_ns(const struct marconi_store *store,
  * Writes to `*out_blocks` how many of `tokens`' full blocks, from block
  * 0, the store says it has (one existence query, no value read: a hint
  * that marconi_store_get_kv verifies). 0 when the store is down or slow.
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `tokens` has n_tokens u32;
- * `out_blocks` is writable.
  */
 marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
                                        const uint32_t *tokens,
@@ -5631,10 +5138,6 @@ marconi_status marconi_store_kv_prefix(const struct marconi_store *store,
  * `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
  * Entries of one namespace are never read, probed or removed by a call in
  * another (their keys differ).
- *
- * # Safety
- *
- * As marconi_store_kv_prefix.
  */
 marconi_status marconi_store_kv_prefix_ns(const struct marconi_store *store,
                                           uint64_t ns,
@@ -5646,11 +5149,6 @@ marconi_status marconi_store_kv_prefix_ns(const struct marconi_store *store,
  * Writes the store's counters to `*out`. Set out->struct_size to
  * sizeof(marconi_store_stats) first: only that many bytes are written (at
  * least 8), so callers compiled against an older header keep working.
- *
- * # Safety
- *
- * `store` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_store_get_stats(const struct marconi_store *store,
                                        struct marconi_store_stats *out);
@@ -5659,10 +5157,6 @@ marconi_status marconi_store_get_stats(const struct marconi_store *store,
  * Fills `*opts` with the defaults (documented per field) and sets
  * `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
  * struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `opts` is NULL or points to `struct_size` writable bytes.
  */
 marconi_status marconi_tier_options_init(struct marconi_tier_options *opts, size_t struct_size);
 
@@ -5696,11 +5190,6 @@ marconi_status marconi_tier_options_init(struct marconi_tier_options *opts, size
  * 0, MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
  * MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
  * handle (cache or store) that is not one.
- *
- * # Safety
- *
- * `cache` and `store` are live handles or NULL; each array has its
- * length in readable u32 (or is NULL with 0); `out` is writable or NULL.
  */
 marconi_status marconi_cache_lookup_tiered(const struct marconi_cache *cache,
                                            uint64_t ns,
@@ -5722,11 +5211,6 @@ marconi_status marconi_cache_lookup_tiered(const struct marconi_cache *cache,
  * Errors: those of marconi_cache_lookup_tiered, and
  * MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
  * [0, 2^32 - 1] (nothing changes).
- *
- * # Safety
- *
- * As marconi_cache_lookup_tiered, with `tokens` pointing to n_tokens
- * readable, aligned int64 (or NULL).
  */
 marconi_status marconi_cache_lookup_tiered_i64_flags(const struct marconi_cache *cache,
                                                      uint64_t ns,
@@ -5747,11 +5231,6 @@ marconi_status marconi_cache_lookup_tiered_i64_flags(const struct marconi_cache 
  * the lookup gave it, else the reserved page i - n_kv_pages. A buffer too small (NULL with cap 0 is a size
  * query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
  * written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `buf` has cap writable elements (or
- * is NULL); `out_len` is writable or NULL.
  */
 marconi_status marconi_cache_lease_loads(const struct marconi_cache *cache,
                                          uint64_t lease,
@@ -5765,10 +5244,6 @@ marconi_status marconi_cache_lease_loads(const struct marconi_cache *cache,
  * corrupt object) and that the engine recomputed from the device's hit.
  * Counted in load_failures; the lease stays valid.
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL.
  */
 marconi_status marconi_cache_report_load_failure(const struct marconi_cache *cache, uint64_t lease);
 
@@ -5776,10 +5251,6 @@ marconi_status marconi_cache_report_load_failure(const struct marconi_cache *cac
  * Runs the moves into the lower tiers that defer_moves left waiting
  * (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL.
  */
 marconi_status marconi_cache_settle(const struct marconi_cache *cache);
 
@@ -5807,11 +5278,6 @@ marconi_status marconi_cache_settle(const struct marconi_cache *cache);
  *
  * Thread safety: safe to call concurrently on the same handle; each op is
  * delivered to exactly one caller.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; each buffer has its capacity in
- * writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
  */
 marconi_status marconi_cache_drain_ops(const struct marconi_cache *cache,
                                        struct marconi_tier_op *ops,
@@ -5826,11 +5292,6 @@ marconi_status marconi_cache_drain_ops(const struct marconi_cache *cache,
  * has the device's). Set out->struct_size to sizeof(marconi_tiered_stats)
  * first: only that many bytes are written (at least 16).
  * MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
- *
- * # Safety
- *
- * `cache` is a live handle or NULL; `out` is NULL or points to
- * out->struct_size writable bytes.
  */
 marconi_status marconi_cache_tier_stats(const struct marconi_cache *cache,
                                         struct marconi_tiered_stats *out);
@@ -5841,10 +5302,6 @@ marconi_status marconi_cache_tier_stats(const struct marconi_cache *cache,
  * `cfg->struct_size`: any size from the first version's on (an older
  * caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
  * when struct_size is smaller than the first version's.
- *
- * # Safety
- *
- * `cfg` is NULL or points to `struct_size` writable bytes.
  */
 MARCONI_DEPRECATED("use marconi_tier_options_init and marconi_cache_config.tiers (removed in the next release)")
 marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg,
@@ -5856,12 +5313,6 @@ marconi_status marconi_tiered_config_init(struct marconi_tiered_config *cfg,
  * `cfg->device`, the tiers in the other fields) and writes the handle to
  * `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
  * marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
- *
- * # Safety
- *
- * `cfg` is NULL or initialised by marconi_tiered_config_init, its
- * `device` NULL or initialised by marconi_cache_config_init; `out` is
- * writable or NULL.
  */
 MARCONI_DEPRECATED("use marconi_cache_new with marconi_cache_config.tiers (removed in the next release)")
 marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
@@ -5870,20 +5321,12 @@ marconi_status marconi_tiered_new(const struct marconi_tiered_config *cfg,
 /**
  * Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
  * a pointer that is not a live cache handle is refused and left alone.
- *
- * # Safety
- *
- * `t` is NULL or a handle from marconi_tiered_new.
  */
 MARCONI_DEPRECATED("use marconi_cache_free (removed in the next release)")
 void marconi_tiered_free(struct marconi_tiered *t);
 
 /**
  * Deprecated: marconi_cache_lookup_tiered (same arguments, same meaning).
- *
- * # Safety
- *
- * As marconi_cache_lookup_tiered.
  */
 MARCONI_DEPRECATED("use marconi_cache_lookup_tiered (removed in the next release)")
 marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
@@ -5897,10 +5340,6 @@ marconi_status marconi_tiered_lookup(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_lease_loads.
- *
- * # Safety
- *
- * As marconi_cache_lease_loads.
  */
 MARCONI_DEPRECATED("use marconi_cache_lease_loads (removed in the next release)")
 marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
@@ -5912,10 +5351,6 @@ marconi_status marconi_tiered_lease_loads(const struct marconi_tiered *tiered,
 /**
  * Deprecated: marconi_cache_lease_plan (a tiered lease's checkpoint
  * positions, ascending).
- *
- * # Safety
- *
- * As marconi_cache_lease_plan.
  */
 MARCONI_DEPRECATED("use marconi_cache_lease_plan (removed in the next release)")
 marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
@@ -5927,10 +5362,6 @@ marconi_status marconi_tiered_lease_plan(const struct marconi_tiered *tiered,
 /**
  * Deprecated: marconi_cache_lease_kv_pages (the device KV page ids of a
  * lease's device hit).
- *
- * # Safety
- *
- * As marconi_cache_lease_kv_pages.
  */
 MARCONI_DEPRECATED("use marconi_cache_lease_kv_pages (removed in the next release)")
 marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered,
@@ -5943,10 +5374,6 @@ marconi_status marconi_tiered_lease_kv_pages(const struct marconi_tiered *tiered
  * Deprecated: marconi_cache_admit (on a cache with lower tiers it also
  * moves what the device evicted into them, unless defer_moves: drain the
  * ops before reusing the freed ids).
- *
- * # Safety
- *
- * As marconi_cache_admit.
  */
 MARCONI_DEPRECATED("use marconi_cache_admit (removed in the next release)")
 marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
@@ -5962,10 +5389,6 @@ marconi_status marconi_tiered_admit(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_release (releases the lease in every tier).
- *
- * # Safety
- *
- * As marconi_cache_release.
  */
 MARCONI_DEPRECATED("use marconi_cache_release (removed in the next release)")
 marconi_status marconi_tiered_release(const struct marconi_tiered *tiered,
@@ -5973,10 +5396,6 @@ marconi_status marconi_tiered_release(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_report_load_failure.
- *
- * # Safety
- *
- * As marconi_cache_report_load_failure.
  */
 MARCONI_DEPRECATED("use marconi_cache_report_load_failure (removed in the next release)")
 marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *tiered,
@@ -5984,20 +5403,12 @@ marconi_status marconi_tiered_report_load_failure(const struct marconi_tiered *t
 
 /**
  * Deprecated: marconi_cache_settle.
- *
- * # Safety
- *
- * As marconi_cache_settle.
  */
 MARCONI_DEPRECATED("use marconi_cache_settle (removed in the next release)")
 marconi_status marconi_tiered_settle(const struct marconi_tiered *tiered);
 
 /**
  * Deprecated: marconi_cache_drain_ops.
- *
- * # Safety
- *
- * As marconi_cache_drain_ops.
  */
 MARCONI_DEPRECATED("use marconi_cache_drain_ops (removed in the next release)")
 marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
@@ -6010,10 +5421,6 @@ marconi_status marconi_tiered_drain_ops(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_drain_freed (drain the ops first).
- *
- * # Safety
- *
- * As marconi_cache_drain_freed.
  */
 MARCONI_DEPRECATED("use marconi_cache_drain_freed (removed in the next release)")
 marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
@@ -6026,10 +5433,6 @@ marconi_status marconi_tiered_drain_freed(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_tier_stats.
- *
- * # Safety
- *
- * As marconi_cache_tier_stats.
  */
 MARCONI_DEPRECATED("use marconi_cache_tier_stats (removed in the next release)")
 marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
@@ -6037,10 +5440,6 @@ marconi_status marconi_tiered_get_stats(const struct marconi_tiered *tiered,
 
 /**
  * Deprecated: marconi_cache_check (checks every tier's invariants).
- *
- * # Safety
- *
- * As marconi_cache_check.
  */
 MARCONI_DEPRECATED("use marconi_cache_check (removed in the next release)")
 marconi_status marconi_tiered_check(const struct marconi_tiered *tiered);

@@ -556,11 +556,6 @@ pub(crate) fn tokens_len_ok(n: usize, what: &str) -> FfiResult {
 /// lives in the library's pools (marconi_cache_lookup_pooled and the other
 /// pool calls); with cfg->tiers it has lower tiers; both at once is
 /// MARCONI_STATUS_UNSUPPORTED.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to struct_size readable bytes initialised by
-/// marconi_cache_config_init; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_new(
     cfg: *const marconi_cache_config,
@@ -655,10 +650,6 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
 /// Frees a cache and everything it holds. NULL is a no-op. Every lease of the
 /// cache becomes invalid; a stale lease passed to another cache is refused
 /// with MARCONI_STATUS_UNKNOWN_LEASE (a lease id is issued once per process).
-///
-/// # Safety
-///
-/// `cache` is NULL or a handle from marconi_cache_new not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
     boundary_or("marconi_cache_free", (), || {
@@ -693,11 +684,6 @@ pub unsafe extern "C" fn marconi_cache_free(cache: *mut marconi_cache) {
 ///
 /// Errors: MARCONI_STATUS_EMPTY_TOKENS for n_tokens 0,
 /// MARCONI_STATUS_NULL_ARGUMENT for tokens NULL with n_tokens > 0.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `tokens` points to n_tokens readable
-/// u32 (or is NULL); `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup(
     cache: *const marconi_cache,
@@ -734,11 +720,6 @@ pub unsafe extern "C" fn marconi_cache_lookup(
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_NULL_ARGUMENT
 /// for checkpoints NULL with n_checkpoints > 0, MARCONI_STATUS_TOO_MANY_TOKENS
 /// for n_checkpoints >= 2^32 - 1 (refused before the array is read).
-///
-/// # Safety
-///
-/// As marconi_cache_lookup; `checkpoints` points to n_checkpoints readable
-/// u32 (or is NULL with 0).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_hinted(
     cache: *const marconi_cache,
@@ -782,11 +763,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_hinted(
 /// `tokens[i]`, and nothing changes.
 ///
 /// Errors: those of marconi_cache_lookup.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup, with `tokens` pointing to n_tokens readable,
-/// aligned int64 (or NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_i64(
     cache: *const marconi_cache,
@@ -816,10 +792,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_i64(
 /// Errors: those of marconi_cache_lookup_i64, and
 /// MARCONI_STATUS_INVALID_ARGUMENT for a flag bit this library does not
 /// know (refused before anything is read; nothing changes).
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_i64.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_i64_flags(
     cache: *const marconi_cache,
@@ -939,11 +911,6 @@ pub(crate) fn narrow_ids(ids: &[i64], what: &str) -> FfiResult<Vec<u32>> {
 /// MARCONI_STATUS_BUFFER_TOO_SMALL and writes only the needed count to
 /// `*out_len`. On a cache over pools: MARCONI_STATUS_UNSUPPORTED (its
 /// pages are handles: marconi_cache_lease_kv_handles).
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `buf` has cap writable u32 (or is NULL);
-/// `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
     cache: *const marconi_cache,
@@ -986,10 +953,6 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_pages(
 /// admissible and is not listed. A buffer too small behaves as in
 /// marconi_cache_lease_kv_pages. Works on every cache (a lease of
 /// marconi_cache_lookup_pooled too).
-///
-/// # Safety
-///
-/// As marconi_cache_lease_kv_pages.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lease_plan(
     cache: *const marconi_cache,
@@ -1043,12 +1006,6 @@ pub unsafe extern "C" fn marconi_cache_lease_plan(
 /// given twice or already the cache's), _DUPLICATE_POSITION, _DUPLICATE_PAGE,
 /// _BAD_PAGE_LIST, _POSITION_OUT_OF_RANGE, _EMPTY_TOKENS, _NULL_ARGUMENT;
 /// _UNSUPPORTED on a cache over pools (use marconi_cache_admit_pooled).
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; each input buffer has its length in
-/// readable elements (or is NULL); `taken` has n_states writable bytes or is
-/// NULL; `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_admit(
     cache: *const marconi_cache,
@@ -1092,11 +1049,6 @@ pub unsafe extern "C" fn marconi_cache_admit(
 /// `kv_pages[i]`, and nothing changes.
 ///
 /// Ownership and errors: those of marconi_cache_admit.
-///
-/// # Safety
-///
-/// As marconi_cache_admit, with `tokens` and `kv_pages` pointing to their
-/// lengths in readable, aligned int64 (or NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_admit_i64(
     cache: *const marconi_cache,
@@ -1223,10 +1175,6 @@ pub(crate) unsafe fn admit_ids(
 /// _lookup_tiered or _lookup_pooled): what it pinned becomes evictable
 /// again. MARCONI_STATUS_UNKNOWN_LEASE for a lease never issued by this
 /// cache or already released.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_release(
     cache: *const marconi_cache,
@@ -1273,11 +1221,6 @@ pub unsafe extern "C" fn marconi_cache_release(
 ///
 /// Thread safety: safe to call concurrently on the same cache; each freed id
 /// is delivered to exactly one caller.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; each buffer has its capacity in writable
-/// u32 (or is NULL); n_pages and n_slots are writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_drain_freed(
     cache: *const marconi_cache,
@@ -1364,10 +1307,6 @@ pub(crate) unsafe fn hand_out_freed(
 /// marconi_cache_drain_ops; with defer_moves at the next
 /// marconi_cache_settle). On a cache over pools: MARCONI_STATUS_UNSUPPORTED
 /// (its reservations evict as needed: marconi_cache_reserve).
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `free_bytes` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_evict(
     cache: *const marconi_cache,
@@ -1405,11 +1344,6 @@ pub unsafe extern "C" fn marconi_cache_evict(
 /// 16), so callers compiled against an older header keep working. On a
 /// cache over pools the capacity is the pools' budget, and
 /// marconi_cache_pool_stats has the pools' own counters.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `out` is NULL or points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_stats(
     cache: *const marconi_cache,
@@ -1483,11 +1417,6 @@ pub unsafe extern "C" fn marconi_cache_stats(
 ///
 /// Thread safety: safe to call concurrently on the same cache; each record is
 /// delivered to exactly one caller.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `buf` has cap writable bytes or is NULL;
-/// `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_drain_log(
     cache: *const marconi_cache,
@@ -1535,10 +1464,6 @@ pub unsafe extern "C" fn marconi_cache_drain_log(
 /// links, lease counts, capacity). MARCONI_STATUS_INVARIANT_VIOLATED with
 /// the violation in marconi_last_error if one is broken, after which the
 /// cache answers MARCONI_STATUS_POISONED. O(cached tokens): for tests.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_check(cache: *const marconi_cache) -> marconi_status {
     boundary("marconi_cache_check", || {

@@ -638,10 +638,6 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
 /// `cfg->struct_size`. `struct_size` is the caller's
 /// sizeof(marconi_cache_config); only that many bytes are written. Set
 /// capacity_bytes (and the model) afterwards.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_config_init(
     cfg: *mut marconi_cache_config,
@@ -671,11 +667,6 @@ pub unsafe extern "C" fn marconi_cache_config_init(
 /// shadows) is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE, except
 /// min_branch_depth and superseded_age, which such a caller gets at their
 /// defaults (16 and 1; marconi-paper and sglang-plus set 0).
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes; `policy` is
-/// NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_config_preset(
     cfg: *mut marconi_cache_config,
@@ -743,10 +734,6 @@ fn config_bytes(c: &marconi_cache_config) -> &[u8] {
 /// "paper-7b", "paper-7b-attn", "paper-7b-ssm", "jamba-1.5-mini",
 /// "nemotron-h-8b") into `*out`. MARCONI_STATUS_UNKNOWN_PRESET for any other
 /// name.
-///
-/// # Safety
-///
-/// `name` is NULL or a NUL-terminated string; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_model_spec_preset(
     name: *const c_char,

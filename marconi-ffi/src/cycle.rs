@@ -96,10 +96,6 @@ impl marconi_admit_request {
 /// Fills `*req` with the defaults (documented per field) and sets
 /// `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
 /// struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `req` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_admit_request_init(
     req: *mut marconi_admit_request,
@@ -122,12 +118,6 @@ pub unsafe extern "C" fn marconi_admit_request_init(
 /// Errors besides: MARCONI_STATUS_INVALID_ARGUMENT for an unknown width, a
 /// reserved field not 0, an int64 id outside [0, 2^32 - 1], or over ids a
 /// unit or page of 2^32 or more.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `req` is NULL or an initialised
-/// request whose arrays have their lengths in readable elements (`taken`:
-/// writable), or are NULL with 0; `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_admit_with(
     cache: *const marconi_cache,
@@ -345,12 +335,6 @@ impl Default for marconi_drain {
 ///
 /// Thread safety: safe to call concurrently on the same cache; each op and
 /// each freed unit is delivered to exactly one caller.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `d` is NULL or points to
-/// d->struct_size readable and writable bytes, each buffer with its
-/// capacity in writable elements (or NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_drain_with(
     cache: *const marconi_cache,

@@ -199,10 +199,6 @@ const CONFIG_MIN_SIZE: usize = std::mem::size_of::<marconi_events_config>();
 /// `cfg->struct_size`: any size from the first version's on (an older
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_config_init(
     cfg: *mut marconi_events_config,
@@ -229,11 +225,6 @@ pub unsafe extern "C" fn marconi_events_config_init(
 /// publishes: over ids the engine owns, over the library's pools
 /// (marconi_cache_config.pools; events name tokens, never units), and with
 /// lower tiers (the device tier's changes).
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `cfg` is NULL or initialised by
-/// marconi_events_config_init; `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_new(
     cache: *const marconi_cache,
@@ -355,11 +346,6 @@ pub unsafe extern "C" fn marconi_events_new(
 /// empty). `cache` is the handle's cache, whose event stream this turns off
 /// (changes would otherwise pile up undrained), or NULL when that cache was
 /// freed already.
-///
-/// # Safety
-///
-/// `events` is NULL or a handle from marconi_events_new not yet freed;
-/// `cache` is NULL or a live handle.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_free(
     events: *mut marconi_events,
@@ -436,11 +422,6 @@ unsafe fn give(payload: &[u8], buf: &mut [u8], out_len: *mut usize) -> FfiResult
 /// size than the handle's.
 ///
 /// Thread safety: safe to call concurrently; each change is delivered once.
-///
-/// # Safety
-///
-/// `events` and `cache` are live handles or NULL; `buf` has cap writable
-/// bytes or is NULL; `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_drain(
     events: *const marconi_events,
@@ -489,10 +470,6 @@ pub unsafe extern "C" fn marconi_events_drain(
 /// (apply this batch first, then the drained ones). Size query and
 /// MARCONI_STATUS_BUFFER_TOO_SMALL as marconi_events_drain (nothing kept).
 /// O(cached tokens x depth).
-///
-/// # Safety
-///
-/// As marconi_events_drain.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_snapshot(
     events: *const marconi_events,
@@ -533,11 +510,6 @@ pub unsafe extern "C" fn marconi_events_snapshot(
 /// skipped, so subscribers see a gap that replay cannot fill (resynchronise
 /// them with marconi_events_snapshot). MARCONI_STATUS_INVALID_ARGUMENT when
 /// the handle has no publisher.
-///
-/// # Safety
-///
-/// `events` and `cache` are live handles or NULL; `out_seq` is writable or
-/// NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_publish(
     events: *const marconi_events,
@@ -609,11 +581,6 @@ fn publish_locked(_g: &mut Inner, _h: &marconi_cache, _ts: f64) -> FfiResult<u64
 /// MARCONI_STATUS_BUFFER_TOO_SMALL with the length when it does not fit;
 /// MARCONI_STATUS_INVALID_ARGUMENT when there is no such endpoint (no
 /// publisher, no replay, `which` > 1).
-///
-/// # Safety
-///
-/// `events` is a live handle or NULL; `buf` has cap writable bytes or is
-/// NULL; `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_events_endpoint(
     events: *const marconi_events,

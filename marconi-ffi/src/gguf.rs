@@ -155,10 +155,6 @@ fn describe(kind: std::fs::FileType) -> &'static str {
 /// on success.
 ///
 /// Thread safety: touches only `*out`; reads the file.
-///
-/// # Safety
-///
-/// `path` is NULL or a NUL-terminated string; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_model_spec_from_gguf(
     path: *const c_char,
@@ -192,11 +188,6 @@ pub unsafe extern "C" fn marconi_model_spec_from_gguf(
 /// file already in memory (at least up to the end of its metadata).
 ///
 /// Thread safety: reads `bytes`, touches only `*out`.
-///
-/// # Safety
-///
-/// `bytes` is NULL (with `len` 0) or points to `len` readable bytes; `out`
-/// is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_model_spec_from_gguf_bytes(
     bytes: *const u8,

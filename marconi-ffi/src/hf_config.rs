@@ -24,11 +24,6 @@ pub(crate) const MAX_HF_CONFIG_BYTES: usize = 16 << 20;
 /// 16 MiB, not UTF-8, not a JSON object); MARCONI_STATUS_INVALID_CONFIG (an
 /// unsupported model_type, a missing or malformed field, or dimensions that
 /// cannot drive a cache). marconi_last_error() names the field.
-///
-/// # Safety
-///
-/// `json` is NULL or points to `len` readable bytes; `out` is NULL or
-/// writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_model_spec_from_hf_config(
     json: *const c_char,

@@ -158,10 +158,6 @@ fn move_err(e: MoveError) -> FfiError {
 /// them) and sets cfg->struct_size to `struct_size`, the caller's
 /// sizeof(marconi_host_pool_config). Bytes past this library's struct are
 /// zeroed.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_config_init(
     cfg: *mut marconi_host_pool_config,
@@ -181,11 +177,6 @@ pub unsafe extern "C" fn marconi_host_pool_config_init(
 /// MARCONI_STATUS_BACKEND_FAILURE when the system refuses the memfd or its
 /// mapping. Pinning is attempted only in cuda builds and its failure leaves
 /// the pool pageable (marconi_host_pool_stats.pinned says which).
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to struct_size readable bytes initialised by
-/// marconi_host_pool_config_init; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_new(
     cfg: *const marconi_host_pool_config,
@@ -223,10 +214,6 @@ pub unsafe extern "C" fn marconi_host_pool_new(
 
 /// Frees a host pool and its memory (every address it resolved becomes
 /// invalid). NULL is a no-op.
-///
-/// # Safety
-///
-/// `pool` is NULL or a handle from marconi_host_pool_new not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
     boundary_or("marconi_host_pool_free", (), || {
@@ -240,10 +227,6 @@ pub unsafe extern "C" fn marconi_host_pool_free(pool: *mut marconi_host_pool) {
 /// slots) and writes their handles to `out[0..n]`; all or nothing.
 /// MARCONI_STATUS_OUT_OF_MEMORY when they are not there (nothing
 /// allocated), MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_allocate(
     pool: *const marconi_host_pool,
@@ -277,10 +260,6 @@ pub unsafe extern "C" fn marconi_host_pool_allocate(
 /// for a handle already freed or listed twice, MARCONI_STATUS_UNKNOWN_HANDLE
 /// for a stale or foreign one (a device pool's, for instance) or 0; the
 /// detail names the first bad index. n 0 succeeds.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_free_units(
     pool: *const marconi_host_pool,
@@ -310,11 +289,6 @@ pub unsafe extern "C" fn marconi_host_pool_free_units(
 /// handle that is not live here; MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
 /// An engine that owns its device memory copies between these addresses
 /// and its own (cudaMemcpyAsync on its stream: the pool is pinned there).
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
-/// NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_resolve(
     pool: *const marconi_host_pool,
@@ -362,11 +336,6 @@ pub unsafe extern "C" fn marconi_host_pool_resolve(
 
 /// Writes the host pool's gauges and counters to `*out` (its struct_size
 /// set by the caller; older, shorter versions get their fields).
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `out` is NULL or points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_get_stats(
     pool: *const marconi_host_pool,
@@ -481,11 +450,6 @@ unsafe fn run_moves(
 /// Thread safety: safe to call concurrently with other calls on either
 /// pool (serialised by their locks); the engine must not touch the units
 /// named meanwhile.
-///
-/// # Safety
-///
-/// `host` and `device` are live handles or NULL; `pairs` has n readable
-/// elements (or is NULL); `out_bytes` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_demote(
     host: *const marconi_host_pool,
@@ -513,11 +477,6 @@ pub unsafe extern "C" fn marconi_host_pool_demote(
 /// backends as marconi_host_pool_demote.
 ///
 /// Thread safety: as marconi_host_pool_demote.
-///
-/// # Safety
-///
-/// `host` and `device` are live handles or NULL; `pairs` has n readable
-/// elements (or is NULL); `out_bytes` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_host_pool_promote(
     host: *const marconi_host_pool,

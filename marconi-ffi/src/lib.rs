@@ -9,7 +9,9 @@
 //! alignment before use, slices are formed only after the NULL and length
 //! checks, and the detail of a failure is kept as the thread's last error
 //! (`marconi_last_error`). The calling convention is written in the header's
-//! preamble (`cbindgen.toml`).
+//! preamble (`cbindgen.toml`), once: its memory rules are the safety
+//! contract of every exported function, whose own `# Safety` section (a
+//! few have one) says only what differs.
 //!
 //! A cache handle holds the core `PrefixCache` behind a `Mutex`, so engine
 //! threads may share it. Lease ids are drawn once from a process-wide
@@ -18,6 +20,10 @@
 #![expect(
     non_camel_case_types,
     reason = "C type names (marconi_cache, marconi_status, ...) are the ABI"
+)]
+#![expect(
+    clippy::missing_safety_doc,
+    reason = "the header's preamble states the one memory contract of every exported function"
 )]
 
 use std::ffi::c_char;
@@ -97,10 +103,6 @@ pub extern "C" fn marconi_version() -> *const c_char {
 /// truncated to `cap - 1` bytes, and returns the full length of the text
 /// (without the NUL), as snprintf does: NULL with cap 0 asks for the length.
 /// Unknown values give the text of MARCONI_STATUS_INVALID_ARGUMENT.
-///
-/// # Safety
-///
-/// `buf` is NULL or points to `cap` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_status_message(
     status: u32,
@@ -120,10 +122,6 @@ pub unsafe extern "C" fn marconi_status_message(
 /// Successful calls leave it unchanged; it is empty before the first failure.
 ///
 /// Thread safety: each thread has its own last error.
-///
-/// # Safety
-///
-/// `buf` is NULL or points to `cap` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_last_error(buf: *mut c_char, cap: usize) -> usize {
     status::boundary_or("marconi_last_error", 0, || {

@@ -237,10 +237,6 @@ const RESULT_MIN_SIZE: usize = std::mem::size_of::<marconi_lookup_result>();
 /// Fills `*req` with the defaults (documented per field) and sets
 /// `req->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
 /// struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `req` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_lookup_request_init(
     req: *mut marconi_lookup_request,
@@ -269,13 +265,6 @@ pub unsafe extern "C" fn marconi_lookup_request_init(
 /// a dst_slot on a cache over pools, or an int64 id outside [0, 2^32 - 1];
 /// MARCONI_STATUS_UNSUPPORTED for a store on a cache without lower tiers
 /// over ids the engine owns.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `req` is NULL or an initialised
-/// request whose arrays have their lengths in readable elements (or are
-/// NULL with 0); `out` is NULL or points to out->struct_size writable
-/// bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_with(
     cache: *const marconi_cache,

@@ -124,10 +124,6 @@ impl marconi_plan_request {
 /// Writes the default request into `*req` (page_size 16, the "paper-7b"
 /// model, state_fraction 0.5, budget 0: the caller sets it) and sets
 /// req->struct_size to `struct_size`, the caller's sizeof.
-///
-/// # Safety
-///
-/// `req` is NULL or has struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_plan_request_init(
     req: *mut marconi_plan_request,
@@ -194,12 +190,6 @@ unsafe fn out_struct_size(out: *const u32, min: usize, what: &str) -> FfiResult<
 /// out->struct_size bytes, at least 16). MARCONI_STATUS_INVALID_CONFIG for
 /// a model without recurrent layers, page_size 0, a budget below one page
 /// and one slot, or a state_fraction outside (0, 1); the detail says which.
-///
-/// # Safety
-///
-/// `req` is NULL or initialised by marconi_plan_request_init (its
-/// model_preset NULL or NUL-terminated); `out` is NULL or has
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_plan(
     req: *const marconi_plan_request,
@@ -382,12 +372,6 @@ unsafe fn trace_of<'a>(
 /// cache accepts. Cost: the replay, O(trace tokens) with the cache's
 /// per-request work (a 7,000-request trace takes about a second); it
 /// allocates no device memory.
-///
-/// # Safety
-///
-/// `req` as marconi_plan; `tokens`, `offsets`, `input_lens` have their
-/// lengths in readable elements (NULL allowed with length 0; `input_lens`
-/// may be NULL); `out` is NULL or has out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_plan_converged_split(
     req: *const marconi_plan_request,

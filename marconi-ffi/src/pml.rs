@@ -241,8 +241,8 @@ fn document<'a>(bytes: &'a [u8], err: *mut marconi_pml_error, what: &str) -> Ffi
 ///
 /// # Safety
 ///
-/// `xml` points to `xml_len` readable bytes; `out` is writable; `err` is
-/// NULL or writable; `tokenize` is NULL or follows its contract with `user`.
+/// Besides the memory rules at the top of marconi.h: `tokenize` is NULL or
+/// follows its contract with `user`.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_schema_new(
     xml: *const u8,
@@ -274,10 +274,6 @@ pub unsafe extern "C" fn marconi_pml_schema_new(
 }
 
 /// Frees a schema. NULL is a no-op.
-///
-/// # Safety
-///
-/// `schema` is NULL or a handle from marconi_pml_schema_new not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema) {
     boundary_or("marconi_pml_schema_free", (), || {
@@ -291,10 +287,6 @@ pub unsafe extern "C" fn marconi_pml_schema_free(schema: *mut marconi_pml_schema
 /// *total_positions`) and its cache namespace (a hash of the schema's name,
 /// modules and tokens: the `ns` for marconi_cache_lookup of its exact
 /// leading modules).
-///
-/// # Safety
-///
-/// `schema` is a live handle; the outputs are writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_schema_info(
     schema: *const marconi_pml_schema,
@@ -327,11 +319,6 @@ pub unsafe extern "C" fn marconi_pml_schema_info(
 /// of that module into `buf[0..cap]`, NUL-terminated, truncated like
 /// marconi_status_message; returns the full length without the NUL, 0 for
 /// a NULL schema or an index out of range.
-///
-/// # Safety
-///
-/// `schema` is NULL or a live handle; `buf` is NULL or has `cap` writable
-/// bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_name(
     schema: *const marconi_pml_schema,
@@ -379,12 +366,6 @@ pub unsafe extern "C" fn marconi_pml_name(
 /// MARCONI_STATUS_EMPTY_TOKENS: `xml_len` is 0.
 ///
 /// Thread safety: any number of threads per schema.
-///
-/// # Safety
-///
-/// `schema` is a live handle; `xml` has `xml_len` readable bytes;
-/// `segments` and `tokens` are NULL with capacity 0 or have their capacity
-/// writable; the counts and `err` (or NULL) are writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_layout(
     schema: *const marconi_pml_schema,

@@ -216,10 +216,6 @@ fn store_error(e: StoreError) -> FfiError {
 /// into `cfg`, a struct of `struct_size` bytes (sizeof as the caller
 /// compiled it). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when struct_size is
 /// smaller than this library's struct.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_config_init(
     cfg: *mut marconi_pml_cache_config,
@@ -236,10 +232,6 @@ pub unsafe extern "C" fn marconi_pml_cache_config_init(
 ///
 /// MARCONI_STATUS_INVALID_CONFIG: capacity_bytes or kv_bytes_per_token is 0,
 /// or a FLOPs coefficient is negative or not finite.
-///
-/// # Safety
-///
-/// `cfg` points to cfg->struct_size readable bytes; `out` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_new(
     cfg: *const marconi_pml_cache_config,
@@ -279,10 +271,6 @@ pub unsafe extern "C" fn marconi_pml_cache_new(
 /// Frees a module store. NULL is a no-op (MARCONI_STATUS_OK). A pointer
 /// that is not a live handle (freed already, or never one) is
 /// MARCONI_STATUS_INVALID_ARGUMENT and nothing is freed or read.
-///
-/// # Safety
-///
-/// `cache` is NULL or a pointer; only a live handle is dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -> marconi_status {
     boundary("marconi_pml_cache_free", || {
@@ -309,11 +297,6 @@ pub unsafe extern "C" fn marconi_pml_cache_free(cache: *mut marconi_pml_cache) -
 ///
 /// MARCONI_STATUS_OUT_OF_MEMORY: its modules and those already pinned
 /// exceed the budget (nothing is evicted then).
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used); `schema` is a live
-/// marconi_pml_schema; `schema_id` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_register(
     cache: *mut marconi_pml_cache,
@@ -341,10 +324,6 @@ pub unsafe extern "C" fn marconi_pml_cache_register(
 /// become unpinned (resident until the budget needs room).
 /// MARCONI_STATUS_INVALID_ARGUMENT: not registered (also a second
 /// unregister).
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_unregister(
     cache: *mut marconi_pml_cache,
@@ -443,12 +422,6 @@ unsafe fn read_layout(segments: *const marconi_pml_segment, n: usize) -> FfiResu
 /// not of this schema, more than MARCONI_PML_MAX_SEGMENTS segments.
 /// MARCONI_STATUS_BUFFER_TOO_SMALL: out_cap < n_segments (writes
 /// n_segments to `*n_out` only). MARCONI_STATUS_EMPTY_TOKENS: n_segments 0.
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used); `segments` has
-/// `n_segments` readable segments; `out` is NULL with out_cap 0 or has
-/// out_cap writable elements; `n_out` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_lookup(
     cache: *mut marconi_pml_cache,
@@ -545,10 +518,6 @@ pub unsafe extern "C" fn marconi_pml_cache_lookup(
 /// when already resident).
 ///
 /// MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, kind or index.
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used); `entry` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_admit(
     cache: *mut marconi_pml_cache,
@@ -592,10 +561,6 @@ pub unsafe extern "C" fn marconi_pml_cache_admit(
 /// MARCONI_STATUS_OUT_OF_MEMORY: larger than the unpinned budget (nothing
 /// evicted). MARCONI_STATUS_INVALID_ARGUMENT: unknown schema id, a layout
 /// not of this schema, a segment outside the run.
-///
-/// # Safety
-///
-/// As marconi_pml_cache_lookup; `entry` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_admit_exact(
     cache: *mut marconi_pml_cache,
@@ -628,11 +593,6 @@ pub unsafe extern "C" fn marconi_pml_cache_admit_exact(
 /// memory. MARCONI_STATUS_BUFFER_TOO_SMALL: more are pending than `cap`
 /// (writes the pending count to `*n`, removes nothing; NULL with cap 0 is a
 /// size query).
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used); `out` is NULL with
-/// cap 0 or has cap writable u64s; `n` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_evicted(
     cache: *mut marconi_pml_cache,
@@ -672,11 +632,6 @@ pub unsafe extern "C" fn marconi_pml_cache_evicted(
 /// Writes the store's counters to `*out`. Set out->struct_size to
 /// sizeof(marconi_pml_cache_stats) first: only that many bytes are written
 /// (at least 8).
-///
-/// # Safety
-///
-/// `cache` is a pointer (only a live handle is used); `out` points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pml_cache_get_stats(
     cache: *mut marconi_pml_cache,

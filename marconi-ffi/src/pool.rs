@@ -821,10 +821,6 @@ unsafe fn pool_ref<'a>(pool: *const marconi_pool) -> FfiResult<&'a marconi_pool>
 /// budget_bytes, kv_page_bytes and state_slot_bytes 0: the caller sets them)
 /// and sets cfg->struct_size to `struct_size`, the caller's
 /// sizeof(marconi_pool_config). Bytes past this library's struct are zeroed.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_config_init(
     cfg: *mut marconi_pool_config,
@@ -845,11 +841,6 @@ pub unsafe extern "C" fn marconi_pool_config_init(
 /// MARCONI_STATUS_UNSUPPORTED for backend CUDA in a build without CUDA or
 /// on a machine without a usable driver; MARCONI_STATUS_BACKEND_FAILURE when
 /// the operating system or the driver refuses the memory.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to struct_size readable bytes initialised by
-/// marconi_pool_config_init; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_new(
     cfg: *const marconi_pool_config,
@@ -874,10 +865,6 @@ pub unsafe extern "C" fn marconi_pool_new(
 
 /// Frees a pool and its memory (every address it resolved becomes invalid).
 /// NULL is a no-op.
-///
-/// # Safety
-///
-/// `pool` is NULL or a handle from marconi_pool_new not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
     boundary_or("marconi_pool_free", (), || {
@@ -895,10 +882,6 @@ pub unsafe extern "C" fn marconi_pool_free(pool: *mut marconi_pool) {
 /// are not there (nothing allocated, the detail says how many are free);
 /// MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n. n 0 succeeds and writes
 /// nothing.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `out` has cap writable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_allocate(
     pool: *const marconi_pool,
@@ -954,10 +937,6 @@ pub unsafe extern "C" fn marconi_pool_allocate(
 /// reused since) or listed twice; MARCONI_STATUS_UNKNOWN_HANDLE for one that
 /// is stale (its unit was reused), not from this pool, or 0. The detail
 /// names the first bad index. n 0 succeeds.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_free_units(
     pool: *const marconi_pool,
@@ -999,11 +978,6 @@ pub unsafe extern "C" fn marconi_pool_free_units(
 /// stays valid). All or nothing: a handle that is not live is
 /// MARCONI_STATUS_UNKNOWN_HANDLE or MARCONI_STATUS_DOUBLE_FREE (freed) and
 /// nothing is written. MARCONI_STATUS_BUFFER_TOO_SMALL when cap < n.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `handles` has n readable uint64_t (or is
-/// NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_resolve(
     pool: *const marconi_pool,
@@ -1047,10 +1021,6 @@ pub unsafe extern "C" fn marconi_pool_resolve(
 /// donor's tail is in use or too small, the recipient would exceed the
 /// budget; the detail says which), MARCONI_STATUS_UNSUPPORTED for a static
 /// pool. The pools are unchanged on failure.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `out` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_migrate(
     pool: *const marconi_pool,
@@ -1106,11 +1076,6 @@ pub unsafe extern "C" fn marconi_pool_migrate(
 /// Writes the pool's counters into `*out`: the caller sets out->struct_size
 /// to sizeof(marconi_pool_stats) and the library writes only that many bytes
 /// (struct_size below 16 is MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE).
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `out` is NULL or points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_get_stats(
     pool: *const marconi_pool,
@@ -1191,10 +1156,6 @@ pub unsafe extern "C" fn marconi_pool_get_stats(
 ///
 /// Thread safety: safe to call concurrently on the same pool (calls are
 /// serialised); the engine must not write the slots named meanwhile.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `pairs` has n readable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_copy_states(
     pool: *const marconi_pool,
@@ -1227,10 +1188,6 @@ pub unsafe extern "C" fn marconi_pool_copy_states(
 /// statuses as marconi_pool_copy_states.
 ///
 /// Thread safety: as marconi_pool_copy_states.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `dsts` has n readable uint64_t (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_fork_state(
     pool: *const marconi_pool,
@@ -1272,11 +1229,6 @@ fn promote_mode(mode: u32) -> FfiResult<PromoteMode> {
 /// accepted < n, no handle listed twice, every handle a live state slot.
 ///
 /// Thread safety: as marconi_pool_copy_states.
-///
-/// # Safety
-///
-/// `pool` is a live handle or NULL; `candidates` has n readable uint64_t (or
-/// is NULL); `out_state` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pool_promote_state(
     pool: *const marconi_pool,
@@ -1363,9 +1315,8 @@ unsafe fn caller_arena<'a>(buf: *const marconi_state_buffer) -> FfiResult<StateA
 ///
 /// # Safety
 ///
-/// `buf` is NULL or points to a marconi_state_buffer whose base holds
-/// layers * slots * slot_bytes writable bytes; `pairs` has n readable
-/// elements (or is NULL).
+/// Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+/// slots * slot_bytes writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_snapshot_copy(
     buf: *const marconi_state_buffer,
@@ -1399,7 +1350,8 @@ pub unsafe extern "C" fn marconi_snapshot_copy(
 ///
 /// # Safety
 ///
-/// As marconi_snapshot_copy; `dsts` has n readable u32 (or is NULL).
+/// Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+/// slots * slot_bytes writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_snapshot_fork(
     buf: *const marconi_state_buffer,
@@ -1427,8 +1379,8 @@ pub unsafe extern "C" fn marconi_snapshot_fork(
 ///
 /// # Safety
 ///
-/// As marconi_snapshot_copy; `candidates` has n readable u32 (or is NULL);
-/// `out_slot` is writable or NULL.
+/// Besides the memory rules at the top of marconi.h: `buf->base` holds layers *
+/// slots * slot_bytes writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_snapshot_promote(
     buf: *const marconi_state_buffer,

@@ -321,11 +321,6 @@ pub struct marconi_pooled_state {
 ///
 /// Errors: those of marconi_cache_lookup, and MARCONI_STATUS_UNSUPPORTED
 /// on a cache without pools (marconi_cache_config.pools).
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `tokens` has n_tokens readable u32
-/// (or is NULL); `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_pooled(
     cache: *const marconi_cache,
@@ -353,11 +348,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled(
 /// Errors: those of marconi_cache_lookup_pooled, MARCONI_STATUS_NULL_ARGUMENT
 /// for checkpoints NULL with n_checkpoints > 0, and
 /// MARCONI_STATUS_TOO_MANY_TOKENS for n_checkpoints >= 2^32 - 1.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_pooled; `checkpoints` has n_checkpoints readable
-/// u32 (or is NULL with 0).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_pooled_hinted(
     cache: *const marconi_cache,
@@ -394,11 +384,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_pooled_hinted(
 /// written when cap is too small; NULL with cap 0 asks for the count). The
 /// pooled counterpart of marconi_cache_lease_kv_pages.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or
-/// is NULL); `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lease_kv_handles(
     cache: *const marconi_cache,
@@ -435,11 +420,6 @@ pub unsafe extern "C" fn marconi_cache_lease_kv_handles(
 /// capacity is below its count. The units are the caller's until admitted
 /// (marconi_cache_admit_pooled) or freed (marconi_cache_free_units).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `kv_out` / `state_out` have kv_cap /
-/// state_cap writable uint64_t (or are NULL with a capacity 0).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_reserve(
     cache: *const marconi_cache,
@@ -503,12 +483,6 @@ pub unsafe extern "C" fn marconi_cache_reserve(
 /// MARCONI_STATUS_INVALID_ARGUMENT. Other errors as marconi_cache_admit;
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools; nothing changes on
 /// error.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; each buffer has its length readable
-/// (or is NULL with length 0); `taken` has n_states writable bytes; `out`
-/// is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_admit_pooled(
     cache: *const marconi_cache,
@@ -621,11 +595,6 @@ pub(crate) unsafe fn admit_units(
 /// cache's, another pool's or cache's, freed, made up),
 /// MARCONI_STATUS_DOUBLE_FREE for one listed twice.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
-/// is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_free_units(
     cache: *const marconi_cache,
@@ -663,11 +632,6 @@ pub unsafe extern "C" fn marconi_cache_free_units(
 ///
 /// Thread safety: safe to call concurrently on the same cache; each handle
 /// is delivered to exactly one caller.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `buf` has cap writable uint64_t (or is
-/// NULL); `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_drain_freed_units(
     cache: *const marconi_cache,
@@ -698,10 +662,6 @@ pub unsafe extern "C" fn marconi_cache_drain_freed_units(
 /// (MARCONI_STATUS_BUFFER_TOO_SMALL writes the count only). For checks and
 /// debugging: O(units held). MARCONI_STATUS_UNSUPPORTED on a cache without
 /// pools.
-///
-/// # Safety
-///
-/// As marconi_cache_drain_freed_units.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_held(
     cache: *const marconi_cache,
@@ -732,11 +692,6 @@ pub unsafe extern "C" fn marconi_cache_held(
 /// Resolves live handles of a cache over pools (the cache's or the
 /// caller's) to their units, as marconi_pool_resolve.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `handles` has n readable uint64_t (or
-/// is NULL); `out` has cap writable elements (or is NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_resolve(
     cache: *const marconi_cache,
@@ -803,11 +758,6 @@ fn resolve_all(
 /// (MARCONI_STATUS_UNKNOWN_HANDLE otherwise: the cache's states are never
 /// overwritten). Backend NONE is MARCONI_STATUS_UNSUPPORTED, and so is a
 /// cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `pairs` has n readable elements (or is
-/// NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_copy_states(
     cache: *const marconi_cache,
@@ -937,11 +887,6 @@ pub struct marconi_pooled_stats {
 /// cache's), only out->struct_size bytes (at least 16): set it to
 /// sizeof(marconi_pooled_stats) first. MARCONI_STATUS_UNSUPPORTED on a
 /// cache without pools.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `out` is NULL or has out->struct_size
-/// writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_pool_stats(
     cache: *const marconi_cache,
@@ -1041,11 +986,6 @@ fn as_cache(pc: *const marconi_pooled_cache) -> *const marconi_cache {
 /// 128-aligned; larger values (an engine's padded layout) are accepted,
 /// smaller ones are MARCONI_STATUS_INVALID_CONFIG. A model without
 /// recurrent layers is refused.
-///
-/// # Safety
-///
-/// `cache_cfg` and `pool_cfg` are NULL or initialised by their _init
-/// functions (struct_size readable bytes); `out` is NULL or writable.
 #[deprecated(
     note = "use marconi_cache_new with marconi_cache_config.pools (removed in the next release)"
 )]
@@ -1083,10 +1023,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_new(
 /// Deprecated: marconi_cache_free. Frees a cache over pools and its memory
 /// (every handle and address it gave out becomes invalid). NULL is a no-op;
 /// a pointer that is not a live cache handle is refused and left alone.
-///
-/// # Safety
-///
-/// `pc` is NULL or a handle from marconi_pooled_cache_new not yet freed.
 #[deprecated(note = "use marconi_cache_free (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache) {
@@ -1095,10 +1031,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_free(pc: *mut marconi_pooled_cache
 }
 
 /// Deprecated: marconi_cache_lookup_pooled (same arguments, same meaning).
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_pooled.
 #[deprecated(note = "use marconi_cache_lookup_pooled (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lookup(
@@ -1113,10 +1045,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup(
 }
 
 /// Deprecated: marconi_cache_lookup_pooled_hinted.
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_pooled_hinted.
 #[deprecated(note = "use marconi_cache_lookup_pooled_hinted (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
@@ -1143,10 +1071,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_lookup_hinted(
 }
 
 /// Deprecated: marconi_cache_lease_kv_handles.
-///
-/// # Safety
-///
-/// As marconi_cache_lease_kv_handles.
 #[deprecated(note = "use marconi_cache_lease_kv_handles (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
@@ -1162,10 +1086,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_kv_pages(
 
 /// Deprecated: marconi_cache_lease_plan (a pooled lease's checkpoint
 /// positions, ascending).
-///
-/// # Safety
-///
-/// As marconi_cache_lease_plan.
 #[deprecated(note = "use marconi_cache_lease_plan (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
@@ -1180,10 +1100,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_lease_plan(
 }
 
 /// Deprecated: marconi_cache_reserve.
-///
-/// # Safety
-///
-/// As marconi_cache_reserve.
 #[deprecated(note = "use marconi_cache_reserve (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_reserve(
@@ -1210,10 +1126,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_reserve(
 }
 
 /// Deprecated: marconi_cache_admit_pooled.
-///
-/// # Safety
-///
-/// As marconi_cache_admit_pooled.
 #[deprecated(note = "use marconi_cache_admit_pooled (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_admit(
@@ -1246,10 +1158,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_admit(
 }
 
 /// Deprecated: marconi_cache_free_units.
-///
-/// # Safety
-///
-/// As marconi_cache_free_units.
 #[deprecated(note = "use marconi_cache_free_units (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_free_units(
@@ -1262,10 +1170,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_free_units(
 }
 
 /// Deprecated: marconi_cache_release.
-///
-/// # Safety
-///
-/// As marconi_cache_release.
 #[deprecated(note = "use marconi_cache_release (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_release(
@@ -1277,10 +1181,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_release(
 }
 
 /// Deprecated: marconi_cache_drain_freed_units.
-///
-/// # Safety
-///
-/// As marconi_cache_drain_freed_units.
 #[deprecated(note = "use marconi_cache_drain_freed_units (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
@@ -1294,10 +1194,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_drain_freed(
 }
 
 /// Deprecated: marconi_cache_held.
-///
-/// # Safety
-///
-/// As marconi_cache_held.
 #[deprecated(note = "use marconi_cache_held (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_held(
@@ -1311,10 +1207,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_held(
 }
 
 /// Deprecated: marconi_cache_resolve.
-///
-/// # Safety
-///
-/// As marconi_cache_resolve.
 #[deprecated(note = "use marconi_cache_resolve (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_resolve(
@@ -1329,10 +1221,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_resolve(
 }
 
 /// Deprecated: marconi_cache_copy_states.
-///
-/// # Safety
-///
-/// As marconi_cache_copy_states.
 #[deprecated(note = "use marconi_cache_copy_states (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
@@ -1345,10 +1233,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_copy_states(
 }
 
 /// Deprecated: marconi_cache_pool_stats.
-///
-/// # Safety
-///
-/// As marconi_cache_pool_stats.
 #[deprecated(note = "use marconi_cache_pool_stats (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_stats(
@@ -1363,10 +1247,6 @@ pub unsafe extern "C" fn marconi_pooled_cache_stats(
 /// every handle the cache holds live in its pool, the caller's and the
 /// cache's units are the pools' live units, core's unit budget is the
 /// pools' capacity less the caller's units).
-///
-/// # Safety
-///
-/// As marconi_cache_check.
 #[deprecated(note = "use marconi_cache_check (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_pooled_cache_check(

@@ -372,10 +372,6 @@ fn callback_store(cb: CCallbacks, timeout: Duration) -> CallbackStore {
 /// `cfg->struct_size`: any size from the first version's on (an older
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_config_init(
     cfg: *mut marconi_store_config,
@@ -396,8 +392,8 @@ pub unsafe extern "C" fn marconi_store_config_init(
 ///
 /// # Safety
 ///
-/// `cfg` is NULL or initialised by marconi_store_config_init; `out` is
-/// writable or NULL.
+/// Besides the memory rules at the top of marconi.h: the callbacks of `cfg`
+/// follow their contracts, with its `user`, until marconi_store_free.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_new(
     cfg: *const marconi_store_config,
@@ -486,10 +482,6 @@ pub unsafe extern "C" fn marconi_store_new(
 }
 
 /// Frees a store handle (closes its connections). NULL is a no-op.
-///
-/// # Safety
-///
-/// `store` is NULL or a live handle from marconi_store_new, freed once.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_free(store: *mut marconi_store) {
     boundary_or("marconi_store_free", (), || {
@@ -530,11 +522,6 @@ fn put_error(e: StoreError) -> FfiError {
 /// MARCONI_STATUS_POSITION_OUT_OF_RANGE unless 1 <= position <= n_tokens;
 /// MARCONI_STATUS_BACKEND_FAILURE when the store did not take it (the
 /// engine may ignore it: the state is then simply not found later).
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32 and `data`
-/// len bytes (either NULL only with length 0).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_put_state(
     store: *const marconi_store,
@@ -563,10 +550,6 @@ pub unsafe extern "C" fn marconi_store_put_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// # Safety
-///
-/// As marconi_store_put_state.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_put_state_ns(
     store: *const marconi_store,
@@ -645,12 +628,6 @@ unsafe fn store_put_state(
 /// state's size in `*out_len` and nothing else written, when it is larger
 /// than `cap`. MARCONI_STATUS_POSITION_OUT_OF_RANGE unless
 /// 1 <= position <= n_tokens.
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
-/// cap writable bytes (NULL only with cap 0); `out_len`, `out_found` are
-/// writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_get_state(
     store: *const marconi_store,
@@ -683,10 +660,6 @@ pub unsafe extern "C" fn marconi_store_get_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// # Safety
-///
-/// As marconi_store_get_state.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_get_state_ns(
     store: *const marconi_store,
@@ -784,10 +757,6 @@ unsafe fn store_get_state(
 
 /// Removes the state after `tokens[0..position]` from the store.
 /// MARCONI_STATUS_BACKEND_FAILURE when the store failed.
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_delete_state(
     store: *const marconi_store,
@@ -812,10 +781,6 @@ pub unsafe extern "C" fn marconi_store_delete_state(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// # Safety
-///
-/// As marconi_store_delete_state.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_delete_state_ns(
     store: *const marconi_store,
@@ -880,8 +845,8 @@ unsafe fn store_delete_state(
 ///
 /// # Safety
 ///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32; `data` has
-/// n_blocks * block_bytes readable bytes.
+/// Besides the memory rules at the top of marconi.h: `data` holds n_blocks *
+/// block_bytes bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_put_kv(
     store: *const marconi_store,
@@ -915,7 +880,8 @@ pub unsafe extern "C" fn marconi_store_put_kv(
 ///
 /// # Safety
 ///
-/// As marconi_store_put_kv.
+/// Besides the memory rules at the top of marconi.h: `data` holds n_blocks *
+/// block_bytes bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_put_kv_ns(
     store: *const marconi_store,
@@ -1007,11 +973,6 @@ unsafe fn store_put_kv(
 /// from `first_block` to `*out_blocks` (0 on a miss of the first, and when
 /// the store is down or slow). MARCONI_STATUS_INVALID_ARGUMENT when
 /// block_bytes is 0 or first_block is past the tokens' full blocks.
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32; `buf` has
-/// cap writable bytes (NULL only with cap 0); `out_blocks` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_get_kv(
     store: *const marconi_store,
@@ -1044,10 +1005,6 @@ pub unsafe extern "C" fn marconi_store_get_kv(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// # Safety
-///
-/// As marconi_store_get_kv.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_get_kv_ns(
     store: *const marconi_store,
@@ -1141,11 +1098,6 @@ unsafe fn store_get_kv(
 /// Writes to `*out_blocks` how many of `tokens`' full blocks, from block
 /// 0, the store says it has (one existence query, no value read: a hint
 /// that marconi_store_get_kv verifies). 0 when the store is down or slow.
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `tokens` has n_tokens u32;
-/// `out_blocks` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_kv_prefix(
     store: *const marconi_store,
@@ -1170,10 +1122,6 @@ pub unsafe extern "C" fn marconi_store_kv_prefix(
 /// `ns` of marconi_tiered_lookup) instead of the handle's configured `ns`.
 /// Entries of one namespace are never read, probed or removed by a call in
 /// another (their keys differ).
-///
-/// # Safety
-///
-/// As marconi_store_kv_prefix.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_kv_prefix_ns(
     store: *const marconi_store,
@@ -1228,11 +1176,6 @@ unsafe fn store_kv_prefix(
 /// Writes the store's counters to `*out`. Set out->struct_size to
 /// sizeof(marconi_store_stats) first: only that many bytes are written (at
 /// least 8), so callers compiled against an older header keep working.
-///
-/// # Safety
-///
-/// `store` is a live handle or NULL; `out` is NULL or points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_store_get_stats(
     store: *const marconi_store,

@@ -390,10 +390,6 @@ const OPTIONS_MIN_SIZE: usize = std::mem::size_of::<marconi_tier_options>();
 /// Fills `*opts` with the defaults (documented per field) and sets
 /// `opts->struct_size`. MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE when
 /// struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `opts` is NULL or points to `struct_size` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tier_options_init(
     opts: *mut marconi_tier_options,
@@ -661,11 +657,6 @@ fn flag(v: u32, what: &str) -> FfiResult<bool> {
 /// 0, MARCONI_STATUS_NULL_ARGUMENT for a NULL array with a length > 0,
 /// MARCONI_STATUS_TOO_MANY_TOKENS, MARCONI_STATUS_INVALID_ARGUMENT for a
 /// handle (cache or store) that is not one.
-///
-/// # Safety
-///
-/// `cache` and `store` are live handles or NULL; each array has its
-/// length in readable u32 (or is NULL with 0); `out` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_tiered(
     cache: *const marconi_cache,
@@ -711,11 +702,6 @@ pub unsafe extern "C" fn marconi_cache_lookup_tiered(
 /// Errors: those of marconi_cache_lookup_tiered, and
 /// MARCONI_STATUS_INVALID_ARGUMENT for an unknown flag bit or an id outside
 /// [0, 2^32 - 1] (nothing changes).
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_tiered, with `tokens` pointing to n_tokens
-/// readable, aligned int64 (or NULL).
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lookup_tiered_i64_flags(
     cache: *const marconi_cache,
@@ -809,11 +795,6 @@ pub(crate) fn lookup_tiers(
 /// the lookup gave it, else the reserved page i - n_kv_pages. A buffer too small (NULL with cap 0 is a size
 /// query) gives MARCONI_STATUS_BUFFER_TOO_SMALL with only the count
 /// written. MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `buf` has cap writable elements (or
-/// is NULL); `out_len` is writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_lease_loads(
     cache: *const marconi_cache,
@@ -869,10 +850,6 @@ pub unsafe extern "C" fn marconi_cache_lease_loads(
 /// corrupt object) and that the engine recomputed from the device's hit.
 /// Counted in load_failures; the lease stays valid.
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_report_load_failure(
     cache: *const marconi_cache,
@@ -894,10 +871,6 @@ pub unsafe extern "C" fn marconi_cache_report_load_failure(
 /// Runs the moves into the lower tiers that defer_moves left waiting
 /// (a no-op otherwise); then drain the ops (marconi_cache_drain_ops).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_settle(cache: *const marconi_cache) -> marconi_status {
     boundary("marconi_cache_settle", || {
@@ -934,11 +907,6 @@ pub unsafe extern "C" fn marconi_cache_settle(cache: *const marconi_cache) -> ma
 ///
 /// Thread safety: safe to call concurrently on the same handle; each op is
 /// delivered to exactly one caller.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; each buffer has its capacity in
-/// writable elements (or is NULL); n_ops and n_tokens are writable or NULL.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_drain_ops(
     cache: *const marconi_cache,
@@ -1054,11 +1022,6 @@ fn op_parts(o: &TierOp) -> OpParts<'_> {
 /// has the device's). Set out->struct_size to sizeof(marconi_tiered_stats)
 /// first: only that many bytes are written (at least 16).
 /// MARCONI_STATUS_UNSUPPORTED on a cache without lower tiers.
-///
-/// # Safety
-///
-/// `cache` is a live handle or NULL; `out` is NULL or points to
-/// out->struct_size writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn marconi_cache_tier_stats(
     cache: *const marconi_cache,
@@ -1136,10 +1099,6 @@ fn as_cache(t: *const marconi_tiered) -> *const marconi_cache {
 /// `cfg->struct_size`: any size from the first version's on (an older
 /// caller's struct gets the fields it has). MARCONI_STATUS_UNSUPPORTED_STRUCT_SIZE
 /// when struct_size is smaller than the first version's.
-///
-/// # Safety
-///
-/// `cfg` is NULL or points to `struct_size` writable bytes.
 #[deprecated(
     note = "use marconi_tier_options_init and marconi_cache_config.tiers (removed in the next release)"
 )]
@@ -1159,12 +1118,6 @@ pub unsafe extern "C" fn marconi_tiered_config_init(
 /// `cfg->device`, the tiers in the other fields) and writes the handle to
 /// `*out` (free it with marconi_tiered_free or marconi_cache_free: it is a
 /// marconi_cache). MARCONI_STATUS_INVALID_CONFIG as marconi_cache_new.
-///
-/// # Safety
-///
-/// `cfg` is NULL or initialised by marconi_tiered_config_init, its
-/// `device` NULL or initialised by marconi_cache_config_init; `out` is
-/// writable or NULL.
 #[deprecated(
     note = "use marconi_cache_new with marconi_cache_config.tiers (removed in the next release)"
 )]
@@ -1201,10 +1154,6 @@ pub unsafe extern "C" fn marconi_tiered_new(
 
 /// Deprecated: marconi_cache_free. Frees a tiered cache. NULL is a no-op;
 /// a pointer that is not a live cache handle is refused and left alone.
-///
-/// # Safety
-///
-/// `t` is NULL or a handle from marconi_tiered_new.
 #[deprecated(note = "use marconi_cache_free (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
@@ -1213,10 +1162,6 @@ pub unsafe extern "C" fn marconi_tiered_free(t: *mut marconi_tiered) {
 }
 
 /// Deprecated: marconi_cache_lookup_tiered (same arguments, same meaning).
-///
-/// # Safety
-///
-/// As marconi_cache_lookup_tiered.
 #[deprecated(note = "use marconi_cache_lookup_tiered (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lookup(
@@ -1245,10 +1190,6 @@ pub unsafe extern "C" fn marconi_tiered_lookup(
 }
 
 /// Deprecated: marconi_cache_lease_loads.
-///
-/// # Safety
-///
-/// As marconi_cache_lease_loads.
 #[deprecated(note = "use marconi_cache_lease_loads (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_loads(
@@ -1264,10 +1205,6 @@ pub unsafe extern "C" fn marconi_tiered_lease_loads(
 
 /// Deprecated: marconi_cache_lease_plan (a tiered lease's checkpoint
 /// positions, ascending).
-///
-/// # Safety
-///
-/// As marconi_cache_lease_plan.
 #[deprecated(note = "use marconi_cache_lease_plan (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_plan(
@@ -1283,10 +1220,6 @@ pub unsafe extern "C" fn marconi_tiered_lease_plan(
 
 /// Deprecated: marconi_cache_lease_kv_pages (the device KV page ids of a
 /// lease's device hit).
-///
-/// # Safety
-///
-/// As marconi_cache_lease_kv_pages.
 #[deprecated(note = "use marconi_cache_lease_kv_pages (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
@@ -1303,10 +1236,6 @@ pub unsafe extern "C" fn marconi_tiered_lease_kv_pages(
 /// Deprecated: marconi_cache_admit (on a cache with lower tiers it also
 /// moves what the device evicted into them, unless defer_moves: drain the
 /// ops before reusing the freed ids).
-///
-/// # Safety
-///
-/// As marconi_cache_admit.
 #[deprecated(note = "use marconi_cache_admit (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_admit(
@@ -1339,10 +1268,6 @@ pub unsafe extern "C" fn marconi_tiered_admit(
 }
 
 /// Deprecated: marconi_cache_release (releases the lease in every tier).
-///
-/// # Safety
-///
-/// As marconi_cache_release.
 #[deprecated(note = "use marconi_cache_release (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_release(
@@ -1354,10 +1279,6 @@ pub unsafe extern "C" fn marconi_tiered_release(
 }
 
 /// Deprecated: marconi_cache_report_load_failure.
-///
-/// # Safety
-///
-/// As marconi_cache_report_load_failure.
 #[deprecated(note = "use marconi_cache_report_load_failure (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_report_load_failure(
@@ -1369,10 +1290,6 @@ pub unsafe extern "C" fn marconi_tiered_report_load_failure(
 }
 
 /// Deprecated: marconi_cache_settle.
-///
-/// # Safety
-///
-/// As marconi_cache_settle.
 #[deprecated(note = "use marconi_cache_settle (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) -> marconi_status {
@@ -1381,10 +1298,6 @@ pub unsafe extern "C" fn marconi_tiered_settle(tiered: *const marconi_tiered) ->
 }
 
 /// Deprecated: marconi_cache_drain_ops.
-///
-/// # Safety
-///
-/// As marconi_cache_drain_ops.
 #[deprecated(note = "use marconi_cache_drain_ops (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_drain_ops(
@@ -1411,10 +1324,6 @@ pub unsafe extern "C" fn marconi_tiered_drain_ops(
 }
 
 /// Deprecated: marconi_cache_drain_freed (drain the ops first).
-///
-/// # Safety
-///
-/// As marconi_cache_drain_freed.
 #[deprecated(note = "use marconi_cache_drain_freed (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_drain_freed(
@@ -1441,10 +1350,6 @@ pub unsafe extern "C" fn marconi_tiered_drain_freed(
 }
 
 /// Deprecated: marconi_cache_tier_stats.
-///
-/// # Safety
-///
-/// As marconi_cache_tier_stats.
 #[deprecated(note = "use marconi_cache_tier_stats (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_get_stats(
@@ -1456,10 +1361,6 @@ pub unsafe extern "C" fn marconi_tiered_get_stats(
 }
 
 /// Deprecated: marconi_cache_check (checks every tier's invariants).
-///
-/// # Safety
-///
-/// As marconi_cache_check.
 #[deprecated(note = "use marconi_cache_check (removed in the next release)")]
 #[no_mangle]
 pub unsafe extern "C" fn marconi_tiered_check(tiered: *const marconi_tiered) -> marconi_status {

@@ -715,6 +715,27 @@ pub(crate) fn location(
     })
 }
 
+/// The state-unit index of `raw` in `a`, after checking it is a live handle
+/// of the state pool; `what` names it in errors.
+pub(crate) fn state_index(
+    a: &dyn PoolAllocator,
+    raw: u64,
+    what: std::fmt::Arguments<'_>,
+) -> FfiResult<u32> {
+    let h = VirtualHandle::from_raw(raw);
+    if h.pool() != PoolKind::Ssm {
+        return Err(FfiError::new(
+            marconi_status::UnknownHandle,
+            format!("{what}: handle {raw:#018x} is a KV page, not a state slot"),
+        ));
+    }
+    a.resolve(h).map_err(|e| {
+        let e = alloc_err(e);
+        FfiError::new(e.status, format!("{what}: {}", e.detail))
+    })?;
+    Ok(a.unit_index(h))
+}
+
 impl PoolInner {
     fn address(&self, kind: PoolKind, byte_offset: u64) -> u64 {
         match &self.backing {
@@ -738,20 +759,7 @@ impl PoolInner {
         handles
             .iter()
             .enumerate()
-            .map(|(i, &raw)| {
-                let h = VirtualHandle::from_raw(raw);
-                if h.pool() != PoolKind::Ssm {
-                    return Err(FfiError::new(
-                        marconi_status::UnknownHandle,
-                        format!("{what}[{i}]: handle {raw:#018x} is a KV page, not a state slot"),
-                    ));
-                }
-                a.resolve(h).map_err(|e| {
-                    let e = alloc_err(e);
-                    FfiError::new(e.status, format!("{what}[{i}]: {}", e.detail))
-                })?;
-                Ok(a.unit_index(h))
-            })
+            .map(|(i, &raw)| state_index(a, raw, format_args!("{what}[{i}]")))
             .collect()
     }
 

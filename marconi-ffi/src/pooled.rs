@@ -30,7 +30,7 @@ use crate::config::marconi_cache_config;
 use crate::lookup::{answer, hints_in, Ask, Entry};
 use crate::pool::{
     alloc_err, at_handle, chunked_dual_pool, copy_states_in, location, marconi_pool_backend,
-    marconi_pool_config, marconi_state_copy, marconi_unit_location, Backing,
+    marconi_pool_config, marconi_state_copy, marconi_unit_location, state_index, Backing,
 };
 use crate::status::{
     boundary, check_ptr, copy_list, in_slice, marconi_status, out_slice, read_struct, require,
@@ -793,23 +793,9 @@ pub unsafe extern "C" fn marconi_cache_copy_states(
                 .iter()
                 .enumerate()
                 .map(|(i, p)| {
-                    let idx = |raw: u64, what: &str| -> FfiResult<u32> {
-                        let hh = VirtualHandle::from_raw(raw);
-                        if hh.pool() != PoolKind::Ssm {
-                            return Err(FfiError::new(
-                                marconi_status::UnknownHandle,
-                                format!("pairs[{i}].{what} {raw:#018x} is a KV page"),
-                            ));
-                        }
-                        a.resolve(hh).map_err(|e| {
-                            let e = alloc_err(e);
-                            FfiError::new(e.status, format!("pairs[{i}].{what}: {}", e.detail))
-                        })?;
-                        Ok(a.unit_index(hh))
-                    };
                     Ok(SlotPair::new(
-                        idx(p.src_state, "src_state")?,
-                        idx(p.dst_state, "dst_state")?,
+                        state_index(a, p.src_state, format_args!("pairs[{i}].src_state"))?,
+                        state_index(a, p.dst_state, format_args!("pairs[{i}].dst_state"))?,
                     ))
                 })
                 .collect()

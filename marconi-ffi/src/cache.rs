@@ -79,6 +79,9 @@ fn scramble(n: u64) -> u64 {
 /// with marconi_cache_free.
 pub struct marconi_cache {
     inner: Mutex<Inner>,
+    /// Whether the cache lives in the library's pools (fixed at creation):
+    /// read without the lock.
+    pooled: bool,
 }
 handle_kind!(marconi_cache, Cache, "marconi_cache");
 
@@ -519,6 +522,11 @@ impl marconi_cache {
         Ok(self.lock()?.device().cached_chains())
     }
 
+    /// Whether the cache lives in the library's pools.
+    pub(crate) fn pooled(&self) -> bool {
+        self.pooled
+    }
+
     pub(crate) fn lock(&self) -> FfiResult<MutexGuard<'_, Inner>> {
         self.inner.lock().map_err(|_| {
             FfiError::new(
@@ -631,7 +639,9 @@ pub(crate) unsafe fn new_handle(core: Core, out: *mut *mut marconi_cache) {
         Core::Pooled(p) => p.device().config().decision_log,
     };
     let c_of_core = decision_log.then(HashMap::new);
+    let pooled = matches!(core, Core::Pooled(_));
     let handle = marconi_cache {
+        pooled,
         inner: Mutex::new(Inner {
             core,
             leases: HashMap::new(),

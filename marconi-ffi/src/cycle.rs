@@ -155,8 +155,7 @@ pub unsafe extern "C" fn marconi_cache_admit_with(
         // SAFETY: as above.
         let pages = unsafe { pages_u64(kv_pages, r.n_kv_pages, r.page_width) }?;
         // SAFETY: the caller passes a live handle or NULL.
-        let pooled = matches!(unsafe { handle(cache) }?.lock()?.core, Core::Pooled(_));
-        if pooled {
+        if unsafe { handle(cache) }?.pooled() {
             if r.page_width != 2 {
                 return Err(invalid(format!(
                     "page_width {}: a cache over pools takes page handles \

@@ -512,19 +512,7 @@ pub(crate) unsafe fn to_core_config(c: &marconi_cache_config) -> FfiResult<Cache
         c.model.to_core("custom")
     } else {
         // SAFETY: model_preset is non-NULL and, by contract, NUL-terminated.
-        let name = unsafe { CStr::from_ptr(c.model_preset) };
-        let name = name.to_str().map_err(|_| {
-            FfiError::new(marconi_status::UnknownPreset, "model_preset is not UTF-8")
-        })?;
-        ModelSpec::preset(name).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::UnknownPreset,
-                format!(
-                    "unknown model preset {name:?} (known: {})",
-                    marconi_core::PRESET_NAMES.join(", ")
-                ),
-            )
-        })?
+        unsafe { preset_named(c.model_preset, "model_preset") }?
     };
     let admission = match c.admission {
         0 => AdmissionPolicy::Marconi,
@@ -730,6 +718,31 @@ fn config_bytes(c: &marconi_cache_config) -> &[u8] {
     }
 }
 
+/// The model preset named by the C string `name`; MARCONI_STATUS_UNKNOWN_PRESET
+/// (naming the presets) for any other name, `what` naming the argument.
+///
+/// # Safety
+///
+/// `name` is non-NULL and NUL-terminated.
+pub(crate) unsafe fn preset_named(name: *const c_char, what: &str) -> FfiResult<ModelSpec> {
+    // SAFETY: forwarded caller contract.
+    let name = unsafe { CStr::from_ptr(name) }.to_str().map_err(|_| {
+        FfiError::new(
+            marconi_status::UnknownPreset,
+            format!("{what} is not UTF-8"),
+        )
+    })?;
+    ModelSpec::preset(name).ok_or_else(|| {
+        FfiError::new(
+            marconi_status::UnknownPreset,
+            format!(
+                "unknown model preset {name:?} (known: {})",
+                marconi_core::PRESET_NAMES.join(", ")
+            ),
+        )
+    })
+}
+
 /// Writes the dimensions of the model preset `name` (NUL-terminated:
 /// "paper-7b", "paper-7b-attn", "paper-7b-ssm", "jamba-1.5-mini",
 /// "nemotron-h-8b") into `*out`. MARCONI_STATUS_UNKNOWN_PRESET for any other
@@ -745,16 +758,7 @@ pub unsafe extern "C" fn marconi_model_spec_preset(
         check_ptr!(name);
         check_ptr!(out);
         // SAFETY: name is non-NULL and NUL-terminated by contract.
-        let n = unsafe { CStr::from_ptr(name) }.to_string_lossy();
-        let m = ModelSpec::preset(&n).ok_or_else(|| {
-            FfiError::new(
-                marconi_status::UnknownPreset,
-                format!(
-                    "unknown model preset {n:?} (known: {})",
-                    marconi_core::PRESET_NAMES.join(", ")
-                ),
-            )
-        })?;
+        let m = unsafe { preset_named(name, "name") }?;
         // SAFETY: out is non-NULL and aligned (checked) and writable by contract.
         unsafe { out.write(marconi_model_spec::from_core(&m)) };
         Ok(())

@@ -410,6 +410,36 @@ unsafe fn give(payload: &[u8], buf: &mut [u8], out_len: *mut usize) -> FfiResult
     Ok(true)
 }
 
+/// The arguments of marconi_events_drain and _snapshot, checked: the
+/// handle's state under its lock, the cache (of the handle's page size) and
+/// the caller's buffer; `out_len` is checked non-NULL and aligned.
+///
+/// # Safety
+///
+/// The contract of marconi_events_drain.
+unsafe fn open_batch<'a>(
+    events: *const marconi_events,
+    cache: *const marconi_cache,
+    ts: f64,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> FfiResult<(MutexGuard<'a, Inner>, &'a marconi_cache, &'a mut [u8])> {
+    require!(events);
+    require!(cache);
+    require!(buf, cap = cap);
+    require!(out_len);
+    // SAFETY: live handles by contract.
+    let (e, h) = unsafe { (events_handle(events)?, handle(cache)?) };
+    // SAFETY: buffer contract of the header.
+    let buf = unsafe { out_slice(buf, cap, "buf") }?;
+    check_ptr!(out_len);
+    check_ts(ts)?;
+    let g = e.lock()?;
+    same_blocks(&g, h)?;
+    Ok((g, h, buf))
+}
+
 /// Drains the changes of `cache` since the last drain as one encoded
 /// KVEventBatch (msgpack, docs/events.md) into `buf[0..cap]` and writes its
 /// length to `*out_len`; 0 with MARCONI_STATUS_OK when nothing a subscriber
@@ -432,18 +462,8 @@ pub unsafe extern "C" fn marconi_events_drain(
     out_len: *mut usize,
 ) -> marconi_status {
     boundary("marconi_events_drain", || {
-        require!(events);
-        require!(cache);
-        require!(buf, cap = cap);
-        require!(out_len);
-        // SAFETY: live handles by contract.
-        let (e, h) = unsafe { (events_handle(events)?, handle(cache)?) };
-        // SAFETY: buffer contract of the header.
-        let buf = unsafe { out_slice(buf, cap, "buf") }?;
-        check_ptr!(out_len);
-        check_ts(ts)?;
-        let mut g = e.lock()?;
-        same_blocks(&g, h)?;
+        // SAFETY: forwarded caller contract.
+        let (mut g, h, buf) = unsafe { open_batch(events, cache, ts, buf, cap, out_len) }?;
         if g.pending.is_none() {
             let evs = h.drain_events()?;
             // Changes a subscriber never sees (states with state events
@@ -480,18 +500,8 @@ pub unsafe extern "C" fn marconi_events_snapshot(
     out_len: *mut usize,
 ) -> marconi_status {
     boundary("marconi_events_snapshot", || {
-        require!(events);
-        require!(cache);
-        require!(buf, cap = cap);
-        require!(out_len);
-        // SAFETY: live handles by contract.
-        let (e, h) = unsafe { (events_handle(events)?, handle(cache)?) };
-        // SAFETY: buffer contract of the header.
-        let buf = unsafe { out_slice(buf, cap, "buf") }?;
-        check_ptr!(out_len);
-        check_ts(ts)?;
-        let mut g = e.lock()?;
-        same_blocks(&g, h)?;
+        // SAFETY: forwarded caller contract.
+        let (mut g, h, buf) = unsafe { open_batch(events, cache, ts, buf, cap, out_len) }?;
         let chains = h.cached_chains()?;
         let wire = g.enc.snapshot(&chains);
         let payload = ::marconi_events::encode_batch(ts, &wire, &g.enc.config().wire);

@@ -4,14 +4,14 @@
 //! split, and the largest batch x context under a static split, AVMP and a
 //! padded unified table.
 
-use std::ffi::{c_char, CStr};
+use std::ffi::c_char;
 
 use marconi_core::ModelSpec;
 use marconi_gpu::plan::plan;
 use marconi_gpu::pooled::PoolLayout;
 use marconi_gpu::AllocError;
 
-use crate::config::marconi_model_spec;
+use crate::config::{marconi_model_spec, preset_named};
 use crate::status::{
     boundary, check_ptr, init_struct, marconi_status, read_struct, require, versioned,
     write_versioned, FfiError, FfiResult,
@@ -155,18 +155,7 @@ unsafe fn model_of(r: &marconi_plan_request) -> FfiResult<ModelSpec> {
         return Ok(r.model.to_core("custom"));
     }
     // SAFETY: non-NULL and NUL-terminated by contract.
-    let name = unsafe { CStr::from_ptr(r.model_preset) }
-        .to_str()
-        .map_err(|_| FfiError::new(marconi_status::UnknownPreset, "model_preset is not UTF-8"))?;
-    ModelSpec::preset(name).ok_or_else(|| {
-        FfiError::new(
-            marconi_status::UnknownPreset,
-            format!(
-                "unknown model preset {name:?} (known: {})",
-                marconi_core::PRESET_NAMES.join(", ")
-            ),
-        )
-    })
+    unsafe { preset_named(r.model_preset, "model_preset") }
 }
 
 /// The struct_size an output struct declares, refused below `min`.

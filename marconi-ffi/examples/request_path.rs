@@ -6,10 +6,13 @@
 //! inputs reach about 10,000 tokens, 100-token messages and replies, 200
 //! requests, 100 GB: no evictions). A plain cache (no tiers) by default;
 //! `--tiers` adds a host tier of the same size (nothing is demoted: no
-//! evictions).
+//! evictions). New pages are numbered in order by default; `--free-list`
+//! draws them from a shuffled free list of 2^21 pages instead, as an
+//! engine's allocator hands pages out after frees (a request's pages then
+//! are in no order).
 //!
 //! `cargo run --release -p marconi-ffi --example request_path [-- --repeat N]
-//! [--tokens T] [--tiers]`. Prints wall µs per request, best and median of
+//! [--tokens T] [--tiers] [--free-list]`. Prints wall µs per request, best and median of
 //! the runs (a fresh cache each run).
 
 use std::mem::{size_of, MaybeUninit};
@@ -74,6 +77,14 @@ fn main() {
             .unwrap_or(default)
     };
     let tiers = args.iter().any(|a| a == "--tiers");
+    let free_list: Option<Vec<i64>> = args.iter().any(|a| a == "--free-list").then(|| {
+        let mut ids: Vec<i64> = (1..=1i64 << 21).collect();
+        let mut rng = Lcg(7);
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, rng.next() as usize % (i + 1));
+        }
+        ids
+    });
     let reqs = requests(arg("--tokens", 10_000));
     let repeat = arg("--repeat", 20).max(1);
     let mean_input = reqs.iter().map(|r| r.0.len()).sum::<usize>() / reqs.len();
@@ -102,7 +113,7 @@ fn main() {
             // SAFETY: a valid config and out.
             ok(unsafe { marconi_cache_new(&cfg, &mut c) });
             let mut pages: Vec<i64> = Vec::new();
-            let mut next_page = 0i64;
+            let mut next_page = 0usize;
             let mut buf = vec![0u32; 1 << 16];
             let (mut freed_p, mut freed_s) = (vec![0u32; 1 << 16], vec![0u32; 1 << 10]);
             let t = Instant::now();
@@ -129,7 +140,11 @@ fn main() {
                 pages.extend(buf[..n].iter().map(|&p| i64::from(p)));
                 while pages.len() < full.len() {
                     next_page += 1;
-                    pages.push(next_page);
+                    pages.push(
+                        free_list
+                            .as_ref()
+                            .map_or(next_page as i64, |f| f[next_page]),
+                    );
                 }
                 let state = marconi_saved_state {
                     position: full.len() as u32,
@@ -176,9 +191,14 @@ fn main() {
     runs.sort_by(f64::total_cmp);
     println!(
         "C ABI request path (lookup_i64_flags + lease_kv_pages + admit_i64 + release + \
-         drain_freed){}, {} requests, {mean_input} input tokens on average, paper-7b, {repeat} \
+         drain_freed){}{}, {} requests, {mean_input} input tokens on average, paper-7b, {repeat} \
          runs: best {:.2} µs, median {:.2} µs per request",
         if tiers { ", host tier" } else { "" },
+        if free_list.is_some() {
+            ", pages from a free list"
+        } else {
+            ""
+        },
         reqs.len(),
         runs[0],
         runs[runs.len() / 2],

@@ -60,7 +60,7 @@ mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
 
-use common::last_error;
+use common::{last_error, versioned};
 use rng::Rng;
 
 // ---------------------------------------------------------------- rng ----
@@ -890,10 +890,7 @@ impl Fuzz {
         ];
         r.context_tokens = rng.pick(&big);
         r.batch = rng.pick(&big);
-        let mut out = marconi_memory_plan {
-            struct_size: size_of::<marconi_memory_plan>() as u32,
-            ..Default::default()
-        };
+        let mut out = versioned::<marconi_memory_plan>();
         // SAFETY: a valid request (its preset NUL-terminated, alive) and an
         // output struct of its declared size.
         let st = self.call("marconi_plan", || unsafe { marconi_plan(&r, &mut out) });

@@ -689,29 +689,31 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
     q.tokens = big.as_ptr().cast();
     q.n_tokens = big.len();
     let mut out = versioned::<marconi_lookup_result>();
-    // SAFETY: valid request and out.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let lookup = |q: *const marconi_lookup_request, out: &mut marconi_lookup_result| {
+        // SAFETY: q is NULL or a request whose arrays live for the call
+        // (or one smaller than the first version); out is writable.
+        unsafe { marconi_cache_lookup_with(c, q, out) }
+    };
+    let st = lookup(&q, &mut out);
     refusal(st, marconi_status::InvalidArgument, "wide", &["tokens[2]"]);
     // An unknown width, a NULL request, a short result, a store without
     // tiers.
     q.token_width = 7;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let st = lookup(&q, &mut out);
     refusal(
         st,
         marconi_status::InvalidArgument,
         "width",
         &["token_width 7"],
     );
-    // SAFETY: NULL request: refused before anything is read.
-    let st = unsafe { marconi_cache_lookup_with(c, ptr::null(), &mut out) };
+    // A NULL request: refused before anything is read.
+    let st = lookup(ptr::null(), &mut out);
     refusal(st, marconi_status::NullArgument, "null", &["req"]);
     q.token_width = 0;
     q.tokens = r.tokens.as_ptr().cast();
     q.n_tokens = r.tokens.len();
     out.struct_size = 8;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let st = lookup(&q, &mut out);
     refusal(
         st,
         marconi_status::UnsupportedStructSize,
@@ -730,19 +732,12 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         None,
     );
     q.store = store;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
-    unsupported(st, &["store is probed only"]);
+    unsupported(lookup(&q, &mut out), &["store is probed only"]);
     let mut small = init(marconi_lookup_request_init);
     small.struct_size = 8;
-    // SAFETY: as above; the struct is smaller than the first version.
-    let st = unsafe { marconi_cache_lookup_with(c, &small, &mut out) };
-    assert_eq!(
-        st,
-        marconi_status::UnsupportedStructSize,
-        "{}",
-        last_error()
-    );
+    // The struct is smaller than the first version.
+    let st = lookup(&small, &mut out);
+    refusal(st, marconi_status::UnsupportedStructSize, "small", &[]);
     // Nothing was issued by any refusal.
     assert_eq!(cache_stats(c).leases, 0);
     assert_eq!(cache_stats(c).requests, 0);
@@ -767,8 +762,9 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         q.kv_pages = pages.as_ptr().cast();
         q.n_kv_pages = 1;
         let mut out = marconi_admit_result::default();
-        let admit_with = |q: &marconi_admit_request, out: &mut marconi_admit_result| {
-            // SAFETY: the arrays live for the call.
+        let admit_with = |q: *const marconi_admit_request, out: &mut marconi_admit_result| {
+            // SAFETY: q is NULL or a request whose arrays live for the
+            // call; out is writable.
             unsafe { marconi_cache_admit_with(cache, q, out) }
         };
         let st = admit_with(&q, &mut out);
@@ -810,14 +806,8 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         let mut small = q;
         small.struct_size = 8;
         let st = admit_with(&small, &mut out);
-        assert_eq!(
-            st,
-            marconi_status::UnsupportedStructSize,
-            "{}",
-            last_error()
-        );
-        // SAFETY: a NULL request.
-        let st = unsafe { marconi_cache_admit_with(cache, ptr::null(), &mut out) };
+        refusal(st, marconi_status::UnsupportedStructSize, "small", &[]);
+        let st = admit_with(ptr::null(), &mut out);
         refusal(st, marconi_status::NullArgument, "null", &["req"]);
         assert_eq!(out, marconi_admit_result::default(), "nothing written");
         // SAFETY: live handle; the lease is still outstanding.

@@ -272,17 +272,38 @@ pub(crate) fn admit(
     )
 }
 
-/// The C signature of marconi_cache_drain_freed and
-/// marconi_tiered_drain_freed over a handle `H`.
-pub(crate) type DrainFreed<H> = unsafe extern "C" fn(
+/// The C signature the drains into two buffers share over a handle `H`
+/// (marconi_cache_drain_freed, marconi_cache_drain_ops and their
+/// marconi_tiered_* twins): each buffer of `A` and `B` with its capacity
+/// and the count written or pending.
+pub(crate) type DrainTwo<H, A, B> = unsafe extern "C" fn(
     *const H,
-    *mut u32,
+    *mut A,
     usize,
     *mut usize,
-    *mut u32,
+    *mut B,
     usize,
     *mut usize,
 ) -> marconi_status;
+
+/// A drain of `h` by `drain` into `a` and `b` (NULL where empty):
+/// (status, written or pending into `a`, into `b`).
+pub(crate) fn drain_two<H, A, B>(
+    drain: DrainTwo<H, A, B>,
+    h: *const H,
+    a: &mut [A],
+    b: &mut [B],
+) -> (marconi_status, usize, usize) {
+    let (pa, pb) = (or_null(a), or_null(b));
+    let (mut na, mut nb) = (0usize, 0usize);
+    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
+    let st = unsafe { drain(h, pa, a.len(), &mut na, pb, b.len(), &mut nb) };
+    (st, na, nb)
+}
+
+/// The C signature of marconi_cache_drain_freed and
+/// marconi_tiered_drain_freed over a handle `H`.
+pub(crate) type DrainFreed<H> = DrainTwo<H, u32, u32>;
 
 /// A drain of the freed pages and slots of `h` by `drain` into `pages`
 /// and `slots` (NULL where empty): (status, pages written or pending,
@@ -293,11 +314,7 @@ pub(crate) fn drain_freed_by<H>(
     pages: &mut [u32],
     slots: &mut [u32],
 ) -> (marconi_status, usize, usize) {
-    let (p, s) = (or_null(pages), or_null(slots));
-    let (mut np, mut ns) = (0usize, 0usize);
-    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
-    let st = unsafe { drain(h, p, pages.len(), &mut np, s, slots.len(), &mut ns) };
-    (st, np, ns)
+    drain_two(drain, h, pages, slots)
 }
 
 /// marconi_cache_admit_i64 of `tokens` with `states` and `pages` on
@@ -344,15 +361,7 @@ pub(crate) fn drain_freed(
 
 /// The C signature of marconi_cache_drain_ops and marconi_tiered_drain_ops
 /// over a handle `H`.
-pub(crate) type DrainOps<H> = unsafe extern "C" fn(
-    *const H,
-    *mut marconi::tiered::marconi_tier_op,
-    usize,
-    *mut usize,
-    *mut u32,
-    usize,
-    *mut usize,
-) -> marconi_status;
+pub(crate) type DrainOps<H> = DrainTwo<H, marconi::tiered::marconi_tier_op, u32>;
 
 /// A drain of the tier ops of `h` by `drain` into `ops` and `toks` (NULL
 /// where empty): (status, ops written or pending, tokens written or
@@ -363,11 +372,7 @@ pub(crate) fn drain_tier_ops<H>(
     ops: &mut [marconi::tiered::marconi_tier_op],
     toks: &mut [u32],
 ) -> (marconi_status, usize, usize) {
-    let (o, t) = (or_null(ops), or_null(toks));
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
-    let st = unsafe { drain(h, o, ops.len(), &mut no, t, toks.len(), &mut nt) };
-    (st, no, nt)
+    drain_two(drain, h, ops, toks)
 }
 
 /// The buffers of a marconi_cache_drain_with call (see drain_buffers).

@@ -67,6 +67,8 @@ use marconi::tiered::{
 };
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
+#[path = "fuzz_abi_parts/args.rs"]
+mod args;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
@@ -77,6 +79,7 @@ use common::{init, last_error, versioned};
 mod pooled_tiers;
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
+use args::{Budget, CommandLine};
 use rng::Rng;
 
 /// Whether a pool handle names a state unit (marconi-gpu's handle layout:
@@ -4119,10 +4122,9 @@ impl<'r> Worker<'r> {
 // --------------------------------------------------------------- main ----
 
 struct Args {
-    seed: u64,
-    seeds: u64,
-    calls: u64,
-    seconds: Option<f64>,
+    /// --seconds, when given, runs seeds until it ends, however many
+    /// --seeds says.
+    run: Budget,
     threads: usize,
     caches: usize,
     watchdog: f64,
@@ -4137,10 +4139,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
-        seed: 1,
-        seeds: 1,
-        calls: 20_000,
-        seconds: None,
+        run: Budget::new(1, 20_000),
         threads: 1,
         caches: 4,
         watchdog: 20.0,
@@ -4150,50 +4149,24 @@ fn parse_args() -> Args {
         only_tiered: false,
         deadline: None,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < argv.len() {
-        let v = argv.get(i + 1).cloned().unwrap_or_default();
-        let num = || -> f64 {
-            v.parse().unwrap_or_else(|_| {
-                eprintln!("fuzz_abi: {} needs a number, got {v:?}", argv[i]);
-                std::process::exit(2)
-            })
-        };
-        match argv[i].as_str() {
-            "--seed" => a.seed = num() as u64,
-            "--seeds" => a.seeds = num() as u64,
-            "--calls" => a.calls = num() as u64,
-            "--seconds" => a.seconds = Some(num()),
-            "--threads" => a.threads = (num() as usize).max(1),
-            "--caches" => a.caches = (num() as usize).max(1),
-            "--watchdog" => a.watchdog = num(),
-            "--check-every" => a.check_every = num() as u64,
-            "--max-findings" => a.max_findings = num() as usize,
-            "--verbose" => {
-                a.verbose = true;
-                i += 1;
-                continue;
-            }
-            "--only-tiered" => {
-                a.only_tiered = true;
-                i += 1;
-                continue;
-            }
-            "-h" | "--help" => {
-                println!(
-                    "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
-                     \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
-                     \x20        [--only-tiered (tiered cache lives only)]"
-                );
-                std::process::exit(0);
-            }
-            other => {
-                eprintln!("fuzz_abi: unknown argument {other:?} (see --help)");
-                std::process::exit(2);
-            }
+    let mut cl = CommandLine::new(
+        "fuzz_abi",
+        "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
+         \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
+         \x20        [--only-tiered (tiered cache lives only)] [--verbose]",
+    );
+    while let Some(flag) = cl.flag() {
+        match flag.as_str() {
+            f if cl.budget(f, &mut a.run) => {}
+            "--threads" => a.threads = cl.value::<usize>().max(1),
+            "--caches" => a.caches = cl.value::<usize>().max(1),
+            "--watchdog" => a.watchdog = cl.value(),
+            "--check-every" => a.check_every = cl.value(),
+            "--max-findings" => a.max_findings = cl.value(),
+            "--verbose" => a.verbose = true,
+            "--only-tiered" => a.only_tiered = true,
+            _ => cl.unknown(),
         }
-        i += 2;
     }
     a
 }
@@ -4217,7 +4190,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
         check_every: a.check_every,
         only_tiered: a.only_tiered,
     };
-    let per_worker = a.calls / a.threads as u64;
+    let per_worker = a.run.calls / a.threads as u64;
     std::thread::scope(|s| {
         for w in 0..a.threads {
             let run = &run;
@@ -4315,14 +4288,14 @@ fn main() {
     });
     let dog = watch.spawn();
     let t0 = Instant::now();
-    a.deadline = a.seconds.map(|t| t0 + Duration::from_secs_f64(t));
+    a.deadline = a.run.seconds.map(|t| t0 + Duration::from_secs_f64(t));
     let (mut calls, mut seeds) = (0u64, 0u64);
     let mut findings = Vec::new();
-    let mut seed = a.seed;
+    let mut seed = a.run.seed;
     loop {
-        let done = match a.seconds {
+        let done = match a.run.seconds {
             Some(t) => t0.elapsed().as_secs_f64() >= t,
-            None => seeds >= a.seeds,
+            None => seeds >= a.run.seeds,
         };
         if done || findings.len() >= a.max_findings {
             break;
@@ -4338,8 +4311,8 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "fuzz_abi: {calls} calls, {seeds} seeds ({}..={}), {} thread(s), {:.1} s ({:.0} calls/s), findings: {}",
-        a.seed,
-        a.seed + seeds.saturating_sub(1),
+        a.run.seed,
+        a.run.seed + seeds.saturating_sub(1),
         a.threads,
         secs,
         calls as f64 / secs.max(1e-9),

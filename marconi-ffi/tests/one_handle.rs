@@ -318,9 +318,7 @@ fn sglang_path_through_host_and_store_tiers_with_events() {
         assert!(e.lower_hits > 0, "no request resumed from a lower tier");
         assert!(e.ops > 0);
         assert!(event_bytes > 0, "the device's events were published");
-        let mut ts = versioned::<marconi_tiered_stats>();
-        // SAFETY: valid handle and out.
-        ok(unsafe { marconi_cache_tier_stats(c, &mut ts) });
+        let ts = tier_stats(c);
         assert_eq!(ts.requests, 30);
         assert!(ts.hits_by_tier[1] + ts.hits_by_tier[2] > 0);
         let s = cache_stats(c);

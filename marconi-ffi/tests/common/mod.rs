@@ -1,10 +1,14 @@
 //! Set-up and checks the C ABI integration tests share: the last error, a
-//! status check that prints it, structs from their `*_init` call, the
-//! paper-7b device configuration, cache and store constructors, stats
-//! readers, the freed-id drain, and a page no call may read.
+//! status check that prints it, structs from their `*_init` call and
+//! versioned output structs, the paper-7b device configuration, cache and
+//! store constructors, stats readers, the admits over every kind of id,
+//! the drains (freed ids, tier ops, marconi_cache_drain_with's buffers),
+//! the states of a cache over pools and what an admission left to the
+//! caller, and a page no call may read.
 //!
 //! Cargo builds this module into every test binary that declares
-//! `mod common;`; a binary uses only some of it.
+//! `mod common;`, and the fuzzers (examples/fuzz_abi.rs, fuzz_readers.rs)
+//! include it by path; each uses only some of it.
 #![allow(dead_code)]
 
 use std::ffi::CString;
@@ -272,6 +276,38 @@ pub(crate) fn admit(
     )
 }
 
+/// marconi_cache_admit_i64 of `tokens` with `states` and `pages` on
+/// `lease`, the taken flags into `taken` (NULL when None), the result
+/// into `out`.
+pub(crate) fn admit_i64(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[i64],
+    states: &[marconi_saved_state],
+    pages: &[i64],
+    taken: Option<&mut [u8]>,
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let f = marconi_cache_admit_i64;
+    admit_by(f, c, lease, tokens, states, Some(pages), taken, out)
+}
+
+/// marconi_cache_admit_pooled of `tokens` with `states` and the page
+/// handles `pages` on `lease`, the taken flags into `taken`, the result
+/// into `out`.
+pub(crate) fn pooled_admit(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    states: &[marconi::pooled::marconi_pooled_state],
+    pages: &[u64],
+    taken: &mut [u8],
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let f = marconi::pooled::marconi_cache_admit_pooled;
+    admit_by(f, c, lease, tokens, states, Some(pages), Some(taken), out)
+}
+
 /// The C signature the drains into two buffers share over a handle `H`
 /// (marconi_cache_drain_freed, marconi_cache_drain_ops and their
 /// marconi_tiered_* twins): each buffer of `A` and `B` with its capacity
@@ -315,38 +351,6 @@ pub(crate) fn drain_freed_by<H>(
     slots: &mut [u32],
 ) -> (marconi_status, usize, usize) {
     drain_two(drain, h, pages, slots)
-}
-
-/// marconi_cache_admit_i64 of `tokens` with `states` and `pages` on
-/// `lease`, the taken flags into `taken` (NULL when None), the result
-/// into `out`.
-pub(crate) fn admit_i64(
-    c: *const marconi_cache,
-    lease: u64,
-    tokens: &[i64],
-    states: &[marconi_saved_state],
-    pages: &[i64],
-    taken: Option<&mut [u8]>,
-    out: &mut marconi_admit_result,
-) -> marconi_status {
-    let f = marconi_cache_admit_i64;
-    admit_by(f, c, lease, tokens, states, Some(pages), taken, out)
-}
-
-/// marconi_cache_admit_pooled of `tokens` with `states` and the page
-/// handles `pages` on `lease`, the taken flags into `taken`, the result
-/// into `out`.
-pub(crate) fn pooled_admit(
-    c: *const marconi_cache,
-    lease: u64,
-    tokens: &[u32],
-    states: &[marconi::pooled::marconi_pooled_state],
-    pages: &[u64],
-    taken: &mut [u8],
-    out: &mut marconi_admit_result,
-) -> marconi_status {
-    let f = marconi::pooled::marconi_cache_admit_pooled;
-    admit_by(f, c, lease, tokens, states, Some(pages), Some(taken), out)
 }
 
 /// marconi_cache_drain_freed into `pages` and `slots` (NULL where empty):

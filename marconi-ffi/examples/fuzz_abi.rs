@@ -67,16 +67,19 @@ use marconi::tiered::{
 };
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
+#[path = "fuzz_abi_parts/args.rs"]
+mod args;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
 
-use common::{init, last_error};
+use common::{init, last_error, versioned};
 #[path = "fuzz_abi_parts/pooled_tiers.rs"]
 mod pooled_tiers;
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
+use args::{Budget, CommandLine};
 use rng::Rng;
 
 /// Whether a pool handle names a state unit (marconi-gpu's handle layout:
@@ -419,10 +422,7 @@ fn pool_config() -> marconi_pool_config {
 }
 
 fn pool_free_units(p: *const marconi_pool) -> (u64, u64) {
-    let mut s = marconi_pool_stats {
-        struct_size: size_of::<marconi_pool_stats>() as u32,
-        ..Default::default()
-    };
+    let mut s = versioned::<marconi_pool_stats>();
     // SAFETY: live pool, s writable.
     unsafe { marconi_pool_get_stats(p, &mut s) };
     (s.kv_free, s.state_free)
@@ -494,10 +494,7 @@ fn preset_name(p: &'static CStr) -> &'static str {
 }
 
 fn stats_of(h: *const marconi_cache) -> Result<marconi_stats, St> {
-    let mut s = marconi_stats {
-        struct_size: size_of::<marconi_stats>() as u32,
-        ..Default::default()
-    };
+    let mut s = versioned::<marconi_stats>();
     // SAFETY: live handle, writable stats.
     match unsafe { marconi_cache_stats(h, &mut s) } {
         St::Ok => Ok(s),
@@ -1236,14 +1233,8 @@ impl<'r> Worker<'r> {
         let st = self.call("drain_freed", || unsafe {
             marconi_cache_drain_freed(h, ptr::null_mut(), 0, &mut np, ptr::null_mut(), 0, &mut ns)
         });
-        if !self.expect("drain_freed size query", st, &[St::Ok, St::BufferTooSmall]) {
+        if !self.drain_size_query("drain_freed", st, (np, ns, 0)) {
             return;
-        }
-        if st == St::Ok && (np, ns) != (0, 0) {
-            finding!(
-                self,
-                "drain_freed OK into empty buffers with {np} pages, {ns} slots"
-            );
         }
         // Room for more than was pending: other threads may evict meanwhile.
         let extra = if exact { 0 } else { 64 };
@@ -1262,21 +1253,56 @@ impl<'r> Worker<'r> {
                 &mut gs,
             )
         });
+        if self.drained("drain_freed", st, (gp, gs), (np, ns)) {
+            self.settle_freed(c, &pages[..gp], &slots[..gs]);
+        }
+    }
+
+    /// A drain's size query (`what`) answered `st`: OK or
+    /// BUFFER_TOO_SMALL, OK only with nothing `pending` (pages, slots,
+    /// ops). False when the drain is not to follow.
+    fn drain_size_query(&mut self, what: &str, st: St, pending: (usize, usize, usize)) -> bool {
+        let q = format!("{what} size query");
+        if !self.expect(&q, st, &[St::Ok, St::BufferTooSmall]) {
+            return false;
+        }
+        let (np, ns, _) = pending;
+        if st == St::Ok && pending != (0, 0, 0) {
+            finding!(
+                self,
+                "{what} OK into empty buffers with {np} pages, {ns} slots"
+            );
+        }
+        true
+    }
+
+    /// The drain (`what`) into room for what its size query counted
+    /// answered `st`: OK (BUFFER_TOO_SMALL too where other threads may
+    /// evict meanwhile), and when strict the pages and slots it wrote
+    /// (`got`) are the ones counted (`counted`). True when it drained.
+    fn drained(
+        &mut self,
+        what: &str,
+        st: St,
+        got: (usize, usize),
+        counted: (usize, usize),
+    ) -> bool {
         let want: &[St] = if self.run.strict {
             &[St::Ok]
         } else {
             &[St::Ok, St::BufferTooSmall]
         };
-        if !self.expect("drain_freed", st, want) || st != St::Ok {
-            return;
+        if !self.expect(what, st, want) || st != St::Ok {
+            return false;
         }
-        if self.run.strict && (gp, gs) != (np, ns) {
+        if self.run.strict && got != counted {
+            let ((gp, gs), (np, ns)) = (got, counted);
             finding!(
                 self,
-                "drain_freed drained {gp}/{gs}, the size query said {np}/{ns}"
+                "{what} drained {gp}/{gs}, the size query said {np}/{ns}"
             );
         }
-        self.settle_freed(c, &pages[..gp], &slots[..gs]);
+        true
     }
 
     /// op_drain through marconi_cache_drain_with: a size query, then the
@@ -1293,55 +1319,22 @@ impl<'r> Worker<'r> {
         let st = self.call("drain_with", || unsafe {
             marconi_cache_drain_with(h, &mut d)
         });
-        if !self.expect("drain_with size query", st, &[St::Ok, St::BufferTooSmall]) {
+        let (np, ns) = (d.n_kv_pages, d.n_state_slots);
+        if !self.drain_size_query("drain_with", st, (np, ns, d.n_ops)) {
             return;
         }
-        let (np, ns) = (d.n_kv_pages, d.n_state_slots);
-        if st == St::Ok && (np, ns, d.n_ops) != (0, 0, 0) {
-            finding!(
-                self,
-                "drain_with OK into empty buffers with {np} pages, {ns} slots"
-            );
-        }
-        let extra = if exact { 0 } else { 64 };
-        let mut pages = vec![0u64; np + extra];
-        let mut slots = vec![0u64; ns + extra];
-        let mut ops = vec![marconi::tiered::marconi_tier_op::default(); d.n_ops + extra];
-        let mut toks = vec![0u32; d.n_op_tokens + extra * 64];
-        d.kv_pages = pages.as_mut_ptr();
-        d.kv_pages_cap = pages.len();
-        d.state_slots = slots.as_mut_ptr();
-        d.state_slots_cap = slots.len();
-        d.ops = ops.as_mut_ptr();
-        d.ops_cap = ops.len();
-        d.op_tokens = toks.as_mut_ptr();
-        d.op_tokens_cap = toks.len();
+        let b = common::drain_buffers(&mut d, if exact { 0 } else { 64 });
         // SAFETY: buffers passed with their capacities.
         let st = self.call("drain_with", || unsafe {
             marconi_cache_drain_with(h, &mut d)
         });
-        let want: &[St] = if self.run.strict {
-            &[St::Ok]
-        } else {
-            &[St::Ok, St::BufferTooSmall]
-        };
-        if !self.expect("drain_with", st, want) || st != St::Ok {
+        let got = (d.n_kv_pages, d.n_state_slots);
+        if !self.drained("drain_with", st, got, (np, ns)) {
             return;
-        }
-        if self.run.strict && (d.n_kv_pages, d.n_state_slots) != (np, ns) {
-            finding!(
-                self,
-                "drain_with drained {}/{}, the size query said {np}/{ns}",
-                d.n_kv_pages,
-                d.n_state_slots
-            );
         }
         let narrow =
             |v: &[u64]| -> Option<Vec<u32>> { v.iter().map(|&x| u32::try_from(x).ok()).collect() };
-        let (Some(p), Some(s)) = (
-            narrow(&pages[..d.n_kv_pages]),
-            narrow(&slots[..d.n_state_slots]),
-        ) else {
+        let (Some(p), Some(s)) = (narrow(&b.pages[..got.0]), narrow(&b.slots[..got.1])) else {
             finding!(
                 self,
                 "drain_with gave an id of 2^32 or more on a cache over ids"
@@ -3145,10 +3138,7 @@ impl<'r> Worker<'r> {
                 _ => {}
             }
         }
-        let mut s = marconi_tiered_stats {
-            struct_size: size_of::<marconi_tiered_stats>() as u32,
-            ..Default::default()
-        };
+        let mut s = versioned::<marconi_tiered_stats>();
         // SAFETY: live handle, out sized by struct_size.
         let st = self.call("cache_tier_stats (pools)", || unsafe {
             marconi_cache_tier_stats(c, &mut s)
@@ -3273,13 +3263,7 @@ impl<'r> Worker<'r> {
             reserved: 0,
             state_handle: sl[0],
         }];
-        states.extend(plan.iter().zip(&sl[2..]).map(|(&position, &state_handle)| {
-            marconi_pooled_state {
-                position,
-                reserved: 0,
-                state_handle,
-            }
-        }));
+        states.extend(common::pooled_states(&plan, &sl[2..]));
         if let Some(tm) = tm.as_deref_mut() {
             // What the reservation evicted first, then the loads from the
             // engine's copies, then "prefill" past what was reused or
@@ -3356,20 +3340,9 @@ impl<'r> Worker<'r> {
             if let Some(want) = want {
                 let mut taken = vec![0u8; bad_states.len()];
                 let mut r = marconi_admit_result::default();
-                // SAFETY: every buffer readable/writable for its length.
-                let st = self.call("pooled_cache_admit (bad)", || unsafe {
-                    marconi_cache_admit_pooled(
-                        c,
-                        l.lease,
-                        tokens.as_ptr(),
-                        tokens.len(),
-                        bad_states.as_ptr(),
-                        bad_states.len(),
-                        bad_pages.as_ptr(),
-                        bad_pages.len(),
-                        taken.as_mut_ptr(),
-                        &mut r,
-                    )
+                let (s, p, t) = (&bad_states, &bad_pages, &mut taken);
+                let st = self.call("pooled_cache_admit (bad)", || {
+                    common::pooled_admit(c, l.lease, tokens, s, p, t, &mut r)
                 });
                 self.expect(
                     &format!("pooled_cache_admit with source {src}"),
@@ -3390,48 +3363,21 @@ impl<'r> Worker<'r> {
         }
         let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
-        // SAFETY: as above.
-        let st = self.call("pooled_cache_admit", || unsafe {
-            match with {
-                Some(wide) => {
-                    VIA_WITH[1].fetch_add(1, Ordering::Relaxed);
-                    let units: Vec<(u32, u64)> = states
-                        .iter()
-                        .map(|s| (s.position, s.state_handle))
-                        .collect();
-                    let width = marconi_id_width::U64 as u32;
-                    let t = Some(&mut taken[..]);
-                    common::admit_with(c, l.lease, (tokens, wide), &units, &pages, width, t, &mut r)
-                }
-                None => marconi_cache_admit_pooled(
-                    c,
-                    l.lease,
-                    tokens.as_ptr(),
-                    tokens.len(),
-                    states.as_ptr(),
-                    states.len(),
-                    pages.as_ptr(),
-                    pages.len(),
-                    taken.as_mut_ptr(),
-                    &mut r,
-                ),
+        let st = self.call("pooled_cache_admit", || match with {
+            Some(wide) => {
+                VIA_WITH[1].fetch_add(1, Ordering::Relaxed);
+                let units: Vec<(u32, u64)> = states
+                    .iter()
+                    .map(|s| (s.position, s.state_handle))
+                    .collect();
+                let (width, t) = (marconi_id_width::U64 as u32, Some(&mut taken[..]));
+                common::admit_with(c, l.lease, (tokens, wide), &units, &pages, width, t, &mut r)
             }
+            None => common::pooled_admit(c, l.lease, tokens, &states, &pages, &mut taken, &mut r),
         });
         let mut mine: Vec<u64> = Vec::new();
         if self.expect("pooled_cache_admit", st, &[St::Ok]) {
-            let range = r.kv_pages_taken_start as usize..r.kv_pages_taken_end as usize;
-            mine.extend(
-                (hit.len()..pages.len())
-                    .filter(|i| !range.contains(i))
-                    .map(|i| pages[i]),
-            );
-            mine.extend(
-                states
-                    .iter()
-                    .zip(&taken)
-                    .filter(|(_, &t)| t == 0)
-                    .map(|(s, _)| s.state_handle),
-            );
+            mine = common::untaken(&pages, hit.len(), &r, &states, &taken);
         } else {
             mine.extend_from_slice(&pg);
             mine.extend(states.iter().map(|s| s.state_handle));
@@ -4176,10 +4122,9 @@ impl<'r> Worker<'r> {
 // --------------------------------------------------------------- main ----
 
 struct Args {
-    seed: u64,
-    seeds: u64,
-    calls: u64,
-    seconds: Option<f64>,
+    /// --seconds, when given, runs seeds until it ends, however many
+    /// --seeds says.
+    run: Budget,
     threads: usize,
     caches: usize,
     watchdog: f64,
@@ -4194,10 +4139,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
-        seed: 1,
-        seeds: 1,
-        calls: 20_000,
-        seconds: None,
+        run: Budget::new(1, 20_000),
         threads: 1,
         caches: 4,
         watchdog: 20.0,
@@ -4207,50 +4149,24 @@ fn parse_args() -> Args {
         only_tiered: false,
         deadline: None,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < argv.len() {
-        let v = argv.get(i + 1).cloned().unwrap_or_default();
-        let num = || -> f64 {
-            v.parse().unwrap_or_else(|_| {
-                eprintln!("fuzz_abi: {} needs a number, got {v:?}", argv[i]);
-                std::process::exit(2)
-            })
-        };
-        match argv[i].as_str() {
-            "--seed" => a.seed = num() as u64,
-            "--seeds" => a.seeds = num() as u64,
-            "--calls" => a.calls = num() as u64,
-            "--seconds" => a.seconds = Some(num()),
-            "--threads" => a.threads = (num() as usize).max(1),
-            "--caches" => a.caches = (num() as usize).max(1),
-            "--watchdog" => a.watchdog = num(),
-            "--check-every" => a.check_every = num() as u64,
-            "--max-findings" => a.max_findings = num() as usize,
-            "--verbose" => {
-                a.verbose = true;
-                i += 1;
-                continue;
-            }
-            "--only-tiered" => {
-                a.only_tiered = true;
-                i += 1;
-                continue;
-            }
-            "-h" | "--help" => {
-                println!(
-                    "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
-                     \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
-                     \x20        [--only-tiered (tiered cache lives only)]"
-                );
-                std::process::exit(0);
-            }
-            other => {
-                eprintln!("fuzz_abi: unknown argument {other:?} (see --help)");
-                std::process::exit(2);
-            }
+    let mut cl = CommandLine::new(
+        "fuzz_abi",
+        "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
+         \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
+         \x20        [--only-tiered (tiered cache lives only)] [--verbose]",
+    );
+    while let Some(flag) = cl.flag() {
+        match flag.as_str() {
+            f if cl.budget(f, &mut a.run) => {}
+            "--threads" => a.threads = cl.value::<usize>().max(1),
+            "--caches" => a.caches = cl.value::<usize>().max(1),
+            "--watchdog" => a.watchdog = cl.value(),
+            "--check-every" => a.check_every = cl.value(),
+            "--max-findings" => a.max_findings = cl.value(),
+            "--verbose" => a.verbose = true,
+            "--only-tiered" => a.only_tiered = true,
+            _ => cl.unknown(),
         }
-        i += 2;
     }
     a
 }
@@ -4274,7 +4190,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
         check_every: a.check_every,
         only_tiered: a.only_tiered,
     };
-    let per_worker = a.calls / a.threads as u64;
+    let per_worker = a.run.calls / a.threads as u64;
     std::thread::scope(|s| {
         for w in 0..a.threads {
             let run = &run;
@@ -4372,14 +4288,14 @@ fn main() {
     });
     let dog = watch.spawn();
     let t0 = Instant::now();
-    a.deadline = a.seconds.map(|t| t0 + Duration::from_secs_f64(t));
+    a.deadline = a.run.seconds.map(|t| t0 + Duration::from_secs_f64(t));
     let (mut calls, mut seeds) = (0u64, 0u64);
     let mut findings = Vec::new();
-    let mut seed = a.seed;
+    let mut seed = a.run.seed;
     loop {
-        let done = match a.seconds {
+        let done = match a.run.seconds {
             Some(t) => t0.elapsed().as_secs_f64() >= t,
-            None => seeds >= a.seeds,
+            None => seeds >= a.run.seeds,
         };
         if done || findings.len() >= a.max_findings {
             break;
@@ -4395,8 +4311,8 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "fuzz_abi: {calls} calls, {seeds} seeds ({}..={}), {} thread(s), {:.1} s ({:.0} calls/s), findings: {}",
-        a.seed,
-        a.seed + seeds.saturating_sub(1),
+        a.run.seed,
+        a.run.seed + seeds.saturating_sub(1),
         a.threads,
         secs,
         calls as f64 / secs.max(1e-9),

@@ -55,12 +55,15 @@ use marconi::status::marconi_status as St;
 use marconi_core::ModelSpec;
 use serde_json::Value;
 
+#[path = "fuzz_abi_parts/args.rs"]
+mod args;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
 
-use common::last_error;
+use args::{Budget, CommandLine};
+use common::{last_error, versioned};
 use rng::Rng;
 
 // ---------------------------------------------------------------- rng ----
@@ -194,53 +197,50 @@ fn gguf_seeds() -> Vec<Gguf> {
         }
         v
     };
+    // The keys of every family with attention layers: blocks, width,
+    // heads, KV heads and FFN width (per-layer arrays where layers differ).
+    let attention = |blocks: u32, width: u32, heads: V, kv_heads: V, ffn: V| {
+        vec![
+            ("block_count", V::U32(blocks)),
+            ("embedding_length", V::U32(width)),
+            ("attention.head_count", heads),
+            ("attention.head_count_kv", kv_heads),
+            ("feed_forward_length", ffn),
+        ]
+    };
+    let experts = |count: u32, used: u32| {
+        [
+            ("expert_count", V::U32(count)),
+            ("expert_used_count", V::U32(used)),
+        ]
+    };
     let nemotron = |arch: &str, moe: bool| {
-        let mut keys = vec![
-            ("block_count", V::U32(6)),
-            ("embedding_length", V::U32(128)),
-            ("attention.head_count", V::I32s(vec![0, 4, 0, 0, 0, 0])),
-            ("attention.head_count_kv", V::I32s(vec![0, 2, 0, 0, 0, 0])),
-            ("feed_forward_length", V::I32s(vec![0, 0, 256, 0, 256, 0])),
-        ];
+        let per_layer = |v: [i32; 6]| V::I32s(v.to_vec());
+        let mut keys = attention(
+            6,
+            128,
+            per_layer([0, 4, 0, 0, 0, 0]),
+            per_layer([0, 2, 0, 0, 0, 0]),
+            per_layer([0, 0, 256, 0, 256, 0]),
+        );
         keys.extend(ssm(true));
         if moe {
-            keys.push(("expert_count", V::U32(8)));
-            keys.push(("expert_used_count", V::U32(2)));
+            keys.extend(experts(8, 2));
         }
         kv(arch, &keys)
     };
     let dense = |arch: &str| {
-        kv(
-            arch,
-            &[
-                ("block_count", V::U32(2)),
-                ("embedding_length", V::U32(64)),
-                ("attention.head_count", V::U32(4)),
-                ("attention.head_count_kv", V::U32(2)),
-                ("feed_forward_length", V::U32(128)),
-                ("attention.key_length", V::U32(16)),
-            ],
-        )
+        let mut keys = attention(2, 64, V::U32(4), V::U32(2), V::U32(128));
+        keys.push(("attention.key_length", V::U32(16)));
+        kv(arch, &keys)
     };
-    let mut granite = vec![
-        ("block_count", V::U32(4)),
-        ("embedding_length", V::U32(128)),
-        ("attention.head_count", V::U32(4)),
-        ("attention.head_count_kv", V::I32s(vec![0, 2, 0, 0])),
-        ("feed_forward_length", V::U32(256)),
-        ("expert_count", V::U32(4)),
-        ("expert_used_count", V::U32(2)),
-    ];
+    let kv_heads = V::I32s(vec![0, 2, 0, 0]);
+    let mut granite = attention(4, 128, V::U32(4), kv_heads, V::U32(256));
+    granite.extend(experts(4, 2));
     granite.extend(ssm(true));
-    let mut falcon = vec![
-        ("block_count", V::U32(3)),
-        ("embedding_length", V::U32(128)),
-        ("attention.head_count", V::U32(4)),
-        ("attention.head_count_kv", V::U32(2)),
-        ("feed_forward_length", V::U32(256)),
-        ("attention.key_length", V::U32(32)),
-        ("attention.value_length", V::U32(32)),
-    ];
+    let mut falcon = attention(3, 128, V::U32(4), V::U32(2), V::U32(256));
+    falcon.push(("attention.key_length", V::U32(32)));
+    falcon.push(("attention.value_length", V::U32(32)));
     falcon.extend(ssm(true));
     // Pure SSM: two blocks, the SSM keys (Mamba2's with groups).
     let mamba = |groups: bool| {
@@ -890,10 +890,7 @@ impl Fuzz {
         ];
         r.context_tokens = rng.pick(&big);
         r.batch = rng.pick(&big);
-        let mut out = marconi_memory_plan {
-            struct_size: size_of::<marconi_memory_plan>() as u32,
-            ..Default::default()
-        };
+        let mut out = versioned::<marconi_memory_plan>();
         // SAFETY: a valid request (its preset NUL-terminated, alive) and an
         // output struct of its declared size.
         let st = self.call("marconi_plan", || unsafe { marconi_plan(&r, &mut out) });
@@ -985,10 +982,8 @@ fn check_plan(r: &marconi_plan_request, p: &marconi_memory_plan) -> Result<(), S
 // -------------------------------------------------------------- main ----
 
 struct Args {
-    seed: u64,
-    seeds: u64,
-    calls: u64,
-    seconds: Option<f64>,
+    /// Seeds stop at --seeds or at --seconds, whichever comes first.
+    run: Budget,
     call_timeout: f64,
     /// The kinds of round to run (gguf, hf, path, plan).
     only: Vec<String>,
@@ -996,33 +991,21 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
-        seed: 0,
-        seeds: 1,
-        calls: 2000,
-        seconds: None,
+        run: Budget::new(0, 2000),
         call_timeout: 5.0,
         only: ["gguf", "hf", "path", "plan"].map(String::from).to_vec(),
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < argv.len() {
-        let v = argv.get(i + 1).cloned().unwrap_or_default();
-        let bad = || -> ! {
-            eprintln!(
-                "usage: fuzz_readers [--seed S] [--seeds K] [--calls N] [--seconds T] [--call-timeout SECS] [--only gguf,hf,path,plan]"
-            );
-            std::process::exit(2)
-        };
-        match argv[i].as_str() {
-            "--seed" => a.seed = v.parse().unwrap_or_else(|_| bad()),
-            "--seeds" => a.seeds = v.parse().unwrap_or_else(|_| bad()),
-            "--calls" => a.calls = v.parse().unwrap_or_else(|_| bad()),
-            "--seconds" => a.seconds = Some(v.parse().unwrap_or_else(|_| bad())),
-            "--call-timeout" => a.call_timeout = v.parse().unwrap_or_else(|_| bad()),
-            "--only" => a.only = v.split(',').map(String::from).collect(),
-            _ => bad(),
+    let mut cl = CommandLine::new(
+        "fuzz_readers",
+        "usage: fuzz_readers [--seed S] [--seeds K] [--calls N] [--seconds T] [--call-timeout SECS] [--only gguf,hf,path,plan]",
+    );
+    while let Some(flag) = cl.flag() {
+        match flag.as_str() {
+            f if cl.budget(f, &mut a.run) => {}
+            "--call-timeout" => a.call_timeout = cl.value(),
+            "--only" => a.only = cl.value::<String>().split(',').map(String::from).collect(),
+            _ => cl.unknown(),
         }
-        i += 2;
     }
     a
 }
@@ -1090,11 +1073,12 @@ fn main() {
     };
     let mut per_kind: BTreeMap<&str, u64> = BTreeMap::new();
     let mut seeds_run = 0u64;
-    'seeds: for seed in args.seed..args.seed.saturating_add(args.seeds) {
+    'seeds: for seed in args.run.seed..args.run.seed.saturating_add(args.run.seeds) {
         f.seed = seed;
         let mut rng = Rng::new(seed);
-        for call in 0..args.calls {
+        for call in 0..args.run.calls {
             if args
+                .run
                 .seconds
                 .is_some_and(|s| began.elapsed().as_secs_f64() >= s)
             {
@@ -1129,8 +1113,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "fuzz_readers: seeds {}..{} ({seeds_run} run), {} ABI calls ({}), {} specs kept for plans, findings {}, {:.1} s",
-        args.seed,
-        args.seed + seeds_run,
+        args.run.seed,
+        args.run.seed + seeds_run,
         f.calls,
         per_kind
             .iter()

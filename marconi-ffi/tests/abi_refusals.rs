@@ -9,7 +9,6 @@
 )]
 
 use std::ffi::CString;
-use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
@@ -41,32 +40,6 @@ fn marconi_cache_of_single_pages() -> *mut marconi_cache {
     cfg.page_size = 1;
     cfg.admission = marconi_admission::Marconi as u32;
     new_cache(&cfg)
-}
-
-/// marconi_cache_admit_i64 of `seq` with `states` and `pages`, into `out`.
-///
-/// # Safety
-/// `cache` is a live handle.
-unsafe fn admit_i64(
-    cache: *const marconi_cache,
-    lease: u64,
-    seq: &[i64],
-    states: &[marconi_saved_state],
-    pages: &[i64],
-    out: &mut marconi_admit_result,
-) -> marconi_status {
-    marconi_cache_admit_i64(
-        cache,
-        lease,
-        seq.as_ptr(),
-        seq.len(),
-        states.as_ptr(),
-        states.len(),
-        pages.as_ptr(),
-        pages.len(),
-        ptr::null_mut(),
-        out,
-    )
 }
 
 /// The KV page list of a live lease, read with room for `cap` ids.
@@ -122,15 +95,7 @@ fn all_blocks_over_pools_admits_the_final_state() {
     ok(unsafe {
         marconi_pooled_cache_reserve(pc, 7, 4, pages.as_mut_ptr(), 7, slots.as_mut_ptr(), 4)
     });
-    let s: Vec<marconi_pooled_state> = [8, 16, 24, 28]
-        .iter()
-        .zip(slots)
-        .map(|(&position, state_handle)| marconi_pooled_state {
-            position,
-            reserved: 0,
-            state_handle,
-        })
-        .collect();
+    let s = pooled_states(&[8, 16, 24, 28], &slots);
     let mut taken = [0u8; 4];
     let mut out = marconi_admit_result::default();
     // SAFETY: live handle, valid buffers and lengths.
@@ -171,10 +136,7 @@ fn plan_request(context: u64, batch: u64) -> marconi_plan_request {
 }
 
 fn plan(r: &marconi_plan_request) -> (marconi_status, marconi_memory_plan) {
-    let mut out = marconi_memory_plan {
-        struct_size: size_of::<marconi_memory_plan>() as u32,
-        ..Default::default()
-    };
+    let mut out = versioned::<marconi_memory_plan>();
     // SAFETY: valid request and output struct of its declared size.
     let st = unsafe { marconi_plan(r, &mut out) };
     (st, out)
@@ -502,10 +464,7 @@ fn handles_of_another_kind_are_refused() {
     // Plain memory the size of any handle, filled with a pattern: no handle.
     let mut junk = vec![0x5a5a_5a5a_5a5a_5a5a_u64; 64];
     let junk = junk.as_mut_ptr();
-    let mut stats = marconi_stats {
-        struct_size: size_of::<marconi_stats>() as u32,
-        ..Default::default()
-    };
+    let mut stats = versioned::<marconi_stats>();
     // SAFETY (every call on a pointer below): each pointer is readable for
     // a handle's size and each output writable; a refused free must leave
     // the memory alone.
@@ -523,17 +482,11 @@ fn handles_of_another_kind_are_refused() {
     // without pools, refused as such.
     // SAFETY: live handles.
     ok(unsafe { marconi_cache_stats(pc.cast(), &mut stats) });
-    let mut qstats0 = marconi_pooled_stats {
-        struct_size: size_of::<marconi_pooled_stats>() as u32,
-        ..Default::default()
-    };
+    let mut qstats0 = versioned::<marconi_pooled_stats>();
     // SAFETY: a live plain cache.
     let st = unsafe { marconi_pooled_cache_stats(cache.cast(), &mut qstats0) };
     unsupported(st, &["marconi_cache_config.pools"]);
-    let mut pstats = marconi_pool_stats {
-        struct_size: size_of::<marconi_pool_stats>() as u32,
-        ..Default::default()
-    };
+    let mut pstats = versioned::<marconi_pool_stats>();
     no_handle_of_kind(
         &[
             (cache.cast::<marconi_pool>(), "a cache as a pool"),
@@ -542,10 +495,7 @@ fn handles_of_another_kind_are_refused() {
         |p| unsafe { marconi_pool_get_stats(p, &mut pstats) },
         |p| unsafe { marconi_pool_free(p) },
     );
-    let mut qstats = marconi_pooled_stats {
-        struct_size: size_of::<marconi_pooled_stats>() as u32,
-        ..Default::default()
-    };
+    let mut qstats = versioned::<marconi_pooled_stats>();
     no_handle_of_kind(
         &[
             (
@@ -559,10 +509,7 @@ fn handles_of_another_kind_are_refused() {
     );
     {
         use marconi::host_pool::*;
-        let mut hstats = marconi_host_pool_stats {
-            struct_size: size_of::<marconi_host_pool_stats>() as u32,
-            ..Default::default()
-        };
+        let mut hstats = versioned::<marconi_host_pool_stats>();
         no_handle_of_kind(
             &[
                 (
@@ -646,7 +593,7 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         let mut bad = pages.clone();
         bad[5] = 1 << 32;
         let s = states(&[16], &[7]);
-        let st = admit_i64(cache, l.lease, &seq, &s, &bad, &mut out);
+        let st = admit_i64(cache, l.lease, &seq, &s, &bad, None, &mut out);
         assert_eq!(st, marconi_status::InvalidArgument);
         assert!(
             last_error().contains("kv_pages[5] = 4294967296"),
@@ -655,10 +602,10 @@ fn int64_ids_are_the_uint32_ids_and_out_of_range_ones_are_refused() {
         );
         let mut neg = seq.clone();
         neg[3] = -1;
-        let st = admit_i64(cache, l.lease, &neg, &s, &pages, &mut out);
+        let st = admit_i64(cache, l.lease, &neg, &s, &pages, None, &mut out);
         assert_eq!(st, marconi_status::InvalidArgument);
         assert!(last_error().contains("tokens[3] = -1"), "{}", last_error());
-        ok(admit_i64(cache, l.lease, &seq, &s, &pages, &mut out));
+        ok(admit_i64(cache, l.lease, &seq, &s, &pages, None, &mut out));
         assert_eq!(out.states_taken, 1);
         assert_eq!((out.kv_pages_taken_start, out.kv_pages_taken_end), (0, 16));
         ok(marconi_cache_release(cache, l.lease));
@@ -719,7 +666,7 @@ fn lookup_flags_hit_the_whole_input_and_defer_the_page_list() {
         ok(lookup(both, 16, &mut l));
         assert_eq!(l.hit_tokens, 0);
         let s = states(&[16], &[7]);
-        ok(admit_i64(cache, l.lease, &seq, &s, &pages, &mut out));
+        ok(admit_i64(cache, l.lease, &seq, &s, &pages, None, &mut out));
         assert_eq!(out.states_taken, 1);
         ok(marconi_cache_release(cache, l.lease));
         // Default (flags 0): the last token is left to compute, so the state
@@ -819,10 +766,7 @@ fn freed_handles_are_refused_without_being_read() {
         (page.ptr::<u8>(), "an inaccessible page"),
         (forged, "a forged cache"),
     ] {
-        let mut stats = marconi_stats {
-            struct_size: size_of::<marconi_stats>() as u32,
-            ..Default::default()
-        };
+        let mut stats = versioned::<marconi_stats>();
         // SAFETY: the calls under test take any pointer and must not read it.
         unsafe {
             refused(marconi_cache_stats(p.cast(), &mut stats), place);

@@ -170,21 +170,10 @@ impl Engine {
         let full_ids: Vec<i64> = full.iter().map(|&t| i64::from(t)).collect();
         let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
-        // SAFETY: valid handle, lease, arrays and out.
-        ok(unsafe {
-            marconi_cache_admit_i64(
-                self.c,
-                lease,
-                full_ids.as_ptr(),
-                full_ids.len(),
-                states.as_ptr(),
-                states.len(),
-                pages.as_ptr(),
-                pages.len(),
-                taken.as_mut_ptr(),
-                &mut r,
-            )
-        });
+        let t = Some(&mut taken[..]);
+        ok(admit_i64(
+            self.c, lease, &full_ids, &states, &pages, t, &mut r,
+        ));
         for &p in &pages[r.kv_pages_taken_start as usize..r.kv_pages_taken_end as usize] {
             assert!(self.cache_pages.insert(p), "page {p} taken twice");
         }
@@ -329,12 +318,7 @@ fn sglang_path_through_host_and_store_tiers_with_events() {
         assert!(e.lower_hits > 0, "no request resumed from a lower tier");
         assert!(e.ops > 0);
         assert!(event_bytes > 0, "the device's events were published");
-        let mut ts = marconi_tiered_stats {
-            struct_size: size_of::<marconi_tiered_stats>() as u32,
-            ..Default::default()
-        };
-        // SAFETY: valid handle and out.
-        ok(unsafe { marconi_cache_tier_stats(c, &mut ts) });
+        let ts = tier_stats(c);
         assert_eq!(ts.requests, 30);
         assert!(ts.hits_by_tier[1] + ts.hits_by_tier[2] > 0);
         let s = cache_stats(c);
@@ -439,10 +423,7 @@ fn every_tier_call_refuses_on_a_plain_cache() {
     let mut ops = [marconi_tier_op::default(); 4];
     let mut toks = [0u32; 4];
     let (mut n, mut m) = (7usize, 7usize);
-    let mut ts = marconi_tiered_stats {
-        struct_size: size_of::<marconi_tiered_stats>() as u32,
-        ..Default::default()
-    };
+    let mut ts = versioned::<marconi_tiered_stats>();
     let t = c.cast::<marconi_tiered>();
     let refused = |name: &str, st: marconi_status| {
         refusal(

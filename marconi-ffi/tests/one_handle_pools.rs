@@ -12,7 +12,6 @@
 )]
 
 use std::collections::BTreeSet;
-use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
@@ -75,32 +74,6 @@ fn new_plain() -> *mut marconi_cache {
     let mut cfg = cache_config();
     cfg.capacity_bytes = 1 << 30;
     new_cache(&cfg)
-}
-
-fn pool_stats(c: *const marconi_cache) -> marconi_pooled_stats {
-    let mut s = marconi_pooled_stats {
-        struct_size: size_of::<marconi_pooled_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, out sized by struct_size.
-    ok(unsafe { marconi_cache_pool_stats(c, &mut s) });
-    s
-}
-
-fn held(c: *const marconi_cache) -> Vec<u64> {
-    let mut n = 0usize;
-    // SAFETY: live handle; NULL with 0 is a size query.
-    let st = unsafe { marconi_cache_held(c, ptr::null_mut(), 0, &mut n) };
-    assert!(
-        st == marconi_status::Ok || st == marconi_status::BufferTooSmall,
-        "{}",
-        last_error()
-    );
-    let mut buf = vec![0u64; n];
-    // SAFETY: buf has n writable elements.
-    ok(unsafe { marconi_cache_held(c, buf.as_mut_ptr(), buf.len(), &mut n) });
-    buf.truncate(n);
-    buf
 }
 
 fn drain_freed_units(c: *const marconi_cache) -> Vec<u64> {
@@ -229,15 +202,7 @@ fn serve(
         assert_eq!(a, b, "the copied state");
     }
     // "Prefill and decode": write each saved state's slot.
-    let mut states: Vec<marconi_pooled_state> = plan
-        .iter()
-        .zip(&slots[1..])
-        .map(|(&position, &state_handle)| marconi_pooled_state {
-            position,
-            reserved: 0,
-            state_handle,
-        })
-        .collect();
+    let mut states = pooled_states(&plan, &slots[1..]);
     states.push(marconi_pooled_state {
         position: full / PAGE * PAGE,
         reserved: 0,
@@ -250,33 +215,12 @@ fn serve(
     }
     let mut taken = vec![0u8; states.len()];
     let mut r = marconi_admit_result::default();
-    // SAFETY: live handle, valid buffers and lengths.
-    ok(unsafe {
-        marconi_cache_admit_pooled(
-            c,
-            l.lease,
-            tokens.as_ptr(),
-            full as usize,
-            states.as_ptr(),
-            states.len(),
-            pages.as_ptr(),
-            pages.len(),
-            taken.as_mut_ptr(),
-            &mut r,
-        )
-    });
+    let tokens = &tokens[..full as usize];
+    ok(pooled_admit(
+        c, l.lease, tokens, &states, &pages, &mut taken, &mut r,
+    ));
     // Free what the cache did not take.
-    let mut mine: Vec<u64> = (n_hit..full_pages as usize)
-        .filter(|&i| (i as u32) < r.kv_pages_taken_start || (i as u32) >= r.kv_pages_taken_end)
-        .map(|i| pages[i])
-        .collect();
-    mine.extend(
-        states
-            .iter()
-            .zip(&taken)
-            .filter(|(_, &t)| t == 0)
-            .map(|(s, _)| s.state_handle),
-    );
+    let mine = untaken(&pages, n_hit, &r, &states, &taken);
     // SAFETY: mine readable.
     ok(unsafe { marconi_cache_free_units(c, mine.as_ptr(), mine.len()) });
     if let Some(h) = mine.first() {
@@ -545,10 +489,7 @@ fn every_pool_call_refuses_on_a_cache_without_pools() {
         let st = [marconi_pooled_state::default(); 1];
         let mut taken = [0u8; 1];
         let mut r = marconi_admit_result::default();
-        let mut ps = marconi_pooled_stats {
-            struct_size: size_of::<marconi_pooled_stats>() as u32,
-            ..Default::default()
-        };
+        let mut ps = versioned::<marconi_pooled_stats>();
         let hint = [32u32];
         let want = ["marconi_cache_config.pools", "marconi_pool_config"];
         // SAFETY: live handle; every buffer valid for its length.
@@ -1036,10 +977,7 @@ fn the_deprecated_pooled_forwarders_still_work() {
                 &mut nhd,
             ));
             assert_eq!(nhd, 0);
-            let mut s = marconi_pooled_stats {
-                struct_size: size_of::<marconi_pooled_stats>() as u32,
-                ..Default::default()
-            };
+            let mut s = versioned::<marconi_pooled_stats>();
             ok(marconi_pooled_cache_stats(c, &mut s));
             assert_eq!((s.requests, s.hit_tokens, s.leases), (2, 320, 0));
             ok(marconi_pooled_cache_check(c));
@@ -1078,10 +1016,7 @@ fn a_freed_cache_over_pools_is_refused_without_being_read() {
         let mut loc = [marconi_unit_location::default(); 1];
         let pair = marconi_state_copy::default();
         let mut r = marconi_admit_result::default();
-        let mut ps = marconi_pooled_stats {
-            struct_size: size_of::<marconi_pooled_stats>() as u32,
-            ..Default::default()
-        };
+        let mut ps = versioned::<marconi_pooled_stats>();
         let pc = c.cast::<marconi_pooled_cache>();
         // SAFETY: the calls under test take any pointer and must not read it.
         unsafe {

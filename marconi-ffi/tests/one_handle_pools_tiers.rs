@@ -14,7 +14,6 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::mem::size_of;
 use std::ptr;
 
 use marconi::cache::*;
@@ -160,59 +159,7 @@ fn write(c: *const marconi_cache, h: u64, data: &[u8]) {
 
 /// The drained tier ops: (op, its chain's tokens).
 fn drain_ops(c: *const marconi_cache) -> Vec<(marconi_tier_op, Vec<u32>)> {
-    let (st, no, nt) = drain_tier_ops(marconi_cache_drain_ops, c, &mut [], &mut []);
-    if no == 0 {
-        ok(st);
-        return Vec::new();
-    }
-    assert_eq!(st, marconi_status::BufferTooSmall, "{}", last_error());
-    let mut ops = vec![marconi_tier_op::default(); no];
-    let mut toks = vec![0u32; nt];
-    let (st, wo, wt) = drain_tier_ops(marconi_cache_drain_ops, c, &mut ops, &mut toks);
-    ok(st);
-    assert_eq!((wo, wt), (no, nt), "the size query's counts");
-    ops.into_iter()
-        .map(|o| {
-            let s = o.tokens_offset as usize;
-            (o, toks[s..s + o.position as usize].to_vec())
-        })
-        .collect()
-}
-
-fn tier_stats(c: *const marconi_cache) -> marconi_tiered_stats {
-    let mut s = marconi_tiered_stats {
-        struct_size: size_of::<marconi_tiered_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, out sized by struct_size.
-    ok(unsafe { marconi_cache_tier_stats(c, &mut s) });
-    s
-}
-
-fn pool_stats(c: *const marconi_cache) -> marconi_pooled_stats {
-    let mut s = marconi_pooled_stats {
-        struct_size: size_of::<marconi_pooled_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, out sized by struct_size.
-    ok(unsafe { marconi_cache_pool_stats(c, &mut s) });
-    s
-}
-
-fn held(c: *const marconi_cache) -> Vec<u64> {
-    let mut n = 0usize;
-    // SAFETY: live handle; NULL with 0 is a size query.
-    let st = unsafe { marconi_cache_held(c, ptr::null_mut(), 0, &mut n) };
-    assert!(
-        st == marconi_status::Ok || st == marconi_status::BufferTooSmall,
-        "{}",
-        last_error()
-    );
-    let mut buf = vec![0u64; n];
-    // SAFETY: buf has n writable elements.
-    ok(unsafe { marconi_cache_held(c, buf.as_mut_ptr(), buf.len(), &mut n) });
-    buf.truncate(n);
-    buf
+    drain_all_tier_ops(marconi_cache_drain_ops, c)
 }
 
 /// marconi_cache_check passes, every unit in use is the cache's (the
@@ -478,15 +425,7 @@ impl Engine {
         for (i, &h) in pages.iter().enumerate().skip(loaded_to) {
             write(c, h, &kv(full, i));
         }
-        let states: Vec<marconi_pooled_state> = positions
-            .iter()
-            .zip(&slots)
-            .map(|(&position, &state_handle)| marconi_pooled_state {
-                position,
-                reserved: 0,
-                state_handle,
-            })
-            .collect();
+        let states = pooled_states(&positions, &slots);
         for s in &states {
             match &loaded_state {
                 Some((p, _, bytes)) if *p == s.position => write(c, s.state_handle, bytes),
@@ -495,21 +434,9 @@ impl Engine {
         }
         let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
-        // SAFETY: live handle, valid buffers and lengths.
-        ok(unsafe {
-            marconi_cache_admit_pooled(
-                c,
-                l.lease,
-                full.as_ptr(),
-                full.len(),
-                states.as_ptr(),
-                states.len(),
-                pages.as_ptr(),
-                pages.len(),
-                taken.as_mut_ptr(),
-                &mut r,
-            )
-        });
+        ok(pooled_admit(
+            c, l.lease, full, &states, &pages, &mut taken, &mut r,
+        ));
         // The host writes read this admission's units: before any is freed.
         let ops = if tiers { drain_ops(c) } else { Vec::new() };
         self.carry_out(
@@ -520,17 +447,7 @@ impl Engine {
                 states: &states,
             }),
         );
-        let mut mine: Vec<u64> = (n_dev..full_pages)
-            .filter(|&i| (i as u32) < r.kv_pages_taken_start || (i as u32) >= r.kv_pages_taken_end)
-            .map(|i| pages[i])
-            .collect();
-        mine.extend(
-            states
-                .iter()
-                .zip(&taken)
-                .filter(|(_, &t)| t == 0)
-                .map(|(s, _)| s.state_handle),
-        );
+        let mine = untaken(&pages, n_dev, &r, &states, &taken);
         for h in &mine {
             self.landed.remove(h);
         }

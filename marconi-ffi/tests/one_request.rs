@@ -184,24 +184,19 @@ fn drain_one(c: *const marconi_cache) -> Drained {
         st == marconi_status::Ok && want == (0, 0, 0, 0) || st == marconi_status::BufferTooSmall,
         "{st:?}"
     );
-    let mut ops = vec![marconi_tier_op::default(); d.n_ops];
-    let mut toks = vec![0u32; d.n_op_tokens];
-    let mut pages = vec![0u64; d.n_kv_pages];
-    let mut slots = vec![0u64; d.n_state_slots];
-    d.ops = ops.as_mut_ptr();
-    d.ops_cap = ops.len();
-    d.op_tokens = toks.as_mut_ptr();
-    d.op_tokens_cap = toks.len();
-    d.kv_pages = pages.as_mut_ptr();
-    d.kv_pages_cap = pages.len();
-    d.state_slots = slots.as_mut_ptr();
-    d.state_slots_cap = slots.len();
+    let b = drain_buffers(&mut d, 0);
     // SAFETY: buffers of the capacities given.
     ok(unsafe { marconi_cache_drain_with(c, &mut d) });
     assert_eq!(
         (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots),
         want
     );
+    let DrainBuffers {
+        ops,
+        toks,
+        pages,
+        slots,
+    } = b;
     let ops = ops
         .iter()
         .map(|o| {
@@ -250,15 +245,7 @@ fn admit_pooled(
         )
     });
     let all: Vec<u64> = hit.iter().chain(&pages).copied().collect();
-    let st: Vec<marconi_pooled_state> = positions
-        .iter()
-        .zip(&slots)
-        .map(|(&position, &state_handle)| marconi_pooled_state {
-            position,
-            reserved: 0,
-            state_handle,
-        })
-        .collect();
+    let st = pooled_states(&positions, &slots);
     let mut taken = vec![0u8; st.len()];
     let mut out = marconi_admit_result::default();
     if with {
@@ -276,36 +263,11 @@ fn admit_pooled(
             &mut out,
         ));
     } else {
-        // SAFETY: every array readable (taken writable) for its length.
-        ok(unsafe {
-            marconi_cache_admit_pooled(
-                c,
-                lease,
-                tokens.as_ptr(),
-                tokens.len(),
-                st.as_ptr(),
-                st.len(),
-                all.as_ptr(),
-                all.len(),
-                taken.as_mut_ptr(),
-                &mut out,
-            )
-        });
+        ok(pooled_admit(
+            c, lease, tokens, &st, &all, &mut taken, &mut out,
+        ));
     }
-    let range = out.kv_pages_taken_start as usize..out.kv_pages_taken_end as usize;
-    let mut free: Vec<u64> = all
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i >= hit.len() && !range.contains(i))
-        .map(|(_, &h)| h)
-        .collect();
-    free.extend(
-        slots
-            .iter()
-            .zip(&taken)
-            .filter(|(_, &t)| t == 0)
-            .map(|(&h, _)| h),
-    );
+    let free = untaken(&all, hit.len(), &out, &st, &taken);
     // SAFETY: handles the caller holds.
     ok(unsafe { marconi_cache_free_units(c, free.as_ptr(), free.len()) });
     // SAFETY: live handle and lease.
@@ -382,6 +344,30 @@ fn legacy_ids(c: *const marconi_cache, r: &Req) -> marconi_lookup_result {
         copy_order: l.copy_order,
         ..Default::default()
     }
+}
+
+/// A legacy hinted lookup of `r` that must succeed: `call` with its
+/// namespace, tokens and hints (NULL where none), into a default `T`.
+fn legacy_hinted<T: Default>(
+    r: &Req,
+    call: impl FnOnce(u64, *const u32, usize, *const u32, usize, *mut T) -> marconi_status,
+) -> T {
+    let mut out = T::default();
+    let h = &r.hints;
+    let hints = if h.is_empty() {
+        ptr::null()
+    } else {
+        h.as_ptr()
+    };
+    ok(call(
+        r.ns,
+        r.tokens.as_ptr(),
+        r.tokens.len(),
+        hints,
+        h.len(),
+        &mut out,
+    ));
+    out
 }
 
 /// The fields twins must agree on (leases and, over pools, handle values
@@ -461,14 +447,9 @@ fn the_one_cycle_is_each_call_over_ids() {
         l.hit_tokens / PAGE,
         "the pages, when asked"
     );
-    // SAFETY: live handles and lease.
-    unsafe {
-        ok(marconi_cache_release(b, l.lease));
-        ok(marconi_cache_check(a));
-        ok(marconi_cache_check(b));
-        marconi_cache_free(a);
-        marconi_cache_free(b);
-    }
+    // SAFETY: live handle and lease.
+    ok(unsafe { marconi_cache_release(b, l.lease) });
+    check_and_free(&[a, b]);
 }
 
 fn tiered_config(host_tokens: u64) -> (marconi_cache_config, Box<marconi_tier_options>) {
@@ -498,24 +479,9 @@ fn the_one_cycle_weighs_every_tier_or_the_device_only() {
             flags: 0,
             ..r
         };
-        let mut la = marconi_tiered_hit::default();
-        let h = &r.hints;
-        // SAFETY: arrays readable for their lengths, la writable.
-        ok(unsafe {
-            marconi_cache_lookup_tiered(
-                a,
-                r.ns,
-                r.tokens.as_ptr(),
-                r.tokens.len(),
-                if h.is_empty() {
-                    ptr::null()
-                } else {
-                    h.as_ptr()
-                },
-                h.len(),
-                ptr::null(),
-                &mut la,
-            )
+        // SAFETY: arrays readable for their lengths, the result writable.
+        let la: marconi_tiered_hit = legacy_hinted(&r, |ns, t, n, h, nh, out| unsafe {
+            marconi_cache_lookup_tiered(a, ns, t, n, h, nh, ptr::null(), out)
         });
         let (st, lb) = lookup_with(b, &r);
         ok(st);
@@ -578,13 +544,7 @@ fn the_one_cycle_weighs_every_tier_or_the_device_only() {
     }
     assert!(ops > 0, "no tier op");
     assert!(lower > 5, "{lower} lower-tier hits");
-    for c in [a, b, c, d] {
-        // SAFETY: live handle.
-        unsafe {
-            ok(marconi_cache_check(c));
-            marconi_cache_free(c);
-        }
-    }
+    check_and_free(&[a, b, c, d]);
 }
 
 fn pooled_config(
@@ -622,23 +582,9 @@ fn the_one_cycle_over_pools_with_and_without_tiers() {
         let (mut lower, mut freed, mut ops) = (0, 0, 0);
         for (i, r) in requests(40).into_iter().enumerate() {
             let r = Req { flags: 0, ..r };
-            let mut la = marconi_pooled_lookup::default();
-            let h = &r.hints;
-            // SAFETY: arrays readable for their lengths, la writable.
-            ok(unsafe {
-                marconi_cache_lookup_pooled_hinted(
-                    a,
-                    r.ns,
-                    r.tokens.as_ptr(),
-                    r.tokens.len(),
-                    if h.is_empty() {
-                        ptr::null()
-                    } else {
-                        h.as_ptr()
-                    },
-                    h.len(),
-                    &mut la,
-                )
+            // SAFETY: arrays readable for their lengths, the result writable.
+            let la: marconi_pooled_lookup = legacy_hinted(&r, |ns, t, n, h, nh, out| unsafe {
+                marconi_cache_lookup_pooled_hinted(a, ns, t, n, h, nh, out)
             });
             // int64 ids on every other request: the pools' int64 lookup.
             let (st, lb) = lookup_with(b, &r);
@@ -690,14 +636,9 @@ fn the_one_cycle_over_pools_with_and_without_tiers() {
         ok(st);
         assert_eq!((l.tier, l.n_loads), (0, 0));
         assert_eq!(l.hit_tokens, l.device_hit_tokens);
-        // SAFETY: live handles and lease.
-        unsafe {
-            ok(marconi_cache_release(b, l.lease));
-            ok(marconi_cache_check(a));
-            ok(marconi_cache_check(b));
-            marconi_cache_free(a);
-            marconi_cache_free(b);
-        }
+        // SAFETY: live handle and lease.
+        ok(unsafe { marconi_cache_release(b, l.lease) });
+        check_and_free(&[a, b]);
     }
 }
 
@@ -747,33 +688,32 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
     q.token_width = marconi_id_width::I64 as u32;
     q.tokens = big.as_ptr().cast();
     q.n_tokens = big.len();
-    let mut out = marconi_lookup_result {
-        struct_size: size_of::<marconi_lookup_result>() as u32,
-        ..Default::default()
+    let mut out = versioned::<marconi_lookup_result>();
+    let lookup = |q: *const marconi_lookup_request, out: &mut marconi_lookup_result| {
+        // SAFETY: q is NULL or a request whose arrays live for the call
+        // (or one smaller than the first version); out is writable.
+        unsafe { marconi_cache_lookup_with(c, q, out) }
     };
-    // SAFETY: valid request and out.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let st = lookup(&q, &mut out);
     refusal(st, marconi_status::InvalidArgument, "wide", &["tokens[2]"]);
     // An unknown width, a NULL request, a short result, a store without
     // tiers.
     q.token_width = 7;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let st = lookup(&q, &mut out);
     refusal(
         st,
         marconi_status::InvalidArgument,
         "width",
         &["token_width 7"],
     );
-    // SAFETY: NULL request: refused before anything is read.
-    let st = unsafe { marconi_cache_lookup_with(c, ptr::null(), &mut out) };
+    // A NULL request: refused before anything is read.
+    let st = lookup(ptr::null(), &mut out);
     refusal(st, marconi_status::NullArgument, "null", &["req"]);
     q.token_width = 0;
     q.tokens = r.tokens.as_ptr().cast();
     q.n_tokens = r.tokens.len();
     out.struct_size = 8;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
+    let st = lookup(&q, &mut out);
     refusal(
         st,
         marconi_status::UnsupportedStructSize,
@@ -792,19 +732,12 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         None,
     );
     q.store = store;
-    // SAFETY: as above.
-    let st = unsafe { marconi_cache_lookup_with(c, &q, &mut out) };
-    unsupported(st, &["store is probed only"]);
+    unsupported(lookup(&q, &mut out), &["store is probed only"]);
     let mut small = init(marconi_lookup_request_init);
     small.struct_size = 8;
-    // SAFETY: as above; the struct is smaller than the first version.
-    let st = unsafe { marconi_cache_lookup_with(c, &small, &mut out) };
-    assert_eq!(
-        st,
-        marconi_status::UnsupportedStructSize,
-        "{}",
-        last_error()
-    );
+    // The struct is smaller than the first version.
+    let st = lookup(&small, &mut out);
+    refusal(st, marconi_status::UnsupportedStructSize, "small", &[]);
     // Nothing was issued by any refusal.
     assert_eq!(cache_stats(c).leases, 0);
     assert_eq!(cache_stats(c).requests, 0);
@@ -829,8 +762,9 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         q.kv_pages = pages.as_ptr().cast();
         q.n_kv_pages = 1;
         let mut out = marconi_admit_result::default();
-        let admit_with = |q: &marconi_admit_request, out: &mut marconi_admit_result| {
-            // SAFETY: the arrays live for the call.
+        let admit_with = |q: *const marconi_admit_request, out: &mut marconi_admit_result| {
+            // SAFETY: q is NULL or a request whose arrays live for the
+            // call; out is writable.
             unsafe { marconi_cache_admit_with(cache, q, out) }
         };
         let st = admit_with(&q, &mut out);
@@ -872,14 +806,8 @@ fn the_one_lookup_admit_and_drain_refuse_clearly_and_change_nothing() {
         let mut small = q;
         small.struct_size = 8;
         let st = admit_with(&small, &mut out);
-        assert_eq!(
-            st,
-            marconi_status::UnsupportedStructSize,
-            "{}",
-            last_error()
-        );
-        // SAFETY: a NULL request.
-        let st = unsafe { marconi_cache_admit_with(cache, ptr::null(), &mut out) };
+        refusal(st, marconi_status::UnsupportedStructSize, "small", &[]);
+        let st = admit_with(ptr::null(), &mut out);
         refusal(st, marconi_status::NullArgument, "null", &["req"]);
         assert_eq!(out, marconi_admit_result::default(), "nothing written");
         // SAFETY: live handle; the lease is still outstanding.

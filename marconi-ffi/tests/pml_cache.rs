@@ -9,7 +9,7 @@ use marconi::pml::*;
 use marconi::pml_cache::*;
 
 mod common;
-use common::{blank_segment, init, ok, pml_layout};
+use common::{blank_segment, init, ok, pml_layout, versioned};
 
 const FIG2: &str = include_str!("../../marconi-pml/tests/fixtures/figure2_schema.xml");
 /// Figure 2's prompt with an argument that fits 2 bytes.
@@ -139,10 +139,7 @@ fn threads_share_one_store() {
             });
         }
     });
-    let mut st = marconi_pml_cache_stats {
-        struct_size: size_of::<marconi_pml_cache_stats>() as u32,
-        ..Default::default()
-    };
+    let mut st = versioned::<marconi_pml_cache_stats>();
     // SAFETY: a live handle, a whole stats struct.
     ok(unsafe { marconi_pml_cache_get_stats(c, &mut st) });
     assert_eq!(st.lookups, 4 * rounds);

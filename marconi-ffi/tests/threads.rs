@@ -590,10 +590,7 @@ fn threads_move_units_between_a_device_pool_and_a_host_pool() {
             .recv_timeout(Duration::from_secs(120))
             .expect("a thread did not finish within 120 s: deadlock or panic");
     }
-    let mut st = marconi_host_pool_stats {
-        struct_size: size_of::<marconi_host_pool_stats>() as u32,
-        ..Default::default()
-    };
+    let mut st = versioned::<marconi_host_pool_stats>();
     // SAFETY: live pool; st writable.
     ok(unsafe { marconi_host_pool_get_stats(host, &mut st) });
     assert_eq!(

@@ -10,7 +10,7 @@
 )]
 
 use std::collections::BTreeMap;
-use std::mem::{size_of, MaybeUninit};
+use std::mem::MaybeUninit;
 use std::ptr;
 
 use marconi::cache::*;
@@ -92,34 +92,14 @@ fn plan(t: *const marconi_tiered, lease: u64) -> Vec<u32> {
 
 /// Drains the ops: (kind, tier, tokens).
 fn drain_ops(t: *const marconi_tiered) -> Vec<(u32, u32, Vec<u32>)> {
-    // A size query first.
-    let (st, no, nt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut [], &mut []);
-    if no == 0 {
-        ok(st);
-        return Vec::new();
-    }
-    assert_eq!(st, marconi_status::BufferTooSmall);
-    let mut ops = vec![marconi_tier_op::default(); no];
-    let mut toks = vec![0u32; nt];
-    let (st, wo, wt) = drain_tier_ops(marconi_tiered_drain_ops, t, &mut ops, &mut toks);
-    ok(st);
-    assert_eq!((wo, wt), (no, nt), "the size query's counts");
-    ops.iter()
-        .map(|o| {
-            let s = o.tokens_offset as usize;
-            (o.kind, o.tier, toks[s..s + o.position as usize].to_vec())
-        })
+    drain_all_tier_ops(marconi_tiered_drain_ops, t)
+        .into_iter()
+        .map(|(o, tokens)| (o.kind, o.tier, tokens))
         .collect()
 }
 
 fn stats(t: *const marconi_tiered) -> marconi_tiered_stats {
-    let mut s = marconi_tiered_stats {
-        struct_size: size_of::<marconi_tiered_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: valid handle and out.
-    ok(unsafe { marconi_tiered_get_stats(t, &mut s) });
-    s
+    stats_by(marconi_tiered_get_stats, t)
 }
 
 /// Chat sessions over a shared system prompt: (input, output) per request.
@@ -243,21 +223,17 @@ impl Engine {
         states.push(self.save(&full));
         let mut taken = vec![0u8; states.len()];
         let mut r = marconi_admit_result::default();
-        // SAFETY: valid handle, lease, arrays and out.
-        ok(unsafe {
-            marconi_tiered_admit(
-                self.t,
-                l.lease,
-                full.as_ptr(),
-                full.len(),
-                states.as_ptr(),
-                states.len(),
-                ptr::null(),
-                0,
-                taken.as_mut_ptr(),
-                &mut r,
-            )
-        });
+        let (f, t) = (marconi_tiered_admit, Some(&mut taken[..]));
+        ok(admit_by(
+            f,
+            self.t,
+            l.lease,
+            &full,
+            &states,
+            None::<&[u32]>,
+            t,
+            &mut r,
+        ));
         // SAFETY: valid handle and lease.
         ok(unsafe { marconi_tiered_release(self.t, l.lease) });
         // The ops first: a state the device could not take may go straight
@@ -318,21 +294,11 @@ impl Engine {
                 );
             }
         }
-        let (mut np, mut ns) = (0usize, 0usize);
         let mut slots = vec![0u32; 4096];
         let mut pages = vec![0u32; 1];
-        // SAFETY: buffers of the sizes given.
-        ok(unsafe {
-            marconi_tiered_drain_freed(
-                self.t,
-                pages.as_mut_ptr(),
-                pages.len(),
-                &mut np,
-                slots.as_mut_ptr(),
-                slots.len(),
-                &mut ns,
-            )
-        });
+        let (st, _, ns) =
+            drain_freed_by(marconi_tiered_drain_freed, self.t, &mut pages, &mut slots);
+        ok(st);
         for s in &slots[..ns] {
             assert!(
                 self.slots.remove(s).is_some(),
@@ -445,10 +411,7 @@ fn a_second_handle_resumes_from_the_shared_store() {
         s.shared_hits, s.load_failures,
         "every shared hit was a corrupt object"
     );
-    let mut ss = marconi_store_stats {
-        struct_size: size_of::<marconi_store_stats>() as u32,
-        ..Default::default()
-    };
+    let mut ss = versioned::<marconi_store_stats>();
     // SAFETY: valid store and out.
     ok(unsafe { marconi_store_get_stats(store, &mut ss) });
     assert!(ss.corrupt >= ec.failures, "{ss:?}");
@@ -762,21 +725,17 @@ fn a_drain_too_small_drains_nothing() {
         full.extend_from_slice(output);
         let st = [e.save(&full)];
         let mut r = marconi_admit_result::default();
-        // SAFETY: valid handle, lease, arrays and out.
-        ok(unsafe {
-            marconi_tiered_admit(
-                t,
-                l.lease,
-                full.as_ptr(),
-                full.len(),
-                st.as_ptr(),
-                1,
-                ptr::null(),
-                0,
-                ptr::null_mut(),
-                &mut r,
-            )
-        });
+        let f = marconi_tiered_admit;
+        ok(admit_by(
+            f,
+            t,
+            l.lease,
+            &full,
+            &st,
+            None::<&[u32]>,
+            None,
+            &mut r,
+        ));
         // SAFETY: valid handle and lease.
         ok(unsafe { marconi_tiered_release(t, l.lease) });
         // A size query.

@@ -36,6 +36,7 @@ use marconi::store::*;
 use marconi::tiered::*;
 
 use super::Rng;
+use crate::common::{admit_by, drain_freed, versioned};
 
 type Chain = (u64, Vec<u32>);
 
@@ -365,21 +366,10 @@ fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
             }
         }
     }
-    let (mut np, mut ns) = (0usize, 0usize);
     let mut slots = vec![0u32; 8192];
     let mut pages = vec![0u32; 1];
-    // SAFETY: buffers of the sizes given; a tiered handle is a cache.
-    let st = unsafe {
-        marconi_cache_drain_freed(
-            e.t.cast(),
-            pages.as_mut_ptr(),
-            pages.len(),
-            &mut np,
-            slots.as_mut_ptr(),
-            slots.len(),
-            &mut ns,
-        )
-    };
+    // A tiered handle is a cache.
+    let (st, _, ns) = drain_freed(e.t.cast(), &mut pages, &mut slots);
     if !ctx.ok("drain_freed", st) {
         return;
     }
@@ -391,10 +381,7 @@ fn replay(ctx: &mut Ctx<'_>, e: &mut Engine, what: &str) {
 }
 
 fn stats(ctx: &mut Ctx<'_>, t: *const marconi_tiered, one: bool) -> Option<marconi_tiered_stats> {
-    let mut s = marconi_tiered_stats {
-        struct_size: size_of::<marconi_tiered_stats>() as u32,
-        ..Default::default()
-    };
+    let mut s = versioned::<marconi_tiered_stats>();
     // SAFETY: valid handle and out.
     let st = unsafe {
         if one {
@@ -575,35 +562,22 @@ fn serve(
     let mut taken = vec![0u8; states.len()];
     let mut r = marconi_admit_result::default();
     let full_ids: Vec<i64> = full.iter().map(|&t| i64::from(t)).collect();
-    // SAFETY: valid handle, lease, arrays and out.
-    let st = unsafe {
-        if e.one {
-            marconi_cache_admit_i64(
-                e.t.cast(),
-                l.lease,
-                full_ids.as_ptr(),
-                full_ids.len(),
-                states.as_ptr(),
-                states.len(),
-                ptr::null(),
-                0,
-                taken.as_mut_ptr(),
-                &mut r,
-            )
-        } else {
-            marconi_tiered_admit(
-                e.t,
-                l.lease,
-                full.as_ptr(),
-                full.len(),
-                states.as_ptr(),
-                states.len(),
-                ptr::null(),
-                0,
-                taken.as_mut_ptr(),
-                &mut r,
-            )
-        }
+    let t = Some(&mut taken[..]);
+    let st = if e.one {
+        let f = marconi_cache_admit_i64;
+        admit_by(
+            f,
+            e.t.cast(),
+            l.lease,
+            &full_ids,
+            &states,
+            None::<&[i64]>,
+            t,
+            &mut r,
+        )
+    } else {
+        let f = marconi_tiered_admit;
+        admit_by(f, e.t, l.lease, &full, &states, None::<&[u32]>, t, &mut r)
     };
     if ctx.ok("admit", st) {
         for (s, &tk) in states.iter().zip(&taken) {

@@ -4,11 +4,11 @@
  * test's main ends with check_summary, which returns non-zero when
  * `failures` is not 0. Also what the tests share: versioned output structs
  * (VERSIONED, STATS_OF), configurations (CHECK_CONFIG_INIT, CHECK_WITH for
- * refusals, pool_config, plan_request, new_pooled_cache), the end of a
- * pooled admit (free_untaken), and the checks every pool backend passes
- * (check_pool_snapshots, check_pool_threads: test_pool.c on memfd,
- * test_cuda.c on CUDA). Included once per test program (each test is its
- * own executable).
+ * refusals, cache_config, pool_config, plan_request, new_pooled_cache),
+ * the end of a pooled admit (free_untaken), and the checks every pool
+ * backend passes (check_pool_snapshots, check_pool_threads: test_pool.c
+ * on memfd, test_cuda.c on CUDA). Included once per test program (each
+ * test is its own executable).
  */
 #ifndef MARCONI_TEST_CHECK_H
 #define MARCONI_TEST_CHECK_H
@@ -130,16 +130,23 @@ static inline marconi_memory_plan plan_of(const marconi_plan_request *req) {
   return p;
 }
 
+/* The default cache configuration of the model `preset` at `page_size`
+ * tokens a page. */
+static inline marconi_cache_config cache_config(const char *preset, uint32_t page_size) {
+  marconi_cache_config cc;
+  OK(marconi_cache_config_init(&cc, sizeof cc));
+  cc.model_preset = preset;
+  cc.page_size = page_size;
+  return cc;
+}
+
 /* A cache over pools (marconi_cache_config.pools) of `backend`: the
  * policy with a fixed alpha of 1, the model's unit sizes, and the pools'
  * budget, migration and split; NULL after a failed check. */
 static inline marconi_cache *new_pooled_cache(const char *preset, uint32_t page_size,
                                               uint32_t backend, uint64_t budget_bytes,
                                               uint32_t migration, double state_fraction) {
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = preset;
-  cc.page_size = page_size;
+  marconi_cache_config cc = cache_config(preset, page_size);
   cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
   cc.alpha = 1.0;
   marconi_pool_config pc = pool_config(backend, migration, budget_bytes, 0, 0, state_fraction);

@@ -24,11 +24,8 @@ static const char *last_error(void) {
 }
 
 static marconi_cache *new_cache(uint64_t capacity, uint32_t page_size, int log) {
-  marconi_cache_config cfg;
-  OK(marconi_cache_config_init(&cfg, sizeof cfg));
-  cfg.model_preset = "paper-7b";
+  marconi_cache_config cfg = cache_config("paper-7b", page_size);
   cfg.capacity_bytes = capacity;
-  cfg.page_size = page_size;
   cfg.decision_log = (uint32_t)log;
   marconi_cache *cache = NULL;
   OK(marconi_cache_new(&cfg, &cache));

@@ -15,11 +15,8 @@
 #include "check.h"
 
 static marconi_cache *new_cache(uint32_t page_size) {
-  marconi_cache_config cfg;
-  OK(marconi_cache_config_init(&cfg, sizeof cfg));
-  cfg.model_preset = "paper-7b";
+  marconi_cache_config cfg = cache_config("paper-7b", page_size);
   cfg.capacity_bytes = 10000000000ull;
-  cfg.page_size = page_size;
   marconi_cache *cache = NULL;
   OK(marconi_cache_new(&cfg, &cache));
   return cache;

@@ -459,10 +459,7 @@ static void test_misuse(void) {
   marconi_cache_free(NULL);
 
   /* Configurations that cannot make a cache over pools. */
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "paper-7b-attn"; /* no recurrent layers */
-  cc.page_size = PAGE;
+  marconi_cache_config cc = cache_config("paper-7b-attn", PAGE); /* no recurrent layers */
   marconi_pool_config pc;
   OK(marconi_pool_config_init(&pc, sizeof pc));
   pc.budget_bytes = 64u << 20;
@@ -517,10 +514,7 @@ static void test_misuse(void) {
 /* Calls on the wrong configuration: a pool call on a cache without pools,
  * a call over engine ids on a cache over pools; each refused, clearly. */
 static void test_wrong_configuration(void) {
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "nemotron-h-8b";
-  cc.page_size = PAGE;
+  marconi_cache_config cc = cache_config("nemotron-h-8b", PAGE);
   cc.capacity_bytes = 1ull << 30;
   marconi_cache *plain = NULL;
   OK(marconi_cache_new(&cc, &plain));
@@ -557,10 +551,7 @@ static void test_wrong_configuration(void) {
 /* The deprecated marconi_pooled_cache_* forwarders (one release more): the
  * same cycle, and the handle is a marconi_cache. */
 static void test_deprecated_forwarders(void) {
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "nemotron-h-8b";
-  cc.page_size = PAGE;
+  marconi_cache_config cc = cache_config("nemotron-h-8b", PAGE);
   marconi_pool_config pc;
   OK(marconi_pool_config_init(&pc, sizeof pc));
   pc.backend = MARCONI_POOL_BACKEND_NONE;
@@ -609,10 +600,7 @@ static void test_one_cycle_with_tiers(void) {
   marconi_memory_plan p = plan_for("nemotron-h-8b", 1ull << 30);
   uint64_t budget = 4 * p.state_slot_bytes + 40 * p.kv_page_bytes;
   budget = (budget + (2u << 20) - 1) / (2u << 20) * (2u << 20);
-  marconi_cache_config cc;
-  OK(marconi_cache_config_init(&cc, sizeof cc));
-  cc.model_preset = "nemotron-h-8b";
-  cc.page_size = PAGE;
+  marconi_cache_config cc = cache_config("nemotron-h-8b", PAGE);
   cc.alpha_mode = MARCONI_ALPHA_MODE_FIXED;
   cc.alpha = 1.0;
   marconi_pool_config pc = pool_config(MARCONI_POOL_BACKEND_MEMFD, MARCONI_POOL_MIGRATION_AVMP, budget, 0, 0, 0.3);

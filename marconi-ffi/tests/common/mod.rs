@@ -1,10 +1,14 @@
 //! Set-up and checks the C ABI integration tests share: the last error, a
-//! status check that prints it, structs from their `*_init` call, the
-//! paper-7b device configuration, cache and store constructors, stats
-//! readers, the freed-id drain, and a page no call may read.
+//! status check that prints it, structs from their `*_init` call and
+//! versioned output structs, the paper-7b device configuration, cache and
+//! store constructors, stats readers, the admits over every kind of id,
+//! the drains (freed ids, tier ops, marconi_cache_drain_with's buffers),
+//! the states of a cache over pools and what an admission left to the
+//! caller, and a page no call may read.
 //!
 //! Cargo builds this module into every test binary that declares
-//! `mod common;`; a binary uses only some of it.
+//! `mod common;`, and the fuzzers (examples/fuzz_abi.rs, fuzz_readers.rs)
+//! include it by path; each uses only some of it.
 #![allow(dead_code)]
 
 use std::ffi::CString;
@@ -83,15 +87,96 @@ pub(crate) fn new_cache(cfg: &marconi_cache_config) -> *mut marconi_cache {
     c
 }
 
+/// A versioned output struct (stats, plans, results): zeroed with its
+/// struct_size set to its full size, as the call that fills it wants.
+pub(crate) trait Versioned: Default {
+    fn versioned() -> Self;
+}
+
+macro_rules! versioned {
+    ($($t:ty),* $(,)?) => {
+        $(impl Versioned for $t {
+            fn versioned() -> Self {
+                Self {
+                    struct_size: size_of::<$t>() as u32,
+                    ..Default::default()
+                }
+            }
+        })*
+    };
+}
+
+versioned!(
+    marconi_stats,
+    marconi::host_pool::marconi_host_pool_stats,
+    marconi::lookup::marconi_lookup_result,
+    marconi::plan::marconi_memory_plan,
+    marconi::pml_cache::marconi_pml_cache_stats,
+    marconi::pool::marconi_pool_stats,
+    marconi::pooled::marconi_pooled_stats,
+    marconi::store::marconi_store_stats,
+    marconi::tiered::marconi_tiered_stats,
+);
+
+/// A `T` as its versioned call wants it.
+pub(crate) fn versioned<T: Versioned>() -> T {
+    T::versioned()
+}
+
+/// The stats `S` of the live handle `h` as `get` writes them, checked.
+pub(crate) fn stats_by<H, S: Versioned>(
+    get: unsafe extern "C" fn(*const H, *mut S) -> marconi_status,
+    h: *const H,
+) -> S {
+    let mut s = S::versioned();
+    // SAFETY: a live handle, a writable struct of its struct_size.
+    ok(unsafe { get(h, &mut s) });
+    s
+}
+
+/// The end of a cache's life in a test: marconi_cache_check passes on
+/// each of `caches`, then each is freed.
+pub(crate) fn check_and_free(caches: &[*mut marconi_cache]) {
+    for &c in caches {
+        // SAFETY: a live handle, freed once.
+        unsafe {
+            ok(marconi_cache_check(c));
+            marconi_cache_free(c);
+        }
+    }
+}
+
 /// The stats of a live cache.
 pub(crate) fn cache_stats(c: *const marconi_cache) -> marconi_stats {
-    let mut s = marconi_stats {
-        struct_size: size_of::<marconi_stats>() as u32,
-        ..Default::default()
-    };
-    // SAFETY: live handle, writable stats.
-    ok(unsafe { marconi_cache_stats(c, &mut s) });
-    s
+    stats_by(marconi_cache_stats, c)
+}
+
+/// The pool stats of a live cache over pools.
+pub(crate) fn pool_stats(c: *const marconi_cache) -> marconi::pooled::marconi_pooled_stats {
+    stats_by(marconi::pooled::marconi_cache_pool_stats, c)
+}
+
+/// The tier stats of a live cache with tiers.
+pub(crate) fn tier_stats(c: *const marconi_cache) -> marconi::tiered::marconi_tiered_stats {
+    stats_by(marconi::tiered::marconi_cache_tier_stats, c)
+}
+
+/// The units a live cache over pools holds (marconi_cache_held, after a
+/// size query).
+pub(crate) fn held(c: *const marconi_cache) -> Vec<u64> {
+    let mut n = 0usize;
+    // SAFETY: live handle; NULL with 0 is a size query.
+    let st = unsafe { marconi::pooled::marconi_cache_held(c, ptr::null_mut(), 0, &mut n) };
+    assert!(
+        st == marconi_status::Ok || st == marconi_status::BufferTooSmall,
+        "{}",
+        last_error()
+    );
+    let mut buf = vec![0u64; n];
+    // SAFETY: buf has n writable elements.
+    ok(unsafe { marconi::pooled::marconi_cache_held(c, buf.as_mut_ptr(), buf.len(), &mut n) });
+    buf.truncate(n);
+    buf
 }
 
 /// The buffer's pointer, NULL where it is empty (a size query).
@@ -113,6 +198,60 @@ pub(crate) fn lookup(c: *const marconi_cache, tokens: &[u32]) -> marconi_lookup 
     l
 }
 
+/// The C signature the admits over a handle `H` share (marconi_cache_admit,
+/// _admit_i64, _admit_pooled, marconi_tiered_admit): the lease, then
+/// tokens of `T`, states of `S` and pages of `P` each with its length, the
+/// taken flags and the result.
+pub(crate) type AdmitFn<H, T, S, P> = unsafe extern "C" fn(
+    *const H,
+    u64,
+    *const T,
+    usize,
+    *const S,
+    usize,
+    *const P,
+    usize,
+    *mut u8,
+    *mut marconi_admit_result,
+) -> marconi_status;
+
+/// `admit` of `tokens` with `states` and `pages` (NULL with 0 when None)
+/// on `lease` of `h`, the taken flags into `taken` (NULL when None, else a
+/// byte a state at least), the result into `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn admit_by<H, T, S, P>(
+    admit: AdmitFn<H, T, S, P>,
+    h: *const H,
+    lease: u64,
+    tokens: &[T],
+    states: &[S],
+    pages: Option<&[P]>,
+    taken: Option<&mut [u8]>,
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    if let Some(t) = &taken {
+        assert!(t.len() >= states.len(), "a taken flag a state");
+    }
+    let (p, np) = pages.map_or((ptr::null(), 0), |p| (p.as_ptr(), p.len()));
+    let taken = taken.map_or(ptr::null_mut(), |t| t.as_mut_ptr());
+    // SAFETY: every array readable for its length, taken NULL or writable
+    // for a byte a state.
+    unsafe {
+        admit(
+            h,
+            lease,
+            tokens.as_ptr(),
+            tokens.len(),
+            states.as_ptr(),
+            states.len(),
+            p,
+            np,
+            taken,
+            out,
+        )
+    }
+}
+
 /// marconi_cache_admit of `tokens` with `states` and `pages` on `lease`,
 /// the taken flags into `taken` (NULL where empty), the result into `out`.
 pub(crate) fn admit(
@@ -124,22 +263,94 @@ pub(crate) fn admit(
     taken: &mut [u8],
     out: &mut marconi_admit_result,
 ) -> marconi_status {
-    let taken = or_null(taken);
-    // SAFETY: every array readable (taken: writable) for its length.
-    unsafe {
-        marconi_cache_admit(
-            c,
-            lease,
-            tokens.as_ptr(),
-            tokens.len(),
-            states.as_ptr(),
-            states.len(),
-            pages.as_ptr(),
-            pages.len(),
-            taken,
-            out,
-        )
-    }
+    let taken = (!taken.is_empty()).then_some(taken);
+    admit_by(
+        marconi_cache_admit,
+        c,
+        lease,
+        tokens,
+        states,
+        Some(pages),
+        taken,
+        out,
+    )
+}
+
+/// marconi_cache_admit_i64 of `tokens` with `states` and `pages` on
+/// `lease`, the taken flags into `taken` (NULL when None), the result
+/// into `out`.
+pub(crate) fn admit_i64(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[i64],
+    states: &[marconi_saved_state],
+    pages: &[i64],
+    taken: Option<&mut [u8]>,
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let f = marconi_cache_admit_i64;
+    admit_by(f, c, lease, tokens, states, Some(pages), taken, out)
+}
+
+/// marconi_cache_admit_pooled of `tokens` with `states` and the page
+/// handles `pages` on `lease`, the taken flags into `taken`, the result
+/// into `out`.
+pub(crate) fn pooled_admit(
+    c: *const marconi_cache,
+    lease: u64,
+    tokens: &[u32],
+    states: &[marconi::pooled::marconi_pooled_state],
+    pages: &[u64],
+    taken: &mut [u8],
+    out: &mut marconi_admit_result,
+) -> marconi_status {
+    let f = marconi::pooled::marconi_cache_admit_pooled;
+    admit_by(f, c, lease, tokens, states, Some(pages), Some(taken), out)
+}
+
+/// The C signature the drains into two buffers share over a handle `H`
+/// (marconi_cache_drain_freed, marconi_cache_drain_ops and their
+/// marconi_tiered_* twins): each buffer of `A` and `B` with its capacity
+/// and the count written or pending.
+pub(crate) type DrainTwo<H, A, B> = unsafe extern "C" fn(
+    *const H,
+    *mut A,
+    usize,
+    *mut usize,
+    *mut B,
+    usize,
+    *mut usize,
+) -> marconi_status;
+
+/// A drain of `h` by `drain` into `a` and `b` (NULL where empty):
+/// (status, written or pending into `a`, into `b`).
+pub(crate) fn drain_two<H, A, B>(
+    drain: DrainTwo<H, A, B>,
+    h: *const H,
+    a: &mut [A],
+    b: &mut [B],
+) -> (marconi_status, usize, usize) {
+    let (pa, pb) = (or_null(a), or_null(b));
+    let (mut na, mut nb) = (0usize, 0usize);
+    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
+    let st = unsafe { drain(h, pa, a.len(), &mut na, pb, b.len(), &mut nb) };
+    (st, na, nb)
+}
+
+/// The C signature of marconi_cache_drain_freed and
+/// marconi_tiered_drain_freed over a handle `H`.
+pub(crate) type DrainFreed<H> = DrainTwo<H, u32, u32>;
+
+/// A drain of the freed pages and slots of `h` by `drain` into `pages`
+/// and `slots` (NULL where empty): (status, pages written or pending,
+/// slots written or pending).
+pub(crate) fn drain_freed_by<H>(
+    drain: DrainFreed<H>,
+    h: *const H,
+    pages: &mut [u32],
+    slots: &mut [u32],
+) -> (marconi_status, usize, usize) {
+    drain_two(drain, h, pages, slots)
 }
 
 /// marconi_cache_drain_freed into `pages` and `slots` (NULL where empty):
@@ -149,25 +360,12 @@ pub(crate) fn drain_freed(
     pages: &mut [u32],
     slots: &mut [u32],
 ) -> (marconi_status, usize, usize) {
-    let (p, s) = (or_null(pages), or_null(slots));
-    let (mut np, mut ns) = (0usize, 0usize);
-    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
-    let st =
-        unsafe { marconi_cache_drain_freed(c, p, pages.len(), &mut np, s, slots.len(), &mut ns) };
-    (st, np, ns)
+    drain_freed_by(marconi_cache_drain_freed, c, pages, slots)
 }
 
 /// The C signature of marconi_cache_drain_ops and marconi_tiered_drain_ops
 /// over a handle `H`.
-pub(crate) type DrainOps<H> = unsafe extern "C" fn(
-    *const H,
-    *mut marconi::tiered::marconi_tier_op,
-    usize,
-    *mut usize,
-    *mut u32,
-    usize,
-    *mut usize,
-) -> marconi_status;
+pub(crate) type DrainOps<H> = DrainTwo<H, marconi::tiered::marconi_tier_op, u32>;
 
 /// A drain of the tier ops of `h` by `drain` into `ops` and `toks` (NULL
 /// where empty): (status, ops written or pending, tokens written or
@@ -178,11 +376,62 @@ pub(crate) fn drain_tier_ops<H>(
     ops: &mut [marconi::tiered::marconi_tier_op],
     toks: &mut [u32],
 ) -> (marconi_status, usize, usize) {
-    let (o, t) = (or_null(ops), or_null(toks));
-    let (mut no, mut nt) = (0usize, 0usize);
-    // SAFETY: each buffer is NULL with capacity 0 or holds its length.
-    let st = unsafe { drain(h, o, ops.len(), &mut no, t, toks.len(), &mut nt) };
-    (st, no, nt)
+    drain_two(drain, h, ops, toks)
+}
+
+/// The buffers of a marconi_cache_drain_with call (see drain_buffers).
+pub(crate) struct DrainBuffers {
+    pub(crate) ops: Vec<marconi::tiered::marconi_tier_op>,
+    pub(crate) toks: Vec<u32>,
+    pub(crate) pages: Vec<u64>,
+    pub(crate) slots: Vec<u64>,
+}
+
+/// Buffers for what the size query in `d` counted and `extra` more of
+/// each (`extra * 64` more op tokens), their pointers and capacities set
+/// in `d`; `d` points into them while they live (moving them keeps their
+/// heap memory in place).
+pub(crate) fn drain_buffers(d: &mut marconi::cycle::marconi_drain, extra: usize) -> DrainBuffers {
+    let mut b = DrainBuffers {
+        ops: vec![Default::default(); d.n_ops + extra],
+        toks: vec![0u32; d.n_op_tokens + extra * 64],
+        pages: vec![0u64; d.n_kv_pages + extra],
+        slots: vec![0u64; d.n_state_slots + extra],
+    };
+    d.ops = b.ops.as_mut_ptr();
+    d.ops_cap = b.ops.len();
+    d.op_tokens = b.toks.as_mut_ptr();
+    d.op_tokens_cap = b.toks.len();
+    d.kv_pages = b.pages.as_mut_ptr();
+    d.kv_pages_cap = b.pages.len();
+    d.state_slots = b.slots.as_mut_ptr();
+    d.state_slots_cap = b.slots.len();
+    b
+}
+
+/// Every pending tier op of `h` drained by `drain`, after a size query
+/// whose counts the drain must write: (op, its chain's tokens).
+pub(crate) fn drain_all_tier_ops<H>(
+    drain: DrainOps<H>,
+    h: *const H,
+) -> Vec<(marconi::tiered::marconi_tier_op, Vec<u32>)> {
+    let (st, no, nt) = drain_tier_ops(drain, h, &mut [], &mut []);
+    if no == 0 {
+        ok(st);
+        return Vec::new();
+    }
+    assert_eq!(st, marconi_status::BufferTooSmall, "{}", last_error());
+    let mut ops = vec![marconi::tiered::marconi_tier_op::default(); no];
+    let mut toks = vec![0u32; nt];
+    let (st, wo, wt) = drain_tier_ops(drain, h, &mut ops, &mut toks);
+    ok(st);
+    assert_eq!((wo, wt), (no, nt), "the size query's counts");
+    ops.into_iter()
+        .map(|o| {
+            let s = o.tokens_offset as usize;
+            (o, toks[s..s + o.position as usize].to_vec())
+        })
+        .collect()
 }
 
 /// A store of `backend` at `location` for `model`, blocks of 16 tokens,
@@ -219,6 +468,50 @@ pub(crate) fn states(positions: &[u32], slots: &[u32]) -> Vec<marconi_saved_stat
         .zip(slots)
         .map(|(&position, &slot)| marconi_saved_state { position, slot })
         .collect()
+}
+
+/// States of a cache over pools at `positions` in the state units
+/// `handles`, pairwise.
+pub(crate) fn pooled_states(
+    positions: &[u32],
+    handles: &[u64],
+) -> Vec<marconi::pooled::marconi_pooled_state> {
+    positions
+        .iter()
+        .zip(handles)
+        .map(
+            |(&position, &state_handle)| marconi::pooled::marconi_pooled_state {
+                position,
+                reserved: 0,
+                state_handle,
+            },
+        )
+        .collect()
+}
+
+/// The caller's units a cache over pools did not take in `r` (what the
+/// caller frees): the pages past the `n_hit` hit ones outside the taken
+/// range, and the units of the states whose `taken` flag is 0.
+pub(crate) fn untaken(
+    pages: &[u64],
+    n_hit: usize,
+    r: &marconi_admit_result,
+    states: &[marconi::pooled::marconi_pooled_state],
+    taken: &[u8],
+) -> Vec<u64> {
+    let range = r.kv_pages_taken_start as usize..r.kv_pages_taken_end as usize;
+    let mut mine: Vec<u64> = (n_hit..pages.len())
+        .filter(|i| !range.contains(i))
+        .map(|i| pages[i])
+        .collect();
+    mine.extend(
+        states
+            .iter()
+            .zip(taken)
+            .filter(|(_, &t)| t == 0)
+            .map(|(s, _)| s.state_handle),
+    );
+    mine
 }
 
 /// One page mapped with no access: a read through it kills the process.

@@ -52,7 +52,6 @@ use marconi::gguf::{marconi_model_spec_from_gguf, marconi_model_spec_from_gguf_b
 use marconi::hf_config::marconi_model_spec_from_hf_config;
 use marconi::plan::*;
 use marconi::status::marconi_status as St;
-use marconi_core::ModelSpec;
 use serde_json::Value;
 
 #[path = "fuzz_abi_parts/args.rs"]
@@ -543,30 +542,6 @@ struct Fuzz {
     accepted: Vec<marconi_model_spec>,
 }
 
-fn to_core(m: &marconi_model_spec) -> ModelSpec {
-    ModelSpec {
-        name: "fuzz".into(),
-        attn_layers: m.attn_layers,
-        ssm_layers: m.ssm_layers,
-        mlp_layers: m.mlp_layers,
-        moe_layers: m.moe_layers,
-        moe_top_k: m.moe_top_k,
-        d_model: m.d_model,
-        n_heads: m.n_heads,
-        kv_heads: m.kv_heads,
-        head_dim: m.head_dim,
-        ffn_dim: m.ffn_dim,
-        ffn_matrices: m.ffn_matrices,
-        ssm_inner: m.ssm_inner,
-        d_state: m.d_state,
-        ssm_state_channels: m.ssm_state_channels,
-        conv_channels: m.conv_channels,
-        conv_kernel: m.conv_kernel,
-        dtype_bytes: m.dtype_bytes,
-        state_dtype_bytes: m.state_dtype_bytes,
-    }
-}
-
 impl Fuzz {
     fn finding(&mut self, what: &str) {
         self.findings += 1;
@@ -599,7 +574,7 @@ impl Fuzz {
 
     /// What every accepted spec must satisfy, and that it drives a cache.
     fn check_spec(&mut self, what: &str, m: &marconi_model_spec) {
-        let core = to_core(m);
+        let core = m.to_core("fuzz");
         if let Err(e) = core.validate() {
             self.finding(&format!(
                 "{what}: accepted a spec that fails validation: {e}"

@@ -144,7 +144,9 @@ impl marconi_model_spec {
         }
     }
 
-    pub(crate) fn to_core(self, name: &str) -> ModelSpec {
+    /// The core's model spec of these dimensions, named `name`: what a
+    /// cache or a plan built from this struct runs on.
+    pub fn to_core(self, name: &str) -> ModelSpec {
         ModelSpec {
             name: name.to_owned(),
             attn_layers: self.attn_layers,

@@ -268,8 +268,9 @@ struct Worker<'r> {
 /// The salt of the stream choosing the one lookup, admit and drain.
 const VIA_SALT: u64 = 0x7769_7468_5f76_6961;
 
-/// Lookups, admits and drains made through the `_with` calls, all seeds.
-static VIA_WITH: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+/// Lookups, admits and drains made through the `_with` calls, all seeds,
+/// and of the drains those of caches over pools.
+static VIA_WITH: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
 
 /// Requests served by `op_tiered` lives, all seeds.
 static TIERED_REQUESTS: AtomicU64 = AtomicU64::new(0);
@@ -1303,6 +1304,72 @@ impl<'r> Worker<'r> {
             );
         }
         true
+    }
+
+    /// The freed units of a cache over pools without tiers through
+    /// marconi_cache_drain_with: a size query, then a drain into exact
+    /// room; the pages must be KV handles and the slots state handles, none
+    /// twice, no op, and nothing left for marconi_cache_drain_freed_units.
+    fn pooled_drain_with(&mut self, c: *mut marconi_cache) -> Vec<u64> {
+        let mut d = marconi_drain::default();
+        // SAFETY: a size query: every buffer NULL with capacity 0.
+        let st = self.call("drain_with (pools)", || unsafe {
+            marconi_cache_drain_with(c, &mut d)
+        });
+        let counted = (d.n_kv_pages, d.n_state_slots, d.n_ops);
+        if !self.drain_size_query("drain_with (pools)", st, counted) {
+            return Vec::new();
+        }
+        let (mut pages, mut slots) = (vec![0u64; counted.0], vec![0u64; counted.1]);
+        d.kv_pages = pages.as_mut_ptr();
+        d.kv_pages_cap = pages.len();
+        d.state_slots = slots.as_mut_ptr();
+        d.state_slots_cap = slots.len();
+        // SAFETY: buffers passed with their capacities.
+        let st = self.call("drain_with (pools)", || unsafe {
+            marconi_cache_drain_with(c, &mut d)
+        });
+        let got = (d.n_kv_pages, d.n_state_slots);
+        if !self.drained("drain_with (pools)", st, got, (counted.0, counted.1)) {
+            return Vec::new();
+        }
+        if d.n_ops != 0 || counted.2 != 0 {
+            finding!(
+                self,
+                "drain_with (pools) gave {} ops without tiers",
+                d.n_ops
+            );
+        }
+        pages.truncate(got.0);
+        slots.truncate(got.1);
+        if let Some(h) = pages.iter().find(|&&h| is_state(h)) {
+            finding!(
+                self,
+                "drain_with (pools): kv_pages holds the state handle {h:#x}"
+            );
+        }
+        if let Some(h) = slots.iter().find(|&&h| !is_state(h)) {
+            finding!(
+                self,
+                "drain_with (pools): state_slots holds the KV handle {h:#x}"
+            );
+        }
+        let mut all: Vec<u64> = pages.into_iter().chain(slots).collect();
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        if all.len() != n {
+            finding!(self, "drain_with (pools): a unit drained twice");
+        }
+        let left = pooled_list(c, false);
+        if !left.is_empty() {
+            finding!(
+                self,
+                "drain_with (pools) left {} units for drain_freed_units",
+                left.len()
+            );
+        }
+        all
     }
 
     /// op_drain through marconi_cache_drain_with: a size query, then the
@@ -2799,7 +2866,9 @@ impl<'r> Worker<'r> {
             if k == 0 && tiered {
                 self.tier_shape(&mut trng, &mut cc, &mut pc, &mut opts);
                 cc.tiers = &opts;
-                tm = Some(pooled_tiers::TierModel::new(16));
+                let mut m = pooled_tiers::TierModel::new(16);
+                m.one_drain = self.via.chance(1, 2);
+                tm = Some(m);
             }
             let st = if k == 0 {
                 cc.pools = &pc;
@@ -2930,7 +2999,7 @@ impl<'r> Worker<'r> {
             }
         }
         if let Some(mut m) = tm.take() {
-            self.pooled_tier_requests(c, &mut trng, &mut m, &mut stale, &fpg);
+            self.pooled_tier_requests(c, &mut trng, &mut m, &mut stale, &fpg, ev, &mut mirror);
             for (k, v) in [
                 m.requests,
                 m.lower_hits,
@@ -2947,17 +3016,7 @@ impl<'r> Worker<'r> {
         }
         if let Some(ev) = ev {
             self.events_drain(ev, c, &mut mirror);
-            if let Some(snap) = self.events_snapshot(ev, c) {
-                if snap.set != mirror.set || mirror.unknown_removals != 0 {
-                    finding!(
-                        self,
-                        "events over pools: drained batches rebuild {} blocks/states ({} unknown removals), the snapshot has {}",
-                        mirror.set.len(),
-                        mirror.unknown_removals,
-                        snap.set.len()
-                    );
-                }
-            }
+            self.events_agree(ev, c, &mirror, "events over pools");
             // SAFETY: both live; the events handle freed once.
             self.call("events_free (pools)", || unsafe {
                 marconi_events_free(ev, c)
@@ -3037,7 +3096,10 @@ impl<'r> Worker<'r> {
     /// Requests over a few documents on a cache over pools with tiers (it
     /// evicts: lower-tier hits and their loads), with settle, a reported
     /// load failure and a refused lookup_tiered among them; the tier stats
-    /// agree with what was reported.
+    /// agree with what was reported. With an events handle, its batches are
+    /// drained between requests, and now and then must rebuild the cache's
+    /// content as its snapshot says it.
+    #[expect(clippy::too_many_arguments, reason = "one run's whole context")]
     fn pooled_tier_requests(
         &mut self,
         c: *mut marconi_cache,
@@ -3045,6 +3107,8 @@ impl<'r> Worker<'r> {
         tm: &mut pooled_tiers::TierModel,
         stale: &mut Vec<u64>,
         foreign: &[u64],
+        ev: Option<*mut marconi_events>,
+        mirror: &mut ::marconi_events::Mirror,
     ) {
         let docs: Vec<Vec<u32>> = (0..trng.range(3, 6))
             .map(|_| {
@@ -3065,6 +3129,12 @@ impl<'r> Worker<'r> {
             t.extend((0..trng.range(4, 40)).map(|_| trng.below(50_000) as u32 + 120_000));
             let input = t.len() as u32 - trng.range(1, 3) as u32;
             self.pooled_request(c, &t, input, None, stale, foreign, Some(&mut *tm));
+            if let Some(ev) = ev.filter(|_| trng.chance(1, 2)) {
+                self.events_drain(ev, c, mirror);
+                if trng.chance(1, 4) {
+                    self.events_agree(ev, c, mirror, "events over pools with tiers");
+                }
+            }
             match trng.below(8) {
                 0 => {
                     // SAFETY: live handle.
@@ -3413,7 +3483,20 @@ impl<'r> Worker<'r> {
             &[St::Ok],
         );
         stale.extend_from_slice(&mine);
-        stale.extend(pooled_list(c, false));
+        // Half the drains of a cache over pools without tiers through the
+        // one drain; with tiers, the tier model drains (through the one
+        // drain in half the runs, which then hands the freed units over).
+        if let Some(tm) = tm.as_deref_mut() {
+            stale.extend(tm.take_freed());
+        }
+        if tm.is_none() && self.via.chance(1, 2) {
+            VIA_WITH[2].fetch_add(1, Ordering::Relaxed);
+            VIA_WITH[3].fetch_add(1, Ordering::Relaxed);
+            let freed = self.pooled_drain_with(c);
+            stale.extend(freed);
+        } else {
+            stale.extend(pooled_list(c, false));
+        }
         if let Some(tm) = tm.as_deref_mut() {
             let f = tm.drain(c, None);
             self.report(f);
@@ -3718,6 +3801,28 @@ impl<'r> Worker<'r> {
         }
         // SAFETY: live handles; ev freed once.
         self.call("events_free", || unsafe { marconi_events_free(ev, h) });
+    }
+
+    /// After a drain: the batches drained into `mirror` rebuild what the
+    /// snapshot of `c` holds, with no removal of anything never stored.
+    fn events_agree(
+        &mut self,
+        ev: *mut marconi_events,
+        c: *mut marconi_cache,
+        mirror: &::marconi_events::Mirror,
+        what: &str,
+    ) {
+        if let Some(snap) = self.events_snapshot(ev, c) {
+            if snap.set != mirror.set || mirror.unknown_removals != 0 {
+                finding!(
+                    self,
+                    "{what}: drained batches rebuild {} blocks/states ({} unknown removals), the snapshot has {}",
+                    mirror.set.len(),
+                    mirror.unknown_removals,
+                    snap.set.len()
+                );
+            }
+        }
     }
 
     /// An events handle with a random valid config (seed, medium, states,
@@ -4332,10 +4437,11 @@ fn main() {
         pt[0], pt[5], pt[1], pt[2], pt[3], pt[4]
     );
     println!(
-        "fuzz_abi: through the one lookup, admit and drain (marconi_cache_*_with): {} lookups, {} admits, {} drains",
+        "fuzz_abi: through the one lookup, admit and drain (marconi_cache_*_with): {} lookups, {} admits, {} drains ({} over pools)",
         VIA_WITH[0].load(Ordering::Relaxed),
         VIA_WITH[1].load(Ordering::Relaxed),
-        VIA_WITH[2].load(Ordering::Relaxed)
+        VIA_WITH[2].load(Ordering::Relaxed),
+        VIA_WITH[3].load(Ordering::Relaxed)
     );
     if let Some(f) = findings.first() {
         eprintln!(

@@ -13,12 +13,14 @@ use std::collections::HashMap;
 use std::ptr;
 
 use marconi::cache::*;
+use marconi::cycle::{marconi_cache_drain_with, marconi_drain};
 use marconi::pool::*;
 use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::tiered::*;
 
 use crate::common::last_error;
+use crate::is_state;
 
 /// Bytes of a unit's signature.
 pub(crate) const SIG: usize = 64;
@@ -114,6 +116,11 @@ pub(crate) struct TierModel {
     pub(crate) host_writes: u64,
     pub(crate) store_writes: u64,
     pub(crate) drops: u64,
+    /// Drain through marconi_cache_drain_with (the ops and the freed units
+    /// in one call) instead of marconi_cache_drain_ops.
+    pub(crate) one_drain: bool,
+    /// Units the one drain freed, for the caller to take.
+    freed: Vec<u64>,
 }
 
 fn tier_index(tier: u32) -> Option<usize> {
@@ -135,6 +142,91 @@ impl TierModel {
             host_writes: 0,
             store_writes: 0,
             drops: 0,
+            one_drain: false,
+            freed: Vec::new(),
+        }
+    }
+
+    /// The units the one drain gave since the last call (already back in
+    /// their pools: stale).
+    pub(crate) fn take_freed(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.freed)
+    }
+
+    /// The ops and chain tokens of `c` through marconi_cache_drain_ops, or
+    /// through marconi_cache_drain_with with its freed units kept; Err
+    /// holds the findings.
+    fn fetch_ops(
+        &mut self,
+        c: *const marconi_cache,
+    ) -> Result<(Vec<marconi_tier_op>, Vec<u32>), Vec<String>> {
+        if !self.one_drain {
+            return fetch_ops(c);
+        }
+        for n in &crate::VIA_WITH[2..] {
+            n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let mut d = marconi_drain::default();
+        // SAFETY: a size query (NULL buffers, capacity 0).
+        let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+        let counted = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
+        if counted == (0, 0, 0, 0) {
+            return if st == St::Ok {
+                Ok((Vec::new(), Vec::new()))
+            } else {
+                Err(vec![format!(
+                    "drain_with (size query, none): {st:?} ({})",
+                    last_error()
+                )])
+            };
+        }
+        if st != St::BufferTooSmall {
+            return Err(vec![format!(
+                "drain_with size query of {counted:?}: {st:?}"
+            )]);
+        }
+        let mut ops = vec![marconi_tier_op::default(); counted.0];
+        let mut toks = vec![0u32; counted.1];
+        let (mut pages, mut slots) = (vec![0u64; counted.2], vec![0u64; counted.3]);
+        d.ops = ops.as_mut_ptr();
+        d.ops_cap = ops.len();
+        d.op_tokens = toks.as_mut_ptr();
+        d.op_tokens_cap = toks.len();
+        d.kv_pages = pages.as_mut_ptr();
+        d.kv_pages_cap = pages.len();
+        d.state_slots = slots.as_mut_ptr();
+        d.state_slots_cap = slots.len();
+        // SAFETY: buffers passed with their capacities.
+        let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+        let got = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
+        if st != St::Ok || got != counted {
+            return Err(vec![format!(
+                "drain_with: {st:?}, drained {got:?} after a query of {counted:?}"
+            )]);
+        }
+        let mut found = Vec::new();
+        if let Some(h) = pages.iter().find(|&&h| is_state(h)) {
+            found.push(format!(
+                "drain_with: kv_pages holds the state handle {h:#x}"
+            ));
+        }
+        if let Some(h) = slots.iter().find(|&&h| !is_state(h)) {
+            found.push(format!(
+                "drain_with: state_slots holds the KV handle {h:#x}"
+            ));
+        }
+        let before = self.freed.len();
+        self.freed.extend(pages.iter().chain(&slots));
+        let mut mine = self.freed[before..].to_vec();
+        mine.sort_unstable();
+        mine.dedup();
+        if mine.len() != pages.len() + slots.len() {
+            found.push("drain_with: a unit drained twice".into());
+        }
+        if found.is_empty() {
+            Ok((ops, toks))
+        } else {
+            Err(found)
         }
     }
 
@@ -146,45 +238,11 @@ impl TierModel {
         adm: Option<&Admission>,
     ) -> Vec<String> {
         let mut found = Vec::new();
-        let (mut no, mut nt) = (0usize, 0usize);
-        // SAFETY: a size query (NULL buffers, capacity 0).
-        let st = unsafe {
-            marconi_cache_drain_ops(c, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
+        let (ops, toks) = match self.fetch_ops(c) {
+            Ok(o) => o,
+            Err(f) => return f,
         };
-        if no == 0 {
-            if st != St::Ok {
-                found.push(format!(
-                    "drain_ops (size query, none): {st:?} ({})",
-                    last_error()
-                ));
-            }
-            return found;
-        }
-        if st != St::BufferTooSmall {
-            found.push(format!("drain_ops size query of {no} ops: {st:?}"));
-            return found;
-        }
-        let mut ops = vec![marconi_tier_op::default(); no];
-        let mut toks = vec![0u32; nt];
-        let (mut wo, mut wt) = (0usize, 0usize);
-        // SAFETY: buffers of their lengths.
-        let st = unsafe {
-            marconi_cache_drain_ops(
-                c,
-                ops.as_mut_ptr(),
-                no,
-                &mut wo,
-                toks.as_mut_ptr(),
-                nt,
-                &mut wt,
-            )
-        };
-        if st != St::Ok || (wo, wt) != (no, nt) {
-            found.push(format!(
-                "drain_ops: {st:?}, {wo} ops / {wt} tokens after a query of {no} / {nt}"
-            ));
-            return found;
-        }
+        let nt = toks.len();
         for op in &ops {
             let s = op.tokens_offset as usize;
             let Some(prefix) = toks.get(s..s + op.position as usize) else {
@@ -480,4 +538,48 @@ pub(crate) fn check_units(
             (s.held_kv_pages, s.held_state_slots)
         )
     })
+}
+
+/// The ops and chain tokens of `c` through marconi_cache_drain_ops: a size
+/// query, then a drain into exact room; Err holds the findings.
+fn fetch_ops(c: *const marconi_cache) -> Result<(Vec<marconi_tier_op>, Vec<u32>), Vec<String>> {
+    let (mut no, mut nt) = (0usize, 0usize);
+    // SAFETY: a size query (NULL buffers, capacity 0).
+    let st = unsafe {
+        marconi_cache_drain_ops(c, ptr::null_mut(), 0, &mut no, ptr::null_mut(), 0, &mut nt)
+    };
+    if no == 0 {
+        return if st == St::Ok {
+            Ok((Vec::new(), Vec::new()))
+        } else {
+            Err(vec![format!(
+                "drain_ops (size query, none): {st:?} ({})",
+                last_error()
+            )])
+        };
+    }
+    if st != St::BufferTooSmall {
+        return Err(vec![format!("drain_ops size query of {no} ops: {st:?}")]);
+    }
+    let mut ops = vec![marconi_tier_op::default(); no];
+    let mut toks = vec![0u32; nt];
+    let (mut wo, mut wt) = (0usize, 0usize);
+    // SAFETY: buffers of their lengths.
+    let st = unsafe {
+        marconi_cache_drain_ops(
+            c,
+            ops.as_mut_ptr(),
+            no,
+            &mut wo,
+            toks.as_mut_ptr(),
+            nt,
+            &mut wt,
+        )
+    };
+    if st != St::Ok || (wo, wt) != (no, nt) {
+        return Err(vec![format!(
+            "drain_ops: {st:?}, {wo} ops / {wt} tokens after a query of {no} / {nt}"
+        )]);
+    }
+    Ok((ops, toks))
 }

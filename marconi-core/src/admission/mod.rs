@@ -765,10 +765,10 @@ fn refused_after_the_prefix_check(e: &CacheError) -> bool {
 /// most 1,024 ids per page (a pool's page ids: a request's pages from a
 /// free list), one pass over a bitset of that range (128 bytes a page at
 /// most) names the first repeat: sorting 10,000 pages costs about 80 µs,
-/// clearing a bitset of 2^21 ids about a tenth of it;
-/// over a wider range a sorted copy says whether any repeats (no hashing of
-/// every page: an admission of 10,000 pages spent most of its time in a
-/// `HashSet` here), and only then a set names the first repeat.
+/// clearing a bitset of 2^21 ids about a tenth of it. Over a wider range a
+/// sorted copy says whether any repeats (no hashing of every page: an
+/// admission of 10,000 pages spent most of its time in a `HashSet` here),
+/// and only then a set names the first repeat.
 fn first_repeated_page(pages: &[u32]) -> Option<u32> {
     if strictly_ascending(pages) {
         return None;
@@ -776,9 +776,10 @@ fn first_repeated_page(pages: &[u32]) -> Option<u32> {
     let (lo, hi) = pages
         .iter()
         .fold((u32::MAX, 0), |(lo, hi), &p| (lo.min(p), hi.max(p)));
-    let span = (hi - lo) as usize + 1;
-    if span / 1024 <= pages.len() {
-        let mut seen = vec![0u64; span.div_ceil(64)];
+    let span = u64::from(hi - lo) + 1;
+    let words = usize::try_from(span.div_ceil(64)).ok();
+    if let Some(words) = words.filter(|_| span / 1024 <= pages.len() as u64) {
+        let mut seen = vec![0u64; words];
         return pages.iter().copied().find(|&p| {
             let i = (p - lo) as usize;
             let (word, bit) = (&mut seen[i / 64], 1u64 << (i % 64));

@@ -1307,59 +1307,24 @@ impl<'r> Worker<'r> {
     }
 
     /// The freed units of a cache over pools without tiers through
-    /// marconi_cache_drain_with: a size query, then a drain into exact
-    /// room; the pages must be KV handles and the slots state handles, none
-    /// twice, no op, and nothing left for marconi_cache_drain_freed_units.
+    /// marconi_cache_drain_with (`pooled_tiers::drain_with`'s checks): no
+    /// op, and nothing left for marconi_cache_drain_freed_units.
     fn pooled_drain_with(&mut self, c: *mut marconi_cache) -> Vec<u64> {
-        let mut d = marconi_drain::default();
-        // SAFETY: a size query: every buffer NULL with capacity 0.
-        let st = self.call("drain_with (pools)", || unsafe {
-            marconi_cache_drain_with(c, &mut d)
-        });
-        let counted = (d.n_kv_pages, d.n_state_slots, d.n_ops);
-        if !self.drain_size_query("drain_with (pools)", st, counted) {
-            return Vec::new();
-        }
-        let (mut pages, mut slots) = (vec![0u64; counted.0], vec![0u64; counted.1]);
-        d.kv_pages = pages.as_mut_ptr();
-        d.kv_pages_cap = pages.len();
-        d.state_slots = slots.as_mut_ptr();
-        d.state_slots_cap = slots.len();
-        // SAFETY: buffers passed with their capacities.
-        let st = self.call("drain_with (pools)", || unsafe {
-            marconi_cache_drain_with(c, &mut d)
-        });
-        let got = (d.n_kv_pages, d.n_state_slots);
-        if !self.drained("drain_with (pools)", st, got, (counted.0, counted.1)) {
-            return Vec::new();
-        }
-        if d.n_ops != 0 || counted.2 != 0 {
+        let d = match self.call("drain_with (pools)", || pooled_tiers::drain_with(c)) {
+            Ok(d) => d,
+            Err(found) => {
+                for f in found {
+                    finding!(self, "pools: {f}");
+                }
+                return Vec::new();
+            }
+        };
+        if !d.ops.is_empty() {
             finding!(
                 self,
                 "drain_with (pools) gave {} ops without tiers",
-                d.n_ops
+                d.ops.len()
             );
-        }
-        pages.truncate(got.0);
-        slots.truncate(got.1);
-        if let Some(h) = pages.iter().find(|&&h| is_state(h)) {
-            finding!(
-                self,
-                "drain_with (pools): kv_pages holds the state handle {h:#x}"
-            );
-        }
-        if let Some(h) = slots.iter().find(|&&h| !is_state(h)) {
-            finding!(
-                self,
-                "drain_with (pools): state_slots holds the KV handle {h:#x}"
-            );
-        }
-        let mut all: Vec<u64> = pages.into_iter().chain(slots).collect();
-        let n = all.len();
-        all.sort_unstable();
-        all.dedup();
-        if all.len() != n {
-            finding!(self, "drain_with (pools): a unit drained twice");
         }
         let left = pooled_list(c, false);
         if !left.is_empty() {
@@ -1369,7 +1334,7 @@ impl<'r> Worker<'r> {
                 left.len()
             );
         }
-        all
+        d.units
     }
 
     /// op_drain through marconi_cache_drain_with: a size query, then the
@@ -3490,8 +3455,6 @@ impl<'r> Worker<'r> {
             stale.extend(tm.take_freed());
         }
         if tm.is_none() && self.via.chance(1, 2) {
-            VIA_WITH[2].fetch_add(1, Ordering::Relaxed);
-            VIA_WITH[3].fetch_add(1, Ordering::Relaxed);
             let freed = self.pooled_drain_with(c);
             stale.extend(freed);
         } else {

@@ -19,7 +19,7 @@ use marconi::pooled::*;
 use marconi::status::marconi_status as St;
 use marconi::tiered::*;
 
-use crate::common::last_error;
+use crate::common::{drain_buffers, last_error};
 use crate::is_state;
 
 /// Bytes of a unit's signature.
@@ -161,73 +161,11 @@ impl TierModel {
         c: *const marconi_cache,
     ) -> Result<(Vec<marconi_tier_op>, Vec<u32>), Vec<String>> {
         if !self.one_drain {
-            return fetch_ops(c);
+            return drain_ops(c);
         }
-        for n in &crate::VIA_WITH[2..] {
-            n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        let mut d = marconi_drain::default();
-        // SAFETY: a size query (NULL buffers, capacity 0).
-        let st = unsafe { marconi_cache_drain_with(c, &mut d) };
-        let counted = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
-        if counted == (0, 0, 0, 0) {
-            return if st == St::Ok {
-                Ok((Vec::new(), Vec::new()))
-            } else {
-                Err(vec![format!(
-                    "drain_with (size query, none): {st:?} ({})",
-                    last_error()
-                )])
-            };
-        }
-        if st != St::BufferTooSmall {
-            return Err(vec![format!(
-                "drain_with size query of {counted:?}: {st:?}"
-            )]);
-        }
-        let mut ops = vec![marconi_tier_op::default(); counted.0];
-        let mut toks = vec![0u32; counted.1];
-        let (mut pages, mut slots) = (vec![0u64; counted.2], vec![0u64; counted.3]);
-        d.ops = ops.as_mut_ptr();
-        d.ops_cap = ops.len();
-        d.op_tokens = toks.as_mut_ptr();
-        d.op_tokens_cap = toks.len();
-        d.kv_pages = pages.as_mut_ptr();
-        d.kv_pages_cap = pages.len();
-        d.state_slots = slots.as_mut_ptr();
-        d.state_slots_cap = slots.len();
-        // SAFETY: buffers passed with their capacities.
-        let st = unsafe { marconi_cache_drain_with(c, &mut d) };
-        let got = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
-        if st != St::Ok || got != counted {
-            return Err(vec![format!(
-                "drain_with: {st:?}, drained {got:?} after a query of {counted:?}"
-            )]);
-        }
-        let mut found = Vec::new();
-        if let Some(h) = pages.iter().find(|&&h| is_state(h)) {
-            found.push(format!(
-                "drain_with: kv_pages holds the state handle {h:#x}"
-            ));
-        }
-        if let Some(h) = slots.iter().find(|&&h| !is_state(h)) {
-            found.push(format!(
-                "drain_with: state_slots holds the KV handle {h:#x}"
-            ));
-        }
-        let before = self.freed.len();
-        self.freed.extend(pages.iter().chain(&slots));
-        let mut mine = self.freed[before..].to_vec();
-        mine.sort_unstable();
-        mine.dedup();
-        if mine.len() != pages.len() + slots.len() {
-            found.push("drain_with: a unit drained twice".into());
-        }
-        if found.is_empty() {
-            Ok((ops, toks))
-        } else {
-            Err(found)
-        }
+        let d = drain_with(c)?;
+        self.freed.extend(d.units);
+        Ok((d.ops, d.toks))
     }
 
     /// Drains the ops of `c` and carries them out; `adm` is the admission
@@ -542,7 +480,7 @@ pub(crate) fn check_units(
 
 /// The ops and chain tokens of `c` through marconi_cache_drain_ops: a size
 /// query, then a drain into exact room; Err holds the findings.
-fn fetch_ops(c: *const marconi_cache) -> Result<(Vec<marconi_tier_op>, Vec<u32>), Vec<String>> {
+fn drain_ops(c: *const marconi_cache) -> Result<(Vec<marconi_tier_op>, Vec<u32>), Vec<String>> {
     let (mut no, mut nt) = (0usize, 0usize);
     // SAFETY: a size query (NULL buffers, capacity 0).
     let st = unsafe {
@@ -582,4 +520,78 @@ fn fetch_ops(c: *const marconi_cache) -> Result<(Vec<marconi_tier_op>, Vec<u32>)
         )]);
     }
     Ok((ops, toks))
+}
+
+/// What marconi_cache_drain_with gave: the tier ops with their chain
+/// tokens, and the freed units (KV pages, then state slots).
+#[derive(Default)]
+pub(crate) struct Drained {
+    pub(crate) ops: Vec<marconi_tier_op>,
+    pub(crate) toks: Vec<u32>,
+    pub(crate) units: Vec<u64>,
+}
+
+/// Everything a cache over pools that no one else drains has to drain,
+/// through marconi_cache_drain_with: a size query, then a drain into exact
+/// room; the pages must be KV handles and the slots state handles, none
+/// twice. Err holds the findings.
+pub(crate) fn drain_with(c: *const marconi_cache) -> Result<Drained, Vec<String>> {
+    for n in &crate::VIA_WITH[2..] {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let mut d = marconi_drain::default();
+    // SAFETY: a size query (NULL buffers, capacity 0).
+    let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+    let counted = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
+    if counted == (0, 0, 0, 0) {
+        return if st == St::Ok {
+            Ok(Drained::default())
+        } else {
+            Err(vec![format!(
+                "drain_with (size query, none): {st:?} ({})",
+                last_error()
+            )])
+        };
+    }
+    if st != St::BufferTooSmall {
+        return Err(vec![format!(
+            "drain_with size query of {counted:?}: {st:?}"
+        )]);
+    }
+    let b = drain_buffers(&mut d, 0);
+    // SAFETY: d points into b's buffers, with their capacities.
+    let st = unsafe { marconi_cache_drain_with(c, &mut d) };
+    let got = (d.n_ops, d.n_op_tokens, d.n_kv_pages, d.n_state_slots);
+    if st != St::Ok || got != counted {
+        return Err(vec![format!(
+            "drain_with: {st:?}, drained {got:?} after a query of {counted:?}"
+        )]);
+    }
+    let mut found = Vec::new();
+    if let Some(h) = b.pages.iter().find(|&&h| is_state(h)) {
+        found.push(format!(
+            "drain_with: kv_pages holds the state handle {h:#x}"
+        ));
+    }
+    if let Some(h) = b.slots.iter().find(|&&h| !is_state(h)) {
+        found.push(format!(
+            "drain_with: state_slots holds the KV handle {h:#x}"
+        ));
+    }
+    let units: Vec<u64> = b.pages.iter().chain(&b.slots).copied().collect();
+    let mut once = units.clone();
+    once.sort_unstable();
+    once.dedup();
+    if once.len() != units.len() {
+        found.push("drain_with: a unit drained twice".into());
+    }
+    if found.is_empty() {
+        Ok(Drained {
+            ops: b.ops,
+            toks: b.toks,
+            units,
+        })
+    } else {
+        Err(found)
+    }
 }

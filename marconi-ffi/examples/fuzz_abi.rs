@@ -67,8 +67,6 @@ use marconi::tiered::{
 };
 use marconi::{marconi_last_error, marconi_status_message, marconi_version};
 
-#[path = "fuzz_abi_parts/args.rs"]
-mod args;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
@@ -79,7 +77,6 @@ use common::{init, last_error, versioned};
 mod pooled_tiers;
 #[path = "fuzz_abi_parts/tiered.rs"]
 mod tiered_life;
-use args::{Budget, CommandLine};
 use rng::Rng;
 
 /// Whether a pool handle names a state unit (marconi-gpu's handle layout:
@@ -4189,54 +4186,49 @@ impl<'r> Worker<'r> {
 
 // --------------------------------------------------------------- main ----
 
+/// Seeded random calls through libmarconi's C ABI (docs/fuzzing.md).
+#[derive(clap::Parser)]
+#[command(name = "fuzz_abi")]
 struct Args {
-    /// --seconds, when given, runs seeds until it ends, however many
-    /// --seeds says.
-    run: Budget,
+    /// The first seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How many seeds to run (with --seconds: seeds until it ends, however
+    /// many this says).
+    #[arg(long, default_value_t = 1)]
+    seeds: u64,
+    /// Calls per seed (with --only-tiered: tiered cache lives per seed).
+    #[arg(long, default_value_t = 20_000)]
+    calls: u64,
+    /// Run seeds until this many seconds have passed.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Worker threads sharing the seed's caches (at least 1).
+    #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Caches a seed shares among its workers (at least 1).
+    #[arg(long, default_value_t = 4)]
     caches: usize,
+    /// Seconds a call may take before it is reported as a deadlock.
+    #[arg(long, default_value_t = 20.0)]
     watchdog: f64,
+    /// marconi_cache_check of the caches every Nth step of a worker (0:
+    /// only at the end of a seed).
+    #[arg(long, default_value_t = 1)]
     check_every: u64,
+    /// Stop at this many findings.
+    #[arg(long, default_value_t = 20)]
     max_findings: usize,
-    verbose: bool,
+    /// Tiered cache lives only.
+    #[arg(long)]
     only_tiered: bool,
+    /// Print each cache's figures at the end of a seed.
+    #[arg(long)]
+    verbose: bool,
     /// When `--seconds` ends: a seed's workers stop there too (a seed of
     /// tiered lives runs a whole life per call and could take minutes).
+    #[arg(skip)]
     deadline: Option<Instant>,
-}
-
-fn parse_args() -> Args {
-    let mut a = Args {
-        run: Budget::new(1, 20_000),
-        threads: 1,
-        caches: 4,
-        watchdog: 20.0,
-        check_every: 1,
-        max_findings: 20,
-        verbose: false,
-        only_tiered: false,
-        deadline: None,
-    };
-    let mut cl = CommandLine::new(
-        "fuzz_abi",
-        "fuzz_abi [--seed S] [--seeds N | --seconds T] [--calls N per seed] [--threads T]\n\
-         \x20        [--caches K] [--watchdog SECS] [--check-every N] [--max-findings N]\n\
-         \x20        [--only-tiered (tiered cache lives only)] [--verbose]",
-    );
-    while let Some(flag) = cl.flag() {
-        match flag.as_str() {
-            f if cl.budget(f, &mut a.run) => {}
-            "--threads" => a.threads = cl.value::<usize>().max(1),
-            "--caches" => a.caches = cl.value::<usize>().max(1),
-            "--watchdog" => a.watchdog = cl.value(),
-            "--check-every" => a.check_every = cl.value(),
-            "--max-findings" => a.max_findings = cl.value(),
-            "--verbose" => a.verbose = true,
-            "--only-tiered" => a.only_tiered = true,
-            _ => cl.unknown(),
-        }
-    }
-    a
 }
 
 fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
@@ -4258,7 +4250,7 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
         check_every: a.check_every,
         only_tiered: a.only_tiered,
     };
-    let per_worker = a.run.calls / a.threads as u64;
+    let per_worker = a.calls / a.threads as u64;
     std::thread::scope(|s| {
         for w in 0..a.threads {
             let run = &run;
@@ -4340,7 +4332,9 @@ fn run_seed(a: &Args, seed: u64, watch: &Arc<Watch>) -> (u64, Vec<Finding>) {
 }
 
 fn main() {
-    let mut a = parse_args();
+    let mut a = <Args as clap::Parser>::parse();
+    a.threads = a.threads.max(1);
+    a.caches = a.caches.max(1);
     let watch = Arc::new(Watch {
         t0: Instant::now(),
         beats: (0..a.threads)
@@ -4356,14 +4350,14 @@ fn main() {
     });
     let dog = watch.spawn();
     let t0 = Instant::now();
-    a.deadline = a.run.seconds.map(|t| t0 + Duration::from_secs_f64(t));
+    a.deadline = a.seconds.map(|t| t0 + Duration::from_secs_f64(t));
     let (mut calls, mut seeds) = (0u64, 0u64);
     let mut findings = Vec::new();
-    let mut seed = a.run.seed;
+    let mut seed = a.seed;
     loop {
-        let done = match a.run.seconds {
+        let done = match a.seconds {
             Some(t) => t0.elapsed().as_secs_f64() >= t,
-            None => seeds >= a.run.seeds,
+            None => seeds >= a.seeds,
         };
         if done || findings.len() >= a.max_findings {
             break;
@@ -4379,8 +4373,8 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "fuzz_abi: {calls} calls, {seeds} seeds ({}..={}), {} thread(s), {:.1} s ({:.0} calls/s), findings: {}",
-        a.run.seed,
-        a.run.seed + seeds.saturating_sub(1),
+        a.seed,
+        a.seed + seeds.saturating_sub(1),
         a.threads,
         secs,
         calls as f64 / secs.max(1e-9),

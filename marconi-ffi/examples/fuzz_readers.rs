@@ -54,14 +54,11 @@ use marconi::plan::*;
 use marconi::status::marconi_status as St;
 use serde_json::Value;
 
-#[path = "fuzz_abi_parts/args.rs"]
-mod args;
 #[path = "../tests/common/mod.rs"]
 mod common;
 #[path = "fuzz_abi_parts/rng.rs"]
 mod rng;
 
-use args::{Budget, CommandLine};
 use common::{last_error, versioned};
 use rng::Rng;
 
@@ -956,33 +953,30 @@ fn check_plan(r: &marconi_plan_request, p: &marconi_memory_plan) -> Result<(), S
 
 // -------------------------------------------------------------- main ----
 
+/// Seeded random model files and plans through libmarconi's readers
+/// (GGUF, HF config.json, paths) and memory planner.
+#[derive(clap::Parser)]
+#[command(name = "fuzz_readers")]
 struct Args {
-    /// Seeds stop at --seeds or at --seconds, whichever comes first.
-    run: Budget,
+    /// The first seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// How many seeds to run; they stop at --seeds or at --seconds,
+    /// whichever comes first.
+    #[arg(long, default_value_t = 1)]
+    seeds: u64,
+    /// Calls per seed.
+    #[arg(long, default_value_t = 2000)]
+    calls: u64,
+    /// Stop starting seeds after this many seconds.
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Seconds a call may take before it is a finding.
+    #[arg(long, default_value_t = 5.0)]
     call_timeout: f64,
-    /// The kinds of round to run (gguf, hf, path, plan).
+    /// The kinds of round to run.
+    #[arg(long, value_delimiter = ',', default_value = "gguf,hf,path,plan")]
     only: Vec<String>,
-}
-
-fn parse_args() -> Args {
-    let mut a = Args {
-        run: Budget::new(0, 2000),
-        call_timeout: 5.0,
-        only: ["gguf", "hf", "path", "plan"].map(String::from).to_vec(),
-    };
-    let mut cl = CommandLine::new(
-        "fuzz_readers",
-        "usage: fuzz_readers [--seed S] [--seeds K] [--calls N] [--seconds T] [--call-timeout SECS] [--only gguf,hf,path,plan]",
-    );
-    while let Some(flag) = cl.flag() {
-        match flag.as_str() {
-            f if cl.budget(f, &mut a.run) => {}
-            "--call-timeout" => a.call_timeout = cl.value(),
-            "--only" => a.only = cl.value::<String>().split(',').map(String::from).collect(),
-            _ => cl.unknown(),
-        }
-    }
-    a
 }
 
 /// The kind of round a draw of 0..16 picks.
@@ -1005,7 +999,7 @@ fn mkfifo(path: &Path) {
 }
 
 fn main() {
-    let args = parse_args();
+    let args = <Args as clap::Parser>::parse();
     let began = Instant::now();
     let watch = Arc::new(Watch {
         start_ms: AtomicU64::new(0),
@@ -1048,12 +1042,11 @@ fn main() {
     };
     let mut per_kind: BTreeMap<&str, u64> = BTreeMap::new();
     let mut seeds_run = 0u64;
-    'seeds: for seed in args.run.seed..args.run.seed.saturating_add(args.run.seeds) {
+    'seeds: for seed in args.seed..args.seed.saturating_add(args.seeds) {
         f.seed = seed;
         let mut rng = Rng::new(seed);
-        for call in 0..args.run.calls {
+        for call in 0..args.calls {
             if args
-                .run
                 .seconds
                 .is_some_and(|s| began.elapsed().as_secs_f64() >= s)
             {
@@ -1088,8 +1081,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     println!(
         "fuzz_readers: seeds {}..{} ({seeds_run} run), {} ABI calls ({}), {} specs kept for plans, findings {}, {:.1} s",
-        args.run.seed,
-        args.run.seed + seeds_run,
+        args.seed,
+        args.seed + seeds_run,
         f.calls,
         per_kind
             .iter()

@@ -3697,23 +3697,7 @@ impl<'r> Worker<'r> {
             }
         }
         self.events_drain(ev, h, &mut mirror);
-        if let Some(snap) = self.events_snapshot(ev, h) {
-            if snap.set != mirror.set {
-                finding!(
-                    self,
-                    "events: drained batches rebuild {} blocks/states, the snapshot has {}",
-                    mirror.set.len(),
-                    snap.set.len()
-                );
-            }
-        }
-        if mirror.unknown_removals != 0 {
-            finding!(
-                self,
-                "events: {} removals of blocks never stored",
-                mirror.unknown_removals
-            );
-        }
+        self.events_agree(ev, h, &mirror, "events");
         if self.rng.chance(1, 2) {
             // SAFETY: both live; each freed once, never used again.
             self.call("events_free", || unsafe { marconi_events_free(ev, h) });
@@ -3764,7 +3748,7 @@ impl<'r> Worker<'r> {
     }
 
     /// After a drain: the batches drained into `mirror` rebuild what the
-    /// snapshot of `c` holds, with no removal of anything never stored.
+    /// snapshot of `c` holds, and removed nothing never stored.
     fn events_agree(
         &mut self,
         ev: *mut marconi_events,
@@ -3773,15 +3757,21 @@ impl<'r> Worker<'r> {
         what: &str,
     ) {
         if let Some(snap) = self.events_snapshot(ev, c) {
-            if snap.set != mirror.set || mirror.unknown_removals != 0 {
+            if snap.set != mirror.set {
                 finding!(
                     self,
-                    "{what}: drained batches rebuild {} blocks/states ({} unknown removals), the snapshot has {}",
+                    "{what}: drained batches rebuild {} blocks/states, the snapshot has {}",
                     mirror.set.len(),
-                    mirror.unknown_removals,
                     snap.set.len()
                 );
             }
+        }
+        if mirror.unknown_removals != 0 {
+            finding!(
+                self,
+                "{what}: {} removals of blocks never stored",
+                mirror.unknown_removals
+            );
         }
     }
 
